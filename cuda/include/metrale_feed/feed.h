@@ -1,0 +1,159 @@
+/* metrale_feed: the C ABI of the device token feed.
+ *
+ * One header, two backends (the CUDA runtime and an asynchronous host double) behind one table.
+ * Every function returns an mf_status; on failure the calling thread's last-error message (and,
+ * for CUDA failures, the cudaError_t code) describe it. No function touches Python or the GIL. */
+#ifndef METRALE_FEED_FEED_H
+#define METRALE_FEED_FEED_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define MF_EXPORT __declspec(dllexport)
+#else
+#define MF_EXPORT __attribute__((visibility("default")))
+#endif
+
+#define MF_NO_TOKEN 0xFFFFFFFFu
+#define MF_FEED_HOST_BIT 0x80000000u
+
+typedef uint64_t mf_event_t;  /* a handle this layer hands out; never 0 */
+typedef uint64_t mf_stream_t; /* 0 is the default stream; cuda: the cudaStream_t value */
+
+typedef enum mf_status {
+    MF_SUCCESS = 0,
+    MF_ERROR_INVALID_VALUE = 1,  /* bad argument, caught before anything was queued */
+    MF_ERROR_INVALID_HANDLE = 2, /* destroyed, freed or unknown handle or pointer */
+    MF_ERROR_OUT_OF_MEMORY = 3,
+    MF_ERROR_CUDA = 4,           /* the CUDA runtime failed: mf_last_cuda_error() has the code */
+    MF_ERROR_INJECTED = 5,       /* a host-backend fault knob fired */
+    MF_ERROR_UNAVAILABLE = 6,    /* backend not compiled in, or no usable device */
+    MF_ERROR_DEVICE = 7          /* queued work failed (asynchronous error) */
+} mf_status;
+
+typedef enum mf_backend { MF_BACKEND_HOST = 0, MF_BACKEND_CUDA = 1 } mf_backend;
+typedef enum mf_dtype { MF_DTYPE_F32 = 0, MF_DTYPE_F16 = 1, MF_DTYPE_BF16 = 2 } mf_dtype;
+typedef enum mf_mem_kind { MF_MEM_UNKNOWN = 0, MF_MEM_PINNED = 1, MF_MEM_DEVICE = 2 } mf_mem_kind;
+
+/* MF_EVENT_UNCOUNTED: the binding's own bookkeeping events, which fault knobs never hit. */
+enum { MF_EVENT_TIMING = 1u, MF_EVENT_BLOCKING = 2u, MF_EVENT_UNCOUNTED = 4u };
+enum { MF_STREAM_NON_BLOCKING = 1u };
+enum { MF_HOST_PORTABLE = 1u, MF_HOST_MAPPED = 2u, MF_HOST_WRITE_COMBINED = 4u };
+
+/* ---- errors (thread-local) ---- */
+MF_EXPORT const char *mf_last_error(void);
+MF_EXPORT int mf_last_cuda_error(void);
+MF_EXPORT const char *mf_cuda_error_name(int code);
+MF_EXPORT void mf_clear_error(void);
+
+/* ---- backend and build ---- */
+MF_EXPORT mf_status mf_select_backend(mf_backend which); /* cuda: fails when no usable device */
+MF_EXPORT mf_backend mf_active_backend(void);
+MF_EXPORT int mf_build_has_cuda(void);
+MF_EXPORT int mf_build_cuda_version(void);   /* CUDART_VERSION, 0 without CUDA */
+MF_EXPORT const char *mf_build_cuda_archs(void);
+MF_EXPORT int mf_build_has_nvtx(void);
+MF_EXPORT mf_status mf_device_count(int *count);
+MF_EXPORT mf_status mf_device_name(int device, char *buf, size_t buflen);
+MF_EXPORT mf_status mf_driver_version(int *version);
+MF_EXPORT void mf_live_counts(uint64_t *events, uint64_t *streams, uint64_t *pinned_bytes,
+                              uint64_t *device_bytes);
+
+/* Host-backend fault knobs: 0 is off; N makes the Nth call from now fail with MF_ERROR_INJECTED. */
+typedef struct mf_host_faults {
+    uint32_t lag_us;
+    uint64_t fail_event_query_at;
+    uint64_t fail_alloc_at;
+    uint64_t fail_copy_at;
+    uint64_t fail_synchronize_at;
+} mf_host_faults;
+MF_EXPORT void mf_host_configure(const mf_host_faults *faults);
+MF_EXPORT void mf_host_faults_get(mf_host_faults *out);
+
+/* ---- events ---- */
+MF_EXPORT mf_status mf_event_create(unsigned flags, mf_event_t *out);
+MF_EXPORT mf_status mf_event_wrap(uint64_t foreign, mf_event_t *out); /* not owned, never destroyed */
+MF_EXPORT mf_status mf_event_record(mf_event_t event, mf_stream_t stream);
+MF_EXPORT mf_status mf_event_query(mf_event_t event, int *done); /* never blocks */
+MF_EXPORT mf_status mf_event_synchronize(mf_event_t event);
+MF_EXPORT mf_status mf_event_elapsed_ms(mf_event_t start, mf_event_t end, float *ms);
+MF_EXPORT mf_status mf_event_destroy(mf_event_t event);
+MF_EXPORT mf_status mf_event_raw(mf_event_t event, uint64_t *raw); /* the cudaEvent_t, cuda only */
+
+/* ---- streams ---- */
+MF_EXPORT mf_status mf_stream_create(unsigned flags, mf_stream_t *out);
+MF_EXPORT mf_status mf_stream_check(mf_stream_t stream); /* host: known? cuda: accepted as is */
+MF_EXPORT mf_status mf_stream_query(mf_stream_t stream, int *idle);
+MF_EXPORT mf_status mf_stream_synchronize(mf_stream_t stream);
+MF_EXPORT mf_status mf_stream_wait_event(mf_stream_t stream, mf_event_t event);
+MF_EXPORT mf_status mf_stream_destroy(mf_stream_t stream);
+
+/* ---- memory ---- */
+MF_EXPORT mf_status mf_host_alloc(size_t nbytes, unsigned flags, void **out); /* zeroed, page-locked */
+MF_EXPORT mf_status mf_host_free(void *ptr, size_t nbytes);                  /* nbytes must match */
+MF_EXPORT mf_status mf_device_alloc(size_t nbytes, void **out);
+MF_EXPORT mf_status mf_device_free(void *ptr);
+/* What this layer allocated at ptr: kind, and bytes from ptr to the allocation's end. */
+MF_EXPORT mf_mem_kind mf_mem_lookup(const void *ptr, size_t *bytes_left);
+MF_EXPORT mf_status mf_memset_async(void *dev, int value, size_t nbytes, mf_stream_t stream);
+MF_EXPORT mf_status mf_copy_d2h_async(void *host_dst, const void *dev_src, size_t nbytes,
+                                      mf_stream_t stream);
+MF_EXPORT mf_status mf_copy_h2d_async(void *dev_dst, const void *host_src, size_t nbytes,
+                                      mf_stream_t stream);
+MF_EXPORT mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t nbytes,
+                                      mf_stream_t stream);
+
+/* ---- kernels ----
+ * argmax_to_feed: cells[r] = masked argmax of row r (the rule of argmax_rule.h), then an async copy
+ * of rows*4 bytes of cells into host_dst, then a record of event (0: none). masks (rows*2 ids) is
+ * read before the call returns. Capacity is the cells' length in ids. */
+typedef struct mf_argmax_args {
+    const void *logits;
+    mf_dtype dtype;
+    uint32_t rows;
+    uint32_t vocab;
+    uint64_t row_stride; /* elements, >= vocab */
+    const uint32_t *masks; /* host, rows*2 */
+    uint32_t *cells;       /* device */
+    uint32_t cell_capacity;
+    void *host_dst;        /* host, >= rows*4 bytes, or NULL for no copy */
+    mf_event_t event;      /* 0: none */
+} mf_argmax_args;
+MF_EXPORT mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream);
+
+/* resolve_feed: out[i] = sources[i] & 0x7FFFFFFF when bit 31 is set, else cells[sources[i]].
+ * sources (host, n words) is read before the call returns; from_row must be < prev_rows. */
+MF_EXPORT mf_status mf_resolve_feed(const uint32_t *sources, uint32_t n, const uint32_t *cells,
+                                    uint32_t prev_rows, uint32_t *out, mf_stream_t stream);
+
+/* The reference model's forward. Per row r (device arrays): meta[2r] = seq_len (the position
+ * written), meta[2r+1] = offset of the row's block table in tables; input_ids[r] is written into
+ * kv at that position, then logits row r (rows x vocab, dtype) is computed from the history. */
+typedef struct mf_reference_args {
+    const uint32_t *input_ids;
+    const uint32_t *meta;
+    const uint32_t *tables;
+    uint32_t *kv;
+    uint32_t kv_slots;   /* num_blocks * block_size */
+    uint32_t block_size;
+    uint32_t rows;
+    uint32_t vocab;
+    mf_dtype dtype;
+    void *logits;
+} mf_reference_args;
+MF_EXPORT mf_status mf_reference_forward(const mf_reference_args *args, mf_stream_t stream);
+
+/* ---- NVTX ---- */
+MF_EXPORT void mf_nvtx_push(const char *name);
+MF_EXPORT void mf_nvtx_pop(void);
+MF_EXPORT void mf_nvtx_enable(int on);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,41 @@
+// Shared by the public entry points (api_*.cpp): the active backend, stream resolution, NVTX.
+#pragma once
+
+#include "backend.hpp"
+#include "registry.hpp"
+
+namespace mf {
+
+const Ops &ops();
+mf_backend active_kind();
+
+// A stream handle to the backend's raw value. host: must be a live stream of ours (or 0);
+// cuda: any value is taken as a cudaStream_t, since CUDA cannot check a foreign one.
+mf_status resolve_stream(mf_stream_t stream, void **raw);
+// A live event's slot, or MF_ERROR_INVALID_HANDLE with the message set.
+mf_status resolve_event(mf_event_t event, Slot **slot);
+uint64_t live_stream_count();
+
+// Device memory the active backend may touch: an allocation of ours with `nbytes` left, or, on
+// cuda only, a foreign pointer taken as is.
+mf_status check_device_range(const void *ptr, size_t nbytes, const char *what);
+// Host memory a copy writes or reads: pinned memory of ours is range-checked, other host memory
+// is the caller's; a device allocation of ours is refused.
+mf_status check_host_range(const void *ptr, size_t nbytes, const char *what);
+
+// NVTX: a range per C-layer call in the "metrale_feed" domain, a null check without a profiler.
+class NvtxRange {
+public:
+    explicit NvtxRange(const void *registered_name);
+    ~NvtxRange();
+    static const void *name(const char *text);  // registers once per call site
+
+private:
+    bool pushed_;
+};
+
+}  // namespace mf
+
+#define MF_RANGE(text)                                            \
+    static const void *mf_range_name_ = ::mf::NvtxRange::name(text); \
+    ::mf::NvtxRange mf_range_(mf_range_name_)

@@ -1,0 +1,134 @@
+// Public entry points: page-locked and device memory, and the async copies.
+#include "api.hpp"
+
+namespace mf {
+
+mf_status check_device_range(const void *ptr, size_t nbytes, const char *what) {
+    if (!ptr) return fail(MF_ERROR_INVALID_VALUE, "%s is a null pointer", what);
+    size_t left = 0;
+    mf_mem_kind kind = alloc_lookup(ptr, &left);
+    if (kind == MF_MEM_DEVICE) {
+        if (nbytes > left)
+            return fail(MF_ERROR_INVALID_VALUE,
+                        "%s: %zu bytes run past the end of its device allocation (%zu left)", what,
+                        nbytes, left);
+        return MF_SUCCESS;
+    }
+    if (kind == MF_MEM_PINNED)
+        return fail(MF_ERROR_INVALID_VALUE, "%s is page-locked host memory, not device memory", what);
+    if (active_kind() == MF_BACKEND_CUDA) return MF_SUCCESS;  // foreign device memory, as is
+    return fail(MF_ERROR_INVALID_HANDLE,
+                "%s 0x%llx is not a live device allocation of this package (the host backend "
+                "accepts only its own)",
+                what, (unsigned long long)(uintptr_t)ptr);
+}
+
+mf_status check_host_range(const void *ptr, size_t nbytes, const char *what) {
+    if (!ptr) return fail(MF_ERROR_INVALID_VALUE, "%s is a null pointer", what);
+    size_t left = 0;
+    mf_mem_kind kind = alloc_lookup(ptr, &left);
+    if (kind == MF_MEM_DEVICE)
+        return fail(MF_ERROR_INVALID_VALUE, "%s is device memory, not host memory", what);
+    if (kind == MF_MEM_PINNED && nbytes > left)
+        return fail(MF_ERROR_INVALID_VALUE,
+                    "%s: %zu bytes run past the end of its pinned allocation (%zu left)", what,
+                    nbytes, left);
+    return MF_SUCCESS;
+}
+
+}  // namespace mf
+
+using namespace mf;
+
+namespace {
+mf_status copy(void *dst, const void *src, size_t nbytes, CopyKind kind, mf_stream_t stream) {
+    mf_status status;
+    switch (kind) {
+    case kD2H:
+        status = check_host_range(dst, nbytes, "copy destination");
+        if (status == MF_SUCCESS) status = check_device_range(src, nbytes, "copy source");
+        break;
+    case kH2D:
+        status = check_device_range(dst, nbytes, "copy destination");
+        if (status == MF_SUCCESS) status = check_host_range(src, nbytes, "copy source");
+        break;
+    default:
+        status = check_device_range(dst, nbytes, "copy destination");
+        if (status == MF_SUCCESS) status = check_device_range(src, nbytes, "copy source");
+    }
+    void *raw;
+    if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+    if (status != MF_SUCCESS || nbytes == 0) return status;
+    return ops().copy_async(dst, src, nbytes, kind, raw);
+}
+}  // namespace
+
+extern "C" {
+
+mf_status mf_host_alloc(size_t nbytes, unsigned flags, void **out) {
+    MF_RANGE("host_alloc");
+    if (nbytes == 0) return fail(MF_ERROR_INVALID_VALUE, "a pinned allocation needs at least 1 byte");
+    if (flags & ~(unsigned)(MF_HOST_PORTABLE | MF_HOST_MAPPED | MF_HOST_WRITE_COMBINED))
+        return fail(MF_ERROR_INVALID_VALUE, "unknown pinned-memory flags 0x%x", flags);
+    mf_status status = ops().host_alloc(nbytes, flags, out);
+    if (status == MF_SUCCESS) alloc_insert(*out, nbytes, MF_MEM_PINNED);
+    return status;
+}
+
+mf_status mf_host_free(void *ptr, size_t nbytes) {
+    MF_RANGE("host_free");
+    size_t expected = nbytes;
+    if (!alloc_erase(ptr, MF_MEM_PINNED, &expected)) {
+        if (expected != nbytes)
+            return fail(MF_ERROR_INVALID_VALUE,
+                        "pinned allocation 0x%llx has %zu bytes, not %zu",
+                        (unsigned long long)(uintptr_t)ptr, expected, nbytes);
+        return fail(MF_ERROR_INVALID_HANDLE, "0x%llx is not a live pinned allocation (freed or foreign)",
+                    (unsigned long long)(uintptr_t)ptr);
+    }
+    return ops().host_free(ptr);
+}
+
+mf_status mf_device_alloc(size_t nbytes, void **out) {
+    MF_RANGE("device_alloc");
+    if (nbytes == 0) return fail(MF_ERROR_INVALID_VALUE, "a device allocation needs at least 1 byte");
+    mf_status status = ops().device_alloc(nbytes, out);
+    if (status == MF_SUCCESS) alloc_insert(*out, nbytes, MF_MEM_DEVICE);
+    return status;
+}
+
+mf_status mf_device_free(void *ptr) {
+    MF_RANGE("device_free");
+    if (!alloc_erase(ptr, MF_MEM_DEVICE, nullptr))
+        return fail(MF_ERROR_INVALID_HANDLE, "0x%llx is not a live device allocation (freed or foreign)",
+                    (unsigned long long)(uintptr_t)ptr);
+    return ops().device_free(ptr);
+}
+
+mf_mem_kind mf_mem_lookup(const void *ptr, size_t *bytes_left) { return alloc_lookup(ptr, bytes_left); }
+
+mf_status mf_memset_async(void *dev, int value, size_t nbytes, mf_stream_t stream) {
+    MF_RANGE("memset_async");
+    mf_status status = check_device_range(dev, nbytes, "memset destination");
+    void *raw;
+    if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+    if (status != MF_SUCCESS || nbytes == 0) return status;
+    return ops().memset_async(dev, value, nbytes, raw);
+}
+
+mf_status mf_copy_d2h_async(void *host_dst, const void *dev_src, size_t nbytes, mf_stream_t stream) {
+    MF_RANGE("copy_d2h_async");
+    return copy(host_dst, dev_src, nbytes, kD2H, stream);
+}
+
+mf_status mf_copy_h2d_async(void *dev_dst, const void *host_src, size_t nbytes, mf_stream_t stream) {
+    MF_RANGE("copy_h2d_async");
+    return copy(dev_dst, host_src, nbytes, kH2D, stream);
+}
+
+mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t nbytes, mf_stream_t stream) {
+    MF_RANGE("copy_d2d_async");
+    return copy(dev_dst, dev_src, nbytes, kD2D, stream);
+}
+
+}  // extern "C"

@@ -1,0 +1,59 @@
+// The table each backend fills in. The public functions (api.cpp) validate arguments, resolve
+// handles and keep the live-object ledger; a backend only performs already-checked operations.
+#pragma once
+
+#include "metrale_feed/feed.h"
+
+namespace mf {
+
+enum CopyKind { kD2H = 0, kH2D = 1, kD2D = 2 };
+
+struct Ops {
+    const char *name;
+    mf_status (*init)();  // usable? (cuda: driver and device present)
+    mf_status (*device_count)(int *count);
+    mf_status (*device_name)(int device, char *buf, size_t buflen);
+    mf_status (*driver_version)(int *version);
+
+    mf_status (*event_create)(unsigned flags, void **raw);
+    mf_status (*event_destroy)(void *raw);
+    mf_status (*event_record)(void *raw, mf_stream_t stream);
+    mf_status (*event_query)(void *raw, int *done);
+    mf_status (*event_synchronize)(void *raw);
+    mf_status (*event_elapsed_ms)(void *start, void *end, float *ms);
+
+    // Streams: `raw` is the backend's own value (cuda: cudaStream_t; host: a Stream*); 0 = default.
+    mf_status (*stream_create)(unsigned flags, void **raw);
+    mf_status (*stream_destroy)(void *raw);
+    mf_status (*stream_query)(void *raw, int *idle);
+    mf_status (*stream_synchronize)(void *raw);
+    mf_status (*stream_wait_event)(void *raw, void *event_raw);
+
+    mf_status (*host_alloc)(size_t nbytes, unsigned flags, void **out);  // zeroed
+    mf_status (*host_free)(void *ptr);
+    mf_status (*device_alloc)(size_t nbytes, void **out);
+    mf_status (*device_free)(void *ptr);
+    mf_status (*memset_async)(void *dev, int value, size_t nbytes, void *stream);
+    mf_status (*copy_async)(void *dst, const void *src, size_t nbytes, CopyKind kind, void *stream);
+
+    // Kernels only; argmax's copy and record are composed by api.cpp from the calls above.
+    mf_status (*argmax)(const mf_argmax_args *args, void *stream);
+    mf_status (*resolve)(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t *out,
+                         void *stream);
+    mf_status (*reference_forward)(const mf_reference_args *args, void *stream);
+};
+
+extern const Ops host_ops;
+#ifdef MF_HAVE_CUDA
+extern const Ops cuda_ops;
+#endif
+
+// Thread-local error state (error.cpp). Each returns `status` so a failure is one line.
+mf_status fail(mf_status status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+mf_status fail_cuda(int code, const char *what);  // MF_ERROR_CUDA with the runtime's name and text
+
+}  // namespace mf

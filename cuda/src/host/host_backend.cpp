@@ -1,0 +1,221 @@
+// The host backend's table: CUDA's asynchronous runtime semantics on CPU threads, with
+// deterministic fault knobs so races and failures can be provoked on purpose.
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "../backend.hpp"
+#include "kernels.hpp"
+#include "queue.hpp"
+
+namespace mf::host {
+namespace {
+
+uint32_t lag_from_env() {
+    const char *value = std::getenv("METRALE_FEED_HOST_LAG_US");
+    return value ? (uint32_t)std::strtoul(value, nullptr, 10) : 0u;
+}
+
+std::atomic<uint32_t> g_lag_us{lag_from_env()};
+std::atomic<uint64_t> g_fail_query{0}, g_fail_alloc{0}, g_fail_copy{0}, g_fail_sync{0};
+
+// A countdown knob: 0 is off; otherwise this call fires when the count reaches 1.
+bool fires(std::atomic<uint64_t> &knob) {
+    uint64_t left = knob.load(std::memory_order_relaxed);
+    while (left != 0) {
+        if (knob.compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) return left == 1;
+    }
+    return false;
+}
+
+mf_status injected(const char *what) {
+    return fail(MF_ERROR_INJECTED, "%s: fault injected by the host backend", what);
+}
+
+Event *as_event(void *raw) { return static_cast<Event *>(raw); }
+
+mf_status init() { return MF_SUCCESS; }
+mf_status device_count(int *count) {
+    *count = 0;
+    return MF_SUCCESS;
+}
+mf_status device_name(int, char *buf, size_t buflen) {
+    if (buflen) std::snprintf(buf, buflen, "host");
+    return MF_SUCCESS;
+}
+mf_status driver_version(int *version) {
+    *version = 0;
+    return MF_SUCCESS;
+}
+
+mf_status event_create(unsigned flags, void **raw) {
+    *raw = new Event(flags);
+    return MF_SUCCESS;
+}
+
+mf_status event_destroy(void *raw) {
+    as_event(raw)->release();  // a record still queued holds its own reference
+    return MF_SUCCESS;
+}
+
+mf_status event_record(void *raw, mf_stream_t stream) {
+    Event *event = as_event(raw);
+    uint64_t ticket = event->recorded.fetch_add(1, std::memory_order_acq_rel) + 1;
+    event->retain();
+    stream_of((void *)(uintptr_t)stream)->enqueue([event, ticket] {
+        event->reach(ticket, now_ns());
+        event->release();
+    });
+    return MF_SUCCESS;
+}
+
+mf_status event_query(void *raw, int *done) {
+    Event *event = as_event(raw);
+    if (!(event->flags & MF_EVENT_UNCOUNTED) && fires(g_fail_query)) return injected("event_query");
+    *done = event->done();
+    return MF_SUCCESS;
+}
+
+mf_status event_synchronize(void *raw) {
+    if (fires(g_fail_sync)) return injected("event_synchronize");
+    Event *event = as_event(raw);
+    event->wait(event->recorded.load(std::memory_order_acquire));
+    return MF_SUCCESS;
+}
+
+mf_status event_elapsed_ms(void *start, void *end, float *ms) {
+    Event *a = as_event(start), *b = as_event(end);
+    if (!a->recorded.load() || !b->recorded.load())
+        return fail(MF_ERROR_INVALID_VALUE, "elapsed time of an event that was never recorded");
+    if (!a->done() || !b->done())
+        return fail(MF_ERROR_INVALID_VALUE, "elapsed time of an event that has not completed yet");
+    *ms = (float)((b->stamp_ns.load() - a->stamp_ns.load()) / 1e6);
+    return MF_SUCCESS;
+}
+
+mf_status stream_create(unsigned, void **raw) {
+    *raw = new Stream();
+    return MF_SUCCESS;
+}
+mf_status stream_destroy(void *raw) {
+    stream_of(raw)->close();
+    return MF_SUCCESS;
+}
+mf_status stream_query(void *raw, int *idle) {
+    *idle = stream_of(raw)->idle();
+    return MF_SUCCESS;
+}
+mf_status stream_synchronize(void *raw) {
+    if (fires(g_fail_sync)) return injected("stream_synchronize");
+    stream_of(raw)->synchronize();
+    return MF_SUCCESS;
+}
+mf_status stream_wait_event(void *raw, void *event_raw) {
+    Event *event = as_event(event_raw);
+    uint64_t ticket = event->recorded.load(std::memory_order_acquire);
+    event->retain();
+    stream_of(raw)->enqueue([event, ticket] {
+        event->wait(ticket);
+        event->release();
+    });
+    return MF_SUCCESS;
+}
+
+mf_status aligned_zeroed(size_t nbytes, size_t alignment, void **out, const char *what) {
+    if (fires(g_fail_alloc)) return injected(what);
+    size_t rounded = (nbytes + alignment - 1) / alignment * alignment;
+    *out = std::aligned_alloc(alignment, rounded);
+    if (!*out) return fail(MF_ERROR_OUT_OF_MEMORY, "%s of %zu bytes failed", what, nbytes);
+    std::memset(*out, 0, rounded);
+    return MF_SUCCESS;
+}
+
+mf_status host_alloc(size_t nbytes, unsigned, void **out) {
+    return aligned_zeroed(nbytes, 4096, out, "alloc_host_pinned");
+}
+mf_status device_alloc(size_t nbytes, void **out) {
+    return aligned_zeroed(nbytes, 256, out, "device_alloc");
+}
+// Like cudaFree, a free first waits for queued work, so no worker writes freed memory.
+mf_status free_after_sync(void *ptr) {
+    synchronize_all();
+    std::free(ptr);
+    return MF_SUCCESS;
+}
+
+mf_status memset_async(void *dev, int value, size_t nbytes, void *stream) {
+    stream_of(stream)->enqueue([dev, value, nbytes] { std::memset(dev, value, nbytes); });
+    return MF_SUCCESS;
+}
+
+mf_status copy_async(void *dst, const void *src, size_t nbytes, CopyKind, void *stream) {
+    if (fires(g_fail_copy)) return injected("copy_async");
+    stream_of(stream)->enqueue([dst, src, nbytes] { std::memcpy(dst, src, nbytes); });
+    return MF_SUCCESS;
+}
+
+mf_status argmax(const mf_argmax_args *args, void *stream) {
+    ArgmaxJob job(*args);  // masks are copied here: the caller may reuse them at once
+    stream_of(stream)->enqueue([job = std::move(job)] { run_argmax(job); });
+    return MF_SUCCESS;
+}
+
+mf_status resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t *out,
+                  void *stream) {
+    std::vector<uint32_t> words(sources, sources + n);
+    stream_of(stream)->enqueue([words = std::move(words), cells, out] {
+        run_resolve(words.data(), (uint32_t)words.size(), cells, out);
+    });
+    return MF_SUCCESS;
+}
+
+mf_status reference_forward(const mf_reference_args *args, void *stream) {
+    mf_reference_args copy = *args;
+    stream_of(stream)->enqueue([copy] { run_reference_forward(copy); });
+    return MF_SUCCESS;
+}
+
+}  // namespace
+
+uint32_t lag_us() { return g_lag_us.load(std::memory_order_relaxed); }
+
+}  // namespace mf::host
+
+namespace mf {
+using namespace host;
+const Ops host_ops = {
+    "host",           init,
+    device_count,     device_name,
+    driver_version,   event_create,
+    event_destroy,    event_record,
+    event_query,      event_synchronize,
+    event_elapsed_ms, stream_create,
+    stream_destroy,   stream_query,
+    stream_synchronize, stream_wait_event,
+    host_alloc,       free_after_sync,
+    device_alloc,     free_after_sync,
+    memset_async,     copy_async,
+    argmax,           resolve,
+    reference_forward,
+};
+}  // namespace mf
+
+extern "C" {
+void mf_host_configure(const mf_host_faults *faults) {
+    using namespace mf::host;
+    g_lag_us.store(faults->lag_us);
+    g_fail_query.store(faults->fail_event_query_at);
+    g_fail_alloc.store(faults->fail_alloc_at);
+    g_fail_copy.store(faults->fail_copy_at);
+    g_fail_sync.store(faults->fail_synchronize_at);
+}
+
+void mf_host_faults_get(mf_host_faults *out) {
+    using namespace mf::host;
+    out->lag_us = g_lag_us.load();
+    out->fail_event_query_at = g_fail_query.load();
+    out->fail_alloc_at = g_fail_alloc.load();
+    out->fail_copy_at = g_fail_copy.load();
+    out->fail_synchronize_at = g_fail_sync.load();
+}
+}

@@ -1,0 +1,107 @@
+#include "queue.hpp"
+
+#include <chrono>
+#include <memory>
+#include <unordered_set>
+
+namespace mf::host {
+namespace {
+std::mutex g_streams_mutex;
+std::unordered_set<Stream *> g_streams;
+}  // namespace
+
+int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+void Event::reach(uint64_t ticket, int64_t stamp) {
+    stamp_ns.store(stamp, std::memory_order_relaxed);
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        uint64_t seen = reached.load(std::memory_order_relaxed);
+        if (ticket > seen) reached.store(ticket, std::memory_order_release);
+    }
+    changed.notify_all();
+}
+
+void Event::wait(uint64_t ticket) {
+    std::unique_lock<std::mutex> lock(mutex);
+    changed.wait(lock, [&] { return reached.load(std::memory_order_acquire) >= ticket; });
+}
+
+Stream::Stream() {
+    {
+        std::lock_guard<std::mutex> lock(g_streams_mutex);
+        g_streams.insert(this);
+    }
+    std::thread(&Stream::run, this).detach();
+}
+
+void Stream::enqueue(std::function<void()> op) {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        queue_.push_back(std::move(op));
+        ++enqueued_;
+    }
+    work_.notify_one();
+}
+
+bool Stream::idle() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return completed_ == enqueued_;
+}
+
+void Stream::synchronize() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    uint64_t target = enqueued_;
+    idle_.wait(lock, [&] { return completed_ >= target; });
+}
+
+void Stream::close() {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        closing_ = true;
+    }
+    work_.notify_one();
+}
+
+void Stream::run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+        work_.wait(lock, [&] { return !queue_.empty() || closing_; });
+        if (queue_.empty()) break;  // closing, and drained
+        std::function<void()> op = std::move(queue_.front());
+        queue_.pop_front();
+        lock.unlock();
+        if (uint32_t lag = lag_us()) std::this_thread::sleep_for(std::chrono::microseconds(lag));
+        op();
+        op = nullptr;  // captured references go before the op counts as completed
+        lock.lock();
+        ++completed_;
+        idle_.notify_all();
+    }
+    lock.unlock();
+    {
+        // Only now: a free that synchronizes every stream also waits for a closed one to drain.
+        std::lock_guard<std::mutex> registry(g_streams_mutex);
+        g_streams.erase(this);
+    }
+    delete this;
+}
+
+Stream *default_stream() {
+    static Stream *stream = new Stream();  // lives for the process, like CUDA's null stream
+    return stream;
+}
+
+Stream *stream_of(void *raw) { return raw ? static_cast<Stream *>(raw) : default_stream(); }
+
+void synchronize_all() {
+    // Held throughout: a stream still in the set is not closed, so its worker cannot free it.
+    std::lock_guard<std::mutex> lock(g_streams_mutex);
+    for (Stream *stream : g_streams) stream->synchronize();
+}
+
+}  // namespace mf::host

@@ -1,0 +1,39 @@
+// The reference model's forward on the CPU: the same per-row steps as reference_forward.cu.
+#include <cstring>
+
+#include "kernels.hpp"
+#include "metrale_feed/argmax_rule.h"
+#include "queue.hpp"
+
+namespace mf::host {
+
+void run_reference_forward(const mf_reference_args &a) {
+    parallel_rows(a.rows, [&](uint32_t begin, uint32_t end) {
+        for (uint32_t r = begin; r < end; ++r) {
+            uint32_t pos = a.meta[2 * r];
+            const uint32_t *table = a.tables + a.meta[2 * r + 1];
+            uint32_t h = MF_FNV_OFFSET;
+            bool in_bounds = true;
+            for (uint32_t t = 0; t <= pos && in_bounds; ++t) {
+                uint64_t slot = (uint64_t)table[t / a.block_size] * a.block_size + t % a.block_size;
+                in_bounds = slot < a.kv_slots;  // a corrupt table must not write outside the cache
+                if (!in_bounds) break;
+                if (t == pos) a.kv[slot] = a.input_ids[r];
+                h = mf_fnv_step(h, a.kv[slot]);
+            }
+            for (uint32_t v = 0; v < a.vocab; ++v) {
+                float logit = mf_reference_logit(h, v);
+                uint32_t bits;
+                std::memcpy(&bits, &logit, 4);
+                size_t at = (size_t)r * a.vocab + v;
+                if (a.dtype == MF_DTYPE_F32)
+                    ((uint32_t *)a.logits)[at] = bits;
+                else
+                    ((uint16_t *)a.logits)[at] =
+                        a.dtype == MF_DTYPE_BF16 ? mf_f32_to_bf16(bits) : mf_f32_to_f16(bits);
+            }
+        }
+    });
+}
+
+}  // namespace mf::host

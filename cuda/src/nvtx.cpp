@@ -1,0 +1,87 @@
+// NVTX 3 is header-only: with no profiler attached each call is a check of a null pointer.
+#include <cstdlib>
+#include <cstring>
+
+#include "api.hpp"
+
+#ifdef MF_HAVE_NVTX
+#include <nvtx3/nvToolsExt.h>
+#endif
+
+namespace mf {
+namespace {
+bool nvtx_enabled_from_env() {
+    const char *value = std::getenv("METRALE_FEED_NVTX");
+    return !(value && (std::strcmp(value, "0") == 0 || std::strcmp(value, "off") == 0));
+}
+bool g_nvtx_on = nvtx_enabled_from_env();
+
+#ifdef MF_HAVE_NVTX
+nvtxDomainHandle_t domain() {
+    static nvtxDomainHandle_t handle = nvtxDomainCreateA("metrale_feed");
+    return handle;
+}
+#endif
+}  // namespace
+
+const void *NvtxRange::name(const char *text) {
+#ifdef MF_HAVE_NVTX
+    return (const void *)nvtxDomainRegisterStringA(domain(), text);
+#else
+    return text;
+#endif
+}
+
+NvtxRange::NvtxRange(const void *registered_name) : pushed_(false) {
+#ifdef MF_HAVE_NVTX
+    if (!g_nvtx_on) return;
+    nvtxEventAttributes_t attributes;
+    std::memset(&attributes, 0, sizeof attributes);
+    attributes.version = NVTX_VERSION;
+    attributes.size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
+    attributes.messageType = NVTX_MESSAGE_TYPE_REGISTERED;
+    attributes.message.registered = (nvtxStringHandle_t)registered_name;
+    nvtxDomainRangePushEx(domain(), &attributes);
+    pushed_ = true;
+#else
+    (void)registered_name;
+#endif
+}
+
+NvtxRange::~NvtxRange() {
+#ifdef MF_HAVE_NVTX
+    if (pushed_) nvtxDomainRangePop(domain());
+#endif
+}
+
+}  // namespace mf
+
+extern "C" {
+void mf_nvtx_push(const char *name) {
+#ifdef MF_HAVE_NVTX
+    if (!mf::g_nvtx_on) return;
+    nvtxEventAttributes_t attributes;
+    std::memset(&attributes, 0, sizeof attributes);
+    attributes.version = NVTX_VERSION;
+    attributes.size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
+    attributes.messageType = NVTX_MESSAGE_TYPE_ASCII;
+    attributes.message.ascii = name;
+    nvtxDomainRangePushEx(mf::domain(), &attributes);
+#else
+    (void)name;
+#endif
+}
+void mf_nvtx_pop(void) {
+#ifdef MF_HAVE_NVTX
+    if (mf::g_nvtx_on) nvtxDomainRangePop(mf::domain());
+#endif
+}
+void mf_nvtx_enable(int on) { mf::g_nvtx_on = on != 0; }
+int mf_build_has_nvtx(void) {
+#ifdef MF_HAVE_NVTX
+    return 1;
+#else
+    return 0;
+#endif
+}
+}

@@ -1,0 +1,100 @@
+"""metrale_feed: the device token feed of an asynchronous LLM scheduler.
+
+The runtime binding (events, streams, pinned and device memory, async copies, the two feed
+kernels) lives in the ``_core`` extension; the trait, router and reference model are Python.
+Importing this package imports no numpy.
+"""
+
+from __future__ import annotations
+
+import os as _os
+
+from . import _core
+from ._core import (
+    NO_TOKEN,
+    DeviceBuffer,
+    Event,
+    PinnedBuffer,
+    Stream,
+    _C_API,
+    alloc_host_pinned,
+    argmax_to_feed,
+    backend,
+    build_info,
+    configure_host,
+    copy_d2d_async,
+    copy_d2h_async,
+    copy_h2d_async,
+    destroy_event,
+    devices,
+    event_create,
+    event_query,
+    event_record,
+    event_synchronize,
+    free_host_pinned,
+    host_faults,
+    live_objects,
+    nvtx_range,
+    read_pinned_u32,
+    resolve_feed,
+    stream_synchronize,
+    write_pinned_u32,
+)
+from .errors import CudaError, FeedError, KvPoolExhausted, NoDeviceTokenFeed
+from .feed import FeedSource, RowMask
+
+__version__ = "0.1.0"
+
+
+def _select_from_env() -> None:
+    wanted = _os.environ.get("METRALE_FEED_BACKEND", "auto").strip().lower() or "auto"
+    if wanted not in ("auto", "cuda", "host"):
+        raise ValueError(f"METRALE_FEED_BACKEND must be auto, cuda or host, not {wanted!r}")
+    if wanted == "host":
+        return
+    try:
+        _core.select_backend("cuda")
+    except FeedError:
+        if wanted == "cuda":
+            raise  # asked for by name: say why it is unusable
+        # auto: no CUDA build, no driver or no device; the host backend stays active.
+
+
+_select_from_env()
+
+
+def set_backend(name: str) -> None:
+    """Switch the active backend ("host" or "cuda") while no event, stream or memory is live."""
+    _core.select_backend(name)
+
+
+def get_include() -> str:
+    """The folder with the ``.pxd`` files (for ``cimport metrale_feed._core``) and the C headers
+    (``metrale_feed/feed.h``, ``metrale_feed/capi.h``); add it to the include path."""
+    return _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+
+
+def get_c_include() -> str:
+    """The folder that holds ``metrale_feed/feed.h`` and ``metrale_feed/capi.h``."""
+    return _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "include")
+
+
+def __getattr__(name: str):
+    # The Python-level layers load on first use, so the hot import stays small.
+    lazy = {
+        "ModelDeviceFeed": ("trait", "ModelDeviceFeed"),
+        "RuntimeFeedMixin": ("runtime", "RuntimeFeedMixin"),
+        "SequenceState": ("kv", "SequenceState"),
+        "BlockPool": ("kv", "BlockPool"),
+        "AsyncDeviceIo": ("router", "AsyncDeviceIo"),
+        "SyncDeviceIo": ("router", "SyncDeviceIo"),
+        "reference_argmax": ("oracle", "reference_argmax"),
+    }
+    if name in lazy:
+        import importlib
+
+        module, attr = lazy[name]
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,98 @@
+# Backend selection, build facts, host fault knobs, leak counters, NVTX.
+
+cdef dict _BACKENDS = {"host": MF_BACKEND_HOST, "cuda": MF_BACKEND_CUDA}
+
+
+def select_backend(str name):
+    """Make ``name`` ("host" or "cuda") the active backend; a CudaError says why cuda is unusable."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown backend {name!r}: use 'host' or 'cuda'")
+    check(mf_select_backend(<mf_backend>_BACKENDS[name]))
+
+
+def backend():
+    """The active backend: "cuda" or "host"."""
+    return "cuda" if mf_active_backend() == MF_BACKEND_CUDA else "host"
+
+
+def build_info():
+    cdef int version = mf_build_cuda_version()
+    archs = mf_build_cuda_archs().decode()
+    return {
+        "cuda": bool(mf_build_has_cuda()),
+        "cuda_version": f"{version // 1000}.{version % 1000 // 10}" if version else None,
+        "architectures": archs.split(",") if archs else [],
+        "nvtx": bool(mf_build_has_nvtx()),
+    }
+
+
+def devices():
+    """Names of the active backend's CUDA devices (empty on the host backend)."""
+    cdef int count = 0
+    cdef char name[256]
+    check(mf_device_count(&count))
+    result = []
+    for i in range(count):
+        check(mf_device_name(i, name, sizeof(name)))
+        result.append(name.decode("utf-8", "replace"))
+    return result
+
+
+def driver_version():
+    cdef int version = 0
+    check(mf_driver_version(&version))
+    return version
+
+
+def configure_host(*, lag_us=0, fail_event_query_at=0, fail_alloc_at=0, fail_copy_at=0,
+                   fail_synchronize_at=0):
+    """Host-backend fault knobs; 0 is off, N makes the Nth such call from now fail with a
+    FeedError, ``lag_us`` delays every queued operation. Each call sets every knob."""
+    cdef mf_host_faults faults
+    for value in (lag_us, fail_event_query_at, fail_alloc_at, fail_copy_at, fail_synchronize_at):
+        if value < 0:
+            raise ValueError("fault knobs take counts >= 0")
+    if lag_us > 10_000_000:
+        raise ValueError("lag_us is at most 10 s")
+    faults.lag_us = lag_us
+    faults.fail_event_query_at = fail_event_query_at
+    faults.fail_alloc_at = fail_alloc_at
+    faults.fail_copy_at = fail_copy_at
+    faults.fail_synchronize_at = fail_synchronize_at
+    mf_host_configure(&faults)
+
+
+def host_faults():
+    cdef mf_host_faults f
+    mf_host_faults_get(&f)
+    return {"lag_us": f.lag_us, "fail_event_query_at": f.fail_event_query_at,
+            "fail_alloc_at": f.fail_alloc_at, "fail_copy_at": f.fail_copy_at,
+            "fail_synchronize_at": f.fail_synchronize_at}
+
+
+def live_objects():
+    """Counts of live events, streams, pinned and device bytes, for leak checks."""
+    cdef uint64_t events, streams, pinned, device
+    release_passed()
+    mf_live_counts(&events, &streams, &pinned, &device)
+    return {"events": events, "streams": streams, "pinned_bytes": pinned, "device_bytes": device}
+
+
+@cython.final
+cdef class nvtx_range:
+    """``with nvtx_range("step"):`` marks a range in the metrale_feed NVTX domain."""
+    cdef bytes _name
+
+    def __cinit__(self, str name):
+        self._name = name.encode()
+
+    def __enter__(self):
+        mf_nvtx_push(self._name)
+        return self
+
+    def __exit__(self, *exc):
+        mf_nvtx_pop()
+
+
+def nvtx_enable(bint on):
+    mf_nvtx_enable(on)

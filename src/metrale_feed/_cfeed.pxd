@@ -1,0 +1,125 @@
+# The C ABI of cuda/include/metrale_feed/feed.h, for Cython. No Python objects here.
+from libc.stdint cimport uint16_t, uint32_t, uint64_t
+
+cdef extern from "metrale_feed/feed.h" nogil:
+    const uint32_t MF_NO_TOKEN
+    const uint32_t MF_FEED_HOST_BIT
+    ctypedef uint64_t mf_event_t
+    ctypedef uint64_t mf_stream_t
+
+    ctypedef enum mf_status:
+        MF_SUCCESS
+        MF_ERROR_INVALID_VALUE
+        MF_ERROR_INVALID_HANDLE
+        MF_ERROR_OUT_OF_MEMORY
+        MF_ERROR_CUDA
+        MF_ERROR_INJECTED
+        MF_ERROR_UNAVAILABLE
+        MF_ERROR_DEVICE
+
+    ctypedef enum mf_backend:
+        MF_BACKEND_HOST
+        MF_BACKEND_CUDA
+
+    ctypedef enum mf_dtype:
+        MF_DTYPE_F32
+        MF_DTYPE_F16
+        MF_DTYPE_BF16
+
+    ctypedef enum mf_mem_kind:
+        MF_MEM_UNKNOWN
+        MF_MEM_PINNED
+        MF_MEM_DEVICE
+
+    enum:
+        MF_EVENT_TIMING
+        MF_EVENT_BLOCKING
+        MF_EVENT_UNCOUNTED
+        MF_STREAM_NON_BLOCKING
+        MF_HOST_PORTABLE
+        MF_HOST_MAPPED
+        MF_HOST_WRITE_COMBINED
+
+    const char *mf_last_error()
+    int mf_last_cuda_error()
+    const char *mf_cuda_error_name(int code)
+    void mf_clear_error()
+
+    mf_status mf_select_backend(mf_backend which)
+    mf_backend mf_active_backend()
+    int mf_build_has_cuda()
+    int mf_build_cuda_version()
+    const char *mf_build_cuda_archs()
+    int mf_build_has_nvtx()
+    mf_status mf_device_count(int *count)
+    mf_status mf_device_name(int device, char *buf, size_t buflen)
+    mf_status mf_driver_version(int *version)
+    void mf_live_counts(uint64_t *events, uint64_t *streams, uint64_t *pinned_bytes,
+                        uint64_t *device_bytes)
+
+    ctypedef struct mf_host_faults:
+        uint32_t lag_us
+        uint64_t fail_event_query_at
+        uint64_t fail_alloc_at
+        uint64_t fail_copy_at
+        uint64_t fail_synchronize_at
+    void mf_host_configure(const mf_host_faults *faults)
+    void mf_host_faults_get(mf_host_faults *out)
+
+    mf_status mf_event_create(unsigned flags, mf_event_t *out)
+    mf_status mf_event_wrap(uint64_t foreign, mf_event_t *out)
+    mf_status mf_event_record(mf_event_t event, mf_stream_t stream)
+    mf_status mf_event_query(mf_event_t event, int *done)
+    mf_status mf_event_synchronize(mf_event_t event)
+    mf_status mf_event_elapsed_ms(mf_event_t start, mf_event_t end, float *ms)
+    mf_status mf_event_destroy(mf_event_t event)
+    mf_status mf_event_raw(mf_event_t event, uint64_t *raw)
+
+    mf_status mf_stream_create(unsigned flags, mf_stream_t *out)
+    mf_status mf_stream_check(mf_stream_t stream)
+    mf_status mf_stream_query(mf_stream_t stream, int *idle)
+    mf_status mf_stream_synchronize(mf_stream_t stream)
+    mf_status mf_stream_wait_event(mf_stream_t stream, mf_event_t event)
+    mf_status mf_stream_destroy(mf_stream_t stream)
+
+    mf_status mf_host_alloc(size_t nbytes, unsigned flags, void **out)
+    mf_status mf_host_free(void *ptr, size_t nbytes)
+    mf_status mf_device_alloc(size_t nbytes, void **out)
+    mf_status mf_device_free(void *ptr)
+    mf_mem_kind mf_mem_lookup(const void *ptr, size_t *bytes_left)
+    mf_status mf_memset_async(void *dev, int value, size_t nbytes, mf_stream_t stream)
+    mf_status mf_copy_d2h_async(void *host_dst, const void *dev_src, size_t nbytes, mf_stream_t stream)
+    mf_status mf_copy_h2d_async(void *dev_dst, const void *host_src, size_t nbytes, mf_stream_t stream)
+    mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t nbytes, mf_stream_t stream)
+
+    ctypedef struct mf_argmax_args:
+        const void *logits
+        mf_dtype dtype
+        uint32_t rows
+        uint32_t vocab
+        uint64_t row_stride
+        const uint32_t *masks
+        uint32_t *cells
+        uint32_t cell_capacity
+        void *host_dst
+        mf_event_t event
+    mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream)
+    mf_status mf_resolve_feed(const uint32_t *sources, uint32_t n, const uint32_t *cells,
+                              uint32_t prev_rows, uint32_t *out, mf_stream_t stream)
+
+    ctypedef struct mf_reference_args:
+        const uint32_t *input_ids
+        const uint32_t *meta
+        const uint32_t *tables
+        uint32_t *kv
+        uint32_t kv_slots
+        uint32_t block_size
+        uint32_t rows
+        uint32_t vocab
+        mf_dtype dtype
+        void *logits
+    mf_status mf_reference_forward(const mf_reference_args *args, mf_stream_t stream)
+
+    void mf_nvtx_push(const char *name)
+    void mf_nvtx_pop()
+    void mf_nvtx_enable(int on)

@@ -1,0 +1,118 @@
+# What the Python API takes wherever a stream, event or pointer goes: the package's object, its int
+# handle, or a foreign object (the __cuda_stream__ protocol, torch's .cuda_stream, CuPy's .ptr).
+
+cdef int u64_of(object value, uint64_t *out, str what) except -1:
+    if value < 0 or value > UINT64_MAX:
+        raise ValueError(f"{what} {value} is not a 64-bit handle")
+    out[0] = <uint64_t>value
+    return 0
+
+
+cdef int stream_of(object stream, uint64_t *out) except -1:
+    if stream is None:
+        out[0] = 0
+    elif type(stream) is Stream:
+        (<Stream>stream)._check_open()
+        out[0] = (<Stream>stream)._handle
+    elif PyLong_CheckExact(stream):
+        u64_of(stream, out, "stream")
+    elif hasattr(stream, "__cuda_stream__"):
+        u64_of(stream.__cuda_stream__()[1], out, "stream")
+    elif hasattr(stream, "cuda_stream"):
+        u64_of(stream.cuda_stream, out, "stream")
+    elif hasattr(stream, "ptr"):
+        u64_of(stream.ptr, out, "stream")
+    elif isinstance(stream, int):
+        u64_of(int(stream), out, "stream")
+    else:
+        raise TypeError(f"expected a Stream, an int handle or a CUDA stream object, not {type(stream).__name__}")
+    return 0
+
+
+cdef int event_of(object event, uint64_t *out, bint optional) except -1:
+    if type(event) is Event:
+        (<Event>event)._check_open()
+        out[0] = (<Event>event)._handle
+    elif event is None and optional:
+        out[0] = 0
+    elif isinstance(event, int) and not isinstance(event, bool):
+        u64_of(event, out, "event")
+    else:
+        raise TypeError(f"expected an Event or an int handle, not {type(event).__name__}")
+    return 0
+
+
+# Device memory: a DeviceBuffer, an int pointer, __cuda_array_interface__, torch's data_ptr(),
+# CuPy's .ptr. The C layer range-checks what this package allocated and, on the host backend,
+# refuses anything else.
+cdef int device_ptr_of(object obj, void **out) except -1:
+    cdef uint64_t value
+    if type(obj) is DeviceBuffer:
+        (<DeviceBuffer>obj)._check_open()
+        out[0] = (<DeviceBuffer>obj)._ptr
+        return 0
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        u64_of(obj, &value, "device pointer")
+    elif hasattr(obj, "__cuda_array_interface__"):
+        u64_of(obj.__cuda_array_interface__["data"][0], &value, "device pointer")
+    elif hasattr(obj, "data_ptr"):
+        u64_of(obj.data_ptr(), &value, "device pointer")
+    elif hasattr(obj, "ptr"):
+        u64_of(obj.ptr, &value, "device pointer")
+    else:
+        raise TypeError(f"expected a DeviceBuffer, an int pointer or a CUDA array, not {type(obj).__name__}")
+    out[0] = <void *><size_t>value
+    return 0
+
+
+# A foreign host buffer handed to an async copy stays exported until an event recorded after the
+# copy has completed, so the copy never writes memory that Python has already freed.
+@cython.final
+cdef class _HeldBuffer:
+    cdef Py_buffer view
+    cdef bint held
+
+    def __dealloc__(self):
+        if self.held:
+            PyBuffer_Release(&self.view)
+
+
+cdef list _held = []
+
+
+cdef _HeldBuffer host_buffer_of(object obj, bint writable, str what):
+    cdef _HeldBuffer held = _HeldBuffer.__new__(_HeldBuffer)
+    if not PyObject_CheckBuffer(obj):
+        raise TypeError(f"{what} must be a buffer (PinnedBuffer, numpy array, bytearray, ...), not {type(obj).__name__}")
+    PyObject_GetBuffer(obj, &held.view, (PyBUF_WRITABLE if writable else 0) | PyBUF_C_CONTIGUOUS)
+    held.held = True
+    return held
+
+
+cdef int hold_until_passed(_HeldBuffer held, uint64_t stream) except -1:
+    cdef uint64_t event
+    release_passed()
+    check(mf_event_create(MF_EVENT_UNCOUNTED, &event))
+    cdef mf_status status = mf_event_record(event, stream)
+    if status != MF_SUCCESS:
+        mf_event_destroy(event)
+        # The copy is queued but unguarded: wait for it rather than risk a write to freed memory.
+        with nogil:
+            mf_stream_synchronize(stream)
+        return 0
+    _held.append((event, held))
+    return 0
+
+
+cdef int release_passed() except -1:
+    cdef int done
+    cdef uint64_t event
+    cdef Py_ssize_t i = 0
+    while i < len(_held):
+        event = _held[i][0]
+        if mf_event_query(event, &done) != MF_SUCCESS or done:
+            mf_event_destroy(event)
+            del _held[i]
+        else:
+            i += 1
+    return 0

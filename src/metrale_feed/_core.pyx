@@ -1,0 +1,29 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: embedsignature=True
+"""The one extension that owns the C layer: events, streams, page-locked and device memory, async
+copies and the kernel launchers, on whichever backend is active."""
+
+cimport cython
+from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES,
+                             PyBUF_WRITABLE, PyBuffer_Release, PyObject_CheckBuffer,
+                             PyObject_GetBuffer)
+from cpython.long cimport PyLong_CheckExact
+from cpython.pycapsule cimport PyCapsule_New
+from libc.stdint cimport uint16_t, uint32_t, uint64_t, UINT64_MAX
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+
+from metrale_feed._cfeed cimport *
+
+from metrale_feed.errors import CudaError, FeedError
+
+NO_TOKEN = MF_NO_TOKEN
+
+include "_errors.pxi"
+include "_coerce.pxi"
+include "_event.pxi"
+include "_memory.pxi"
+include "_words.pxi"
+include "_kernels.pxi"
+include "_backend.pxi"
+include "_capi.pxi"

@@ -1,0 +1,127 @@
+# Launchers of the two feed kernels and the reference forward. Every argument is checked here
+# or in the C layer before anything is queued.
+
+cdef dict _DTYPES = {"float32": MF_DTYPE_F32, "float16": MF_DTYPE_F16, "bfloat16": MF_DTYPE_BF16,
+                     "f4": MF_DTYPE_F32, "f2": MF_DTYPE_F16, "half": MF_DTYPE_F16, "float": MF_DTYPE_F32}
+
+
+cdef mf_dtype dtype_of(object dtype) except *:
+    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None)
+    if not isinstance(name, str):
+        name = str(dtype)
+    if name.startswith("torch."):
+        name = name[6:]
+    code = _DTYPES.get(name)
+    if code is None:
+        raise ValueError(f"unknown logits dtype {dtype!r}: use float32, float16 or bfloat16")
+    return <mf_dtype>code
+
+
+cdef uint32_t cells_capacity(object cells, void *ptr, uint32_t rows):
+    cdef size_t left = 0
+    if type(cells) is DeviceBuffer:
+        return <uint32_t>min((<DeviceBuffer>cells)._nbytes // 4, 0xFFFFFFFF)
+    if mf_mem_lookup(ptr, &left) == MF_MEM_DEVICE:
+        return <uint32_t>min(left // 4, 0xFFFFFFFF)
+    return rows  # foreign device memory: CUDA cannot say, so trust the caller
+
+
+def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, vocab, dtype,
+                   row_stride=None):
+    """Masked argmax of ``rows`` rows of ``logits`` into feed ``cells``, then an async copy of
+    ``rows * 4`` bytes of cells into ``dst`` and a record of ``event``, in stream order and with
+    no host synchronisation. ``masks`` (pairs or a uint32 buffer, None for no mask) may be reused
+    as soon as this returns; ``dst`` (pinned memory) is valid once ``event`` completes."""
+    cdef mf_argmax_args a
+    cdef uint64_t s, e
+    cdef void *ptr
+    cdef size_t dst_len
+    cdef _HeldBuffer held = None
+    cdef _Words words
+    if rows is None:
+        if masks is None:
+            raise ValueError("rows is required when masks is None")
+        words = words_of(masks, True, "masks")
+        rows = words.n // 2
+    else:
+        if rows < 1 or rows > 4096:
+            raise ValueError(f"rows must be in [1, 4096], got {rows}")
+        words = unmasked_words(rows) if masks is None else words_of(masks, True, "masks")
+    if words.n != 2 * rows:
+        raise ValueError(f"masks hold {words.n // 2} rows, not {rows}")
+    if vocab < 1 or vocab > (1 << 24):
+        raise ValueError(f"vocab must be in [1, 2**24], got {vocab}")
+    a.rows = rows
+    a.vocab = vocab
+    a.row_stride = vocab if row_stride is None else row_stride
+    a.dtype = dtype_of(dtype)
+    a.masks = words.data
+    device_ptr_of(logits, &ptr)
+    a.logits = ptr
+    device_ptr_of(cells, &ptr)
+    a.cells = <uint32_t *>ptr
+    a.cell_capacity = cells_capacity(cells, ptr, a.rows)
+    event_of(event, &a.event, True)
+    stream_of(stream, &s)
+    if dst is None:
+        a.host_dst = NULL
+    elif isinstance(dst, int):
+        u64_of(dst, &e, "dst pointer")
+        a.host_dst = <void *><size_t>e
+        pinned_range(e, a.rows * 4)
+    else:
+        held = host_ptr_of(dst, True, &a.host_dst, &dst_len)
+        if dst_len < a.rows * 4:
+            raise ValueError(f"dst holds {dst_len} bytes; {a.rows} ids need {a.rows * 4}")
+    check(mf_argmax_to_feed(&a, s))
+    if held is not None:
+        hold_until_passed(held, s)
+
+
+def resolve_feed(sources, cells, out, stream=0, *, prev_rows):
+    """``out[i]`` = the host id of ``sources[i]``, or ``cells[from_row]`` of the previous step,
+    on the device in stream order. A ``from_row >= prev_rows`` raises before launch."""
+    cdef uint64_t s
+    cdef void *cells_ptr
+    cdef void *out_ptr
+    cdef _Words words = words_of(sources, False, "sources")
+    if prev_rows < 0 or prev_rows > 0xFFFFFFFF:
+        raise ValueError(f"prev_rows {prev_rows} is out of range")
+    device_ptr_of(cells, &cells_ptr)
+    device_ptr_of(out, &out_ptr)
+    stream_of(stream, &s)
+    check(mf_resolve_feed(words.data, <uint32_t>words.n, <const uint32_t *>cells_ptr,
+                          <uint32_t>prev_rows, <uint32_t *>out_ptr, s))
+
+
+def reference_forward(input_ids, meta, tables, kv, uint32_t kv_slots, uint32_t block_size,
+                      uint32_t rows, uint32_t vocab, dtype, logits, stream=0):
+    """The reference model's forward kernel (device arrays; see feed.h). For ReferenceModel."""
+    cdef mf_reference_args a
+    cdef uint64_t s
+    cdef void *ptr
+    device_ptr_of(input_ids, &ptr)
+    a.input_ids = <const uint32_t *>ptr
+    device_ptr_of(meta, &ptr)
+    a.meta = <const uint32_t *>ptr
+    device_ptr_of(tables, &ptr)
+    a.tables = <const uint32_t *>ptr
+    device_ptr_of(kv, &ptr)
+    a.kv = <uint32_t *>ptr
+    device_ptr_of(logits, &ptr)
+    a.logits = ptr
+    a.kv_slots = kv_slots
+    a.block_size = block_size
+    a.rows = rows
+    a.vocab = vocab
+    a.dtype = dtype_of(dtype)
+    stream_of(stream, &s)
+    check(mf_reference_forward(&a, s))
+
+
+cdef mf_status argmax_to_feed_c(const mf_argmax_args *args, uint64_t stream) noexcept nogil:
+    return mf_argmax_to_feed(args, stream)
+
+cdef mf_status resolve_feed_c(const uint32_t *sources, uint32_t n, const uint32_t *cells,
+                              uint32_t prev_rows, uint32_t *out, uint64_t stream) noexcept nogil:
+    return mf_resolve_feed(sources, n, cells, prev_rows, out, stream)

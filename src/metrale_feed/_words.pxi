@@ -1,0 +1,77 @@
+# uint32 word arrays in: a buffer of uint32 is read in place (no copy); a sequence is converted once.
+
+@cython.final
+@cython.freelist(8)
+cdef class _Words:
+    cdef Py_buffer view
+    cdef bint has_view
+    cdef uint32_t *owned
+    cdef const uint32_t *data
+    cdef Py_ssize_t n
+
+    def __dealloc__(self):
+        if self.has_view:
+            PyBuffer_Release(&self.view)
+        free(self.owned)
+
+
+cdef bint is_u32_format(const char *fmt) noexcept:
+    if fmt == NULL:
+        return False
+    if fmt[0] in (b'@', b'=', b'<') and fmt[1] != 0:
+        fmt += 1
+    return (fmt[0] == b'I' or fmt[0] == b'L' and sizeof(long) == 4) and fmt[1] == 0
+
+
+cdef _Words words_of(object obj, bint pairs, str what):
+    """``obj`` as a flat uint32 array: a C-contiguous uint32 buffer, or a sequence of ints (of
+    (a, b) pairs when ``pairs``)."""
+    cdef _Words words = _Words.__new__(_Words)
+    cdef Py_ssize_t i, n
+    cdef object item
+    if PyObject_CheckBuffer(obj) and not isinstance(obj, (bytes, bytearray)):
+        PyObject_GetBuffer(obj, &words.view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+        words.has_view = True
+        if words.view.itemsize != 4 or not is_u32_format(words.view.format):
+            raise TypeError(f"{what} must be a uint32 buffer, not format {words.view.format.decode()!r}")
+        words.data = <const uint32_t *>words.view.buf
+        words.n = words.view.len // 4
+        return words
+    try:
+        n = len(obj)
+    except TypeError:
+        raise TypeError(f"{what} must be a uint32 buffer or a sequence, not {type(obj).__name__}") from None
+    words.owned = <uint32_t *>malloc((2 * n if pairs else n) * sizeof(uint32_t) + 4)
+    if words.owned == NULL:
+        raise MemoryError()
+    words.data = words.owned
+    try:
+        if pairs:
+            for i in range(n):
+                item = obj[i]
+                if len(item) != 2:
+                    raise ValueError(f"{what}[{i}] must be a pair of ids")
+                words.owned[2 * i] = <uint32_t>item[0]
+                words.owned[2 * i + 1] = <uint32_t>item[1]
+            words.n = 2 * n
+        else:
+            for i in range(n):
+                words.owned[i] = <uint32_t>obj[i]
+            words.n = n
+    except OverflowError:
+        raise ValueError(f"{what} holds an id outside uint32") from None
+    except TypeError as error:
+        raise TypeError(f"{what}: {error}") from None
+    return words
+
+
+cdef _Words unmasked_words(Py_ssize_t rows):
+    cdef _Words words = _Words.__new__(_Words)
+    words.owned = <uint32_t *>malloc(2 * rows * sizeof(uint32_t) + 4)
+    if words.owned == NULL:
+        raise MemoryError()
+    for i in range(2 * rows):
+        words.owned[i] = MF_NO_TOKEN
+    words.data = words.owned
+    words.n = 2 * rows
+    return words
