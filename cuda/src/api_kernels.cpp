@@ -96,7 +96,7 @@ mf_status mf_reference_forward(const mf_reference_args *a, mf_stream_t stream) {
     if (status == MF_SUCCESS) status = check_device_range(a->meta, (size_t)a->rows * 8, "row meta");
     if (status == MF_SUCCESS) status = check_device_range(a->tables, 4, "block tables");
     if (status == MF_SUCCESS) status = check_device_range(a->kv, (size_t)a->kv_slots * 4, "kv cache");
-    if (status == MF_SUCCESS)
+    if (status == MF_SUCCESS && a->logits)  // no logits: a prefill, KV writes only
         status = check_device_range(a->logits, (size_t)a->rows * a->vocab * dtype_size(a->dtype), "logits");
     void *raw;
     if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);

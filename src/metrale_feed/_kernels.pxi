@@ -96,7 +96,8 @@ def resolve_feed(sources, cells, out, stream=0, *, prev_rows):
 
 def reference_forward(input_ids, meta, tables, kv, uint32_t kv_slots, uint32_t block_size,
                       uint32_t rows, uint32_t vocab, dtype, logits, stream=0):
-    """The reference model's forward kernel (device arrays; see feed.h). For ReferenceModel."""
+    """The reference model's forward kernel (device arrays; see feed.h). For ReferenceModel.
+    ``logits=None`` only writes the KV cache (prefill)."""
     cdef mf_reference_args a
     cdef uint64_t s
     cdef void *ptr
@@ -108,8 +109,10 @@ def reference_forward(input_ids, meta, tables, kv, uint32_t kv_slots, uint32_t b
     a.tables = <const uint32_t *>ptr
     device_ptr_of(kv, &ptr)
     a.kv = <uint32_t *>ptr
-    device_ptr_of(logits, &ptr)
-    a.logits = ptr
+    a.logits = NULL
+    if logits is not None:
+        device_ptr_of(logits, &ptr)
+        a.logits = ptr
     a.kv_slots = kv_slots
     a.block_size = block_size
     a.rows = rows

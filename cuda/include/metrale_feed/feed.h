@@ -133,7 +133,8 @@ MF_EXPORT mf_status mf_resolve_feed(const uint32_t *sources, uint32_t n, const u
 
 /* The reference model's forward. Per row r (device arrays): meta[2r] = seq_len (the position
  * written), meta[2r+1] = offset of the row's block table in tables; input_ids[r] is written into
- * kv at that position, then logits row r (rows x vocab, dtype) is computed from the history. */
+ * kv at that position, then logits row r (rows x vocab, dtype) is computed from the history.
+ * logits NULL: only the KV writes (a prefill, one row per position). */
 typedef struct mf_reference_args {
     const uint32_t *input_ids;
     const uint32_t *meta;

@@ -12,6 +12,11 @@ void run_reference_forward(const mf_reference_args &a) {
         for (uint32_t r = begin; r < end; ++r) {
             uint32_t pos = a.meta[2 * r];
             const uint32_t *table = a.tables + a.meta[2 * r + 1];
+            if (!a.logits) {  // prefill: the write alone
+                uint64_t slot = (uint64_t)table[pos / a.block_size] * a.block_size + pos % a.block_size;
+                if (slot < a.kv_slots) a.kv[slot] = a.input_ids[r];
+                continue;
+            }
             uint32_t h = MF_FNV_OFFSET;
             bool in_bounds = true;
             for (uint32_t t = 0; t <= pos && in_bounds; ++t) {

@@ -1,0 +1,361 @@
+// The cuda backend: mf::Ops over the CUDA runtime (linked statically). Arguments arrive checked
+// (api.cpp); this layer only maps flags, calls the runtime and reports its errors.
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "backend.hpp"
+#include "cuda/kernels.hpp"
+
+namespace mf {
+namespace {
+
+cudaStream_t as_stream(void *raw) { return static_cast<cudaStream_t>(raw); }
+cudaEvent_t as_event(void *raw) { return static_cast<cudaEvent_t>(raw); }
+
+// A failed runtime call also sits in the runtime's last-error slot; clear it there, or the next
+// launch check (cudaGetLastError) would report it again as a launch failure.
+mf_status cuda_fail(cudaError_t code, const char *what) {
+    (void)cudaGetLastError();
+    return fail_cuda((int)code, what);
+}
+
+#define MF_CUDA_TRY(call, what)                                     \
+    do {                                                            \
+        cudaError_t mf_err_ = (call);                               \
+        if (mf_err_ != cudaSuccess) return cuda_fail(mf_err_, what); \
+    } while (0)
+
+// ---- SM count per device, cached: argmax consults it on every call ----
+
+constexpr int kMaxCachedDevices = 64;
+std::atomic<int> g_sm_count[kMaxCachedDevices];
+
+mf_status sm_count(int device, int *out) {
+    if (device >= 0 && device < kMaxCachedDevices) {
+        *out = g_sm_count[device].load(std::memory_order_relaxed);
+        if (*out > 0) return MF_SUCCESS;
+    }
+    MF_CUDA_TRY(cudaDeviceGetAttribute(out, cudaDevAttrMultiProcessorCount, device),
+                "cudaDeviceGetAttribute");
+    if (device >= 0 && device < kMaxCachedDevices) g_sm_count[device].store(*out);
+    return MF_SUCCESS;
+}
+
+// ---- per-stream scratch of the split argmax ----
+// Kernels on one stream run in order, so one scratch per stream is race-free. It is sized for the
+// device's worst plan, so it is allocated once, on the first split launch on that stream: that
+// launch is not graph-capturable (warm up each stream before capture). The per-thread default
+// stream is a different stream in each thread, hence the thread in the key.
+
+struct ScratchKey {
+    int device;
+    uintptr_t stream;
+    std::thread::id thread;
+    bool operator<(const ScratchKey &o) const {
+        return std::tie(device, stream, thread) < std::tie(o.device, o.stream, o.thread);
+    }
+};
+
+std::mutex g_scratch_mu;
+// Never destroyed: freeing device memory during static destruction can outlive the driver.
+std::map<ScratchKey, void *> &scratch_map() {
+    static auto *m = new std::map<ScratchKey, void *>();
+    return *m;
+}
+
+cudak::ArgmaxScratch scratch_view(void *base, int sms) {
+    auto *partials = static_cast<unsigned long long *>(base);
+    auto *counters =
+        reinterpret_cast<unsigned int *>(partials + cudak::argmax_scratch_partials(sms));
+    return cudak::ArgmaxScratch{partials, counters};
+}
+
+mf_status scratch_for(int device, cudaStream_t stream, int sms, cudak::ArgmaxScratch *out) {
+    ScratchKey key{device, reinterpret_cast<uintptr_t>(stream), std::thread::id()};
+    if (stream == cudaStreamPerThread) key.thread = std::this_thread::get_id();
+    std::lock_guard<std::mutex> lock(g_scratch_mu);
+    auto it = scratch_map().find(key);
+    if (it != scratch_map().end()) {
+        *out = scratch_view(it->second, sms);
+        return MF_SUCCESS;
+    }
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    MF_CUDA_TRY(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+    if (capture != cudaStreamCaptureStatusNone)
+        return fail(MF_ERROR_INVALID_VALUE,
+                    "argmax_to_feed: the first few-row launch on a stream allocates its scratch "
+                    "and cannot be captured; run one launch on this stream before capturing");
+    const size_t partial_bytes = cudak::argmax_scratch_partials(sms) * sizeof(unsigned long long);
+    const size_t counter_bytes = cudak::argmax_scratch_counters(sms) * sizeof(unsigned int);
+    void *base = nullptr;
+    MF_CUDA_TRY(cudaMalloc(&base, partial_bytes + counter_bytes), "cudaMalloc");
+    // Zero the counters in this stream's order, so they are zero before its first launch even
+    // on a non-blocking stream; partials need no initial value.
+    cudaError_t e = cudaMemsetAsync(static_cast<char *>(base) + partial_bytes, 0, counter_bytes,
+                                    stream);
+    if (e != cudaSuccess) {
+        cudaFree(base);
+        return cuda_fail(e, "cudaMemsetAsync(argmax scratch)");
+    }
+    try {
+        scratch_map().emplace(key, base);
+    } catch (...) {  // no exception may cross the C ABI
+        cudaFree(base);
+        return fail(MF_ERROR_OUT_OF_MEMORY, "argmax_to_feed: out of host memory");
+    }
+    *out = scratch_view(base, sms);
+    return MF_SUCCESS;
+}
+
+// Called before a stream is destroyed: its queued kernels may still use the scratch, so wait for
+// them (only streams that ran a split argmax have any) and free it.
+void scratch_release(cudaStream_t stream) {
+    std::vector<void *> bases;
+    {
+        std::lock_guard<std::mutex> lock(g_scratch_mu);
+        auto &m = scratch_map();
+        for (auto it = m.begin(); it != m.end();) {
+            if (it->first.stream == reinterpret_cast<uintptr_t>(stream)) {
+                bases.push_back(it->second);
+                it = m.erase(it);
+            } else {
+                ++it;
+            }
+        }
+    }
+    if (bases.empty()) return;
+    (void)cudaStreamSynchronize(stream);  // a failure there is the stream's own, reported elsewhere
+    for (void *b : bases) (void)cudaFree(b);
+    (void)cudaGetLastError();
+}
+
+// ---- the table ----
+
+mf_status init() {
+    int n = 0;
+    MF_CUDA_TRY(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
+    if (n <= 0) return fail_cuda((int)cudaErrorNoDevice, "cudaGetDeviceCount: no CUDA device");
+    // Creates the context and loads a kernel: a device this build has no image for fails here,
+    // not at the first launch.
+    MF_CUDA_TRY(cudak::kernels_loadable(), "loading the metrale_feed kernels for this device");
+    return MF_SUCCESS;
+}
+
+mf_status device_count(int *count) {
+    MF_CUDA_TRY(cudaGetDeviceCount(count), "cudaGetDeviceCount");
+    return MF_SUCCESS;
+}
+
+mf_status device_name(int device, char *buf, size_t buflen) {
+    cudaDeviceProp prop;
+    MF_CUDA_TRY(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+    if (buflen > 0) std::snprintf(buf, buflen, "%s", prop.name);
+    return MF_SUCCESS;
+}
+
+mf_status driver_version(int *version) {
+    MF_CUDA_TRY(cudaDriverGetVersion(version), "cudaDriverGetVersion");
+    return MF_SUCCESS;
+}
+
+mf_status event_create(unsigned flags, void **raw) {
+    unsigned f = (flags & MF_EVENT_TIMING) ? cudaEventDefault : cudaEventDisableTiming;
+    if (flags & MF_EVENT_BLOCKING) f |= cudaEventBlockingSync;
+    cudaEvent_t ev = nullptr;
+    MF_CUDA_TRY(cudaEventCreateWithFlags(&ev, f), "cudaEventCreateWithFlags");
+    *raw = ev;
+    return MF_SUCCESS;
+}
+
+mf_status event_destroy(void *raw) {
+    MF_CUDA_TRY(cudaEventDestroy(as_event(raw)), "cudaEventDestroy");
+    return MF_SUCCESS;
+}
+
+mf_status event_record(void *raw, mf_stream_t stream) {
+    const auto s = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream));
+    MF_CUDA_TRY(cudaEventRecord(as_event(raw), s), "cudaEventRecord");
+    return MF_SUCCESS;
+}
+
+mf_status event_query(void *raw, int *done) {
+    cudaError_t e = cudaEventQuery(as_event(raw));
+    if (e == cudaErrorNotReady) {
+        (void)cudaGetLastError();  // "not ready" is an answer, not an error to keep around
+        *done = 0;
+        return MF_SUCCESS;
+    }
+    if (e != cudaSuccess) return cuda_fail(e, "cudaEventQuery");
+    *done = 1;
+    return MF_SUCCESS;
+}
+
+mf_status event_synchronize(void *raw) {
+    MF_CUDA_TRY(cudaEventSynchronize(as_event(raw)), "cudaEventSynchronize");
+    return MF_SUCCESS;
+}
+
+mf_status event_elapsed_ms(void *start, void *end, float *ms) {
+    MF_CUDA_TRY(cudaEventElapsedTime(ms, as_event(start), as_event(end)), "cudaEventElapsedTime");
+    return MF_SUCCESS;
+}
+
+mf_status stream_create(unsigned flags, void **raw) {
+    cudaStream_t s = nullptr;
+    const unsigned f = (flags & MF_STREAM_NON_BLOCKING) ? cudaStreamNonBlocking : cudaStreamDefault;
+    MF_CUDA_TRY(cudaStreamCreateWithFlags(&s, f), "cudaStreamCreateWithFlags");
+    *raw = s;
+    return MF_SUCCESS;
+}
+
+mf_status stream_destroy(void *raw) {
+    scratch_release(as_stream(raw));
+    MF_CUDA_TRY(cudaStreamDestroy(as_stream(raw)), "cudaStreamDestroy");
+    return MF_SUCCESS;
+}
+
+mf_status stream_query(void *raw, int *idle) {
+    cudaError_t e = cudaStreamQuery(as_stream(raw));
+    if (e == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        *idle = 0;
+        return MF_SUCCESS;
+    }
+    if (e != cudaSuccess) return cuda_fail(e, "cudaStreamQuery");
+    *idle = 1;
+    return MF_SUCCESS;
+}
+
+mf_status stream_synchronize(void *raw) {
+    MF_CUDA_TRY(cudaStreamSynchronize(as_stream(raw)), "cudaStreamSynchronize");
+    return MF_SUCCESS;
+}
+
+mf_status stream_wait_event(void *raw, void *event_raw) {
+    MF_CUDA_TRY(cudaStreamWaitEvent(as_stream(raw), as_event(event_raw), 0), "cudaStreamWaitEvent");
+    return MF_SUCCESS;
+}
+
+mf_status host_alloc(size_t nbytes, unsigned flags, void **out) {
+    unsigned f = cudaHostAllocDefault;
+    if (flags & MF_HOST_PORTABLE) f |= cudaHostAllocPortable;
+    if (flags & MF_HOST_MAPPED) f |= cudaHostAllocMapped;
+    if (flags & MF_HOST_WRITE_COMBINED) f |= cudaHostAllocWriteCombined;
+    void *p = nullptr;
+    MF_CUDA_TRY(cudaHostAlloc(&p, nbytes, f), "cudaHostAlloc");
+    std::memset(p, 0, nbytes);  // host memory: a plain memset, no device work
+    *out = p;
+    return MF_SUCCESS;
+}
+
+mf_status host_free(void *ptr) {
+    MF_CUDA_TRY(cudaFreeHost(ptr), "cudaFreeHost");
+    return MF_SUCCESS;
+}
+
+mf_status device_alloc(size_t nbytes, void **out) {
+    void *p = nullptr;
+    MF_CUDA_TRY(cudaMalloc(&p, nbytes), "cudaMalloc");
+    *out = p;
+    return MF_SUCCESS;
+}
+
+mf_status device_free(void *ptr) {
+    MF_CUDA_TRY(cudaFree(ptr), "cudaFree");
+    return MF_SUCCESS;
+}
+
+mf_status memset_async(void *dev, int value, size_t nbytes, void *stream) {
+    MF_CUDA_TRY(cudaMemsetAsync(dev, value, nbytes, as_stream(stream)), "cudaMemsetAsync");
+    return MF_SUCCESS;
+}
+
+mf_status copy_async(void *dst, const void *src, size_t nbytes, CopyKind kind, void *stream) {
+    const cudaMemcpyKind k = kind == kD2H   ? cudaMemcpyDeviceToHost
+                             : kind == kH2D ? cudaMemcpyHostToDevice
+                                            : cudaMemcpyDeviceToDevice;
+    MF_CUDA_TRY(cudaMemcpyAsync(dst, src, nbytes, k, as_stream(stream)), "cudaMemcpyAsync");
+    return MF_SUCCESS;
+}
+
+mf_status argmax(const mf_argmax_args *a, void *stream) {
+    if (a->rows == 0) return MF_SUCCESS;
+    const uintptr_t esize = a->dtype == MF_DTYPE_F32 ? 4u : 2u;
+    if (reinterpret_cast<uintptr_t>(a->logits) % esize != 0)
+        return fail(MF_ERROR_INVALID_VALUE,
+                    "argmax_to_feed: logits pointer %p is not aligned to its %u-byte elements",
+                    a->logits, (unsigned)esize);
+    int device = 0, sms = 0;
+    MF_CUDA_TRY(cudaGetDevice(&device), "cudaGetDevice");
+    mf_status st = sm_count(device, &sms);
+    if (st != MF_SUCCESS) return st;
+    const cudak::ArgmaxPlan plan = cudak::argmax_plan(a->rows, a->vocab, a->dtype, sms);
+    cudak::ArgmaxScratch scratch{nullptr, nullptr};
+    if (plan.splits > 1) {
+        if ((uint64_t)a->rows * plan.splits > cudak::argmax_scratch_partials(sms) ||
+            a->rows > cudak::argmax_scratch_counters(sms))
+            return fail(MF_ERROR_INVALID_VALUE, "argmax_to_feed: split plan exceeds its scratch");
+        st = scratch_for(device, as_stream(stream), sms, &scratch);
+        if (st != MF_SUCCESS) return st;
+    }
+    MF_CUDA_TRY(cudak::launch_argmax(*a, plan, scratch, as_stream(stream)),
+                "launching mf_argmax_kernel");
+    return MF_SUCCESS;
+}
+
+mf_status resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t *out,
+                  void *stream) {
+    if (n == 0) return MF_SUCCESS;
+    MF_CUDA_TRY(cudak::launch_resolve(sources, n, cells, out, as_stream(stream)),
+                "launching mf_resolve_kernel");
+    return MF_SUCCESS;
+}
+
+mf_status reference_forward(const mf_reference_args *a, void *stream) {
+    if (a->rows == 0) return MF_SUCCESS;
+    MF_CUDA_TRY(cudak::launch_reference(*a, as_stream(stream)), "launching mf_reference_kernel");
+    return MF_SUCCESS;
+}
+
+}  // namespace
+
+extern const Ops cuda_ops;
+const Ops cuda_ops = {
+    "cuda",
+    init,
+    device_count,
+    device_name,
+    driver_version,
+    event_create,
+    event_destroy,
+    event_record,
+    event_query,
+    event_synchronize,
+    event_elapsed_ms,
+    stream_create,
+    stream_destroy,
+    stream_query,
+    stream_synchronize,
+    stream_wait_event,
+    host_alloc,
+    host_free,
+    device_alloc,
+    device_free,
+    memset_async,
+    copy_async,
+    argmax,
+    resolve,
+    reference_forward,
+};
+
+}  // namespace mf

@@ -1,0 +1,53 @@
+// Launchers of the CUDA kernels (cuda/*.cu), called by the cuda backend. Plain C++ so g++ can
+// include it; every launcher returns the first launch error (cudaGetLastError) or cudaSuccess.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "metrale_feed/feed.h"
+
+namespace mf {
+namespace cudak {
+
+// Rows per argmax launch: their masks travel as a kernel parameter (2048 * 8 = 16 KiB).
+constexpr uint32_t kArgmaxRowsPerLaunch = 2048;
+// Sources per resolve launch, also passed by value (16 KiB).
+constexpr uint32_t kResolvePerLaunch = 4096;
+
+// How one argmax call is laid out: `splits` blocks per row, each scanning `chunk` ids.
+struct ArgmaxPlan {
+    uint32_t splits;   // 1: one block per row, no scratch
+    uint32_t chunk;    // ids per block (a multiple of 64), == vocab when splits == 1
+    uint32_t threads;  // block size, a multiple of 32, at most 512
+};
+
+// Split rows (rows < 2 * SM count) need per-stream scratch: one packed partial per block and one
+// arrival counter per row. Counters are zero between launches (the last block of a row resets it).
+struct ArgmaxScratch {
+    unsigned long long *partials;  // rows * splits
+    unsigned int *counters;        // rows
+};
+
+// Scratch capacity that covers every plan argmax_plan makes on a device with `sm_count` SMs.
+constexpr size_t argmax_scratch_partials(int sm_count) { return 6u * (size_t)sm_count; }
+constexpr size_t argmax_scratch_counters(int sm_count) { return 2u * (size_t)sm_count; }
+
+ArgmaxPlan argmax_plan(uint32_t rows, uint32_t vocab, mf_dtype dtype, int sm_count);
+
+// args is already validated (rows >= 1, mask ids < vocab or NO_TOKEN, logits element-aligned);
+// masks are copied into the launch parameters, so the host array may be reused on return.
+cudaError_t launch_argmax(const mf_argmax_args &args, const ArgmaxPlan &plan,
+                          const ArgmaxScratch &scratch, cudaStream_t stream);
+
+cudaError_t launch_resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells,
+                           uint32_t *out, cudaStream_t stream);
+
+cudaError_t launch_reference(const mf_reference_args &args, cudaStream_t stream);
+
+// Whether this build has a kernel image (SASS or PTX) the current device can load.
+cudaError_t kernels_loadable();
+
+}  // namespace cudak
+}  // namespace mf

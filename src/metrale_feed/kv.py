@@ -1,0 +1,53 @@
+"""KV-cache bookkeeping (DESIGN.md, "KV bookkeeping"): sequences, block tables and the pool."""
+
+from __future__ import annotations
+
+from typing import List
+
+from .errors import FeedError, KvPoolExhausted
+
+__all__ = ["SequenceState", "BlockPool", "KvPoolExhausted"]
+
+
+class SequenceState:
+    """One sequence: ``tokens`` whose KV is written, in order; ``seq_len``; its ``block_table``."""
+
+    __slots__ = ("slot_idx", "tokens", "seq_len", "block_table", "__weakref__")
+
+    def __init__(self, slot_idx: int) -> None:
+        self.slot_idx = slot_idx
+        self.tokens: List[int] = []
+        self.seq_len = 0
+        self.block_table: List[int] = []
+
+    def __repr__(self) -> str:
+        return (f"SequenceState(slot_idx={self.slot_idx}, seq_len={self.seq_len}, "
+                f"blocks={len(self.block_table)})")
+
+
+class BlockPool:
+    """Hands out block ids ``0 .. num_blocks-1``, lowest first, so runs are reproducible."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives the lowest
+        self._used = bytearray(num_blocks)
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise KvPoolExhausted(f"the KV block pool is exhausted ({self.num_blocks} blocks in use)")
+        block = self._free.pop()
+        self._used[block] = 1
+        return block
+
+    def free(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks or not self._used[block]:
+            raise FeedError(f"block {block} is not allocated from this pool")
+        self._used[block] = 0
+        self._free.append(block)

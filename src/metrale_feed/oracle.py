@@ -1,0 +1,84 @@
+"""A plain numpy statement of DESIGN.md's masked-argmax rule, for tests and for checking a backend.
+
+It is written from the rule itself, not from the C code (``argmax_rule.h``):
+
+1. the candidates of a row are the ids in ``[0, vocab)`` other than the row's two mask ids;
+2. the winner is the candidate with the greatest value, where NaN ranks below every number and
+   ``-0.0 == +0.0``;
+3. ties go to the lowest id, so a row whose candidates are all ``-inf``, or all NaN, answers its
+   lowest candidate;
+4. a row with no candidate answers ``NO_TOKEN``.
+
+This module is loaded lazily (``metrale_feed.reference_argmax``), so importing numpy here does not
+make ``import metrale_feed`` import it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["NO_TOKEN", "reference_argmax"]
+
+NO_TOKEN = 0xFFFFFFFF
+
+
+def _as_float64(logits) -> np.ndarray:
+    """The logits as an exact float64 array (float32, float16 and bfloat16 all embed exactly)."""
+    array = np.asarray(logits)
+    if array.ndim != 2:
+        raise ValueError(f"logits must be a 2-D (rows, vocab) array, got {array.ndim} dimension(s)")
+    name = array.dtype.name
+    if name in ("float32", "float16"):
+        return array.astype(np.float64)
+    if name == "bfloat16":
+        import ml_dtypes  # noqa: F401  (only needed to know the dtype; numpy converts through it)
+
+        return array.astype(np.float32).astype(np.float64)
+    raise TypeError(f"logits dtype must be float32, float16 or bfloat16, not {array.dtype}")
+
+
+def _as_masks(masks, rows: int, vocab: int) -> np.ndarray:
+    if masks is None:
+        return np.full((rows, 2), NO_TOKEN, dtype=np.int64)
+    if isinstance(masks, np.ndarray):
+        array = masks.astype(np.int64).reshape(-1, 2) if masks.ndim == 1 else masks.astype(np.int64)
+    else:
+        pairs = [tuple(int(v) for v in pair) for pair in masks]
+        if any(len(pair) != 2 for pair in pairs):
+            raise ValueError("every mask must be a pair of ids")
+        array = np.array(pairs, dtype=np.int64).reshape(-1, 2)
+    if array.shape != (rows, 2):
+        raise ValueError(f"masks must be ({rows}, 2), got {array.shape}")
+    bad = (array != NO_TOKEN) & ((array < 0) | (array >= vocab))
+    if bad.any():
+        r, c = np.argwhere(bad)[0]
+        raise ValueError(f"mask id {array[r, c]} of row {r} is neither NO_TOKEN nor below vocab {vocab}")
+    return array
+
+
+def reference_argmax(logits, masks=None) -> np.ndarray:
+    """The masked argmax of each row of ``logits`` (rows, vocab), as a uint32 array of ``rows`` ids.
+
+    ``masks``: None (no mask), a (rows, 2) integer array, or a sequence of (a, b) pairs; an id of
+    ``NO_TOKEN`` is unused. A mask id that is neither ``NO_TOKEN`` nor below vocab raises
+    ``ValueError``, as the kernels do."""
+    values = _as_float64(logits)
+    rows, vocab = values.shape
+    mask_ids = _as_masks(masks, rows, vocab)
+
+    ids = np.arange(vocab, dtype=np.int64)
+    # candidate[r, v]: v is neither of row r's mask ids.
+    candidate = (ids[None, :] != mask_ids[:, 0:1]) & (ids[None, :] != mask_ids[:, 1:2])
+    # A number (not NaN) among the candidates; -inf counts as a number.
+    numeric = candidate & ~np.isnan(values)
+
+    result = np.full(rows, NO_TOKEN, dtype=np.uint32)
+    for r in range(rows):
+        if numeric[r].any():
+            best = values[r][numeric[r]].max()  # -0.0 and +0.0 compare equal here
+            winners = np.flatnonzero(numeric[r] & (values[r] == best))
+            result[r] = winners[0]  # the lowest id holding the greatest value
+        elif candidate[r].any():
+            result[r] = np.flatnonzero(candidate[r])[0]  # all NaN: the lowest candidate
+        # else: no candidate at all, NO_TOKEN
+    return result

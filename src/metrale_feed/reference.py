@@ -1,0 +1,257 @@
+"""``ReferenceModel``: a test model, not an LLM, that runs the whole trait on either backend.
+
+Its forward writes the row's input id into a paged KV cache at position ``seq_len`` and computes
+the logits of DESIGN.md from the history read back through the block table, so any bug in
+feeding, block tables or KV writes changes the tokens. ``host_next_token`` is the same function
+computed on the host, the oracle of the tests and of ``metrale-feed demo``.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any, List, Optional, Sequence
+
+from . import _core
+from .errors import FeedError
+from .kv import BlockPool, SequenceState
+from .runtime import RuntimeFeedMixin
+from .trait import ModelDeviceFeed
+
+__all__ = ["ReferenceModel", "host_logits", "host_next_token"]
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+_STAGING_SLOTS = 4  # more than the router keeps in flight, so a slot is always free in practice
+
+
+class _Staging:
+    """Pinned inputs of one forward and their device copies. The pinned side is rewritten only
+    after ``event`` says the previous H2D copies from it have run."""
+
+    def __init__(self, rows: int, table_words: int) -> None:
+        self.event = _core.Event()
+        self.rows = rows
+        self.table_words = table_words
+        self.host = [_core.PinnedBuffer(n * 4) for n in (rows, 2 * rows, table_words)]
+        self.dev = [_core.DeviceBuffer(n * 4) for n in (rows, 2 * rows, table_words)]
+        self.words = [memoryview(buf).cast("I") for buf in self.host]
+
+    def close(self) -> None:
+        for view in self.words:
+            view.release()
+        for buf in self.host + self.dev:
+            buf.close()
+        self.event.close()
+
+
+class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
+    def __init__(self, vocab: int, *, block_size: int = 16, num_blocks: int = 4096,
+                 max_rows: int = 256, logits_dtype: str = "float32", stream: Any = 0) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.init_device_feed(vocab=vocab, logits_dtype=logits_dtype, max_rows=max_rows)
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.stream = stream
+        self.settled_steps = 0
+        self.kv = _core.DeviceBuffer(num_blocks * block_size * 4)
+        self.logits = _core.DeviceBuffer(max_rows * vocab * _ITEMSIZE[logits_dtype])
+        self._staging: List[Optional[_Staging]] = [None] * _STAGING_SLOTS
+        self._next_staging = 0
+        self._closed = False
+
+    # ---- KV bookkeeping ----
+
+    def reserve_decode_block(self, seq: SequenceState) -> int:
+        if seq.seq_len // self.block_size >= len(seq.block_table):
+            seq.block_table.append(self.pool.alloc())
+            return 1
+        return 0
+
+    def release_decode_blocks(self, seq: SequenceState, blocks: int) -> None:
+        if not 0 <= blocks <= len(seq.block_table):
+            raise ValueError(f"cannot release {blocks} of {len(seq.block_table)} blocks")
+        for _ in range(blocks):
+            self.pool.free(seq.block_table.pop())
+
+    def release_sequence(self, seq: SequenceState) -> None:
+        """Return all of a finished sequence's blocks to the pool."""
+        self.release_decode_blocks(seq, len(seq.block_table))
+
+    def fed_step_settled(self) -> None:
+        self.settled_steps += 1
+
+    def _reserve_rows(self, seqs: Sequence[SequenceState]) -> None:
+        """Blocks for every row's next position, all or none (a failed batch leaks nothing)."""
+        added: List[SequenceState] = []
+        try:
+            for seq in seqs:
+                if self.reserve_decode_block(seq):
+                    added.append(seq)
+        except BaseException:
+            for seq in added:
+                self.release_decode_blocks(seq, 1)
+            raise
+
+    # ---- the forward ----
+
+    def _stage(self, seqs: Sequence[SequenceState], positions: Sequence[int]) -> _Staging:
+        rows = len(seqs)
+        table_words = max(1, sum(len(seq.block_table) for seq in {id(s): s for s in seqs}.values()))
+        index = self._next_staging
+        self._next_staging = (index + 1) % _STAGING_SLOTS
+        slot = self._staging[index]
+        if slot is not None:
+            slot.event.synchronize()  # only when more than _STAGING_SLOTS forwards are queued
+            if slot.rows < rows or slot.table_words < table_words:
+                slot.close()
+                slot = None
+        if slot is None:
+            slot = _Staging(max(rows, 64), max(table_words, 1024))
+            self._staging[index] = slot
+        meta = slot.words[1]
+        tables: List[int] = []
+        offsets = {}  # a sequence staged for several rows (prefill) has one table
+        for r, seq in enumerate(seqs):
+            offset = offsets.get(id(seq))
+            if offset is None:
+                offset = offsets[id(seq)] = len(tables)
+                tables.extend(seq.block_table)
+            meta[2 * r] = positions[r]
+            meta[2 * r + 1] = offset
+        slot.words[2][: len(tables)] = array("I", tables)
+        return slot
+
+    def _forward(self, slot: _Staging, rows: int, stream: Any) -> int:
+        _core.copy_h2d_async(slot.dev[1], slot.host[1], stream)
+        _core.copy_h2d_async(slot.dev[2], slot.host[2], stream)
+        slot.event.record(stream)
+        _core.reference_forward(slot.dev[0], slot.dev[1], slot.dev[2], self.kv,
+                                self.pool.num_blocks * self.block_size, self.block_size, rows,
+                                self.feed_vocab, self.feed_logits_dtype, self.logits, stream)
+        return self.logits.ptr
+
+    def decode_batch(self, tokens: Sequence[int], seqs: Sequence[SequenceState],
+                     stream: Any = None) -> int:
+        """The synchronous-input decode step: writes ``tokens`` at each row's ``seq_len``, pushes
+        them and advances ``seq_len``; returns the logits' device pointer."""
+        stream = self.stream if stream is None else stream
+        self._check_rows(len(tokens), seqs)
+        self._reserve_rows(seqs)
+        positions = [seq.seq_len for seq in seqs]
+        slot = self._stage(seqs, positions)
+        slot.words[0][: len(tokens)] = array("I", tokens)
+        _core.copy_h2d_async(slot.dev[0], slot.host[0], stream)
+        logits = self._forward(slot, len(seqs), stream)
+        for token, seq in zip(tokens, seqs):
+            seq.tokens.append(int(token))
+            seq.seq_len += 1
+        return logits
+
+    def decode_batch_fed(self, sources: Sequence[int], seqs: Sequence[SequenceState],
+                         stream: Any = None) -> int:
+        stream = self.stream if stream is None else stream
+        self._check_rows(len(sources), seqs)
+        self._reserve_rows(seqs)
+        slot = self._stage(seqs, [seq.seq_len for seq in seqs])
+        # The sources are read at launch; the ids land on the device in stream order.
+        _core.resolve_feed(sources, self.feed_cells, slot.dev[0], stream, prev_rows=self.feed_prev_rows)
+        return self._forward(slot, len(seqs), stream)
+
+    def prefill(self, seq: SequenceState, ids: Sequence[int], stream: Any = None) -> None:
+        """Write ``ids`` at positions ``seq_len..`` (allocating blocks), append them to
+        ``seq.tokens`` and advance ``seq_len``. Computes no logits."""
+        stream = self.stream if stream is None else stream
+        ids = [int(i) for i in ids]
+        for start in range(0, len(ids), self.feed_max_rows):
+            chunk = ids[start : start + self.feed_max_rows]
+            first_new = len(seq.block_table)
+            try:
+                while (seq.seq_len + len(chunk) - 1) // self.block_size >= len(seq.block_table):
+                    seq.block_table.append(self.pool.alloc())
+            except BaseException:
+                self.release_decode_blocks(seq, len(seq.block_table) - first_new)
+                raise
+            # One row per position, all reading this sequence's table: the forward writes each
+            # id at its position; logits=None skips the logits.
+            rows = len(chunk)
+            slot = self._stage([seq] * rows, [seq.seq_len + i for i in range(rows)])
+            slot.words[0][:rows] = array("I", chunk)
+            _core.copy_h2d_async(slot.dev[0], slot.host[0], stream)
+            _core.copy_h2d_async(slot.dev[1], slot.host[1], stream)
+            _core.copy_h2d_async(slot.dev[2], slot.host[2], stream)
+            slot.event.record(stream)
+            _core.reference_forward(slot.dev[0], slot.dev[1], slot.dev[2], self.kv,
+                                    self.pool.num_blocks * self.block_size, self.block_size, rows,
+                                    self.feed_vocab, self.feed_logits_dtype, None, stream)
+            seq.tokens.extend(chunk)
+            seq.seq_len += rows
+
+    def _check_rows(self, n: int, seqs: Sequence[SequenceState]) -> None:
+        if self._closed:
+            raise FeedError("the reference model is closed")
+        if n != len(seqs):
+            raise ValueError(f"{n} inputs for {len(seqs)} sequences")
+        if not 1 <= n <= self.feed_max_rows:
+            raise ValueError(f"a step takes 1 to {self.feed_max_rows} rows, got {n}")
+
+    def close(self) -> None:
+        """Free the model's device and pinned memory (after queued work)."""
+        if self._closed:
+            return
+        self._closed = True
+        for slot in self._staging:
+            if slot is not None:
+                slot.close()
+        self._staging = [None] * _STAGING_SLOTS
+        self.kv.close()
+        self.logits.close()
+        self.close_device_feed()
+
+    def __enter__(self) -> "ReferenceModel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- the same function on the host (numpy), the oracle ----
+
+def host_logits(history: Sequence[int], vocab: int, dtype: str = "float32") -> Any:
+    """The logits row the reference forward computes after ``history`` (the input id included),
+    as a numpy array of ``dtype`` (bfloat16 as ml_dtypes.bfloat16)."""
+    import numpy as np
+
+    h = 0x811C9DC5
+    for t in history:
+        h = ((h ^ int(t)) * 0x01000193) & 0xFFFFFFFF
+    with np.errstate(over="ignore"):
+        x = (np.uint32(h) + np.arange(vocab, dtype=np.uint32) * np.uint32(0x9E3779B9)).astype(np.uint32)
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(0x85EBCA6B)
+        x ^= x >> np.uint32(13)
+        x *= np.uint32(0xC2B2AE35)
+        x ^= x >> np.uint32(16)
+    logits = (x >> np.uint32(8)).astype(np.float32) / np.float32(1 << 24)
+    if dtype == "float32":
+        return logits
+    if dtype == "float16":
+        return logits.astype(np.float16)  # numpy rounds to nearest even
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return logits.astype(ml_dtypes.bfloat16)
+    raise ValueError(f"unknown logits dtype {dtype!r}")
+
+
+def host_next_token(history: Sequence[int], vocab: int, dtype: str = "float32",
+                    mask: Sequence[int] = (0xFFFFFFFF, 0xFFFFFFFF)) -> int:
+    """The reference model's greedy next token after ``history`` under the row mask ``mask``."""
+    import numpy as np
+
+    logits = host_logits(history, vocab, dtype).astype(np.float32)  # exact widening
+    for banned in mask:
+        if banned != 0xFFFFFFFF:
+            logits[banned] = -1.0  # every logit is in [0, 1)
+    if vocab <= 2 and all(v in mask for v in range(vocab)):
+        return 0xFFFFFFFF  # no candidate left
+    return int(np.argmax(logits))  # first maximum: ties to the lowest id

@@ -1,0 +1,274 @@
+"""The readback ring and the routers (DESIGN.md, "Router").
+
+``AsyncDeviceIo`` keeps up to two decode steps in flight: each launch runs the model's step and
+the masked argmax into the feed cells, copies the ids into one slot of a page-locked ring and
+records that slot's event; ``await_result`` reads a slot only after its event has completed.
+``SyncDeviceIo`` has the same calls and settles every step before returning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from . import _core
+from .errors import FeedError
+from .kv import SequenceState
+from .trait import ModelDeviceFeed
+
+__all__ = ["AsyncDeviceIo", "SyncDeviceIo", "RouterStats", "Ticket"]
+
+RING_SLOTS = 3  # two steps in flight plus the one being read
+SPIN_QUERIES = 64  # event_query polls before a wait blocks in event_synchronize
+
+
+class RouterStats:
+    __slots__ = ("launches", "ahead_launches", "reserved_blocks", "reserved_in_flight",
+                 "peak_reserved_in_flight", "rollbacks", "blocks_rolled_back")
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0)
+
+    def as_dict(self) -> Dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def __repr__(self) -> str:
+        return f"RouterStats({', '.join(f'{k}={v}' for k, v in self.as_dict().items())})"
+
+
+class Ticket:
+    """A launched step: which slot holds its ids, how many rows, whether it was fed."""
+
+    __slots__ = ("step", "slot", "rows", "fed", "reservations")
+
+    def __init__(self, step: int, slot: int, rows: int, fed: bool) -> None:
+        self.step = step
+        self.slot = slot
+        self.rows = rows
+        self.fed = fed
+        self.reservations: List[SequenceState] = []
+
+    def __repr__(self) -> str:
+        return f"Ticket(step={self.step}, slot={self.slot}, rows={self.rows}, fed={self.fed})"
+
+
+class _Ring:
+    """Readback slots of ``max_rows`` ids in the model's pinned memory, one event each."""
+
+    def __init__(self, model: ModelDeviceFeed, max_rows: int, slots: int) -> None:
+        self.model = model
+        self.nbytes = max_rows * 4
+        self.ptrs: List[int] = []
+        self.events: List[Any] = []
+        self.busy = [False] * slots
+        try:
+            for _ in range(slots):
+                self.ptrs.append(model.alloc_host_pinned(self.nbytes))
+                self.events.append(model.create_event())
+        except BaseException:
+            self.close()
+            raise
+
+    def acquire(self) -> int:
+        for index, busy in enumerate(self.busy):
+            if not busy:
+                return index
+        raise FeedError(f"readback ring exhausted: all {len(self.busy)} slots hold unread results; "
+                        "await a ticket before launching another step")
+
+    def close(self) -> None:
+        for event in self.events:
+            self.model.destroy_event(event)
+        for ptr in self.ptrs:
+            self.model.free_host_pinned(ptr, self.nbytes)
+        self.events, self.ptrs = [], []
+
+
+class AsyncDeviceIo:
+    """Pipelines decode steps through ``model`` (a ``ModelDeviceFeed`` with the device feed)."""
+
+    def __init__(self, model: ModelDeviceFeed, max_rows: int, *, stream: Any = 0,
+                 slots: int = RING_SLOTS) -> None:
+        if not model.supports_device_token_feed():
+            raise FeedError("AsyncDeviceIo needs a model whose supports_device_token_feed() is True")
+        if not 1 <= max_rows <= 4096:
+            raise ValueError(f"max_rows must be in [1, 4096], got {max_rows}")
+        self.model = model
+        self.max_rows = max_rows
+        self.stream = stream
+        self.stats = RouterStats()
+        self._ring: Optional[_Ring] = _Ring(model, max_rows, slots)
+        self._step = 0
+        self._unread = 0
+        # The ledger: per sequence, [step, blocks] of each uncommitted reservation, oldest first;
+        # step is None until the launch that uses it.
+        self._ledger: Dict[SequenceState, List[List[Any]]] = {}
+        self._pending: List[SequenceState] = []  # reserved since the last launch
+
+    # ---- launches ----
+
+    def _open_ring(self) -> _Ring:
+        if self._ring is None:
+            raise FeedError("the router has been torn down")
+        return self._ring
+
+    def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
+                masks: Any) -> Ticket:
+        ring = self._open_ring()
+        rows = len(seqs)
+        if not 1 <= rows <= self.max_rows:
+            raise ValueError(f"a step takes 1 to {self.max_rows} rows, got {rows}")
+        if len(inputs) != rows or len(masks) != rows:
+            raise ValueError(f"{len(inputs)} inputs and {len(masks)} masks for {rows} rows")
+        slot = ring.acquire()  # before anything is launched: exhaustion launches nothing
+        model = self.model
+        if fed:
+            logits = model.decode_batch_fed(inputs, seqs, self.stream)
+        else:
+            logits = model.decode_batch(inputs, seqs, self.stream)  # type: ignore[attr-defined]
+        model.argmax_batch_to_feed(logits, masks, ring.ptrs[slot], ring.events[slot], self.stream)
+        ring.busy[slot] = True
+        ticket = Ticket(self._step, slot, rows, fed)
+        self._step += 1
+        if self._unread:
+            self.stats.ahead_launches += 1
+        self._unread += 1
+        self.stats.launches += 1
+        for seq in self._pending:
+            for entry in self._ledger.get(seq, ()):
+                if entry[0] is None:
+                    entry[0] = ticket.step
+        ticket.reservations, self._pending = self._pending, []
+        return ticket
+
+    def launch_decode(self, tokens: Sequence[int], seqs: Sequence[SequenceState], masks: Any) -> Ticket:
+        """A step whose input ids the host knows; the model pushes them and advances ``seq_len``."""
+        return self._launch(False, tokens, seqs, masks)
+
+    def launch_fed(self, sources: Sequence[int], seqs: Sequence[SequenceState], masks: Any) -> Ticket:
+        """A step whose inputs are FeedSource words (host ids, or feed cells of the previous
+        step). The caller pushes and advances each row once the previous step commits."""
+        return self._launch(True, sources, seqs, masks)
+
+    # ---- readback ----
+
+    def _wait(self, event: Any) -> None:
+        model = self.model
+        for _ in range(SPIN_QUERIES):
+            if model.event_query(event):
+                return
+        model.event_synchronize(event)
+
+    def await_result(self, ticket: Ticket) -> List[int]:
+        """The step's ids, once its event has completed. The slot is released even when the
+        wait fails, so a fault cannot wedge the ring."""
+        ring = self._open_ring()
+        if not ring.busy[ticket.slot]:
+            raise FeedError(f"{ticket!r} was already awaited")
+        try:
+            self._wait(ring.events[ticket.slot])
+            ids = _core.read_pinned_u32(ring.ptrs[ticket.slot], ticket.rows)
+        finally:
+            ring.busy[ticket.slot] = False
+            self._unread -= 1
+        for seq in ticket.reservations:  # committed: no longer a rollback candidate
+            self._commit(seq, ticket.step)
+        if ticket.fed:
+            self.model.fed_step_settled()
+        return ids
+
+    # ---- KV ----
+
+    def reserve_kv(self, seq: SequenceState) -> int:
+        """Reserve the block for ``seq``'s next position ahead of a launch; recorded in the
+        ledger so ``rollback(seq)`` can return it."""
+        self._open_ring()
+        added = self.model.reserve_decode_block(seq)
+        # Recorded even when no block was needed, so the latest entry is always this step's.
+        self._ledger.setdefault(seq, []).append([None, added])
+        self._pending.append(seq)
+        if added:
+            self.stats.reserved_blocks += added
+            self.stats.reserved_in_flight += added
+            if self.stats.reserved_in_flight > self.stats.peak_reserved_in_flight:
+                self.stats.peak_reserved_in_flight = self.stats.reserved_in_flight
+        return added
+
+    def _commit(self, seq: SequenceState, step: int) -> None:
+        entries = self._ledger.get(seq)
+        if not entries:
+            return  # rolled back already
+        kept = [entry for entry in entries if entry[0] != step]
+        self.stats.reserved_in_flight -= sum(entry[1] for entry in entries) - sum(e[1] for e in kept)
+        if kept:
+            self._ledger[seq] = kept
+        else:
+            del self._ledger[seq]
+
+    def rollback(self, seq: SequenceState) -> int:
+        """Return ``seq``'s latest uncommitted reservation (its discarded step) to the pool;
+        the number of blocks returned (0 when that step needed no new block)."""
+        entries = self._ledger.get(seq)
+        blocks = entries.pop()[1] if entries else 0
+        if entries is not None and not entries:
+            del self._ledger[seq]
+        if blocks:
+            self.model.release_decode_blocks(seq, blocks)
+            self.stats.reserved_in_flight -= blocks
+            self.stats.blocks_rolled_back += blocks
+        self.stats.rollbacks += 1
+        return blocks
+
+    # ---- teardown ----
+
+    def teardown(self) -> None:
+        """Destroy the events and free the ring, after any step still in flight."""
+        ring = self._ring
+        if ring is None:
+            return
+        self._ring = None
+        try:
+            for slot, busy in enumerate(ring.busy):
+                if busy:  # the copy into this slot may still be running
+                    self.model.event_synchronize(ring.events[slot])
+        finally:
+            ring.close()
+
+    def __enter__(self) -> "AsyncDeviceIo":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+
+class SyncDeviceIo(AsyncDeviceIo):
+    """The same calls, each step settled before the launch returns: no step is ever ahead. For
+    models without the device feed it runs ``launch_decode`` only."""
+
+    def __init__(self, model: ModelDeviceFeed, max_rows: int, *, stream: Any = 0) -> None:
+        self.model = model
+        self.max_rows = max_rows
+        self.stream = stream
+        self.stats = RouterStats()
+        self._ring = _Ring(model, max_rows, 1)
+        self._step = 0
+        self._unread = 0
+        self._ledger = {}
+        self._pending = []
+        self._results: Dict[int, List[int]] = {}
+
+    def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
+                masks: Any) -> Ticket:
+        if fed and not self.model.supports_device_token_feed():
+            raise FeedError("launch_fed needs the device feed; with a settled step the inputs are "
+                            "host-known, so use launch_decode")
+        ticket = super()._launch(fed, inputs, seqs, masks)
+        self._results[ticket.step] = super().await_result(ticket)
+        self.stats.ahead_launches = 0
+        return ticket
+
+    def await_result(self, ticket: Ticket) -> List[int]:
+        try:
+            return self._results.pop(ticket.step)
+        except KeyError:
+            raise FeedError(f"{ticket!r} was already awaited") from None

@@ -1,0 +1,78 @@
+"""``RuntimeFeedMixin``: the runtime half of ``ModelDeviceFeed`` on the active backend, so a model
+author writes only the forward and the KV methods.
+
+Put it before ``ModelDeviceFeed`` in the bases and call ``init_device_feed`` once::
+
+    class MyModel(RuntimeFeedMixin, ModelDeviceFeed):
+        def __init__(self):
+            self.init_device_feed(vocab=32000, logits_dtype="bfloat16", max_rows=256)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from . import _core
+from .errors import FeedError
+
+__all__ = ["RuntimeFeedMixin"]
+
+
+class RuntimeFeedMixin:
+    """Events, async copies, pinned memory and the masked argmax into this model's feed cells."""
+
+    feed_vocab: int
+    feed_logits_dtype: str
+    feed_max_rows: int
+    feed_cells: Optional[_core.DeviceBuffer] = None
+    feed_prev_rows: int = 0  # rows the last argmax wrote: the from_row bound of the next step
+
+    def init_device_feed(self, *, vocab: int, logits_dtype: str = "float32", max_rows: int = 256) -> None:
+        if not 1 <= max_rows <= 4096:
+            raise ValueError(f"max_rows must be in [1, 4096], got {max_rows}")
+        if not 1 <= vocab <= 1 << 24:
+            raise ValueError(f"vocab must be in [1, 2**24], got {vocab}")
+        if logits_dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"unknown logits dtype {logits_dtype!r}")
+        self.feed_vocab = vocab
+        self.feed_logits_dtype = logits_dtype
+        self.feed_max_rows = max_rows
+        self.feed_cells = _core.DeviceBuffer(max_rows * 4)
+        self.feed_prev_rows = 0
+
+    def close_device_feed(self) -> None:
+        if self.feed_cells is not None:
+            self.feed_cells.close()
+            self.feed_cells = None
+
+    def supports_device_token_feed(self) -> bool:
+        return self.feed_cells is not None
+
+    def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any) -> None:
+        if self.feed_cells is None:
+            raise FeedError("argmax_batch_to_feed: call init_device_feed first")
+        rows = len(masks)
+        _core.argmax_to_feed(logits, masks, self.feed_cells, dst, event, stream, rows=rows,
+                             vocab=self.feed_vocab, dtype=self.feed_logits_dtype)
+        self.feed_prev_rows = rows
+
+    def create_event(self) -> int:
+        return _core.event_create()
+
+    def event_query(self, event: Any) -> bool:
+        return _core.event_query(event)
+
+    def event_synchronize(self, event: Any) -> None:
+        _core.event_synchronize(event)
+
+    def destroy_event(self, event: Any) -> None:
+        _core.destroy_event(event)
+
+    def copy_d2h_async(self, src: Any, dst: Any, stream: Any) -> None:
+        _core.copy_d2h_async(src, dst, stream)
+
+    def alloc_host_pinned(self, nbytes: int) -> int:
+        return _core.alloc_host_pinned(nbytes)
+
+    def free_host_pinned(self, ptr: int, nbytes: int) -> None:
+        _core.free_host_pinned(ptr, nbytes)

@@ -1,0 +1,89 @@
+"""``ModelDeviceFeed``: the engine's trait, with its default bodies (DESIGN.md, the trait table).
+
+A model that runs decode steps ahead of the host overrides what it supports; everything else keeps
+the engine's defaults: ``False`` for ``supports_device_token_feed``, ``True`` for ``event_query``,
+no-ops for ``fed_step_settled``, ``event_synchronize`` and ``destroy_event``, and a
+``NoDeviceTokenFeed`` error (``<method>: this model has no device token feed``) for the rest.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .errors import NoDeviceTokenFeed
+
+if TYPE_CHECKING:
+    from .kv import SequenceState
+
+__all__ = ["ModelDeviceFeed"]
+
+
+def _no_feed(method: str) -> NoDeviceTokenFeed:
+    return NoDeviceTokenFeed(f"{method}: this model has no device token feed")
+
+
+class ModelDeviceFeed(abc.ABC):
+    """The device token feed of the asynchronous scheduler router, with the event queries, async
+    copies and pinned host memory it uses. Handles (events, streams) are ints; device pointers
+    are ints or objects the runtime accepts."""
+
+    def supports_device_token_feed(self) -> bool:
+        """Whether the model can run ``decode_batch_fed`` and answer it with
+        ``argmax_batch_to_feed``. ``AsyncDeviceIo`` refuses a model that says False."""
+        return False
+
+    def decode_batch_fed(self, sources: Sequence[int], seqs: Sequence["SequenceState"],
+                         stream: Any) -> int:
+        """The decode step over ``seqs`` with each row's input id read on the device from
+        ``sources`` (FeedSource words): forward, KV write at position ``seq.seq_len`` and block
+        allocation, but no push of the token and no advance of ``seq_len`` (the scheduler core
+        does that once the previous step commits). Returns the logits' device pointer."""
+        raise _no_feed("decode_batch_fed")
+
+    def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any,
+                             stream: Any) -> None:
+        """Masked argmax over ``len(masks)`` rows of ``logits`` into the feed cells, an async
+        D2H copy of the ids into pinned ``dst`` and a record of ``event``, all on ``stream``. It
+        never synchronises: ``dst`` is valid once ``event`` completes."""
+        raise _no_feed("argmax_batch_to_feed")
+
+    def reserve_decode_block(self, seq: "SequenceState") -> int:
+        """Allocate the KV block for position ``seq.seq_len`` if the block table lacks it;
+        returns the blocks added (0 or 1). Raises ``KvPoolExhausted`` when the pool is empty."""
+        raise _no_feed("reserve_decode_block")
+
+    def release_decode_blocks(self, seq: "SequenceState", blocks: int) -> None:
+        """Return the last ``blocks`` entries of the block table (added by
+        ``reserve_decode_block`` for a discarded step) to the pool."""
+        raise _no_feed("release_decode_blocks")
+
+    def fed_step_settled(self) -> None:
+        """A fed step has completed on the device (its CUDA graph may be evicted)."""
+
+    def event_query(self, event: Any) -> bool:
+        """Whether the work recorded against ``event`` has completed; never blocks."""
+        return True
+
+    def event_synchronize(self, event: Any) -> None:
+        """Block the host until the work recorded against ``event`` has completed."""
+
+    def destroy_event(self, event: Any) -> None:
+        """Destroy an event made by ``create_event``."""
+
+    def create_event(self) -> int:
+        """A new event handle, for the router's readback slots."""
+        raise _no_feed("create_event")
+
+    def copy_d2h_async(self, src: Any, dst: Any, stream: Any) -> None:
+        """Async device-to-host copy of ``len(dst)`` bytes on ``stream``; ``dst`` must stay valid
+        and unread until the stream has passed the copy."""
+        raise _no_feed("copy_d2h_async")
+
+    def alloc_host_pinned(self, nbytes: int) -> int:
+        """Zeroed page-locked host memory (an int pointer) for the router's readback ring."""
+        raise _no_feed("alloc_host_pinned")
+
+    def free_host_pinned(self, ptr: int, nbytes: int) -> None:
+        """Free what ``alloc_host_pinned`` returned."""
+        raise _no_feed("free_host_pinned")
