@@ -33,6 +33,7 @@ from ._core import (
     event_synchronize,
     free_host_pinned,
     host_faults,
+    host_kernel_threads,
     live_objects,
     nvtx_range,
     read_pinned_u32,

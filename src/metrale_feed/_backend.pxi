@@ -70,6 +70,16 @@ def host_faults():
             "fail_synchronize_at": f.fail_synchronize_at}
 
 
+def host_kernel_threads(threads=None):
+    """Threads a host-backend kernel uses (the stream worker included); set with an int, 0 for
+    every core. Returns the value in force."""
+    if threads is not None:
+        if threads < 0 or threads > 1024:
+            raise ValueError(f"threads must be in [0, 1024], got {threads}")
+        mf_host_set_kernel_threads(threads)
+    return mf_host_kernel_threads()
+
+
 def live_objects():
     """Counts of live events, streams, pinned and device bytes, for leak checks."""
     cdef uint64_t events, streams, pinned, device

@@ -65,6 +65,8 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint64_t fail_synchronize_at
     void mf_host_configure(const mf_host_faults *faults)
     void mf_host_faults_get(mf_host_faults *out)
+    void mf_host_set_kernel_threads(unsigned threads)
+    unsigned mf_host_kernel_threads()
 
     mf_status mf_event_create(unsigned flags, mf_event_t *out)
     mf_status mf_event_wrap(uint64_t foreign, mf_event_t *out)

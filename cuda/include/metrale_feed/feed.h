@@ -73,6 +73,10 @@ typedef struct mf_host_faults {
     uint64_t fail_synchronize_at;
 } mf_host_faults;
 MF_EXPORT void mf_host_configure(const mf_host_faults *faults);
+/* Threads one host-backend kernel may use (the stream's worker included); 0 = every core. A
+ * simulated device of fewer cores leaves the others to the scheduler, as a real GPU does. */
+MF_EXPORT void mf_host_set_kernel_threads(unsigned threads);
+MF_EXPORT unsigned mf_host_kernel_threads(void);
 MF_EXPORT void mf_host_faults_get(mf_host_faults *out);
 
 /* ---- events ---- */

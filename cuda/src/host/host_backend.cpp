@@ -210,6 +210,9 @@ void mf_host_configure(const mf_host_faults *faults) {
     g_fail_sync.store(faults->fail_synchronize_at);
 }
 
+void mf_host_set_kernel_threads(unsigned threads) { mf::host::set_kernel_threads(threads); }
+unsigned mf_host_kernel_threads(void) { return mf::host::kernel_threads(); }
+
 void mf_host_faults_get(mf_host_faults *out) {
     using namespace mf::host;
     out->lag_us = g_lag_us.load();

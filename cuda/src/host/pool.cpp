@@ -37,10 +37,10 @@ public:
         for (unsigned i = 0; i < helpers_; ++i) std::thread(&Pool::serve, this).detach();
     }
     unsigned helpers() const { return helpers_; }
-    void post(const std::shared_ptr<Job> &job) {
+    void post(const std::shared_ptr<Job> &job, unsigned helpers) {
         {
             std::lock_guard<std::mutex> lock(mutex_);
-            for (unsigned i = 0; i < helpers_; ++i) jobs_.push_back(job);
+            for (unsigned i = 0; i < helpers; ++i) jobs_.push_back(job);
         }
         wake_.notify_all();
     }
@@ -69,11 +69,22 @@ Pool &pool() {
     return *instance;
 }
 
+
+std::atomic<unsigned> g_threads{0};  // 0: every core
+
 }  // namespace
+
+void set_kernel_threads(unsigned threads) { g_threads.store(threads, std::memory_order_relaxed); }
+
+unsigned kernel_threads() {
+    unsigned cores = pool().helpers() + 1, wanted = g_threads.load(std::memory_order_relaxed);
+    return wanted == 0 || wanted > cores ? cores : wanted;
+}
 
 void parallel_rows(uint32_t rows, const std::function<void(uint32_t, uint32_t)> &fn) {
     Pool &p = pool();
-    if (rows <= 1 || p.helpers() == 0) {
+    unsigned helpers = kernel_threads() - 1;
+    if (rows <= 1 || helpers == 0) {
         if (rows) fn(0, rows);
         return;
     }
@@ -81,8 +92,8 @@ void parallel_rows(uint32_t rows, const std::function<void(uint32_t, uint32_t)> 
     job->fn = &fn;
     job->rows = rows;
     // Slices small enough to balance the cores, large enough that the counter is not contended.
-    job->grain = std::max(1u, rows / ((p.helpers() + 1) * 4));
-    p.post(job);
+    job->grain = std::max(1u, rows / ((helpers + 1) * 4));
+    p.post(job, helpers);
     job->work();
     std::unique_lock<std::mutex> lock(job->mutex);
     job->all_done.wait(lock, [&] { return job->finished.load(std::memory_order_acquire) == rows; });

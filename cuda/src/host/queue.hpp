@@ -57,6 +57,9 @@ int64_t now_ns();
 uint32_t lag_us();
 
 // Rows of a kernel spread over the pool and the calling worker: fn(begin, end) on disjoint ranges.
+// How many threads one kernel uses: the stream worker plus pool helpers (0 or > cores: all cores).
+void set_kernel_threads(unsigned threads);
+unsigned kernel_threads();
 void parallel_rows(uint32_t rows, const std::function<void(uint32_t, uint32_t)> &fn);
 
 }  // namespace mf::host
