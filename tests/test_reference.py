@@ -1,0 +1,140 @@
+"""The reference model: its forward is DESIGN.md's logits function, bit for bit, read back
+through the paged KV cache; prefill, decode and KV bookkeeping."""
+
+import random
+
+import numpy as np
+import pytest
+
+import metrale_feed
+from metrale_feed.kv import BlockPool, KvPoolExhausted, SequenceState
+from metrale_feed.reference import ReferenceModel, host_logits, host_next_token
+
+
+def fnv_fmix_logits_python(history, vocab):
+    """DESIGN.md's formula in plain Python integers: the independent statement."""
+    h = 0x811C9DC5
+    for t in history:
+        h = ((h ^ t) * 0x01000193) % 2**32
+    out = []
+    for v in range(vocab):
+        x = (h + v * 0x9E3779B9) % 2**32
+        x ^= x >> 16
+        x = (x * 0x85EBCA6B) % 2**32
+        x ^= x >> 13
+        x = (x * 0xC2B2AE35) % 2**32
+        x ^= x >> 16
+        out.append(np.float32(x >> 8) / np.float32(2**24))
+    return np.array(out, np.float32)
+
+
+def test_host_logits_match_the_formula():
+    history = [5, 1, 99, 0, 12345]
+    assert np.array_equal(host_logits(history, 300), fnv_fmix_logits_python(history, 300))
+
+
+def read_logits(model, rows, dtype):
+    itemsize = 4 if dtype == "float32" else 2
+    raw = bytearray(rows * model.feed_vocab * itemsize)
+    metrale_feed.copy_d2h_async(model.logits.ptr, raw, 0)
+    metrale_feed.stream_synchronize(0)
+    if dtype == "float32":
+        return np.frombuffer(raw, np.float32).reshape(rows, -1)
+    if dtype == "float16":
+        return np.frombuffer(raw, np.float16).reshape(rows, -1)
+    import ml_dtypes
+
+    return np.frombuffer(raw, ml_dtypes.bfloat16).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_forward_writes_kv_and_computes_bit_exact_logits(host, no_leaks, dtype):
+    vocab, rng = 777, random.Random(3)
+    with ReferenceModel(vocab, block_size=4, num_blocks=64, max_rows=8, logits_dtype=dtype) as model:
+        seqs = [SequenceState(i) for i in range(3)]
+        prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (1, 6, 13)]
+        for seq, prompt in zip(seqs, prompts):
+            model.prefill(seq, prompt[:-1])
+            assert seq.tokens == prompt[:-1] and seq.seq_len == len(prompt) - 1
+        model.decode_batch([p[-1] for p in prompts], seqs)
+        for seq, prompt in zip(seqs, prompts):
+            assert seq.tokens == prompt and seq.seq_len == len(prompt)
+            assert len(seq.block_table) == (len(prompt) + 3) // 4
+        got = read_logits(model, 3, dtype)
+        for row, prompt in enumerate(prompts):
+            expected = host_logits(prompt, vocab, dtype)
+            assert np.array_equal(got[row].view(np.uint8), expected.view(np.uint8)), dtype
+        for seq in seqs:
+            model.release_sequence(seq)
+        assert model.pool.free_count == 64
+
+
+def test_kv_is_read_back_through_the_block_table(host, no_leaks):
+    """Blocks handed out out of order: the history must still come back in position order."""
+    vocab = 500
+    with ReferenceModel(vocab, block_size=2, num_blocks=16, max_rows=2) as model:
+        a, b = SequenceState(0), SequenceState(1)
+        model.prefill(a, [1, 2])         # a gets block 0
+        model.prefill(b, [7, 8, 9])      # b gets blocks 1, 2
+        model.prefill(a, [3, 4, 5])      # a gets blocks 3, 4
+        assert a.block_table == [0, 3, 4]
+        model.decode_batch([6, 10], [a, b])
+        got = read_logits(model, 2, "float32")
+        assert np.array_equal(got[0], host_logits([1, 2, 3, 4, 5, 6], vocab))
+        assert np.array_equal(got[1], host_logits([7, 8, 9, 10], vocab))
+        model.release_sequence(a)
+        model.release_sequence(b)
+
+
+def test_reserve_and_release_follow_design():
+    model_pool = BlockPool(3)
+    assert [model_pool.alloc() for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(KvPoolExhausted):
+        model_pool.alloc()
+    model_pool.free(1)
+    with pytest.raises(metrale_feed.FeedError):
+        model_pool.free(1)  # double free
+    assert model_pool.free_count == 1
+
+
+def test_reserve_decode_block_adds_only_at_block_boundaries(host, no_leaks):
+    with ReferenceModel(50, block_size=4, num_blocks=8, max_rows=2) as model:
+        seq = SequenceState(0)
+        added = []
+        for length in range(9):
+            seq.seq_len = length
+            added.append(model.reserve_decode_block(seq))
+        assert added == [1, 0, 0, 0, 1, 0, 0, 0, 1]
+        model.release_decode_blocks(seq, 2)
+        assert len(seq.block_table) == 1 and model.pool.free_count == 7
+        with pytest.raises(ValueError):
+            model.release_decode_blocks(seq, 2)
+        model.release_sequence(seq)
+
+
+def test_kv_exhaustion_is_clear_and_leaks_nothing(host, no_leaks):
+    with ReferenceModel(50, block_size=2, num_blocks=3, max_rows=4) as model:
+        seqs = [SequenceState(i) for i in range(4)]
+        for seq in seqs[:3]:
+            model.prefill(seq, [1])
+        with pytest.raises(KvPoolExhausted):
+            model.prefill(seqs[3], [1, 2, 3])
+        assert seqs[3].block_table == [] and seqs[3].seq_len == 0
+        for seq in seqs[:3]:
+            seq.seq_len = 2  # the next decode needs a new block for every row
+        with pytest.raises(KvPoolExhausted):
+            model.decode_batch([1, 2, 3], seqs[:3])
+        assert model.pool.free_count == 0
+        assert [len(s.block_table) for s in seqs[:3]] == [1, 1, 1]  # all or none
+        for seq in seqs:
+            model.release_sequence(seq)
+        assert model.pool.free_count == 3
+
+
+def test_host_next_token_masks_and_empty_rows():
+    history = [4, 2]
+    top = host_next_token(history, 100)
+    assert top == int(np.argmax(host_logits(history, 100)))
+    assert host_next_token(history, 100, mask=(top, 0xFFFFFFFF)) != top
+    assert host_next_token([1], 2, mask=(0, 1)) == 0xFFFFFFFF
+    assert host_next_token([1], 1, mask=(0, 0xFFFFFFFF)) == 0xFFFFFFFF

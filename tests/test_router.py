@@ -1,0 +1,202 @@
+"""AsyncDeviceIo and SyncDeviceIo against the host computation of the reference logits."""
+
+import random
+
+import pytest
+
+import metrale_feed
+from metrale_feed import AsyncDeviceIo, FeedError, FeedSource, SyncDeviceIo
+from metrale_feed.demo import host_reference, make_requests, run_async, run_sync
+from metrale_feed.feed import NO_TOKEN
+from metrale_feed.kv import KvPoolExhausted, SequenceState
+from metrale_feed.reference import ReferenceModel, host_next_token
+
+VOCAB = 600
+
+
+def model_for(rows, dtype="float32", num_blocks=None, block_size=4):
+    return ReferenceModel(VOCAB, block_size=block_size, num_blocks=num_blocks or rows * 40,
+                          max_rows=rows, logits_dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_async_equals_sync_equals_host_with_stops_reorders_and_drops(host, no_leaks, dtype, seed):
+    rows, max_new = 12, 24
+    requests = make_requests(rows, max_new, VOCAB, dtype, seed)
+    expected = [host_reference(r["prompt"], r["mask"], r["stop"], max_new, VOCAB, dtype) for r in requests]
+    assert any(len(e) < max_new for e in expected), "some rows must stop early"
+    assert any(r["mask"][0] != NO_TOKEN for r in requests)
+    with model_for(rows, dtype) as model:
+        start = model.pool.free_count
+        fast = run_async(model, requests, max_new, shuffle=random.Random(seed))
+        assert model.pool.free_count == start
+        slow = run_sync(model, requests, max_new)
+        assert model.pool.free_count == start
+    assert fast["tokens"] == expected
+    assert slow["tokens"] == expected
+    stats = fast["stats"]
+    assert stats["ahead_launches"] > 0 and stats["rollbacks"] > 0
+    assert stats["reserved_in_flight"] == 0
+    assert slow["stats"]["ahead_launches"] == 0
+
+
+def test_masks_that_ban_the_winner_change_the_token(host, no_leaks):
+    with model_for(2) as model, AsyncDeviceIo(model, 2) as io:
+        seqs = [SequenceState(0), SequenceState(1)]
+        prompt = [3, 1, 4]
+        for seq in seqs:
+            model.prefill(seq, prompt[:-1])
+        winner = host_next_token(prompt, VOCAB)
+        ticket = io.launch_decode([4, 4], seqs, [(NO_TOKEN, NO_TOKEN), (winner, NO_TOKEN)])
+        ids = io.await_result(ticket)
+        assert ids[0] == winner
+        assert ids[1] == host_next_token(prompt, VOCAB, mask=(winner, NO_TOKEN)) != winner
+        for seq in seqs:
+            model.release_sequence(seq)
+
+
+def test_fed_rows_read_the_previous_steps_cells_by_from_row(host, no_leaks):
+    """A fed step mixing host ids and reordered from_rows, checked against the host."""
+    with model_for(3) as model, AsyncDeviceIo(model, 3) as io:
+        seqs = [SequenceState(i) for i in range(3)]
+        prompts = [[1, 2], [3, 4, 5], [6]]
+        for seq, p in zip(seqs, prompts):
+            model.prefill(seq, p[:-1])
+        t0 = io.launch_decode([p[-1] for p in prompts], seqs, [(NO_TOKEN, NO_TOKEN)] * 3)
+        # Row order of step 1: seq 2 (fed from row 2), seq 0 (host id 77), seq 1 (fed from row 1).
+        order = [seqs[2], seqs[0], seqs[1]]
+        for seq in order:
+            io.reserve_kv(seq)
+        t1 = io.launch_fed([FeedSource.feed(2), FeedSource.host(77), FeedSource.feed(1)], order,
+                           [(NO_TOKEN, NO_TOKEN)] * 3)
+        g0 = io.await_result(t0)
+        inputs = {0: 77, 1: g0[1], 2: g0[2]}
+        for seq in order:
+            seq.tokens.append(inputs[seq.slot_idx])
+            seq.seq_len += 1
+        g1 = io.await_result(t1)
+        expected = [host_next_token(prompts[s.slot_idx] + [inputs[s.slot_idx]], VOCAB) for s in order]
+        assert g1 == expected
+        assert g0 == [host_next_token(p, VOCAB) for p in prompts]
+        assert model.settled_steps == 1  # one fed step settled
+        for seq in seqs:
+            model.release_sequence(seq)
+
+
+def launch_one(io, model, seq):
+    return io.launch_decode([1], [seq], [(NO_TOKEN, NO_TOKEN)])
+
+
+def test_ring_exhaustion_raises_before_launching(host, no_leaks):
+    with model_for(1) as model, AsyncDeviceIo(model, 1) as io:
+        seq = SequenceState(0)
+        tickets = [launch_one(io, model, seq) for _ in range(3)]
+        seq_len = seq.seq_len
+        with pytest.raises(FeedError, match="readback ring exhausted"):
+            launch_one(io, model, seq)
+        assert seq.seq_len == seq_len  # nothing was launched
+        io.await_result(tickets[0])
+        tickets.append(launch_one(io, model, seq))  # a slot is free again
+        for t in tickets[1:]:
+            io.await_result(t)
+        with pytest.raises(FeedError, match="already awaited"):
+            io.await_result(tickets[1])
+        model.release_sequence(seq)
+
+
+def test_event_query_fault_surfaces_releases_the_slot_and_the_ring_works_on(host, no_leaks):
+    with model_for(1) as model, AsyncDeviceIo(model, 1) as io:
+        seq = SequenceState(0)
+        metrale_feed.configure_host(lag_us=2000, fail_event_query_at=1)
+        ticket = launch_one(io, model, seq)
+        with pytest.raises(FeedError, match="fault injected"):
+            io.await_result(ticket)
+        metrale_feed.configure_host()
+        # All three slots are usable again: the failed wait released its slot.
+        tickets = [launch_one(io, model, seq) for _ in range(3)]
+        history = [1] * seq.seq_len
+        results = [io.await_result(t) for t in tickets]
+        assert results[-1] == [host_next_token(history, VOCAB)]
+        model.release_sequence(seq)
+
+
+def test_kv_exhaustion_in_the_router_is_clear_and_leaks_nothing(host, no_leaks):
+    with model_for(2, num_blocks=2, block_size=2) as model, AsyncDeviceIo(model, 2) as io:
+        a, b = SequenceState(0), SequenceState(1)
+        model.prefill(a, [1, 2])
+        model.prefill(b, [1, 2])
+        assert model.pool.free_count == 0
+        with pytest.raises(KvPoolExhausted):
+            io.reserve_kv(a)
+        with pytest.raises(KvPoolExhausted):
+            io.launch_decode([3, 3], [a, b], [(NO_TOKEN, NO_TOKEN)] * 2)
+        assert (a.seq_len, b.seq_len) == (2, 2) and io.stats.launches == 0
+        model.release_sequence(a)
+        model.release_sequence(b)
+        assert model.pool.free_count == 2
+
+
+def test_rollback_returns_exactly_the_latest_reservation(host, no_leaks):
+    with model_for(1, block_size=2) as model, AsyncDeviceIo(model, 1) as io:
+        seq = SequenceState(0)
+        model.prefill(seq, [5])                     # seq_len 1, one block
+        t0 = launch_one(io, model, seq)             # writes position 1, seq_len 2
+        assert io.reserve_kv(seq) == 1              # position 2 needs block 2
+        t1 = io.launch_fed([FeedSource.feed(0)], [seq], [(NO_TOKEN, NO_TOKEN)])
+        io.await_result(t0)
+        assert io.stats.reserved_in_flight == 1
+        assert io.rollback(seq) == 1                # the row stopped: step 1 is discarded
+        assert len(seq.block_table) == 1 and io.stats.blocks_rolled_back == 1
+        assert io.rollback(seq) == 0                # nothing more to return
+        io.await_result(t1)
+        assert io.stats.reserved_in_flight == 0
+        model.release_sequence(seq)
+        assert model.pool.free_count == model.pool.num_blocks
+
+
+def test_teardown_with_a_step_in_flight(host, no_leaks):
+    metrale_feed.configure_host(lag_us=3000)
+    model = model_for(1)
+    io = AsyncDeviceIo(model, 1)
+    seq = SequenceState(0)
+    launch_one(io, model, seq)
+    io.teardown()
+    io.teardown()  # idempotent
+    with pytest.raises(FeedError, match="torn down"):
+        launch_one(io, model, seq)
+    model.release_sequence(seq)
+    model.close()
+
+
+def test_sync_router_settles_each_step_and_refuses_fed_without_feed(host, no_leaks):
+    with model_for(1) as model:
+        with SyncDeviceIo(model, 1) as io:
+            seq = SequenceState(0)
+            ticket = launch_one(io, model, seq)
+            # Settled: the ids are there without any wait.
+            assert io.await_result(ticket) == [host_next_token([1], VOCAB)]
+            model.release_sequence(seq)
+
+
+def test_router_validates_rows_and_lengths(host, no_leaks):
+    with model_for(2) as model, AsyncDeviceIo(model, 2) as io:
+        seqs = [SequenceState(i) for i in range(3)]
+        with pytest.raises(ValueError):
+            io.launch_decode([1, 2, 3], seqs, [(NO_TOKEN, NO_TOKEN)] * 3)  # more than max_rows
+        with pytest.raises(ValueError):
+            io.launch_decode([1], seqs[:2], [(NO_TOKEN, NO_TOKEN)] * 2)
+        with pytest.raises(ValueError):
+            AsyncDeviceIo(model, 0)
+        assert io.stats.launches == 0
+
+
+def test_live_objects_back_to_zero_after_a_demo_run(host):
+    import gc
+
+    before = metrale_feed.live_objects()
+    requests = make_requests(4, 8, VOCAB, "float32", 5)
+    with model_for(4) as model:
+        run_async(model, requests, 8)
+    gc.collect()
+    assert metrale_feed.live_objects() == before
