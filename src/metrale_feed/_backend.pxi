@@ -17,11 +17,18 @@ def backend():
 
 def build_info():
     cdef int version = mf_build_cuda_version()
-    archs = mf_build_cuda_archs().decode()
+    # CMake's list: "NN-real" is SASS only, "NN" is SASS and PTX, "NN-virtual" PTX only.
+    architectures = []
+    for arch in filter(None, mf_build_cuda_archs().decode().split(",")):
+        number, _, kind = arch.partition("-")
+        if kind != "virtual":
+            architectures.append(f"sm_{number}")
+        if kind != "real":
+            architectures.append(f"compute_{number}")
     return {
         "cuda": bool(mf_build_has_cuda()),
         "cuda_version": f"{version // 1000}.{version % 1000 // 10}" if version else None,
-        "architectures": archs.split(",") if archs else [],
+        "architectures": architectures,
         "nvtx": bool(mf_build_has_nvtx()),
     }
 
@@ -106,3 +113,29 @@ cdef class nvtx_range:
 
 def nvtx_enable(bint on):
     mf_nvtx_enable(on)
+
+
+def trace_enable(size_t capacity=1 << 20):
+    """Record what host-backend workers run (see trace_read); 0 turns it off. Clears either way."""
+    mf_trace_enable(capacity)
+
+
+def trace_read():
+    """Drain the host-backend trace: (records, dropped), each record a tuple
+    (name, stream, queued_ns, start_ns, end_ns) on the clock of ``trace_now_ns()``."""
+    cdef mf_trace_record chunk[256]
+    cdef uint64_t dropped = 0
+    cdef size_t n, i
+    records = []
+    while True:
+        n = mf_trace_read(chunk, 256, &dropped)
+        for i in range(n):
+            records.append((chunk[i].name.decode(), chunk[i].stream, chunk[i].queued_ns,
+                            chunk[i].start_ns, chunk[i].end_ns))
+        if n < 256:
+            return records, dropped
+
+
+def trace_now_ns():
+    """The trace clock (monotonic; the same as time.perf_counter_ns() on Linux)."""
+    return mf_trace_now_ns()

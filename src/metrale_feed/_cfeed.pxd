@@ -1,5 +1,5 @@
 # The C ABI of cuda/include/metrale_feed/feed.h, for Cython. No Python objects here.
-from libc.stdint cimport uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
 
 cdef extern from "metrale_feed/feed.h" nogil:
     const uint32_t MF_NO_TOKEN
@@ -121,6 +121,16 @@ cdef extern from "metrale_feed/feed.h" nogil:
         mf_dtype dtype
         void *logits
     mf_status mf_reference_forward(const mf_reference_args *args, mf_stream_t stream)
+
+    ctypedef struct mf_trace_record:
+        const char *name
+        uint64_t stream
+        int64_t queued_ns
+        int64_t start_ns
+        int64_t end_ns
+    void mf_trace_enable(size_t capacity)
+    size_t mf_trace_read(mf_trace_record *out, size_t max, uint64_t *dropped)
+    int64_t mf_trace_now_ns()
 
     void mf_nvtx_push(const char *name)
     void mf_nvtx_pop()

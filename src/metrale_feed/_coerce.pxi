@@ -8,6 +8,18 @@ cdef int u64_of(object value, uint64_t *out, str what) except -1:
     return 0
 
 
+cdef size_t size_of(object value, str what) except? 0:
+    """A byte count: an int (not a float, not a bool), >= 0."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    value = value.__index__()
+    if value < 0:
+        raise ValueError(f"{what} must not be negative, got {value}")
+    if value > <size_t>-1:
+        raise OverflowError(f"{what} {value} does not fit in size_t")
+    return <size_t>value
+
+
 cdef int stream_of(object stream, uint64_t *out) except -1:
     if stream is None:
         out[0] = 0

@@ -9,7 +9,7 @@ from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_ND, PyBUF_S
                              PyObject_GetBuffer)
 from cpython.long cimport PyLong_CheckExact
 from cpython.pycapsule cimport PyCapsule_New
-from libc.stdint cimport uint16_t, uint32_t, uint64_t, UINT64_MAX
+from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t, UINT64_MAX
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 

@@ -5,12 +5,12 @@ cdef class PinnedBuffer:
     """Zeroed page-locked host memory. ``numpy.asarray(buf)`` and ``memoryview(buf)`` see the
     same bytes; ``close()`` refuses while a view is exported."""
 
-    def __cinit__(self, size_t nbytes, *, bint portable=False, bint mapped=False,
+    def __cinit__(self, nbytes, *, bint portable=False, bint mapped=False,
                   bint write_combined=False):
         cdef unsigned flags = ((MF_HOST_PORTABLE if portable else 0) | (MF_HOST_MAPPED if mapped else 0)
                                | (MF_HOST_WRITE_COMBINED if write_combined else 0))
-        check(mf_host_alloc(nbytes, flags, &self._ptr))
-        self._nbytes = nbytes
+        self._nbytes = size_of(nbytes, "nbytes")
+        check(mf_host_alloc(self._nbytes, flags, &self._ptr))
         self._shape[0] = <Py_ssize_t>nbytes
 
     def __dealloc__(self):
@@ -90,9 +90,9 @@ cdef class PinnedBuffer:
 cdef class DeviceBuffer:
     """Device memory (host memory on the host backend), freed by ``close()`` or collection."""
 
-    def __cinit__(self, size_t nbytes):
-        check(mf_device_alloc(nbytes, &self._ptr))
-        self._nbytes = nbytes
+    def __cinit__(self, nbytes):
+        self._nbytes = size_of(nbytes, "nbytes")
+        check(mf_device_alloc(self._nbytes, &self._ptr))
 
     def __dealloc__(self):
         if self._ptr != NULL:
@@ -200,37 +200,41 @@ def copy_h2d_async(dst, src, stream=0):
         hold_until_passed(held, s)
 
 
-def copy_d2d_async(dst, src, size_t nbytes, stream=0):
+def copy_d2d_async(dst, src, nbytes, stream=0):
+    cdef size_t n = size_of(nbytes, "nbytes")
     cdef void *d
     cdef void *s_ptr
     cdef uint64_t s
     device_ptr_of(dst, &d)
     device_ptr_of(src, &s_ptr)
     stream_of(stream, &s)
-    check(mf_copy_d2d_async(d, s_ptr, nbytes, s))
+    check(mf_copy_d2d_async(d, s_ptr, n, s))
 
 
-def alloc_host_pinned(size_t nbytes):
+def alloc_host_pinned(nbytes):
     """Zeroed page-locked memory as an int pointer; free it with ``free_host_pinned(ptr, nbytes)``."""
     cdef void *ptr
-    check(mf_host_alloc(nbytes, 0, &ptr))
+    check(mf_host_alloc(size_of(nbytes, "nbytes"), 0, &ptr))
     return <size_t>ptr
 
 
-def free_host_pinned(ptr, size_t nbytes):
+def free_host_pinned(ptr, nbytes):
     """Free what ``alloc_host_pinned`` returned; a wrong size, a foreign or freed pointer raise."""
     cdef uint64_t p
     cdef mf_status status
+    cdef size_t n = size_of(nbytes, "nbytes")
     u64_of(ptr, &p, "pointer")
     with nogil:
-        status = mf_host_free(<void *><size_t>p, nbytes)
+        status = mf_host_free(<void *><size_t>p, n)
     check(status)
 
 
 cdef int pinned_range(uint64_t ptr, size_t nbytes) except -1:
     cdef size_t left = 0
-    if mf_mem_lookup(<void *><size_t>ptr, &left) != MF_MEM_PINNED or left < nbytes:
-        raise FeedError(f"0x{ptr:x} is not {nbytes} bytes of live pinned memory of this package")
+    if mf_mem_lookup(<void *><size_t>ptr, &left) != MF_MEM_PINNED:
+        raise FeedError(f"0x{ptr:x} is not live pinned memory of this package (freed or foreign)")
+    if left < nbytes:
+        raise ValueError(f"{nbytes} bytes run past the end of the pinned allocation at 0x{ptr:x} ({left} left)")
     return 0
 
 

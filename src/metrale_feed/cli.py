@@ -12,7 +12,7 @@ def info(_: argparse.Namespace) -> int:
 
     build = mf.build_info()
     print(f"metrale_feed {mf.__version__}")
-    cuda = f"CUDA {build['cuda_version']}, sm {', '.join(build['architectures'])}" if build["cuda"] else "host only"
+    cuda = f"CUDA {build['cuda_version']}, kernels for {' '.join(build['architectures'])}" if build["cuda"] else "host only"
     print(f"build: {cuda}; NVTX {'on' if build['nvtx'] else 'off'}")
     print(f"backend: {mf.backend()}")
     if not build["cuda"]:
@@ -51,6 +51,8 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--device-threads", type=int, default=1,
                       help="host backend: cores the simulated device uses (0: all); the rest "
                            "are the scheduler's, as beside a real GPU")
+    demo.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (Perfetto) of both runs")
+    demo.add_argument("--plot", metavar="FILE.png", help="draw host and device lanes (needs matplotlib)")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.set_defaults(run=lambda a: __import__("metrale_feed.demo", fromlist=["main"]).main(a))
 

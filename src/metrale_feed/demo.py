@@ -13,6 +13,7 @@ from .feed import NO_TOKEN, FeedSource
 from .kv import SequenceState
 from .reference import ReferenceModel, host_next_token
 from .router import AsyncDeviceIo, SyncDeviceIo
+from .timeline import Recorder
 
 
 class Row:
@@ -75,6 +76,30 @@ def host_work(us: float, kind: str = "sleep") -> None:
         pass
 
 
+class _Timed:
+    """Host spans and device marks for a Recorder; free when there is none."""
+
+    __slots__ = ("recorder",)
+
+    def __init__(self, recorder: Optional[Recorder]) -> None:
+        self.recorder = recorder
+
+    def start(self, name: str) -> Any:
+        if self.recorder is None:
+            return None
+        pair = self.recorder.mark_device(name)
+        if pair is not None:
+            pair[0].record(0)
+        return (name, self.recorder.begin(), pair)
+
+    def stop(self, mark: Any) -> None:
+        if mark is not None:
+            name, begin, pair = mark
+            if pair is not None:
+                pair[1].record(0)
+            self.recorder.end(name, begin)  # type: ignore[union-attr]
+
+
 def _rows(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: int) -> List[Row]:
     rows = [Row(i, r["prompt"], r["mask"], r["stop"], max_new) for i, r in enumerate(requests)]
     for row in rows:
@@ -84,16 +109,20 @@ def _rows(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: int) -
 
 def run_async(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: int,
               host_work_us: float = 0.0, progress: Optional[Any] = None,
-              shuffle: Optional[random.Random] = None, work_kind: str = "sleep") -> Dict[str, Any]:
+              shuffle: Optional[random.Random] = None, work_kind: str = "sleep",
+              recorder: Optional[Recorder] = None) -> Dict[str, Any]:
     """The two-deep pipeline: launch step k+1 (fed from step k's cells), then read step k."""
     rows = _rows(model, requests, max_new)
     io = AsyncDeviceIo(model, len(rows))
+    rec = _Timed(recorder)
     start = time.perf_counter()
     steps = 0
     try:
         first = list(rows)
+        mark = rec.start("launch decode")
         inflight = deque([(io.launch_decode([r.prompt[-1] for r in first], [r.seq for r in first],
                                             [r.mask for r in first]), first)])
+        rec.stop(mark)
         for r in first:
             r.launched = 1
         while inflight:
@@ -103,6 +132,7 @@ def run_async(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: in
                 if shuffle is not None:
                     shuffle.shuffle(ahead)
                 if ahead:
+                    mark = rec.start("launch fed")
                     where = {id(r): i for i, r in enumerate(newest)}
                     for r in ahead:
                         io.reserve_kv(r.seq)
@@ -110,10 +140,15 @@ def run_async(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: in
                     ticket = io.launch_fed([FeedSource.feed(where[id(r)]) for r in ahead],
                                            [r.seq for r in ahead], [r.mask for r in ahead])
                     inflight.append((ticket, ahead))
+                    rec.stop(mark)
             ticket, order = inflight.popleft()
+            mark = rec.start("await")
             ids = io.await_result(ticket)
+            rec.stop(mark)
             steps += 1
+            mark = rec.start("host work")
             host_work(host_work_us, work_kind)
+            rec.stop(mark)
             next_rows = {id(r) for r in inflight[0][1]} if inflight else set()
             for r, token in zip(order, ids):
                 if r.done:
@@ -138,10 +173,11 @@ def run_async(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: in
 
 def run_sync(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: int,
              host_work_us: float = 0.0, progress: Optional[Any] = None,
-             work_kind: str = "sleep") -> Dict[str, Any]:
+             work_kind: str = "sleep", recorder: Optional[Recorder] = None) -> Dict[str, Any]:
     """Every step settled before the next: the inputs are host-known, so launch_decode."""
     rows = _rows(model, requests, max_new)
     io = SyncDeviceIo(model, len(rows))
+    rec = _Timed(recorder)
     start = time.perf_counter()
     steps = 0
     try:
@@ -150,11 +186,15 @@ def run_sync(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: int
             live = [r for r in rows if not r.done]
             if not live:
                 break
+            mark = rec.start("launch decode + settle")
             ticket = io.launch_decode([inputs[r.index] for r in live], [r.seq for r in live],
                                       [r.mask for r in live])
             ids = io.await_result(ticket)
+            rec.stop(mark)
             steps += 1
+            mark = rec.start("host work")
             host_work(host_work_us, work_kind)
+            rec.stop(mark)
             for r, token in zip(live, ids):
                 r.accept(token)
                 inputs[r.index] = token
@@ -209,11 +249,23 @@ def main(args: Any) -> int:
                            max_rows=args.rows, logits_dtype=args.dtype)
     try:
         free_at_start = model.pool.free_count
+        timed = bool(args.trace or args.plot)
+        recorders: List[Optional[Recorder]] = [None, None]
         bar = Progress("async", total, show)
-        fast = run_async(model, requests, args.tokens, args.host_work_us, bar, work_kind=args.host_work)
+        if timed:  # each recorder starts the host trace afresh, so make it just before its run
+            recorders[0] = Recorder("async router (two steps deep)")
+        fast = run_async(model, requests, args.tokens, args.host_work_us, bar, work_kind=args.host_work,
+                         recorder=recorders[0])
+        if recorders[0]:
+            recorders[0].finish()
         bar.finish()
         bar = Progress("sync", total, show)
-        slow = run_sync(model, requests, args.tokens, args.host_work_us, bar, work_kind=args.host_work)
+        if timed:
+            recorders[1] = Recorder("sync router")
+        slow = run_sync(model, requests, args.tokens, args.host_work_us, bar, work_kind=args.host_work,
+                        recorder=recorders[1])
+        if recorders[1]:
+            recorders[1].finish()
         bar.finish()
         pool_ok = model.pool.free_count == free_at_start
     finally:
@@ -227,6 +279,16 @@ def main(args: Any) -> int:
           f"(host work {args.host_work_us:g} us/step, {args.host_work})")
     print(f"router stats: {fast['stats']}")
     print(f"tokens: async == sync == host reference: {same}; {total} tokens; KV pool back to start: {pool_ok}")
+    if args.trace:
+        from .timeline import write_trace
+
+        write_trace(args.trace, recorders)
+        print(f"trace: {args.trace} (open in https://ui.perfetto.dev)")
+    if args.plot:
+        from .timeline import plot
+
+        plot(args.plot, recorders)
+        print(f"plot: {args.plot}")
     live = metrale_feed.live_objects()
     print(f"live objects after teardown: {live}")
     return 0 if same and pool_ok and not any(live.values()) else 1

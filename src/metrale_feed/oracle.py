@@ -28,12 +28,13 @@ def _as_float64(logits) -> np.ndarray:
     if array.ndim != 2:
         raise ValueError(f"logits must be a 2-D (rows, vocab) array, got {array.ndim} dimension(s)")
     name = array.dtype.name
-    if name in ("float32", "float16"):
-        return array.astype(np.float64)
-    if name == "bfloat16":
-        import ml_dtypes  # noqa: F401  (only needed to know the dtype; numpy converts through it)
+    with np.errstate(invalid="ignore"):  # signalling NaNs stay NaN (quieted)
+        if name in ("float32", "float16"):
+            return array.astype(np.float64)
+        if name == "bfloat16":
+            import ml_dtypes  # noqa: F401  (the dtype's home; numpy converts through it)
 
-        return array.astype(np.float32).astype(np.float64)
+            return array.astype(np.float32).astype(np.float64)
     raise TypeError(f"logits dtype must be float32, float16 or bfloat16, not {array.dtype}")
 
 

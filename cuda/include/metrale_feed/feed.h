@@ -153,6 +153,20 @@ typedef struct mf_reference_args {
 } mf_reference_args;
 MF_EXPORT mf_status mf_reference_forward(const mf_reference_args *args, mf_stream_t stream);
 
+/* ---- timelines (host backend) ----
+ * While enabled, each op a host-backend worker runs is recorded: its name, its stream (0: the
+ * default stream), and when it was queued, started and ended, in mf_trace_now_ns() time. */
+typedef struct mf_trace_record {
+    const char *name;
+    uint64_t stream;
+    int64_t queued_ns;
+    int64_t start_ns;
+    int64_t end_ns;
+} mf_trace_record;
+MF_EXPORT void mf_trace_enable(size_t capacity); /* 0 turns it off; either way clears */
+MF_EXPORT size_t mf_trace_read(mf_trace_record *out, size_t max, uint64_t *dropped); /* drains */
+MF_EXPORT int64_t mf_trace_now_ns(void);
+
 /* ---- NVTX ---- */
 MF_EXPORT void mf_nvtx_push(const char *name);
 MF_EXPORT void mf_nvtx_pop(void);

@@ -1,5 +1,6 @@
 // The host backend's table: CUDA's asynchronous runtime semantics on CPU threads, with
 // deterministic fault knobs so races and failures can be provoked on purpose.
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -62,7 +63,7 @@ mf_status event_record(void *raw, mf_stream_t stream) {
     Event *event = as_event(raw);
     uint64_t ticket = event->recorded.fetch_add(1, std::memory_order_acq_rel) + 1;
     event->retain();
-    stream_of((void *)(uintptr_t)stream)->enqueue([event, ticket] {
+    stream_of((void *)(uintptr_t)stream)->enqueue("event_record", [event, ticket] {
         event->reach(ticket, now_ns());
         event->release();
     });
@@ -114,7 +115,7 @@ mf_status stream_wait_event(void *raw, void *event_raw) {
     Event *event = as_event(event_raw);
     uint64_t ticket = event->recorded.load(std::memory_order_acquire);
     event->retain();
-    stream_of(raw)->enqueue([event, ticket] {
+    stream_of(raw)->enqueue("stream_wait_event", [event, ticket] {
         event->wait(ticket);
         event->release();
     });
@@ -123,6 +124,7 @@ mf_status stream_wait_event(void *raw, void *event_raw) {
 
 mf_status aligned_zeroed(size_t nbytes, size_t alignment, void **out, const char *what) {
     if (fires(g_fail_alloc)) return injected(what);
+    if (nbytes > SIZE_MAX - alignment) return fail(MF_ERROR_OUT_OF_MEMORY, "%s of %zu bytes is too large", what, nbytes);
     size_t rounded = (nbytes + alignment - 1) / alignment * alignment;
     *out = std::aligned_alloc(alignment, rounded);
     if (!*out) return fail(MF_ERROR_OUT_OF_MEMORY, "%s of %zu bytes failed", what, nbytes);
@@ -144,26 +146,27 @@ mf_status free_after_sync(void *ptr) {
 }
 
 mf_status memset_async(void *dev, int value, size_t nbytes, void *stream) {
-    stream_of(stream)->enqueue([dev, value, nbytes] { std::memset(dev, value, nbytes); });
+    stream_of(stream)->enqueue("memset", [dev, value, nbytes] { std::memset(dev, value, nbytes); });
     return MF_SUCCESS;
 }
 
-mf_status copy_async(void *dst, const void *src, size_t nbytes, CopyKind, void *stream) {
+mf_status copy_async(void *dst, const void *src, size_t nbytes, CopyKind kind, void *stream) {
     if (fires(g_fail_copy)) return injected("copy_async");
-    stream_of(stream)->enqueue([dst, src, nbytes] { std::memcpy(dst, src, nbytes); });
+    static const char *const names[] = {"copy_d2h", "copy_h2d", "copy_d2d"};
+    stream_of(stream)->enqueue(names[kind], [dst, src, nbytes] { std::memcpy(dst, src, nbytes); });
     return MF_SUCCESS;
 }
 
 mf_status argmax(const mf_argmax_args *args, void *stream) {
     ArgmaxJob job(*args);  // masks are copied here: the caller may reuse them at once
-    stream_of(stream)->enqueue([job = std::move(job)] { run_argmax(job); });
+    stream_of(stream)->enqueue("argmax", [job = std::move(job)] { run_argmax(job); });
     return MF_SUCCESS;
 }
 
 mf_status resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t *out,
                   void *stream) {
     std::vector<uint32_t> words(sources, sources + n);
-    stream_of(stream)->enqueue([words = std::move(words), cells, out] {
+    stream_of(stream)->enqueue("resolve_feed", [words = std::move(words), cells, out] {
         run_resolve(words.data(), (uint32_t)words.size(), cells, out);
     });
     return MF_SUCCESS;
@@ -171,7 +174,7 @@ mf_status resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells, ui
 
 mf_status reference_forward(const mf_reference_args *args, void *stream) {
     mf_reference_args copy = *args;
-    stream_of(stream)->enqueue([copy] { run_reference_forward(copy); });
+    stream_of(stream)->enqueue("reference_forward", [copy] { run_reference_forward(copy); });
     return MF_SUCCESS;
 }
 

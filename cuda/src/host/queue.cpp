@@ -10,12 +10,6 @@ std::mutex g_streams_mutex;
 std::unordered_set<Stream *> g_streams;
 }  // namespace
 
-int64_t now_ns() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-}
-
 void Event::reach(uint64_t ticket, int64_t stamp) {
     stamp_ns.store(stamp, std::memory_order_relaxed);
     {
@@ -39,10 +33,11 @@ Stream::Stream() {
     std::thread(&Stream::run, this).detach();
 }
 
-void Stream::enqueue(std::function<void()> op) {
+void Stream::enqueue(const char *name, std::function<void()> op) {
+    int64_t queued = tracing() ? now_ns() : 0;
     {
         std::lock_guard<std::mutex> lock(mutex_);
-        queue_.push_back(std::move(op));
+        queue_.push_back(Op{name, queued, std::move(op)});
         ++enqueued_;
     }
     work_.notify_one();
@@ -72,12 +67,14 @@ void Stream::run() {
     for (;;) {
         work_.wait(lock, [&] { return !queue_.empty() || closing_; });
         if (queue_.empty()) break;  // closing, and drained
-        std::function<void()> op = std::move(queue_.front());
+        Op op = std::move(queue_.front());
         queue_.pop_front();
         lock.unlock();
         if (uint32_t lag = lag_us()) std::this_thread::sleep_for(std::chrono::microseconds(lag));
-        op();
-        op = nullptr;  // captured references go before the op counts as completed
+        int64_t start = op.queued_ns ? now_ns() : 0;
+        op.run();
+        op.run = nullptr;  // captured references go before the op counts as completed
+        if (op.queued_ns) trace(op.name, this == default_stream() ? nullptr : this, op.queued_ns, start, now_ns());
         lock.lock();
         ++completed_;
         idle_.notify_all();

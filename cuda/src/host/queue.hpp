@@ -36,7 +36,8 @@ struct Event {
 class Stream {
 public:
     Stream();
-    void enqueue(std::function<void()> op);
+    // `name` (a string literal) labels the op in a trace (mf_trace_enable).
+    void enqueue(const char *name, std::function<void()> op);
     bool idle();
     void synchronize();
     void close();  // the worker drains the queue, then frees the stream
@@ -45,7 +46,12 @@ private:
     void run();
     std::mutex mutex_;
     std::condition_variable work_, idle_;
-    std::deque<std::function<void()>> queue_;
+    struct Op {
+        const char *name;
+        int64_t queued_ns;
+        std::function<void()> run;
+    };
+    std::deque<Op> queue_;
     uint64_t enqueued_ = 0, completed_ = 0;
     bool closing_ = false;
 };
@@ -54,6 +60,8 @@ Stream *default_stream();
 Stream *stream_of(void *raw);  // raw 0 is the default stream
 void synchronize_all();        // every live stream, as cudaFree implies
 int64_t now_ns();
+bool tracing();
+void trace(const char *name, const void *stream, int64_t queued_ns, int64_t start_ns, int64_t end_ns);
 uint32_t lag_us();
 
 // Rows of a kernel spread over the pool and the calling worker: fn(begin, end) on disjoint ranges.

@@ -17,14 +17,13 @@ void run_reference_forward(const mf_reference_args &a) {
                 if (slot < a.kv_slots) a.kv[slot] = a.input_ids[r];
                 continue;
             }
+            // As the CUDA kernel: a table pointing past the cache writes nothing and reads NO_TOKEN.
             uint32_t h = MF_FNV_OFFSET;
-            bool in_bounds = true;
-            for (uint32_t t = 0; t <= pos && in_bounds; ++t) {
+            for (uint32_t t = 0; t <= pos; ++t) {
                 uint64_t slot = (uint64_t)table[t / a.block_size] * a.block_size + t % a.block_size;
-                in_bounds = slot < a.kv_slots;  // a corrupt table must not write outside the cache
-                if (!in_bounds) break;
-                if (t == pos) a.kv[slot] = a.input_ids[r];
-                h = mf_fnv_step(h, a.kv[slot]);
+                bool inside = slot < a.kv_slots;
+                if (inside && t == pos) a.kv[slot] = a.input_ids[r];
+                h = mf_fnv_step(h, inside ? a.kv[slot] : MF_NO_TOKEN);
             }
             for (uint32_t v = 0; v < a.vocab; ++v) {
                 float logit = mf_reference_logit(h, v);

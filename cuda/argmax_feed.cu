@@ -1,0 +1,215 @@
+// Masked argmax into the feed cells: cells[r] = the rule of argmax_rule.h over row r.
+//
+// Many rows: one block per row. Few rows (rows < 2 * SM count): each row is split across several
+// blocks; each writes a packed partial to per-stream scratch and the last block to arrive (an
+// atomic counter per row) combines them and resets the counter, so no memset between calls.
+// Masks travel by value in the kernel parameters: no staging copy, no host sync, capturable.
+#include <algorithm>
+
+#include "cuda/kernels.hpp"
+#include "metrale_feed/argmax_rule.h"
+
+namespace mf {
+namespace cudak {
+namespace {
+
+constexpr int kMaxThreads = 512;
+constexpr int kUnroll = 4;  // 16-byte loads in flight per thread per iteration
+constexpr uint32_t kChunkAlign = 64;
+
+// The masks of one launch; the tiers keep small launches' parameter blocks small.
+template <int MaxRows>
+struct RowMasks {
+    uint32_t ids[2 * MaxRows];
+};
+
+// Element traits: the raw bits type and its ordered key.
+struct F32 {
+    using T = uint32_t;
+    __device__ static uint32_t key(uint32_t bits) { return mf_key_f32(bits); }
+};
+struct F16 {
+    using T = uint16_t;
+    __device__ static uint32_t key(uint32_t bits) { return mf_key_f16((uint16_t)bits); }
+};
+struct BF16 {
+    using T = uint16_t;
+    __device__ static uint32_t key(uint32_t bits) { return mf_key_bf16((uint16_t)bits); }
+};
+
+// A thread's best candidate. Each thread visits its ids in increasing order, so a strict `>` on
+// the key alone keeps the lowest id of a tie; key1 = key + 1 so that 0 means "no candidate yet"
+// (keys are at most 0xFF800000). pack() gives exactly mf_pack(key, id), or 0 for none.
+struct Best {
+    uint32_t key1 = 0u;
+    uint32_t id = 0u;
+    __device__ void offer(uint32_t key, uint32_t i) {
+        if (key + 1u > key1) { key1 = key + 1u; id = i; }
+    }
+    __device__ unsigned long long pack() const {
+        return key1 ? (unsigned long long)mf_pack(key1 - 1u, id) : 0ull;
+    }
+};
+
+// One 16-byte vector starting at id `base`; lower ids sit in lower bytes (little-endian).
+template <class E>
+__device__ __forceinline__ void offer_vec(Best &b, uint4 v, uint32_t base) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    if (sizeof(typename E::T) == 4) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) b.offer(E::key(w[j]), base + j);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            b.offer(E::key(w[j] & 0xFFFFu), base + 2 * j);
+            b.offer(E::key(w[j] >> 16), base + 2 * j + 1);
+        }
+    }
+}
+
+// Scans ids [lo, hi) of `row` with the whole block: a scalar head up to the first 16-byte
+// boundary, 16-byte vector loads, then a scalar tail. Works for any element-aligned row start.
+template <class E>
+__device__ void scan_range(const typename E::T *__restrict__ row, uint32_t lo, uint32_t hi,
+                           Best &b) {
+    using T = typename E::T;
+    constexpr uint32_t V = 16 / sizeof(T);
+    if (lo >= hi) return;
+    const uint32_t t = threadIdx.x, B = blockDim.x;
+    uint32_t head = (uint32_t)((16u - ((uintptr_t)(row + lo) & 15u)) & 15u) / sizeof(T);
+    head = min(head, hi - lo);
+    if (t < head) b.offer(E::key(__ldg(row + lo + t)), lo + t);
+
+    const uint32_t vlo = lo + head, nvec = (hi - vlo) / V;
+    const uint4 *vp = reinterpret_cast<const uint4 *>(row + vlo);
+    uint32_t i = t;
+    for (; i + (kUnroll - 1) * B < nvec; i += kUnroll * B) {
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) v[u] = __ldg(vp + i + u * B);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) offer_vec<E>(b, v[u], vlo + (i + u * B) * V);
+    }
+    for (; i < nvec; i += B) offer_vec<E>(b, __ldg(vp + i), vlo + i * V);
+
+    const uint32_t tail = vlo + nvec * V;
+    if (tail + t < hi) b.offer(E::key(__ldg(row + tail + t)), tail + t);
+}
+
+// Max of the packed words of the block; the result is valid in thread 0. Callers that reduce
+// twice must __syncthreads() in between (the warp slots are reused).
+__device__ unsigned long long block_max(unsigned long long v) {
+    __shared__ unsigned long long warp_best[kMaxThreads / 32];
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = mf_pack_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+    if (lane == 0) warp_best[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (blockDim.x >> 5) ? warp_best[lane] : 0ull;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v = mf_pack_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+    }
+    return v;
+}
+
+// grid = (splits, rows of this launch). Block x scans ids [x * chunk, (x + 1) * chunk).
+template <class E, int MaxRows>
+__global__ void __launch_bounds__(kMaxThreads)
+    mf_argmax_kernel(const typename E::T *__restrict__ logits, uint64_t row_stride,
+                     uint32_t vocab, uint32_t chunk, uint32_t *__restrict__ cells,
+                     unsigned long long *partials, unsigned int *counters,
+                     const __grid_constant__ RowMasks<MaxRows> masks) {
+    const uint32_t r = blockIdx.y, splits = gridDim.x;
+    const typename E::T *row = logits + (uint64_t)r * row_stride;
+    const mf_spans s = mf_candidate_spans(vocab, masks.ids[2 * r], masks.ids[2 * r + 1]);
+    const uint32_t lo = blockIdx.x * chunk, hi = min(lo + chunk, vocab);
+
+    Best b;
+    for (uint32_t k = 0; k < s.count; ++k)
+        scan_range<E>(row, max(lo, s.lo[k]), min(hi, s.hi[k]), b);
+    unsigned long long best = block_max(b.pack());
+    if (splits == 1) {
+        if (threadIdx.x == 0) cells[r] = mf_unpack_id(best);
+        return;
+    }
+
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        partials[(uint64_t)r * splits + blockIdx.x] = best;
+        __threadfence();  // publish the partial before counting in
+        last = atomicAdd(&counters[r], 1u) == splits - 1u;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();  // the other blocks' partials, read below through L2 (__ldcg)
+    unsigned long long v = 0ull;
+    for (uint32_t i = threadIdx.x; i < splits; i += blockDim.x)
+        v = mf_pack_max(v, __ldcg(&partials[(uint64_t)r * splits + i]));
+    v = block_max(v);
+    if (threadIdx.x == 0) {
+        cells[r] = mf_unpack_id(v);
+        counters[r] = 0u;  // ready for the next launch on this stream
+    }
+}
+
+uint32_t div_up(uint64_t a, uint64_t b) { return (uint32_t)((a + b - 1) / b); }
+
+template <class E, int MaxRows>
+cudaError_t launch_tier(const mf_argmax_args &a, const ArgmaxPlan &p, const ArgmaxScratch &s,
+                        uint32_t row0, uint32_t n, cudaStream_t stream) {
+    RowMasks<MaxRows> m;
+    for (uint32_t i = 0; i < 2 * n; ++i) m.ids[i] = a.masks[2 * (uint64_t)row0 + i];
+    const auto *logits = static_cast<const typename E::T *>(a.logits) + row0 * a.row_stride;
+    mf_argmax_kernel<E, MaxRows><<<dim3(p.splits, n), p.threads, 0, stream>>>(
+        logits, a.row_stride, a.vocab, p.chunk, a.cells + row0, s.partials, s.counters, m);
+    return cudaGetLastError();
+}
+
+template <class E>
+cudaError_t launch_dtype(const mf_argmax_args &a, const ArgmaxPlan &p, const ArgmaxScratch &s,
+                         cudaStream_t stream) {
+    for (uint32_t row0 = 0; row0 < a.rows; row0 += kArgmaxRowsPerLaunch) {
+        const uint32_t n = std::min(a.rows - row0, kArgmaxRowsPerLaunch);
+        cudaError_t e = n <= 32    ? launch_tier<E, 32>(a, p, s, row0, n, stream)
+                        : n <= 256 ? launch_tier<E, 256>(a, p, s, row0, n, stream)
+                                   : launch_tier<E, kArgmaxRowsPerLaunch>(a, p, s, row0, n, stream);
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
+
+}  // namespace
+
+ArgmaxPlan argmax_plan(uint32_t rows, uint32_t vocab, mf_dtype dtype, int sm_count) {
+    const uint32_t per_vec = dtype == MF_DTYPE_F32 ? 4u : 8u;
+    const uint32_t sms = sm_count > 0 ? (uint32_t)sm_count : 1u;
+    if (rows < 2 * sms && rows <= kArgmaxRowsPerLaunch) {
+        // Aim at ~4 blocks of 256 threads per SM, but give each block at least one full unrolled
+        // iteration per thread, or the combine costs more than the split saves.
+        const uint32_t threads = 256, per_iter = threads * per_vec * kUnroll;
+        uint32_t splits = std::min(div_up(4ull * sms, rows), std::max(1u, vocab / per_iter));
+        if (splits > 1) {
+            const uint32_t chunk = div_up(div_up(vocab, splits), kChunkAlign) * kChunkAlign;
+            splits = div_up(vocab, chunk);
+            if (splits > 1) return ArgmaxPlan{splits, chunk, threads};
+        }
+    }
+    // One block per row, sized so that small vocabularies do not leave most threads idle.
+    const uint32_t want = div_up(std::max(vocab, 1u), per_vec * kUnroll);
+    const uint32_t threads = std::min((uint32_t)kMaxThreads, div_up(want, 32) * 32);
+    return ArgmaxPlan{1u, vocab, threads};
+}
+
+cudaError_t launch_argmax(const mf_argmax_args &a, const ArgmaxPlan &p, const ArgmaxScratch &s,
+                          cudaStream_t stream) {
+    switch (a.dtype) {
+    case MF_DTYPE_F32: return launch_dtype<F32>(a, p, s, stream);
+    case MF_DTYPE_F16: return launch_dtype<F16>(a, p, s, stream);
+    case MF_DTYPE_BF16: return launch_dtype<BF16>(a, p, s, stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+}  // namespace cudak
+}  // namespace mf
