@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 __all__ = ["NO_TOKEN", "FeedSource", "RowMask"]
 
 NO_TOKEN = 0xFFFFFFFF
@@ -43,8 +41,26 @@ class FeedSource(int):
         return f"FeedSource.{kind}({self.value})"
 
 
-class RowMask(NamedTuple):
-    """Two ids a row's argmax may not answer; NO_TOKEN where unused."""
+class RowMask(tuple):
+    """Two ids a row's argmax may not answer; NO_TOKEN where unused. A plain pair (a tuple), so
+    a list of them is what the kernels take; no typing import, to keep ``import`` fast."""
 
-    a: int = NO_TOKEN
-    b: int = NO_TOKEN
+    __slots__ = ()
+
+    def __new__(cls, a: int = NO_TOKEN, b: int = NO_TOKEN) -> "RowMask":
+        for token in (a, b):
+            if not 0 <= token <= NO_TOKEN:
+                raise ValueError(f"a mask id must be a uint32, got {token}")
+        return tuple.__new__(cls, (a, b))
+
+    @property
+    def a(self) -> int:
+        return self[0]
+
+    @property
+    def b(self) -> int:
+        return self[1]
+
+    def __repr__(self) -> str:
+        show = ["NO_TOKEN" if t == NO_TOKEN else str(t) for t in self]
+        return f"RowMask({show[0]}, {show[1]})"
