@@ -9,40 +9,50 @@ from __future__ import annotations
 
 import os as _os
 
+TYPE_CHECKING = False  # mypy reads any TYPE_CHECKING as True; importing typing costs milliseconds
+if TYPE_CHECKING:
+    from typing import Any as _Any
+
 from . import _core
+# `X as X`: the PEP 484 spelling of a re-export, so `mypy --strict` users see these names.
 from ._core import (
-    NO_TOKEN,
-    DeviceBuffer,
-    Event,
-    PinnedBuffer,
-    Stream,
-    _C_API,
-    alloc_host_pinned,
-    argmax_to_feed,
-    backend,
-    build_info,
-    configure_host,
-    copy_d2d_async,
-    copy_d2h_async,
-    copy_h2d_async,
-    destroy_event,
-    devices,
-    event_create,
-    event_query,
-    event_record,
-    event_synchronize,
-    free_host_pinned,
-    host_faults,
-    host_kernel_threads,
-    live_objects,
-    nvtx_range,
-    read_pinned_u32,
-    resolve_feed,
-    stream_synchronize,
-    write_pinned_u32,
+    NO_TOKEN as NO_TOKEN,
+    DeviceBuffer as DeviceBuffer,
+    Event as Event,
+    PinnedBuffer as PinnedBuffer,
+    Stream as Stream,
+    _C_API as _C_API,
+    alloc_host_pinned as alloc_host_pinned,
+    argmax_to_feed as argmax_to_feed,
+    backend as backend,
+    build_info as build_info,
+    configure_host as configure_host,
+    copy_d2d_async as copy_d2d_async,
+    copy_d2h_async as copy_d2h_async,
+    copy_h2d_async as copy_h2d_async,
+    destroy_event as destroy_event,
+    devices as devices,
+    event_create as event_create,
+    event_query as event_query,
+    event_record as event_record,
+    event_synchronize as event_synchronize,
+    free_host_pinned as free_host_pinned,
+    host_faults as host_faults,
+    host_argmax_path as host_argmax_path,
+    host_kernel_threads as host_kernel_threads,
+    live_objects as live_objects,
+    nvtx_range as nvtx_range,
+    read_pinned_u32 as read_pinned_u32,
+    resolve_feed as resolve_feed,
+    stream_synchronize as stream_synchronize,
+    write_pinned_u32 as write_pinned_u32,
 )
-from .errors import CudaError, FeedError, KvPoolExhausted, NoDeviceTokenFeed
-from .feed import FeedSource, RowMask
+from .errors import CudaError as CudaError
+from .errors import FeedError as FeedError
+from .errors import KvPoolExhausted as KvPoolExhausted
+from .errors import NoDeviceTokenFeed as NoDeviceTokenFeed
+from .feed import FeedSource as FeedSource
+from .feed import RowMask as RowMask
 
 __version__ = "0.1.0"
 
@@ -80,7 +90,7 @@ def get_c_include() -> str:
     return _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "include")
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> "_Any":
     # The Python-level layers load on first use, so the hot import stays small.
     lazy = {
         "ModelDeviceFeed": ("trait", "ModelDeviceFeed"),

@@ -87,6 +87,12 @@ def host_kernel_threads(threads=None):
     return mf_host_kernel_threads()
 
 
+def host_argmax_path(portable=None):
+    """The host argmax's code path ("avx2" or "portable"); ``portable=True`` forces the portable
+    one (both follow the same rule), False restores the best. Returns the path in force."""
+    return mf_host_argmax_isa(-1 if portable is None else (1 if portable else 0)).decode()
+
+
 def live_objects():
     """Counts of live events, streams, pinned and device bytes, for leak checks."""
     cdef uint64_t events, streams, pinned, device

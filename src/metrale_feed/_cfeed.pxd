@@ -67,6 +67,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
     void mf_host_faults_get(mf_host_faults *out)
     void mf_host_set_kernel_threads(unsigned threads)
     unsigned mf_host_kernel_threads()
+    const char *mf_host_argmax_isa(int force_portable)
 
     mf_status mf_event_create(unsigned flags, mf_event_t *out)
     mf_status mf_event_wrap(uint64_t foreign, mf_event_t *out)

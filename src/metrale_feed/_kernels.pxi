@@ -6,7 +6,10 @@ cdef dict _DTYPES = {"float32": MF_DTYPE_F32, "float16": MF_DTYPE_F16, "bfloat16
 
 
 cdef mf_dtype dtype_of(object dtype) except *:
+    # A string, a dtype object (.name), or a scalar type such as numpy.float16 or ml_dtypes.bfloat16.
     name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None)
+    if not isinstance(name, str) and isinstance(dtype, type):
+        name = dtype.__name__
     if not isinstance(name, str):
         name = str(dtype)
     if name.startswith("torch."):

@@ -65,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
-    return args.run(args)
+    return int(args.run(args))
 
 
 if __name__ == "__main__":

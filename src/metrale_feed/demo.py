@@ -7,7 +7,7 @@ import random
 import sys
 import time
 from collections import deque
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .feed import NO_TOKEN, FeedSource
 from .kv import SequenceState
@@ -21,7 +21,7 @@ class Row:
 
     __slots__ = ("index", "prompt", "mask", "stop", "max_new", "seq", "out", "done", "launched")
 
-    def __init__(self, index: int, prompt: List[int], mask: tuple, stop: int, max_new: int) -> None:
+    def __init__(self, index: int, prompt: List[int], mask: Tuple[int, int], stop: int, max_new: int) -> None:
         self.index, self.prompt, self.mask, self.stop, self.max_new = index, prompt, mask, stop, max_new
         self.seq: SequenceState = SequenceState(index)
         self.out: List[int] = []
@@ -34,9 +34,9 @@ class Row:
             self.done = True
 
 
-def host_reference(prompt: List[int], mask: tuple, stop: int, max_new: int, vocab: int,
+def host_reference(prompt: List[int], mask: Tuple[int, int], stop: int, max_new: int, vocab: int,
                    dtype: str) -> List[int]:
-    history, out = list(prompt), []
+    history, out = list(prompt), []  # type: List[int], List[int]
     while len(out) < max_new:
         token = host_next_token(history, vocab, dtype, mask)
         out.append(token)
@@ -282,12 +282,12 @@ def main(args: Any) -> int:
     if args.trace:
         from .timeline import write_trace
 
-        write_trace(args.trace, recorders)
+        write_trace(args.trace, [r for r in recorders if r is not None])
         print(f"trace: {args.trace} (open in https://ui.perfetto.dev)")
     if args.plot:
         from .timeline import plot
 
-        plot(args.plot, recorders)
+        plot(args.plot, [r for r in recorders if r is not None])
         print(f"plot: {args.plot}")
     live = metrale_feed.live_objects()
     print(f"live objects after teardown: {live}")

@@ -41,7 +41,7 @@ class FeedSource(int):
         return f"FeedSource.{kind}({self.value})"
 
 
-class RowMask(tuple):
+class RowMask(tuple):  # type: ignore[type-arg]
     """Two ids a row's argmax may not answer; NO_TOKEN where unused. A plain pair (a tuple), so
     a list of them is what the kernels take; no typing import, to keep ``import`` fast."""
 

@@ -9,7 +9,7 @@ computed on the host, the oracle of the tests and of ``metrale-feed demo``.
 from __future__ import annotations
 
 from array import array
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from . import _core
 from .errors import FeedError
@@ -110,7 +110,7 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
             self._staging[index] = slot
         meta = slot.words[1]
         tables: List[int] = []
-        offsets = {}  # a sequence staged for several rows (prefill) has one table
+        offsets: Dict[int, int] = {}  # a sequence staged for several rows (prefill) has one table
         for r, seq in enumerate(seqs):
             offset = offsets.get(id(seq))
             if offset is None:
@@ -153,8 +153,11 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         self._check_rows(len(sources), seqs)
         self._reserve_rows(seqs)
         slot = self._stage(seqs, [seq.seq_len for seq in seqs])
+        cells = self.feed_cells
+        if cells is None:
+            raise FeedError("the reference model is closed")
         # The sources are read at launch; the ids land on the device in stream order.
-        _core.resolve_feed(sources, self.feed_cells, slot.dev[0], stream, prev_rows=self.feed_prev_rows)
+        _core.resolve_feed(sources, cells, slot.dev[0], stream, prev_rows=self.feed_prev_rows)
         return self._forward(slot, len(seqs), stream)
 
     def prefill(self, seq: SequenceState, ids: Sequence[int], stream: Any = None) -> None:

@@ -24,6 +24,14 @@ SPIN_QUERIES = 64  # event_query polls before a wait blocks in event_synchronize
 class RouterStats:
     __slots__ = ("launches", "ahead_launches", "reserved_blocks", "reserved_in_flight",
                  "peak_reserved_in_flight", "rollbacks", "blocks_rolled_back")
+    # For type checkers only (set in __init__): counters, all ints.
+    launches: int
+    ahead_launches: int
+    reserved_blocks: int
+    reserved_in_flight: int
+    peak_reserved_in_flight: int
+    rollbacks: int
+    blocks_rolled_back: int
 
     def __init__(self) -> None:
         for name in self.__slots__:

@@ -13,10 +13,10 @@
 extern "C" {
 #endif
 
-#if defined(_WIN32)
-#define MF_EXPORT __declspec(dllexport)
-#else
-#define MF_EXPORT __attribute__((visibility("default")))
+/* The package links this layer statically into its extension and hides it (extensions reach it
+ * through the capsule of capi.h); a shared build of the layer may define MF_EXPORT to export. */
+#ifndef MF_EXPORT
+#define MF_EXPORT
 #endif
 
 #define MF_NO_TOKEN 0xFFFFFFFFu
@@ -77,6 +77,9 @@ MF_EXPORT void mf_host_configure(const mf_host_faults *faults);
  * simulated device of fewer cores leaves the others to the scheduler, as a real GPU does. */
 MF_EXPORT void mf_host_set_kernel_threads(unsigned threads);
 MF_EXPORT unsigned mf_host_kernel_threads(void);
+/* The host argmax's code path: "avx2" or "portable" (both follow argmax_rule.h). Forcing the
+ * portable one lets tests check both; returns the path now in force. */
+MF_EXPORT const char *mf_host_argmax_isa(int force_portable);
 MF_EXPORT void mf_host_faults_get(mf_host_faults *out);
 
 /* ---- events ---- */

@@ -1,6 +1,7 @@
 // The masked argmax on the CPU. The portable path is argmax_rule.h's packed-key maximum, element
 // by element; the AVX2 path computes the same keys eight or sixteen at a time (as signed integers:
 // key ^ 0x80000000), finds the row's greatest key, then the first candidate holding it.
+#include <atomic>
 #include <cstring>
 
 #include "kernels.hpp"
@@ -149,9 +150,15 @@ RowFn pick_row_fn() {
     return argmax_row_portable;
 }
 
-const RowFn g_row_fn = pick_row_fn();
+const RowFn g_best_fn = pick_row_fn();
+std::atomic<RowFn> g_row_fn{g_best_fn};
 
 }  // namespace
+
+bool use_portable_argmax(bool portable) {
+    g_row_fn.store(portable ? argmax_row_portable : g_best_fn, std::memory_order_relaxed);
+    return g_best_fn != argmax_row_portable;  // whether a vector path exists at all
+}
 
 uint32_t argmax_row_portable(const void *row, mf_dtype dtype, uint32_t vocab, uint32_t m0, uint32_t m1) {
     mf_spans spans = mf_candidate_spans(vocab, m0, m1);
@@ -163,17 +170,20 @@ uint32_t argmax_row_portable(const void *row, mf_dtype dtype, uint32_t vocab, ui
 }
 
 uint32_t argmax_row(const void *row, mf_dtype dtype, uint32_t vocab, uint32_t m0, uint32_t m1) {
-    return g_row_fn(row, dtype, vocab, m0, m1);
+    return g_row_fn.load(std::memory_order_relaxed)(row, dtype, vocab, m0, m1);
 }
 
-const char *argmax_isa() { return g_row_fn == argmax_row_portable ? "portable" : "avx2"; }
+const char *argmax_isa() {
+    return g_row_fn.load(std::memory_order_relaxed) == argmax_row_portable ? "portable" : "avx2";
+}
 
 void run_argmax(const ArgmaxJob &job) {
     const mf_argmax_args &a = job.args;
     size_t row_bytes = (size_t)a.row_stride * (a.dtype == MF_DTYPE_F32 ? 4 : 2);
+    RowFn row_fn = g_row_fn.load(std::memory_order_relaxed);
     parallel_rows(a.rows, [&](uint32_t begin, uint32_t end) {
         for (uint32_t r = begin; r < end; ++r)
-            a.cells[r] = g_row_fn((const char *)a.logits + r * row_bytes, a.dtype, a.vocab,
+            a.cells[r] = row_fn((const char *)a.logits + r * row_bytes, a.dtype, a.vocab,
                                   job.masks[2 * r], job.masks[2 * r + 1]);
     });
 }

@@ -215,6 +215,10 @@ void mf_host_configure(const mf_host_faults *faults) {
 
 void mf_host_set_kernel_threads(unsigned threads) { mf::host::set_kernel_threads(threads); }
 unsigned mf_host_kernel_threads(void) { return mf::host::kernel_threads(); }
+const char *mf_host_argmax_isa(int force_portable) {
+    if (force_portable >= 0) mf::host::use_portable_argmax(force_portable != 0);
+    return mf::host::argmax_isa();
+}
 
 void mf_host_faults_get(mf_host_faults *out) {
     using namespace mf::host;

@@ -24,5 +24,6 @@ void run_reference_forward(const mf_reference_args &args);
 uint32_t argmax_row_portable(const void *row, mf_dtype dtype, uint32_t vocab, uint32_t m0, uint32_t m1);
 uint32_t argmax_row(const void *row, mf_dtype dtype, uint32_t vocab, uint32_t m0, uint32_t m1);
 const char *argmax_isa();
+bool use_portable_argmax(bool portable);  // for tests of both paths; false: no vector path here
 
 }  // namespace mf::host

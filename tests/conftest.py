@@ -1,0 +1,148 @@
+"""Shared fixtures of the metrale_feed tests.
+
+- ``host``: the host backend is active for the test (skipped when it cannot be made active), and
+  its fault knobs are reset afterwards.
+- ``no_leaks``: the test ends with the live event, stream, pinned and device counts it began with.
+- ``dev``: helpers that move numpy arrays into and out of ``DeviceBuffer`` s.
+- ``@pytest.mark.gpu``: skipped unless the cuda backend is active, with the reason why.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+
+import metrale_feed
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a usable CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "slow: longer runs (soak, wheel install)")
+
+
+# The backend the import chose (METRALE_FEED_BACKEND, default auto).
+IMPORT_BACKEND = metrale_feed.backend()
+
+
+def _gpu_skip_reason():
+    if not metrale_feed.build_info()["cuda"]:
+        return "no CUDA build: this metrale_feed was built without the cuda backend"
+    if IMPORT_BACKEND != "cuda":
+        return "no usable CUDA device (or METRALE_FEED_BACKEND=host): the active backend is host"
+    if metrale_feed.backend() != "cuda":
+        return "the cuda backend is not active: an earlier test left the host backend selected"
+    return None
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is not None:
+        reason = _gpu_skip_reason()
+        if reason:
+            pytest.skip(reason)
+
+
+def wait_for_counts(expected, timeout=5.0):
+    """live_objects() once it equals ``expected`` (polled: work on other streams may still be
+    draining), else the last counts seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        counts = metrale_feed.live_objects()
+        if counts == expected or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def host():
+    """The host backend, active for this test; fault knobs off before and after."""
+    previous = metrale_feed.backend()
+    if previous != "host":
+        gc.collect()
+        try:
+            metrale_feed.set_backend("host")
+        except (metrale_feed.FeedError, ValueError) as error:
+            pytest.skip(f"cannot switch to the host backend: {error}")
+    metrale_feed.configure_host()
+    threads = getattr(metrale_feed, "host_kernel_threads", None)
+    kernel_threads = threads() if threads else None
+    try:
+        yield metrale_feed
+    finally:
+        metrale_feed.configure_host()
+        metrale_feed.stream_synchronize(0)
+        if threads:
+            threads(kernel_threads)
+        if previous != "host":
+            gc.collect()
+            try:
+                metrale_feed.set_backend(previous)
+            except (metrale_feed.FeedError, ValueError) as error:
+                pytest.fail(f"cannot switch back to the {previous} backend after a host test "
+                            f"(objects still live: {metrale_feed.live_objects()}): {error}")
+
+
+class LeakCheck:
+    def __init__(self):
+        gc.collect()
+        metrale_feed.stream_synchronize(0)
+        self.start = metrale_feed.live_objects()
+
+    def check(self):
+        counts = wait_for_counts(self.start)
+        assert counts == self.start, f"leaked: started with {self.start}, ended with {counts}"
+
+
+@pytest.fixture
+def no_leaks():
+    """Asserts, after the test, that live_objects() is back to its counts at the start."""
+    leak = LeakCheck()
+    yield leak
+    leak.check()
+
+
+class DeviceHelpers:
+    """numpy <-> DeviceBuffer through the package's own async copies."""
+
+    @staticmethod
+    def as_bytes(array):
+        import numpy as np
+
+        array = np.ascontiguousarray(array)
+        return array.reshape(-1).view(np.uint8)
+
+    def upload(self, array, stream=0, pad=0):
+        """A new DeviceBuffer holding the bytes of ``array`` (plus ``pad`` zero bytes)."""
+        raw = self.as_bytes(array)
+        buf = metrale_feed.DeviceBuffer(max(1, raw.nbytes + pad))
+        if raw.nbytes:
+            metrale_feed.copy_h2d_async(buf, raw, stream)
+            metrale_feed.stream_synchronize(stream)
+        return buf
+
+    def write(self, buf, array, offset=0, stream=0):
+        raw = self.as_bytes(array)
+        target = buf if offset == 0 else buf.ptr + offset
+        metrale_feed.copy_h2d_async(target, raw, stream)
+        metrale_feed.stream_synchronize(stream)
+
+    def download(self, buf, dtype="uint8", count=None, offset=0, stream=0):
+        """``count`` items of ``dtype`` read from ``buf`` at byte ``offset`` (default: all of it)."""
+        import numpy as np
+
+        dtype = np.dtype(dtype)
+        if count is None:
+            count = (buf.nbytes - offset) // dtype.itemsize
+        out = np.empty(count, dtype=np.uint8 if dtype.itemsize == 1 else dtype)
+        if count:
+            source = buf if offset == 0 else buf.ptr + offset
+            metrale_feed.copy_d2h_async(source, out.view(np.uint8), stream)
+            metrale_feed.stream_synchronize(stream)
+        return out.view(dtype)
+
+
+@pytest.fixture
+def dev():
+    return DeviceHelpers()
