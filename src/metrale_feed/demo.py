@@ -99,12 +99,26 @@ class _Timed:
                 pair[1].record(0)
             self.recorder.end(name, begin)  # type: ignore[union-attr]
 
+    def host_work(self, us: float, kind: str) -> None:
+        mark = self.start("host work")
+        host_work(us, kind)
+        self.stop(mark)
+
 
 def _rows(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: int) -> List[Row]:
     rows = [Row(i, r["prompt"], r["mask"], r["stop"], max_new) for i, r in enumerate(requests)]
     for row in rows:
         model.prefill(row.seq, row.prompt[:-1])
     return rows
+
+
+def _result(model: ReferenceModel, rows: List[Row], io: AsyncDeviceIo, seconds: float,
+            steps: int) -> Dict[str, Any]:
+    """What a run produced; its sequences' blocks go back to the pool."""
+    for r in rows:
+        model.release_sequence(r.seq)
+    return {"tokens": [r.out for r in rows], "seconds": seconds, "steps": steps,
+            "stats": io.stats.as_dict()}
 
 
 def run_async(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: int,
@@ -146,9 +160,7 @@ def run_async(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: in
             ids = io.await_result(ticket)
             rec.stop(mark)
             steps += 1
-            mark = rec.start("host work")
-            host_work(host_work_us, work_kind)
-            rec.stop(mark)
+            rec.host_work(host_work_us, work_kind)
             next_rows = {id(r) for r in inflight[0][1]} if inflight else set()
             for r, token in zip(order, ids):
                 if r.done:
@@ -165,10 +177,7 @@ def run_async(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: in
         elapsed = time.perf_counter() - start
     finally:
         io.teardown()
-    stats = io.stats.as_dict()
-    for r in rows:
-        model.release_sequence(r.seq)
-    return {"tokens": [r.out for r in rows], "seconds": elapsed, "steps": steps, "stats": stats}
+    return _result(model, rows, io, elapsed, steps)
 
 
 def run_sync(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: int,
@@ -192,9 +201,7 @@ def run_sync(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: int
             ids = io.await_result(ticket)
             rec.stop(mark)
             steps += 1
-            mark = rec.start("host work")
-            host_work(host_work_us, work_kind)
-            rec.stop(mark)
+            rec.host_work(host_work_us, work_kind)
             for r, token in zip(live, ids):
                 r.accept(token)
                 inputs[r.index] = token
@@ -203,10 +210,7 @@ def run_sync(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: int
         elapsed = time.perf_counter() - start
     finally:
         io.teardown()
-    for r in rows:
-        model.release_sequence(r.seq)
-    return {"tokens": [r.out for r in rows], "seconds": elapsed, "steps": steps,
-            "stats": io.stats.as_dict()}
+    return _result(model, rows, io, elapsed, steps)
 
 
 class Progress:
