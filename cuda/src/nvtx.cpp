@@ -24,27 +24,26 @@ nvtxDomainHandle_t domain() {
 #endif
 }  // namespace
 
-const void *NvtxRange::name(const char *text) {
+const void *NvtxRange::attributes(const char *text) {
 #ifdef MF_HAVE_NVTX
-    return (const void *)nvtxDomainRegisterStringA(domain(), text);
+    auto *attributes = new nvtxEventAttributes_t();  // one per call site, for the process
+    attributes->version = NVTX_VERSION;
+    attributes->size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
+    attributes->messageType = NVTX_MESSAGE_TYPE_REGISTERED;
+    attributes->message.registered = nvtxDomainRegisterStringA(domain(), text);
+    return attributes;
 #else
     return text;
 #endif
 }
 
-NvtxRange::NvtxRange(const void *registered_name) : pushed_(false) {
+NvtxRange::NvtxRange(const void *attributes) : pushed_(false) {
 #ifdef MF_HAVE_NVTX
     if (!g_nvtx_on) return;
-    nvtxEventAttributes_t attributes;
-    std::memset(&attributes, 0, sizeof attributes);
-    attributes.version = NVTX_VERSION;
-    attributes.size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
-    attributes.messageType = NVTX_MESSAGE_TYPE_REGISTERED;
-    attributes.message.registered = (nvtxStringHandle_t)registered_name;
-    nvtxDomainRangePushEx(domain(), &attributes);
+    nvtxDomainRangePushEx(domain(), static_cast<const nvtxEventAttributes_t *>(attributes));
     pushed_ = true;
 #else
-    (void)registered_name;
+    (void)attributes;
 #endif
 }
 

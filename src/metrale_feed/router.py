@@ -8,7 +8,7 @@ records that slot's event; ``await_result`` reads a slot only after its event ha
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _core
 from .errors import FeedError
@@ -54,7 +54,7 @@ class Ticket:
         self.slot = slot
         self.rows = rows
         self.fed = fed
-        self.reservations: List[SequenceState] = []
+        self.reservations: List[Tuple[SequenceState, List[Any]]] = []
 
     def __repr__(self) -> str:
         return f"Ticket(step={self.step}, slot={self.slot}, rows={self.rows}, fed={self.fed})"
@@ -111,7 +111,7 @@ class AsyncDeviceIo:
         # The ledger: per sequence, [step, blocks] of each uncommitted reservation, oldest first;
         # step is None until the launch that uses it.
         self._ledger: Dict[SequenceState, List[List[Any]]] = {}
-        self._pending: List[SequenceState] = []  # reserved since the last launch
+        self._pending: List[Tuple[SequenceState, List[Any]]] = []  # reserved since the last launch
 
     # ---- launches ----
 
@@ -142,10 +142,8 @@ class AsyncDeviceIo:
             self.stats.ahead_launches += 1
         self._unread += 1
         self.stats.launches += 1
-        for seq in self._pending:
-            for entry in self._ledger.get(seq, ()):
-                if entry[0] is None:
-                    entry[0] = ticket.step
+        for _seq, entry in self._pending:
+            entry[0] = ticket.step
         ticket.reservations, self._pending = self._pending, []
         return ticket
 
@@ -179,8 +177,8 @@ class AsyncDeviceIo:
         finally:
             ring.busy[ticket.slot] = False
             self._unread -= 1
-        for seq in ticket.reservations:  # committed: no longer a rollback candidate
-            self._commit(seq, ticket.step)
+        if ticket.reservations:
+            self._commit(ticket.reservations)
         if ticket.fed:
             self.model.fed_step_settled()
         return ids
@@ -190,28 +188,39 @@ class AsyncDeviceIo:
     def reserve_kv(self, seq: SequenceState) -> int:
         """Reserve the block for ``seq``'s next position ahead of a launch; recorded in the
         ledger so ``rollback(seq)`` can return it."""
-        self._open_ring()
+        if self._ring is None:
+            raise FeedError("the router has been torn down")
         added = self.model.reserve_decode_block(seq)
         # Recorded even when no block was needed, so the latest entry is always this step's.
-        self._ledger.setdefault(seq, []).append([None, added])
-        self._pending.append(seq)
+        entry = [None, added]
+        entries = self._ledger.get(seq)
+        if entries is None:
+            self._ledger[seq] = [entry]
+        else:
+            entries.append(entry)
+        self._pending.append((seq, entry))
         if added:
-            self.stats.reserved_blocks += added
-            self.stats.reserved_in_flight += added
-            if self.stats.reserved_in_flight > self.stats.peak_reserved_in_flight:
-                self.stats.peak_reserved_in_flight = self.stats.reserved_in_flight
+            stats = self.stats
+            stats.reserved_blocks += added
+            stats.reserved_in_flight += added
+            if stats.reserved_in_flight > stats.peak_reserved_in_flight:
+                stats.peak_reserved_in_flight = stats.reserved_in_flight
         return added
 
-    def _commit(self, seq: SequenceState, step: int) -> None:
-        entries = self._ledger.get(seq)
-        if not entries:
-            return  # rolled back already
-        kept = [entry for entry in entries if entry[0] != step]
-        self.stats.reserved_in_flight -= sum(entry[1] for entry in entries) - sum(e[1] for e in kept)
-        if kept:
-            self._ledger[seq] = kept
-        else:
-            del self._ledger[seq]
+    def _commit(self, reservations: List[Tuple[SequenceState, List[Any]]]) -> None:
+        """A step's reservations are kept: out of the ledger, no longer rollback candidates."""
+        ledger = self._ledger
+        released = 0
+        for seq, entry in reservations:
+            entries = ledger.get(seq)
+            # Entries are in launch order, so a step's is the oldest, unless rolled back already.
+            if entries and entries[0] is entry:
+                released += entry[1]
+                if len(entries) == 1:
+                    del ledger[seq]
+                else:
+                    del entries[0]
+        self.stats.reserved_in_flight -= released
 
     def rollback(self, seq: SequenceState) -> int:
         """Return ``seq``'s latest uncommitted reservation (its discarded step) to the pool;
