@@ -1,0 +1,111 @@
+"""``metrale-feed bench --quick --json FILE``: one real run, and every figure of the record is in
+the JSON with a sane type and value. The timed targets are printed by the bench, not asserted
+here: they depend on the machine."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("numpy")
+
+CALLS = ["f()", "obj.m()", "Event.query()", "event_query(handle_int)", "event_query(Event)",
+         "Event.record(0)", "copy_d2h_async 4 B", "argmax_to_feed 1x16 launch"]
+SHAPES = {(256, 152064), (64, 32000)}  # the --quick shapes
+
+
+def positive(value) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    command = [sys.executable, "-m", "metrale_feed.cli", "bench", "--quick", "--json", str(path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "ratio" in done.stdout and "target" in done.stdout  # the table was printed
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_top_level_sections(record):
+    assert {"machine", "import", "calls", "cimport", "argmax", "bandwidth", "router"} <= set(record)
+    assert record["quick"] is True
+    assert positive(record["seconds"])
+
+
+def test_machine(record):
+    m = record["machine"]
+    assert isinstance(m["cpu_count"], int) and m["cpu_count"] >= 1
+    assert isinstance(m["numpy"], str) and m["numpy"]
+    assert m["backend"] == "host"
+    assert m["default_backend"] in ("host", "cuda")
+
+
+def test_import_time(record):
+    r = record["import"]
+    assert positive(r["metrale_feed_us"]) and positive(r["numpy_us"]) and positive(r["ratio"])
+    assert isinstance(r["imports_numpy"], bool)
+    assert r["runs"] == 3
+
+
+def test_per_call_costs(record):
+    calls = record["calls"]
+    assert isinstance(calls["nvtx_built"], bool)
+    for name in CALLS:
+        entry = calls[name]
+        assert positive(entry["ns"]) and positive(entry["ns_nvtx_off"]), name
+        assert positive(entry["nvtx_ratio"]) and positive(entry["vs_f"]), name
+
+
+def test_cimport_figure_or_reason(record):
+    c = record["cimport"]
+    if c["ns"] is None:
+        assert isinstance(c["reason"], str) and c["reason"]
+    else:
+        assert positive(c["ns"]) and positive(c["ns_nvtx_off"]) and c["reason"] is None
+
+
+def test_argmax_against_numpy(record):
+    entries = record["argmax"]
+    seen = {(e["dtype"], e["rows"], e["vocab"]) for e in entries}
+    assert seen == {(d, r, v) for d in ("float32", "float16", "bfloat16") for r, v in SHAPES}
+    for e in entries:
+        assert e["checked"] is True  # the timed argmax agreed with numpy's
+        assert e["bytes"] == e["rows"] * e["vocab"] * (4 if e["dtype"] == "float32" else 2)
+        for key in ("ms_1", "ms_all", "numpy_ms", "ratio_1", "ratio_all", "bw_fraction_1",
+                    "bw_fraction_all"):
+            assert positive(e[key]), (key, e)
+        assert e["torch_ms"] is None or positive(e["torch_ms"])
+        if e["dtype"] == "bfloat16":
+            assert "float32" in e["numpy_what"]
+            for key in ("numpy_f16_ms", "ratio_f16_1", "ratio_f16_all"):
+                assert positive(e[key]), (key, e)
+
+
+def test_bandwidth(record):
+    bw = record["bandwidth"]
+    assert isinstance(bw["method"], str) and bw["method"]
+    assert positive(bw["gbps_1"]) and positive(bw["gbps_all"]) and bw["gbps_all"] >= bw["gbps_1"]
+    assert bw["bytes"] == 256 * 152064 * 4
+
+
+def test_router(record):
+    r = record["router"]
+    assert (r["rows"], r["vocab"], r["max_new"], r["device_threads"]) == (64, 32000, 32, 1)
+    assert positive(r["step_us"])
+    levels = r["levels"]
+    assert [lv["kind"] for lv in levels] == ["sleep", "sleep", "sleep", "spin"]
+    assert levels[0]["host_work_us"] == 0
+    assert levels[1]["host_work_us"] == pytest.approx(r["step_us"])
+    assert levels[2]["host_work_us"] == pytest.approx(2 * r["step_us"])
+    for lv in levels:
+        assert lv["same_tokens"] is True
+        assert positive(lv["async_tps"]) and positive(lv["sync_tps"]) and positive(lv["speedup"])
+    assert positive(r["stub_us_per_step"]) and positive(r["stub_us_per_step_reserve"])
