@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Device checks for a machine with a GPU: build the package with CUDA, run the gpu-marked tests,
-# then the argmax timing sweep. Logs (and gpu_sweep.json) go to $OUT when it is set.
+# the argmax timing sweep against torch, `metrale-feed bench` and a traced demo. Logs,
+# gpu_sweep.json, bench.json and trace.json go to $OUT when it is set. The machine may be
+# offline: PYTHON should name an interpreter whose environment already has scikit-build-core,
+# cython, numpy, pytest, ml_dtypes (and torch for the comparisons).
 # PYTHON picks the interpreter; GPU_CHECK_ARCHS (e.g. "90-real") narrows the CUDA build to save
 # device time.
 set -uo pipefail
@@ -38,6 +41,15 @@ echo "== pytest -m gpu"
 
 echo "== gpu_sweep"
 OUT="$out" METRALE_FEED_BACKEND=cuda "$py" tools/gpu_sweep.py 2>&1 | tee "$out/gpu_sweep.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+
+echo "== metrale-feed bench"
+METRALE_FEED_BACKEND=cuda "$py" -m metrale_feed.cli bench --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+
+echo "== metrale-feed demo --trace"
+METRALE_FEED_BACKEND=cuda "$py" -m metrale_feed.cli demo --quiet --trace "$out/trace.json" \
+    --host-work-us 200 2>&1 | tee "$out/demo.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 
 echo "gpu_check: $([ $rc -eq 0 ] && echo passed || echo FAILED)"
