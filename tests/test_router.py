@@ -200,3 +200,56 @@ def test_live_objects_back_to_zero_after_a_demo_run(host):
         run_async(model, requests, 8)
     gc.collect()
     assert metrale_feed.live_objects() == before
+
+
+def test_masks_as_flat_and_2d_uint32_buffers(host, no_leaks):
+    """The router takes masks as pairs, a (rows, 2) buffer or a flat one; a count that does not
+    match the rows is refused before the step touches any sequence."""
+    from array import array
+
+    import numpy as np
+
+    with model_for(2) as model, AsyncDeviceIo(model, 2) as io:
+        seqs = [SequenceState(0), SequenceState(1)]
+        winner = host_next_token([9], VOCAB)
+        flat = array("I", [winner, NO_TOKEN, NO_TOKEN, NO_TOKEN])
+        grid = np.array([[winner, NO_TOKEN], [NO_TOKEN, NO_TOKEN]], np.uint32)
+        for masks in (flat, grid):
+            ticket = io.launch_decode([9, 9], seqs, masks)
+            assert io.await_result(ticket) == [host_next_token([9], VOCAB, mask=(winner, NO_TOKEN)), winner]
+            for seq in seqs:
+                model.release_sequence(seq)
+                seq.tokens, seq.seq_len = [], 0
+        with pytest.raises(ValueError, match="masks"):
+            io.launch_decode([9, 9], seqs, array("I", [NO_TOKEN] * 2))
+        assert [s.seq_len for s in seqs] == [0, 0]
+
+
+def test_stats_read_by_name_and_attribute(host, no_leaks):
+    with model_for(1) as model, AsyncDeviceIo(model, 1) as io:
+        seq = SequenceState(0)
+        io.await_result(launch_one(io, model, seq))
+        assert io.stats["launches"] == io.stats.launches == 1
+        with pytest.raises(KeyError):
+            io.stats["nope"]
+        model.release_sequence(seq)
+
+
+def test_resolve_defaults_to_the_rows_of_the_last_argmax(host, no_leaks, dev):
+    import numpy as np
+
+    logits = np.eye(3, 5, dtype=np.float32)  # row r's argmax is r
+    buf = dev.upload(logits)
+    cells = metrale_feed.DeviceBuffer(8 * 4)
+    out = metrale_feed.DeviceBuffer(4 * 4)
+    with pytest.raises(ValueError, match="prev_rows is required"):
+        metrale_feed.resolve_feed([FeedSource.feed(0)], cells, out)
+    assert metrale_feed.argmax_to_feed(buf, None, cells, None, None, rows=3, vocab=5,
+                                       dtype="float32") == 3
+    with pytest.raises(ValueError, match="beyond the previous step's 3 rows"):
+        metrale_feed.resolve_feed([FeedSource.feed(3)], cells, out)
+    metrale_feed.resolve_feed([FeedSource.feed(2), FeedSource.host(41), FeedSource.feed(0), FeedSource.feed(1)],
+                              cells, out)
+    assert list(dev.download(out, "uint32")) == [2, 41, 0, 1]
+    for b in (buf, cells, out):
+        b.close()

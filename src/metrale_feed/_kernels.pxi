@@ -29,12 +29,18 @@ cdef uint32_t cells_capacity(object cells, void *ptr, uint32_t rows):
     return rows  # foreign device memory: CUDA cannot say, so trust the caller
 
 
+# Rows the last argmax launched into each feed-cell array, by address: the default from_row bound
+# of the resolve that reads them (launch order is stream order for one stream).
+cdef dict _cell_rows = {}
+
+
 def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, vocab, dtype,
                    row_stride=None):
     """Masked argmax of ``rows`` rows of ``logits`` into feed ``cells``, then an async copy of
     ``rows * 4`` bytes of cells into ``dst`` and a record of ``event``, in stream order and with
     no host synchronisation. ``masks`` (pairs or a uint32 buffer, None for no mask) may be reused
-    as soon as this returns; ``dst`` (pinned memory) is valid once ``event`` completes."""
+    as soon as this returns; ``dst`` (pinned memory) is valid once ``event`` completes. Returns
+    the rows launched (taken from ``masks`` when ``rows`` is None)."""
     cdef mf_argmax_args a
     cdef uint64_t s, e
     cdef void *ptr
@@ -77,20 +83,27 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
         if dst_len < a.rows * 4:
             raise ValueError(f"dst holds {dst_len} bytes; {a.rows} ids need {a.rows * 4}")
     check(mf_argmax_to_feed(&a, s))
+    _cell_rows[<size_t>a.cells] = a.rows
     if held is not None:
         hold_until_passed(held, s)
+    return a.rows
 
 
-def resolve_feed(sources, cells, out, stream=0, *, prev_rows):
+def resolve_feed(sources, cells, out, stream=0, *, prev_rows=None):
     """``out[i]`` = the host id of ``sources[i]``, or ``cells[from_row]`` of the previous step,
-    on the device in stream order. A ``from_row >= prev_rows`` raises before launch."""
+    on the device in stream order. A ``from_row >= prev_rows`` raises before launch; by default
+    ``prev_rows`` is the row count of the last ``argmax_to_feed`` into these cells."""
     cdef uint64_t s
     cdef void *cells_ptr
     cdef void *out_ptr
     cdef _Words words = words_of(sources, False, "sources")
+    device_ptr_of(cells, &cells_ptr)
+    if prev_rows is None:
+        prev_rows = _cell_rows.get(<size_t>cells_ptr)
+        if prev_rows is None:
+            raise ValueError("prev_rows is required: no argmax_to_feed has written these cells")
     if prev_rows < 0 or prev_rows > 0xFFFFFFFF:
         raise ValueError(f"prev_rows {prev_rows} is out of range")
-    device_ptr_of(cells, &cells_ptr)
     device_ptr_of(out, &out_ptr)
     stream_of(stream, &s)
     check(mf_resolve_feed(words.data, <uint32_t>words.n, <const uint32_t *>cells_ptr,

@@ -96,6 +96,7 @@ cdef class DeviceBuffer:
 
     def __dealloc__(self):
         if self._ptr != NULL:
+            _cell_rows.pop(<size_t>self._ptr, None)
             mf_device_free(self._ptr)
 
     cdef int _check_open(self) except -1:
@@ -138,6 +139,7 @@ cdef class DeviceBuffer:
             return
         cdef void *ptr = self._ptr
         self._ptr = NULL
+        _cell_rows.pop(<size_t>ptr, None)  # a later allocation may reuse the address
         with nogil:
             status = mf_device_free(ptr)
         check(status)

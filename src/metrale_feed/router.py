@@ -37,6 +37,12 @@ class RouterStats:
         for name in self.__slots__:
             setattr(self, name, 0)
 
+    def __getitem__(self, name: str) -> int:
+        if name not in self.__slots__:
+            raise KeyError(name)
+        value: int = getattr(self, name)
+        return value
+
     def as_dict(self) -> Dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
 
@@ -58,6 +64,19 @@ class Ticket:
 
     def __repr__(self) -> str:
         return f"Ticket(step={self.step}, slot={self.slot}, rows={self.rows}, fed={self.fed})"
+
+
+def _mask_rows(masks: Any, rows: int) -> int:
+    """Rows a masks argument covers, checked before the step so a mismatch launches nothing:
+    None (no masks) covers any; a buffer holds two uint32 per row; a sequence one pair per row."""
+    if masks is None:
+        return rows
+    try:
+        view = memoryview(masks)
+    except TypeError:
+        return len(masks)
+    with view:
+        return view.nbytes // 8
 
 
 class _Ring:
@@ -126,8 +145,9 @@ class AsyncDeviceIo:
         rows = len(seqs)
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"a step takes 1 to {self.max_rows} rows, got {rows}")
-        if len(inputs) != rows or len(masks) != rows:
-            raise ValueError(f"{len(inputs)} inputs and {len(masks)} masks for {rows} rows")
+        mask_rows = _mask_rows(masks, rows)
+        if len(inputs) != rows or mask_rows != rows:
+            raise ValueError(f"{len(inputs)} inputs and {mask_rows} masks for {rows} rows")
         slot = ring.acquire()  # before anything is launched: exhaustion launches nothing
         model = self.model
         if fed:

@@ -51,10 +51,9 @@ class RuntimeFeedMixin:
     def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any) -> None:
         if self.feed_cells is None:
             raise FeedError("argmax_batch_to_feed: call init_device_feed first")
-        rows = len(masks)
-        _core.argmax_to_feed(logits, masks, self.feed_cells, dst, event, stream, rows=rows,
-                             vocab=self.feed_vocab, dtype=self.feed_logits_dtype)
-        self.feed_prev_rows = rows
+        # Rows come from the masks: pairs, a (rows, 2) buffer or a flat one of 2 * rows ids.
+        self.feed_prev_rows = _core.argmax_to_feed(logits, masks, self.feed_cells, dst, event, stream,
+                                                   vocab=self.feed_vocab, dtype=self.feed_logits_dtype)
 
     def create_event(self) -> int:
         return _core.event_create()
