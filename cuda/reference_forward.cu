@@ -11,9 +11,12 @@ constexpr int kThreads = 256;
 
 // KV slot of position `pos` through the row's block table; kv_slots (out of range) when the
 // table points past the cache, so a bad table cannot write outside it.
-__device__ __forceinline__ uint32_t slot_of(const uint32_t *table, uint32_t pos, uint32_t bs,
+__device__ __forceinline__ uint32_t slot_of(const uint32_t *tables, uint32_t table_words,
+                                            uint32_t offset, uint32_t pos, uint32_t bs,
                                             uint32_t kv_slots) {
-    const uint64_t slot = (uint64_t)table[pos / bs] * bs + pos % bs;
+    const uint64_t entry = (uint64_t)offset + pos / bs;
+    if (entry >= table_words) return kv_slots;  // corrupt metadata reads nothing it does not own
+    const uint64_t slot = (uint64_t)tables[entry] * bs + pos % bs;
     return slot < kv_slots ? (uint32_t)slot : kv_slots;
 }
 
@@ -36,13 +39,12 @@ struct OutBF16 {
 template <class O>
 __global__ void __launch_bounds__(kThreads)
     mf_reference_kernel(const uint32_t *input_ids, const uint32_t *meta, const uint32_t *tables,
-                        uint32_t *kv, uint32_t kv_slots, uint32_t bs, uint32_t vocab,
-                        typename O::T *logits) {
+                        uint32_t table_words, uint32_t *kv, uint32_t kv_slots, uint32_t bs,
+                        uint32_t vocab, typename O::T *logits) {
     __shared__ uint32_t row_hash;
-    const uint32_t r = blockIdx.x, pos = meta[2 * r];
-    const uint32_t *table = tables + meta[2 * r + 1];
+    const uint32_t r = blockIdx.x, pos = meta[2 * r], offset = meta[2 * r + 1];
     if (threadIdx.x == 0) {
-        const uint32_t slot = slot_of(table, pos, bs, kv_slots);
+        const uint32_t slot = slot_of(tables, table_words, offset, pos, bs, kv_slots);
         if (slot < kv_slots) kv[slot] = input_ids[r];
     }
     if (logits == nullptr) return;  // a prefill: the KV write alone (uniform across the block)
@@ -55,7 +57,7 @@ __global__ void __launch_bounds__(kThreads)
             const uint64_t t = base + lane;
             uint32_t tok = MF_NO_TOKEN;
             if (t <= pos) {
-                const uint32_t slot = slot_of(table, (uint32_t)t, bs, kv_slots);
+                const uint32_t slot = slot_of(tables, table_words, offset, (uint32_t)t, bs, kv_slots);
                 if (slot < kv_slots) tok = kv[slot];
             }
             const uint32_t steps = (uint32_t)(pos - base >= 31 ? 32 : pos - base + 1);
@@ -75,7 +77,7 @@ __global__ void __launch_bounds__(kThreads)
 template <class O>
 cudaError_t launch(const mf_reference_args &a, cudaStream_t stream) {
     mf_reference_kernel<O><<<a.rows, kThreads, 0, stream>>>(
-        a.input_ids, a.meta, a.tables, a.kv, a.kv_slots, a.block_size, a.vocab,
+        a.input_ids, a.meta, a.tables, a.table_words, a.kv, a.kv_slots, a.block_size, a.vocab,
         static_cast<typename O::T *>(a.logits));
     return cudaGetLastError();
 }

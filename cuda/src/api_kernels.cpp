@@ -1,5 +1,7 @@
 // Public entry points: the two feed kernels and the reference forward. Every argument is checked
 // here, before anything is queued, so a bad call launches nothing.
+#include <cstdint>
+
 #include "api.hpp"
 
 using namespace mf;
@@ -36,7 +38,12 @@ mf_status check_argmax(const mf_argmax_args *a) {
     size_t esize = dtype_size(a->dtype);
     if (!aligned(a->logits, esize) || !aligned(a->cells, 4))
         return fail(MF_ERROR_INVALID_VALUE, "logits or cells pointer is misaligned");
-    size_t span = ((size_t)(a->rows - 1) * a->row_stride + a->vocab) * esize;
+    // In 128 bits: a huge row_stride must not wrap into a small span that passes the range check.
+    unsigned __int128 wide = ((unsigned __int128)(a->rows - 1) * a->row_stride + a->vocab) * esize;
+    if (wide > (unsigned __int128)(SIZE_MAX / 2))
+        return fail(MF_ERROR_INVALID_VALUE, "rows x row_stride (%u x %llu) spans more memory than exists",
+                    a->rows, (unsigned long long)a->row_stride);
+    size_t span = (size_t)wide;
     mf_status status = check_device_range(a->logits, span, "logits");
     if (status == MF_SUCCESS)
         status = check_device_range(a->cells, (size_t)a->cell_capacity * 4, "feed cells");
@@ -94,7 +101,10 @@ mf_status mf_reference_forward(const mf_reference_args *a, mf_stream_t stream) {
         return fail(MF_ERROR_INVALID_VALUE, "reference forward: bad rows, vocab or block size");
     mf_status status = check_device_range(a->input_ids, (size_t)a->rows * 4, "input ids");
     if (status == MF_SUCCESS) status = check_device_range(a->meta, (size_t)a->rows * 8, "row meta");
-    if (status == MF_SUCCESS) status = check_device_range(a->tables, 4, "block tables");
+    if (status == MF_SUCCESS && a->table_words == 0)
+        status = fail(MF_ERROR_INVALID_VALUE, "block tables must hold at least one id");
+    if (status == MF_SUCCESS)
+        status = check_device_range(a->tables, (size_t)a->table_words * 4, "block tables");
     if (status == MF_SUCCESS) status = check_device_range(a->kv, (size_t)a->kv_slots * 4, "kv cache");
     if (status == MF_SUCCESS && a->logits)  // no logits: a prefill, KV writes only
         status = check_device_range(a->logits, (size_t)a->rows * a->vocab * dtype_size(a->dtype), "logits");

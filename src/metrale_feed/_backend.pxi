@@ -56,16 +56,11 @@ def configure_host(*, lag_us=0, fail_event_query_at=0, fail_alloc_at=0, fail_cop
     """Host-backend fault knobs; 0 is off, N makes the Nth such call from now fail with a
     FeedError, ``lag_us`` delays every queued operation. Each call sets every knob."""
     cdef mf_host_faults faults
-    for value in (lag_us, fail_event_query_at, fail_alloc_at, fail_copy_at, fail_synchronize_at):
-        if value < 0:
-            raise ValueError("fault knobs take counts >= 0")
-    if lag_us > 10_000_000:
-        raise ValueError("lag_us is at most 10 s")
-    faults.lag_us = lag_us
-    faults.fail_event_query_at = fail_event_query_at
-    faults.fail_alloc_at = fail_alloc_at
-    faults.fail_copy_at = fail_copy_at
-    faults.fail_synchronize_at = fail_synchronize_at
+    faults.lag_us = <uint32_t>int_of(lag_us, "lag_us", 0, 10_000_000)  # at most 10 s
+    faults.fail_event_query_at = int_of(fail_event_query_at, "fail_event_query_at", 0, UINT64_MAX)
+    faults.fail_alloc_at = int_of(fail_alloc_at, "fail_alloc_at", 0, UINT64_MAX)
+    faults.fail_copy_at = int_of(fail_copy_at, "fail_copy_at", 0, UINT64_MAX)
+    faults.fail_synchronize_at = int_of(fail_synchronize_at, "fail_synchronize_at", 0, UINT64_MAX)
     mf_host_configure(&faults)
 
 
@@ -81,9 +76,7 @@ def host_kernel_threads(threads=None):
     """Threads a host-backend kernel uses (the stream worker included); set with an int, 0 for
     every core. Returns the value in force."""
     if threads is not None:
-        if threads < 0 or threads > 1024:
-            raise ValueError(f"threads must be in [0, 1024], got {threads}")
-        mf_host_set_kernel_threads(threads)
+        mf_host_set_kernel_threads(<unsigned>int_of(threads, "threads", 0, 1024))
     return mf_host_kernel_threads()
 
 
@@ -121,9 +114,10 @@ def nvtx_enable(bint on):
     mf_nvtx_enable(on)
 
 
-def trace_enable(size_t capacity=1 << 20):
-    """Record what host-backend workers run (see trace_read); 0 turns it off. Clears either way."""
-    mf_trace_enable(capacity)
+def trace_enable(capacity=1 << 20):
+    """Record what host-backend workers run (see trace_read), up to ``capacity`` records (at most
+    2**24); 0 turns it off. Clears either way."""
+    mf_trace_enable(<size_t>int_of(capacity, "capacity", 0, 1 << 24))
 
 
 def trace_read():

@@ -114,6 +114,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         const uint32_t *input_ids
         const uint32_t *meta
         const uint32_t *tables
+        uint32_t table_words
         uint32_t *kv
         uint32_t kv_slots
         uint32_t block_size

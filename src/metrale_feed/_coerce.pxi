@@ -8,6 +8,27 @@ cdef int u64_of(object value, uint64_t *out, str what) except -1:
     return 0
 
 
+cdef uint64_t int_of(object value, str what, uint64_t low, uint64_t high) except? 0xFFFFFFFFFFFFFFFF:
+    """An int in [low, high]: not a float (never truncated), not a bool."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    value = value.__index__()
+    if value < 0 and low == 0:
+        raise ValueError(f"{what} must not be negative, got {value}")
+    if value < low or value > high:
+        raise ValueError(f"{what} must be in [{bound_text(low)}, {bound_text(high)}], got {value}")
+    return <uint64_t>value
+
+
+cdef str bound_text(uint64_t n):
+    """2**24 and 2**32-1 read better than their digits in a message."""
+    if n >= 65536 and n & (n - 1) == 0:
+        return f"2**{n.bit_length() - 1}"
+    if n >= 65535 and (n + 1) & n == 0:
+        return f"2**{(n + 1).bit_length() - 1}-1" if n != UINT64_MAX else "2**64-1"
+    return str(n)
+
+
 cdef size_t size_of(object value, str what) except? 0:
     """A byte count: an int (not a float, not a bool), >= 0."""
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):

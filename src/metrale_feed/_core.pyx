@@ -7,7 +7,7 @@ cimport cython
 from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES,
                              PyBUF_WRITABLE, PyBuffer_Release, PyObject_CheckBuffer,
                              PyObject_GetBuffer)
-from cpython.long cimport PyLong_CheckExact
+from cpython.long cimport PyLong_Check, PyLong_CheckExact
 from cpython.pycapsule cimport PyCapsule_New
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t, UINT64_MAX
 from libc.stdlib cimport free, malloc

@@ -34,6 +34,17 @@ cdef uint32_t cells_capacity(object cells, void *ptr, uint32_t rows):
 cdef dict _cell_rows = {}
 
 
+cdef uint32_t table_words_of(object tables, void *ptr):
+    """Ids in a block-table array: its DeviceBuffer's or allocation's length (the forward reads
+    nothing past it); foreign device memory on cuda cannot say, so the caller is trusted."""
+    cdef size_t left = 0
+    if type(tables) is DeviceBuffer:
+        return <uint32_t>min((<DeviceBuffer>tables)._nbytes // 4, 0xFFFFFFFF)
+    if mf_mem_lookup(ptr, &left) == MF_MEM_DEVICE:
+        return <uint32_t>min(left // 4, 0xFFFFFFFF)
+    return 0xFFFFFFFF
+
+
 def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, vocab, dtype,
                    row_stride=None):
     """Masked argmax of ``rows`` rows of ``logits`` into feed ``cells``, then an async copy of
@@ -53,16 +64,13 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
         words = words_of(masks, True, "masks")
         rows = words.n // 2
     else:
-        if rows < 1 or rows > 4096:
-            raise ValueError(f"rows must be in [1, 4096], got {rows}")
+        rows = int_of(rows, "rows", 1, 4096)
         words = unmasked_words(rows) if masks is None else words_of(masks, True, "masks")
     if words.n != 2 * rows:
         raise ValueError(f"masks hold {words.n // 2} rows, not {rows}")
-    if vocab < 1 or vocab > (1 << 24):
-        raise ValueError(f"vocab must be in [1, 2**24], got {vocab}")
     a.rows = rows
-    a.vocab = vocab
-    a.row_stride = vocab if row_stride is None else row_stride
+    a.vocab = <uint32_t>int_of(vocab, "vocab", 1, 1 << 24)
+    a.row_stride = a.vocab if row_stride is None else int_of(row_stride, "row_stride", 1, UINT64_MAX)
     a.dtype = dtype_of(dtype)
     a.masks = words.data
     device_ptr_of(logits, &ptr)
@@ -102,16 +110,15 @@ def resolve_feed(sources, cells, out, stream=0, *, prev_rows=None):
         prev_rows = _cell_rows.get(<size_t>cells_ptr)
         if prev_rows is None:
             raise ValueError("prev_rows is required: no argmax_to_feed has written these cells")
-    if prev_rows < 0 or prev_rows > 0xFFFFFFFF:
-        raise ValueError(f"prev_rows {prev_rows} is out of range")
+    prev_rows = int_of(prev_rows, "prev_rows", 0, 0xFFFFFFFF)
     device_ptr_of(out, &out_ptr)
     stream_of(stream, &s)
     check(mf_resolve_feed(words.data, <uint32_t>words.n, <const uint32_t *>cells_ptr,
                           <uint32_t>prev_rows, <uint32_t *>out_ptr, s))
 
 
-def reference_forward(input_ids, meta, tables, kv, uint32_t kv_slots, uint32_t block_size,
-                      uint32_t rows, uint32_t vocab, dtype, logits, stream=0):
+def reference_forward(input_ids, meta, tables, kv, kv_slots, block_size, rows, vocab, dtype,
+                      logits, stream=0):
     """The reference model's forward kernel (device arrays; see feed.h). For ReferenceModel.
     ``logits=None`` only writes the KV cache (prefill)."""
     cdef mf_reference_args a
@@ -123,16 +130,17 @@ def reference_forward(input_ids, meta, tables, kv, uint32_t kv_slots, uint32_t b
     a.meta = <const uint32_t *>ptr
     device_ptr_of(tables, &ptr)
     a.tables = <const uint32_t *>ptr
+    a.table_words = table_words_of(tables, ptr)
     device_ptr_of(kv, &ptr)
     a.kv = <uint32_t *>ptr
     a.logits = NULL
     if logits is not None:
         device_ptr_of(logits, &ptr)
         a.logits = ptr
-    a.kv_slots = kv_slots
-    a.block_size = block_size
-    a.rows = rows
-    a.vocab = vocab
+    a.kv_slots = <uint32_t>int_of(kv_slots, "kv_slots", 0, 0xFFFFFFFF)
+    a.block_size = <uint32_t>int_of(block_size, "block_size", 1, 0xFFFFFFFF)
+    a.rows = <uint32_t>int_of(rows, "rows", 1, 4096)
+    a.vocab = <uint32_t>int_of(vocab, "vocab", 1, 1 << 24)
     a.dtype = dtype_of(dtype)
     stream_of(stream, &s)
     check(mf_reference_forward(&a, s))

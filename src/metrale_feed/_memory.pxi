@@ -1,5 +1,10 @@
 # Page-locked host memory with zero-copy Python buffers, device memory, and the async copies.
 
+# Pinned memory owned by a PinnedBuffer: free_host_pinned refuses it, since the object still
+# hands out views of it (its close() is the one way to free it).
+cdef set _object_pinned = set()
+
+
 @cython.final
 cdef class PinnedBuffer:
     """Zeroed page-locked host memory. ``numpy.asarray(buf)`` and ``memoryview(buf)`` see the
@@ -11,11 +16,13 @@ cdef class PinnedBuffer:
                                | (MF_HOST_WRITE_COMBINED if write_combined else 0))
         self._nbytes = size_of(nbytes, "nbytes")
         check(mf_host_alloc(self._nbytes, flags, &self._ptr))
-        self._shape[0] = <Py_ssize_t>nbytes
+        self._shape[0] = <Py_ssize_t>self._nbytes
+        _object_pinned.add(<size_t>self._ptr)
 
     def __dealloc__(self):
         # A live export holds a reference to this object, so none can remain here.
         if self._ptr != NULL:
+            _object_pinned.discard(<size_t>self._ptr)
             mf_host_free(self._ptr, self._nbytes)
 
     cdef int _check_open(self) except -1:
@@ -71,6 +78,7 @@ cdef class PinnedBuffer:
             raise BufferError(f"the pinned buffer has {self._exports} exported view(s); release them first")
         cdef void *ptr = self._ptr
         self._ptr = NULL
+        _object_pinned.discard(<size_t>ptr)
         with nogil:
             status = mf_host_free(ptr, self._nbytes)
         check(status)
@@ -226,6 +234,8 @@ def free_host_pinned(ptr, nbytes):
     cdef mf_status status
     cdef size_t n = size_of(nbytes, "nbytes")
     u64_of(ptr, &p, "pointer")
+    if <size_t>p in _object_pinned:
+        raise FeedError(f"0x{p:x} belongs to a PinnedBuffer: close() it instead")
     with nogil:
         status = mf_host_free(<void *><size_t>p, n)
     check(status)
@@ -233,6 +243,8 @@ def free_host_pinned(ptr, nbytes):
 
 cdef int pinned_range(uint64_t ptr, size_t nbytes) except -1:
     cdef size_t left = 0
+    if ptr % 4:
+        raise ValueError(f"0x{ptr:x} is not aligned to 4 bytes for uint32 ids")
     if mf_mem_lookup(<void *><size_t>ptr, &left) != MF_MEM_PINNED:
         raise FeedError(f"0x{ptr:x} is not live pinned memory of this package (freed or foreign)")
     if left < nbytes:
@@ -245,7 +257,9 @@ def read_pinned_u32(ptr, Py_ssize_t count):
     Read only what an event has declared complete."""
     cdef uint64_t p
     if count < 0:
-        raise ValueError("count must not be negative")
+        raise ValueError(f"count must not be negative, got {count}")
+    if count > (1 << 40):  # so count * 4 cannot wrap
+        raise ValueError(f"count must be at most 2**40, got {count}")
     u64_of(ptr, &p, "pointer")
     pinned_range(p, <size_t>count * 4)
     cdef const uint32_t *ids = <const uint32_t *><size_t>p
@@ -255,13 +269,10 @@ def read_pinned_u32(ptr, Py_ssize_t count):
 def write_pinned_u32(ptr, values):
     """Store uint32 ``values`` into live pinned memory at ``ptr``."""
     cdef uint64_t p
-    cdef list items = list(values)
-    cdef Py_ssize_t i, n = len(items)
+    cdef _Words words = words_of(list(values), False, "values")  # all checked before any store
     u64_of(ptr, &p, "pointer")
-    pinned_range(p, <size_t>n * 4)
-    cdef uint32_t *ids = <uint32_t *><size_t>p
-    for i in range(n):
-        ids[i] = <uint32_t>items[i]
+    pinned_range(p, <size_t>words.n * 4)
+    memcpy(<void *><size_t>p, words.data, <size_t>words.n * 4)
 
 
 cdef mf_status copy_d2h_async_c(void *dst, const void *src, size_t nbytes, uint64_t stream) noexcept nogil:

@@ -23,6 +23,13 @@ cdef bint is_u32_format(const char *fmt) noexcept:
     return (fmt[0] == b'I' or fmt[0] == b'L' and sizeof(long) == 4) and fmt[1] == 0
 
 
+cdef inline uint32_t word_of(object item) except? 0xFFFFFFFF:
+    # An int (FeedSource and numpy integers included); a float is refused, not truncated.
+    if not PyLong_Check(item) and (isinstance(item, float) or not hasattr(type(item), "__index__")):
+        raise TypeError(f"an id must be an int, not {type(item).__name__}")
+    return <uint32_t>item
+
+
 cdef _Words words_of(object obj, bint pairs, str what):
     """``obj`` as a flat uint32 array: a C-contiguous uint32 buffer, or a sequence of ints (of
     (a, b) pairs when ``pairs``)."""
@@ -51,12 +58,12 @@ cdef _Words words_of(object obj, bint pairs, str what):
                 item = obj[i]
                 if len(item) != 2:
                     raise ValueError(f"{what}[{i}] must be a pair of ids")
-                words.owned[2 * i] = <uint32_t>item[0]
-                words.owned[2 * i + 1] = <uint32_t>item[1]
+                words.owned[2 * i] = word_of(item[0])
+                words.owned[2 * i + 1] = word_of(item[1])
             words.n = 2 * n
         else:
             for i in range(n):
-                words.owned[i] = <uint32_t>obj[i]
+                words.owned[i] = word_of(obj[i])
             words.n = n
     except OverflowError:
         raise ValueError(f"{what} holds an id outside uint32") from None

@@ -7,6 +7,8 @@ __all__ = ["NO_TOKEN", "FeedSource", "RowMask"]
 NO_TOKEN = 0xFFFFFFFF
 _HOST_BIT = 0x80000000
 
+from _operator import index as _index  # operator.index, without importing operator
+
 
 class FeedSource(int):
     """One uint32: bit 31 set is a host-supplied id in the low 31 bits; clear, ``from_row``, the
@@ -17,12 +19,14 @@ class FeedSource(int):
 
     @classmethod
     def host(cls, token_id: int) -> "FeedSource":
+        token_id = _index(token_id)  # an int: a float is refused, never truncated
         if not 0 <= token_id < _HOST_BIT:
             raise ValueError(f"a host id must be in [0, 2**31), got {token_id}")
         return cls(_HOST_BIT | token_id)
 
     @classmethod
     def feed(cls, from_row: int) -> "FeedSource":
+        from_row = _index(from_row)
         if not 0 <= from_row < _HOST_BIT:
             raise ValueError(f"from_row must be in [0, 2**31), got {from_row}")
         return cls(from_row)

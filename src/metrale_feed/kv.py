@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from operator import index
 from typing import List
 
 from .errors import FeedError, KvPoolExhausted
@@ -29,8 +30,9 @@ class BlockPool:
     """Hands out block ids ``0 .. num_blocks-1``, lowest first, so runs are reproducible."""
 
     def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        num_blocks = index(num_blocks)  # an int, never a truncated float
+        if not 1 <= num_blocks <= 1 << 31:
+            raise ValueError(f"num_blocks must be in [1, 2**31] (ids are uint32), got {num_blocks}")
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives the lowest
         self._used = bytearray(num_blocks)
@@ -47,6 +49,7 @@ class BlockPool:
         return block
 
     def free(self, block: int) -> None:
+        block = index(block)  # an int: a str or float is a TypeError, not a block number
         if not 0 <= block < self.num_blocks or not self._used[block]:
             raise FeedError(f"block {block} is not allocated from this pool")
         self._used[block] = 0

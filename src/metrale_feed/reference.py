@@ -9,6 +9,7 @@ computed on the host, the oracle of the tests and of ``metrale-feed demo``.
 from __future__ import annotations
 
 from array import array
+from operator import index
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import _core
@@ -21,6 +22,14 @@ __all__ = ["ReferenceModel", "host_logits", "host_next_token"]
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 _STAGING_SLOTS = 4  # more than the router keeps in flight, so a slot is always free in practice
+
+
+def _token(value: Any) -> int:
+    """A token id: an int in uint32 (a float is refused, not truncated)."""
+    token = index(value)
+    if not 0 <= token <= 0xFFFFFFFF:
+        raise ValueError(f"a token id must be a uint32, got {token}")
+    return token
 
 
 class _Staging:
@@ -97,17 +106,18 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
     def _stage(self, seqs: Sequence[SequenceState], positions: Sequence[int]) -> _Staging:
         rows = len(seqs)
         table_words = max(1, sum(len(seq.block_table) for seq in {id(s): s for s in seqs}.values()))
-        index = self._next_staging
-        self._next_staging = (index + 1) % _STAGING_SLOTS
-        slot = self._staging[index]
+        at = self._next_staging
+        self._next_staging = (at + 1) % _STAGING_SLOTS
+        slot = self._staging[at]
         if slot is not None:
             slot.event.synchronize()  # only when more than _STAGING_SLOTS forwards are queued
             if slot.rows < rows or slot.table_words < table_words:
                 slot.close()
                 slot = None
         if slot is None:
+            self._staging[at] = None  # a failed allocation leaves no closed slot behind
             slot = _Staging(max(rows, 64), max(table_words, 1024))
-            self._staging[index] = slot
+            self._staging[at] = slot
         meta = slot.words[1]
         tables: List[int] = []
         offsets: Dict[int, int] = {}  # a sequence staged for several rows (prefill) has one table
@@ -136,14 +146,15 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         them and advances ``seq_len``; returns the logits' device pointer."""
         stream = self.stream if stream is None else stream
         self._check_rows(len(tokens), seqs)
+        ids = array("I", [_token(t) for t in tokens])  # checked before any block is taken
         self._reserve_rows(seqs)
         positions = [seq.seq_len for seq in seqs]
         slot = self._stage(seqs, positions)
-        slot.words[0][: len(tokens)] = array("I", tokens)
+        slot.words[0][: len(ids)] = ids
         _core.copy_h2d_async(slot.dev[0], slot.host[0], stream)
         logits = self._forward(slot, len(seqs), stream)
-        for token, seq in zip(tokens, seqs):
-            seq.tokens.append(int(token))
+        for token, seq in zip(ids, seqs):
+            seq.tokens.append(token)
             seq.seq_len += 1
         return logits
 
@@ -164,7 +175,9 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         """Write ``ids`` at positions ``seq_len..`` (allocating blocks), append them to
         ``seq.tokens`` and advance ``seq_len``. Computes no logits."""
         stream = self.stream if stream is None else stream
-        ids = [int(i) for i in ids]
+        if self._closed:
+            raise FeedError("the reference model is closed")
+        ids = [_token(i) for i in ids]
         for start in range(0, len(ids), self.feed_max_rows):
             chunk = ids[start : start + self.feed_max_rows]
             first_new = len(seq.block_table)

@@ -53,9 +53,10 @@ class RouterStats:
 class Ticket:
     """A launched step: which slot holds its ids, how many rows, whether it was fed."""
 
-    __slots__ = ("step", "slot", "rows", "fed", "reservations")
+    __slots__ = ("step", "slot", "rows", "fed", "reservations", "router")
 
-    def __init__(self, step: int, slot: int, rows: int, fed: bool) -> None:
+    def __init__(self, step: int, slot: int, rows: int, fed: bool, router: Any = None) -> None:
+        self.router = router  # the router that launched it: only that one can await it
         self.step = step
         self.slot = slot
         self.rows = rows
@@ -154,9 +155,16 @@ class AsyncDeviceIo:
             logits = model.decode_batch_fed(inputs, seqs, self.stream)
         else:
             logits = model.decode_batch(inputs, seqs, self.stream)  # type: ignore[attr-defined]
-        model.argmax_batch_to_feed(logits, masks, ring.ptrs[slot], ring.events[slot], self.stream)
+        try:
+            model.argmax_batch_to_feed(logits, masks, ring.ptrs[slot], ring.events[slot], self.stream)
+        except BaseException:
+            if not fed:  # decode_batch pushed the inputs: a step that never ran pushes nothing
+                for seq in seqs:
+                    seq.tokens.pop()
+                    seq.seq_len -= 1
+            raise
         ring.busy[slot] = True
-        ticket = Ticket(self._step, slot, rows, fed)
+        ticket = Ticket(self._step, slot, rows, fed, self)
         self._step += 1
         if self._unread:
             self.stats.ahead_launches += 1
@@ -189,6 +197,8 @@ class AsyncDeviceIo:
         """The step's ids, once its event has completed. The slot is released even when the
         wait fails, so a fault cannot wedge the ring."""
         ring = self._open_ring()
+        if not isinstance(ticket, Ticket) or ticket.router is not self:
+            raise FeedError(f"{ticket!r} was not launched by this router")
         if not ring.busy[ticket.slot]:
             raise FeedError(f"{ticket!r} was already awaited")
         try:
@@ -197,6 +207,8 @@ class AsyncDeviceIo:
         finally:
             ring.busy[ticket.slot] = False
             self._unread -= 1
+        # Settled: its reservations leave the ledger. After a failed wait they stay, so the
+        # scheduler can roll back exactly that step's blocks for the rows it gives up on.
         if ticket.reservations:
             self._commit(ticket.reservations)
         if ticket.fed:
@@ -233,13 +245,17 @@ class AsyncDeviceIo:
         released = 0
         for seq, entry in reservations:
             entries = ledger.get(seq)
-            # Entries are in launch order, so a step's is the oldest, unless rolled back already.
-            if entries and entries[0] is entry:
-                released += entry[1]
-                if len(entries) == 1:
-                    del ledger[seq]
-                else:
-                    del entries[0]
+            if not entries:
+                continue  # rolled back already
+            # Entries are in launch order, so a step's is nearly always the oldest.
+            for index, held in enumerate(entries):
+                if held is entry:
+                    released += entry[1]
+                    if len(entries) == 1:
+                        del ledger[seq]
+                    else:
+                        del entries[index]
+                    break
         self.stats.reserved_in_flight -= released
 
     def rollback(self, seq: SequenceState) -> int:

@@ -146,6 +146,7 @@ typedef struct mf_reference_args {
     const uint32_t *input_ids;
     const uint32_t *meta;
     const uint32_t *tables;
+    uint32_t table_words; /* ids in tables: a row's table past them reads as out of the cache */
     uint32_t *kv;
     uint32_t kv_slots;   /* num_blocks * block_size */
     uint32_t block_size;

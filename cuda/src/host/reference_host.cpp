@@ -6,21 +6,29 @@
 #include "queue.hpp"
 
 namespace mf::host {
+namespace {
+// The KV slot of position `pos` through the table at `offset`, or kv_slots (outside the cache)
+// when the table entry lies past the tables: corrupt row metadata reads nothing it does not own.
+uint64_t slot_of(const mf_reference_args &a, uint32_t offset, uint32_t pos) {
+    uint64_t entry = (uint64_t)offset + pos / a.block_size;
+    if (entry >= a.table_words) return a.kv_slots;
+    return (uint64_t)a.tables[entry] * a.block_size + pos % a.block_size;
+}
+}  // namespace
 
 void run_reference_forward(const mf_reference_args &a) {
     parallel_rows(a.rows, [&](uint32_t begin, uint32_t end) {
         for (uint32_t r = begin; r < end; ++r) {
-            uint32_t pos = a.meta[2 * r];
-            const uint32_t *table = a.tables + a.meta[2 * r + 1];
+            uint32_t pos = a.meta[2 * r], offset = a.meta[2 * r + 1];
             if (!a.logits) {  // prefill: the write alone
-                uint64_t slot = (uint64_t)table[pos / a.block_size] * a.block_size + pos % a.block_size;
+                uint64_t slot = slot_of(a, offset, pos);
                 if (slot < a.kv_slots) a.kv[slot] = a.input_ids[r];
                 continue;
             }
             // As the CUDA kernel: a table pointing past the cache writes nothing and reads NO_TOKEN.
             uint32_t h = MF_FNV_OFFSET;
             for (uint32_t t = 0; t <= pos; ++t) {
-                uint64_t slot = (uint64_t)table[t / a.block_size] * a.block_size + t % a.block_size;
+                uint64_t slot = slot_of(a, offset, t);
                 bool inside = slot < a.kv_slots;
                 if (inside && t == pos) a.kv[slot] = a.input_ids[r];
                 h = mf_fnv_step(h, inside ? a.kv[slot] : MF_NO_TOKEN);

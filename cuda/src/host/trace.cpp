@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <new>
 #include <vector>
 
 #include "metrale_feed/feed.h"
@@ -31,7 +32,11 @@ void trace(const char *name, const void *stream, int64_t queued_ns, int64_t star
         ++g_dropped;
         return;
     }
-    g_records.push_back(mf_trace_record{name, (uint64_t)(uintptr_t)stream, queued_ns, start_ns, end_ns});
+    try {
+        g_records.push_back(mf_trace_record{name, (uint64_t)(uintptr_t)stream, queued_ns, start_ns, end_ns});
+    } catch (const std::bad_alloc &) {
+        ++g_dropped;  // a worker must not throw: out of memory, the record is dropped
+    }
 }
 
 }  // namespace mf::host
@@ -40,8 +45,9 @@ extern "C" {
 void mf_trace_enable(size_t capacity) {
     using namespace mf::host;
     std::lock_guard<std::mutex> lock(g_mutex);
-    g_records.clear();
-    g_records.reserve(capacity);
+    // At most 2**24 records (1 GiB); reserved as they come, so a bound costs nothing up front.
+    if (capacity > ((size_t)1 << 24)) capacity = (size_t)1 << 24;
+    std::vector<mf_trace_record>().swap(g_records);
     g_capacity = capacity;
     g_dropped = 0;
     g_on.store(capacity > 0, std::memory_order_relaxed);

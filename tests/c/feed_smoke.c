@@ -1,0 +1,288 @@
+/* A C-only smoke test of the C ABI (metrale_feed/feed.h) on the host backend, for valgrind and the
+ * sanitizers: events, streams, pinned and device memory, copies, argmax_to_feed, resolve_feed, the
+ * fault knobs and the error paths (double frees, unknown handles, ranges), with results checked
+ * against plain C loops written here. Exit status 0 when every check passed.
+ *
+ * Built and run by tools/sanitize.sh against the static library metrale_feed_c. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "metrale_feed/feed.h"
+
+static int failures = 0;
+
+#define CHECK(cond)                                                                           \
+    do {                                                                                      \
+        if (!(cond)) {                                                                        \
+            fprintf(stderr, "%s:%d: check failed: %s (last error: %s)\n", __FILE__, __LINE__, \
+                    #cond, mf_last_error());                                                  \
+            ++failures;                                                                       \
+        }                                                                                     \
+    } while (0)
+
+#define OK(call) CHECK((call) == MF_SUCCESS)
+#define FAILS_WITH(call, status)                                                   \
+    do {                                                                           \
+        mf_clear_error();                                                          \
+        CHECK((call) == (status));                                                 \
+        CHECK(mf_last_error()[0] != '\0'); /* a failure always says why */         \
+    } while (0)
+
+/* The rule of DESIGN.md for float32 rows, as a plain loop: NaN never wins, ties go to the
+ * lowest id, masked ids are skipped, no candidate answers NO_TOKEN. */
+static uint32_t plain_argmax(const float *row, uint32_t vocab, uint32_t m0, uint32_t m1) {
+    uint32_t best = MF_NO_TOKEN;
+    for (uint32_t v = 0; v < vocab; ++v) {
+        if (v == m0 || v == m1) continue;
+        if (best == MF_NO_TOKEN) {
+            best = v;
+            continue;
+        }
+        float a = row[v], b = row[best];
+        if (isnan(a)) continue;
+        if (isnan(b) || a > b) best = v;
+    }
+    return best;
+}
+
+static void test_events_and_streams(void) {
+    mf_event_t e = 0, t0 = 0, t1 = 0;
+    mf_stream_t s = 0;
+    int done = 0, idle = 0;
+    float ms = -1.0f;
+
+    OK(mf_event_create(0, &e));
+    CHECK(e != 0);
+    OK(mf_event_query(e, &done));
+    CHECK(done == 1); /* never recorded: complete, as in CUDA */
+    OK(mf_stream_create(MF_STREAM_NON_BLOCKING, &s));
+    OK(mf_stream_check(s));
+    OK(mf_event_record(e, s));
+    OK(mf_event_synchronize(e));
+    OK(mf_event_query(e, &done));
+    CHECK(done == 1);
+    OK(mf_stream_query(s, &idle));
+    OK(mf_stream_synchronize(s));
+    OK(mf_stream_query(s, &idle));
+    CHECK(idle == 1);
+    OK(mf_stream_wait_event(s, e));
+
+    OK(mf_event_create(MF_EVENT_TIMING, &t0));
+    OK(mf_event_create(MF_EVENT_TIMING, &t1));
+    OK(mf_event_record(t0, s));
+    OK(mf_event_record(t1, s));
+    OK(mf_event_synchronize(t1));
+    OK(mf_event_elapsed_ms(t0, t1, &ms));
+    CHECK(ms >= 0.0f);
+    FAILS_WITH(mf_event_elapsed_ms(e, t1, &ms), MF_ERROR_INVALID_VALUE); /* e has no timing */
+
+    /* Error paths: unknown flags, destroyed and unknown handles, the default stream. */
+    mf_event_t bad = 0;
+    FAILS_WITH(mf_event_create(0x80u, &bad), MF_ERROR_INVALID_VALUE);
+    FAILS_WITH(mf_stream_create(0x80u, &s), MF_ERROR_INVALID_VALUE);
+    OK(mf_event_destroy(t0));
+    OK(mf_event_destroy(t1));
+    OK(mf_event_destroy(e));
+    FAILS_WITH(mf_event_destroy(e), MF_ERROR_INVALID_HANDLE); /* double destroy */
+    FAILS_WITH(mf_event_query(e, &done), MF_ERROR_INVALID_HANDLE);
+    FAILS_WITH(mf_event_record(e, 0), MF_ERROR_INVALID_HANDLE);
+    FAILS_WITH(mf_event_synchronize(0xDEAD00000001ull), MF_ERROR_INVALID_HANDLE);
+    FAILS_WITH(mf_event_query(0, &done), MF_ERROR_INVALID_HANDLE);
+    FAILS_WITH(mf_event_wrap(0x1234, &bad), MF_ERROR_INVALID_VALUE); /* cuda only */
+    OK(mf_stream_destroy(s));
+    FAILS_WITH(mf_stream_destroy(s), MF_ERROR_INVALID_HANDLE);
+    FAILS_WITH(mf_stream_synchronize(s), MF_ERROR_INVALID_HANDLE);
+    FAILS_WITH(mf_stream_destroy(0), MF_ERROR_INVALID_VALUE);
+    FAILS_WITH(mf_stream_check(0xBEEF0ull), MF_ERROR_INVALID_HANDLE);
+}
+
+static void test_memory_and_copies(void) {
+    void *pinned = NULL, *dev = NULL, *dev2 = NULL;
+    size_t left = 0;
+    unsigned char host[64], back[64];
+
+    OK(mf_host_alloc(256, 0, &pinned));
+    for (int i = 0; i < 256; ++i) CHECK(((unsigned char *)pinned)[i] == 0); /* zeroed */
+    CHECK(mf_mem_lookup((char *)pinned + 10, &left) == MF_MEM_PINNED && left == 246);
+    FAILS_WITH(mf_host_free(pinned, 255), MF_ERROR_INVALID_VALUE); /* wrong size: still live */
+    FAILS_WITH(mf_host_free((char *)pinned + 16, 240), MF_ERROR_INVALID_HANDLE);
+    FAILS_WITH(mf_host_alloc(0, 0, &dev), MF_ERROR_INVALID_VALUE);
+    FAILS_WITH(mf_host_alloc(16, 0x100u, &dev), MF_ERROR_INVALID_VALUE);
+
+    OK(mf_device_alloc(64, &dev));
+    OK(mf_device_alloc(64, &dev2));
+    CHECK(mf_mem_lookup(dev, &left) == MF_MEM_DEVICE && left == 64);
+    CHECK(mf_mem_lookup(host, NULL) == MF_MEM_UNKNOWN);
+    for (int i = 0; i < 64; ++i) host[i] = (unsigned char)(i * 7 + 1);
+    OK(mf_copy_h2d_async(dev, host, 64, 0));
+    OK(mf_copy_d2d_async(dev2, (char *)dev + 16, 48, 0));
+    OK(mf_memset_async((char *)dev2 + 48, 0xAB, 16, 0));
+    OK(mf_copy_d2h_async(pinned, dev2, 64, 0));
+    OK(mf_stream_synchronize(0));
+    for (int i = 0; i < 48; ++i) CHECK(((unsigned char *)pinned)[i] == host[i + 16]);
+    for (int i = 48; i < 64; ++i) CHECK(((unsigned char *)pinned)[i] == 0xAB);
+
+    /* Ranges, kinds and foreign memory, refused before anything is queued. */
+    memset(back, 0x5A, sizeof back);
+    FAILS_WITH(mf_copy_d2h_async(back, dev, 65, 0), MF_ERROR_INVALID_VALUE);
+    FAILS_WITH(mf_copy_d2h_async(back, (char *)dev + 60, 8, 0), MF_ERROR_INVALID_VALUE);
+    FAILS_WITH(mf_copy_d2h_async(back, host, 8, 0), MF_ERROR_INVALID_HANDLE); /* foreign */
+    FAILS_WITH(mf_copy_d2h_async(back, pinned, 8, 0), MF_ERROR_INVALID_VALUE); /* pinned */
+    FAILS_WITH(mf_copy_d2h_async(dev2, dev, 8, 0), MF_ERROR_INVALID_VALUE);    /* device dst */
+    FAILS_WITH(mf_copy_h2d_async(dev, pinned, 257, 0), MF_ERROR_INVALID_VALUE);
+    FAILS_WITH(mf_copy_d2d_async(dev, dev2, 65, 0), MF_ERROR_INVALID_VALUE);
+    FAILS_WITH(mf_copy_d2h_async(back, dev, 8, 0xBEEF0ull), MF_ERROR_INVALID_HANDLE);
+    FAILS_WITH(mf_copy_d2h_async(NULL, dev, 8, 0), MF_ERROR_INVALID_VALUE);
+    OK(mf_stream_synchronize(0));
+    for (size_t i = 0; i < sizeof back; ++i) CHECK(back[i] == 0x5A); /* nothing launched */
+
+    /* An injected copy fault: the call fails, and the knob is spent. */
+    mf_host_faults faults = {0, 0, 0, 1, 0};
+    mf_host_configure(&faults);
+    FAILS_WITH(mf_copy_d2h_async(back, dev, 8, 0), MF_ERROR_INJECTED);
+    OK(mf_copy_d2h_async(back, dev, 8, 0));
+    OK(mf_stream_synchronize(0));
+    CHECK(memcmp(back, host, 8) == 0);
+    memset(&faults, 0, sizeof faults);
+    mf_host_configure(&faults);
+
+    OK(mf_device_free(dev));
+    OK(mf_device_free(dev2));
+    FAILS_WITH(mf_device_free(dev), MF_ERROR_INVALID_HANDLE); /* double free */
+    FAILS_WITH(mf_device_free(host), MF_ERROR_INVALID_HANDLE);
+    FAILS_WITH(mf_copy_d2h_async(back, dev, 8, 0), MF_ERROR_INVALID_HANDLE); /* freed */
+    OK(mf_host_free(pinned, 256));
+    FAILS_WITH(mf_host_free(pinned, 256), MF_ERROR_INVALID_HANDLE); /* double free */
+}
+
+enum { ROWS = 5, VOCAB = 11, STRIDE = 13 };
+
+static void test_argmax_and_resolve(void) {
+    float logits[ROWS * STRIDE];
+    uint32_t masks[ROWS * 2] = {MF_NO_TOKEN, MF_NO_TOKEN, 3, MF_NO_TOKEN, 0, 10,
+                                MF_NO_TOKEN, MF_NO_TOKEN, 4, 4};
+    uint32_t want[ROWS], cells_back[ROWS];
+    void *dlogits = NULL, *cells = NULL, *dst = NULL, *out = NULL;
+    mf_event_t event = 0;
+    mf_stream_t stream = 0;
+
+    srand(7);
+    for (int i = 0; i < ROWS * STRIDE; ++i) logits[i] = (float)(rand() % 9) - 4.0f; /* ties */
+    for (int r = 0; r < ROWS; ++r) {
+        logits[r * STRIDE + VOCAB] = INFINITY; /* padding past vocab must never win */
+        logits[r * STRIDE + VOCAB + 1] = INFINITY;
+    }
+    logits[0 * STRIDE + 2] = NAN;
+    for (int v = 0; v < VOCAB; ++v) logits[3 * STRIDE + v] = NAN; /* all NaN: lowest id */
+    logits[4 * STRIDE + 6] = -0.0f;
+    for (int r = 0; r < ROWS; ++r)
+        want[r] = plain_argmax(logits + r * STRIDE, VOCAB, masks[2 * r], masks[2 * r + 1]);
+
+    OK(mf_stream_create(0, &stream));
+    OK(mf_event_create(0, &event));
+    OK(mf_device_alloc(sizeof logits, &dlogits));
+    OK(mf_device_alloc(8 * 4, &cells));
+    OK(mf_host_alloc(ROWS * 4, 0, &dst));
+    OK(mf_copy_h2d_async(dlogits, logits, sizeof logits, stream));
+
+    mf_argmax_args a;
+    memset(&a, 0, sizeof a);
+    a.logits = dlogits;
+    a.dtype = MF_DTYPE_F32;
+    a.rows = ROWS;
+    a.vocab = VOCAB;
+    a.row_stride = STRIDE;
+    a.masks = masks;
+    a.cells = (uint32_t *)cells;
+    a.cell_capacity = 8;
+    a.host_dst = dst;
+    a.event = event;
+    OK(mf_argmax_to_feed(&a, stream));
+    masks[0] = 0; /* the caller may reuse masks at once */
+    OK(mf_event_synchronize(event));
+    for (int r = 0; r < ROWS; ++r) CHECK(((uint32_t *)dst)[r] == want[r]);
+    masks[0] = MF_NO_TOKEN;
+
+    /* Refused before launch: nothing is written into the cells or dst. */
+    OK(mf_memset_async(cells, 0xEE, 8 * 4, stream));
+    memset(dst, 0xEE, ROWS * 4);
+    OK(mf_stream_synchronize(stream));
+    mf_argmax_args b = a;
+    uint32_t bad_masks[ROWS * 2];
+    memcpy(bad_masks, masks, sizeof bad_masks);
+    bad_masks[5] = VOCAB; /* a mask id not below vocab */
+    b.masks = bad_masks;
+    FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_VALUE);
+    b = a;
+    b.rows = 9; /* more than the cells hold */
+    FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_VALUE);
+    b = a;
+    b.row_stride = VOCAB - 1;
+    FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_VALUE);
+    b = a;
+    b.dtype = (mf_dtype)7;
+    FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_VALUE);
+    b = a;
+    b.logits = (const char *)dlogits + 2; /* misaligned */
+    FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_VALUE);
+    b = a;
+    b.event = 0xDEAD00000001ull;
+    FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_HANDLE);
+    b = a;
+    b.logits = logits; /* host memory the package did not allocate */
+    FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_HANDLE);
+    OK(mf_stream_synchronize(stream));
+    for (int r = 0; r < ROWS; ++r) CHECK(((uint32_t *)dst)[r] == 0xEEEEEEEEu);
+
+    /* Cells for resolve: argmax again, without a copy to the host. */
+    a.host_dst = NULL;
+    a.event = 0;
+    OK(mf_argmax_to_feed(&a, stream));
+    uint32_t sources[4] = {4, MF_FEED_HOST_BIT | 123u, 0, MF_FEED_HOST_BIT | 0x7FFFFFFFu};
+    uint32_t resolved[4];
+    OK(mf_device_alloc(sizeof resolved, &out));
+    OK(mf_resolve_feed(sources, 4, (const uint32_t *)cells, ROWS, (uint32_t *)out, stream));
+    OK(mf_copy_d2h_async(resolved, out, sizeof resolved, stream));
+    OK(mf_copy_d2h_async(cells_back, cells, sizeof cells_back, stream));
+    OK(mf_stream_synchronize(stream));
+    for (int r = 0; r < ROWS; ++r) CHECK(cells_back[r] == want[r]);
+    CHECK(resolved[0] == want[4] && resolved[1] == 123u && resolved[2] == want[0] &&
+          resolved[3] == 0x7FFFFFFFu);
+    sources[2] = ROWS; /* a from_row beyond the previous step */
+    FAILS_WITH(mf_resolve_feed(sources, 4, (const uint32_t *)cells, ROWS, (uint32_t *)out, stream),
+               MF_ERROR_INVALID_VALUE);
+    FAILS_WITH(mf_resolve_feed(sources, 0, (const uint32_t *)cells, ROWS, (uint32_t *)out, stream),
+               MF_ERROR_INVALID_VALUE);
+    FAILS_WITH(mf_resolve_feed(NULL, 4, (const uint32_t *)cells, ROWS, (uint32_t *)out, stream),
+               MF_ERROR_INVALID_VALUE);
+
+    OK(mf_device_free(out));
+    OK(mf_host_free(dst, ROWS * 4));
+    OK(mf_device_free(cells));
+    OK(mf_device_free(dlogits));
+    OK(mf_event_destroy(event));
+    OK(mf_stream_destroy(stream));
+}
+
+int main(void) {
+    uint64_t events = 1, streams = 1, pinned = 1, device = 1;
+
+    CHECK(mf_active_backend() == MF_BACKEND_HOST);
+    if (!mf_build_has_cuda()) FAILS_WITH(mf_select_backend(MF_BACKEND_CUDA), MF_ERROR_UNAVAILABLE);
+    FAILS_WITH(mf_select_backend((mf_backend)9), MF_ERROR_INVALID_VALUE);
+    test_events_and_streams();
+    test_memory_and_copies();
+    test_argmax_and_resolve();
+    OK(mf_stream_synchronize(0));
+    mf_live_counts(&events, &streams, &pinned, &device);
+    CHECK(events == 0 && streams == 0 && pinned == 0 && device == 0); /* nothing leaked */
+    if (failures) {
+        fprintf(stderr, "feed_smoke: %d check(s) failed\n", failures);
+        return 1;
+    }
+    printf("feed_smoke: all checks passed\n");
+    return 0;
+}

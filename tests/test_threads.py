@@ -1,0 +1,193 @@
+"""Threads on the host backend: events, copies and argmax launches from 8 threads on private and
+shared streams, with exact results; routers driven from several threads; and a thread driving
+the router while others read ``io.stats`` and ``live_objects()`` in a loop. No crash, no deadlock
+(every join has a timeout), exact results, nothing left live."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import metrale_feed as mf
+from metrale_feed import DeviceBuffer, Event, PinnedBuffer, Stream
+from metrale_feed import demo
+from metrale_feed.demo import host_reference, make_requests, run_async
+from metrale_feed.oracle import reference_argmax
+from metrale_feed.reference import ReferenceModel
+
+NT = mf.NO_TOKEN
+THREADS = 8
+JOIN_TIMEOUT = 120
+
+
+def run_threads(target, count, *args):
+    """Start ``count`` threads on ``target(index, *args)`` together; re-raise the first error."""
+    errors = []
+    barrier = threading.Barrier(count)
+
+    def body(index):
+        try:
+            barrier.wait(timeout=30)
+            target(index, *args)
+        except BaseException as error:  # noqa: BLE001 (reported below, with its thread)
+            errors.append((index, error))
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + JOIN_TIMEOUT
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [i for i, t in enumerate(threads) if t.is_alive()]
+    assert not stuck, f"threads {stuck} did not finish in {JOIN_TIMEOUT} s (deadlock?)"
+    if errors:
+        index, error = errors[0]
+        raise AssertionError(f"thread {index} failed ({len(errors)} failed in all): {error!r}") from error
+
+
+@pytest.mark.parametrize("lag_us", [0, 30])
+def test_events_copies_argmax_from_eight_threads(host, no_leaks, lag_us):
+    host.configure_host(lag_us=lag_us)
+    shared = Stream()
+    iterations = 150 if lag_us == 0 else 40
+    rows, vocab = 4, 37
+
+    def work(index):
+        rng = np.random.default_rng(index)
+        private = Stream(non_blocking=bool(index % 2))
+        cells = DeviceBuffer(rows * 4)
+        dst = PinnedBuffer(rows * 4)
+        try:
+            for it in range(iterations):
+                stream = (private, shared, 0)[it % 3]
+                values = rng.standard_normal((rows, vocab)).astype(np.float32)
+                values[rng.integers(0, rows), rng.integers(0, vocab)] = np.nan
+                masks = [(int(rng.integers(0, vocab)), NT) if rng.integers(0, 2) else (NT, NT)
+                         for _ in range(rows)]
+                logits = DeviceBuffer(values.nbytes)
+                mf.copy_h2d_async(logits, values, stream)  # a numpy source, held until passed
+                with Event() as done:
+                    mf.argmax_to_feed(logits, masks, cells, dst, done, stream, vocab=vocab,
+                                      dtype="float32")
+                    if it % 2:
+                        while not done.query():
+                            pass
+                    else:
+                        done.synchronize()
+                    got = np.frombuffer(dst, np.uint32).tolist()
+                assert got == reference_argmax(values, masks).tolist(), f"iteration {it}"
+                # A copy of the cells into a Python buffer and a device-to-device copy, by handle.
+                copy = DeviceBuffer(rows * 4)
+                mf.copy_d2d_async(copy, cells, rows * 4, stream)
+                back = bytearray(rows * 4)
+                mf.copy_d2h_async(copy, back, stream)
+                handle = mf.event_create()
+                mf.event_record(handle, stream)
+                mf.event_synchronize(handle)
+                assert mf.event_query(handle) is True
+                mf.destroy_event(handle)
+                assert np.frombuffer(bytes(back), np.uint32).tolist() == got
+                copy.close()
+                logits.close()  # waits for every stream's queued work, other threads' included
+        finally:
+            dst.close()
+            cells.close()
+            private.close()
+
+    try:
+        run_threads(work, THREADS)
+    finally:
+        host.configure_host()
+        shared.close()
+
+
+def test_pinned_and_event_churn_from_eight_threads(host, no_leaks):
+    """Allocation, free and handle tables under contention: every handle and pointer handed out
+    is distinct while live, and each thread's own data survives the others' churn."""
+    live_handles = set()
+    lock = threading.Lock()
+
+    def churn(index):
+        for it in range(1000):
+            ptr = mf.alloc_host_pinned(64 + index)
+            mf.write_pinned_u32(ptr, [index, it])
+            handle = mf.event_create()
+            with lock:
+                assert handle not in live_handles, "an event handle was handed out twice"
+                live_handles.add(handle)
+            mf.event_record(handle)
+            assert mf.read_pinned_u32(ptr, 2) == [index, it]
+            mf.event_synchronize(handle)
+            with lock:
+                live_handles.discard(handle)
+            mf.destroy_event(handle)
+            mf.free_host_pinned(ptr, 64 + index)
+
+    run_threads(churn, THREADS)
+
+
+def test_routers_in_four_threads(host, no_leaks):
+    """Four schedulers, each with its own model and router, all on the default stream."""
+    vocab, max_new = 200, 48
+
+    def drive(index):
+        requests = make_requests(5, max_new, vocab, "float32", seed=100 + index)
+        expected = [host_reference(r["prompt"], r["mask"], r["stop"], max_new, vocab, "float32")
+                    for r in requests]
+        with ReferenceModel(vocab, block_size=4, num_blocks=5 * 24, max_rows=5) as model:
+            result = run_async(model, requests, max_new, shuffle=random.Random(index))
+            assert model.pool.free_count == 5 * 24
+        assert result["tokens"] == expected
+
+    run_threads(drive, 4)
+
+
+def test_router_while_others_read_stats(host, no_leaks, monkeypatch):
+    """One thread drives demo.run_async; three others read the router's stats, live_objects()
+    and the fault knobs in a loop until it is done."""
+    routers = []
+
+    class SeenAsyncDeviceIo(demo.AsyncDeviceIo):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            routers.append(self)
+
+    monkeypatch.setattr(demo, "AsyncDeviceIo", SeenAsyncDeviceIo)
+    vocab, max_new, rows = 300, 100, 8
+    requests = make_requests(rows, max_new, vocab, "bfloat16", seed=9)
+    expected = [host_reference(r["prompt"], r["mask"], r["stop"], max_new, vocab, "bfloat16")
+                for r in requests]
+    finished = threading.Event()
+    outcome = {}
+    reads = [0] * 3
+
+    def role(index):
+        if index == 0:
+            try:
+                with ReferenceModel(vocab, block_size=4, num_blocks=rows * 40, max_rows=rows,
+                                    logits_dtype="bfloat16") as model:
+                    outcome["result"] = run_async(model, requests, max_new,
+                                                  shuffle=random.Random(3))
+            finally:
+                finished.set()
+            return
+        while not finished.is_set() or reads[index - 1] == 0:
+            for io in list(routers):
+                stats = io.stats.as_dict()
+                assert all(isinstance(v, int) and v >= 0 for v in stats.values()), stats
+                repr(io.stats)
+            counts = mf.live_objects()
+            assert set(counts) == {"events", "streams", "pinned_bytes", "device_bytes"}
+            assert mf.host_faults()["fail_event_query_at"] == 0
+            reads[index - 1] += 1
+
+    run_threads(role, 4)
+    assert len(routers) == 1
+    result = outcome["result"]
+    assert result["tokens"] == expected
+    assert result["stats"]["ahead_launches"] > 0
+    assert min(reads) > 0
