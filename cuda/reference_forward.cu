@@ -50,7 +50,8 @@ __global__ void __launch_bounds__(kThreads)
     if (logits == nullptr) return;  // a prefill: the KV write alone (uniform across the block)
     __syncthreads();  // the write above is read back below, by other threads of the block
 
-    if (threadIdx.x < 32) {
+    if (threadIdx.x == 0 && pos >= kv_slots) row_hash = MF_FNV_OFFSET;  // no history in the cache
+    if (threadIdx.x < 32 && pos < kv_slots) {
         const uint32_t lane = threadIdx.x;
         uint32_t h = MF_FNV_OFFSET;
         for (uint64_t base = 0; base <= pos; base += 32) {

@@ -16,7 +16,7 @@ bool dtype_known(mf_dtype dtype) {
 }
 bool aligned(const void *ptr, size_t to) { return ((uintptr_t)ptr % to) == 0; }
 
-mf_status check_argmax(const mf_argmax_args *a) {
+mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
     if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "unknown logits dtype %d", (int)a->dtype);
     if (a->rows == 0 || a->rows > kMaxRows)
         return fail(MF_ERROR_INVALID_VALUE, "rows must be in [1, %u], got %u", kMaxRows, a->rows);
@@ -49,10 +49,8 @@ mf_status check_argmax(const mf_argmax_args *a) {
         status = check_device_range(a->cells, (size_t)a->cell_capacity * 4, "feed cells");
     if (status == MF_SUCCESS && a->host_dst)
         status = check_host_range(a->host_dst, (size_t)a->rows * 4, "argmax destination");
-    if (status == MF_SUCCESS && a->event) {
-        Slot *slot;
-        status = resolve_event(a->event, &slot);
-    }
+    *event = nullptr;
+    if (status == MF_SUCCESS && a->event) status = resolve_event(a->event, event);
     return status;
 }
 }  // namespace
@@ -62,14 +60,14 @@ extern "C" {
 mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream) {
     MF_RANGE("argmax_to_feed");
     void *raw;
-    mf_status status = check_argmax(args);
+    Slot *event;
+    mf_status status = check_argmax(args, &event);
     if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
     if (status != MF_SUCCESS) return status;
     status = ops().argmax(args, raw);
     if (status == MF_SUCCESS && args->host_dst)
         status = ops().copy_async(args->host_dst, args->cells, (size_t)args->rows * 4, kD2H, raw);
-    if (status == MF_SUCCESS && args->event)
-        status = ops().event_record(event_table().find(args->event)->raw, stream);
+    if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, stream);
     return status;
 }
 

@@ -62,6 +62,7 @@ bool SlotTable::erase(uint64_t handle, Slot *out) {
     out->flags = slot->flags;
     out->owned = slot->owned;
     slot->live.store(false, std::memory_order_release);
+    live_.fetch_sub(1, std::memory_order_relaxed);
     if (free_len_ == free_cap_) {
         uint32_t cap = free_cap_ ? free_cap_ * 2 : 64;
         uint32_t *grown = (uint32_t *)std::realloc(free_, cap * sizeof *grown);
@@ -70,7 +71,6 @@ bool SlotTable::erase(uint64_t handle, Slot *out) {
         free_cap_ = cap;
     }
     free_[free_len_++] = (uint32_t)handle - 1u;
-    live_.fetch_sub(1, std::memory_order_relaxed);
     return true;
 }
 

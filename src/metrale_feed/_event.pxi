@@ -52,7 +52,9 @@ cdef class Event:
         self._check_open()
         with nogil:
             status = mf_event_synchronize(self._handle)
-        return check(status)
+        check(status)
+        release_passed()  # copies up to here are done: their held buffers can go
+        return 0
 
     @property
     def handle(self):
@@ -160,6 +162,7 @@ cdef class Stream:
         with nogil:
             status = mf_stream_synchronize(self._handle)
         check(status)
+        release_passed()
 
     def wait_event(self, event):
         """Later work on this stream waits for ``event`` (no host wait)."""
@@ -227,6 +230,7 @@ def event_synchronize(event):
     with nogil:
         status = mf_event_synchronize(e)
     check(status)
+    release_passed()
 
 
 def destroy_event(event):
@@ -246,6 +250,7 @@ def stream_synchronize(stream=0):
     with nogil:
         status = mf_stream_synchronize(s)
     check(status)
+    release_passed()
 
 
 # C-level entry points for cimport users: no Python objects, no GIL.

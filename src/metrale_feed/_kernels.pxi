@@ -50,7 +50,8 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
     """Masked argmax of ``rows`` rows of ``logits`` into feed ``cells``, then an async copy of
     ``rows * 4`` bytes of cells into ``dst`` and a record of ``event``, in stream order and with
     no host synchronisation. ``masks`` (pairs or a uint32 buffer, None for no mask) may be reused
-    as soon as this returns; ``dst`` (pinned memory) is valid once ``event`` completes. Returns
+    as soon as this returns; ``dst`` (pinned memory) is valid once ``event`` completes (on CUDA a
+    pageable ``dst`` makes the copy, and so this call, wait for the kernel). Returns
     the rows launched (taken from ``masks`` when ``rows`` is None)."""
     cdef mf_argmax_args a
     cdef uint64_t s, e

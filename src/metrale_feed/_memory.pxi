@@ -74,6 +74,7 @@ cdef class PinnedBuffer:
         """Free the memory (after queued work that may touch it). Refused while views exist."""
         if self._ptr == NULL:
             return
+        release_passed()  # views held for copies that have completed go first
         if self._exports:
             raise BufferError(f"the pinned buffer has {self._exports} exported view(s); release them first")
         cdef void *ptr = self._ptr
@@ -269,7 +270,7 @@ def read_pinned_u32(ptr, Py_ssize_t count):
 def write_pinned_u32(ptr, values):
     """Store uint32 ``values`` into live pinned memory at ``ptr``."""
     cdef uint64_t p
-    cdef _Words words = words_of(list(values), False, "values")  # all checked before any store
+    cdef _Words words = words_of(list(values), False, "values", 1 << 28)  # all checked first
     u64_of(ptr, &p, "pointer")
     pinned_range(p, <size_t>words.n * 4)
     memcpy(<void *><size_t>p, words.data, <size_t>words.n * 4)

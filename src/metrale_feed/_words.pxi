@@ -30,9 +30,9 @@ cdef inline uint32_t word_of(object item) except? 0xFFFFFFFF:
     return <uint32_t>item
 
 
-cdef _Words words_of(object obj, bint pairs, str what):
-    """``obj`` as a flat uint32 array: a C-contiguous uint32 buffer, or a sequence of ints (of
-    (a, b) pairs when ``pairs``)."""
+cdef _Words words_of(object obj, bint pairs, str what, Py_ssize_t max_items=8192):
+    """``obj`` as a flat uint32 array: a C-contiguous uint32 buffer, or a sequence of at most
+    ``max_items`` ints (of (a, b) pairs when ``pairs``)."""
     cdef _Words words = _Words.__new__(_Words)
     cdef Py_ssize_t i, n
     cdef object item
@@ -48,6 +48,8 @@ cdef _Words words_of(object obj, bint pairs, str what):
         n = len(obj)
     except TypeError:
         raise TypeError(f"{what} must be a uint32 buffer or a sequence, not {type(obj).__name__}") from None
+    if n < 0 or n > max_items:  # before any arithmetic on n: a huge __len__ must not wrap malloc
+        raise ValueError(f"{what} holds {n} items; at most {max_items}")
     words.owned = <uint32_t *>malloc((2 * n if pairs else n) * sizeof(uint32_t) + 4)
     if words.owned == NULL:
         raise MemoryError()

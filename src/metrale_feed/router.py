@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _core
 from .errors import FeedError
+from .feed import NO_TOKEN
 from .kv import SequenceState
 from .trait import ModelDeviceFeed
 
@@ -146,6 +147,8 @@ class AsyncDeviceIo:
         rows = len(seqs)
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"a step takes 1 to {self.max_rows} rows, got {rows}")
+        if masks is None:
+            masks = [(NO_TOKEN, NO_TOKEN)] * rows
         mask_rows = _mask_rows(masks, rows)
         if len(inputs) != rows or mask_rows != rows:
             raise ValueError(f"{len(inputs)} inputs and {mask_rows} masks for {rows} rows")

@@ -52,6 +52,8 @@ mf_status sm_count(int device, int *out) {
 }
 
 // ---- per-stream scratch of the split argmax ----
+// A CUDA graph captured on a stream bakes in that stream's scratch: replay it on the capture
+// stream (or serialised with it), never concurrently with other argmax launches on that stream.
 // Kernels on one stream run in order, so one scratch per stream is race-free. It is sized for the
 // device's worst plan, so it is allocated once, on the first split launch on that stream: that
 // launch is not graph-capturable (warm up each stream before capture). The per-thread default

@@ -61,7 +61,7 @@ mf_status event_destroy(void *raw) {
 
 mf_status event_record(void *raw, mf_stream_t stream) {
     Event *event = as_event(raw);
-    uint64_t ticket = event->recorded.fetch_add(1, std::memory_order_acq_rel) + 1;
+    uint64_t ticket = event->record();
     event->retain();
     stream_of((void *)(uintptr_t)stream)->enqueue("event_record", [event, ticket] {
         event->reach(ticket, now_ns());
@@ -80,7 +80,9 @@ mf_status event_query(void *raw, int *done) {
 mf_status event_synchronize(void *raw) {
     if (fires(g_fail_sync)) return injected("event_synchronize");
     Event *event = as_event(raw);
+    event->retain();  // a destroy from another thread during the wait must not free it under us
     event->wait(event->recorded.load(std::memory_order_acquire));
+    event->release();
     return MF_SUCCESS;
 }
 
@@ -108,7 +110,10 @@ mf_status stream_query(void *raw, int *idle) {
 }
 mf_status stream_synchronize(void *raw) {
     if (fires(g_fail_sync)) return injected("stream_synchronize");
-    stream_of(raw)->synchronize();
+    Stream *stream = stream_of(raw);
+    stream->retain();  // as event_synchronize: a close meanwhile frees it only after we are done
+    stream->synchronize();
+    stream->release();
     return MF_SUCCESS;
 }
 mf_status stream_wait_event(void *raw, void *event_raw) {

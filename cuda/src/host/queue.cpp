@@ -10,19 +10,29 @@ std::mutex g_streams_mutex;
 std::unordered_set<Stream *> g_streams;
 }  // namespace
 
+uint64_t Event::record() {
+    std::lock_guard<std::mutex> lock(mutex);
+    uint64_t ticket = recorded.load(std::memory_order_relaxed) + 1;
+    outstanding.insert(ticket);
+    recorded.store(ticket, std::memory_order_release);
+    return ticket;
+}
+
 void Event::reach(uint64_t ticket, int64_t stamp) {
-    stamp_ns.store(stamp, std::memory_order_relaxed);
     {
         std::lock_guard<std::mutex> lock(mutex);
-        uint64_t seen = reached.load(std::memory_order_relaxed);
-        if (ticket > seen) reached.store(ticket, std::memory_order_release);
+        outstanding.erase(ticket);
+        if (ticket == recorded.load(std::memory_order_relaxed)) {  // the latest record has run
+            stamp_ns.store(stamp, std::memory_order_relaxed);
+            latest_done.store(ticket, std::memory_order_release);
+        }
     }
     changed.notify_all();
 }
 
 void Event::wait(uint64_t ticket) {
     std::unique_lock<std::mutex> lock(mutex);
-    changed.wait(lock, [&] { return reached.load(std::memory_order_acquire) >= ticket; });
+    changed.wait(lock, [&] { return outstanding.count(ticket) == 0; });
 }
 
 Stream::Stream() {
@@ -85,7 +95,7 @@ void Stream::run() {
         std::lock_guard<std::mutex> registry(g_streams_mutex);
         g_streams.erase(this);
     }
-    delete this;
+    release();  // the worker's reference; a caller still in synchronize() holds its own
 }
 
 Stream *default_stream() {

@@ -9,9 +9,13 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <unordered_set>
 
 namespace mf::host {
 
+// Each record is a ticket. A query asks whether the latest ticket has run (lock-free); a wait
+// (synchronize, stream_wait_event) waits for the ticket current when it was called, whatever
+// later records on other streams do: CUDA's semantics.
 struct Event {
     explicit Event(unsigned flags) : flags(flags) {}
     void retain() { refs.fetch_add(1, std::memory_order_relaxed); }
@@ -19,23 +23,31 @@ struct Event {
         if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
     }
     bool done() const {
-        return reached.load(std::memory_order_acquire) >= recorded.load(std::memory_order_acquire);
+        return latest_done.load(std::memory_order_acquire) == recorded.load(std::memory_order_acquire);
     }
+    uint64_t record();  // a new ticket, outstanding until reach()
     void reach(uint64_t ticket, int64_t stamp_ns);
     void wait(uint64_t ticket);
 
     const unsigned flags;
-    std::atomic<uint64_t> recorded{0};  // tickets handed out by record
-    std::atomic<uint64_t> reached{0};   // the highest ticket a worker has passed
-    std::atomic<int64_t> stamp_ns{0};
+    std::atomic<uint64_t> recorded{0};     // the latest ticket handed out
+    std::atomic<uint64_t> latest_done{0};  // == recorded once the latest ticket has run
+    std::atomic<int64_t> stamp_ns{0};      // when the latest ticket ran
     std::atomic<int> refs{1};
     std::mutex mutex;
     std::condition_variable changed;
+    std::unordered_set<uint64_t> outstanding;  // tickets queued, not yet run (under mutex)
 };
 
 class Stream {
 public:
     Stream();
+    // The worker holds one reference and drops it when it has drained a closed stream; a caller
+    // blocked in synchronize() holds another, so neither frees the stream under the other.
+    void retain() { refs_.fetch_add(1, std::memory_order_relaxed); }
+    void release() {
+        if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+    }
     // `name` (a string literal) labels the op in a trace (mf_trace_enable).
     void enqueue(const char *name, std::function<void()> op);
     bool idle();
@@ -54,6 +66,7 @@ private:
     std::deque<Op> queue_;
     uint64_t enqueued_ = 0, completed_ = 0;
     bool closing_ = false;
+    std::atomic<int> refs_{1};
 };
 
 Stream *default_stream();

@@ -25,10 +25,11 @@ void run_reference_forward(const mf_reference_args &a) {
                 if (slot < a.kv_slots) a.kv[slot] = a.input_ids[r];
                 continue;
             }
-            // As the CUDA kernel: a table pointing past the cache writes nothing and reads NO_TOKEN.
+            // As the CUDA kernel: a table pointing past the cache writes nothing and reads NO_TOKEN;
+            // a position past the cache's size has no history in it at all.
             uint32_t h = MF_FNV_OFFSET;
-            for (uint32_t t = 0; t <= pos; ++t) {
-                uint64_t slot = slot_of(a, offset, t);
+            for (uint64_t t = 0; t <= pos && pos < a.kv_slots; ++t) {
+                uint64_t slot = slot_of(a, offset, (uint32_t)t);
                 bool inside = slot < a.kv_slots;
                 if (inside && t == pos) a.kv[slot] = a.input_ids[r];
                 h = mf_fnv_step(h, inside ? a.kv[slot] : MF_NO_TOKEN);

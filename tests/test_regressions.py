@@ -1,0 +1,118 @@
+"""Regressions found in review: each ran into a crash, a hang or a wrong wait before its fix.
+The risky ones run in a child interpreter so that a crash fails the test, not the run."""
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import metrale_feed as mf
+from metrale_feed.feed import NO_TOKEN
+from metrale_feed.kv import SequenceState
+from metrale_feed.reference import ReferenceModel, host_next_token
+
+
+def run_child(code, timeout=60):
+    script = "import faulthandler; faulthandler.enable()\n" + textwrap.dedent(code)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=timeout, env={"METRALE_FEED_BACKEND": "host", "PATH": ""})
+    assert done.returncode == 0, f"child failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def test_a_huge_len_is_refused_before_any_allocation():
+    out = run_child("""
+        import metrale_feed as mf
+        class Huge:
+            def __init__(self, n): self.n = n
+            def __len__(self): return self.n
+            def __getitem__(self, i): return 0
+        cells, out = mf.DeviceBuffer(64), mf.DeviceBuffer(64)
+        for n in (2**61, 2**62, 8193):
+            try:
+                mf.resolve_feed(Huge(n), cells, out, prev_rows=1)
+            except ValueError as error:
+                print("refused", "at most" in str(error))
+        try:
+            mf.argmax_to_feed(cells, Huge(2**61), cells, None, None, rows=2, vocab=4, dtype="float32")
+        except ValueError as error:
+            print("refused", "at most" in str(error))
+    """)
+    assert out.split() == ["refused", "True"] * 4
+
+
+def test_a_position_past_the_cache_does_not_hang_the_forward():
+    out = run_child("""
+        import numpy as np, metrale_feed as mf
+        ids, meta, tables = mf.DeviceBuffer(4), mf.DeviceBuffer(8), mf.DeviceBuffer(4)
+        kv, logits = mf.DeviceBuffer(64), mf.DeviceBuffer(16 * 4)
+        mf.copy_h2d_async(meta, np.array([0xFFFFFFFF, 0], np.uint32))
+        mf._core.reference_forward(ids, meta, tables, kv, 16, 4, 1, 16, "float32", logits)
+        mf.stream_synchronize()
+        got = bytearray(64)
+        mf.copy_d2h_async(logits, got); mf.stream_synchronize()
+        print("done")
+    """, timeout=30)
+    assert out.strip() == "done"
+
+
+def test_a_wait_is_for_the_record_current_when_it_was_made(host, no_leaks):
+    """A later record of the same event on an idle stream must not release a wait on an earlier
+    record that is still queued behind slow work (CUDA's semantics)."""
+    busy = mf.DeviceBuffer(1 << 20)
+    with mf.Stream() as a, mf.Stream() as b, mf.Stream() as c, mf.Event() as event, \
+            mf.Event() as c_done, mf.Event() as a_done:
+        host.configure_host(lag_us=40_000)
+        busy.memset_async(1, a)
+        busy.memset_async(2, a)
+        event.record(a)
+        a_done.record(a)
+        c.wait_event(event)
+        c_done.record(c)
+        host.configure_host()
+        event.record(b)   # a newer record, on an idle stream
+        event.synchronize()  # waits for the record on b only
+        time.sleep(0.01)
+        assert not a_done.query()
+        assert not c_done.query(), "the wait on the earlier record was released by a later one"
+        c_done.synchronize()
+        assert a_done.query()
+    busy.close()
+
+
+def test_closing_an_event_while_another_thread_waits_on_it(host, no_leaks):
+    event = mf.Event()
+    host.configure_host(lag_us=50_000)
+    with mf.Stream() as stream:
+        event.record(stream)
+        waiter = threading.Thread(target=event.synchronize)
+        waiter.start()
+        time.sleep(0.01)
+        event.close()  # the waiter holds its own reference in the backend
+        waiter.join(5)
+        assert not waiter.is_alive()
+        host.configure_host()
+        stream.synchronize()
+
+
+def test_router_takes_masks_none(host, no_leaks):
+    with ReferenceModel(64, block_size=4, num_blocks=16, max_rows=2) as model, \
+            mf.AsyncDeviceIo(model, 2) as io:
+        seq = SequenceState(0)
+        ticket = io.launch_decode([4], [seq], None)
+        assert io.await_result(ticket) == [host_next_token([4], 64)]
+        model.release_sequence(seq)
+
+
+def test_a_copy_into_a_foreign_buffer_lets_it_go_at_synchronize(host, no_leaks, dev):
+    source = dev.upload(np.arange(4, dtype=np.uint32))
+    target = bytearray(16)
+    mf.copy_d2h_async(source, target)
+    mf.stream_synchronize()
+    target.extend(b"x")  # no export left behind: a resize is allowed
+    assert bytes(target[:16]) == np.arange(4, dtype=np.uint32).tobytes()
+    source.close()
