@@ -64,24 +64,26 @@ def test_a_wait_is_for_the_record_current_when_it_was_made(host, no_leaks):
     """A later record of the same event on an idle stream must not release a wait on an earlier
     record that is still queued behind slow work (CUDA's semantics)."""
     busy = mf.DeviceBuffer(1 << 20)
-    with mf.Stream() as a, mf.Stream() as b, mf.Stream() as c, mf.Event() as event, \
-            mf.Event() as c_done, mf.Event() as a_done:
-        host.configure_host(lag_us=40_000)
-        busy.memset_async(1, a)
-        busy.memset_async(2, a)
-        event.record(a)
-        a_done.record(a)
-        c.wait_event(event)
-        c_done.record(c)
+    try:
+        with mf.Stream() as a, mf.Stream() as b, mf.Stream() as c, mf.Event() as event, \
+                mf.Event() as c_done, mf.Event() as a_done:
+            host.configure_host(lag_us=40_000)  # every op waits 40 ms before it runs
+            busy.memset_async(1, a)
+            busy.memset_async(2, a)
+            event.record(a)                     # runs at about 120 ms
+            a_done.record(a)
+            c.wait_event(event)
+            c_done.record(c)
+            event.record(b)                     # a newer record, on an idle stream: ~40 ms
+            event.synchronize()                 # waits for the record on b only
+            assert not a_done.query()
+            assert not c_done.query(), "the wait on the earlier record was released by a later one"
+            c_done.synchronize()
+            assert a_done.query()
+    finally:
         host.configure_host()
-        event.record(b)   # a newer record, on an idle stream
-        event.synchronize()  # waits for the record on b only
-        time.sleep(0.01)
-        assert not a_done.query()
-        assert not c_done.query(), "the wait on the earlier record was released by a later one"
-        c_done.synchronize()
-        assert a_done.query()
-    busy.close()
+        mf.stream_synchronize()
+        busy.close()
 
 
 def test_closing_an_event_while_another_thread_waits_on_it(host, no_leaks):
