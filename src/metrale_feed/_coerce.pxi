@@ -8,11 +8,16 @@ cdef int u64_of(object value, uint64_t *out, str what) except -1:
     return 0
 
 
-cdef uint64_t int_of(object value, str what, uint64_t low, uint64_t high) except? 0xFFFFFFFFFFFFFFFF:
-    """An int in [low, high]: not a float (never truncated), not a bool."""
+cdef object index_of(object value, str what):
+    """``value`` as a Python int: an int or anything with __index__, never a float or a bool."""
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
-    value = value.__index__()
+    return value.__index__()
+
+
+cdef uint64_t int_of(object value, str what, uint64_t low, uint64_t high) except? 0xFFFFFFFFFFFFFFFF:
+    """An int in [low, high]."""
+    value = index_of(value, what)
     if value < 0 and low == 0:
         raise ValueError(f"{what} must not be negative, got {value}")
     if value < low or value > high:
@@ -30,10 +35,8 @@ cdef str bound_text(uint64_t n):
 
 
 cdef size_t size_of(object value, str what) except? 0:
-    """A byte count: an int (not a float, not a bool), >= 0."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
-    value = value.__index__()
+    """A byte count: an int >= 0 that fits in size_t (OverflowError beyond it)."""
+    value = index_of(value, what)
     if value < 0:
         raise ValueError(f"{what} must not be negative, got {value}")
     if value > <size_t>-1:
