@@ -138,3 +138,13 @@ def test_host_next_token_masks_and_empty_rows():
     assert host_next_token(history, 100, mask=(top, 0xFFFFFFFF)) != top
     assert host_next_token([1], 2, mask=(0, 1)) == 0xFFFFFFFF
     assert host_next_token([1], 1, mask=(0, 0xFFFFFFFF)) == 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_numpy_only_rounding_matches_the_dtype(dtype):
+    """host_next_token rounds without ml_dtypes; it must agree with the real dtype's rounding."""
+    from metrale_feed.reference import _widened_logits
+
+    history = [7, 7, 1]
+    expected = host_logits(history, 4000, dtype).astype(np.float32)
+    assert np.array_equal(_widened_logits(history, 4000, dtype), expected)

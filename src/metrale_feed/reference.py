@@ -259,12 +259,29 @@ def host_logits(history: Sequence[int], vocab: int, dtype: str = "float32") -> A
     raise ValueError(f"unknown logits dtype {dtype!r}")
 
 
+def _widened_logits(history: Sequence[int], vocab: int, dtype: str) -> Any:
+    """host_logits rounded to ``dtype`` and widened back to float32 (exact), with numpy alone."""
+    import numpy as np
+
+    logits = host_logits(history, vocab, "float32")
+    if dtype == "float32":
+        return logits
+    if dtype == "float16":
+        return logits.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":  # round to nearest even on the top 16 bits, as mf_f32_to_bf16
+        bits = logits.view(np.uint32)
+        rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+                   >> np.uint32(16)) << np.uint32(16)
+        return rounded.astype(np.uint32).view(np.float32)
+    raise ValueError(f"unknown logits dtype {dtype!r}")
+
+
 def host_next_token(history: Sequence[int], vocab: int, dtype: str = "float32",
                     mask: Sequence[int] = (0xFFFFFFFF, 0xFFFFFFFF)) -> int:
     """The reference model's greedy next token after ``history`` under the row mask ``mask``."""
     import numpy as np
 
-    logits = host_logits(history, vocab, dtype).astype(np.float32)  # exact widening
+    logits = _widened_logits(history, vocab, dtype).copy()
     for banned in mask:
         if banned != 0xFFFFFFFF:
             logits[banned] = -1.0  # every logit is in [0, 1)
