@@ -148,3 +148,8 @@ def test_numpy_only_rounding_matches_the_dtype(dtype):
     history = [7, 7, 1]
     expected = host_logits(history, 4000, dtype).astype(np.float32)
     assert np.array_equal(_widened_logits(history, 4000, dtype), expected)
+
+
+def test_a_cache_past_uint32_slots_is_refused():
+    with pytest.raises(ValueError, match="below 2\\*\\*32"):
+        ReferenceModel(16, block_size=16, num_blocks=2**28)

@@ -57,6 +57,8 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
                  max_rows: int = 256, logits_dtype: str = "float32", stream: Any = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if num_blocks * block_size > 0xFFFFFFFF:  # KV slots are addressed with uint32
+            raise ValueError(f"num_blocks x block_size must be below 2**32, got {num_blocks * block_size}")
         self.init_device_feed(vocab=vocab, logits_dtype=logits_dtype, max_rows=max_rows)
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
