@@ -1,4 +1,4 @@
-"""Regressions found in review: each ran into a crash, a hang or a wrong wait before its fix.
+"""Regressions: each of these once crashed, hung or released a wait too early.
 The risky ones run in a child interpreter so that a crash fails the test, not the run."""
 
 import subprocess
