@@ -133,13 +133,16 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         slot.words[2][: len(tables)] = array("I", tables)
         return slot
 
-    def _forward(self, slot: _Staging, rows: int, stream: Any) -> int:
+    def _forward(self, slot: _Staging, rows: int, stream: Any, logits: bool = True) -> int:
+        """Copy the staged meta and tables, mark the slot reusable after them, run the forward
+        (``logits=False``: the KV writes alone, a prefill)."""
         _core.copy_h2d_async(slot.dev[1], slot.host[1], stream)
         _core.copy_h2d_async(slot.dev[2], slot.host[2], stream)
         slot.event.record(stream)
         _core.reference_forward(slot.dev[0], slot.dev[1], slot.dev[2], self.kv,
                                 self.pool.num_blocks * self.block_size, self.block_size, rows,
-                                self.feed_vocab, self.feed_logits_dtype, self.logits, stream)
+                                self.feed_vocab, self.feed_logits_dtype,
+                                self.logits if logits else None, stream)
         return self.logits.ptr
 
     def decode_batch(self, tokens: Sequence[int], seqs: Sequence[SequenceState],
@@ -195,12 +198,7 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
             slot = self._stage([seq] * rows, [seq.seq_len + i for i in range(rows)])
             slot.words[0][:rows] = array("I", chunk)
             _core.copy_h2d_async(slot.dev[0], slot.host[0], stream)
-            _core.copy_h2d_async(slot.dev[1], slot.host[1], stream)
-            _core.copy_h2d_async(slot.dev[2], slot.host[2], stream)
-            slot.event.record(stream)
-            _core.reference_forward(slot.dev[0], slot.dev[1], slot.dev[2], self.kv,
-                                    self.pool.num_blocks * self.block_size, self.block_size, rows,
-                                    self.feed_vocab, self.feed_logits_dtype, None, stream)
+            self._forward(slot, rows, stream, logits=False)
             seq.tokens.extend(chunk)
             seq.seq_len += rows
 

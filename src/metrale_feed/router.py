@@ -122,6 +122,9 @@ class AsyncDeviceIo:
             raise FeedError("AsyncDeviceIo needs a model whose supports_device_token_feed() is True")
         if not 1 <= max_rows <= 4096:
             raise ValueError(f"max_rows must be in [1, 4096], got {max_rows}")
+        self._init_state(model, max_rows, stream, slots)
+
+    def _init_state(self, model: ModelDeviceFeed, max_rows: int, stream: Any, slots: int) -> None:
         self.model = model
         self.max_rows = max_rows
         self.stream = stream
@@ -302,15 +305,8 @@ class SyncDeviceIo(AsyncDeviceIo):
     models without the device feed it runs ``launch_decode`` only."""
 
     def __init__(self, model: ModelDeviceFeed, max_rows: int, *, stream: Any = 0) -> None:
-        self.model = model
-        self.max_rows = max_rows
-        self.stream = stream
-        self.stats = RouterStats()
-        self._ring = _Ring(model, max_rows, 1)
-        self._step = 0
-        self._unread = 0
-        self._ledger = {}
-        self._pending = []
+        # No feed check: a model without the device feed may still settle launch_decode steps.
+        self._init_state(model, max_rows, stream, 1)
         self._results: Dict[int, List[int]] = {}
 
     def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
