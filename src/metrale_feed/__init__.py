@@ -57,18 +57,31 @@ from .feed import RowMask as RowMask
 __version__ = "0.1.0"
 
 
+# Why METRALE_FEED_BACKEND was refused, when the ``metrale-feed`` command imported the package: the
+# command explains it in words (``metrale-feed info``) instead of ending in a traceback.
+_env_refused: "_Any" = None
+
+
 def _select_from_env() -> None:
+    global _env_refused
     wanted = _os.environ.get("METRALE_FEED_BACKEND", "auto").strip().lower() or "auto"
-    if wanted not in ("auto", "cuda", "host"):
-        raise ValueError(f"METRALE_FEED_BACKEND must be auto, cuda or host, not {wanted!r}")
-    if wanted == "host":
-        return
     try:
-        _core.select_backend("cuda")
-    except FeedError:
-        if wanted == "cuda":
-            raise  # asked for by name: say why it is unusable
-        # auto: no CUDA build, no driver or no device; the host backend stays active.
+        if wanted not in ("auto", "cuda", "host"):
+            raise ValueError(f"METRALE_FEED_BACKEND must be auto, cuda or host, not {wanted!r}")
+        if wanted == "host":
+            return
+        try:
+            _core.select_backend("cuda")
+        except FeedError:
+            if wanted == "cuda":
+                raise  # asked for by name: say why it is unusable
+            # auto: no CUDA build, no driver or no device; the host backend stays active.
+    except (ValueError, FeedError) as error:
+        import sys
+
+        if _os.path.basename(sys.argv[0] if sys.argv else "") != "metrale-feed":
+            raise
+        _env_refused = error  # the host backend stays active
 
 
 _select_from_env()
@@ -90,22 +103,29 @@ def get_c_include() -> str:
     return _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "include")
 
 
+# The Python-level layers load on first use, so the hot import stays small: name -> (module, attr).
+_LAZY = {
+    "ModelDeviceFeed": ("trait", "ModelDeviceFeed"),
+    "RuntimeFeedMixin": ("runtime", "RuntimeFeedMixin"),
+    "SequenceState": ("kv", "SequenceState"),
+    "BlockPool": ("kv", "BlockPool"),
+    "AsyncDeviceIo": ("router", "AsyncDeviceIo"),
+    "SyncDeviceIo": ("router", "SyncDeviceIo"),
+    "reference_argmax": ("oracle", "reference_argmax"),
+}
+
+
 def __getattr__(name: str) -> "_Any":
-    # The Python-level layers load on first use, so the hot import stays small.
-    lazy = {
-        "ModelDeviceFeed": ("trait", "ModelDeviceFeed"),
-        "RuntimeFeedMixin": ("runtime", "RuntimeFeedMixin"),
-        "SequenceState": ("kv", "SequenceState"),
-        "BlockPool": ("kv", "BlockPool"),
-        "AsyncDeviceIo": ("router", "AsyncDeviceIo"),
-        "SyncDeviceIo": ("router", "SyncDeviceIo"),
-        "reference_argmax": ("oracle", "reference_argmax"),
-    }
-    if name in lazy:
+    if name in _LAZY:
         import importlib
 
-        module, attr = lazy[name]
+        module, attr = _LAZY[name]
         value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> "list[str]":
+    # The lazy names are part of the package's namespace before their first use too.
+    return sorted(set(globals()) | set(_LAZY))
