@@ -20,7 +20,7 @@ import sysconfig
 import tempfile
 import time
 import timeit
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import metrale_feed as mf
 from metrale_feed import _core
@@ -31,13 +31,52 @@ LARGE = (256, 152064)
 
 def _section(title: str) -> None:
     print(f"\n== {title}")
-    _row("figure", "value", "baseline", "ratio", "target")
+    _row("figure", "value", "baseline", "ratio", "target", mark="result")
+
+
+_TARGET = re.compile(r"^(<=|>=|<|>)\s*(\d+(?:\.\d+)?)\s*(x|ns|us|ms|s)$")
+_NUMBER = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(x|ns|us|ms|s)\b")
+_SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+_VERDICTS: List[Any] = []  # (row, verdict) of every printed row with a target, in order
+
+
+def verdict(value: str, ratio: str, target: str) -> str:
+    """Whether a printed figure meets its printed target: "met", "MISSED", "not measured", or ""
+    for a row without a target. A target in ``x`` reads the ratio column; one in a time unit reads
+    the value column (in any time unit); a word target ("no") must equal the value."""
+    if not target:
+        return ""
+    rule = _TARGET.match(target.strip())
+    if rule is None:
+        return "met" if value.strip() == target.strip() else "MISSED"
+    op, bound, unit = rule.group(1), float(rule.group(2)), rule.group(3)
+    figure = _NUMBER.match(ratio if unit == "x" else value)
+    if figure is None or (unit == "x") != (figure.group(2) == "x"):
+        return "not measured"
+    got = float(figure.group(1))
+    if unit != "x":
+        got, bound = got * _SECONDS[figure.group(2)], bound * _SECONDS[unit]
+    ok = {"<=": got <= bound, ">=": got >= bound, "<": got < bound, ">": got > bound}[op]
+    return "met" if ok else "MISSED"
 
 
 def _row(name: str, value: str, base: str = "", ratio: str = "", target: str = "",
-         note: str = "") -> None:
-    line = f"  {name:<30} {value:>11}  {base:<26} {ratio:>10}  {target:<10} {note}"
+         note: str = "", mark: Optional[str] = None) -> None:
+    if mark is None:
+        mark = verdict(value, ratio, target)
+        if mark:
+            _VERDICTS.append((name.strip() or "(same)", mark))
+    line = f"  {name:<30} {value:>11}  {base:<26} {ratio:>10}  {target:<10} {mark:<12} {note}"
     print(line.rstrip(), flush=True)
+
+
+def cimport_reason(reason: str) -> str:
+    """The cimport row's failure, with what to install when that is the cause."""
+    if "no module named cython" in reason.lower():
+        return "Cython is not installed: pip install 'metrale-feed[cython]'"
+    if reason.startswith("compiler"):
+        return f"{reason} (a C compiler is needed: install gcc or clang)"
+    return reason
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -252,7 +291,7 @@ def bench_cimport(quick: bool) -> Dict[str, Any]:
             result.update(ns=best[True], ns_nvtx_off=best[False], calls=n)
     _section(f"C-level event_query_c through cimport (nogil loop of {n:,}, best of {repeats})")
     if result["ns"] is None:
-        _row("event_query_c", "null", "", "", "<= 15 ns", result["reason"])
+        _row("event_query_c", "null", "", "", "<= 15 ns", cimport_reason(result["reason"]))
     else:
         _row("event_query_c", f"{result['ns']:.1f} ns", f"NVTX off {result['ns_nvtx_off']:.1f} ns",
              f"{result['ns'] / result['ns_nvtx_off']:.2f}x", "<= 15 ns")
@@ -517,7 +556,11 @@ def main(args: Any) -> int:
     record.update(bench_argmax(args.quick))
     record["router"] = bench_router(args.quick)
     record["seconds"] = time.perf_counter() - start
-    print(f"\n{record['seconds']:.1f} s")
+    missed = [name for name, mark in _VERDICTS if mark != "met"]
+    record["targets"] = {"met": len(_VERDICTS) - len(missed), "missed": missed}
+    print(f"\ntargets: {len(_VERDICTS) - len(missed)} of {len(_VERDICTS)} met"
+          + (f"; missed or not measured: {', '.join(missed)}" if missed else ""))
+    print(f"{record['seconds']:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
