@@ -172,7 +172,8 @@ def info(_: argparse.Namespace) -> int:
     host = ("the host backend runs everything, asynchronously (a worker thread per stream keeps "
             "CUDA's semantics)")
     if not build["cuda"]:
-        print(f"cuda backend: not in this build; {host}")
+        print(f"cuda backend: none: {explain_cuda(RuntimeError(), build)}")
+        print(host)
         return 0
     try:
         mf.set_backend("cuda")
