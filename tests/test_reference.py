@@ -1,4 +1,4 @@
-"""The reference model: its forward is DESIGN.md's logits function, bit for bit, read back
+"""The reference model: its forward is the logits function of docs/router.md, bit for bit, read back
 through the paged KV cache; prefill, decode and KV bookkeeping."""
 
 import random
@@ -12,7 +12,7 @@ from metrale_feed.reference import ReferenceModel, host_logits, host_next_token
 
 
 def fnv_fmix_logits_python(history, vocab):
-    """DESIGN.md's formula in plain Python integers: the independent statement."""
+    """The formula of docs/router.md in plain Python integers: the independent statement."""
     h = 0x811C9DC5
     for t in history:
         h = ((h ^ t) * 0x01000193) % 2**32

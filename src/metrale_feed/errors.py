@@ -1,4 +1,4 @@
-"""The exceptions of metrale_feed (DESIGN.md, "Errors")."""
+"""The exceptions of metrale_feed (docs/design.md, "The error model")."""
 
 from __future__ import annotations
 

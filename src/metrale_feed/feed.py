@@ -1,4 +1,4 @@
-"""The fixed encodings of DESIGN.md: FeedSource words and RowMask pairs."""
+"""The fixed encodings (docs/encodings.md): FeedSource words and RowMask pairs."""
 
 from __future__ import annotations
 

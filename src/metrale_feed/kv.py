@@ -1,4 +1,4 @@
-"""KV-cache bookkeeping (DESIGN.md, "KV bookkeeping"): sequences, block tables and the pool."""
+"""KV-cache bookkeeping (docs/router.md, "KV bookkeeping"): sequences, block tables and the pool."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The readback ring and the routers (DESIGN.md, "Router").
+"""The readback ring and the routers (docs/router.md, "The router protocol").
 
 ``AsyncDeviceIo`` keeps up to two decode steps in flight: each launch runs the model's step and
 the masked argmax into the feed cells, copies the ids into one slot of a page-locked ring and

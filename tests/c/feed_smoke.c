@@ -31,7 +31,7 @@ static int failures = 0;
         CHECK(mf_last_error()[0] != '\0'); /* a failure always says why */         \
     } while (0)
 
-/* The rule of DESIGN.md for float32 rows, as a plain loop: NaN never wins, ties go to the
+/* The rule of docs/encodings.md for float32 rows, as a plain loop: NaN never wins, ties go to the
  * lowest id, masked ids are skipped, no candidate answers NO_TOKEN. */
 static uint32_t plain_argmax(const float *row, uint32_t vocab, uint32_t m0, uint32_t m1) {
     uint32_t best = MF_NO_TOKEN;

@@ -54,7 +54,7 @@ MF_HD mf_spans mf_candidate_spans(uint32_t vocab, uint32_t m0, uint32_t m1) {
     return s;
 }
 
-/* ---- the reference model's logits (DESIGN.md, bit for bit) ---- */
+/* ---- the reference model's logits (docs/router.md, bit for bit) ---- */
 #define MF_FNV_OFFSET 0x811C9DC5u
 #define MF_FNV_PRIME 0x01000193u
 
