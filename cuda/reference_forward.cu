@@ -1,5 +1,5 @@
-// The reference model's forward (docs/router.md): per row, write the input id into the paged KV cache,
-// hash the history read back through the block table, then write the row's logits.
+// The reference model's forward (docs/router.md): per row, write the input id into the paged KV
+// cache, hash the history read back through the block table, then write the row's logits.
 #include "cuda/kernels.hpp"
 #include "metrale_feed/argmax_rule.h"
 

@@ -1,5 +1,5 @@
-"""The feed kernels: ``argmax_to_feed`` against the numpy oracle (the rule of docs/encodings.md, stated
-independently of the C code), its validation before launch, and ``resolve_feed``."""
+"""The feed kernels: ``argmax_to_feed`` against the numpy oracle (the rule of docs/encodings.md,
+stated independently of the C code), its validation before launch, and ``resolve_feed``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The reference model: its forward is the logits function of docs/router.md, bit for bit, read back
-through the paged KV cache; prefill, decode and KV bookkeeping."""
+"""The reference model: its forward is the logits function of docs/router.md, bit for bit, read
+back through the paged KV cache; prefill, decode and KV bookkeeping."""
 
 import random
 

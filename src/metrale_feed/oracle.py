@@ -1,4 +1,5 @@
-"""A plain numpy statement of the masked-argmax rule of docs/encodings.md, for tests and for checking a backend.
+"""A plain numpy statement of the masked-argmax rule (docs/encodings.md), for tests and for
+checking a backend.
 
 It is written from the rule itself, not from the C code (``argmax_rule.h``):
 

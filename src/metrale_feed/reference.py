@@ -1,8 +1,8 @@
 """``ReferenceModel``: a test model, not an LLM, that runs the whole trait on either backend.
 
 Its forward writes the row's input id into a paged KV cache at position ``seq_len`` and computes
-the logits of docs/router.md ("The reference model") from the history read back through the block table, so any bug in
-feeding, block tables or KV writes changes the tokens. ``host_next_token`` is the same function
+the logits of docs/router.md ("The reference model") from the history read back through the
+block table, so any bug in feeding, block tables or KV writes changes the tokens. ``host_next_token`` is the same function
 computed on the host, the oracle of the tests and of ``metrale-feed demo``.
 """
 

@@ -1,4 +1,5 @@
-"""``ModelDeviceFeed``: the engine's trait, with its default bodies (docs/router.md, the trait table).
+"""``ModelDeviceFeed``: the engine's trait, with its default bodies (docs/router.md, the trait
+table).
 
 A model that runs decode steps ahead of the host overrides what it supports; everything else keeps
 the engine's defaults: ``False`` for ``supports_device_token_feed``, ``True`` for ``event_query``,
