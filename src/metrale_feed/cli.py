@@ -157,7 +157,7 @@ def info(_: argparse.Namespace) -> int:
     if build["cuda"]:
         cuda = f"CUDA {build['cuda_version']}, kernels for {' '.join(build['architectures'])}"
     else:
-        cuda = "host backend only (no CUDA backend was built)"
+        cuda = "host only (no CUDA backend was built)"
     print(f"build: {cuda}; NVTX {'on' if build['nvtx'] else 'off'}")
     if isinstance(refused, ValueError):  # a value that names no backend
         print(f"backend: {mf.backend()} (refused: {refused})")

@@ -1,0 +1,88 @@
+"""Every code block of the README runs as written: the Python blocks in a fresh interpreter, the
+demo's sample output against a real run, and the two shell commands from a fresh copy of the
+checkout (slow: a full build each; only with METRALE_FEED_WHEEL_TEST=1, as CI's host pass sets)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+
+
+def blocks(kind):
+    if not README.is_file():
+        pytest.skip("not a source checkout: no README.md beside the tests")
+    return [body for lang, body in FENCE.findall(README.read_text()) if lang == kind]
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METRALE_FEED_")}
+    env.update(extra)
+    return env
+
+
+def test_every_block_says_what_it_is():
+    kinds = [lang for lang, _ in FENCE.findall(README.read_text())]
+    assert kinds and set(kinds) <= {"python", "sh", "text"}, kinds  # an untagged block is untested
+
+
+@pytest.mark.parametrize("index", range(len(blocks("python"))))
+def test_python_block_runs(index, tmp_path):
+    code = blocks("python")[index]
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env=_env())
+    assert done.returncode == 0, f"README python block {index}:\n{code}\n{done.stderr[-3000:]}"
+
+
+def test_the_sample_output_is_what_the_demo_prints():
+    script = Path(sys.executable).parent / "metrale-feed"
+    done = subprocess.run([str(script), "demo", "--quiet", "--rows", "8", "--tokens", "8",
+                           "--vocab", "2000"], capture_output=True, text=True, timeout=120,
+                          env=_env(METRALE_FEED_BACKEND="host"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    digits = re.compile(r"\d+(\.\d+)?")
+    printed = {digits.sub("N", line).split()[0] + " " + " ".join(digits.sub("N", line).split()[1:4])
+               for line in done.stdout.splitlines() if line.strip()}
+    for sample in blocks("text"):
+        for line in sample.splitlines():
+            shape = digits.sub("N", line).split()
+            assert shape[0] + " " + " ".join(shape[1:4]) in printed, (line, done.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("METRALE_FEED_WHEEL_TEST") != "1",
+                    reason="builds the package from a fresh copy; set METRALE_FEED_WHEEL_TEST=1")
+@pytest.mark.parametrize("index", [0, 1])
+def test_shell_block_runs_from_a_fresh_copy(index):
+    command = blocks("sh")[index].strip()
+    git = shutil.which("git")
+    if git is None or not (REPO / ".git").exists():
+        pytest.skip("needs a git checkout to copy the tracked files from")
+    files = subprocess.run([git, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout
+    with tempfile.TemporaryDirectory(prefix="mf-readme-") as folder:
+        clone = Path(folder) / "clone"
+        for name in filter(None, files.split("\0")):
+            source = REPO / name
+            if source.is_file():
+                (clone / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, clone / name)
+        # The copy's own suite must not build a third copy: the gate is cleared below.
+        env = {k: v for k, v in _env().items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=clone, env=env,
+                              capture_output=True, text=True, timeout=3000)
+        assert done.returncode == 0, f"{command}\n{done.stdout[-4000:]}\n{done.stderr[-3000:]}"
+        if "metrale-feed demo" in command:
+            assert "checked:" in done.stdout and "FAILED" not in done.stdout, done.stdout
+        else:
+            assert re.search(r"\d+ passed", done.stdout), done.stdout[-2000:]
