@@ -4,7 +4,37 @@
 @cython.final
 @cython.freelist(32)
 cdef class Event:
-    """A CUDA event (or its host-backend twin). ``query()`` never blocks."""
+    """A CUDA event, or its host-backend twin: a marker recorded into a stream.
+
+    The event completes when the stream reaches it. ``query()`` never blocks; ``synchronize()``
+    blocks with the GIL released. Events are tracked: a closed one raises ``FeedError``.
+
+    Parameters
+    ----------
+    timing : bool, optional
+        Record timestamps, for ``elapsed_ms`` (costs a little on CUDA). Default False.
+    blocking : bool, optional
+        On CUDA, ``synchronize`` sleeps instead of spinning. Default False.
+
+    Raises
+    ------
+    FeedError
+        The backend could not create an event (``CudaError`` on the cuda backend).
+
+    See Also
+    --------
+    Event.wrap : adopt a foreign ``cudaEvent_t``.
+    event_create : the same as an int handle.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> with mf.Event() as done:
+    ...     done.record(0)          # after everything queued on stream 0 so far
+    ...     done.synchronize()
+    ...     done.query()
+    True
+    """
 
     def __init__(self, bint timing=False, bint blocking=False):
         cdef unsigned flags = (MF_EVENT_TIMING if timing else 0) | (MF_EVENT_BLOCKING if blocking else 0)
@@ -16,7 +46,29 @@ cdef class Event:
 
     @staticmethod
     def wrap(handle):
-        """A non-owning Event over a foreign ``cudaEvent_t`` (cuda backend); never destroyed here."""
+        """A non-owning Event over a foreign ``cudaEvent_t`` (cuda backend).
+
+        Parameters
+        ----------
+        handle : int
+            The raw ``cudaEvent_t``, e.g. ``torch.cuda.Event().cuda_event``.
+
+        Returns
+        -------
+        Event
+            An Event that never destroys ``handle``; ``close()`` only forgets it.
+
+        Raises
+        ------
+        ValueError
+            On the host backend, which has no foreign events, or ``handle`` is not in uint64.
+        TypeError
+            ``handle`` is not an int.
+
+        Examples
+        --------
+        >>> ev = Event.wrap(torch_event.cuda_event)  # doctest: +SKIP
+        """
         cdef uint64_t raw
         cdef Event event = Event.__new__(Event)
         u64_of(handle, &raw, "event")
@@ -64,6 +116,8 @@ cdef class Event:
 
     @property
     def cuda_event(self):
+        """The raw ``cudaEvent_t`` as an int (for other CUDA libraries); 0 on the host backend.
+        """
         cdef uint64_t raw
         self._check_open()
         check(mf_event_raw(self._handle, &raw))
@@ -71,21 +125,79 @@ cdef class Event:
 
     @property
     def closed(self):
+        """Whether ``close()`` has run.
+        """
         return self._handle == 0
 
     def record(self, stream=0):
+        """Record the event on ``stream``: it completes after the work queued there so far.
+
+        Parameters
+        ----------
+        stream : Stream, int or object with ``__cuda_stream__``, optional
+            The stream; 0 (the default) is the default stream.
+
+        Raises
+        ------
+        FeedError
+            The event or the stream is closed, or unknown.
+
+        Examples
+        --------
+        >>> import metrale_feed as mf
+        >>> with mf.Stream() as s, mf.Event() as e:
+        ...     e.record(s)
+        ...     s.synchronize()
+        ...     e.query()
+        True
+        """
         cdef uint64_t s
         stream_of(stream, &s)
         self._record(s)
 
     def query(self):
+        """Whether the work recorded against the event has completed; never blocks.
+
+        Returns
+        -------
+        bool
+            True once the stream has passed the record (and for an event never recorded).
+
+        Raises
+        ------
+        FeedError
+            The event is closed.
+        """
         return self._query()
 
     def synchronize(self):
+        """Block until the work recorded against the event has completed (GIL released).
+
+        Raises
+        ------
+        FeedError
+            The event is closed, or the work failed (``CudaError`` on the cuda backend).
+        """
         self._synchronize()
 
     def elapsed_ms(self, Event end not None):
-        """Milliseconds between this event and ``end``; both need ``timing=True`` and to be done."""
+        """Milliseconds between this event and ``end``.
+
+        Parameters
+        ----------
+        end : Event
+            A later event; both need ``timing=True`` and must have completed.
+
+        Returns
+        -------
+        float
+            The time between the two records, in milliseconds.
+
+        Raises
+        ------
+        FeedError
+            Either event is closed, lacks timing or has not completed.
+        """
         cdef float ms
         self._check_open()
         end._check_open()
@@ -112,7 +224,34 @@ cdef class Event:
 
 @cython.final
 cdef class Stream:
-    """An ordered queue of device work. ``Stream.wrap(handle)`` takes a foreign one, unowned."""
+    """An ordered queue of device work (on the host backend, served by a worker thread).
+
+    Work queued on one stream runs in order; different streams may overlap. Pass a Stream (or its
+    ``handle``) wherever a ``stream`` argument is taken; it also has ``__cuda_stream__``.
+
+    Parameters
+    ----------
+    non_blocking : bool, optional
+        Do not synchronise with the legacy default stream (CUDA's ``cudaStreamNonBlocking``).
+        Default True.
+
+    Raises
+    ------
+    FeedError
+        The backend could not create a stream.
+
+    See Also
+    --------
+    Stream.wrap : adopt a foreign stream (torch, CuPy, an int handle).
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> with mf.Stream() as s:
+    ...     s.synchronize()
+    ...     s.query()
+    True
+    """
 
     def __init__(self, bint non_blocking=True):
         if self._handle or self._owned:
@@ -122,6 +261,29 @@ cdef class Stream:
 
     @staticmethod
     def wrap(handle):
+        """A non-owning Stream over a foreign stream: an int ``cudaStream_t``, or an object with
+        ``__cuda_stream__``, ``.cuda_stream`` (torch) or ``.ptr`` (CuPy).
+
+        Parameters
+        ----------
+        handle : int or stream-like
+            The foreign stream; 0 is the default stream.
+
+        Returns
+        -------
+        Stream
+            A Stream that never destroys ``handle``.
+
+        Raises
+        ------
+        FeedError
+            On the host backend, a handle that is not one of this package's streams.
+
+        Examples
+        --------
+        >>> import metrale_feed as mf
+        >>> mf.Stream.wrap(0).synchronize()
+        """
         cdef Stream stream = Stream.__new__(Stream)
         stream_of(handle, &stream._handle)
         check(mf_stream_check(stream._handle))
@@ -150,13 +312,25 @@ cdef class Stream:
         return (0, self._handle)
 
     def query(self):
-        """True when all work queued so far has completed; never blocks."""
+        """Whether all work queued so far has completed; never blocks.
+
+        Returns
+        -------
+        bool
+        """
         cdef int idle = 0
         self._check_open()
         check(mf_stream_query(self._handle, &idle))
         return idle != 0
 
     def synchronize(self):
+        """Block until all work queued so far has completed (GIL released).
+
+        Raises
+        ------
+        FeedError
+            The stream is closed, or queued work failed.
+        """
         cdef mf_status status
         self._check_open()
         with nogil:
@@ -165,14 +339,27 @@ cdef class Stream:
         release_passed()
 
     def wait_event(self, event):
-        """Later work on this stream waits for ``event`` (no host wait)."""
+        """Make later work on this stream wait for ``event``; the host does not wait.
+
+        Parameters
+        ----------
+        event : Event or int
+            An event recorded on any stream.
+
+        Raises
+        ------
+        FeedError
+            The stream or the event is closed or unknown.
+        """
         cdef uint64_t e
         self._check_open()
         event_of(event, &e, False)
         check(mf_stream_wait_event(self._handle, e))
 
     def close(self):
-        """Destroy an owned stream; queued work still completes. Wrapped streams are left alone."""
+        """Destroy an owned stream; work already queued still completes. A wrapped stream is left
+        alone. Closing twice is a no-op.
+        """
         if self._closed:
             return
         self._closed = True
@@ -199,13 +386,46 @@ cdef class Stream:
 # The trait's free functions over int handles (or the objects).
 
 def event_create(bint timing=False, bint blocking=False):
-    """A new event's int handle; destroy it with ``destroy_event``."""
+    """A new event as an int handle (the trait's form); destroy it with ``destroy_event``.
+
+    Parameters
+    ----------
+    timing, blocking : bool, optional
+        As for ``Event``.
+
+    Returns
+    -------
+    int
+        The handle.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> h = mf.event_create()
+    >>> mf.event_record(h, 0); mf.event_synchronize(h); mf.event_query(h)
+    True
+    >>> mf.destroy_event(h)
+    """
     cdef uint64_t handle
     check(mf_event_create((MF_EVENT_TIMING if timing else 0) | (MF_EVENT_BLOCKING if blocking else 0), &handle))
     return handle
 
 
 def event_record(event, stream=0):
+    """Record ``event`` on ``stream``; it completes after the work queued there so far.
+
+    Parameters
+    ----------
+    event : Event or int
+        An Event or a handle from ``event_create``.
+    stream : Stream, int or stream-like, optional
+        Default 0, the default stream.
+
+    Raises
+    ------
+    FeedError
+        A closed, destroyed or unknown event or stream.
+    """
     cdef uint64_t e, s
     event_of(event, &e, False)
     stream_of(stream, &s)
@@ -213,7 +433,28 @@ def event_record(event, stream=0):
 
 
 def event_query(event):
-    """Whether the work recorded against ``event`` has completed; never blocks."""
+    """Whether the work recorded against ``event`` has completed; never blocks.
+
+    Parameters
+    ----------
+    event : Event or int
+
+    Returns
+    -------
+    bool
+
+    Raises
+    ------
+    FeedError
+        A closed, destroyed or unknown event.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> with mf.Event() as e:
+    ...     mf.event_query(e)
+    True
+    """
     cdef uint64_t e
     cdef int done = 0
     if type(event) is Event:
@@ -224,6 +465,17 @@ def event_query(event):
 
 
 def event_synchronize(event):
+    """Block until the work recorded against ``event`` has completed (GIL released).
+
+    Parameters
+    ----------
+    event : Event or int
+
+    Raises
+    ------
+    FeedError
+        A closed, destroyed or unknown event, or failed work.
+    """
     cdef uint64_t e
     cdef mf_status status
     event_of(event, &e, False)
@@ -234,6 +486,17 @@ def event_synchronize(event):
 
 
 def destroy_event(event):
+    """Destroy an event made by ``event_create`` (or close an ``Event``).
+
+    Parameters
+    ----------
+    event : Event or int
+
+    Raises
+    ------
+    FeedError
+        The event was already destroyed, or is unknown.
+    """
     cdef uint64_t e
     if type(event) is Event:
         (<Event>event)._check_open()
@@ -244,6 +507,23 @@ def destroy_event(event):
 
 
 def stream_synchronize(stream=0):
+    """Block until all work queued on ``stream`` has completed (GIL released).
+
+    Parameters
+    ----------
+    stream : Stream, int or stream-like, optional
+        Default 0, the default stream.
+
+    Raises
+    ------
+    FeedError
+        A closed or unknown stream, or failed work.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> mf.stream_synchronize()
+    """
     cdef uint64_t s
     cdef mf_status status
     stream_of(stream, &s)
