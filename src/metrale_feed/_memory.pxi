@@ -7,8 +7,36 @@ cdef set _object_pinned = set()
 
 @cython.final
 cdef class PinnedBuffer:
-    """Zeroed page-locked host memory. ``numpy.asarray(buf)`` and ``memoryview(buf)`` see the
-    same bytes; ``close()`` refuses while a view is exported."""
+    """Zeroed page-locked (pinned) host memory, the destination of asynchronous readbacks.
+
+    It exports the buffer protocol: ``memoryview(buf)`` and ``numpy.frombuffer(buf, numpy.uint32)``
+    see the same bytes without a copy. Read them only after an event recorded behind the copy that
+    writes them has completed. ``close()`` (or leaving a ``with`` block) frees the memory once the
+    work queued on it has passed, and refuses while a view is still exported.
+
+    Parameters
+    ----------
+    nbytes : int
+        Size in bytes, at least 1 (``rows * 4`` for ``rows`` token ids).
+    portable, mapped, write_combined : bool, optional
+        CUDA's ``cudaHostAlloc`` flags (no effect on the host backend). Default False.
+
+    Raises
+    ------
+    ValueError
+        ``nbytes`` below 1 or negative.
+    TypeError
+        ``nbytes`` is not an int.
+    FeedError
+        The allocation failed.
+
+    Examples
+    --------
+    >>> import numpy as np, metrale_feed as mf
+    >>> with mf.PinnedBuffer(4 * 4) as ids:
+    ...     np.frombuffer(ids, dtype=np.uint32).tolist()
+    [0, 0, 0, 0]
+    """
 
     def __cinit__(self, nbytes, *, bint portable=False, bint mapped=False,
                   bint write_combined=False):
@@ -56,15 +84,21 @@ cdef class PinnedBuffer:
 
     @property
     def ptr(self):
+        """The memory's address, an int (what ``copy_d2h_async`` or a C library takes).
+        """
         self._check_open()
         return <size_t>self._ptr
 
     @property
     def nbytes(self):
+        """The size in bytes.
+        """
         return self._nbytes
 
     @property
     def closed(self):
+        """Whether ``close()`` has run.
+        """
         return self._ptr == NULL
 
     def __len__(self):
@@ -97,7 +131,36 @@ cdef class PinnedBuffer:
 
 @cython.final
 cdef class DeviceBuffer:
-    """Device memory (host memory on the host backend), freed by ``close()`` or collection."""
+    """Device memory (host memory on the host backend), e.g. the feed cells or a logits array.
+
+    The memory is not initialised; ``memset_async`` fills it. It is freed by ``close()``, by leaving a
+    ``with`` block or when the object is collected, after the work queued on it has passed. Copies
+    into or out of it are bounds-checked against its size before launch. On the cuda backend it has
+    ``__cuda_array_interface__``, so CuPy, Numba and PyTorch can view it.
+
+    Parameters
+    ----------
+    nbytes : int
+        Size in **bytes**, at least 1: ``rows * 4`` for ``rows`` feed cells, ``rows * vocab * 4`` for
+        float32 logits.
+
+    Raises
+    ------
+    ValueError
+        ``nbytes`` below 1 or negative.
+    TypeError
+        ``nbytes`` is not an int.
+    FeedError
+        The allocation failed (``CudaError`` on the cuda backend).
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> rows = 256
+    >>> with mf.DeviceBuffer(rows * 4) as cells:   # one uint32 feed cell per row
+    ...     cells.nbytes
+    1024
+    """
 
     def __cinit__(self, nbytes):
         self._nbytes = size_of(nbytes, "nbytes")
@@ -115,15 +178,21 @@ cdef class DeviceBuffer:
 
     @property
     def ptr(self):
+        """The device address, an int.
+        """
         self._check_open()
         return <size_t>self._ptr
 
     @property
     def nbytes(self):
+        """The size in bytes.
+        """
         return self._nbytes
 
     @property
     def closed(self):
+        """Whether ``close()`` has run.
+        """
         return self._ptr == NULL
 
     def __len__(self):
@@ -138,12 +207,28 @@ cdef class DeviceBuffer:
                 "version": 3, "strides": None}
 
     def memset_async(self, int value, stream=0):
+        """Set every byte to ``value`` on ``stream``; never waits.
+
+        Parameters
+        ----------
+        value : int
+            The byte value (its low 8 bits are used).
+        stream : Stream, int or stream-like, optional
+            Default 0, the default stream.
+
+        Raises
+        ------
+        FeedError
+            The buffer or the stream is closed.
+        """
         cdef uint64_t s
         self._check_open()
         stream_of(stream, &s)
         check(mf_memset_async(self._ptr, value, self._nbytes, s))
 
     def close(self):
+        """Free the memory after the work queued on it has passed. Closing twice is a no-op.
+        """
         if self._ptr == NULL:
             return
         cdef void *ptr = self._ptr
@@ -181,8 +266,40 @@ cdef _HeldBuffer host_ptr_of(object obj, bint writable, void **ptr, size_t *nbyt
 
 
 def copy_d2h_async(src, dst, stream=0):
-    """Copy ``len(dst)`` bytes from device ``src`` into host buffer ``dst`` on ``stream``; never
-    waits. ``dst`` must stay untouched until the stream has passed the copy."""
+    """Copy ``len(dst)`` bytes from device ``src`` into host buffer ``dst`` on ``stream``.
+
+    The call never waits: ``dst`` must stay alive and unread until the stream has passed the copy
+    (an event recorded after it has completed). Into a ``PinnedBuffer`` the copy is asynchronous on
+    CUDA; a pageable host buffer is held by the package until the copy has passed.
+
+    Parameters
+    ----------
+    src : DeviceBuffer, int, or an object with ``__cuda_array_interface__`` or ``data_ptr()``
+        The device memory; a ``DeviceBuffer`` must hold at least ``len(dst)`` bytes.
+    dst : writable buffer
+        A ``PinnedBuffer``, a numpy array, a bytearray: any writable contiguous buffer.
+    stream : Stream, int or stream-like, optional
+        Default 0, the default stream.
+
+    Raises
+    ------
+    ValueError
+        The copy would run past the end of ``src``.
+    TypeError
+        ``dst`` is not a writable contiguous buffer.
+    FeedError
+        A closed or unknown buffer or stream.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> with mf.DeviceBuffer(8) as d, mf.PinnedBuffer(8) as h, mf.Event() as e:
+    ...     d.memset_async(7)
+    ...     mf.copy_d2h_async(d, h)
+    ...     e.record(0); e.synchronize()
+    ...     bytes(h)
+    b'\\x07\\x07\\x07\\x07\\x07\\x07\\x07\\x07'
+    """
     cdef void *device
     cdef void *host
     cdef size_t nbytes
@@ -197,7 +314,34 @@ def copy_d2h_async(src, dst, stream=0):
 
 
 def copy_h2d_async(dst, src, stream=0):
-    """Copy ``len(src)`` bytes from host buffer ``src`` into device ``dst`` on ``stream``."""
+    """Copy ``len(src)`` bytes from host buffer ``src`` into device ``dst`` on ``stream``.
+
+    The call never waits: ``src`` must stay alive and unchanged until the stream has passed the copy.
+
+    Parameters
+    ----------
+    dst : DeviceBuffer, int, or an object with ``__cuda_array_interface__`` or ``data_ptr()``
+        The device memory; a ``DeviceBuffer`` must hold at least ``len(src)`` bytes.
+    src : buffer
+        Any contiguous buffer (a ``PinnedBuffer``, a numpy array, bytes).
+    stream : Stream, int or stream-like, optional
+        Default 0, the default stream.
+
+    Raises
+    ------
+    ValueError
+        The copy would run past the end of ``dst``.
+    FeedError
+        A closed or unknown buffer or stream.
+
+    Examples
+    --------
+    >>> import numpy as np, metrale_feed as mf
+    >>> logits = np.zeros((2, 8), np.float32)
+    >>> with mf.DeviceBuffer(logits.nbytes) as d:
+    ...     mf.copy_h2d_async(d, logits)
+    ...     mf.stream_synchronize()
+    """
     cdef void *device
     cdef void *host
     cdef size_t nbytes
@@ -212,6 +356,31 @@ def copy_h2d_async(dst, src, stream=0):
 
 
 def copy_d2d_async(dst, src, nbytes, stream=0):
+    """Copy ``nbytes`` bytes between device allocations on ``stream``; never waits.
+
+    Parameters
+    ----------
+    dst, src : DeviceBuffer, int, or device array
+        Destination and source; a ``DeviceBuffer`` must hold ``nbytes``.
+    nbytes : int
+        Bytes to copy.
+    stream : Stream, int or stream-like, optional
+        Default 0, the default stream.
+
+    Raises
+    ------
+    ValueError
+        The copy would run past the end of ``dst`` or ``src``, or ``nbytes`` is negative.
+    FeedError
+        A closed or unknown buffer or stream.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> with mf.DeviceBuffer(16) as a, mf.DeviceBuffer(16) as b:
+    ...     mf.copy_d2d_async(b, a, 16)
+    ...     mf.stream_synchronize()
+    """
     cdef size_t n = size_of(nbytes, "nbytes")
     cdef void *d
     cdef void *s_ptr
@@ -223,14 +392,54 @@ def copy_d2d_async(dst, src, nbytes, stream=0):
 
 
 def alloc_host_pinned(nbytes):
-    """Zeroed page-locked memory as an int pointer; free it with ``free_host_pinned(ptr, nbytes)``."""
+    """Zeroed page-locked memory as an int pointer (the trait's form of ``PinnedBuffer``).
+
+    Parameters
+    ----------
+    nbytes : int
+        Size in bytes, at least 1.
+
+    Returns
+    -------
+    int
+        The address; free it with ``free_host_pinned(ptr, nbytes)``.
+
+    Raises
+    ------
+    ValueError
+        ``nbytes`` below 1.
+    FeedError
+        The allocation failed.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> ptr = mf.alloc_host_pinned(16)
+    >>> mf.read_pinned_u32(ptr, 4)
+    [0, 0, 0, 0]
+    >>> mf.free_host_pinned(ptr, 16)
+    """
     cdef void *ptr
     check(mf_host_alloc(size_of(nbytes, "nbytes"), 0, &ptr))
     return <size_t>ptr
 
 
 def free_host_pinned(ptr, nbytes):
-    """Free what ``alloc_host_pinned`` returned; a wrong size, a foreign or freed pointer raise."""
+    """Free what ``alloc_host_pinned`` returned, after the work queued on it has passed.
+
+    Parameters
+    ----------
+    ptr : int
+        The address ``alloc_host_pinned`` returned.
+    nbytes : int
+        The size it was allocated with.
+
+    Raises
+    ------
+    FeedError
+        A wrong size, a pointer this package did not allocate, one already freed, or a
+        ``PinnedBuffer``'s memory (close the buffer instead).
+    """
     cdef uint64_t p
     cdef mf_status status
     cdef size_t n = size_of(nbytes, "nbytes")
@@ -254,8 +463,26 @@ cdef int pinned_range(uint64_t ptr, size_t nbytes) except -1:
 
 
 def read_pinned_u32(ptr, Py_ssize_t count):
-    """``count`` uint32 ids copied out of live pinned memory at ``ptr`` (a readback slot).
-    Read only what an event has declared complete."""
+    """Copy ``count`` uint32 ids out of live pinned memory at ``ptr`` (a readback slot).
+
+    Read only what an event has declared complete: the call itself does not wait.
+
+    Parameters
+    ----------
+    ptr : int
+        An address inside memory from ``alloc_host_pinned`` or a ``PinnedBuffer``.
+    count : int
+        How many uint32 values; ``count * 4`` bytes must lie inside the allocation.
+
+    Returns
+    -------
+    list of int
+
+    Raises
+    ------
+    FeedError
+        ``ptr`` is not inside live pinned memory of this package, or the range runs past its end.
+    """
     cdef uint64_t p
     if count < 0:
         raise ValueError(f"count must not be negative, got {count}")
@@ -268,7 +495,30 @@ def read_pinned_u32(ptr, Py_ssize_t count):
 
 
 def write_pinned_u32(ptr, values):
-    """Store uint32 ``values`` into live pinned memory at ``ptr``."""
+    """Store uint32 ``values`` into live pinned memory at ``ptr``.
+
+    Parameters
+    ----------
+    ptr : int
+        An address inside memory from ``alloc_host_pinned`` or a ``PinnedBuffer``.
+    values : iterable of int
+        Each in ``[0, 2**32)``.
+
+    Raises
+    ------
+    FeedError
+        ``ptr`` is not inside live pinned memory, or the range runs past its end.
+    ValueError
+        A value outside uint32.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> ptr = mf.alloc_host_pinned(8)
+    >>> mf.write_pinned_u32(ptr, [1, 2]); mf.read_pinned_u32(ptr, 2)
+    [1, 2]
+    >>> mf.free_host_pinned(ptr, 8)
+    """
     cdef uint64_t p
     cdef _Words words = words_of(list(values), False, "values", 1 << 28)  # all checked first
     u64_of(ptr, &p, "pointer")
