@@ -47,12 +47,79 @@ cdef uint32_t table_words_of(object tables, void *ptr):
 
 def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, vocab, dtype,
                    row_stride=None):
-    """Masked argmax of ``rows`` rows of ``logits`` into feed ``cells``, then an async copy of
-    ``rows * 4`` bytes of cells into ``dst`` and a record of ``event``, in stream order and with
-    no host synchronisation. ``masks`` (pairs or a uint32 buffer, None for no mask) may be reused
-    as soon as this returns; ``dst`` (pinned memory) is valid once ``event`` completes (on CUDA a
-    pageable ``dst`` makes the copy, and so this call, wait for the kernel). Returns
-    the rows launched (taken from ``masks`` when ``rows`` is None)."""
+    """Masked argmax of each row into the feed cells, then an async readback and an event record.
+
+    In stream order and with no host synchronisation: the argmax of each row (the rule is in
+    docs/encodings.md, "The masked-argmax rule") is written to ``cells[row]``, ``rows * 4`` bytes
+    of cells are copied into ``dst``, and ``event`` is recorded. ``dst`` holds the ids once
+    ``event`` has completed; ``masks`` may be reused as soon as the call returns. Every argument is
+    checked before anything is launched.
+
+    Parameters
+    ----------
+    logits : DeviceBuffer, int, or a device array
+        Device memory holding ``rows`` rows of ``vocab`` values of ``dtype``, row ``r`` starting at
+        element ``r * row_stride``: a ``DeviceBuffer``, an int device pointer, or an object with
+        ``__cuda_array_interface__`` (CuPy, Numba), ``data_ptr()`` (a CUDA ``torch.Tensor``) or
+        ``.ptr``. A ``DeviceBuffer`` is bounds-checked; a foreign pointer is trusted.
+    masks : sequence of (int, int), uint32 buffer, or None
+        Two ids per row that may not win, ``NO_TOKEN`` where unused: pairs, or a buffer of
+        ``2 * rows`` uint32 (a ``(rows, 2)`` array). None masks nothing (then ``rows`` is required).
+    cells : DeviceBuffer, int, or a device array
+        The feed cells, one uint32 per row; a ``DeviceBuffer`` must hold ``rows * 4`` bytes.
+    dst : PinnedBuffer, writable buffer, int, or None
+        Where the ids are copied: a ``PinnedBuffer``, any writable buffer of at least ``rows * 4``
+        bytes, an int pointer from ``alloc_host_pinned``, or None for no readback.
+    event : Event, int, or None
+        Recorded after the copy; None records nothing.
+    stream : Stream, int or stream-like, optional
+        Default 0, the default stream.
+    rows : int, optional
+        Rows to process, 1 to 4096; taken from ``masks`` when None.
+    vocab : int
+        Values per row, 1 to 2**24.
+    dtype : {"float32", "float16", "bfloat16"}
+        The logits' element type.
+    row_stride : int, optional
+        Distance between row starts, in **elements** of ``dtype`` (not bytes), at least ``vocab``;
+        default ``vocab``.
+
+    Returns
+    -------
+    int
+        The rows launched.
+
+    Raises
+    ------
+    ValueError
+        A mask id at or beyond ``vocab`` other than ``NO_TOKEN``; masks that do not cover ``rows``;
+        ``rows`` outside 1..4096 or beyond the cells' or ``dst``'s capacity; ``row_stride < vocab``;
+        an unknown ``dtype``; ``rows`` missing with ``masks=None``.
+    TypeError
+        An argument of the wrong kind (a float where an int is needed, a non-buffer ``dst``).
+    FeedError
+        A closed or unknown buffer, event or stream; ``dst`` not inside pinned memory of this
+        package (an int pointer); a failed launch (``CudaError`` on the cuda backend).
+
+    See Also
+    --------
+    resolve_feed : the next step's input ids from these cells.
+    reference_argmax : the same rule in numpy.
+
+    Examples
+    --------
+    >>> import numpy as np, metrale_feed as mf
+    >>> logits = np.array([[0.1, 0.9, 0.5], [0.7, 0.2, 0.7]], np.float32)
+    >>> with mf.DeviceBuffer(logits.nbytes) as dev, mf.DeviceBuffer(2 * 4) as cells, \\
+    ...         mf.PinnedBuffer(2 * 4) as ids, mf.Event() as done:
+    ...     mf.copy_h2d_async(dev, logits)
+    ...     mf.argmax_to_feed(dev, [(1, mf.NO_TOKEN), (mf.NO_TOKEN, mf.NO_TOKEN)], cells, ids,
+    ...                       done, vocab=3, dtype="float32")
+    ...     done.synchronize()
+    ...     np.frombuffer(ids, np.uint32).tolist()   # row 0 masks id 1; row 1 ties go low
+    2
+    [2, 0]
+    """
     cdef mf_argmax_args a
     cdef uint64_t s, e
     cdef void *ptr
@@ -99,9 +166,42 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
 
 
 def resolve_feed(sources, cells, out, stream=0, *, prev_rows=None):
-    """``out[i]`` = the host id of ``sources[i]``, or ``cells[from_row]`` of the previous step,
-    on the device in stream order. A ``from_row >= prev_rows`` raises before launch; by default
-    ``prev_rows`` is the row count of the last ``argmax_to_feed`` into these cells."""
+    """Build a step's input ids on the device from FeedSource words.
+
+    In stream order: ``out[i]`` = the host id of ``sources[i]`` (bit 31 set), or ``cells[from_row]``
+    of the previous step (bit 31 clear). See docs/encodings.md, "FeedSource".
+
+    Parameters
+    ----------
+    sources : sequence of int or uint32 buffer
+        ``FeedSource`` words, one per row of the new step.
+    cells : DeviceBuffer, int, or a device array
+        The previous step's feed cells.
+    out : DeviceBuffer, int, or a device array
+        Where the input ids go, one uint32 per source.
+    stream : Stream, int or stream-like, optional
+        Default 0, the default stream.
+    prev_rows : int, optional
+        Rows of the previous step; default: the rows of the last ``argmax_to_feed`` into ``cells``.
+
+    Raises
+    ------
+    ValueError
+        A ``from_row`` at or beyond ``prev_rows``; ``prev_rows`` missing when no ``argmax_to_feed``
+        wrote these cells; ``out`` or ``cells`` too small.
+    FeedError
+        A closed or unknown buffer or stream.
+
+    Examples
+    --------
+    >>> import numpy as np, metrale_feed as mf
+    >>> with mf.DeviceBuffer(8) as cells, mf.DeviceBuffer(8) as out, mf.PinnedBuffer(8) as host:
+    ...     mf.copy_h2d_async(cells, np.array([11, 22], np.uint32))
+    ...     mf.resolve_feed([mf.FeedSource.feed(1), mf.FeedSource.host(5)], cells, out, prev_rows=2)
+    ...     mf.copy_d2h_async(out, host); mf.stream_synchronize()
+    ...     np.frombuffer(host, np.uint32).tolist()
+    [22, 5]
+    """
     cdef uint64_t s
     cdef void *cells_ptr
     cdef void *out_ptr
