@@ -23,6 +23,11 @@ SPIN_QUERIES = 64  # event_query polls before a wait blocks in event_synchronize
 
 
 class RouterStats:
+    """Counters of a router: ``launches``, ``ahead_launches`` (fed steps launched before the
+    previous one was read), ``reserved_blocks``, ``reserved_in_flight``,
+    ``peak_reserved_in_flight``, ``rollbacks`` and ``blocks_rolled_back``. ``stats["name"]`` and
+    ``as_dict()`` read them.
+    """
     __slots__ = ("launches", "ahead_launches", "reserved_blocks", "reserved_in_flight",
                  "peak_reserved_in_flight", "rollbacks", "blocks_rolled_back")
     # For type checkers only (set in __init__): counters, all ints.
@@ -114,7 +119,67 @@ class _Ring:
 
 
 class AsyncDeviceIo:
-    """Pipelines decode steps through ``model`` (a ``ModelDeviceFeed`` with the device feed)."""
+    """Pipelines decode steps through ``model``, up to two steps in flight.
+
+    Each launch runs the model's step and the masked argmax into its feed cells, copies the ids
+    into one slot of a three-slot page-locked readback ring and records that slot's event;
+    ``await_result`` reads a slot only once its event has completed. The protocol is in
+    docs/router.md, "The router protocol".
+
+    Parameters
+    ----------
+    model : ModelDeviceFeed
+        A model whose ``supports_device_token_feed()`` is True (``RuntimeFeedMixin`` supplies the
+        runtime half).
+    max_rows : int
+        The most rows a step may have, 1 to 4096; sizes the ring.
+    stream : Stream, int or stream-like, optional
+        The stream of the readback copies and events. Default 0.
+    slots : int, optional
+        Readback slots; the default 3 is two steps in flight plus the one being read.
+
+    Raises
+    ------
+    FeedError
+        The model has no device token feed.
+    ValueError
+        ``max_rows`` outside 1..4096.
+
+    See Also
+    --------
+    SyncDeviceIo : the same calls, every step settled.
+
+    Examples
+    --------
+    The loop two steps deep: step ``k + 1`` is launched from step ``k``'s feed cells before step
+    ``k`` is read (docs/router.md, "The loop, two steps deep", has the version with the checks).
+
+    >>> import metrale_feed as mf
+    >>> from metrale_feed.reference import ReferenceModel
+    >>> model = ReferenceModel(1000, max_rows=2)
+    >>> seqs = [mf.SequenceState(0), mf.SequenceState(1)]
+    >>> prompts = [[5, 6, 7], [8, 9]]
+    >>> for seq, prompt in zip(seqs, prompts):
+    ...     model.prefill(seq, prompt[:-1])
+    >>> masks, out = [(mf.NO_TOKEN, mf.NO_TOKEN)] * 2, [[], []]
+    >>> with mf.AsyncDeviceIo(model, 2) as io:
+    ...     ticket = io.launch_decode([p[-1] for p in prompts], seqs, masks)
+    ...     for step in range(4):
+    ...         ahead = None
+    ...         if step < 3:
+    ...             for seq in seqs:
+    ...                 io.reserve_kv(seq)
+    ...             ahead = io.launch_fed([mf.FeedSource.feed(0), mf.FeedSource.feed(1)], seqs, masks)
+    ...         for r, token in enumerate(io.await_result(ticket)):
+    ...             out[r].append(token)
+    ...             if ahead is not None:   # the step ahead wrote this id's KV: commit it
+    ...                 seqs[r].tokens.append(token)
+    ...                 seqs[r].seq_len += 1
+    ...         ticket = ahead
+    >>> model.close()
+    >>> [len(tokens) for tokens in out]
+    [4, 4]
+    """
 
     def __init__(self, model: ModelDeviceFeed, max_rows: int, *, stream: Any = 0,
                  slots: int = RING_SLOTS) -> None:
@@ -182,12 +247,62 @@ class AsyncDeviceIo:
         return ticket
 
     def launch_decode(self, tokens: Sequence[int], seqs: Sequence[SequenceState], masks: Any) -> Ticket:
-        """A step whose input ids the host knows; the model pushes them and advances ``seq_len``."""
+        """Launch a step whose input ids the host knows (a first step, or after a settle).
+
+        The model's ``decode_batch`` pushes each id to its sequence and advances ``seq_len``.
+
+        Parameters
+        ----------
+        tokens : sequence of int
+            One input id per row.
+        seqs : sequence of SequenceState
+            The rows' sequences, as many as ``tokens``.
+        masks : sequence of (int, int), uint32 buffer, or None
+            Two banned ids per row (``NO_TOKEN`` where unused); None bans nothing.
+
+        Returns
+        -------
+        Ticket
+            Pass it to ``await_result``.
+
+        Raises
+        ------
+        ValueError
+            No rows, more than ``max_rows``, or lengths that disagree; nothing is launched.
+        FeedError
+            Every readback slot holds an unread result, or the router was torn down.
+        KvPoolExhausted
+            The model found no free KV block.
+        """
         return self._launch(False, tokens, seqs, masks)
 
     def launch_fed(self, sources: Sequence[int], seqs: Sequence[SequenceState], masks: Any) -> Ticket:
-        """A step whose inputs are FeedSource words (host ids, or feed cells of the previous
-        step). The caller pushes and advances each row once the previous step commits."""
+        """Launch a step whose inputs are resolved on the device from FeedSource words.
+
+        ``FeedSource.feed(r)`` takes the id row ``r`` of the previous step wrote to the feed cells;
+        ``FeedSource.host(id)`` an id the host supplies (a newly admitted row). The model writes KV at
+        ``seq.seq_len`` but does not push the id: the caller appends it to ``seq.tokens`` and advances
+        ``seq.seq_len`` once the previous step's result is read.
+
+        Parameters
+        ----------
+        sources : sequence of int
+            One FeedSource word per row.
+        seqs : sequence of SequenceState
+        masks : sequence of (int, int), uint32 buffer, or None
+
+        Returns
+        -------
+        Ticket
+
+        Raises
+        ------
+        ValueError
+            No rows, more than ``max_rows``, lengths that disagree, or a ``from_row`` beyond the
+            previous step's rows; nothing is launched.
+        FeedError
+            The ring is exhausted, or the router was torn down.
+        """
         return self._launch(True, sources, seqs, masks)
 
     # ---- readback ----
@@ -200,8 +315,27 @@ class AsyncDeviceIo:
         model.event_synchronize(event)
 
     def await_result(self, ticket: Ticket) -> List[int]:
-        """The step's ids, once its event has completed. The slot is released even when the
-        wait fails, so a fault cannot wedge the ring."""
+        """The step's ids, one per row, once its event has completed.
+
+        It polls ``event_query`` a bounded number of times, then blocks in ``event_synchronize`` with
+        the GIL released. The slot is released even when the wait fails, so a fault cannot wedge the
+        ring.
+
+        Parameters
+        ----------
+        ticket : Ticket
+            From this router's ``launch_decode`` or ``launch_fed``, not yet awaited.
+
+        Returns
+        -------
+        list of int
+            The argmax of each row (``NO_TOKEN`` for a row with no candidate).
+
+        Raises
+        ------
+        FeedError
+            A ticket of another router, one already awaited, or a failed wait.
+        """
         ring = self._open_ring()
         if not isinstance(ticket, Ticket) or ticket.router is not self:
             raise FeedError(f"{ticket!r} was not launched by this router")
@@ -224,8 +358,27 @@ class AsyncDeviceIo:
     # ---- KV ----
 
     def reserve_kv(self, seq: SequenceState) -> int:
-        """Reserve the block for ``seq``'s next position ahead of a launch; recorded in the
-        ledger so ``rollback(seq)`` can return it."""
+        """Reserve the KV block for ``seq``'s next position ahead of a launch.
+
+        The reservation is written in the router's ledger, so ``rollback(seq)`` can return exactly it
+        when the step is discarded.
+
+        Parameters
+        ----------
+        seq : SequenceState
+
+        Returns
+        -------
+        int
+            Blocks added, 0 or 1.
+
+        Raises
+        ------
+        KvPoolExhausted
+            The pool is empty.
+        FeedError
+            The router was torn down.
+        """
         if self._ring is None:
             raise FeedError("the router has been torn down")
         added = self.model.reserve_decode_block(seq)
@@ -265,8 +418,18 @@ class AsyncDeviceIo:
         self.stats.reserved_in_flight -= released
 
     def rollback(self, seq: SequenceState) -> int:
-        """Return ``seq``'s latest uncommitted reservation (its discarded step) to the pool;
-        the number of blocks returned (0 when that step needed no new block)."""
+        """Return ``seq``'s latest uncommitted reservation to the pool (its step ahead is discarded).
+
+        Parameters
+        ----------
+        seq : SequenceState
+            A row that stopped while its next step was already launched.
+
+        Returns
+        -------
+        int
+            Blocks returned (0 when that step needed no new block).
+        """
         entries = self._ledger.get(seq)
         blocks = entries.pop()[1] if entries else 0
         if entries is not None and not entries:
@@ -281,7 +444,9 @@ class AsyncDeviceIo:
     # ---- teardown ----
 
     def teardown(self) -> None:
-        """Destroy the events and free the ring, after any step still in flight."""
+        """Destroy the events and free the ring, after any step still in flight. Idempotent; also
+        what leaving a ``with`` block does.
+        """
         ring = self._ring
         if ring is None:
             return
@@ -301,8 +466,36 @@ class AsyncDeviceIo:
 
 
 class SyncDeviceIo(AsyncDeviceIo):
-    """The same calls, each step settled before the launch returns: no step is ever ahead. For
-    models without the device feed it runs ``launch_decode`` only."""
+    """The router's calls with every step settled before the launch returns: no step is ahead.
+
+    It works with models that lack the device feed (through ``launch_decode``), and is the baseline
+    ``metrale-feed demo`` compares the async router with.
+
+    Parameters
+    ----------
+    model : ModelDeviceFeed
+    max_rows : int
+        1 to 4096.
+    stream : Stream, int or stream-like, optional
+
+    Raises
+    ------
+    ValueError
+        ``max_rows`` outside 1..4096.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> from metrale_feed.reference import ReferenceModel, host_next_token
+    >>> model = ReferenceModel(1000, max_rows=1)
+    >>> seq = mf.SequenceState(0)
+    >>> model.prefill(seq, [5, 6])
+    >>> with mf.SyncDeviceIo(model, 1) as io:
+    ...     ids = io.await_result(io.launch_decode([7], [seq], None))
+    >>> model.close()
+    >>> ids == [host_next_token([5, 6, 7], 1000)]
+    True
+    """
 
     def __init__(self, model: ModelDeviceFeed, max_rows: int, *, stream: Any = 0) -> None:
         # No feed check: a model without the device feed may still settle launch_decode steps.
