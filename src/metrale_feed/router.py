@@ -168,7 +168,7 @@ class AsyncDeviceIo:
     ...         ahead = None
     ...         if step < 3:
     ...             for seq in seqs:
-    ...                 io.reserve_kv(seq)
+    ...                 _ = io.reserve_kv(seq)
     ...             ahead = io.launch_fed([mf.FeedSource.feed(0), mf.FeedSource.feed(1)], seqs, masks)
     ...         for r, token in enumerate(io.await_result(ticket)):
     ...             out[r].append(token)
