@@ -53,6 +53,49 @@ class _Staging:
 
 
 class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
+    """A test model, not an LLM, that implements the whole ``ModelDeviceFeed`` trait on either backend.
+
+    It has a paged KV cache (``block_size`` ids a block, ``num_blocks`` blocks, a block table per
+    sequence). Its forward writes each row's input id into the cache at ``seq.seq_len``, reads the
+    row's whole history back from the cache through the block table and computes every logit from
+    a hash of it (docs/router.md, "The reference model"). So ``host_next_token`` predicts every
+    token exactly, and a bug in feeding, block tables or KV writes changes the tokens.
+
+    Parameters
+    ----------
+    vocab : int
+        Logits per row, 1 to 2**24.
+    block_size : int, optional
+        Ids per KV block, at least 1. Default 16.
+    num_blocks : int, optional
+        Blocks in the pool; ``num_blocks * block_size`` must be below 2**32. Default 4096.
+    max_rows : int, optional
+        The most rows a step may have, 1 to 4096. Default 256.
+    logits_dtype : {"float32", "float16", "bfloat16"}, optional
+        The logits' dtype (16-bit values are rounded to nearest even). Default "float32".
+    stream : Stream, int or stream-like, optional
+        The stream its work runs on. Default 0.
+
+    Raises
+    ------
+    ValueError
+        An argument out of range.
+    FeedError
+        Device or pinned memory could not be allocated.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> from metrale_feed.reference import ReferenceModel, host_next_token
+    >>> model = ReferenceModel(500, max_rows=1)
+    >>> seq = mf.SequenceState(0)
+    >>> model.prefill(seq, [3, 1, 4])          # the prompt [3, 1, 4, 1] less its last id
+    >>> with mf.SyncDeviceIo(model, 1) as io:
+    ...     ids = io.await_result(io.launch_decode([1], [seq], None))
+    >>> ids == [host_next_token([3, 1, 4, 1], 500)]
+    True
+    >>> model.close()
+    """
     def __init__(self, vocab: int, *, block_size: int = 16, num_blocks: int = 4096,
                  max_rows: int = 256, logits_dtype: str = "float32", stream: Any = 0) -> None:
         if block_size < 1:
@@ -177,8 +220,26 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         return self._forward(slot, len(seqs), stream)
 
     def prefill(self, seq: SequenceState, ids: Sequence[int], stream: Any = None) -> None:
-        """Write ``ids`` at positions ``seq_len..`` (allocating blocks), append them to
-        ``seq.tokens`` and advance ``seq_len``. Computes no logits."""
+        """Write ``ids`` into the KV cache at positions ``seq.seq_len..``; no logits are computed.
+
+        Blocks are allocated as needed; ``ids`` are appended to ``seq.tokens`` and ``seq.seq_len``
+        advances. A prompt ``P`` is prefilled as ``P[:-1]``: the first decode step takes ``P[-1]``.
+
+        Parameters
+        ----------
+        seq : SequenceState
+        ids : sequence of int
+            Token ids (uint32).
+        stream : Stream, int or stream-like, optional
+            Default: the model's stream.
+
+        Raises
+        ------
+        KvPoolExhausted
+            The pool ran out of blocks (the sequence keeps what it had).
+        ValueError
+            An id outside uint32, or a sequence longer than the cache.
+        """
         stream = self.stream if stream is None else stream
         if self._closed:
             raise FeedError("the reference model is closed")
@@ -233,8 +294,27 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
 # ---- the same function on the host (numpy), the oracle ----
 
 def host_logits(history: Sequence[int], vocab: int, dtype: str = "float32") -> Any:
-    """The logits row the reference forward computes after ``history`` (the input id included),
-    as a numpy array of ``dtype`` (bfloat16 as ml_dtypes.bfloat16)."""
+    """The logits row the reference forward computes after ``history`` (the input id included).
+
+    Parameters
+    ----------
+    history : sequence of int
+        Every id in the row's KV cache, in order, the step's input id last.
+    vocab : int
+    dtype : {"float32", "float16", "bfloat16"}, optional
+
+    Returns
+    -------
+    numpy.ndarray
+        ``vocab`` values of ``dtype`` (bfloat16 as ``ml_dtypes.bfloat16``, which must be installed).
+
+    Examples
+    --------
+    >>> from metrale_feed.reference import host_logits
+    >>> row = host_logits([1, 2, 3], 8)
+    >>> row.shape, bool((row >= 0).all() and (row < 1).all())
+    ((8,), True)
+    """
     import numpy as np
 
     h = 0x811C9DC5
@@ -278,7 +358,30 @@ def _widened_logits(history: Sequence[int], vocab: int, dtype: str) -> Any:
 
 def host_next_token(history: Sequence[int], vocab: int, dtype: str = "float32",
                     mask: Sequence[int] = (0xFFFFFFFF, 0xFFFFFFFF)) -> int:
-    """The reference model's greedy next token after ``history`` under the row mask ``mask``."""
+    """The reference model's greedy next token after ``history``, computed on the host.
+
+    Parameters
+    ----------
+    history : sequence of int
+        Every id in the row's KV cache, the step's input id last (for a first step: the prompt).
+    vocab : int
+    dtype : {"float32", "float16", "bfloat16"}, optional
+        The model's ``logits_dtype``. Default "float32".
+    mask : (int, int), optional
+        Two ids that may not win; ``NO_TOKEN`` where unused.
+
+    Returns
+    -------
+    int
+        The id, or ``NO_TOKEN`` when every id is masked.
+
+    Examples
+    --------
+    >>> from metrale_feed.reference import host_next_token
+    >>> token = host_next_token([3, 1, 4, 1], 500)
+    >>> host_next_token([3, 1, 4, 1], 500, mask=(token, 0xFFFFFFFF)) != token
+    True
+    """
     import numpy as np
 
     logits = _widened_logits(history, vocab, dtype).copy()

@@ -19,7 +19,23 @@ __all__ = ["RuntimeFeedMixin"]
 
 
 class RuntimeFeedMixin:
-    """Events, async copies, pinned memory and the masked argmax into this model's feed cells."""
+    """The runtime half of ``ModelDeviceFeed`` on the active backend: events, async copies, pinned
+    memory, and the masked argmax into this model's feed cells (``feed_cells``).
+
+    Put it before ``ModelDeviceFeed`` in the bases and call ``init_device_feed`` once; the model
+    then writes its forward (``decode_batch_fed``) and its KV methods.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> class MyModel(mf.RuntimeFeedMixin, mf.ModelDeviceFeed):
+    ...     def __init__(self):
+    ...         self.init_device_feed(vocab=32000, logits_dtype="bfloat16", max_rows=8)
+    >>> model = MyModel()
+    >>> model.feed_cells.nbytes     # one uint32 feed cell per row
+    32
+    >>> model.close_device_feed()
+    """
 
     feed_vocab: int
     feed_logits_dtype: str
@@ -28,6 +44,21 @@ class RuntimeFeedMixin:
     feed_prev_rows: int = 0  # rows the last argmax wrote: the from_row bound of the next step
 
     def init_device_feed(self, *, vocab: int, logits_dtype: str = "float32", max_rows: int = 256) -> None:
+        """Allocate the feed cells and fix the logits' shape.
+
+        Parameters
+        ----------
+        vocab : int
+            Logits per row, 1 to 2**24.
+        logits_dtype : {"float32", "float16", "bfloat16"}, optional
+        max_rows : int, optional
+            The most rows a step may have, 1 to 4096. Default 256.
+
+        Raises
+        ------
+        ValueError
+            An argument out of range.
+        """
         if not 1 <= max_rows <= 4096:
             raise ValueError(f"max_rows must be in [1, 4096], got {max_rows}")
         if not 1 <= vocab <= 1 << 24:
@@ -41,6 +72,8 @@ class RuntimeFeedMixin:
         self.feed_prev_rows = 0
 
     def close_device_feed(self) -> None:
+        """Free the feed cells (after queued work). Idempotent.
+        """
         if self.feed_cells is not None:
             self.feed_cells.close()
             self.feed_cells = None
