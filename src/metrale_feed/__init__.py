@@ -88,18 +88,62 @@ _select_from_env()
 
 
 def set_backend(name: str) -> None:
-    """Switch the active backend ("host" or "cuda") while no event, stream or memory is live."""
+    """Switch the active backend while no event, stream or memory is live.
+
+    Parameters
+    ----------
+    name : {"host", "cuda"}
+
+    Raises
+    ------
+    ValueError
+        An unknown name.
+    CudaError
+        The cuda backend is unusable; the message says why.
+    FeedError
+        This build has no CUDA backend, or objects of the current backend are still live.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> mf.set_backend("host"); mf.backend()
+    'host'
+    """
     _core.select_backend(name)
 
 
 def get_include() -> str:
-    """The folder with the ``.pxd`` files (for ``cimport metrale_feed._core``) and the C headers
-    (``metrale_feed/feed.h``, ``metrale_feed/capi.h``); add it to the include path."""
+    """The folder to add to the include path for ``cimport metrale_feed._core``.
+
+    It holds the ``.pxd`` files and, below it, the C headers (``metrale_feed/feed.h``,
+    ``metrale_feed/capi.h``).
+
+    Returns
+    -------
+    str
+
+    Examples
+    --------
+    >>> import os, metrale_feed as mf
+    >>> os.path.isfile(os.path.join(mf.get_include(), "metrale_feed", "_core.pxd"))
+    True
+    """
     return _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 
 
 def get_c_include() -> str:
-    """The folder that holds ``metrale_feed/feed.h`` and ``metrale_feed/capi.h``."""
+    """The folder that holds ``metrale_feed/feed.h`` and ``metrale_feed/capi.h``.
+
+    Returns
+    -------
+    str
+
+    Examples
+    --------
+    >>> import os, metrale_feed as mf
+    >>> os.path.isfile(os.path.join(mf.get_c_include(), "metrale_feed", "capi.h"))
+    True
+    """
     return _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "include")
 
 

@@ -6,11 +6,39 @@ __all__ = ["FeedError", "CudaError", "NoDeviceTokenFeed", "KvPoolExhausted"]
 
 
 class FeedError(RuntimeError):
-    """Base of every error the feed raises for a failed operation or an unusable handle."""
+    """Base of every error the package raises for a failed operation or an unusable handle.
+
+    Catch it to handle any failure of the feed; bad arguments raise ``ValueError`` or ``TypeError``
+    instead, before anything is queued (docs/design.md, "The error model").
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> ev = mf.Event(); ev.close()
+    >>> try:
+    ...     ev.record(0)
+    ... except mf.FeedError as error:
+    ...     print(error)
+    the event is closed
+    """
 
 
 class CudaError(FeedError):
-    """The CUDA runtime failed; ``code`` is the ``cudaError_t`` and ``name`` its enumerator."""
+    """The CUDA runtime failed.
+
+    Parameters
+    ----------
+    message : str
+    code : int, optional
+        The ``cudaError_t`` value.
+    name : str, optional
+        Its enumerator, e.g. ``"cudaErrorNoDevice"``.
+
+    Attributes
+    ----------
+    code : int
+    name : str
+    """
 
     def __init__(self, message: str, code: int = 0, name: str = "") -> None:
         super().__init__(message)
@@ -19,8 +47,12 @@ class CudaError(FeedError):
 
 
 class NoDeviceTokenFeed(FeedError, NotImplementedError):
-    """A ``ModelDeviceFeed`` method the model does not implement (the trait's error default)."""
+    """A ``ModelDeviceFeed`` method the model does not implement (the trait's error default).
+
+    Its message is ``"<method>: this model has no device token feed"``.
+    """
 
 
 class KvPoolExhausted(FeedError):
-    """The KV block pool has no free block."""
+    """The KV block pool has no free block (``BlockPool.alloc``, ``reserve_decode_block``).
+    """

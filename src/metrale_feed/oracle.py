@@ -59,11 +59,34 @@ def _as_masks(masks, rows: int, vocab: int) -> np.ndarray:
 
 
 def reference_argmax(logits, masks=None) -> np.ndarray:
-    """The masked argmax of each row of ``logits`` (rows, vocab), as a uint32 array of ``rows`` ids.
+    """The masked argmax of each row, stated in plain numpy (docs/encodings.md).
 
-    ``masks``: None (no mask), a (rows, 2) integer array, or a sequence of (a, b) pairs; an id of
-    ``NO_TOKEN`` is unused. A mask id that is neither ``NO_TOKEN`` nor below vocab raises
-    ``ValueError``, as the kernels do."""
+    Parameters
+    ----------
+    logits : array_like, shape (rows, vocab)
+        float32, float16 or bfloat16 (``ml_dtypes.bfloat16``).
+    masks : None, array_like of shape (rows, 2), or sequence of (int, int), optional
+        Two banned ids per row, ``NO_TOKEN`` where unused; None bans nothing.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``rows`` uint32 ids.
+
+    Raises
+    ------
+    ValueError
+        A mask id that is neither ``NO_TOKEN`` nor below ``vocab`` (as the kernels do), or masks
+        that do not have one pair per row.
+    TypeError
+        Logits of another dtype.
+
+    Examples
+    --------
+    >>> import numpy as np, metrale_feed as mf
+    >>> mf.reference_argmax(np.array([[0.0, np.nan, 2.0, 2.0]], np.float32), [(3, mf.NO_TOKEN)]).tolist()
+    [2]
+    """
     values = _as_float64(logits)
     rows, vocab = values.shape
     mask_ids = _as_masks(masks, rows, vocab)

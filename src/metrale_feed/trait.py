@@ -25,9 +25,29 @@ def _no_feed(method: str) -> NoDeviceTokenFeed:
 
 
 class ModelDeviceFeed(abc.ABC):
-    """The device token feed of the asynchronous scheduler router, with the event queries, async
-    copies and pinned host memory it uses. Handles (events, streams) are ints; device pointers
-    are ints or objects the runtime accepts."""
+    """The trait a model implements to decode with its input ids read on the device.
+
+    Every method keeps the engine's default unless overridden: ``False`` for
+    ``supports_device_token_feed``, ``True`` for ``event_query``, no-ops for ``fed_step_settled``,
+    ``event_synchronize`` and ``destroy_event``, and ``NoDeviceTokenFeed`` for the rest (the table
+    is in docs/router.md). Handles (events, streams) are ints or this package's objects; device
+    pointers are ints or objects the runtime accepts. ``RuntimeFeedMixin`` implements the runtime
+    methods on the active backend.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> class NoFeed(mf.ModelDeviceFeed):
+    ...     pass
+    >>> model = NoFeed()
+    >>> model.supports_device_token_feed(), model.event_query(0)
+    (False, True)
+    >>> try:
+    ...     model.create_event()
+    ... except mf.NoDeviceTokenFeed as error:
+    ...     print(error)
+    create_event: this model has no device token feed
+    """
 
     def supports_device_token_feed(self) -> bool:
         """Whether the model can run ``decode_batch_fed`` and answer it with
