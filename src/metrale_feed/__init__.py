@@ -172,4 +172,5 @@ def __getattr__(name: str) -> "_Any":
 
 def __dir__() -> "list[str]":
     # The lazy names are part of the package's namespace before their first use too.
-    return sorted(set(globals()) | set(_LAZY))
+    # ``annotations`` (the __future__ import) and TYPE_CHECKING are the module's machinery, not API.
+    return sorted((set(globals()) | set(_LAZY)) - {"annotations", "TYPE_CHECKING"})

@@ -84,6 +84,12 @@ def devices():
     ------
     CudaError
         The runtime could not list the devices.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> mf.devices() if mf.backend() == "host" else []
+    []
     """
     cdef int count = 0
     cdef char name[256]
@@ -155,6 +161,12 @@ def host_faults():
     dict
         ``lag_us``, ``fail_event_query_at``, ``fail_alloc_at``, ``fail_copy_at``,
         ``fail_synchronize_at``.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> mf.host_faults()["fail_alloc_at"]
+    0
     """
     cdef mf_host_faults f
     mf_host_faults_get(&f)
@@ -206,6 +218,13 @@ def host_argmax_path(portable=None):
     -------
     {"avx2", "portable"}
         The path in force.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> mf.host_argmax_path(True)
+    'portable'
+    >>> _ = mf.host_argmax_path(False)
     """
     return mf_host_argmax_isa(-1 if portable is None else (1 if portable else 0)).decode()
 

@@ -425,6 +425,13 @@ def event_record(event, stream=0):
     ------
     FeedError
         A closed, destroyed or unknown event or stream.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> h = mf.event_create()
+    >>> mf.event_record(h, 0); mf.event_synchronize(h)
+    >>> mf.destroy_event(h)
     """
     cdef uint64_t e, s
     event_of(event, &e, False)
@@ -475,6 +482,13 @@ def event_synchronize(event):
     ------
     FeedError
         A closed, destroyed or unknown event, or failed work.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> h = mf.event_create()
+    >>> mf.event_record(h, 0); mf.event_synchronize(h)
+    >>> mf.destroy_event(h)
     """
     cdef uint64_t e
     cdef mf_status status
@@ -496,6 +510,13 @@ def destroy_event(event):
     ------
     FeedError
         The event was already destroyed, or is unknown.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> h = mf.event_create()
+    >>> mf.event_record(h, 0); mf.event_synchronize(h)
+    >>> mf.destroy_event(h)
     """
     cdef uint64_t e
     if type(event) is Event:

@@ -439,6 +439,11 @@ def free_host_pinned(ptr, nbytes):
     FeedError
         A wrong size, a pointer this package did not allocate, one already freed, or a
         ``PinnedBuffer``'s memory (close the buffer instead).
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> mf.free_host_pinned(mf.alloc_host_pinned(64), 64)
     """
     cdef uint64_t p
     cdef mf_status status
@@ -482,6 +487,14 @@ def read_pinned_u32(ptr, Py_ssize_t count):
     ------
     FeedError
         ``ptr`` is not inside live pinned memory of this package, or the range runs past its end.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> ptr = mf.alloc_host_pinned(8)
+    >>> mf.read_pinned_u32(ptr, 2)
+    [0, 0]
+    >>> mf.free_host_pinned(ptr, 8)
     """
     cdef uint64_t p
     if count < 0:
