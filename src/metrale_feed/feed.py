@@ -95,33 +95,31 @@ class FeedSource(int):
 
 
 class RowMask(tuple):  # type: ignore[type-arg]
-    """Two ids a row's argmax may not answer; NO_TOKEN where unused. A plain pair (a tuple), so
-    a list of them is what the kernels take; no typing import, to keep ``import`` fast."""
+    """Two ids a row's argmax may not answer, ``NO_TOKEN`` where unused.
+
+    A plain pair (a tuple), so a list of them is what the kernels take (docs/encodings.md,
+    "RowMask"); no typing import, to keep ``import`` fast.
+
+    Parameters
+    ----------
+    a, b : int, optional
+        uint32 ids; default ``NO_TOKEN``.
+
+    Raises
+    ------
+    ValueError
+        An id outside uint32.
+
+    Examples
+    --------
+    >>> from metrale_feed import RowMask
+    >>> RowMask(7), tuple(RowMask(7, 9))
+    (RowMask(7, NO_TOKEN), (7, 9))
+    """
 
     __slots__ = ()
 
     def __new__(cls, a: int = NO_TOKEN, b: int = NO_TOKEN) -> "RowMask":
-        """Two ids a row's argmax may not answer, ``NO_TOKEN`` where unused.
-
-        A plain pair (a tuple), so a list of them is what the kernels take (docs/encodings.md,
-        "RowMask").
-
-        Parameters
-        ----------
-        a, b : int, optional
-            uint32 ids; default ``NO_TOKEN``.
-
-        Raises
-        ------
-        ValueError
-            An id outside uint32.
-
-        Examples
-        --------
-        >>> from metrale_feed import RowMask
-        >>> RowMask(7), tuple(RowMask(7, 9))
-        (RowMask(7, NO_TOKEN), (7, 9))
-        """
         for token in (a, b):
             if not 0 <= token <= NO_TOKEN:
                 raise ValueError(f"a mask id must be a uint32, got {token}")
