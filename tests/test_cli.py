@@ -268,3 +268,19 @@ def test_bench_cimport_reason_names_the_extra():
 
     extras = metadata("metrale-feed").get_all("Provides-Extra") or []
     assert "cython" in extras and "plot" in extras  # the extras the messages name exist
+
+
+def test_the_plot_is_drawn_with_titles_that_say_what_to_look_for(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed here")
+    png, trace = tmp_path / "run.png", tmp_path / "run.json"
+    done = command("demo", "--quiet", "--rows", "4", "--tokens", "6", "--vocab", "500",
+                   "--plot", str(png), "--trace", str(trace),
+                   env_extra={"METRALE_FEED_BACKEND": "host"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import json
+
+    names = [e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"]
+             if e.get("name") == "process_name"]
+    assert any("look for the device lane busy while the host works" in n for n in names), names
+    assert any("the device idles while the host works" in n for n in names), names
