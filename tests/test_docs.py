@@ -185,3 +185,16 @@ sys.exit(1 if failed or attempted < 60 else 0)
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+
+
+def test_the_license_files_are_in_the_checkout_and_the_installed_metadata():
+    from importlib.metadata import distribution
+
+    for name in ("LICENSE-MIT", "LICENSE-APACHE"):
+        assert (REPO / name).is_file(), name
+    dist = distribution("metrale-feed")
+    assert dist.metadata["License"] == "MIT OR Apache-2.0"
+    shipped = {Path(str(f)).name for f in dist.files or []}
+    assert {"LICENSE-MIT", "LICENSE-APACHE"} <= shipped, sorted(shipped)[:20]
+    assert "Permission is hereby granted" in (REPO / "LICENSE-MIT").read_text()
+    assert "Apache License" in (REPO / "LICENSE-APACHE").read_text()
