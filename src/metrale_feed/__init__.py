@@ -2,7 +2,9 @@
 
 The runtime binding (events, streams, pinned and device memory, async copies, the two feed
 kernels) lives in the ``_core`` extension; the trait, router and reference model are Python.
-Importing this package imports no numpy.
+Importing this package imports no numpy. The design, the encodings, the argmax rule, the router
+protocol and the error model are described in the project's ``docs/`` (start at docs/README.md);
+``metrale-feed --help`` lists the command's tools.
 """
 
 from __future__ import annotations
