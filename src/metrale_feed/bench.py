@@ -38,6 +38,7 @@ _TARGET = re.compile(r"^(<=|>=|<|>)\s*(\d+(?:\.\d+)?)\s*(x|ns|us|ms|s)$")
 _NUMBER = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(x|ns|us|ms|s)\b")
 _SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 _VERDICTS: List[Any] = []  # (row, verdict) of every printed row with a target, in order
+_LAST_NAME = ""
 
 
 def verdict(value: str, ratio: str, target: str) -> str:
@@ -62,10 +63,14 @@ def verdict(value: str, ratio: str, target: str) -> str:
 
 def _row(name: str, value: str, base: str = "", ratio: str = "", target: str = "",
          note: str = "", mark: Optional[str] = None) -> None:
+    global _LAST_NAME
     if mark is None:
+        # A row without a name is a second baseline of the row above.
+        label = name.strip() or f"{_LAST_NAME} vs {' '.join(base.split()[:2])}"
+        _LAST_NAME = name.strip() or _LAST_NAME
         mark = verdict(value, ratio, target)
         if mark:
-            _VERDICTS.append((name.strip() or "(same)", mark))
+            _VERDICTS.append((label, mark))
     line = f"  {name:<30} {value:>11}  {base:<26} {ratio:>10}  {target:<10} {mark:<12} {note}"
     print(line.rstrip(), flush=True)
 
