@@ -10,7 +10,7 @@ import argparse
 import math
 import os
 import sys
-from typing import Any, Callable, List, NoReturn, Optional, Tuple
+from typing import Any, Callable, List, Mapping, NoReturn, Optional, Tuple
 
 # The most rows one decode step (one kernel launch) takes; the C layer and the routers refuse more.
 MAX_ROWS = 4096
@@ -97,7 +97,7 @@ def _cuda_version(number: int) -> str:
     return f"{number // 1000}.{number % 1000 // 10}"
 
 
-def explain_cuda(error: BaseException, build: Optional[dict] = None) -> str:
+def explain_cuda(error: BaseException, build: Optional[Mapping[str, Any]] = None) -> str:
     """Why the cuda backend is unusable, in words a user can act on."""
     if build is not None and not build.get("cuda"):
         return ("this build has no CUDA backend (it was built without nvcc, or with "

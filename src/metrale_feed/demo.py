@@ -251,7 +251,7 @@ def measure_step_us(model: ReferenceModel, requests: List[Dict[str, Any]], max_n
     steps = min(max_new, 8)
     run_sync(model, requests, min(max_new, 2))  # first touches of the buffers
     runs = [run_sync(model, requests, steps) for _ in range(2)]
-    return min(r["seconds"] / max(1, r["steps"]) for r in runs) * 1e6
+    return float(min(r["seconds"] / max(1, r["steps"]) for r in runs)) * 1e6
 
 
 def _ms(us: float) -> str:
