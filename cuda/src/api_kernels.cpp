@@ -67,7 +67,7 @@ mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream) {
     status = ops().argmax(args, raw);
     if (status == MF_SUCCESS && args->host_dst)
         status = ops().copy_async(args->host_dst, args->cells, (size_t)args->rows * 4, kD2H, raw);
-    if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, stream);
+    if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, (mf_stream_t)(uintptr_t)raw);
     return status;
 }
 
