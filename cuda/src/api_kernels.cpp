@@ -7,8 +7,8 @@
 using namespace mf;
 
 namespace {
-constexpr uint32_t kMaxRows = 4096;
-constexpr uint32_t kMaxVocab = 1u << 24;
+constexpr uint32_t kMaxRows = MF_MAX_ROWS;
+constexpr uint32_t kMaxVocab = MF_MAX_VOCAB;
 
 size_t dtype_size(mf_dtype dtype) { return dtype == MF_DTYPE_F32 ? 4 : 2; }
 bool dtype_known(mf_dtype dtype) {

@@ -1,8 +1,5 @@
 # Backend selection, build facts, host fault knobs, leak counters, NVTX.
 
-cdef dict _BACKENDS = {"host": MF_BACKEND_HOST, "cuda": MF_BACKEND_CUDA}
-
-
 def select_backend(str name):
     """Make ``name`` ("host" or "cuda") the active backend; a CudaError says why cuda is unusable."""
     if name not in _BACKENDS:
@@ -52,15 +49,18 @@ def driver_version():
 
 
 def configure_host(*, lag_us=0, fail_event_query_at=0, fail_alloc_at=0, fail_copy_at=0,
-                   fail_synchronize_at=0):
+                   fail_synchronize_at=0, fail_event_create_at=0):
     """Host-backend fault knobs; 0 is off, N makes the Nth such call from now fail with a
-    FeedError, ``lag_us`` delays every queued operation. Each call sets every knob."""
+    FeedError, ``lag_us`` delays every queued operation. ``fail_event_create_at`` counts the
+    binding's own events too (those that hold a buffer for a copy): it stands for a full event
+    table. Each call sets every knob."""
     cdef mf_host_faults faults
     faults.lag_us = <uint32_t>int_of(lag_us, "lag_us", 0, 10_000_000)  # at most 10 s
     faults.fail_event_query_at = int_of(fail_event_query_at, "fail_event_query_at", 0, UINT64_MAX)
     faults.fail_alloc_at = int_of(fail_alloc_at, "fail_alloc_at", 0, UINT64_MAX)
     faults.fail_copy_at = int_of(fail_copy_at, "fail_copy_at", 0, UINT64_MAX)
     faults.fail_synchronize_at = int_of(fail_synchronize_at, "fail_synchronize_at", 0, UINT64_MAX)
+    faults.fail_event_create_at = int_of(fail_event_create_at, "fail_event_create_at", 0, UINT64_MAX)
     mf_host_configure(&faults)
 
 
@@ -69,7 +69,8 @@ def host_faults():
     mf_host_faults_get(&f)
     return {"lag_us": f.lag_us, "fail_event_query_at": f.fail_event_query_at,
             "fail_alloc_at": f.fail_alloc_at, "fail_copy_at": f.fail_copy_at,
-            "fail_synchronize_at": f.fail_synchronize_at}
+            "fail_synchronize_at": f.fail_synchronize_at,
+            "fail_event_create_at": f.fail_event_create_at}
 
 
 def host_kernel_threads(threads=None):

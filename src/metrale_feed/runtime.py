@@ -28,9 +28,9 @@ class RuntimeFeedMixin:
     feed_prev_rows: int = 0  # rows the last argmax wrote: the from_row bound of the next step
 
     def init_device_feed(self, *, vocab: int, logits_dtype: str = "float32", max_rows: int = 256) -> None:
-        if not 1 <= max_rows <= 4096:
-            raise ValueError(f"max_rows must be in [1, 4096], got {max_rows}")
-        if not 1 <= vocab <= 1 << 24:
+        if not 1 <= max_rows <= _core.MAX_ROWS:
+            raise ValueError(f"max_rows must be in [1, {_core.MAX_ROWS}], got {max_rows}")
+        if not 1 <= vocab <= _core.MAX_VOCAB:
             raise ValueError(f"vocab must be in [1, 2**24], got {vocab}")
         if logits_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"unknown logits dtype {logits_dtype!r}")

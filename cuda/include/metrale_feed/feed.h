@@ -74,6 +74,8 @@ typedef struct mf_host_faults {
     uint64_t fail_alloc_at;
     uint64_t fail_copy_at;
     uint64_t fail_synchronize_at;
+    /* Counts every event creation, the binding's own too: it stands in for a full event table. */
+    uint64_t fail_event_create_at;
 } mf_host_faults;
 MF_EXPORT void mf_host_configure(const mf_host_faults *faults);
 /* Threads one host-backend kernel may use (the stream's worker included); 0 = every core. A

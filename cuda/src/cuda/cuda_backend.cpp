@@ -16,6 +16,7 @@
 
 #include "backend.hpp"
 #include "cuda/kernels.hpp"
+#include "metrale_feed/argmax_rule.h"
 
 namespace mf {
 namespace {
@@ -315,7 +316,7 @@ mf_status copy_async(void *dst, const void *src, size_t nbytes, CopyKind kind, v
 
 mf_status argmax(const mf_argmax_args *a, void *stream) {
     if (a->rows == 0) return MF_SUCCESS;
-    const uintptr_t esize = a->dtype == MF_DTYPE_F32 ? 4u : 2u;
+    const uintptr_t esize = mf_dtype_size(a->dtype);
     if (reinterpret_cast<uintptr_t>(a->logits) % esize != 0)
         return fail(MF_ERROR_INVALID_VALUE,
                     "argmax_to_feed: logits pointer %p is not aligned to its %u-byte elements",

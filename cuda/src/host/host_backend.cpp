@@ -23,7 +23,8 @@ uint32_t lag_from_env() {
 }
 
 std::atomic<uint32_t> g_lag_us{lag_from_env()};
-std::atomic<uint64_t> g_fail_query{0}, g_fail_alloc{0}, g_fail_copy{0}, g_fail_sync{0};
+std::atomic<uint64_t> g_fail_query{0}, g_fail_alloc{0}, g_fail_copy{0}, g_fail_sync{0},
+    g_fail_event_create{0};
 
 // A countdown knob: 0 is off; otherwise this call fires when the count reaches 1.
 bool fires(std::atomic<uint64_t> &knob) {
@@ -55,7 +56,9 @@ mf_status driver_version(int *version) {
 }
 
 mf_status event_create(unsigned flags, void **raw) {
-    *raw = new Event(flags);
+    if (fires(g_fail_event_create)) return injected("event_create");
+    *raw = new (std::nothrow) Event(flags);
+    if (!*raw) return fail(MF_ERROR_OUT_OF_MEMORY, "event_create: out of memory");
     return MF_SUCCESS;
 }
 
@@ -271,6 +274,7 @@ void mf_host_configure(const mf_host_faults *faults) {
     g_fail_alloc.store(faults->fail_alloc_at);
     g_fail_copy.store(faults->fail_copy_at);
     g_fail_sync.store(faults->fail_synchronize_at);
+    g_fail_event_create.store(faults->fail_event_create_at);
 }
 
 void mf_host_set_kernel_threads(unsigned threads) { mf::host::set_kernel_threads(threads); }
@@ -287,5 +291,6 @@ void mf_host_faults_get(mf_host_faults *out) {
     out->fail_alloc_at = g_fail_alloc.load();
     out->fail_copy_at = g_fail_copy.load();
     out->fail_synchronize_at = g_fail_sync.load();
+    out->fail_event_create_at = g_fail_event_create.load();
 }
 }
