@@ -338,8 +338,10 @@ def write_pinned_u32(ptr, values):
     mf_mem_lookup(<void *><size_t>p, &left)
     fits = <Py_ssize_t>min(left // 4, 1 << 28)
     if PyObject_CheckBuffer(values) and not isinstance(values, (bytes, bytearray)):
-        words = words_of(values, False, "values", fits)
-    else:
+        words = words_of(values, False, "values", 1 << 28)
+    elif hasattr(values, "__len__"):  # sized: its length is checked against the buffer below
+        words = words_of(list(values), False, "values", 1 << 28)
+    else:  # an iterator or generator, maybe endless: read no more than fits, plus one
         items = []
         for value in values:
             if len(items) == fits:
