@@ -1124,7 +1124,7 @@ def test_stream_when_the_os_refuses_a_thread_raises():
     assert out == "3"
 
 
-def test_write_pinned_u32_stops_an_endless_iterable_at_the_end_of_the_buffer(host, no_leaks):
+def test_write_pinned_u32_stops_an_endless_iterable_at_the_end_of_the_buffer(backend, no_leaks):
     import itertools
 
     with PinnedBuffer(64) as buf:
@@ -1137,7 +1137,7 @@ def test_write_pinned_u32_stops_an_endless_iterable_at_the_end_of_the_buffer(hos
         assert mf.read_pinned_u32(buf.ptr + 60, 1) == [5]
 
 
-def test_max_rows_and_max_vocab_are_the_kernels_limits(host, no_leaks, dev):
+def test_max_rows_and_max_vocab_are_the_kernels_limits(backend, no_leaks):
     assert (mf.MAX_ROWS, mf.MAX_VOCAB) == (4096, 2**24)
     logits = DeviceBuffer(16)
     cells = DeviceBuffer(4 * (mf.MAX_ROWS + 1))

@@ -135,10 +135,10 @@ void Stream::wait_until(uint64_t target) {
 void Stream::synchronize() { wait_until(enqueued()); }
 
 void Stream::close() {
-    {
-        std::lock_guard<std::mutex> lock(mutex_);
-        closing_ = true;
-    }
+    // Notified under the lock: once it is released the worker may drain, finish and free the
+    // stream, condition variable included.
+    std::lock_guard<std::mutex> lock(mutex_);
+    closing_ = true;
     work_.notify_one();
 }
 
