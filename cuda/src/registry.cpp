@@ -89,25 +89,20 @@ uint64_t SlotTable::insert(void *raw, uint32_t flags, bool owned) {
     slot->raw = raw;
     slot->flags = flags;
     slot->owned = owned;
-    slot->users = 0;
-    slot->doomed = false;
     slot->epoch = fork_epoch();
     slot->index = index;
-    uint32_t generation = slot->generation.load(std::memory_order_relaxed) + 1u;
+    uint32_t generation = (uint32_t)(slot->state.load(std::memory_order_relaxed) >> 32) + 1u;
     if (generation == 0) generation = 1;  // a handle is never 0
-    slot->generation.store(generation, std::memory_order_relaxed);
-    slot->live.store(true, std::memory_order_release);
+    // Published last: a pin that sees this state sees the fields above.
+    slot->state.store(((uint64_t)generation << 32) | Slot::kLive, std::memory_order_release);
     live_.fetch_add(1, std::memory_order_relaxed);
     return ((uint64_t)generation << 32) | (uint64_t)(index + 1u);
 }
 
-Slot *SlotTable::find(uint64_t handle) const {
+Slot *SlotTable::slot_of(uint64_t handle) const {
     uint32_t low = (uint32_t)handle;
     if (low == 0 || low > (kChunks << kChunkBits)) return nullptr;
-    Slot *slot = slot_at(low - 1u);
-    if (!slot || !slot->live.load(std::memory_order_relaxed)) return nullptr;
-    if (slot->generation.load(std::memory_order_relaxed) != (uint32_t)(handle >> 32)) return nullptr;
-    return slot;
+    return slot_at(low - 1u);
 }
 
 void SlotTable::push_free(uint32_t index) {
@@ -124,64 +119,69 @@ void SlotTable::push_free(uint32_t index) {
 mf_status SlotTable::acquire(uint64_t handle, Slot **out, const char *what) {
     if (t_pin_count >= kMaxPins)
         return fail(MF_ERROR_INVALID_VALUE, "internal: too many handles pinned by one call");
-    {
-        std::lock_guard<std::mutex> lock(slot_mutex());
-        Slot *slot = find(handle);
-        if (slot && slot->epoch == fork_epoch()) {
-            ++slot->users;
-            t_pins[t_pin_count++] = Pin{this, slot};
-            *out = slot;
-            return MF_SUCCESS;
-        }
-        if (slot)
-            return fail(MF_ERROR_INVALID_HANDLE,
-                        "%s 0x%llx was created before fork(): the parent's %ss cannot be used in a "
-                        "forked child (create new ones there)",
-                        what, (unsigned long long)handle, what);
+    Slot *slot = slot_of(handle);
+    uint64_t state = slot ? slot->state.load(std::memory_order_acquire) : 0;
+    for (;;) {
+        if (!slot || (uint32_t)(state >> 32) != (uint32_t)(handle >> 32) || !(state & Slot::kLive) ||
+            (state & Slot::kUsers) == Slot::kUsers)
+            return fail(MF_ERROR_INVALID_HANDLE, "unknown or destroyed %s 0x%llx", what,
+                        (unsigned long long)handle);
+        if (slot->state.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel,
+                                              std::memory_order_acquire))
+            break;
     }
-    return fail(MF_ERROR_INVALID_HANDLE, "unknown or destroyed %s 0x%llx", what,
-                (unsigned long long)handle);
+    if (slot->epoch != fork_epoch()) {
+        slot->state.fetch_sub(1, std::memory_order_acq_rel);  // never reclaimed: see erase
+        return fail(MF_ERROR_INVALID_HANDLE,
+                    "%s 0x%llx was created before fork(): the parent's %ss cannot be used in a "
+                    "forked child (create new ones there)",
+                    what, (unsigned long long)handle, what);
+    }
+    t_pins[t_pin_count++] = Pin{this, slot};
+    *out = slot;
+    return MF_SUCCESS;
 }
 
 void SlotTable::unpin(Slot *slot) {
-    void *raw = nullptr;
-    bool owned = false, reclaim = false;
+    uint64_t before = slot->state.fetch_sub(1, std::memory_order_acq_rel);
+    if (!(before & Slot::kLive) && (before & Slot::kUsers) == 1) reclaim(slot);
+}
+
+void SlotTable::reclaim(Slot *slot) {
+    if (slot->epoch != fork_epoch()) return;  // the parent's: left as it is (see erase)
+    void *raw = slot->raw;
+    bool owned = slot->owned;
     {
         std::lock_guard<std::mutex> lock(slot_mutex());
-        if (--slot->users == 0 && slot->doomed) {
-            raw = slot->raw;
-            owned = slot->owned;
-            reclaim = true;
-            slot->doomed = false;
-            push_free(slot->index);
-        }
+        push_free(slot->index);  // reusable from here: raw and owned were copied first
     }
-    if (reclaim) reclaim_(raw, owned);
+    reclaim_(raw, owned);
 }
 
 mf_status SlotTable::erase(uint64_t handle, const char *what) {
-    void *raw;
-    bool owned;
-    {
-        std::lock_guard<std::mutex> lock(slot_mutex());
-        Slot *slot = find(handle);
-        if (!slot)
+    Slot *slot = slot_of(handle);
+    uint64_t state = slot ? slot->state.load(std::memory_order_acquire) : 0;
+    for (;;) {
+        if (!slot || (uint32_t)(state >> 32) != (uint32_t)(handle >> 32) || !(state & Slot::kLive))
             return fail(MF_ERROR_INVALID_HANDLE, "unknown or destroyed %s 0x%llx", what,
                         (unsigned long long)handle);
-        slot->live.store(false, std::memory_order_relaxed);
-        live_.fetch_sub(1, std::memory_order_relaxed);
-        if (slot->epoch != fork_epoch()) {
-            // The parent's object: its threads are gone, so it is left as it is (a leak, the only
-            // safe choice); the slot is not reused either.
-            return MF_SUCCESS;
-        }
-        if (slot->users) {
-            slot->doomed = true;  // the last user reclaims it (unpin)
-            return MF_SUCCESS;
-        }
-        push_free((uint32_t)handle - 1u);
-        raw = slot->raw;
-        owned = slot->owned;
+        // Clearing kLive ends new pins; whoever sees the users drop to 0 afterwards reclaims.
+        if (slot->state.compare_exchange_weak(state, state & ~Slot::kLive, std::memory_order_acq_rel,
+                                              std::memory_order_acquire))
+            break;
+    }
+    live_.fetch_sub(1, std::memory_order_relaxed);
+    if (slot->epoch != fork_epoch()) {
+        // The parent's object: its threads are gone, so it is left as it is (a leak, the only
+        // safe choice), and the slot is not reused.
+        return MF_SUCCESS;
+    }
+    if ((state & Slot::kUsers) != 0) return MF_SUCCESS;  // the last user reclaims it (unpin)
+    void *raw = slot->raw;
+    bool owned = slot->owned;
+    {
+        std::lock_guard<std::mutex> lock(slot_mutex());
+        push_free(slot->index);
     }
     return reclaim_(raw, owned);
 }

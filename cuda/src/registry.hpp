@@ -10,18 +10,19 @@
 
 namespace mf {
 
-// Generation-checked slots: handle = (generation << 32) | (index + 1). A lookup pins the slot
-// (`users`), so a destroy from another thread while a call is using the object only marks it
-// doomed; the last user reclaims it. That makes any interleaving of lookups and destroys safe:
-// the object a call resolved stays valid until the call is over.
+// Generation-checked slots: handle = (generation << 32) | (index + 1). A lookup pins the slot,
+// so a destroy from another thread while a call is using the object only takes it out of the
+// table; the last user reclaims it. That makes any interleaving of lookups and destroys safe: the
+// object a call resolved stays valid until the call is over. A pin is one compare-and-swap on
+// `state` (no lock), since it is on every hot call (event_query).
 struct Slot {
-    std::atomic<uint32_t> generation{0};
-    std::atomic<bool> live{false};
+    // generation << 32 | kLive | users: one word, so that a pin succeeds only while the slot is
+    // live with the handle's generation, and exactly one party sees the last user leave.
+    static constexpr uint64_t kLive = 1ull << 31, kUsers = kLive - 1;
+    std::atomic<uint64_t> state{0};
     void *raw = nullptr;
     uint32_t flags = 0;
     bool owned = true;
-    uint32_t users = 0;    // calls using raw now (under the table mutex)
-    bool doomed = false;   // destroyed while in use: the last user reclaims it
     uint32_t epoch = 0;    // the fork epoch it was created in (see fork_epoch)
     uint32_t index = 0;    // its place in the table
 };
@@ -42,8 +43,9 @@ public:
 private:
     static constexpr uint32_t kChunkBits = 12, kChunks = 256;
     Slot *slot_at(uint32_t index) const;
-    Slot *find(uint64_t handle) const;  // under the mutex
-    void push_free(uint32_t index);     // under the mutex
+    Slot *slot_of(uint64_t handle) const;  // the slot a handle names, live or not
+    void push_free(uint32_t index);        // under the mutex
+    void reclaim(Slot *slot);              // its last user has left a destroyed slot
     mf_status (*reclaim_)(void *raw, bool owned);
     std::atomic<Slot *> chunks_[kChunks] = {};
     std::atomic<uint64_t> live_{0};

@@ -20,6 +20,7 @@ struct Shared {
     // their waits cannot form a cycle.
     std::mutex legacy_mutex;
     std::vector<Stream *> blocking;  // blocking streams, until their worker has drained them
+    std::atomic<size_t> blocking_count{0};  // blocking.size(), read without the lock
     std::mutex default_mutex;
     std::atomic<Stream *> default_stream{nullptr};
 };
@@ -69,6 +70,7 @@ Stream::Stream(bool blocking, bool is_default) : blocking_(blocking && !is_defau
     if (blocking_) {
         std::lock_guard<std::mutex> lock(shared().legacy_mutex);
         shared().blocking.push_back(this);
+        shared().blocking_count.store(shared().blocking.size(), std::memory_order_release);
     }
 }
 
@@ -87,6 +89,7 @@ void Stream::enqueue(const char *name, std::function<void()> op) {
     // CUDA's legacy default stream: its work waits for all work queued before it on blocking
     // streams, and work on a blocking stream waits for all work queued before it on stream 0.
     Shared &s = shared();
+    if (default_ && s.blocking_count.load(std::memory_order_acquire) == 0) return push(name, std::move(op));
     std::lock_guard<std::mutex> legacy(s.legacy_mutex);
     std::vector<std::pair<Stream *, uint64_t>> waits;
     auto consider = [&](Stream *other) {
@@ -168,6 +171,7 @@ void Stream::run() {
                 s.blocking.erase(it);
                 break;
             }
+        s.blocking_count.store(s.blocking.size(), std::memory_order_release);
     }
     {
         // Only now: a free that synchronizes every stream also waits for a closed one to drain.
