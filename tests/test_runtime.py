@@ -989,15 +989,18 @@ def _ordered(first_stream, second_stream, dev, host):
     """Work queued on second_stream after first_stream's ran after it (True) or overtook it."""
     a = dev.upload(np.zeros(4, np.uint32))
     out = np.zeros(4, np.uint32)
+    # Every op waits 40 ms before it runs: the first stream's 0x11 lands at about 120 ms; the
+    # copy runs at about 40 ms, or after 120 ms when ordered behind the first stream.
     host.configure_host(lag_us=40_000)
-    for _ in range(3):  # 120 ms of work on the first stream
-        a.memset_async(0x11, first_stream)
-    host.configure_host()
-    mf.copy_d2h_async(a, out, second_stream)  # no lag: runs at once unless ordered
+    a.memset_async(0, first_stream)
+    a.memset_async(0, first_stream)
+    a.memset_async(0x11, first_stream)
+    mf.copy_d2h_async(a, out, second_stream)
     done = Event()
     done.record(second_stream)
     done.synchronize()
     mf.stream_synchronize(first_stream)
+    host.configure_host()
     done.close()
     a.close()
     return bool((out == 0x11111111).all())

@@ -16,8 +16,8 @@ from libc.string cimport memcpy
 
 from metrale_feed._cfeed cimport *
 
-import atexit
-from collections import deque
+import atexit as _atexit
+from collections import deque as _deque
 
 from metrale_feed.errors import CudaError, FeedError
 

@@ -192,7 +192,7 @@ cdef int commit_hold(_HeldBuffer held, uint64_t event, uint64_t stream, mf_statu
         return 0
     queue = _held.get(stream)
     if queue is None:
-        queue = _held[stream] = deque()
+        queue = _held[stream] = _deque()
     queue.append((event, held))
     return 0
 

@@ -28,4 +28,4 @@ def _note_exit():
     _exiting = True
 
 
-atexit.register(_note_exit)
+_atexit.register(_note_exit)
