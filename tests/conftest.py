@@ -4,6 +4,8 @@
   its fault knobs are reset afterwards.
 - ``no_leaks``: the test ends with the live event, stream, pinned and device counts it began with.
 - ``dev``: helpers that move numpy arrays into and out of ``DeviceBuffer`` s.
+- ``backend``: the test runs once per backend, host and cuda (cuda skipped, with the reason,
+  where no device is usable): write a test once, check both.
 - ``@pytest.mark.gpu``: skipped unless the cuda backend is active, with the reason why.
 """
 
@@ -82,6 +84,18 @@ def host():
             except (metrale_feed.FeedError, ValueError) as error:
                 pytest.fail(f"cannot switch back to the {previous} backend after a host test "
                             f"(objects still live: {metrale_feed.live_objects()}): {error}")
+
+
+@pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.gpu)])
+def backend(request):
+    """The package with ``request.param`` ("host" or "cuda") active for this test."""
+    if request.param == "host":
+        yield request.getfixturevalue("host")
+        return
+    # The gpu mark has skipped this unless the cuda backend is the active one.
+    assert metrale_feed.backend() == "cuda"
+    yield metrale_feed
+    metrale_feed.stream_synchronize(0)
 
 
 class LeakCheck:

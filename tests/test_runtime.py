@@ -4,13 +4,12 @@ leak counters, the fault knobs, backend selection, and the bad-input matrix (not
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
+
+from helpers.child import run_python
 
 import metrale_feed as mf
 from metrale_feed import (
@@ -22,15 +21,6 @@ from metrale_feed import (
 )
 
 LAG = 20_000  # us: long enough that queued work is visibly pending, short enough to keep tests quick
-
-
-def run_python(code, env_extra=None, cwd=None, timeout=60):
-    """Run ``code`` in a fresh interpreter (outside the repository, so the installed package is
-    imported) with METRALE_FEED_* cleared and ``env_extra`` set."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("METRALE_FEED_")}
-    env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def pinned_view(buf):
@@ -221,13 +211,13 @@ def test_lag_env_var_is_honoured(tmp_path):
         "print(m.host_faults()['lag_us'], dt)\n"
         "e.close(); s.close()\n"
     )
-    lagged = run_python(code, {"METRALE_FEED_BACKEND": "host", "METRALE_FEED_HOST_LAG_US": "150000"},
-                        cwd=tmp_path)
+    lagged = run_python(code, env={"METRALE_FEED_HOST_LAG_US": "150000"}, cwd=tmp_path,
+                        check=False)
     assert lagged.returncode == 0, lagged.stderr
     lag, dt = lagged.stdout.split()
     assert int(lag) == 150_000
     assert float(dt) >= 0.14
-    plain = run_python(code, {"METRALE_FEED_BACKEND": "host"}, cwd=tmp_path)
+    plain = run_python(code, cwd=tmp_path, check=False)
     assert plain.returncode == 0, plain.stderr
     lag, dt = plain.stdout.split()
     assert int(lag) == 0
@@ -805,7 +795,8 @@ def test_fail_synchronize_at(host, no_leaks):
 def test_configure_host_validation(host):
     with pytest.raises(ValueError):
         host.configure_host(lag_us=-1)
-    for knob in ("fail_event_query_at", "fail_alloc_at", "fail_copy_at", "fail_synchronize_at"):
+    for knob in ("fail_event_query_at", "fail_alloc_at", "fail_copy_at", "fail_synchronize_at",
+                 "fail_event_create_at"):
         with pytest.raises(ValueError):
             host.configure_host(**{knob: -1})
     with pytest.raises(ValueError):
@@ -817,12 +808,14 @@ def test_configure_host_validation(host):
     with pytest.raises(TypeError):
         host.configure_host(lag_us="5")
     host.configure_host(lag_us=5, fail_event_query_at=2, fail_alloc_at=3, fail_copy_at=4,
-                        fail_synchronize_at=5)
+                        fail_synchronize_at=5, fail_event_create_at=6)
     assert host.host_faults() == {"lag_us": 5, "fail_event_query_at": 2, "fail_alloc_at": 3,
-                                  "fail_copy_at": 4, "fail_synchronize_at": 5}
+                                  "fail_copy_at": 4, "fail_synchronize_at": 5,
+                                  "fail_event_create_at": 6}
     host.configure_host(fail_alloc_at=7)  # every call sets every knob
     assert host.host_faults() == {"lag_us": 0, "fail_event_query_at": 0, "fail_alloc_at": 7,
-                                  "fail_copy_at": 0, "fail_synchronize_at": 0}
+                                  "fail_copy_at": 0, "fail_synchronize_at": 0,
+                                  "fail_event_create_at": 0}
     host.configure_host()
     assert set(host.host_faults().values()) == {0}
 
@@ -870,24 +863,24 @@ def test_switch_backend_refused_while_objects_live(host):
 def test_import_does_not_import_numpy(tmp_path):
     result = run_python("import sys, metrale_feed\nassert 'numpy' not in sys.modules, 'numpy imported'\n"
                         "metrale_feed.FeedSource.host(1)\nassert 'numpy' not in sys.modules\n",
-                        {"METRALE_FEED_BACKEND": "host"}, cwd=tmp_path)
+                        cwd=tmp_path, check=False)
     assert result.returncode == 0, result.stderr
 
 
 def test_backend_env_selection(tmp_path):
     code = "import metrale_feed as m; print(m.backend())"
-    auto = run_python(code, cwd=tmp_path)
+    auto = run_python(code, backend=None, cwd=tmp_path, check=False)
     assert auto.returncode == 0, auto.stderr
     auto_backend = auto.stdout.strip()
     assert auto_backend in ("host", "cuda")
-    default = run_python(code, {"METRALE_FEED_BACKEND": "auto"}, cwd=tmp_path)
+    default = run_python(code, backend="auto", cwd=tmp_path, check=False)
     assert default.stdout.strip() == auto_backend
-    forced_host = run_python(code, {"METRALE_FEED_BACKEND": "host"}, cwd=tmp_path)
+    forced_host = run_python(code, cwd=tmp_path, check=False)
     assert forced_host.returncode == 0 and forced_host.stdout.strip() == "host"
-    bogus = run_python(code, {"METRALE_FEED_BACKEND": "tpu"}, cwd=tmp_path)
+    bogus = run_python(code, backend="tpu", cwd=tmp_path, check=False)
     assert bogus.returncode != 0 and "ValueError" in bogus.stderr
 
-    cuda = run_python(code, {"METRALE_FEED_BACKEND": "cuda"}, cwd=tmp_path)
+    cuda = run_python(code, backend="cuda", cwd=tmp_path, check=False)
     if auto_backend == "cuda":
         assert cuda.returncode == 0 and cuda.stdout.strip() == "cuda", cuda.stderr
     else:
@@ -957,3 +950,205 @@ def test_cuda_bad_handles_raise(no_leaks):
     with pytest.raises(ValueError):
         mf.copy_d2h_async(d, bytearray(32))
     d.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA's semantics the host backend keeps (issue classes 6, 7, 11)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_copy_h2d_from_pageable_memory_has_consumed_it_on_return(host, no_leaks, dev):
+    """As cudaMemcpyAsync from pageable memory, the source may be reused as soon as the call
+    returns: the copy delivers what the source held then."""
+    target = DeviceBuffer(4096)
+    source = np.full(4096, 7, np.uint8)
+    host.configure_host(lag_us=LAG)
+    mf.copy_h2d_async(target, source)
+    source[:] = 9  # the worker has not run yet
+    host.configure_host()
+    mf.stream_synchronize()
+    assert (dev.download(target) == 7).all()
+    target.close()
+
+
+def test_pinned_h2d_source_is_read_in_stream_order(host, no_leaks, dev):
+    """Pinned memory is not staged (as on CUDA, where the DMA reads it when the copy runs)."""
+    target = DeviceBuffer(64)
+    with PinnedBuffer(64) as source:
+        pinned_view(source)[:] = 3
+        host.configure_host(lag_us=LAG)
+        mf.copy_h2d_async(target, source)
+        pinned_view(source)[:] = 5
+        host.configure_host()
+        mf.stream_synchronize()
+        assert (dev.download(target) == 5).all()
+    target.close()
+
+
+def _ordered(first_stream, second_stream, dev, host):
+    """Work queued on second_stream after first_stream's ran after it (True) or overtook it."""
+    a = dev.upload(np.zeros(4, np.uint32))
+    out = np.zeros(4, np.uint32)
+    # Every op waits 40 ms before it runs: the first stream's 0x11 lands at about 120 ms; the
+    # copy runs at about 40 ms, or after 120 ms when ordered behind the first stream.
+    host.configure_host(lag_us=40_000)
+    a.memset_async(0, first_stream)
+    a.memset_async(0, first_stream)
+    a.memset_async(0x11, first_stream)
+    mf.copy_d2h_async(a, out, second_stream)
+    done = Event()
+    done.record(second_stream)
+    done.synchronize()
+    mf.stream_synchronize(first_stream)
+    host.configure_host()
+    done.close()
+    a.close()
+    return bool((out == 0x11111111).all())
+
+
+@pytest.mark.parametrize("direction", ["blocking_then_default", "default_then_blocking"])
+def test_the_legacy_default_stream_orders_against_blocking_streams(host, no_leaks, dev, direction):
+    with Stream(non_blocking=False) as blocking:
+        first, second = (blocking, 0) if direction == "blocking_then_default" else (0, blocking)
+        assert _ordered(first, second, dev, host)
+
+
+def test_a_non_blocking_stream_does_not_wait_for_the_default_stream(host, no_leaks, dev):
+    with Stream(non_blocking=True) as free:
+        assert not _ordered(0, free, dev, host)
+
+
+def test_a_failed_hold_queues_nothing(host, no_leaks, dev):
+    """All or nothing: when the event that holds a foreign buffer cannot be made (a full event
+    table), the copy is refused before it is queued, so nothing writes the released buffer."""
+    source = dev.upload(np.arange(16, dtype=np.uint32))
+    target = np.zeros(16, np.uint32)
+    host.configure_host(lag_us=LAG, fail_event_create_at=1)
+    with pytest.raises(mf.FeedError, match="event_create"):
+        mf.copy_d2h_async(source, target)
+    host.configure_host()
+    mf.stream_synchronize()
+    assert (target == 0).all(), "the refused copy was queued anyway"
+    # The same for a launch whose destination is a foreign buffer.
+    cells = DeviceBuffer(64)
+    logits = dev.upload(np.arange(8, dtype=np.float32))
+    ids = np.full(2, 77, np.uint32)
+    host.configure_host(fail_event_create_at=1)
+    with pytest.raises(mf.FeedError, match="event_create"):
+        mf.argmax_to_feed(logits, None, cells, ids, None, rows=2, vocab=4, dtype="float32")
+    host.configure_host()
+    mf.stream_synchronize()
+    assert ids.tolist() == [77, 77]
+    for b in (source, cells, logits):
+        b.close()
+
+
+def test_freeing_a_buffer_while_another_stream_works_keeps_the_gil_free(host, no_leaks):
+    """A free waits for queued work (as cudaFree does), but never with the GIL held: another
+    Python thread keeps running meanwhile."""
+    import threading
+
+    with Stream() as busy:
+        work = DeviceBuffer(8)
+        host.configure_host(lag_us=400_000)
+        work.memset_async(0, busy)
+        time.sleep(0.02)  # the worker has taken the op with its lag
+        host.configure_host()
+        ticks = []
+        stop = threading.Event()
+
+        def tick():
+            while not stop.is_set():
+                ticks.append(time.monotonic())
+                time.sleep(0.005)
+
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        time.sleep(0.02)
+        small = DeviceBuffer(8)
+        start = time.monotonic()
+        del small  # __dealloc__: waits for `busy`
+        waited = time.monotonic() - start
+        stop.set()
+        ticker.join(5)
+        during = [t for t in ticks if start <= t <= start + waited]
+        assert waited > 0.2, "the free did not wait for the queued work"
+        assert len(during) >= 10, f"{len(during)} ticks in {waited:.2f} s: the GIL was held"
+        work.close()
+
+
+def test_an_async_copy_costs_the_same_with_16k_outstanding(host, no_leaks, dev):
+    """Each copy into a Python buffer costs O(1), however many are outstanding (it used to scan
+    every one: 21 us at 2k, 115 us at 16k)."""
+    source = dev.upload(np.arange(4, dtype=np.uint32))
+    gate = Event()
+    with Stream() as slow, Stream() as copies:
+        host.configure_host(lag_us=5_000_000)
+        gate.record(slow)          # 5 s: the copies below stay outstanding
+        time.sleep(0.02)           # the worker has taken the record with its lag
+        host.configure_host()
+        copies.wait_event(gate)
+        targets = [bytearray(16) for _ in range(16384)]
+        timings = {}
+        for n, target in enumerate(targets):
+            if n in (2048 - 1024, 16384 - 1024):
+                started = time.perf_counter()
+            mf.copy_d2h_async(source, target, copies)
+            if n in (2048 - 1, 16384 - 1):
+                timings[n + 1] = (time.perf_counter() - started) / 1024
+        assert not gate.query(), "the gate passed before the copies were measured"
+        ratio = timings[16384] / timings[2048]
+        print(f"per copy: {timings[2048] * 1e6:.1f} us at 2k, {timings[16384] * 1e6:.1f} us at 16k")
+        assert ratio < 2.5, timings
+        copies.synchronize()
+        assert all(t == targets[0] for t in targets) and targets[0][:4] == b"\0\0\0\0"
+    gate.close()
+    source.close()
+
+
+def test_stream_when_the_os_refuses_a_thread_raises():
+    """Stream() with no thread to be had (the address space is full) is a FeedError, not an
+    abort from std::system_error."""
+    out = run_python("""
+        import resource, metrale_feed as mf
+        mf.stream_synchronize()  # the default stream and the pool exist before the limit
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[0])
+        limit = pages * resource.getpagesize() + (2 << 20)   # no room for an 8 MiB stack
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        refused = 0
+        for _ in range(3):
+            try:
+                mf.Stream()
+            except mf.FeedError as error:
+                refused += "thread" in str(error)
+        print(refused)
+    """, timeout=30).stdout.strip()
+    assert out == "3"
+
+
+def test_write_pinned_u32_stops_an_endless_iterable_at_the_end_of_the_buffer(backend, no_leaks):
+    import itertools
+
+    with PinnedBuffer(64) as buf:
+        with pytest.raises(ValueError, match="more ids than the 16 that fit"):
+            mf.write_pinned_u32(buf.ptr, itertools.count())
+        assert mf.read_pinned_u32(buf.ptr, 16) == [0] * 16  # nothing stored
+        mf.write_pinned_u32(buf.ptr, iter(range(16)))        # exactly full is fine
+        assert mf.read_pinned_u32(buf.ptr, 16) == list(range(16))
+        mf.write_pinned_u32(buf.ptr + 60, (x for x in [5]))
+        assert mf.read_pinned_u32(buf.ptr + 60, 1) == [5]
+
+
+def test_max_rows_and_max_vocab_are_the_kernels_limits(backend, no_leaks):
+    assert (mf.MAX_ROWS, mf.MAX_VOCAB) == (4096, 2**24)
+    logits = DeviceBuffer(16)
+    cells = DeviceBuffer(4 * (mf.MAX_ROWS + 1))
+    with pytest.raises(ValueError):
+        mf.argmax_to_feed(logits, None, cells, None, None, rows=mf.MAX_ROWS + 1, vocab=1,
+                          dtype="float32")
+    with pytest.raises(ValueError):
+        mf.argmax_to_feed(logits, None, cells, None, None, rows=1, vocab=mf.MAX_VOCAB + 1,
+                          dtype="float32")
+    logits.close()
+    cells.close()

@@ -19,6 +19,8 @@ from metrale_feed.demo import host_reference, make_requests, run_async
 from metrale_feed.oracle import reference_argmax
 from metrale_feed.reference import ReferenceModel
 
+from helpers.child import run_python
+
 NT = mf.NO_TOKEN
 THREADS = 8
 JOIN_TIMEOUT = 120
@@ -191,3 +193,136 @@ def test_router_while_others_read_stats(host, no_leaks, monkeypatch):
     assert result["tokens"] == expected
     assert result["stats"]["ahead_launches"] > 0
     assert min(reads) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Destroy while another thread uses the handle (issue class 1) and stale stream handles (class 5).
+# Each runs in a child interpreter: before the fix these were double frees and use-after-free.
+# ---------------------------------------------------------------------------------------------
+
+DESTROY_WHILE_WAITING = """
+    import threading, metrale_feed as mf
+    ROUNDS = 3000
+    barrier = threading.Barrier(3, timeout=30)
+    current = {}
+    outcomes = {"returned": 0, "FeedError": 0}
+    lock = threading.Lock()
+    WAITS = [lambda c: mf.event_synchronize(c["event"].handle if not c["event"].closed else c["eh"]),
+             lambda c: c["event"].synchronize(),
+             lambda c: mf.stream_synchronize(c["sh"]),
+             lambda c: c["stream"].synchronize()]
+
+    def waiter(index):
+        for r in range(ROUNDS):
+            barrier.wait()
+            try:
+                WAITS[(r + index) % 4](current)
+                kind = "returned"
+            except mf.FeedError:
+                kind = "FeedError"
+            with lock:
+                outcomes[kind] += 1
+            barrier.wait()
+
+    threads = [threading.Thread(target=waiter, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    spare = []
+    for r in range(ROUNDS):
+        stream = mf.Stream(non_blocking=bool(r % 2))
+        event = mf.Event()
+        event.record(stream)
+        current.update(event=event, eh=event.handle, stream=stream, sh=stream.handle)
+        barrier.wait()
+        # Destroy both while the waiters wait, then make new ones that may take their places.
+        if r % 2:
+            mf.destroy_event(current["eh"])
+        else:
+            event.close()
+        stream.close()
+        spare = [mf.Stream(), mf.Event()]
+        barrier.wait()
+        for obj in spare:
+            obj.close()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive(), "a waiter hung after the destroy"
+    mf.stream_synchronize()
+    print(outcomes["returned"] + outcomes["FeedError"], outcomes["returned"] > 0)
+"""
+
+
+def test_destroying_a_handle_while_other_threads_wait_on_it():
+    """Waiters on an event or stream destroyed meanwhile return or raise FeedError, every time."""
+    out = run_python(DESTROY_WHILE_WAITING, timeout=120).stdout.split()
+    assert out == [str(3000 * 2), "True"]
+
+
+QUERY_RACING_DESTROY = """
+    import threading, metrale_feed as mf
+    stop = threading.Event()
+    handles = []
+    errors = []
+
+    def query():
+        n = 0
+        while not stop.is_set():
+            for h in list(handles[-8:]):
+                try:
+                    mf.event_query(h)
+                    mf.event_record(h, 0)
+                    n += 1
+                except mf.FeedError:
+                    pass
+        return n
+
+    def churn():
+        try:
+            for i in range(20000):
+                h = mf.event_create()
+                handles.append(h)
+                if len(handles) > 4:
+                    mf.destroy_event(handles.pop(0))
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            stop.set()
+
+    threads = [threading.Thread(target=query) for _ in range(3)] + [threading.Thread(target=churn)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+        assert not t.is_alive()
+    assert not errors, errors
+    for h in handles:
+        mf.destroy_event(h)
+    mf.stream_synchronize()
+    print("live", mf.live_objects()["events"])
+"""
+
+
+def test_queries_racing_destroys_of_the_same_handles():
+    """Lookups of handles another thread is destroying: FeedError or an answer, never a crash."""
+    out = run_python(QUERY_RACING_DESTROY, timeout=120).stdout.split()
+    assert out == ["live", "0"]
+
+
+def test_a_stale_stream_handle_never_reaches_a_newer_stream(host, no_leaks):
+    """Stream handles are generation-checked: a closed stream's handle is never handed out again,
+    and is refused however many streams came since (before, handles were addresses, soon reused
+    by the next stream, so a stale handle reached it)."""
+    stale = set()
+    for i in range(300):
+        new = Stream(non_blocking=bool(i % 2))
+        try:
+            assert new.handle not in stale, "a closed stream's handle was reissued"
+            for handle in list(stale)[-4:]:
+                with pytest.raises(mf.FeedError, match="unknown or destroyed stream"):
+                    mf.stream_synchronize(handle)
+            stale.add(new.handle)
+        finally:
+            new.close()
+    with pytest.raises(mf.FeedError, match="unknown or destroyed stream"):
+        mf.event_record(mf.Event(), max(stale))
+    mf.stream_synchronize()

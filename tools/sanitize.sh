@@ -2,11 +2,12 @@
 # Sanitizers for the host backend:
 #  1. the C layer and the _core extension built with AddressSanitizer and UBSan into a venv of
 #     their own, and a subset of the host-backend tests run under them;
-#  2. the C layer alone (cmake, no Python) linked into tests/c/feed_smoke.c, run under valgrind.
+#  2. the C layer alone (cmake, no Python) linked into tests/c/feed_smoke.c, run under valgrind;
+#  3. the extension rebuilt with ThreadSanitizer, and the thread tests run under it.
 # Exits non-zero on any sanitizer or valgrind report, or any failing test.
 #
-#   tools/sanitize.sh            # both
-#   tools/sanitize.sh asan       # or: valgrind
+#   tools/sanitize.sh            # all three
+#   tools/sanitize.sh asan       # or: valgrind, tsan
 #
 # METRALE_FEED_SANITIZE_DIR: where the venv and builds go (default build/sanitize in the repo).
 # METRALE_FEED_SANITIZE_TESTS: the pytest arguments of step 1 (default below).
@@ -22,8 +23,10 @@ work=$(cd "$work" && pwd)
 # Host-backend tests that exercise the C layer the most; those that compile or install wheels
 # (test_cimport, test_capi, test_symbols) would run compilers under the preloaded runtime.
 default_tests="tests/test_runtime.py tests/test_argmax.py tests/test_router.py tests/test_reference.py
-tests/test_hostile.py tests/test_faults.py tests/test_threads.py tests/test_properties.py tests/test_soak.py"
+tests/hostile tests/test_faults.py tests/test_threads.py tests/test_properties.py tests/test_soak.py"
 tests=${METRALE_FEED_SANITIZE_TESTS:-$default_tests}
+# The tests with threads racing on handles, streams and copies (a few minutes under TSan).
+tsan_tests=${METRALE_FEED_TSAN_TESTS:-"tests/test_threads.py"}
 
 venv="$work/venv"
 if [ ! -x "$venv/bin/python" ]; then
@@ -115,11 +118,52 @@ run_valgrind() {
     fi
 }
 
+run_tsan() {
+    local san="-fsanitize=thread -fno-omit-frame-pointer -g"
+    local start=$SECONDS
+    echo "sanitize: building the extension with $san"
+    (cd "$root" && METRALE_FEED_CUDA=OFF "$py" -m pip install -q --no-build-isolation --force-reinstall --no-deps \
+        -Cbuild-dir="$work/build-tsan" \
+        -Ccmake.define.CMAKE_BUILD_TYPE=RelWithDebInfo \
+        -Ccmake.define.CMAKE_C_FLAGS="$san" \
+        -Ccmake.define.CMAKE_CXX_FLAGS="$san" \
+        -Ccmake.define.CMAKE_SHARED_LINKER_FLAGS="-fsanitize=thread" \
+        -Ccmake.define.CMAKE_MODULE_LINKER_FLAGS="-fsanitize=thread" .)
+    echo "sanitize: built in $((SECONDS - start)) s"
+    local tsan_lib
+    tsan_lib=$(gcc -print-file-name=libtsan.so)
+    [ -e "$tsan_lib" ] || { echo "sanitize: libtsan.so not found (gcc -print-file-name)"; return 1; }
+    local files=()
+    for t in $tsan_tests; do files+=("$root/$t"); done
+    local log="$work/pytest-tsan.log"
+    start=$SECONDS
+    echo "sanitize: running ${#files[@]} test files under ThreadSanitizer"
+    # The interpreter is not instrumented, but its locks (the GIL) are seen through TSan's
+    # pthread interceptors, so Cython code serialised by the GIL is not reported. Child
+    # interpreters inherit the preload, so a race in one fails the test that ran it.
+    set +e
+    (cd "$work" && \
+        LD_PRELOAD="$tsan_lib" \
+        TSAN_OPTIONS="halt_on_error=1:exitcode=66:report_signal_unsafe=0:second_deadlock_stack=1" \
+        METRALE_FEED_BACKEND=host PYTHONFAULTHANDLER=1 \
+        "$py" -m pytest -q -s -p no:cacheprovider "${files[@]}") > "$log" 2>&1
+    local rc=$?
+    set -e
+    tail -n 15 "$log"
+    echo "sanitize: tests ran in $((SECONDS - start)) s (pytest exit $rc); log: $log"
+    if grep -E "WARNING: ThreadSanitizer|SUMMARY: ThreadSanitizer" "$log" >> "$reports"; then
+        echo "sanitize: ThreadSanitizer reports (see $log)"
+        status=1
+    fi
+    [ "$rc" -eq 0 ] || status=1
+}
+
 case "$what" in
-    all) run_asan || status=1; run_valgrind || status=1 ;;
+    all) run_asan || status=1; run_valgrind || status=1; run_tsan || status=1 ;;
     asan) run_asan || status=1 ;;
     valgrind) run_valgrind || status=1 ;;
-    *) echo "usage: $0 [all|asan|valgrind]"; exit 2 ;;
+    tsan) run_tsan || status=1 ;;
+    *) echo "usage: $0 [all|asan|valgrind|tsan]"; exit 2 ;;
 esac
 
 if [ "$status" -ne 0 ]; then

@@ -9,8 +9,10 @@ namespace mf {
 const Ops &ops();
 mf_backend active_kind();
 
-// A stream handle to the backend's raw value. host: must be a live stream of ours (or 0);
-// cuda: any value is taken as a cudaStream_t, since CUDA cannot check a foreign one.
+// A stream handle to the backend's raw value. host: must be a live, generation-checked stream of
+// ours (or 0); cuda: any value is taken as a cudaStream_t, since CUDA cannot check a foreign one.
+// Both resolvers pin what they return until the caller's PinScope ends (MF_RANGE opens one), so
+// a destroy from another thread meanwhile cannot free it.
 mf_status resolve_stream(mf_stream_t stream, void **raw);
 // A live event's slot, or MF_ERROR_INVALID_HANDLE with the message set.
 mf_status resolve_event(mf_event_t event, Slot **slot);
@@ -39,5 +41,6 @@ private:
 }  // namespace mf
 
 #define MF_RANGE(text)                                                     \
+    ::mf::PinScope mf_pins_;                                                 \
     static const void *const mf_range_attr_ = ::mf::NvtxRange::attributes(text); \
     ::mf::NvtxRange mf_range_(mf_range_attr_)

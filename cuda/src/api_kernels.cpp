@@ -7,8 +7,8 @@
 using namespace mf;
 
 namespace {
-constexpr uint32_t kMaxRows = 4096;
-constexpr uint32_t kMaxVocab = 1u << 24;
+constexpr uint32_t kMaxRows = MF_MAX_ROWS;
+constexpr uint32_t kMaxVocab = MF_MAX_VOCAB;
 
 size_t dtype_size(mf_dtype dtype) { return dtype == MF_DTYPE_F32 ? 4 : 2; }
 bool dtype_known(mf_dtype dtype) {
@@ -67,7 +67,7 @@ mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream) {
     status = ops().argmax(args, raw);
     if (status == MF_SUCCESS && args->host_dst)
         status = ops().copy_async(args->host_dst, args->cells, (size_t)args->rows * 4, kD2H, raw);
-    if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, stream);
+    if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, (mf_stream_t)(uintptr_t)raw);
     return status;
 }
 

@@ -10,32 +10,79 @@ namespace {
 const Ops *g_ops = &host_ops;
 mf_backend g_kind = MF_BACKEND_HOST;
 
-std::mutex g_stream_mutex;
-std::unordered_set<uint64_t> g_streams;  // streams this layer created, by handle
+// cuda streams this layer created, by their cudaStream_t value (host streams are in
+// stream_table(), generation-checked). Never destroyed: see registry.cpp.
+std::mutex &cuda_stream_mutex() {
+    static std::mutex *mutex = new std::mutex;
+    return *mutex;
+}
+std::unordered_set<uint64_t> &cuda_streams() {
+    static auto *set = new std::unordered_set<uint64_t>;
+    return *set;
+}
+
+// CUDA cannot cross fork(): in a child of a process that used the cuda backend every call fails
+// with this, instead of hanging or crashing inside the driver.
+mf_status forked() {
+    return fail(MF_ERROR_UNAVAILABLE,
+                "the cuda backend cannot be used in a fork()ed child (CUDA does not survive fork); "
+                "use the spawn or forkserver start method");
+}
+constexpr auto kForked = [](auto...) { return forked(); };
+const Ops forked_cuda_ops = {
+    .name = "cuda (forked)",
+    .init = kForked,
+    .device_count = kForked,
+    .device_name = kForked,
+    .driver_version = kForked,
+    .event_create = kForked,
+    .event_destroy = kForked,
+    .event_record = kForked,
+    .event_query = kForked,
+    .event_synchronize = kForked,
+    .event_elapsed_ms = kForked,
+    .event_wait = kForked,
+    .stream_create = kForked,
+    .stream_destroy = kForked,
+    .stream_query = kForked,
+    .stream_synchronize = kForked,
+    .stream_wait_event = kForked,
+    .stream_wait = kForked,
+    .host_alloc = kForked,
+    .host_free = kForked,
+    .device_alloc = kForked,
+    .device_free = kForked,
+    .memset_async = kForked,
+    .copy_async = kForked,
+    .argmax = kForked,
+    .resolve = kForked,
+    .reference_forward = kForked,
+};
 }  // namespace
 
 const Ops &ops() { return *g_ops; }
 mf_backend active_kind() { return g_kind; }
 
+void backend_after_fork_child() {
+    if (g_kind == MF_BACKEND_CUDA) g_ops = &forked_cuda_ops;
+}
+
 uint64_t live_stream_count() {
-    std::lock_guard<std::mutex> lock(g_stream_mutex);
-    return g_streams.size();
+    std::lock_guard<std::mutex> lock(cuda_stream_mutex());
+    return cuda_streams().size() + stream_table().live_count();
 }
 
 mf_status resolve_stream(mf_stream_t stream, void **raw) {
     *raw = (void *)(uintptr_t)stream;
     if (stream == 0 || g_kind == MF_BACKEND_CUDA) return MF_SUCCESS;
-    std::lock_guard<std::mutex> lock(g_stream_mutex);
-    if (g_streams.count(stream)) return MF_SUCCESS;
-    return fail(MF_ERROR_INVALID_HANDLE, "unknown or destroyed stream 0x%llx",
-                (unsigned long long)stream);
+    Slot *slot;
+    mf_status status = stream_table().acquire(stream, &slot, "stream");
+    if (status == MF_SUCCESS) *raw = slot->raw;
+    return status;
 }
 
 mf_status resolve_event(mf_event_t event, Slot **slot) {
-    *slot = event_table().find(event);
-    if (*slot) return MF_SUCCESS;
-    return fail(MF_ERROR_INVALID_HANDLE, "unknown or destroyed event 0x%llx",
-                (unsigned long long)event);
+    return event_table().acquire(event, slot, "event");
 }
 
 }  // namespace mf
@@ -158,7 +205,17 @@ mf_status mf_event_synchronize(mf_event_t event) {
     return ops().event_synchronize(slot->raw);
 }
 
+mf_status mf_event_synchronize_for(mf_event_t event, uint32_t timeout_us, uint64_t *mark,
+                                   int *done) {
+    PinScope pins;
+    Slot *slot;
+    mf_status status = resolve_event(event, &slot);
+    if (status != MF_SUCCESS) return status;
+    return ops().event_wait(slot->raw, timeout_us, mark, done);
+}
+
 mf_status mf_event_elapsed_ms(mf_event_t start, mf_event_t end, float *ms) {
+    PinScope pins;
     Slot *a, *b;
     mf_status status = resolve_event(start, &a);
     if (status == MF_SUCCESS) status = resolve_event(end, &b);
@@ -170,14 +227,11 @@ mf_status mf_event_elapsed_ms(mf_event_t start, mf_event_t end, float *ms) {
 
 mf_status mf_event_destroy(mf_event_t event) {
     MF_RANGE("event_destroy");
-    Slot slot;
-    if (!event_table().erase(event, &slot))
-        return fail(MF_ERROR_INVALID_HANDLE, "unknown or destroyed event 0x%llx",
-                    (unsigned long long)event);
-    return slot.owned ? ops().event_destroy(slot.raw) : MF_SUCCESS;
+    return event_table().erase(event, "event");  // a call using it meanwhile finishes first
 }
 
 mf_status mf_event_raw(mf_event_t event, uint64_t *raw) {
+    PinScope pins;
     Slot *slot;
     mf_status status = resolve_event(event, &slot);
     if (status != MF_SUCCESS) return status;
@@ -196,18 +250,29 @@ mf_status mf_stream_create(unsigned flags, mf_stream_t *out) {
     void *raw = nullptr;
     mf_status status = ops().stream_create(flags, &raw);
     if (status != MF_SUCCESS) return status;
-    std::lock_guard<std::mutex> lock(g_stream_mutex);
-    *out = (mf_stream_t)(uintptr_t)raw;
-    g_streams.insert(*out);
+    if (g_kind == MF_BACKEND_CUDA) {
+        // A cudaStream_t is what other libraries take (__cuda_stream__), so it stays the handle.
+        std::lock_guard<std::mutex> lock(cuda_stream_mutex());
+        *out = (mf_stream_t)(uintptr_t)raw;
+        cuda_streams().insert(*out);
+        return MF_SUCCESS;
+    }
+    *out = stream_table().insert(raw, flags, true);
+    if (*out == 0) {
+        ops().stream_destroy(raw);
+        return fail(MF_ERROR_OUT_OF_MEMORY, "too many live streams");
+    }
     return MF_SUCCESS;
 }
 
 mf_status mf_stream_check(mf_stream_t stream) {
+    PinScope pins;
     void *raw;
     return resolve_stream(stream, &raw);
 }
 
 mf_status mf_stream_query(mf_stream_t stream, int *idle) {
+    PinScope pins;
     void *raw;
     mf_status status = resolve_stream(stream, &raw);
     return status != MF_SUCCESS ? status : ops().stream_query(raw, idle);
@@ -220,7 +285,16 @@ mf_status mf_stream_synchronize(mf_stream_t stream) {
     return status != MF_SUCCESS ? status : ops().stream_synchronize(raw);
 }
 
+mf_status mf_stream_synchronize_for(mf_stream_t stream, uint32_t timeout_us, uint64_t *mark,
+                                    int *done) {
+    PinScope pins;
+    void *raw;
+    mf_status status = resolve_stream(stream, &raw);
+    return status != MF_SUCCESS ? status : ops().stream_wait(raw, timeout_us, mark, done);
+}
+
 mf_status mf_stream_wait_event(mf_stream_t stream, mf_event_t event) {
+    PinScope pins;
     Slot *slot;
     void *raw;
     mf_status status = resolve_event(event, &slot);
@@ -231,9 +305,10 @@ mf_status mf_stream_wait_event(mf_stream_t stream, mf_event_t event) {
 mf_status mf_stream_destroy(mf_stream_t stream) {
     MF_RANGE("stream_destroy");
     if (stream == 0) return fail(MF_ERROR_INVALID_VALUE, "the default stream cannot be destroyed");
+    if (g_kind != MF_BACKEND_CUDA) return stream_table().erase(stream, "stream");
     {
-        std::lock_guard<std::mutex> lock(g_stream_mutex);
-        if (!g_streams.erase(stream))
+        std::lock_guard<std::mutex> lock(cuda_stream_mutex());
+        if (!cuda_streams().erase(stream))
             return fail(MF_ERROR_INVALID_HANDLE, "unknown or destroyed stream 0x%llx",
                         (unsigned long long)stream);
     }

@@ -21,6 +21,10 @@ struct Ops {
     mf_status (*event_query)(void *raw, int *done);
     mf_status (*event_synchronize)(void *raw);
     mf_status (*event_elapsed_ms)(void *start, void *end, float *ms);
+    // One slice of a wait: *done once the target is reached, else after about timeout_us. *mark
+    // is 0 on the first slice; the backend keeps there what the wait waits for (host: the ticket
+    // or queue position current at the first slice), so later slices wait for the same thing.
+    mf_status (*event_wait)(void *raw, uint32_t timeout_us, uint64_t *mark, int *done);
 
     // Streams: `raw` is the backend's own value (cuda: cudaStream_t; host: a Stream*); 0 = default.
     mf_status (*stream_create)(unsigned flags, void **raw);
@@ -28,6 +32,7 @@ struct Ops {
     mf_status (*stream_query)(void *raw, int *idle);
     mf_status (*stream_synchronize)(void *raw);
     mf_status (*stream_wait_event)(void *raw, void *event_raw);
+    mf_status (*stream_wait)(void *raw, uint32_t timeout_us, uint64_t *mark, int *done);
 
     mf_status (*host_alloc)(size_t nbytes, unsigned flags, void **out);  // zeroed
     mf_status (*host_free)(void *ptr);

@@ -1,21 +1,73 @@
 #include "registry.hpp"
 
+#include <pthread.h>
+
 #include <cstdlib>
 #include <map>
 #include <mutex>
 
+#include "api.hpp"
+
 namespace mf {
 namespace {
-std::mutex g_slot_mutex;
+// Never destroyed: a host-backend worker may still look something up while the process exits,
+// after static destructors have run (see docs/host-backend.md, "Exit").
+std::mutex &slot_mutex() {
+    static std::mutex *mutex = new std::mutex;
+    return *mutex;
+}
 
 struct Allocation {
     size_t nbytes;
     mf_mem_kind kind;
 };
-std::mutex g_alloc_mutex;
-std::map<uintptr_t, Allocation> g_allocs;
-uint64_t g_alloc_bytes[3] = {0, 0, 0};
+struct Allocs {
+    std::mutex mutex;
+    std::map<uintptr_t, Allocation> by_address;
+    uint64_t bytes[3] = {0, 0, 0};
+};
+Allocs &allocs() {
+    static Allocs *instance = new Allocs;
+    return *instance;
+}
+
+std::atomic<uint32_t> g_epoch{0};
+
+// The pins of the current thread's public call: few at once (an argmax pins a stream and an event).
+struct Pin {
+    SlotTable *table;
+    Slot *slot;
+};
+constexpr unsigned kMaxPins = 16;
+thread_local Pin t_pins[kMaxPins];
+thread_local unsigned t_pin_count = 0;
+
+mf_status reclaim_event(void *raw, bool owned) { return owned ? ops().event_destroy(raw) : MF_SUCCESS; }
+mf_status reclaim_stream(void *raw, bool owned) { return owned ? ops().stream_destroy(raw) : MF_SUCCESS; }
+
+// One set of fork hooks for the whole layer. Before fork() every ledger lock is taken, so the
+// child's copies are consistent and unlocked; the parent's threads do not exist in the child.
+void prepare() {
+    host::before_fork();
+    slot_mutex().lock();
+    allocs().mutex.lock();
+}
+void parent() {
+    allocs().mutex.unlock();
+    slot_mutex().unlock();
+    host::after_fork_parent();
+}
+void child() {
+    allocs().mutex.unlock();
+    slot_mutex().unlock();
+    g_epoch.fetch_add(1, std::memory_order_relaxed);
+    host::after_fork_child();
+    backend_after_fork_child();
+}
+const int g_atfork = pthread_atfork(prepare, parent, child);
 }  // namespace
+
+uint32_t fork_epoch() { return g_epoch.load(std::memory_order_relaxed); }
 
 Slot *SlotTable::slot_at(uint32_t index) const {
     Slot *chunk = chunks_[index >> kChunkBits].load(std::memory_order_acquire);
@@ -23,7 +75,7 @@ Slot *SlotTable::slot_at(uint32_t index) const {
 }
 
 uint64_t SlotTable::insert(void *raw, uint32_t flags, bool owned) {
-    std::lock_guard<std::mutex> lock(g_slot_mutex);
+    std::lock_guard<std::mutex> lock(slot_mutex());
     uint32_t index;
     if (free_len_ > 0) {
         index = free_[--free_len_];
@@ -37,79 +89,151 @@ uint64_t SlotTable::insert(void *raw, uint32_t flags, bool owned) {
     slot->raw = raw;
     slot->flags = flags;
     slot->owned = owned;
-    uint32_t generation = slot->generation.load(std::memory_order_relaxed) + 1u;
+    slot->epoch = fork_epoch();
+    slot->index = index;
+    uint32_t generation = (uint32_t)(slot->state.load(std::memory_order_relaxed) >> 32) + 1u;
     if (generation == 0) generation = 1;  // a handle is never 0
-    slot->generation.store(generation, std::memory_order_relaxed);
-    slot->live.store(true, std::memory_order_release);
+    // Published last: a pin that sees this state sees the fields above.
+    slot->state.store(((uint64_t)generation << 32) | Slot::kLive, std::memory_order_release);
     live_.fetch_add(1, std::memory_order_relaxed);
     return ((uint64_t)generation << 32) | (uint64_t)(index + 1u);
 }
 
-Slot *SlotTable::find(uint64_t handle) const {
+Slot *SlotTable::slot_of(uint64_t handle) const {
     uint32_t low = (uint32_t)handle;
     if (low == 0 || low > (kChunks << kChunkBits)) return nullptr;
-    Slot *slot = slot_at(low - 1u);
-    if (!slot || !slot->live.load(std::memory_order_acquire)) return nullptr;
-    if (slot->generation.load(std::memory_order_relaxed) != (uint32_t)(handle >> 32)) return nullptr;
-    return slot;
+    return slot_at(low - 1u);
 }
 
-bool SlotTable::erase(uint64_t handle, Slot *out) {
-    std::lock_guard<std::mutex> lock(g_slot_mutex);
-    Slot *slot = find(handle);
-    if (!slot) return false;
-    out->raw = slot->raw;
-    out->flags = slot->flags;
-    out->owned = slot->owned;
-    slot->live.store(false, std::memory_order_release);
-    live_.fetch_sub(1, std::memory_order_relaxed);
+void SlotTable::push_free(uint32_t index) {
     if (free_len_ == free_cap_) {
         uint32_t cap = free_cap_ ? free_cap_ * 2 : 64;
         uint32_t *grown = (uint32_t *)std::realloc(free_, cap * sizeof *grown);
-        if (!grown) return true;  // the slot is simply not reused
+        if (!grown) return;  // the slot is simply not reused
         free_ = grown;
         free_cap_ = cap;
     }
-    free_[free_len_++] = (uint32_t)handle - 1u;
-    return true;
+    free_[free_len_++] = index;
+}
+
+mf_status SlotTable::acquire(uint64_t handle, Slot **out, const char *what) {
+    if (t_pin_count >= kMaxPins)
+        return fail(MF_ERROR_INVALID_VALUE, "internal: too many handles pinned by one call");
+    Slot *slot = slot_of(handle);
+    uint64_t state = slot ? slot->state.load(std::memory_order_acquire) : 0;
+    for (;;) {
+        if (!slot || (uint32_t)(state >> 32) != (uint32_t)(handle >> 32) || !(state & Slot::kLive) ||
+            (state & Slot::kUsers) == Slot::kUsers)
+            return fail(MF_ERROR_INVALID_HANDLE, "unknown or destroyed %s 0x%llx", what,
+                        (unsigned long long)handle);
+        if (slot->state.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel,
+                                              std::memory_order_acquire))
+            break;
+    }
+    if (slot->epoch != fork_epoch()) {
+        slot->state.fetch_sub(1, std::memory_order_acq_rel);  // never reclaimed: see erase
+        return fail(MF_ERROR_INVALID_HANDLE,
+                    "%s 0x%llx was created before fork(): the parent's %ss cannot be used in a "
+                    "forked child (create new ones there)",
+                    what, (unsigned long long)handle, what);
+    }
+    t_pins[t_pin_count++] = Pin{this, slot};
+    *out = slot;
+    return MF_SUCCESS;
+}
+
+void SlotTable::unpin(Slot *slot) {
+    uint64_t before = slot->state.fetch_sub(1, std::memory_order_acq_rel);
+    if (!(before & Slot::kLive) && (before & Slot::kUsers) == 1) reclaim(slot);
+}
+
+void SlotTable::reclaim(Slot *slot) {
+    if (slot->epoch != fork_epoch()) return;  // the parent's: left as it is (see erase)
+    void *raw = slot->raw;
+    bool owned = slot->owned;
+    {
+        std::lock_guard<std::mutex> lock(slot_mutex());
+        push_free(slot->index);  // reusable from here: raw and owned were copied first
+    }
+    reclaim_(raw, owned);
+}
+
+mf_status SlotTable::erase(uint64_t handle, const char *what) {
+    Slot *slot = slot_of(handle);
+    uint64_t state = slot ? slot->state.load(std::memory_order_acquire) : 0;
+    for (;;) {
+        if (!slot || (uint32_t)(state >> 32) != (uint32_t)(handle >> 32) || !(state & Slot::kLive))
+            return fail(MF_ERROR_INVALID_HANDLE, "unknown or destroyed %s 0x%llx", what,
+                        (unsigned long long)handle);
+        // Clearing kLive ends new pins; whoever sees the users drop to 0 afterwards reclaims.
+        if (slot->state.compare_exchange_weak(state, state & ~Slot::kLive, std::memory_order_acq_rel,
+                                              std::memory_order_acquire))
+            break;
+    }
+    live_.fetch_sub(1, std::memory_order_relaxed);
+    if (slot->epoch != fork_epoch()) {
+        // The parent's object: its threads are gone, so it is left as it is (a leak, the only
+        // safe choice), and the slot is not reused.
+        return MF_SUCCESS;
+    }
+    if ((state & Slot::kUsers) != 0) return MF_SUCCESS;  // the last user reclaims it (unpin)
+    void *raw = slot->raw;
+    bool owned = slot->owned;
+    {
+        std::lock_guard<std::mutex> lock(slot_mutex());
+        push_free(slot->index);
+    }
+    return reclaim_(raw, owned);
+}
+
+PinScope::PinScope() : mark_(t_pin_count) {}
+
+PinScope::~PinScope() {
+    while (t_pin_count > mark_) {
+        Pin pin = t_pins[--t_pin_count];
+        pin.table->unpin(pin.slot);
+    }
 }
 
 SlotTable &event_table() {
-    static SlotTable table;
-    return table;
+    static SlotTable *table = new SlotTable(reclaim_event);
+    return *table;
 }
 
 SlotTable &stream_table() {
-    static SlotTable table;
-    return table;
+    static SlotTable *table = new SlotTable(reclaim_stream);
+    return *table;
 }
 
 void alloc_insert(void *ptr, size_t nbytes, mf_mem_kind kind) {
-    std::lock_guard<std::mutex> lock(g_alloc_mutex);
-    g_allocs[(uintptr_t)ptr] = Allocation{nbytes, kind};
-    g_alloc_bytes[kind] += nbytes;
+    Allocs &a = allocs();
+    std::lock_guard<std::mutex> lock(a.mutex);
+    a.by_address[(uintptr_t)ptr] = Allocation{nbytes, kind};
+    a.bytes[kind] += nbytes;
 }
 
 bool alloc_erase(void *ptr, mf_mem_kind kind, size_t *nbytes) {
-    std::lock_guard<std::mutex> lock(g_alloc_mutex);
-    auto it = g_allocs.find((uintptr_t)ptr);
-    if (it == g_allocs.end() || it->second.kind != kind) return false;
+    Allocs &a = allocs();
+    std::lock_guard<std::mutex> lock(a.mutex);
+    auto it = a.by_address.find((uintptr_t)ptr);
+    if (it == a.by_address.end() || it->second.kind != kind) return false;
     if (nbytes) {
         if (*nbytes != it->second.nbytes) {
             *nbytes = it->second.nbytes;
             return false;
         }
     }
-    g_alloc_bytes[kind] -= it->second.nbytes;
-    g_allocs.erase(it);
+    a.bytes[kind] -= it->second.nbytes;
+    a.by_address.erase(it);
     return true;
 }
 
 mf_mem_kind alloc_lookup(const void *ptr, size_t *bytes_left) {
-    std::lock_guard<std::mutex> lock(g_alloc_mutex);
+    Allocs &a = allocs();
+    std::lock_guard<std::mutex> lock(a.mutex);
     uintptr_t p = (uintptr_t)ptr;
-    auto it = g_allocs.upper_bound(p);
-    if (it == g_allocs.begin()) return MF_MEM_UNKNOWN;
+    auto it = a.by_address.upper_bound(p);
+    if (it == a.by_address.begin()) return MF_MEM_UNKNOWN;
     --it;
     // A zero-byte allocation still owns its own address.
     if (p >= it->first && (p < it->first + it->second.nbytes || p == it->first)) {
@@ -120,13 +244,15 @@ mf_mem_kind alloc_lookup(const void *ptr, size_t *bytes_left) {
 }
 
 uint64_t alloc_live_bytes(mf_mem_kind kind) {
-    std::lock_guard<std::mutex> lock(g_alloc_mutex);
-    return g_alloc_bytes[kind];
+    Allocs &a = allocs();
+    std::lock_guard<std::mutex> lock(a.mutex);
+    return a.bytes[kind];
 }
 
 uint64_t alloc_live_count() {
-    std::lock_guard<std::mutex> lock(g_alloc_mutex);
-    return g_allocs.size();
+    Allocs &a = allocs();
+    std::lock_guard<std::mutex> lock(a.mutex);
+    return a.by_address.size();
 }
 
 }  // namespace mf

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 from . import _core
 # `X as X`: the PEP 484 spelling of a re-export, so `mypy --strict` users see these names.
 from ._core import (
+    MAX_ROWS as MAX_ROWS,
+    MAX_VOCAB as MAX_VOCAB,
     NO_TOKEN as NO_TOKEN,
     DeviceBuffer as DeviceBuffer,
     Event as Event,

@@ -1,8 +1,5 @@
 # Backend selection, build facts, host fault knobs, leak counters, NVTX.
 
-cdef dict _BACKENDS = {"host": MF_BACKEND_HOST, "cuda": MF_BACKEND_CUDA}
-
-
 def select_backend(str name):
     """Make ``name`` the active backend (``metrale_feed.set_backend`` calls this).
 
@@ -120,7 +117,7 @@ def driver_version():
 
 
 def configure_host(*, lag_us=0, fail_event_query_at=0, fail_alloc_at=0, fail_copy_at=0,
-                   fail_synchronize_at=0):
+                   fail_synchronize_at=0, fail_event_create_at=0):
     """Set the host backend's fault knobs; each call sets every knob (0 is off).
 
     Parameters
@@ -130,6 +127,9 @@ def configure_host(*, lag_us=0, fail_event_query_at=0, fail_alloc_at=0, fail_cop
         asynchronous results arrive late, as on a busy GPU.
     fail_event_query_at, fail_alloc_at, fail_copy_at, fail_synchronize_at : int, optional
         Make the Nth such call from now fail with a ``FeedError``.
+    fail_event_create_at : int, optional
+        Make the Nth event creation from now fail; it counts the binding's own events too (those
+        that hold a buffer for a copy), so it stands for a full event table.
 
     Raises
     ------
@@ -150,6 +150,7 @@ def configure_host(*, lag_us=0, fail_event_query_at=0, fail_alloc_at=0, fail_cop
     faults.fail_alloc_at = int_of(fail_alloc_at, "fail_alloc_at", 0, UINT64_MAX)
     faults.fail_copy_at = int_of(fail_copy_at, "fail_copy_at", 0, UINT64_MAX)
     faults.fail_synchronize_at = int_of(fail_synchronize_at, "fail_synchronize_at", 0, UINT64_MAX)
+    faults.fail_event_create_at = int_of(fail_event_create_at, "fail_event_create_at", 0, UINT64_MAX)
     mf_host_configure(&faults)
 
 
@@ -172,7 +173,8 @@ def host_faults():
     mf_host_faults_get(&f)
     return {"lag_us": f.lag_us, "fail_event_query_at": f.fail_event_query_at,
             "fail_alloc_at": f.fail_alloc_at, "fail_copy_at": f.fail_copy_at,
-            "fail_synchronize_at": f.fail_synchronize_at}
+            "fail_synchronize_at": f.fail_synchronize_at,
+            "fail_event_create_at": f.fail_event_create_at}
 
 
 def host_kernel_threads(threads=None):

@@ -3,6 +3,8 @@ from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
 
 cdef extern from "metrale_feed/feed.h" nogil:
     const uint32_t MF_NO_TOKEN
+    const uint32_t MF_MAX_ROWS
+    const uint32_t MF_MAX_VOCAB
     const uint32_t MF_FEED_HOST_BIT
     ctypedef uint64_t mf_event_t
     ctypedef uint64_t mf_stream_t
@@ -63,6 +65,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint64_t fail_alloc_at
         uint64_t fail_copy_at
         uint64_t fail_synchronize_at
+        uint64_t fail_event_create_at
     void mf_host_configure(const mf_host_faults *faults)
     void mf_host_faults_get(mf_host_faults *out)
     void mf_host_set_kernel_threads(unsigned threads)
@@ -74,6 +77,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
     mf_status mf_event_record(mf_event_t event, mf_stream_t stream)
     mf_status mf_event_query(mf_event_t event, int *done)
     mf_status mf_event_synchronize(mf_event_t event)
+    mf_status mf_event_synchronize_for(mf_event_t event, uint32_t timeout_us, uint64_t *mark, int *done)
     mf_status mf_event_elapsed_ms(mf_event_t start, mf_event_t end, float *ms)
     mf_status mf_event_destroy(mf_event_t event)
     mf_status mf_event_raw(mf_event_t event, uint64_t *raw)
@@ -82,6 +86,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
     mf_status mf_stream_check(mf_stream_t stream)
     mf_status mf_stream_query(mf_stream_t stream, int *idle)
     mf_status mf_stream_synchronize(mf_stream_t stream)
+    mf_status mf_stream_synchronize_for(mf_stream_t stream, uint32_t timeout_us, uint64_t *mark, int *done)
     mf_status mf_stream_wait_event(mf_stream_t stream, mf_event_t event)
     mf_status mf_stream_destroy(mf_stream_t stream)
 

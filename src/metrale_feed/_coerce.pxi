@@ -113,9 +113,6 @@ cdef class _HeldBuffer:
             PyBuffer_Release(&self.view)
 
 
-cdef list _held = []
-
-
 cdef _HeldBuffer host_buffer_of(object obj, bint writable, str what):
     cdef _HeldBuffer held = _HeldBuffer.__new__(_HeldBuffer)
     if not PyObject_CheckBuffer(obj):
@@ -123,32 +120,3 @@ cdef _HeldBuffer host_buffer_of(object obj, bint writable, str what):
     PyObject_GetBuffer(obj, &held.view, (PyBUF_WRITABLE if writable else 0) | PyBUF_C_CONTIGUOUS)
     held.held = True
     return held
-
-
-cdef int hold_until_passed(_HeldBuffer held, uint64_t stream) except -1:
-    cdef uint64_t event
-    release_passed()
-    check(mf_event_create(MF_EVENT_UNCOUNTED, &event))
-    cdef mf_status status = mf_event_record(event, stream)
-    if status != MF_SUCCESS:
-        mf_event_destroy(event)
-        # The copy is queued but unguarded: wait for it rather than risk a write to freed memory.
-        with nogil:
-            mf_stream_synchronize(stream)
-        return 0
-    _held.append((event, held))
-    return 0
-
-
-cdef int release_passed() except -1:
-    cdef int done
-    cdef uint64_t event
-    cdef Py_ssize_t i = 0
-    while i < len(_held):
-        event = _held[i][0]
-        if mf_event_query(event, &done) != MF_SUCCESS or done:
-            mf_event_destroy(event)
-            del _held[i]
-        else:
-            i += 1
-    return 0

@@ -9,6 +9,8 @@ from metrale_feed.errors import CudaError as CudaError
 from metrale_feed.errors import FeedError as FeedError
 
 NO_TOKEN: Final[int]
+MAX_ROWS: Final[int]
+MAX_VOCAB: Final[int]
 # The C API capsule ("metrale_feed._C_API") that metrale_feed/capi.h's mf_import_capi() reads.
 _C_API: object
 
@@ -53,6 +55,7 @@ class _HostFaults(TypedDict):
     fail_alloc_at: int
     fail_copy_at: int
     fail_synchronize_at: int
+    fail_event_create_at: int
 
 class _LiveObjects(TypedDict):
     events: int
@@ -182,7 +185,8 @@ def build_info() -> _BuildInfo: ...
 def devices() -> list[str]: ...
 def driver_version() -> int: ...
 def configure_host(*, lag_us: int = 0, fail_event_query_at: int = 0, fail_alloc_at: int = 0,
-                   fail_copy_at: int = 0, fail_synchronize_at: int = 0) -> None: ...
+                   fail_copy_at: int = 0, fail_synchronize_at: int = 0,
+                   fail_event_create_at: int = 0) -> None: ...
 def host_faults() -> _HostFaults: ...
 def host_kernel_threads(threads: int | None = None) -> int: ...
 def host_argmax_path(portable: bool | None = None) -> str: ...

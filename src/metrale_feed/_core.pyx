@@ -4,6 +4,7 @@
 copies and the kernel launchers, on whichever backend is active."""
 
 cimport cython
+from cpython.exc cimport PyErr_CheckSignals
 from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES,
                              PyBUF_WRITABLE, PyBuffer_Release, PyObject_CheckBuffer,
                              PyObject_GetBuffer)
@@ -15,10 +16,16 @@ from libc.string cimport memcpy
 
 from metrale_feed._cfeed cimport *
 
+import atexit as _atexit
+from collections import deque as _deque
+
 from metrale_feed.errors import CudaError, FeedError
 
 NO_TOKEN = MF_NO_TOKEN
+MAX_ROWS = MF_MAX_ROWS    # rows one kernel launch takes (feed.h)
+MAX_VOCAB = MF_MAX_VOCAB  # the largest vocabulary (feed.h): ids fit a float32 mantissa
 
+include "_state.pxi"
 include "_errors.pxi"
 include "_coerce.pxi"
 include "_event.pxi"

@@ -1,6 +1,42 @@
 # Event and Stream: owners of C-layer handles. Hot methods are one C call; blocking waits drop
 # the GIL; non-blocking ones do not pay for dropping it.
 
+# Blocking waits run in slices of this many microseconds with the GIL released, checking for
+# signals between slices: Ctrl-C ends a wait of any length within about one slice.
+cdef enum:
+    WAIT_SLICE_US = 20000
+
+
+cdef int wait_event(uint64_t event) except -1:
+    """Wait for the event's record current now; KeyboardInterrupt (any signal handler's
+    exception) ends the wait early. A destroy from another thread meanwhile raises FeedError."""
+    cdef uint64_t mark = 0
+    cdef int done = 0
+    cdef mf_status status
+    while True:
+        with nogil:
+            status = mf_event_synchronize_for(event, WAIT_SLICE_US, &mark, &done)
+        if status != MF_SUCCESS:
+            raise_status(status)
+        if done:
+            return 0
+        PyErr_CheckSignals()
+
+
+cdef int wait_stream(uint64_t stream) except -1:
+    """As wait_event, for the work queued on ``stream`` when the wait began."""
+    cdef uint64_t mark = 0
+    cdef int done = 0
+    cdef mf_status status
+    while True:
+        with nogil:
+            status = mf_stream_synchronize_for(stream, WAIT_SLICE_US, &mark, &done)
+        if status != MF_SUCCESS:
+            raise_status(status)
+        if done:
+            return 0
+        PyErr_CheckSignals()
+
 @cython.final
 @cython.freelist(32)
 cdef class Event:
@@ -100,11 +136,8 @@ cdef class Event:
         return done != 0
 
     cdef int _synchronize(self) except -1:
-        cdef mf_status status
         self._check_open()
-        with nogil:
-            status = mf_event_synchronize(self._handle)
-        check(status)
+        wait_event(self._handle)
         release_passed()  # copies up to here are done: their held buffers can go
         return 0
 
@@ -331,11 +364,8 @@ cdef class Stream:
         FeedError
             The stream is closed, or queued work failed.
         """
-        cdef mf_status status
         self._check_open()
-        with nogil:
-            status = mf_stream_synchronize(self._handle)
-        check(status)
+        wait_stream(self._handle)
         release_passed()
 
     def wait_event(self, event):
@@ -491,11 +521,8 @@ def event_synchronize(event):
     >>> mf.destroy_event(h)
     """
     cdef uint64_t e
-    cdef mf_status status
     event_of(event, &e, False)
-    with nogil:
-        status = mf_event_synchronize(e)
-    check(status)
+    wait_event(e)
     release_passed()
 
 
@@ -546,11 +573,8 @@ def stream_synchronize(stream=0):
     >>> mf.stream_synchronize()
     """
     cdef uint64_t s
-    cdef mf_status status
     stream_of(stream, &s)
-    with nogil:
-        status = mf_stream_synchronize(s)
-    check(status)
+    wait_stream(s)
     release_passed()
 
 

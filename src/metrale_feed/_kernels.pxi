@@ -29,11 +29,6 @@ cdef uint32_t cells_capacity(object cells, void *ptr, uint32_t rows):
     return rows  # foreign device memory: CUDA cannot say, so trust the caller
 
 
-# Rows the last argmax launched into each feed-cell array, by address: the default from_row bound
-# of the resolve that reads them (launch order is stream order for one stream).
-cdef dict _cell_rows = {}
-
-
 cdef uint32_t table_words_of(object tables, void *ptr):
     """Ids in a block-table array: its DeviceBuffer's or allocation's length (the forward reads
     nothing past it); foreign device memory on cuda cannot say, so the caller is trusted."""
@@ -121,7 +116,7 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
     [2, 0]
     """
     cdef mf_argmax_args a
-    cdef uint64_t s, e
+    cdef uint64_t s, e, hold
     cdef void *ptr
     cdef size_t dst_len
     cdef _HeldBuffer held = None
@@ -132,12 +127,12 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
         words = words_of(masks, True, "masks")
         rows = words.n // 2
     else:
-        rows = int_of(rows, "rows", 1, 4096)
+        rows = int_of(rows, "rows", 1, MF_MAX_ROWS)
         words = unmasked_words(rows) if masks is None else words_of(masks, True, "masks")
     if words.n != 2 * rows:
         raise ValueError(f"masks hold {words.n // 2} rows, not {rows}")
     a.rows = rows
-    a.vocab = <uint32_t>int_of(vocab, "vocab", 1, 1 << 24)
+    a.vocab = <uint32_t>int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
     a.row_stride = a.vocab if row_stride is None else int_of(row_stride, "row_stride", 1, UINT64_MAX)
     a.dtype = dtype_of(dtype)
     a.masks = words.data
@@ -158,10 +153,9 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
         held = host_ptr_of(dst, True, &a.host_dst, &dst_len)
         if dst_len < a.rows * 4:
             raise ValueError(f"dst holds {dst_len} bytes; {a.rows} ids need {a.rows * 4}")
-    check(mf_argmax_to_feed(&a, s))
+    hold = reserve_hold(held)  # all or nothing: reserved before the launch is queued
+    commit_hold(held, hold, s, mf_argmax_to_feed(&a, s))
     _cell_rows[<size_t>a.cells] = a.rows
-    if held is not None:
-        hold_until_passed(held, s)
     return a.rows
 
 
@@ -240,8 +234,8 @@ def reference_forward(input_ids, meta, tables, kv, kv_slots, block_size, rows, v
         a.logits = ptr
     a.kv_slots = <uint32_t>int_of(kv_slots, "kv_slots", 0, 0xFFFFFFFF)
     a.block_size = <uint32_t>int_of(block_size, "block_size", 1, 0xFFFFFFFF)
-    a.rows = <uint32_t>int_of(rows, "rows", 1, 4096)
-    a.vocab = <uint32_t>int_of(vocab, "vocab", 1, 1 << 24)
+    a.rows = <uint32_t>int_of(rows, "rows", 1, MF_MAX_ROWS)
+    a.vocab = <uint32_t>int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
     a.dtype = dtype_of(dtype)
     stream_of(stream, &s)
     check(mf_reference_forward(&a, s))

@@ -1,10 +1,5 @@
 # Page-locked host memory with zero-copy Python buffers, device memory, and the async copies.
 
-# Pinned memory owned by a PinnedBuffer: free_host_pinned refuses it, since the object still
-# hands out views of it (its close() is the one way to free it).
-cdef set _object_pinned = set()
-
-
 @cython.final
 cdef class PinnedBuffer:
     """Zeroed page-locked (pinned) host memory, the destination of asynchronous readbacks.
@@ -49,9 +44,10 @@ cdef class PinnedBuffer:
 
     def __dealloc__(self):
         # A live export holds a reference to this object, so none can remain here.
-        if self._ptr != NULL:
+        if self._ptr != NULL and not _exiting:
             _object_pinned.discard(<size_t>self._ptr)
-            mf_host_free(self._ptr, self._nbytes)
+            with nogil:  # a free waits for queued work: never with the GIL held
+                mf_host_free(self._ptr, self._nbytes)
 
     cdef int _check_open(self) except -1:
         if self._ptr == NULL:
@@ -167,9 +163,10 @@ cdef class DeviceBuffer:
         check(mf_device_alloc(self._nbytes, &self._ptr))
 
     def __dealloc__(self):
-        if self._ptr != NULL:
+        if self._ptr != NULL and not _exiting:
             _cell_rows.pop(<size_t>self._ptr, None)
-            mf_device_free(self._ptr)
+            with nogil:  # a free waits for queued work: never with the GIL held
+                mf_device_free(self._ptr)
 
     cdef int _check_open(self) except -1:
         if self._ptr == NULL:
@@ -249,6 +246,65 @@ cdef class DeviceBuffer:
         return f"<DeviceBuffer {self._nbytes} bytes{' closed' if self._ptr == NULL else ''}>"
 
 
+# Holding foreign buffers for async copies: all or nothing. The event that marks a copy's end is
+# reserved before the copy is queued, so nothing can fail between queueing and holding.
+
+cdef uint64_t reserve_hold(_HeldBuffer held) except? 0:
+    """The event a hold will record, created before anything is queued; 0 when nothing is held."""
+    cdef uint64_t event = 0
+    if held is not None:
+        release_passed()
+        check(mf_event_create(MF_EVENT_UNCOUNTED, &event))
+    return event
+
+
+cdef int commit_hold(_HeldBuffer held, uint64_t event, uint64_t stream, mf_status queued) except -1:
+    """After the queueing call returned ``queued``: hold ``held`` until ``event`` (recorded now on
+    ``stream``) has passed; on a failed queueing give the event back and raise."""
+    if queued != MF_SUCCESS:
+        if event:
+            mf_event_destroy(event)
+        raise_status(queued)
+    if event == 0:
+        return 0
+    cdef mf_status status = mf_event_record(event, stream)
+    if status != MF_SUCCESS:
+        # Only a stream destroyed by another thread since the copy was queued gets here. Its work
+        # still completes: wait for everything, then the buffer is free to go.
+        mf_event_destroy(event)
+        with nogil:
+            synchronize_everything()
+        return 0
+    queue = _held.get(stream)
+    if queue is None:
+        queue = _held[stream] = _deque()
+    queue.append((event, held))
+    return 0
+
+
+cdef void synchronize_everything() noexcept nogil:
+    # A device-wide wait: on the host backend a free waits for every stream, as cudaFree does.
+    cdef void *ptr = NULL
+    if mf_device_alloc(1, &ptr) == MF_SUCCESS:
+        mf_device_free(ptr)
+
+
+cdef int release_passed() except -1:
+    """Let go of held buffers whose copies have passed: each stream's queue from its head."""
+    cdef int done
+    cdef uint64_t event
+    for stream, queue in list(_held.items()):
+        while queue:
+            event = (<tuple>queue[0])[0]
+            if mf_event_query(event, &done) == MF_SUCCESS and not done:
+                break
+            mf_event_destroy(event)  # done, or its stream is gone (a fork()ed child: the parent's)
+            queue.popleft()
+        if not queue:
+            _held.pop(stream, None)
+    return 0
+
+
 cdef _HeldBuffer host_ptr_of(object obj, bint writable, void **ptr, size_t *nbytes):
     """A PinnedBuffer's own memory (None returned), or any other buffer exported and returned, to
     be held until the copy has passed (see hold_until_passed)."""
@@ -303,14 +359,15 @@ def copy_d2h_async(src, dst, stream=0):
     cdef void *device
     cdef void *host
     cdef size_t nbytes
-    cdef uint64_t s
+    cdef uint64_t s, hold
     cdef _HeldBuffer held = None
     device_ptr_of(src, &device)
     stream_of(stream, &s)
     held = host_ptr_of(dst, True, &host, &nbytes)
-    check(mf_copy_d2h_async(host, device, nbytes, s))
-    if held is not None and nbytes:
-        hold_until_passed(held, s)
+    if not nbytes:
+        held = None
+    hold = reserve_hold(held)
+    commit_hold(held, hold, s, mf_copy_d2h_async(host, device, nbytes, s))
 
 
 def copy_h2d_async(dst, src, stream=0):
@@ -345,14 +402,15 @@ def copy_h2d_async(dst, src, stream=0):
     cdef void *device
     cdef void *host
     cdef size_t nbytes
-    cdef uint64_t s
+    cdef uint64_t s, hold
     cdef _HeldBuffer held = None
     device_ptr_of(dst, &device)
     stream_of(stream, &s)
     held = host_ptr_of(src, False, &host, &nbytes)
-    check(mf_copy_h2d_async(device, host, nbytes, s))
-    if held is not None and nbytes:
-        hold_until_passed(held, s)
+    if not nbytes:
+        held = None
+    hold = reserve_hold(held)
+    commit_hold(held, hold, s, mf_copy_h2d_async(device, host, nbytes, s))
 
 
 def copy_d2d_async(dst, src, nbytes, stream=0):
@@ -514,15 +572,16 @@ def write_pinned_u32(ptr, values):
     ----------
     ptr : int
         An address inside memory from ``alloc_host_pinned`` or a ``PinnedBuffer``.
-    values : iterable of int
-        Each in ``[0, 2**32)``.
+    values : uint32 buffer or iterable of int
+        Each in ``[0, 2**32)``. All are checked before any is stored; an iterable is read only up
+        to what fits, so an endless one is refused instead of filling memory.
 
     Raises
     ------
     FeedError
         ``ptr`` is not inside live pinned memory, or the range runs past its end.
     ValueError
-        A value outside uint32.
+        A value outside uint32, or more values than fit in the allocation.
 
     Examples
     --------
@@ -533,8 +592,25 @@ def write_pinned_u32(ptr, values):
     >>> mf.free_host_pinned(ptr, 8)
     """
     cdef uint64_t p
-    cdef _Words words = words_of(list(values), False, "values", 1 << 28)  # all checked first
+    cdef size_t left = 0
+    cdef Py_ssize_t fits
+    cdef _Words words
     u64_of(ptr, &p, "pointer")
+    pinned_range(p, 0)
+    mf_mem_lookup(<void *><size_t>p, &left)
+    fits = <Py_ssize_t>min(left // 4, 1 << 28)
+    if PyObject_CheckBuffer(values) and not isinstance(values, (bytes, bytearray)):
+        words = words_of(values, False, "values", 1 << 28)
+    elif hasattr(values, "__len__"):  # sized: its length is checked against the buffer below
+        words = words_of(list(values), False, "values", 1 << 28)
+    else:  # an iterator or generator, maybe endless: read no more than fits, plus one
+        items = []
+        for value in values:
+            if len(items) == fits:
+                raise ValueError(f"values hold more ids than the {fits} that fit in the pinned "
+                                 f"allocation at 0x{p:x}")
+            items.append(value)
+        words = words_of(items, False, "values", fits)  # all checked first
     pinned_range(p, <size_t>words.n * 4)
     memcpy(<void *><size_t>p, words.data, <size_t>words.n * 4)
 

@@ -185,8 +185,8 @@ class AsyncDeviceIo:
                  slots: int = RING_SLOTS) -> None:
         if not model.supports_device_token_feed():
             raise FeedError("AsyncDeviceIo needs a model whose supports_device_token_feed() is True")
-        if not 1 <= max_rows <= 4096:
-            raise ValueError(f"max_rows must be in [1, 4096], got {max_rows}")
+        if not 1 <= max_rows <= _core.MAX_ROWS:
+            raise ValueError(f"max_rows must be in [1, {_core.MAX_ROWS}], got {max_rows}")
         self._init_state(model, max_rows, stream, slots)
 
     def _init_state(self, model: ModelDeviceFeed, max_rows: int, stream: Any, slots: int) -> None:

@@ -49,19 +49,19 @@ class RuntimeFeedMixin:
         Parameters
         ----------
         vocab : int
-            Logits per row, 1 to 2**24.
+            Logits per row, 1 to ``metrale_feed.MAX_VOCAB`` (2**24).
         logits_dtype : {"float32", "float16", "bfloat16"}, optional
         max_rows : int, optional
-            The most rows a step may have, 1 to 4096. Default 256.
+            The most rows a step may have, 1 to ``metrale_feed.MAX_ROWS`` (4096). Default 256.
 
         Raises
         ------
         ValueError
             An argument out of range.
         """
-        if not 1 <= max_rows <= 4096:
-            raise ValueError(f"max_rows must be in [1, 4096], got {max_rows}")
-        if not 1 <= vocab <= 1 << 24:
+        if not 1 <= max_rows <= _core.MAX_ROWS:
+            raise ValueError(f"max_rows must be in [1, {_core.MAX_ROWS}], got {max_rows}")
+        if not 1 <= vocab <= _core.MAX_VOCAB:
             raise ValueError(f"vocab must be in [1, 2**24], got {vocab}")
         if logits_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"unknown logits dtype {logits_dtype!r}")

@@ -31,6 +31,9 @@ MF_HD uint64_t mf_pack(uint32_t key, uint32_t id) { return ((uint64_t)key << 32)
 MF_HD uint32_t mf_unpack_id(uint64_t packed) { return ~(uint32_t)packed; }
 MF_HD uint64_t mf_pack_max(uint64_t a, uint64_t b) { return a > b ? a : b; }
 
+/* Bytes of one logit of an mf_dtype (feed.h): the one source of that fact; 0 for an unknown one. */
+MF_HD uint32_t mf_dtype_size(int dtype) { return dtype == 0 ? 4u : (dtype == 1 || dtype == 2) ? 2u : 0u; }
+
 /* Candidates of a row are [0, vocab) without its two mask ids: at most three spans. */
 typedef struct mf_spans {
     uint32_t lo[3];

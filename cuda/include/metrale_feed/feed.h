@@ -20,6 +20,9 @@ extern "C" {
 #endif
 
 #define MF_NO_TOKEN 0xFFFFFFFFu
+/* The one source of the kernels' limits (exported to Python as MAX_ROWS and MAX_VOCAB). */
+#define MF_MAX_ROWS 4096u
+#define MF_MAX_VOCAB 16777216u /* 2**24: ids below it fit a float32 mantissa */
 #define MF_FEED_HOST_BIT 0x80000000u
 
 typedef uint64_t mf_event_t;  /* a handle this layer hands out; never 0 */
@@ -71,6 +74,8 @@ typedef struct mf_host_faults {
     uint64_t fail_alloc_at;
     uint64_t fail_copy_at;
     uint64_t fail_synchronize_at;
+    /* Counts every event creation, the binding's own too: it stands in for a full event table. */
+    uint64_t fail_event_create_at;
 } mf_host_faults;
 MF_EXPORT void mf_host_configure(const mf_host_faults *faults);
 /* Threads one host-backend kernel may use (the stream's worker included); 0 = every core. A
@@ -88,6 +93,11 @@ MF_EXPORT mf_status mf_event_wrap(uint64_t foreign, mf_event_t *out); /* not own
 MF_EXPORT mf_status mf_event_record(mf_event_t event, mf_stream_t stream);
 MF_EXPORT mf_status mf_event_query(mf_event_t event, int *done); /* never blocks */
 MF_EXPORT mf_status mf_event_synchronize(mf_event_t event);
+/* One slice of a synchronize, for callers that must stay responsive (signals): *done is 1 once
+ * the event's work is complete, else 0 after about timeout_us. *mark must be 0 on a wait's first
+ * slice and is kept between slices, so a wait always ends at the record current when it began. */
+MF_EXPORT mf_status mf_event_synchronize_for(mf_event_t event, uint32_t timeout_us, uint64_t *mark,
+                                             int *done);
 MF_EXPORT mf_status mf_event_elapsed_ms(mf_event_t start, mf_event_t end, float *ms);
 MF_EXPORT mf_status mf_event_destroy(mf_event_t event);
 MF_EXPORT mf_status mf_event_raw(mf_event_t event, uint64_t *raw); /* the cudaEvent_t, cuda only */
@@ -97,6 +107,9 @@ MF_EXPORT mf_status mf_stream_create(unsigned flags, mf_stream_t *out);
 MF_EXPORT mf_status mf_stream_check(mf_stream_t stream); /* host: known? cuda: accepted as is */
 MF_EXPORT mf_status mf_stream_query(mf_stream_t stream, int *idle);
 MF_EXPORT mf_status mf_stream_synchronize(mf_stream_t stream);
+/* As mf_event_synchronize_for: the work queued when the wait began (host; cuda: the stream idle). */
+MF_EXPORT mf_status mf_stream_synchronize_for(mf_stream_t stream, uint32_t timeout_us,
+                                              uint64_t *mark, int *done);
 MF_EXPORT mf_status mf_stream_wait_event(mf_stream_t stream, mf_event_t event);
 MF_EXPORT mf_status mf_stream_destroy(mf_stream_t stream);
 

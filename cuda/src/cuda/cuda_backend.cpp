@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -15,6 +16,7 @@
 
 #include "backend.hpp"
 #include "cuda/kernels.hpp"
+#include "metrale_feed/argmax_rule.h"
 
 namespace mf {
 namespace {
@@ -207,6 +209,26 @@ mf_status event_synchronize(void *raw) {
     return MF_SUCCESS;
 }
 
+// A slice of a wait, polled: a blocking CUDA wait cannot be interrupted for a signal. The poll
+// backs off to 200 us, so a long wait costs little CPU and ends within a slice of its work.
+template <typename Query>
+mf_status poll_for(uint32_t timeout_us, int *done, Query query) {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us);
+    uint32_t nap = 5;
+    for (;;) {
+        mf_status status = query(done);
+        if (status != MF_SUCCESS || *done) return status;
+        if (std::chrono::steady_clock::now() >= deadline) return MF_SUCCESS;
+        std::this_thread::sleep_for(std::chrono::microseconds(nap));
+        if (nap < 200) nap *= 2;
+    }
+}
+
+mf_status event_wait(void *raw, uint32_t timeout_us, uint64_t *mark, int *done) {
+    *mark = 1;  // cudaEventQuery answers for the latest record
+    return poll_for(timeout_us, done, [raw](int *d) { return event_query(raw, d); });
+}
+
 mf_status event_elapsed_ms(void *start, void *end, float *ms) {
     MF_CUDA_TRY(cudaEventElapsedTime(ms, as_event(start), as_event(end)), "cudaEventElapsedTime");
     return MF_SUCCESS;
@@ -242,6 +264,8 @@ mf_status stream_synchronize(void *raw) {
     MF_CUDA_TRY(cudaStreamSynchronize(as_stream(raw)), "cudaStreamSynchronize");
     return MF_SUCCESS;
 }
+
+mf_status stream_wait(void *raw, uint32_t timeout_us, uint64_t *mark, int *done);
 
 mf_status stream_wait_event(void *raw, void *event_raw) {
     MF_CUDA_TRY(cudaStreamWaitEvent(as_stream(raw), as_event(event_raw), 0), "cudaStreamWaitEvent");
@@ -292,7 +316,7 @@ mf_status copy_async(void *dst, const void *src, size_t nbytes, CopyKind kind, v
 
 mf_status argmax(const mf_argmax_args *a, void *stream) {
     if (a->rows == 0) return MF_SUCCESS;
-    const uintptr_t esize = a->dtype == MF_DTYPE_F32 ? 4u : 2u;
+    const uintptr_t esize = mf_dtype_size(a->dtype);
     if (reinterpret_cast<uintptr_t>(a->logits) % esize != 0)
         return fail(MF_ERROR_INVALID_VALUE,
                     "argmax_to_feed: logits pointer %p is not aligned to its %u-byte elements",
@@ -329,35 +353,42 @@ mf_status reference_forward(const mf_reference_args *a, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status stream_wait(void *raw, uint32_t timeout_us, uint64_t *mark, int *done) {
+    *mark = 1;  // cudaStreamQuery answers for all work queued so far
+    return poll_for(timeout_us, done, [raw](int *d) { return stream_query(raw, d); });
+}
+
 }  // namespace
 
 extern const Ops cuda_ops;
 const Ops cuda_ops = {
-    "cuda",
-    init,
-    device_count,
-    device_name,
-    driver_version,
-    event_create,
-    event_destroy,
-    event_record,
-    event_query,
-    event_synchronize,
-    event_elapsed_ms,
-    stream_create,
-    stream_destroy,
-    stream_query,
-    stream_synchronize,
-    stream_wait_event,
-    host_alloc,
-    host_free,
-    device_alloc,
-    device_free,
-    memset_async,
-    copy_async,
-    argmax,
-    resolve,
-    reference_forward,
+    .name = "cuda",
+    .init = init,
+    .device_count = device_count,
+    .device_name = device_name,
+    .driver_version = driver_version,
+    .event_create = event_create,
+    .event_destroy = event_destroy,
+    .event_record = event_record,
+    .event_query = event_query,
+    .event_synchronize = event_synchronize,
+    .event_elapsed_ms = event_elapsed_ms,
+    .event_wait = event_wait,
+    .stream_create = stream_create,
+    .stream_destroy = stream_destroy,
+    .stream_query = stream_query,
+    .stream_synchronize = stream_synchronize,
+    .stream_wait_event = stream_wait_event,
+    .stream_wait = stream_wait,
+    .host_alloc = host_alloc,
+    .host_free = host_free,
+    .device_alloc = device_alloc,
+    .device_free = device_free,
+    .memset_async = memset_async,
+    .copy_async = copy_async,
+    .argmax = argmax,
+    .resolve = resolve,
+    .reference_forward = reference_forward,
 };
 
 }  // namespace mf

@@ -3,7 +3,12 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <string>
+#include <system_error>
+
+#include "../registry.hpp"
 
 #include "../backend.hpp"
 #include "kernels.hpp"
@@ -18,7 +23,8 @@ uint32_t lag_from_env() {
 }
 
 std::atomic<uint32_t> g_lag_us{lag_from_env()};
-std::atomic<uint64_t> g_fail_query{0}, g_fail_alloc{0}, g_fail_copy{0}, g_fail_sync{0};
+std::atomic<uint64_t> g_fail_query{0}, g_fail_alloc{0}, g_fail_copy{0}, g_fail_sync{0},
+    g_fail_event_create{0};
 
 // A countdown knob: 0 is off; otherwise this call fires when the count reaches 1.
 bool fires(std::atomic<uint64_t> &knob) {
@@ -50,7 +56,9 @@ mf_status driver_version(int *version) {
 }
 
 mf_status event_create(unsigned flags, void **raw) {
-    *raw = new Event(flags);
+    if (fires(g_fail_event_create)) return injected("event_create");
+    *raw = new (std::nothrow) Event(flags);
+    if (!*raw) return fail(MF_ERROR_OUT_OF_MEMORY, "event_create: out of memory");
     return MF_SUCCESS;
 }
 
@@ -86,6 +94,17 @@ mf_status event_synchronize(void *raw) {
     return MF_SUCCESS;
 }
 
+mf_status event_wait(void *raw, uint32_t timeout_us, uint64_t *mark, int *done) {
+    Event *event = as_event(raw);  // pinned by the caller's lookup: a destroy meanwhile waits for us
+    if (*mark == 0) {
+        if (fires(g_fail_sync)) return injected("event_synchronize");
+        *mark = event->recorded.load(std::memory_order_acquire) + 1;  // + 1: never 0 once taken
+    }
+    uint64_t ticket = *mark - 1;
+    *done = ticket == 0 || event->wait_for(ticket, timeout_us);
+    return MF_SUCCESS;
+}
+
 mf_status event_elapsed_ms(void *start, void *end, float *ms) {
     Event *a = as_event(start), *b = as_event(end);
     if (!a->recorded.load() || !b->recorded.load())
@@ -96,8 +115,14 @@ mf_status event_elapsed_ms(void *start, void *end, float *ms) {
     return MF_SUCCESS;
 }
 
-mf_status stream_create(unsigned, void **raw) {
-    *raw = new Stream();
+mf_status stream_create(unsigned flags, void **raw) {
+    try {
+        *raw = new Stream(!(flags & MF_STREAM_NON_BLOCKING));
+    } catch (const std::system_error &error) {
+        return fail(MF_ERROR_OUT_OF_MEMORY, "Stream(): the OS refused a worker thread (%s)", error.what());
+    } catch (const std::bad_alloc &) {
+        return fail(MF_ERROR_OUT_OF_MEMORY, "Stream(): out of memory");
+    }
     return MF_SUCCESS;
 }
 mf_status stream_destroy(void *raw) {
@@ -116,6 +141,16 @@ mf_status stream_synchronize(void *raw) {
     stream->release();
     return MF_SUCCESS;
 }
+mf_status stream_wait(void *raw, uint32_t timeout_us, uint64_t *mark, int *done) {
+    Stream *stream = stream_of(raw);
+    if (*mark == 0) {
+        if (fires(g_fail_sync)) return injected("stream_synchronize");
+        *mark = stream->enqueued() + 1;  // the work queued when the wait began
+    }
+    *done = stream->wait_for(*mark - 1, timeout_us);
+    return MF_SUCCESS;
+}
+
 mf_status stream_wait_event(void *raw, void *event_raw) {
     Event *event = as_event(event_raw);
     uint64_t ticket = event->recorded.load(std::memory_order_acquire);
@@ -158,6 +193,15 @@ mf_status memset_async(void *dev, int value, size_t nbytes, void *stream) {
 mf_status copy_async(void *dst, const void *src, size_t nbytes, CopyKind kind, void *stream) {
     if (fires(g_fail_copy)) return injected("copy_async");
     static const char *const names[] = {"copy_d2h", "copy_h2d", "copy_d2d"};
+    if (kind == kH2D && alloc_lookup(src, nullptr) != MF_MEM_PINNED) {
+        // CUDA has consumed pageable source memory when cudaMemcpyAsync returns (it stages it),
+        // so a caller may reuse it at once: stage it here too.
+        std::shared_ptr<unsigned char[]> staged(new (std::nothrow) unsigned char[nbytes]);
+        if (!staged) return fail(MF_ERROR_OUT_OF_MEMORY, "copy_h2d_async: staging %zu bytes failed", nbytes);
+        std::memcpy(staged.get(), src, nbytes);
+        stream_of(stream)->enqueue(names[kind], [dst, staged, nbytes] { std::memcpy(dst, staged.get(), nbytes); });
+        return MF_SUCCESS;
+    }
     stream_of(stream)->enqueue(names[kind], [dst, src, nbytes] { std::memcpy(dst, src, nbytes); });
     return MF_SUCCESS;
 }
@@ -192,19 +236,33 @@ uint32_t lag_us() { return g_lag_us.load(std::memory_order_relaxed); }
 namespace mf {
 using namespace host;
 const Ops host_ops = {
-    "host",           init,
-    device_count,     device_name,
-    driver_version,   event_create,
-    event_destroy,    event_record,
-    event_query,      event_synchronize,
-    event_elapsed_ms, stream_create,
-    stream_destroy,   stream_query,
-    stream_synchronize, stream_wait_event,
-    host_alloc,       free_after_sync,
-    device_alloc,     free_after_sync,
-    memset_async,     copy_async,
-    argmax,           resolve,
-    reference_forward,
+    .name = "host",
+    .init = init,
+    .device_count = device_count,
+    .device_name = device_name,
+    .driver_version = driver_version,
+    .event_create = event_create,
+    .event_destroy = event_destroy,
+    .event_record = event_record,
+    .event_query = event_query,
+    .event_synchronize = event_synchronize,
+    .event_elapsed_ms = event_elapsed_ms,
+    .event_wait = event_wait,
+    .stream_create = stream_create,
+    .stream_destroy = stream_destroy,
+    .stream_query = stream_query,
+    .stream_synchronize = stream_synchronize,
+    .stream_wait_event = stream_wait_event,
+    .stream_wait = stream_wait,
+    .host_alloc = host_alloc,
+    .host_free = free_after_sync,
+    .device_alloc = device_alloc,
+    .device_free = free_after_sync,
+    .memset_async = memset_async,
+    .copy_async = copy_async,
+    .argmax = argmax,
+    .resolve = resolve,
+    .reference_forward = reference_forward,
 };
 }  // namespace mf
 
@@ -216,6 +274,7 @@ void mf_host_configure(const mf_host_faults *faults) {
     g_fail_alloc.store(faults->fail_alloc_at);
     g_fail_copy.store(faults->fail_copy_at);
     g_fail_sync.store(faults->fail_synchronize_at);
+    g_fail_event_create.store(faults->fail_event_create_at);
 }
 
 void mf_host_set_kernel_threads(unsigned threads) { mf::host::set_kernel_threads(threads); }
@@ -232,5 +291,6 @@ void mf_host_faults_get(mf_host_faults *out) {
     out->fail_alloc_at = g_fail_alloc.load();
     out->fail_copy_at = g_fail_copy.load();
     out->fail_synchronize_at = g_fail_sync.load();
+    out->fail_event_create_at = g_fail_event_create.load();
 }
 }

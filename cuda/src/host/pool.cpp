@@ -2,6 +2,7 @@
 // too, and helpers take slices of rows from a shared counter.
 #include <algorithm>
 #include <memory>
+#include <system_error>
 
 #include "queue.hpp"
 
@@ -33,8 +34,12 @@ class Pool {
 public:
     Pool() {
         unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-        helpers_ = cores - 1;
-        for (unsigned i = 0; i < helpers_; ++i) std::thread(&Pool::serve, this).detach();
+        helpers_ = 0;
+        try {
+            for (unsigned i = 0; i + 1 < cores; ++i, ++helpers_) std::thread(&Pool::serve, this).detach();
+        } catch (const std::system_error &) {
+            // The OS refused a thread: the kernels run on the helpers there are (or on the worker).
+        }
     }
     unsigned helpers() const { return helpers_; }
     void post(const std::shared_ptr<Job> &job, unsigned helpers) {
@@ -64,15 +69,33 @@ private:
     std::deque<std::shared_ptr<Job>> jobs_;
 };
 
+// Helpers are detached and live for the process. A fork()ed child has none of them: it starts a
+// new pool on first use and leaves the parent's behind.
+std::mutex g_pool_mutex;
+std::atomic<Pool *> g_pool{nullptr};
+
 Pool &pool() {
-    static Pool *instance = new Pool();  // helpers are detached and live for the process
-    return *instance;
+    Pool *p = g_pool.load(std::memory_order_acquire);
+    if (p) return *p;
+    std::lock_guard<std::mutex> lock(g_pool_mutex);
+    p = g_pool.load(std::memory_order_relaxed);
+    if (!p) {
+        p = new Pool();
+        g_pool.store(p, std::memory_order_release);
+    }
+    return *p;
 }
 
 
 std::atomic<unsigned> g_threads{0};  // 0: every core
 
 }  // namespace
+
+void pool_before_fork() { g_pool_mutex.lock(); }
+void pool_after_fork(bool child) {
+    if (child) g_pool.store(nullptr, std::memory_order_relaxed);
+    g_pool_mutex.unlock();
+}
 
 void set_kernel_threads(unsigned threads) { g_threads.store(threads, std::memory_order_relaxed); }
 

@@ -3,11 +3,30 @@
 #include <chrono>
 #include <memory>
 #include <unordered_set>
+#include <vector>
+
+#include "../registry.hpp"
 
 namespace mf::host {
 namespace {
-std::mutex g_streams_mutex;
-std::unordered_set<Stream *> g_streams;
+// The backend's shared state. Never destroyed: detached workers may still run while the process
+// exits, after static destructors (docs/host-backend.md, "Exit"). A fork()ed child starts a fresh
+// set (after_fork_child): the parent's workers do not exist there.
+struct Shared {
+    std::mutex streams_mutex;
+    std::unordered_set<Stream *> streams;  // live and draining streams, for synchronize_all
+    // Legacy default-stream ordering: held while an op on the default stream or on a blocking
+    // stream picks what it must wait for and is queued, so those ops have one global order and
+    // their waits cannot form a cycle.
+    std::mutex legacy_mutex;
+    std::vector<Stream *> blocking;  // blocking streams, until their worker has drained them
+    std::atomic<size_t> blocking_count{0};  // blocking.size(), read without the lock
+    std::mutex default_mutex;
+    std::atomic<Stream *> default_stream{nullptr};
+};
+Shared *g_shared = new Shared;
+
+Shared &shared() { return *g_shared; }
 }  // namespace
 
 uint64_t Event::record() {
@@ -35,15 +54,27 @@ void Event::wait(uint64_t ticket) {
     changed.wait(lock, [&] { return outstanding.count(ticket) == 0; });
 }
 
-Stream::Stream() {
-    {
-        std::lock_guard<std::mutex> lock(g_streams_mutex);
-        g_streams.insert(this);
-    }
-    std::thread(&Stream::run, this).detach();
+bool Event::wait_for(uint64_t ticket, uint32_t timeout_us) {
+    std::unique_lock<std::mutex> lock(mutex);
+    return changed.wait_for(lock, std::chrono::microseconds(timeout_us),
+                            [&] { return outstanding.count(ticket) == 0; });
 }
 
-void Stream::enqueue(const char *name, std::function<void()> op) {
+Stream::Stream(bool blocking, bool is_default) : blocking_(blocking && !is_default), default_(is_default) {
+    std::thread worker(&Stream::run, this);  // throws std::system_error when the OS refuses
+    worker.detach();
+    {
+        std::lock_guard<std::mutex> lock(shared().streams_mutex);
+        shared().streams.insert(this);
+    }
+    if (blocking_) {
+        std::lock_guard<std::mutex> lock(shared().legacy_mutex);
+        shared().blocking.push_back(this);
+        shared().blocking_count.store(shared().blocking.size(), std::memory_order_release);
+    }
+}
+
+void Stream::push(const char *name, std::function<void()> op) {
     int64_t queued = tracing() ? now_ns() : 0;
     {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -53,22 +84,64 @@ void Stream::enqueue(const char *name, std::function<void()> op) {
     work_.notify_one();
 }
 
+void Stream::enqueue(const char *name, std::function<void()> op) {
+    if (!blocking_ && !default_) return push(name, std::move(op));  // non-blocking: no ordering
+    // CUDA's legacy default stream: its work waits for all work queued before it on blocking
+    // streams, and work on a blocking stream waits for all work queued before it on stream 0.
+    Shared &s = shared();
+    if (default_ && s.blocking_count.load(std::memory_order_acquire) == 0) return push(name, std::move(op));
+    std::lock_guard<std::mutex> legacy(s.legacy_mutex);
+    std::vector<std::pair<Stream *, uint64_t>> waits;
+    auto consider = [&](Stream *other) {
+        if (other == this) return;
+        std::lock_guard<std::mutex> lock(other->mutex_);
+        if (other->completed_ < other->enqueued_) {
+            other->retain();
+            waits.emplace_back(other, other->enqueued_);
+        }
+    };
+    if (default_) {
+        for (Stream *other : s.blocking) consider(other);
+    } else if (Stream *d = s.default_stream.load(std::memory_order_acquire)) {
+        consider(d);
+    }
+    if (waits.empty()) return push(name, std::move(op));
+    push(name, [waits = std::move(waits), op = std::move(op)] {
+        for (auto &[other, target] : waits) {
+            other->wait_until(target);
+            other->release();
+        }
+        op();
+    });
+}
+
 bool Stream::idle() {
     std::lock_guard<std::mutex> lock(mutex_);
     return completed_ == enqueued_;
 }
 
-void Stream::synchronize() {
+uint64_t Stream::enqueued() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return enqueued_;
+}
+
+bool Stream::wait_for(uint64_t target, uint32_t timeout_us) {
     std::unique_lock<std::mutex> lock(mutex_);
-    uint64_t target = enqueued_;
+    return idle_.wait_for(lock, std::chrono::microseconds(timeout_us), [&] { return completed_ >= target; });
+}
+
+void Stream::wait_until(uint64_t target) {
+    std::unique_lock<std::mutex> lock(mutex_);
     idle_.wait(lock, [&] { return completed_ >= target; });
 }
 
+void Stream::synchronize() { wait_until(enqueued()); }
+
 void Stream::close() {
-    {
-        std::lock_guard<std::mutex> lock(mutex_);
-        closing_ = true;
-    }
+    // Notified under the lock: once it is released the worker may drain, finish and free the
+    // stream, condition variable included.
+    std::lock_guard<std::mutex> lock(mutex_);
+    closing_ = true;
     work_.notify_one();
 }
 
@@ -84,31 +157,91 @@ void Stream::run() {
         int64_t start = op.queued_ns ? now_ns() : 0;
         op.run();
         op.run = nullptr;  // captured references go before the op counts as completed
-        if (op.queued_ns) trace(op.name, this == default_stream() ? nullptr : this, op.queued_ns, start, now_ns());
+        if (op.queued_ns) trace(op.name, default_ ? nullptr : this, op.queued_ns, start, now_ns());
         lock.lock();
         ++completed_;
         idle_.notify_all();
     }
     lock.unlock();
+    Shared &s = shared();
+    if (blocking_) {
+        std::lock_guard<std::mutex> legacy(s.legacy_mutex);
+        for (auto it = s.blocking.begin(); it != s.blocking.end(); ++it)
+            if (*it == this) {
+                s.blocking.erase(it);
+                break;
+            }
+        s.blocking_count.store(s.blocking.size(), std::memory_order_release);
+    }
     {
         // Only now: a free that synchronizes every stream also waits for a closed one to drain.
-        std::lock_guard<std::mutex> registry(g_streams_mutex);
-        g_streams.erase(this);
+        std::lock_guard<std::mutex> registry(s.streams_mutex);
+        s.streams.erase(this);
     }
     release();  // the worker's reference; a caller still in synchronize() holds its own
 }
 
 Stream *default_stream() {
-    static Stream *stream = new Stream();  // lives for the process, like CUDA's null stream
+    // Lives for the process (for a fork()ed child: from its first use there), like CUDA's null stream.
+    Shared &s = shared();
+    Stream *stream = s.default_stream.load(std::memory_order_acquire);
+    if (stream) return stream;
+    std::lock_guard<std::mutex> lock(s.default_mutex);
+    stream = s.default_stream.load(std::memory_order_relaxed);
+    if (!stream) {
+        stream = new Stream(false, true);
+        s.default_stream.store(stream, std::memory_order_release);
+    }
     return stream;
 }
 
 Stream *stream_of(void *raw) { return raw ? static_cast<Stream *>(raw) : default_stream(); }
 
 void synchronize_all() {
-    // Held throughout: a stream still in the set is not closed, so its worker cannot free it.
-    std::lock_guard<std::mutex> lock(g_streams_mutex);
-    for (Stream *stream : g_streams) stream->synchronize();
+    // A snapshot, each retained: the waits happen without the registry lock held.
+    std::vector<Stream *> streams;
+    {
+        std::lock_guard<std::mutex> lock(shared().streams_mutex);
+        streams.reserve(shared().streams.size());
+        for (Stream *stream : shared().streams) {
+            stream->retain();
+            streams.push_back(stream);
+        }
+    }
+    for (Stream *stream : streams) {
+        stream->synchronize();
+        stream->release();
+    }
+}
+
+void before_fork() {
+    Shared &s = shared();
+    s.default_mutex.lock();
+    s.legacy_mutex.lock();
+    s.streams_mutex.lock();
+    pool_before_fork();
+    trace_before_fork();
+}
+
+void after_fork_parent() {
+    trace_after_fork();
+    pool_after_fork(false);
+    Shared &s = shared();
+    s.streams_mutex.unlock();
+    s.legacy_mutex.unlock();
+    s.default_mutex.unlock();
+}
+
+void after_fork_child() {
+    trace_after_fork();
+    pool_after_fork(true);
+    // The parent's streams, events and workers are left behind (their handles now fail: the
+    // registry's fork epoch); the child gets a fresh default stream on first use.
+    Shared *old = g_shared;
+    old->streams_mutex.unlock();
+    old->legacy_mutex.unlock();
+    old->default_mutex.unlock();
+    g_shared = new Shared;
 }
 
 }  // namespace mf::host

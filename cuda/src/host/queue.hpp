@@ -1,5 +1,6 @@
 // The host backend's streams and events: CUDA's asynchronous semantics on CPU threads. Each stream
 // is an ordered queue drained by its own worker; an event completes when a worker reaches it.
+// docs/host-backend.md states the semantics (threads, fork, signals, exit, the default stream).
 #pragma once
 
 #include <atomic>
@@ -28,6 +29,7 @@ struct Event {
     uint64_t record();  // a new ticket, outstanding until reach()
     void reach(uint64_t ticket, int64_t stamp_ns);
     void wait(uint64_t ticket);
+    bool wait_for(uint64_t ticket, uint32_t timeout_us);  // true once the ticket has run
 
     const unsigned flags;
     std::atomic<uint64_t> recorded{0};     // the latest ticket handed out
@@ -41,7 +43,9 @@ struct Event {
 
 class Stream {
 public:
-    Stream();
+    // blocking: a stream created without MF_STREAM_NON_BLOCKING, which orders against the legacy
+    // default stream both ways. Throws std::system_error when the OS refuses the worker thread.
+    explicit Stream(bool blocking, bool is_default = false);
     // The worker holds one reference and drops it when it has drained a closed stream; a caller
     // blocked in synchronize() holds another, so neither frees the stream under the other.
     void retain() { refs_.fetch_add(1, std::memory_order_relaxed); }
@@ -51,11 +55,15 @@ public:
     // `name` (a string literal) labels the op in a trace (mf_trace_enable).
     void enqueue(const char *name, std::function<void()> op);
     bool idle();
+    uint64_t enqueued();                               // ops queued so far
+    bool wait_for(uint64_t target, uint32_t timeout_us);  // true once `target` ops have completed
+    void wait_until(uint64_t target);
     void synchronize();
     void close();  // the worker drains the queue, then frees the stream
 
 private:
     void run();
+    void push(const char *name, std::function<void()> op);
     std::mutex mutex_;
     std::condition_variable work_, idle_;
     struct Op {
@@ -66,6 +74,7 @@ private:
     std::deque<Op> queue_;
     uint64_t enqueued_ = 0, completed_ = 0;
     bool closing_ = false;
+    const bool blocking_, default_;
     std::atomic<int> refs_{1};
 };
 
@@ -82,5 +91,11 @@ uint32_t lag_us();
 void set_kernel_threads(unsigned threads);
 unsigned kernel_threads();
 void parallel_rows(uint32_t rows, const std::function<void(uint32_t, uint32_t)> &fn);
+
+// fork() support of the parts with threads or locks (queue.cpp, pool.cpp, trace.cpp).
+void trace_before_fork();
+void trace_after_fork();  // parent and child: unlock
+void pool_before_fork();
+void pool_after_fork(bool child);  // child: the helpers are gone, a new pool starts on first use
 
 }  // namespace mf::host

@@ -1,0 +1,82 @@
+"""The one child-interpreter runner of the tests.
+
+Anything that may crash, hang or poison the process (a race, a fork, a signal, exit) runs in a
+fresh interpreter, so that a crash or a hang fails the test instead of the test run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+
+
+@dataclass
+class ChildResult:
+    returncode: int | None  # None: killed at the timeout
+    stdout: str
+    stderr: str
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+    def describe(self) -> str:
+        how = "timed out" if self.timed_out else f"exit {self.returncode}"
+        return f"child {how}\n--- stdout ---\n{self.stdout[-3000:]}\n--- stderr ---\n{self.stderr[-3000:]}"
+
+
+def child_env(backend: str | None = "host", extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child: METRALE_FEED_* cleared, then ``backend`` (None: the package
+    chooses) and ``extra`` set; faulthandler on, so a crash prints its stack."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METRALE_FEED_")}
+    if backend is not None:
+        env["METRALE_FEED_BACKEND"] = backend
+    env["PYTHONFAULTHANDLER"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run_python(code: str | None = None, *, argv: list[str] | None = None, timeout: float = 60,
+               backend: str | None = "host", env: dict[str, str] | None = None,
+               cwd: str | None = None, check: bool = True) -> ChildResult:
+    """Run ``code`` (dedented) or the script ``argv`` in a fresh interpreter.
+
+    Parameters
+    ----------
+    code : str, optional
+        Python source for ``-c``; mutually exclusive with ``argv``.
+    argv : list of str, optional
+        Arguments after the interpreter (a script and its arguments).
+    timeout : float
+        Seconds before the child is killed (a hang is then reported, never waited out).
+    backend : str or None
+        METRALE_FEED_BACKEND of the child; None leaves the choice to the package.
+    env : dict, optional
+        Extra environment variables.
+    cwd : str, optional
+        Working directory (outside the repository, the installed package is imported).
+    check : bool
+        Fail the calling test unless the child exits with status 0.
+
+    Returns
+    -------
+    ChildResult
+        Its exit status (None after a timeout) and output.
+    """
+    if (code is None) == (argv is None):
+        raise TypeError("give code or argv")
+    args = [sys.executable] + (["-c", textwrap.dedent(code)] if code is not None else list(argv or []))
+    try:
+        done = subprocess.run(args, env=child_env(backend, env), cwd=cwd, capture_output=True,
+                              text=True, timeout=timeout)
+        result = ChildResult(done.returncode, done.stdout, done.stderr)
+    except subprocess.TimeoutExpired as expired:
+        def text(raw):
+            return raw.decode(errors="replace") if isinstance(raw, bytes) else (raw or "")
+        result = ChildResult(None, text(expired.stdout), text(expired.stderr))
+    if check and result.returncode != 0:
+        raise AssertionError(result.describe())
+    return result
