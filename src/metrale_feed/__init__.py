@@ -44,6 +44,7 @@ from ._core import (
     nvtx_range as nvtx_range,
     read_pinned_u32 as read_pinned_u32,
     resolve_feed as resolve_feed,
+    sample_to_feed as sample_to_feed,
     stream_synchronize as stream_synchronize,
     write_pinned_u32 as write_pinned_u32,
 )
@@ -100,6 +101,9 @@ def __getattr__(name: str) -> "_Any":
         "AsyncDeviceIo": ("router", "AsyncDeviceIo"),
         "SyncDeviceIo": ("router", "SyncDeviceIo"),
         "reference_argmax": ("oracle", "reference_argmax"),
+        "SAMPLING_PARAMS_DTYPE": ("sampling", "SAMPLING_PARAMS_DTYPE"),
+        "sampling_params": ("sampling", "sampling_params"),
+        "reference_sample": ("oracle", "reference_sample"),
     }
     if name in lazy:
         import importlib

@@ -315,10 +315,11 @@ mf_status argmax(const mf_argmax_args *a, void *stream) {
     return MF_SUCCESS;
 }
 
-mf_status resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t *out,
-                  void *stream) {
+mf_status resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t prev_rows,
+                  uint32_t *out, bool sources_on_device, void *stream) {
     if (n == 0) return MF_SUCCESS;
-    MF_CUDA_TRY(cudak::launch_resolve(sources, n, cells, out, as_stream(stream)),
+    MF_CUDA_TRY(cudak::launch_resolve(sources, n, cells, prev_rows, out, sources_on_device,
+                                      as_stream(stream)),
                 "launching mf_resolve_kernel");
     return MF_SUCCESS;
 }
