@@ -292,6 +292,10 @@ mf_status copy_async(void *dst, const void *src, size_t nbytes, CopyKind kind, v
 
 mf_status argmax(const mf_argmax_args *a, void *stream) {
     if (a->rows == 0) return MF_SUCCESS;
+    if (a->params) {  // the same descriptor; the sampler's own kernel reads the same rule
+        MF_CUDA_TRY(cudak::launch_sample(*a, as_stream(stream)), "launching mf_sample_kernel");
+        return MF_SUCCESS;
+    }
     const uintptr_t esize = a->dtype == MF_DTYPE_F32 ? 4u : 2u;
     if (reinterpret_cast<uintptr_t>(a->logits) % esize != 0)
         return fail(MF_ERROR_INVALID_VALUE,
