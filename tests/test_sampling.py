@@ -183,3 +183,27 @@ def test_rule_holds_with_ftz_and_daz():
     got = eval(done.stdout.strip())
     assert got[0] == want and got[2] == want, (got, want)  # the AVX2 path, the portable path
     assert got[1] == got[3]  # the sampler: the same draw on both (its arithmetic ignores the mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_draws_are_the_host_kernels_bits(dev, dtype):
+    """The CUDA kernel and the host kernel give the same ids on random logits and params (the
+    rule is one header; no libm, no fused ops, integer sums)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(7)
+    rows, vocab = 64, 5000
+    logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    if dtype == "bfloat16":
+        logits = logits.astype(ml_dtypes.bfloat16)
+    params = mf.sampling_params(rows, temperature=rng.uniform(0.2, 2.0, rows), top_k=rng.integers(0, 50, rows),
+                                top_p=rng.uniform(0.3, 1.0, rows), min_p=rng.uniform(0.0, 0.2, rows),
+                                seed=rng.integers(0, 2**63, rows), position=rng.integers(0, 2**31, rows))
+    bitmask = (rng.integers(0, 2**32, (rows, (vocab + 31) // 32), dtype=np.uint64) | 1).astype(np.uint32).view(np.int32)
+    on_gpu = sample(dev, logits, params, bitmask=bitmask)
+    mf.set_backend("host")
+    try:
+        on_host = sample(dev, logits, params, bitmask=bitmask)
+    finally:
+        mf.set_backend("cuda")
+    assert np.array_equal(on_gpu, on_host)
