@@ -48,7 +48,7 @@ def random_bitmask(rng, rows, vocab, density):
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("vocab", [1, 5, 31, 32, 33, 64, 100, 1000])
+@pytest.mark.parametrize("vocab", [1, 5, 31, 32, 33, 64, 100, 1000, 4099])
 @pytest.mark.parametrize("density", [0.0, 0.05, 0.5, 1.0])
 def test_bitmask_matches_the_oracle(path, no_leaks, dev, dtype, vocab, density):
     rng = np.random.default_rng(vocab * 31 + int(density * 100) + len(dtype))

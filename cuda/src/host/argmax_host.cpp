@@ -64,41 +64,70 @@ struct Best32 {
     uint32_t id;
 };
 
+// Per lane, the greatest key so far and where it was first seen (a strict '>' keeps the first).
+struct LaneBest {
+    __m256i k0, k1, i0, i1;
+};
+
+// Offers the 16 ids at p[0..16) (ids at..at+15); `allowed` holds their bitmask bits (bit j: id
+// at + j). Most blocks cannot raise any lane's best: their raw signed keys (NaN still high)
+// are checked first, and only a block that might is keyed fully (NaN low, disallowed lowest).
+__attribute__((target("avx2"))) inline void offer16(LaneBest &lb, const uint32_t *p, uint32_t at,
+                                                   uint32_t allowed) {
+    const __m256i mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i b0 = _mm256_loadu_si256((const __m256i *)p), b1 = _mm256_loadu_si256((const __m256i *)(p + 8));
+    __m256i m0 = _mm256_and_si256(b0, mag_mask), m1 = _mm256_and_si256(b1, mag_mask);
+    __m256i r0 = _mm256_sign_epi32(m0, b0), r1 = _mm256_sign_epi32(m1, b1);
+    __m256i up = _mm256_or_si256(_mm256_cmpgt_epi32(r0, lb.k0), _mm256_cmpgt_epi32(r1, lb.k1));
+    if (_mm256_testz_si256(up, up)) return;
+    const __m256i inf = _mm256_set1_epi32(0x7F800000), nan_key = _mm256_set1_epi32(kNan32);
+    __m256i x0 = _mm256_blendv_epi8(r0, nan_key, _mm256_cmpgt_epi32(m0, inf));
+    __m256i x1 = _mm256_blendv_epi8(r1, nan_key, _mm256_cmpgt_epi32(m1, inf));
+    if (allowed != 0xFFFFu) {  // a disallowed id's key: below every candidate's
+        const __m256i pick = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128), zero = _mm256_setzero_si256();
+        const __m256i out_key = _mm256_set1_epi32(kOut32);
+        __m256i d0 = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(allowed & 0xFFu)), pick), zero);
+        __m256i d1 = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(allowed >> 8)), pick), zero);
+        x0 = _mm256_blendv_epi8(x0, out_key, d0);
+        x1 = _mm256_blendv_epi8(x1, out_key, d1);
+    }
+    const __m256i at0 = _mm256_add_epi32(_mm256_set1_epi32((int)at), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i at1 = _mm256_add_epi32(at0, _mm256_set1_epi32(8));
+    __m256i up0 = _mm256_cmpgt_epi32(x0, lb.k0), up1 = _mm256_cmpgt_epi32(x1, lb.k1);
+    lb.k0 = _mm256_max_epi32(x0, lb.k0);
+    lb.k1 = _mm256_max_epi32(x1, lb.k1);
+    lb.i0 = _mm256_blendv_epi8(lb.i0, at0, up0);
+    lb.i1 = _mm256_blendv_epi8(lb.i1, at1, up1);
+}
+
+// With a bitmask the scan walks whole 32-id words: one word load per 32 ids, and a word of zeros
+// skips its logits entirely (grammar masks are mostly such words).
 __attribute__((target("avx2"))) Best32 best_f32(const uint32_t *p, uint32_t lo, uint32_t hi,
                                                 const uint32_t *bits, uint32_t words) {
-    const __m256i mag_mask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
-    const __m256i nan_key = _mm256_set1_epi32(kNan32), out_key = _mm256_set1_epi32(kOut32);
-    const __m256i step = _mm256_set1_epi32(16);
-    __m256i k0 = out_key, k1 = out_key, i0 = _mm256_setzero_si256(), i1 = i0;
-    __m256i at0 = _mm256_add_epi32(_mm256_set1_epi32((int)lo), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    __m256i at1 = _mm256_add_epi32(at0, _mm256_set1_epi32(8));
+    (void)words;
+    const __m256i out_key = _mm256_set1_epi32(kOut32);
+    LaneBest lb{out_key, out_key, _mm256_setzero_si256(), _mm256_setzero_si256()};
+    Best32 best{kOut32, UINT32_MAX};
     uint32_t i = lo;
-    for (; i + 16 <= hi; i += 16) {
-        __m256i b0 = _mm256_loadu_si256((const __m256i *)(p + i));
-        __m256i b1 = _mm256_loadu_si256((const __m256i *)(p + i + 8));
-        __m256i m0 = _mm256_and_si256(b0, mag_mask), m1 = _mm256_and_si256(b1, mag_mask);
-        __m256i x0 = _mm256_blendv_epi8(_mm256_sign_epi32(m0, b0), nan_key, _mm256_cmpgt_epi32(m0, inf));
-        __m256i x1 = _mm256_blendv_epi8(_mm256_sign_epi32(m1, b1), nan_key, _mm256_cmpgt_epi32(m1, inf));
-        if (bits) {
-            uint32_t b = bits_from(bits, words, i);
-            x0 = _mm256_blendv_epi8(x0, out_key, disallowed32(b & 0xFFu));
-            x1 = _mm256_blendv_epi8(x1, out_key, disallowed32((b >> 8) & 0xFFu));
+    if (!bits) {
+        for (; i + 16 <= hi; i += 16) offer16(lb, p + i, i, 0xFFFFu);
+    } else {
+        for (; i < hi && (i & 31u); ++i)  // scalar up to a word boundary
+            if (mf_bit_allowed(bits, i) && skey32(p[i]) > best.key) best = Best32{skey32(p[i]), i};
+        for (; i + 32 <= hi; i += 32) {
+            const uint32_t w = bits[i >> 5];
+            if (w == 0u) continue;
+            offer16(lb, p + i, i, w & 0xFFFFu);
+            offer16(lb, p + i + 16, i + 16, w >> 16);
         }
-        __m256i up0 = _mm256_cmpgt_epi32(x0, k0), up1 = _mm256_cmpgt_epi32(x1, k1);  // strict: first
-        k0 = _mm256_max_epi32(x0, k0);
-        k1 = _mm256_max_epi32(x1, k1);
-        i0 = _mm256_blendv_epi8(i0, at0, up0);
-        i1 = _mm256_blendv_epi8(i1, at1, up1);
-        at0 = _mm256_add_epi32(at0, step);
-        at1 = _mm256_add_epi32(at1, step);
     }
     alignas(32) int32_t keys[16];
     alignas(32) uint32_t ids[16];
-    _mm256_store_si256((__m256i *)keys, k0);
-    _mm256_store_si256((__m256i *)(keys + 8), k1);
-    _mm256_store_si256((__m256i *)ids, i0);
-    _mm256_store_si256((__m256i *)(ids + 8), i1);
-    Best32 best{kOut32, UINT32_MAX};
+    _mm256_store_si256((__m256i *)keys, lb.k0);
+    _mm256_store_si256((__m256i *)(keys + 8), lb.k1);
+    _mm256_store_si256((__m256i *)ids, lb.i0);
+    _mm256_store_si256((__m256i *)(ids + 8), lb.i1);
+    // The scalar head (ids below every lane's) wins ties against the lanes.
     for (int lane = 0; lane < 16; ++lane)
         if (keys[lane] > best.key || (keys[lane] == best.key && keys[lane] != kOut32 && ids[lane] < best.id))
             best = Best32{keys[lane], ids[lane]};
