@@ -207,3 +207,30 @@ def test_gpu_draws_are_the_host_kernels_bits(dev, dtype):
     finally:
         mf.set_backend("cuda")
     assert np.array_equal(on_gpu, on_host)
+
+
+@pytest.mark.parametrize("scale", [1.0, 6.0])
+def test_vector_and_portable_paths_draw_the_same(host, dev, scale):
+    """The AVX2 helpers only decide what to skip (and repeat the rule's exp for top_p masses):
+    the ids must be the portable path's, filters on and off, masks and bitmask included."""
+    rng = np.random.default_rng(int(scale))
+    rows, vocab = 48, 3001
+    logits = (rng.standard_normal((rows, vocab)) * scale).astype(np.float32)
+    logits[rng.integers(0, rows, 20), rng.integers(0, vocab, 20)] = np.nan
+    logits[rng.integers(0, rows, 20), rng.integers(0, vocab, 20)] = np.inf
+    params = mf.sampling_params(rows, temperature=rng.uniform(0.3, 2.0, rows),
+                                top_k=np.where(rng.random(rows) < 0.3, rng.integers(1, 100, rows), 0),
+                                top_p=np.where(rng.random(rows) < 0.5, rng.uniform(0.2, 1.0, rows), 1.0),
+                                min_p=np.where(rng.random(rows) < 0.3, rng.uniform(0, 0.3, rows), 0.0),
+                                seed=rng.integers(0, 2**63, rows), position=rng.integers(0, 2**31, rows))
+    masks = rng.integers(0, vocab, (rows, 2)).astype(np.uint32)
+    bitmask = rng.integers(-2**31, 2**31, (rows, (vocab + 31) // 32)).astype(np.int32)
+    got = {}
+    for portable in (True, False):
+        mf.host_argmax_path(portable)
+        try:
+            got[portable] = sample(dev, logits, params, masks, bitmask)
+        finally:
+            mf.host_argmax_path(False)
+    assert np.array_equal(got[True], got[False])
+    assert (got[True] != mf.NO_TOKEN).all()

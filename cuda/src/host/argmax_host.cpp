@@ -277,7 +277,7 @@ void run_argmax(const ArgmaxJob &job) {
             // A temperature that is not finite and > 0 (only device-resident params can hold
             // one) is greedy, as 0 is.
             const bool sampled = params && params[r].temperature > 0.0f && params[r].temperature <= 3.4e38f;
-            a.cells[r] = sampled ? sample_row(row, a.dtype, a.vocab, &rule, params[r])
+            a.cells[r] = sampled ? sample_row(row, a.dtype, a.vocab, &rule, params[r], row_fn != argmax_row_portable)
                                  : row_fn(row, a.dtype, a.vocab, &rule);
         }
     });

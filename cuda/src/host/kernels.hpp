@@ -42,9 +42,10 @@ uint32_t argmax_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_ro
 const char *argmax_isa();
 bool use_portable_argmax(bool portable);  // for tests of both paths; false: no vector path here
 
-// One sampled row (sample_host.cpp); temperature 0 never reaches it.
+// One sampled row (sample_host.cpp); temperature 0 never reaches it. `vector`: the AVX2 helpers
+// may decide what to skip (the portable path when the argmax path is forced portable).
 uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
-                    const mf_sampling_params &p);
+                    const mf_sampling_params &p, bool vector);
 
 // Clears FTZ/DAZ for the lifetime of the guard: the rules are defined on IEEE arithmetic with
 // subnormals, whatever a library loaded into the process did to this thread's MXCSR.
