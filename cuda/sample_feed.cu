@@ -49,7 +49,7 @@ struct Row {
 
 // The smallest packed threshold t with weight(packed >= t) >= target over the candidates with
 // packed >= floor; weight is 1 (use_mass false) or the mass exp(z - zmax) in 2**-39 units.
-__device__ uint64_t block_select(const Row &row, uint64_t floor, bool use_mass, float temperature,
+__device__ uint64_t block_select(const Row &row, uint64_t floor, bool use_mass, float inv_t,
                                  float zmax, uint64_t target) {
     __shared__ unsigned long long bins[256];
     __shared__ unsigned long long above, prefix;
@@ -65,7 +65,7 @@ __device__ uint64_t block_select(const Row &row, uint64_t floor, bool use_mass, 
             if (packed < floor) continue;
             if (shift < 56 && (packed >> (shift + 8)) != (want >> (shift + 8))) continue;
             const uint64_t w = use_mass ? mf_mass(mf_exp_neg(mf_fsub(
-                                              mf_fdiv(mf_from_bits(bits), temperature), zmax)))
+                                              mf_scaled(bits, inv_t), zmax)))
                                         : 1ull;
             if (w) atomicAdd(&bins[(packed >> shift) & 0xFFu], (unsigned long long)w);
         }
@@ -116,23 +116,23 @@ __global__ void __launch_bounds__(kThreads)
         return;
     }
     const uint32_t top_id = mf_unpack_id(top);
-    const float zmax = mf_fdiv(mf_from_bits(mf_logit_bits(row.logits, dtype, top_id)), p.temperature);
+    const float zmax = mf_scaled(mf_logit_bits(row.logits, dtype, top_id), p.inv_t);
     if (!mf_finite_bits(mf_to_bits(zmax))) {
         if (threadIdx.x == 0) cells[r] = top_id;
         return;
     }
     uint64_t threshold = 0;
     if (p.top_k && count > p.top_k)
-        threshold = block_select(row, 0, false, p.temperature, zmax, p.top_k);
+        threshold = block_select(row, 0, false, p.inv_t, zmax, p.top_k);
     if (p.use_top_p) {
         uint64_t total = 0;
         for (uint32_t i = threadIdx.x; i < vocab; i += blockDim.x) {
             uint32_t bits;
             if (!row.candidate(i, &bits) || mf_pack(mf_key_f32(bits), i) < threshold) continue;
-            total += mf_mass(mf_exp_neg(mf_fsub(mf_fdiv(mf_from_bits(bits), p.temperature), zmax)));
+            total += mf_mass(mf_exp_neg(mf_fsub(mf_scaled(bits, p.inv_t), zmax)));
         }
         total = block_reduce(total, false);
-        threshold = block_select(row, threshold, true, p.temperature, zmax,
+        threshold = block_select(row, threshold, true, p.inv_t, zmax,
                                  mf_top_p_target(total, p.top_p));
     }
     // The race. The top candidate's score bounds the others: z + MF_GUMBEL_BOUND below it cannot win.
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kThreads)
     for (uint32_t i = threadIdx.x; i < vocab; i += blockDim.x) {
         uint32_t bits;
         if (i == top_id || !row.candidate(i, &bits)) continue;
-        const float z = mf_fdiv(mf_from_bits(bits), p.temperature);
+        const float z = mf_scaled(bits, p.inv_t);
         if (mf_fadd(z, MF_GUMBEL_BOUND) < s0) continue;
         if (threshold && mf_pack(mf_key_f32(bits), i) < threshold) continue;
         if (p.use_min_p && !(mf_exp_neg(mf_fsub(z, zmax)) >= p.min_p)) continue;

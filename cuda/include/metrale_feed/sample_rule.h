@@ -6,7 +6,8 @@
  * not matter.
  *
  * A row's candidates are the ids its masks and bitmask allow whose logit is finite. With
- * z = logit / temperature and zmax the greatest z:
+ * z = logit * (1 / temperature) (the reciprocal rounded once per row: a multiply per id, and
+ * still monotone in the logit) and zmax the greatest z:
  * - the weight of id v is e(v) = exp(z(v) - zmax) in (0, 1], its mass floor(e(v) * 2**39) (an
  *   integer: 2**24 ids of mass <= 2**39 sum without overflow, in any order);
  * - top_k keeps the k greatest packed words (logit key, ~id): ties at the boundary to the lower id;
@@ -131,6 +132,9 @@ MF_HD float mf_gumbel(uint64_t seed, uint32_t position, uint32_t v) {
     return -mf_log_pos(-mf_log_pos(u));
 }
 
+/* z of a logit (float32 bits). */
+MF_HD float mf_scaled(uint32_t bits, float inv_t) { return mf_fmul(mf_from_bits(bits), inv_t); }
+
 MF_HD uint64_t mf_mass(float e) { return (uint64_t)mf_fmul(e, 549755813888.0f); /* 2**39 */ }
 
 /* ceil(total * top_p), at least 1, with top_p as a 32-bit binary fraction (integer math). */
@@ -147,7 +151,7 @@ MF_HD uint64_t mf_top_p_target(uint64_t total, float top_p) {
 /* A row's sampling parameters, sanitised: device-resident ones are not checked before launch, so
  * a value out of range means its neutral setting. greedy: the argmax rule. */
 typedef struct mf_sample_plan {
-    float temperature, top_p, min_p;
+    float temperature, inv_t, top_p, min_p;
     uint32_t top_k;
     uint64_t seed;
     uint32_t position;
@@ -163,6 +167,7 @@ MF_HD mf_sample_plan mf_plan_sampling(const mf_sampling_params *p) {
     s.seed = p->seed;
     s.position = p->position;
     s.greedy = !(s.temperature > 0.0f && s.temperature <= 3.4e38f);
+    s.inv_t = s.greedy ? 0.0f : mf_fdiv(1.0f, s.temperature);
     s.use_top_p = s.top_p > 0.0f && s.top_p < 1.0f;
     s.use_min_p = s.min_p > 0.0f && s.min_p < 1.0f;
     return s;

@@ -24,11 +24,11 @@ struct Cand {
     uint64_t weight;  // what the select counts: 1 (top_k) or the mass (top_p)
 };
 
-// The smallest packed threshold t such that the candidates with packed >= t weigh >= target
-// (1 <= target <= their total weight). Consumes `c`.
-uint64_t radix_select(std::vector<Cand> &c, uint64_t target) {
-    uint64_t above = 0, prefix = 0;
-    for (int shift = 56; shift >= 0; shift -= 8) {
+// Narrows a radix select over `c` (elements sharing the bits above `shift + 8` of `*prefix`)
+// digit by digit down to the whole 64-bit threshold. The last digit overlaps bits already fixed,
+// which every element left shares, so it still selects the right low nibble.
+uint64_t radix_finish(std::vector<Cand> &c, uint64_t target, uint64_t above, uint64_t prefix, int shift) {
+    for (;; shift = shift >= 8 ? shift - 8 : 0) {
         uint64_t bins[256] = {0};
         for (const Cand &x : c) bins[(x.packed >> shift) & 0xFFu] += x.weight;
         const uint32_t digit = mf_select_digit(bins, &above, target);
@@ -37,8 +37,8 @@ uint64_t radix_select(std::vector<Cand> &c, uint64_t target) {
         for (const Cand &x : c)
             if (((x.packed >> shift) & 0xFFu) == digit) c[kept++] = x;
         c.resize(kept);
+        if (shift == 0) return prefix;
     }
-    return prefix;
 }
 
 struct RowView {
@@ -46,13 +46,13 @@ struct RowView {
     int dt;
     uint32_t vocab;
     const mf_row_rule *rule;
-    float temperature;
+    float inv_t;
     bool candidate(uint32_t i, uint32_t *bits) const {
         if (i == rule->m0 || i == rule->m1 || !mf_bit_allowed(rule->bits, i)) return false;
         *bits = mf_logit_bits(row, dt, i);
         return mf_finite_bits(*bits);
     }
-    float z(uint32_t bits) const { return mf_fdiv(mf_from_bits(bits), temperature); }
+    float z(uint32_t bits) const { return mf_scaled(bits, inv_t); }
 };
 
 // The race's state: the best packed score and its score, raised by offer().
@@ -82,6 +82,14 @@ struct Race {
 
 #ifdef MF_X86
 #define MF_AVX2 __attribute__((target("avx2")))
+
+// The bitmask bits of ids [i, i + 32), lowest id in bit 0 (reads stay inside the row's words).
+inline uint32_t bits_word(const uint32_t *bits, uint32_t words, uint32_t i) {
+    const uint32_t w = i >> 5, sh = i & 31u;
+    uint64_t window = bits[w];
+    if (w + 1 < words) window |= (uint64_t)bits[w + 1] << 32;
+    return (uint32_t)(window >> sh);
+}
 
 // sample_rule.h's mf_exp_neg on 8 lanes: the same IEEE operations in the same order (no FMA in
 // this target), so the same bits.
@@ -145,7 +153,7 @@ MF_AVX2 void philox32(uint64_t seed, uint32_t position, uint32_t i, __m256i out[
 MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
     const float *p = (const float *)race.v.row;
     const uint32_t vocab = race.v.vocab;
-    const __m256 t = _mm256_set1_ps(race.v.temperature), bound = _mm256_set1_ps(MF_GUMBEL_BOUND);
+    const __m256 t = _mm256_set1_ps(race.v.inv_t), bound = _mm256_set1_ps(MF_GUMBEL_BOUND);
     const __m256i exp_mask = _mm256_set1_epi32(0x7F800000);
     uint32_t i = 0;
     for (; i + 32 <= vocab; i += 32) {
@@ -157,7 +165,7 @@ MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
             const __m256i finite = _mm256_xor_si256(
                 _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(l), exp_mask), exp_mask),
                 _mm256_set1_epi32(-1));
-            z[j] = _mm256_div_ps(l, t);
+            z[j] = _mm256_mul_ps(l, t);
             const __m256 close = _mm256_cmp_ps(_mm256_add_ps(z[j], bound), s, _CMP_GE_OQ);
             near |= (unsigned)_mm256_movemask_ps(_mm256_and_ps(close, _mm256_castsi256_ps(finite))) << (8 * j);
         }
@@ -186,54 +194,116 @@ MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
         if (i != top_id) race.offer(i);
 }
 
-// The masses of the candidates at or above `threshold` (mass 0 ones left out: they move no
-// threshold), for the top_p select; the exp is exp_neg8, the rest the scalar rule.
-MF_AVX2 uint64_t masses_f32(const RowView &v, float zmax, uint64_t threshold, std::vector<Cand> &out) {
+// Calls f(id, packed, weight) for each candidate of a float32 row at or above `floor` with a
+// weight > 0 (1, or the mass: mass 0 moves no threshold) whose key's top 12 bits are `digit`
+// (any when digit < 0). The lane tests (finite, masks, bitmask, weight, digit) are vector; exp is
+// exp_neg8, which repeats the rule's operations, and the mass the rule's conversion.
+template <class F>
+MF_AVX2 void for_weighted_f32(const RowView &v, bool use_mass, float zmax, uint64_t floor, int digit, F &&f) {
     const float *p = (const float *)v.row;
-    const __m256 t = _mm256_set1_ps(v.temperature), zm = _mm256_set1_ps(zmax);
-    const __m256 scale = _mm256_set1_ps(549755813888.0f);
-    uint64_t total = 0;
+    const __m256 t = _mm256_set1_ps(v.inv_t), zm = _mm256_set1_ps(zmax);
+    const __m256 scale = _mm256_set1_ps(549755813888.0f), one = _mm256_set1_ps(1.0f);
+    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000), mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m256i m0 = _mm256_set1_epi32((int)v.rule->m0), m1 = _mm256_set1_epi32((int)v.rule->m1);
+    const __m256i bias = _mm256_set1_epi32(INT32_MIN), want = _mm256_set1_epi32(digit);
+    const __m256i pick = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128), zero = _mm256_setzero_si256();
+    const uint32_t words = mf_bitmask_words(v.vocab);
     uint32_t i = 0;
-    alignas(32) float e[8];
+    alignas(32) float w[8];
+    alignas(32) uint32_t keys[8];
     for (; i + 8 <= v.vocab; i += 8) {
         const __m256 l = _mm256_loadu_ps(p + i);
-        const __m256 ev = exp_neg8(_mm256_sub_ps(_mm256_div_ps(l, t), zm));
-        // mass >= 1 (and a finite logit: exp_neg8 of NaN is 0, of +inf - zmax is refused below)
-        unsigned some = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_mul_ps(ev, scale), _mm256_set1_ps(1.0f), _CMP_GE_OQ));
+        const __m256i b = _mm256_castps_si256(l);
+        const __m256i ids = _mm256_add_epi32(_mm256_set1_epi32((int)i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i bad = _mm256_or_si256(_mm256_cmpeq_epi32(_mm256_and_si256(b, exp_mask), exp_mask),
+                                      _mm256_or_si256(_mm256_cmpeq_epi32(ids, m0), _mm256_cmpeq_epi32(ids, m1)));
+        if (v.rule->bits) {
+            const __m256i allowed = _mm256_set1_epi32((int)(bits_word(v.rule->bits, words, i) & 0xFFu));
+            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(allowed, pick), zero));
+        }
+        const __m256i m = _mm256_and_si256(b, mag_mask);
+        const __m256i key = _mm256_add_epi32(_mm256_sign_epi32(m, b), bias);  // mf_key_f32, finite
+        if (digit >= 0) bad = _mm256_or_si256(bad, _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_srli_epi32(key, 20), want),
+                                                                     _mm256_set1_epi32(-1)));
+        __m256 wv = one;
+        if (use_mass) {
+            wv = _mm256_mul_ps(exp_neg8(_mm256_sub_ps(_mm256_mul_ps(l, t), zm)), scale);
+            bad = _mm256_or_si256(bad, _mm256_castps_si256(_mm256_cmp_ps(wv, one, _CMP_NGE_UQ)));
+        }
+        unsigned some = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(bad)) ^ 0xFFu;
         if (!some) continue;
-        _mm256_store_ps(e, ev);
+        _mm256_store_ps(w, wv);
+        _mm256_store_si256((__m256i *)keys, key);
         while (some) {
             const uint32_t j = (uint32_t)__builtin_ctz(some), id = i + j;
             some &= some - 1;
-            uint32_t bits;
-            if (!v.candidate(id, &bits)) continue;
-            const uint64_t packed = mf_pack(mf_key_f32(bits), id);
-            if (packed < threshold) continue;
-            const uint64_t mass = mf_mass(e[j]);
-            total += mass;
-            out.push_back(Cand{packed, mass});
+            const uint64_t packed = mf_pack(keys[j], id);
+            if (packed >= floor) f(id, packed, (uint64_t)w[j]);  // = mf_mass(e): w is e * 2**39
         }
     }
     for (; i < v.vocab; ++i) {
         uint32_t bits;
         if (!v.candidate(i, &bits)) continue;
         const uint64_t packed = mf_pack(mf_key_f32(bits), i);
-        if (packed < threshold) continue;
-        const uint64_t mass = mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax)));
-        if (!mass) continue;
-        total += mass;
-        out.push_back(Cand{packed, mass});
+        const uint64_t wt = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
+        if (packed >= floor && wt && (digit < 0 || (int)(packed >> 52) == digit)) f(i, packed, wt);
     }
-    return total;
 }
 #endif
+
+// Calls f(id, packed, weight) for each candidate at or above `floor` with a weight > 0: 1 for
+// top_k, the mass for top_p.
+template <class F>
+void for_weighted(const RowView &v, bool use_mass, float zmax, uint64_t floor, int digit, bool vector,
+                  F &&f) {
+#ifdef MF_X86
+    if (vector) return for_weighted_f32(v, use_mass, zmax, floor, digit, f);
+#else
+    (void)vector;
+#endif
+    for (uint32_t i = 0; i < v.vocab; ++i) {
+        uint32_t bits;
+        if (!v.candidate(i, &bits)) continue;
+        const uint64_t packed = mf_pack(mf_key_f32(bits), i);
+        if (packed < floor || (digit >= 0 && (int)(packed >> 52) != digit)) continue;
+        const uint64_t w = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
+        if (w) f(i, packed, w);
+    }
+}
+
+// The top_k (use_mass false, target k) or top_p threshold over the candidates at or above
+// `floor`: the smallest packed t whose candidates at or above it weigh >= the target, or `floor`
+// when all of them together do not exceed k. One sweep histograms the key's top 12 bits; a second
+// collects only that digit's candidates for the radix select of the rest.
+uint64_t select_threshold(const RowView &v, bool use_mass, float zmax, uint64_t floor, uint32_t k,
+                          float top_p, bool vector) {
+    thread_local std::vector<uint64_t> bins;
+    bins.assign(4096, 0);
+    uint64_t *hist = bins.data();
+    uint64_t sum = 0;
+    for_weighted(v, use_mass, zmax, floor, -1, vector, [hist, &sum](uint32_t, uint64_t packed, uint64_t w) {
+        hist[packed >> 52] += w;
+        sum += w;
+    });
+    const uint64_t total = sum;
+    if (!use_mass && total <= k) return floor;
+    const uint64_t target = use_mass ? mf_top_p_target(total, top_p) : k;
+    uint64_t above = 0;
+    uint32_t digit = 4095;
+    for (; digit > 0 && above + bins[digit] < target; --digit) above += bins[digit];
+    thread_local std::vector<Cand> cand;
+    cand.clear();
+    for_weighted(v, use_mass, zmax, floor, (int)digit, vector,
+                 [](uint32_t, uint64_t packed, uint64_t w) { cand.push_back(Cand{packed, w}); });
+    return radix_finish(cand, target, above, (uint64_t)digit << 52, 44);
+}
 
 }  // namespace
 
 uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
                     const mf_sampling_params &params, bool vector) {
     const mf_sample_plan p = mf_plan_sampling(&params);
-    const RowView v{row, (int)dtype, vocab, rule, p.temperature};
+    const RowView v{row, (int)dtype, vocab, rule, p.inv_t};
 #ifdef MF_X86
     vector = vector && dtype == MF_DTYPE_F32;
 #else
@@ -257,34 +327,8 @@ uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_ro
     if (!mf_finite_bits(mf_to_bits(zmax))) return top_id;  // temperature too small to matter
 
     uint64_t threshold = 0;  // survivors: packed >= threshold
-    thread_local std::vector<Cand> cand;
-    if (p.top_k) {
-        cand.clear();
-        for (uint32_t i = 0; i < vocab; ++i) {
-            uint32_t bits;
-            if (v.candidate(i, &bits)) cand.push_back(Cand{mf_pack(mf_key_f32(bits), i), 1});
-        }
-        if (cand.size() > p.top_k) threshold = radix_select(cand, p.top_k);
-    }
-    if (p.use_top_p) {
-        cand.clear();
-        uint64_t total = 0;
-#ifdef MF_X86
-        if (vector) total = masses_f32(v, zmax, threshold, cand);
-#endif
-        if (!vector)
-            for (uint32_t i = 0; i < vocab; ++i) {
-                uint32_t bits;
-                if (!v.candidate(i, &bits)) continue;
-                const uint64_t packed = mf_pack(mf_key_f32(bits), i);
-                if (packed < threshold) continue;
-                const uint64_t mass = mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax)));
-                if (!mass) continue;  // moves no threshold
-                total += mass;
-                cand.push_back(Cand{packed, mass});
-            }
-        threshold = radix_select(cand, mf_top_p_target(total, p.top_p));
-    }
+    if (p.top_k) threshold = select_threshold(v, false, zmax, 0, p.top_k, 1.0f, vector);
+    if (p.use_top_p) threshold = select_threshold(v, true, zmax, threshold, 0, p.top_p, vector);
     // The race, the greatest logit first: its score bounds which others can still win.
     const float s0 = mf_fadd(zmax, mf_gumbel(p.seed, p.position, top_id));
     Race race{v, p, zmax, threshold, mf_pack(mf_key_f32(mf_to_bits(s0)), top_id), s0};
