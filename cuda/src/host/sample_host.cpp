@@ -277,15 +277,19 @@ void for_weighted(const RowView &v, bool use_mass, float zmax, uint64_t floor, i
 // collects only that digit's candidates for the radix select of the rest.
 uint64_t select_threshold(const RowView &v, bool use_mass, float zmax, uint64_t floor, uint32_t k,
                           float top_p, bool vector) {
+    // Four interleaved histograms: dense rows pile into a few buckets, and one histogram would
+    // chain every add through the same memory word.
     thread_local std::vector<uint64_t> bins;
-    bins.assign(4096, 0);
+    bins.assign(4 * 4096, 0);
     uint64_t *hist = bins.data();
-    uint64_t sum = 0;
-    for_weighted(v, use_mass, zmax, floor, -1, vector, [hist, &sum](uint32_t, uint64_t packed, uint64_t w) {
-        hist[packed >> 52] += w;
-        sum += w;
+    for_weighted(v, use_mass, zmax, floor, -1, vector, [hist](uint32_t id, uint64_t packed, uint64_t w) {
+        hist[((packed >> 52) << 2) | (id & 3u)] += w;
     });
-    const uint64_t total = sum;
+    uint64_t total = 0;  // summed here, not per element: a running sum would alias the stores
+    for (uint32_t d = 0; d < 4096; ++d) {
+        hist[d] = hist[4 * d] + hist[4 * d + 1] + hist[4 * d + 2] + hist[4 * d + 3];
+        total += hist[d];
+    }
     if (!use_mass && total <= k) return floor;
     const uint64_t target = use_mass ? mf_top_p_target(total, top_p) : k;
     uint64_t above = 0;
