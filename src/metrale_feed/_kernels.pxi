@@ -45,7 +45,7 @@ cdef uint32_t table_words_of(object tables, void *ptr):
     return 0xFFFFFFFF
 
 
-cdef bint device_resident(object obj, void **out) except -1:
+cdef bint device_resident(object obj, void **out, str what) except -1:
     """Whether ``obj`` is device memory (a DeviceBuffer, an int pointer to a device allocation of
     this package, a CUDA array), with its pointer in ``out``; False for a host buffer. Device
     memory is read when the kernel runs, host memory before the call returns."""
@@ -53,7 +53,8 @@ cdef bint device_resident(object obj, void **out) except -1:
     if isinstance(obj, int) and not isinstance(obj, bool):
         device_ptr_of(obj, out)
         if mf_mem_lookup(out[0], &left) != MF_MEM_DEVICE:
-            raise TypeError("an int pointer here must be device memory this package allocated")
+            raise TypeError(f"{what} must be a uint32 buffer or a sequence, or device memory: the int "
+                            f"{obj:#x} is not a device allocation of this package")
         return True
     if type(obj) is DeviceBuffer or hasattr(obj, "__cuda_array_interface__"):
         device_ptr_of(obj, out)
@@ -75,7 +76,7 @@ cdef int fill_params(mf_argmax_args *a, object params, _PickInputs keep) except 
     memory (read when the kernel runs)."""
     global _params_dtype
     cdef void *ptr
-    if device_resident(params, &ptr):
+    if device_resident(params, &ptr, "params"):
         a.params = <const mf_sampling_params *>ptr
         a.flags |= MF_ARGS_PARAMS_DEVICE
         return 0
@@ -103,7 +104,7 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
     cdef _HeldBuffer held = None
     cdef _PickInputs keep = _PickInputs.__new__(_PickInputs)
     memset(&a, 0, sizeof(a))
-    if masks is not None and device_resident(masks, &ptr):
+    if masks is not None and device_resident(masks, &ptr, "masks"):
         if rows is None:
             raise ValueError("rows is required with device-resident masks")
         a.masks = <const uint32_t *>ptr
@@ -126,7 +127,7 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
     a.row_stride = a.vocab if row_stride is None else int_of(row_stride, "row_stride", 1, UINT64_MAX)
     a.dtype = dtype_of(dtype)
     if bitmask is not None:
-        if not device_resident(bitmask, &ptr):
+        if not device_resident(bitmask, &ptr, "bitmask"):
             raise TypeError("bitmask must be device memory (a DeviceBuffer, a device pointer or a "
                             f"CUDA array) of int32 words, not {type(bitmask).__name__}")
         a.bitmask = <const uint32_t *>ptr
@@ -229,7 +230,7 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
     if vocab is None or dtype is None:
         raise ValueError("vocab and dtype are required")
     if rows is None and masks is None:
-        if device_resident(params, &ptr):
+        if device_resident(params, &ptr, "params"):
             raise ValueError("rows is required with device-resident params and no masks")
         rows = len(params)
     return launch_pick(logits, masks, cells, dst, event, stream, bitmask, params, rows, vocab, dtype,
@@ -252,7 +253,7 @@ def resolve_feed(sources, cells, out, stream=0, *, prev_rows=None, rows=None):
     cdef _Words words = None
     cdef uint32_t n
     cdef unsigned flags = 0
-    if device_resident(sources, &src_ptr):
+    if device_resident(sources, &src_ptr, "sources"):
         n = <uint32_t>int_of(device_words(sources, src_ptr) if rows is None else rows, "rows", 1, 4096)
         flags = MF_SOURCES_DEVICE
     else:
