@@ -86,14 +86,13 @@ def test_device_masks_are_read_when_the_kernel_runs(host, dev):
     banned = np.stack([best, np.full(rows, mf.NO_TOKEN)], 1).astype(np.uint32)
     dst = np.zeros(rows, np.uint32)
     with mf.Stream() as s, mf.Event() as done:
-        mf.configure_host(lag_us=20000)
-        gate = mf.Event()
         mf.argmax_to_feed(buf, dmasks, cells, dst, done, s, rows=rows, vocab=vocab, dtype="float32")
-        mf.configure_host()
         done.synchronize()
         assert np.array_equal(dst, best)
+        mf.configure_host(lag_us=20000)  # the copy is still queued when the argmax call returns
         mf.copy_h2d_async(dmasks, banned, s)   # queued before the next argmax: it must see it
         mf.argmax_to_feed(buf, dmasks, cells, dst, done, s, rows=rows, vocab=vocab, dtype="float32")
+        mf.configure_host()
         done.synchronize()
         assert np.array_equal(dst, reference_argmax(logits, banned))
         host_masks = banned.copy()
@@ -103,7 +102,6 @@ def test_device_masks_are_read_when_the_kernel_runs(host, dev):
         mf.configure_host()
         done.synchronize()
         assert np.array_equal(dst, reference_argmax(logits, banned))
-        gate.close()
     for b in (buf, cells, dmasks):
         b.close()
 

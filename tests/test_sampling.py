@@ -234,3 +234,36 @@ def test_vector_and_portable_paths_draw_the_same(host, dev, scale):
             mf.host_argmax_path(False)
     assert np.array_equal(got[True], got[False])
     assert (got[True] != mf.NO_TOKEN).all()
+
+
+def test_the_mixin_samples_through_sample_to_feed(host, dev):
+    """RuntimeFeedMixin.sample_batch_to_feed: temperature 0 is its argmax_batch_to_feed, and a
+    sampled step equals sample_to_feed on the same inputs."""
+
+    class Model(mf.RuntimeFeedMixin, mf.ModelDeviceFeed):
+        pass
+
+    rng = np.random.default_rng(8)
+    rows, vocab = 6, 500
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    masks = [(mf.NO_TOKEN, mf.NO_TOKEN)] * rows
+    model = Model()
+    model.init_device_feed(vocab=vocab, max_rows=8)
+    buf = dev.upload(logits)
+    dst = np.zeros(rows, np.uint32)
+    try:
+        with mf.Event() as done:
+            model.argmax_batch_to_feed(buf, masks, dst, done, 0)
+            done.synchronize()
+            greedy = dst.copy()
+            model.sample_batch_to_feed(buf, mf.sampling_params(rows, temperature=0.0), masks, dst, done, 0)
+            done.synchronize()
+            assert np.array_equal(dst, greedy) and np.array_equal(greedy, reference_argmax(logits))
+            params = mf.sampling_params(rows, temperature=1.0, top_p=0.8, seed=4, position=np.arange(rows))
+            model.sample_batch_to_feed(buf, params, masks, dst, done, 0)
+            done.synchronize()
+        assert model.feed_prev_rows == rows
+        assert np.array_equal(dst, sample(dev, logits, params))
+    finally:
+        buf.close()
+        model.close_device_feed()
