@@ -136,6 +136,12 @@ def test_bad_bitmasks_and_masks_are_refused(host, dev):
     with pytest.raises(TypeError):
         mf.argmax_to_feed(logits, None, cells, dst, None, rows=rows, vocab=vocab, dtype="float32",
                           bitmask=np.zeros((rows, 3), np.int32))  # host memory
+    with pytest.raises(mf.FeedError):  # an int the host backend never allocated
+        mf.argmax_to_feed(logits, None, cells, dst, None, rows=rows, vocab=vocab, dtype="float32",
+                          bitmask=0x1000)
+    ones = dev.upload(np.full((rows, 3), -1, np.int32))
+    mf.argmax_to_feed(logits, None, cells, None, None, rows=rows, vocab=vocab, dtype="float32",
+                      bitmask=ones.ptr)  # an int pointer to this package's device memory
     short_masks = mf.DeviceBuffer(rows * 8 - 4)
     with pytest.raises((ValueError, mf.FeedError)):
         mf.argmax_to_feed(logits, short_masks, cells, dst, None, rows=rows, vocab=vocab, dtype="float32")
@@ -143,5 +149,5 @@ def test_bad_bitmasks_and_masks_are_refused(host, dev):
         mf.argmax_to_feed(logits, short_masks, cells, dst, None, vocab=vocab, dtype="float32")  # rows?
     mf.stream_synchronize(0)
     assert (dst == 5).all()  # nothing ran
-    for b in (logits, cells, small, short_masks):
+    for b in (logits, cells, small, short_masks, ones):
         b.close()

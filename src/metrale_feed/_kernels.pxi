@@ -76,6 +76,11 @@ cdef int fill_params(mf_argmax_args *a, object params, _PickInputs keep) except 
     memory (read when the kernel runs)."""
     global _params_dtype
     cdef void *ptr
+    if isinstance(params, int) and not isinstance(params, bool):
+        device_ptr_of(params, &ptr)  # device memory, foreign ones included (the C layer checks ours)
+        a.params = <const mf_sampling_params *>ptr
+        a.flags |= MF_ARGS_PARAMS_DEVICE
+        return 0
     if device_resident(params, &ptr, "params"):
         a.params = <const mf_sampling_params *>ptr
         a.flags |= MF_ARGS_PARAMS_DEVICE
@@ -127,9 +132,11 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
     a.row_stride = a.vocab if row_stride is None else int_of(row_stride, "row_stride", 1, UINT64_MAX)
     a.dtype = dtype_of(dtype)
     if bitmask is not None:
-        if not device_resident(bitmask, &ptr, "bitmask"):
+        if type(bitmask) is not DeviceBuffer and PyObject_CheckBuffer(bitmask) \
+                and not hasattr(bitmask, "__cuda_array_interface__"):
             raise TypeError("bitmask must be device memory (a DeviceBuffer, a device pointer or a "
                             f"CUDA array) of int32 words, not {type(bitmask).__name__}")
+        device_ptr_of(bitmask, &ptr)  # an int: device memory, foreign ones included
         a.bitmask = <const uint32_t *>ptr
     if params is not None:
         fill_params(&a, params, keep)
