@@ -148,8 +148,8 @@ MF_AVX2 void philox32(uint64_t seed, uint32_t position, uint32_t i, __m256i out[
 }
 
 // The race over a float32 row, 32 ids at a time: offers only the ids that pass the two necessary
-// conditions (z + bound >= best score; 1 - U <= exp(z - best score) with a margin far above any
-// rounding here), everything else to the scalar rule.
+// conditions (z + bound >= best score; 1 - U <= exp(z - best score), up to a factor of two),
+// everything else to the scalar rule.
 MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
     const float *p = (const float *)race.v.row;
     const uint32_t vocab = race.v.vocab;
@@ -172,16 +172,21 @@ MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
         if (!near) continue;
         __m256i bits[4];
         philox32(race.p.seed, race.p.position, i, bits);
+        // An id can win only if g >= s - z, and g <= -log(1 - U): out when 1 - U > exp(z - s).
+        // Checked by powers of two: with E the exponent of fl(1 - U) and c = ceil((z - s) log2 e),
+        // E >= c + 2 proves 1 - U > exp(z - s) with a factor of two to spare for every rounding.
         unsigned pass = 0;
         for (int j = 0; j < 4; ++j) {
             const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bits[j], 8)),
                                                          _mm256_set1_ps(0.5f)),
                                            _mm256_set1_ps(5.96046448e-08f));
-            const __m256 gap = _mm256_sub_ps(z[j], s);
-            const __m256 e = _mm256_mul_ps(exp_neg8(_mm256_min_ps(gap, _mm256_setzero_ps())), _mm256_set1_ps(1.01f));
-            const __m256 maybe = _mm256_or_ps(_mm256_cmp_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), u), e, _CMP_LE_OQ),
-                                              _mm256_cmp_ps(gap, _mm256_setzero_ps(), _CMP_GE_OQ));
-            pass |= (unsigned)_mm256_movemask_ps(maybe) << (8 * j);
+            const __m256i e_bits = _mm256_srli_epi32(_mm256_castps_si256(_mm256_sub_ps(_mm256_set1_ps(1.0f), u)), 23);
+            const __m256 gap = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(z[j], s), _mm256_set1_ps(-200.0f)),
+                                             _mm256_setzero_ps());
+            const __m256i c = _mm256_cvttps_epi32(_mm256_ceil_ps(_mm256_mul_ps(gap, _mm256_set1_ps(1.44269504f))));
+            // out: (e_bits - 127) >= c + 2, i.e. e_bits > c + 128
+            const __m256i out = _mm256_cmpgt_epi32(e_bits, _mm256_add_epi32(c, _mm256_set1_epi32(128)));
+            pass |= ((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(out)) ^ 0xFFu) << (8 * j);
         }
         pass &= near;
         while (pass) {
