@@ -135,7 +135,9 @@ MF_HD float mf_gumbel(uint64_t seed, uint32_t position, uint32_t v) {
 /* z of a logit (float32 bits). */
 MF_HD float mf_scaled(uint32_t bits, float inv_t) { return mf_fmul(mf_from_bits(bits), inv_t); }
 
-MF_HD uint64_t mf_mass(float e) { return (uint64_t)mf_fmul(e, 549755813888.0f); /* 2**39 */ }
+/* floor(e * 2**39); through int64, one conversion instruction on every target (the value is below
+ * 2**39, so it is the same integer as a direct unsigned conversion). */
+MF_HD uint64_t mf_mass(float e) { return (uint64_t)(int64_t)mf_fmul(e, 549755813888.0f); }
 
 /* ceil(total * top_p), at least 1, with top_p as a 32-bit binary fraction (integer math). */
 MF_HD uint64_t mf_top_p_target(uint64_t total, float top_p) {

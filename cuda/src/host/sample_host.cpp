@@ -243,7 +243,7 @@ MF_AVX2 void for_weighted_f32(const RowView &v, bool use_mass, float zmax, uint6
             const uint32_t j = (uint32_t)__builtin_ctz(some), id = i + j;
             some &= some - 1;
             const uint64_t packed = mf_pack(keys[j], id);
-            if (packed >= floor) f(id, packed, (uint64_t)w[j]);  // = mf_mass(e): w is e * 2**39
+            if (packed >= floor) f(id, packed, (uint64_t)(int64_t)w[j]);  // = mf_mass(e): w is e * 2**39
         }
     }
     for (; i < v.vocab; ++i) {
@@ -252,6 +252,60 @@ MF_AVX2 void for_weighted_f32(const RowView &v, bool use_mass, float zmax, uint6
         const uint64_t packed = mf_pack(mf_key_f32(bits), i);
         const uint64_t wt = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
         if (packed >= floor && wt && (digit < 0 || (int)(packed >> 52) == digit)) f(i, packed, wt);
+    }
+}
+
+// Sweep 1 of select_threshold on a float32 row with no floor: adds each candidate's weight to
+// hist[(top 12 key bits) * 4 + id % 4]. The bucket indices are computed 8 at a time; only the adds
+// stay scalar. The same candidates and weights as for_weighted_f32 (the tests compare the paths).
+MF_AVX2 void histogram_f32(const RowView &v, bool use_mass, float zmax, uint64_t *hist) {
+    const float *p = (const float *)v.row;
+    const __m256 t = _mm256_set1_ps(v.inv_t), zm = _mm256_set1_ps(zmax);
+    const __m256 scale = _mm256_set1_ps(549755813888.0f), one = _mm256_set1_ps(1.0f);
+    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000), mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m256i m0 = _mm256_set1_epi32((int)v.rule->m0), m1 = _mm256_set1_epi32((int)v.rule->m1);
+    const __m256i bias = _mm256_set1_epi32(INT32_MIN), lane4 = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3);
+    const __m256i pick = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128), zero = _mm256_setzero_si256();
+    const uint32_t words = mf_bitmask_words(v.vocab);
+    alignas(32) float w[8];
+    alignas(32) uint32_t slot[8];
+    uint32_t i = 0;
+    for (; i + 8 <= v.vocab; i += 8) {
+        const __m256 l = _mm256_loadu_ps(p + i);
+        const __m256i b = _mm256_castps_si256(l);
+        const __m256i ids = _mm256_add_epi32(_mm256_set1_epi32((int)i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i bad = _mm256_or_si256(_mm256_cmpeq_epi32(_mm256_and_si256(b, exp_mask), exp_mask),
+                                      _mm256_or_si256(_mm256_cmpeq_epi32(ids, m0), _mm256_cmpeq_epi32(ids, m1)));
+        if (v.rule->bits) {
+            const __m256i allowed = _mm256_set1_epi32((int)(bits_word(v.rule->bits, words, i) & 0xFFu));
+            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(allowed, pick), zero));
+        }
+        const __m256i key = _mm256_add_epi32(_mm256_sign_epi32(_mm256_and_si256(b, mag_mask), b), bias);
+        __m256 wv = one;
+        if (use_mass) {
+            wv = _mm256_mul_ps(exp_neg8(_mm256_sub_ps(_mm256_mul_ps(l, t), zm)), scale);
+            bad = _mm256_or_si256(bad, _mm256_castps_si256(_mm256_cmp_ps(wv, one, _CMP_NGE_UQ)));
+        }
+        unsigned some = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(bad)) ^ 0xFFu;
+        if (!some) continue;
+        // i is a multiple of 8, so id % 4 is the lane's index % 4.
+        _mm256_store_si256((__m256i *)slot, _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(key, 20), 2), lane4));
+        _mm256_store_ps(w, wv);
+        if (some == 0xFFu) {
+            for (int j = 0; j < 8; ++j) hist[slot[j]] += (uint64_t)(int64_t)w[j];
+        } else {
+            while (some) {
+                const uint32_t j = (uint32_t)__builtin_ctz(some);
+                some &= some - 1;
+                hist[slot[j]] += (uint64_t)(int64_t)w[j];
+            }
+        }
+    }
+    for (; i < v.vocab; ++i) {
+        uint32_t bits;
+        if (!v.candidate(i, &bits)) continue;
+        const uint64_t wt = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
+        if (wt) hist[((mf_key_f32(bits) >> 20) << 2) | (i & 3u)] += wt;
     }
 }
 #endif
@@ -287,9 +341,14 @@ uint64_t select_threshold(const RowView &v, bool use_mass, float zmax, uint64_t 
     thread_local std::vector<uint64_t> bins;
     bins.assign(4 * 4096, 0);
     uint64_t *hist = bins.data();
-    for_weighted(v, use_mass, zmax, floor, -1, vector, [hist](uint32_t id, uint64_t packed, uint64_t w) {
-        hist[((packed >> 52) << 2) | (id & 3u)] += w;
-    });
+#ifdef MF_X86
+    if (vector && floor == 0)
+        histogram_f32(v, use_mass, zmax, hist);
+    else
+#endif
+        for_weighted(v, use_mass, zmax, floor, -1, vector, [hist](uint32_t id, uint64_t packed, uint64_t w) {
+            hist[((packed >> 52) << 2) | (id & 3u)] += w;
+        });
     uint64_t total = 0;  // summed here, not per element: a running sum would alias the stores
     for (uint32_t d = 0; d < 4096; ++d) {
         hist[d] = hist[4 * d] + hist[4 * d + 1] + hist[4 * d + 2] + hist[4 * d + 3];
