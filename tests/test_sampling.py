@@ -209,8 +209,9 @@ def test_gpu_draws_are_the_host_kernels_bits(dev, dtype):
     assert np.array_equal(on_gpu, on_host)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("scale", [1.0, 6.0])
-def test_vector_and_portable_paths_draw_the_same(host, dev, scale):
+def test_vector_and_portable_paths_draw_the_same(host, dev, scale, dtype):
     """The AVX2 helpers only decide what to skip (and repeat the rule's exp for top_p masses):
     the ids must be the portable path's, filters on and off, masks and bitmask included."""
     rng = np.random.default_rng(int(scale))
@@ -218,6 +219,9 @@ def test_vector_and_portable_paths_draw_the_same(host, dev, scale):
     logits = (rng.standard_normal((rows, vocab)) * scale).astype(np.float32)
     logits[rng.integers(0, rows, 20), rng.integers(0, vocab, 20)] = np.nan
     logits[rng.integers(0, rows, 20), rng.integers(0, vocab, 20)] = np.inf
+    if dtype != "float32":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        logits = logits.astype(np.float16 if dtype == "float16" else ml_dtypes.bfloat16)
     params = mf.sampling_params(rows, temperature=rng.uniform(0.3, 2.0, rows),
                                 top_k=np.where(rng.random(rows) < 0.3, rng.integers(1, 100, rows), 0),
                                 top_p=np.where(rng.random(rows) < 0.5, rng.uniform(0.2, 1.0, rows), 1.0),

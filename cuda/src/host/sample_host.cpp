@@ -371,12 +371,20 @@ uint64_t select_threshold(const RowView &v, bool use_mass, float zmax, uint64_t 
 uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
                     const mf_sampling_params &params, bool vector) {
     const mf_sample_plan p = mf_plan_sampling(&params);
-    const RowView v{row, (int)dtype, vocab, rule, p.inv_t};
 #ifdef MF_X86
-    vector = vector && dtype == MF_DTYPE_F32;
+    // A 16-bit row is widened to float32 once (exactly: mf_logit_bits), so the vector helpers
+    // serve every dtype; the rule reads the same values either way.
+    thread_local std::vector<uint32_t> wide;
+    if (vector && dtype != MF_DTYPE_F32) {
+        wide.resize(vocab);
+        for (uint32_t i = 0; i < vocab; ++i) wide[i] = mf_logit_bits(row, (int)dtype, i);
+        row = wide.data();
+        dtype = MF_DTYPE_F32;
+    }
 #else
     vector = false;
 #endif
+    const RowView v{row, (int)dtype, vocab, rule, p.inv_t};
     // The greatest finite candidate. The argmax rule's winner is it when finite (+inf ranks
     // above it, NaN and -inf below); otherwise a scalar pass.
     uint64_t top = 0;
