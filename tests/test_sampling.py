@@ -271,3 +271,25 @@ def test_the_mixin_samples_through_sample_to_feed(host, dev):
     finally:
         buf.close()
         model.close_device_feed()
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the vector helpers are x86-64 AVX2 code")
+def test_vector_helpers_are_the_scalar_rule_bit_for_bit(tmp_path):
+    """The AVX2 Philox and exp of the host sampler against philox.h and sample_rule.h (compiled
+    here from tests/c/sample_vectors.cpp with the flags the library uses)."""
+    import shutil
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build tests/c/sample_vectors.cpp")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    exe = tmp_path / "sample_vectors"
+    build = subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off",
+                            f"-I{root}/cuda/include", f"-I{root}/cuda/src", f"-I{root}/cuda/src/host",
+                            f"{root}/tests/c/sample_vectors.cpp", "-o", str(exe)],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    if done.returncode == 77:
+        pytest.skip("this CPU has no AVX2")
+    assert done.returncode == 0 and "mismatches 0" in done.stdout, done.stdout + done.stderr

@@ -111,40 +111,52 @@ MF_AVX2 inline __m256 exp_neg8(__m256 x) {
     return _mm256_castsi256_ps(_mm256_and_si256(bits, keep));
 }
 
-MF_AVX2 inline void mulhilo8(__m256i a, uint32_t m, __m256i *hi, __m256i *lo) {
-    const __m256i mv = _mm256_set1_epi32((int)m);
-    const __m256i even = _mm256_mul_epu32(a, mv), odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), mv);
-    *hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
-    *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
-}
+// The round keys of a seed: philox.h's Weyl schedule, broadcast once per row.
+struct PhiloxKeys {
+    __m256i k0[10], k1[10];
+};
 
-// The 32 random words of ids [i, i + 32) (i a multiple of 4), in id order: philox.h's blocks
-// (i / 4 + b, position, 0, 0), eight at once, transposed from (word, block) to id order.
-MF_AVX2 void philox32(uint64_t seed, uint32_t position, uint32_t i, __m256i out[4]) {
-    __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32((int)(i >> 2)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    __m256i c1 = _mm256_set1_epi32((int)position), c2 = _mm256_setzero_si256(), c3 = c2;
+MF_AVX2 PhiloxKeys philox_keys(uint64_t seed) {
+    PhiloxKeys k;
     uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
     for (int round = 0; round < 10; ++round) {
         if (round) {
             k0 += 0x9E3779B9u;
             k1 += 0xBB67AE85u;
         }
-        __m256i hi0, lo0, hi1, lo1;
-        mulhilo8(c0, 0xD2511F53u, &hi0, &lo0);
-        mulhilo8(c2, 0xCD9E8D57u, &hi1, &lo1);
-        c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32((int)k0));
-        c1 = lo1;
-        c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32((int)k1));
-        c3 = lo0;
+        k.k0[round] = _mm256_set1_epi64x(k0);
+        k.k1[round] = _mm256_set1_epi64x(k1);
     }
-    const __m256i t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpackhi_epi32(c0, c1);
-    const __m256i t2 = _mm256_unpacklo_epi32(c2, c3), t3 = _mm256_unpackhi_epi32(c2, c3);
-    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
-    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
-    out[0] = _mm256_permute2x128_si256(u0, u1, 0x20);
-    out[1] = _mm256_permute2x128_si256(u2, u3, 0x20);
-    out[2] = _mm256_permute2x128_si256(u0, u1, 0x31);
-    out[3] = _mm256_permute2x128_si256(u2, u3, 0x31);
+    return k;
+}
+
+// Four Philox blocks, each word in the low half of a 64-bit lane: _mm256_mul_epu32 then gives
+// the full 64-bit product in place (the high halves of the inputs are ignored, so what they
+// hold never matters). Returns the 16 words in id order: [block 0 words 0-3 | block 1 ...] in
+// out[0], blocks 2 and 3 in out[1].
+MF_AVX2 inline void philox4(__m256i c0, __m256i c1, const PhiloxKeys &k, __m256i out[2]) {
+    const __m256i m0 = _mm256_set1_epi64x(0xD2511F53u), m1 = _mm256_set1_epi64x(0xCD9E8D57u);
+    __m256i c2 = _mm256_setzero_si256(), c3 = c2;
+    for (int round = 0; round < 10; ++round) {
+        const __m256i p0 = _mm256_mul_epu32(c0, m0), p1 = _mm256_mul_epu32(c2, m1);
+        c0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), c1), k.k0[round]);
+        c1 = p1;
+        c2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), c3), k.k1[round]);
+        c3 = p0;
+    }
+    const __m256i t01 = _mm256_blend_epi32(c0, _mm256_slli_epi64(c1, 32), 0xAA);  // per block: w0 w1
+    const __m256i t23 = _mm256_blend_epi32(c2, _mm256_slli_epi64(c3, 32), 0xAA);  // per block: w2 w3
+    const __m256i lo = _mm256_unpacklo_epi64(t01, t23), hi = _mm256_unpackhi_epi64(t01, t23);
+    out[0] = _mm256_permute2x128_si256(lo, hi, 0x20);
+    out[1] = _mm256_permute2x128_si256(lo, hi, 0x31);
+}
+
+// The 32 random words of ids [i, i + 32) (i a multiple of 4), in id order: philox.h's blocks
+// (i / 4 + b, position, 0, 0) for b = 0..7.
+MF_AVX2 void philox32(const PhiloxKeys &k, uint32_t position, uint32_t i, __m256i out[4]) {
+    const __m256i base = _mm256_set1_epi64x(i >> 2), pos = _mm256_set1_epi64x(position);
+    philox4(_mm256_add_epi64(base, _mm256_setr_epi64x(0, 1, 2, 3)), pos, k, out);
+    philox4(_mm256_add_epi64(base, _mm256_setr_epi64x(4, 5, 6, 7)), pos, k, out + 2);
 }
 
 // The race over a float32 row, 32 ids at a time: offers only the ids that pass the two necessary
@@ -155,6 +167,7 @@ MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
     const uint32_t vocab = race.v.vocab;
     const __m256 t = _mm256_set1_ps(race.v.inv_t), bound = _mm256_set1_ps(MF_GUMBEL_BOUND);
     const __m256i exp_mask = _mm256_set1_epi32(0x7F800000);
+    const PhiloxKeys keys = philox_keys(race.p.seed);
     uint32_t i = 0;
     for (; i + 32 <= vocab; i += 32) {
         const __m256 s = _mm256_set1_ps(race.best_score);
@@ -171,7 +184,7 @@ MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
         }
         if (!near) continue;
         __m256i bits[4];
-        philox32(race.p.seed, race.p.position, i, bits);
+        philox32(keys, race.p.position, i, bits);
         // An id can win only if g >= s - z, and g <= -log(1 - U): out when 1 - U > exp(z - s).
         // Checked by powers of two: with E the exponent of fl(1 - U) and c = ceil((z - s) log2 e),
         // E >= c + 2 proves 1 - U > exp(z - s) with a factor of two to spare for every rounding.
