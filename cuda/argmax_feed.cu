@@ -3,7 +3,8 @@
 // Many rows: one block per row. Few rows (rows < 2 * SM count): each row is split across several
 // blocks; each writes a packed partial to per-stream scratch and the last block to arrive (an
 // atomic counter per row) combines them and resets the counter, so no memset between calls.
-// Masks travel by value in the kernel parameters: no staging copy, no host sync, capturable.
+// Host masks travel by value in the kernel parameters (no staging copy, no host sync, capturable);
+// device-resident masks and the bitmask are read by the kernel when it runs.
 #include <algorithm>
 
 #include "cuda/kernels.hpp"
@@ -52,17 +53,19 @@ struct Best {
 };
 
 // One 16-byte vector starting at id `base`; lower ids sit in lower bytes (little-endian).
+// `bits`: the row's bitmask words or nullptr; an id it disallows is never offered.
 template <class E>
-__device__ __forceinline__ void offer_vec(Best &b, uint4 v, uint32_t base) {
+__device__ __forceinline__ void offer_vec(Best &b, uint4 v, uint32_t base, const uint32_t *bits) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
     if (sizeof(typename E::T) == 4) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) b.offer(E::key(w[j]), base + j);
+        for (int j = 0; j < 4; ++j)
+            if (mf_bit_allowed(bits, base + j)) b.offer(E::key(w[j]), base + j);
     } else {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            b.offer(E::key(w[j] & 0xFFFFu), base + 2 * j);
-            b.offer(E::key(w[j] >> 16), base + 2 * j + 1);
+            if (mf_bit_allowed(bits, base + 2 * j)) b.offer(E::key(w[j] & 0xFFFFu), base + 2 * j);
+            if (mf_bit_allowed(bits, base + 2 * j + 1)) b.offer(E::key(w[j] >> 16), base + 2 * j + 1);
         }
     }
 }
@@ -71,14 +74,14 @@ __device__ __forceinline__ void offer_vec(Best &b, uint4 v, uint32_t base) {
 // boundary, 16-byte vector loads, then a scalar tail. Works for any element-aligned row start.
 template <class E>
 __device__ void scan_range(const typename E::T *__restrict__ row, uint32_t lo, uint32_t hi,
-                           Best &b) {
+                           const uint32_t *bits, Best &b) {
     using T = typename E::T;
     constexpr uint32_t V = 16 / sizeof(T);
     if (lo >= hi) return;
     const uint32_t t = threadIdx.x, B = blockDim.x;
     uint32_t head = (uint32_t)((16u - ((uintptr_t)(row + lo) & 15u)) & 15u) / sizeof(T);
     head = min(head, hi - lo);
-    if (t < head) b.offer(E::key(__ldg(row + lo + t)), lo + t);
+    if (t < head && mf_bit_allowed(bits, lo + t)) b.offer(E::key(__ldg(row + lo + t)), lo + t);
 
     const uint32_t vlo = lo + head, nvec = (hi - vlo) / V;
     const uint4 *vp = reinterpret_cast<const uint4 *>(row + vlo);
@@ -88,12 +91,12 @@ __device__ void scan_range(const typename E::T *__restrict__ row, uint32_t lo, u
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) v[u] = __ldg(vp + i + u * B);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) offer_vec<E>(b, v[u], vlo + (i + u * B) * V);
+        for (int u = 0; u < kUnroll; ++u) offer_vec<E>(b, v[u], vlo + (i + u * B) * V, bits);
     }
-    for (; i < nvec; i += B) offer_vec<E>(b, __ldg(vp + i), vlo + i * V);
+    for (; i < nvec; i += B) offer_vec<E>(b, __ldg(vp + i), vlo + i * V, bits);
 
     const uint32_t tail = vlo + nvec * V;
-    if (tail + t < hi) b.offer(E::key(__ldg(row + tail + t)), tail + t);
+    if (tail + t < hi && mf_bit_allowed(bits, tail + t)) b.offer(E::key(__ldg(row + tail + t)), tail + t);
 }
 
 // Max of the packed words of the block; the result is valid in thread 0. Callers that reduce
@@ -119,15 +122,18 @@ __global__ void __launch_bounds__(kMaxThreads)
     mf_argmax_kernel(const typename E::T *__restrict__ logits, uint64_t row_stride,
                      uint32_t vocab, uint32_t chunk, uint32_t *__restrict__ cells,
                      unsigned long long *partials, unsigned int *counters,
+                     const uint32_t *device_masks, const uint32_t *bitmask,
                      const __grid_constant__ RowMasks<MaxRows> masks) {
     const uint32_t r = blockIdx.y, splits = gridDim.x;
     const typename E::T *row = logits + (uint64_t)r * row_stride;
-    const mf_spans s = mf_candidate_spans(vocab, masks.ids[2 * r], masks.ids[2 * r + 1]);
+    const uint32_t *m = device_masks ? device_masks + 2 * r : masks.ids + 2 * r;
+    const mf_spans s = mf_candidate_spans(vocab, m[0], m[1]);
+    const uint32_t *bits = bitmask ? bitmask + (uint64_t)r * mf_bitmask_words(vocab) : nullptr;
     const uint32_t lo = blockIdx.x * chunk, hi = min(lo + chunk, vocab);
 
     Best b;
     for (uint32_t k = 0; k < s.count; ++k)
-        scan_range<E>(row, max(lo, s.lo[k]), min(hi, s.hi[k]), b);
+        scan_range<E>(row, max(lo, s.lo[k]), min(hi, s.hi[k]), bits, b);
     unsigned long long best = block_max(b.pack());
     if (splits == 1) {
         if (threadIdx.x == 0) cells[r] = mf_unpack_id(best);
@@ -159,10 +165,15 @@ template <class E, int MaxRows>
 cudaError_t launch_tier(const mf_argmax_args &a, const ArgmaxPlan &p, const ArgmaxScratch &s,
                         uint32_t row0, uint32_t n, cudaStream_t stream) {
     RowMasks<MaxRows> m;
-    for (uint32_t i = 0; i < 2 * n; ++i) m.ids[i] = a.masks[2 * (uint64_t)row0 + i];
+    const bool on_device = a.flags & MF_ARGS_MASKS_DEVICE;
+    if (!on_device)
+        for (uint32_t i = 0; i < 2 * n; ++i) m.ids[i] = a.masks[2 * (uint64_t)row0 + i];
     const auto *logits = static_cast<const typename E::T *>(a.logits) + row0 * a.row_stride;
+    const uint32_t *dmasks = on_device ? a.masks + 2 * (uint64_t)row0 : nullptr;
+    const uint32_t *bits = a.bitmask ? a.bitmask + (uint64_t)row0 * mf_bitmask_words(a.vocab) : nullptr;
     mf_argmax_kernel<E, MaxRows><<<dim3(p.splits, n), p.threads, 0, stream>>>(
-        logits, a.row_stride, a.vocab, p.chunk, a.cells + row0, s.partials, s.counters, m);
+        logits, a.row_stride, a.vocab, p.chunk, a.cells + row0, s.partials, s.counters, dmasks,
+        bits, m);
     return cudaGetLastError();
 }
 
@@ -171,7 +182,9 @@ cudaError_t launch_dtype(const mf_argmax_args &a, const ArgmaxPlan &p, const Arg
                          cudaStream_t stream) {
     for (uint32_t row0 = 0; row0 < a.rows; row0 += kArgmaxRowsPerLaunch) {
         const uint32_t n = std::min(a.rows - row0, kArgmaxRowsPerLaunch);
-        cudaError_t e = n <= 32    ? launch_tier<E, 32>(a, p, s, row0, n, stream)
+        // Device-resident masks need no parameter space: the smallest tier.
+        cudaError_t e = n <= 32 || (a.flags & MF_ARGS_MASKS_DEVICE)
+                               ? launch_tier<E, 32>(a, p, s, row0, n, stream)
                         : n <= 256 ? launch_tier<E, 256>(a, p, s, row0, n, stream)
                                    : launch_tier<E, kArgmaxRowsPerLaunch>(a, p, s, row0, n, stream);
         if (e != cudaSuccess) return e;

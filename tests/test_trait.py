@@ -9,6 +9,7 @@ from metrale_feed.kv import SequenceState
 ERROR_DEFAULTS = {
     "decode_batch_fed": ([], [], 0),
     "argmax_batch_to_feed": (0, [], 0, 0, 0),
+    "sample_batch_to_feed": (0, None, [], 0, 0, 0),
     "reserve_decode_block": (SequenceState(0),),
     "release_decode_blocks": (SequenceState(0), 1),
     "copy_d2h_async": (0, bytearray(4), 0),

@@ -4,8 +4,11 @@
 For each rows x vocab x dtype it checks the feed ids against torch.argmax on NaN-free random
 logits (plain, and with each row's winner masked), then times both with device events and prints
 us per call, GB/s, the fraction of the H200's 4.8 TB/s and the ratio to torch. Our call includes
-its rows*4-byte copy to pinned memory and the event record; torch's does not. Results go to
-$OUT/gpu_sweep.json when OUT is set. Exit status 1 when any result differs from torch.
+its rows*4-byte copy to pinned memory and the event record; torch's does not. A second table
+times the options at 256 rows against the plain argmax: a bitmask of random words, and
+sample_to_feed with temperature alone and with top_p = 0.9 (target: at most 2x the argmax), and
+checks that temperature 0 gives the argmax's ids. Results go to $OUT/gpu_sweep.json when OUT is
+set. Exit status 1 when any result differs.
 """
 import json
 import os
@@ -108,6 +111,62 @@ def check(feed, x, dtype):
     return bad
 
 
+def sweep_options(feed, gen):
+    """The argmax's options side by side at 256 rows; returns (rows of figures, failures)."""
+    rows, results, failures = 256, [], 0
+    print(f"\n{'rows':>5} {'vocab':>7} {'dtype':>9} {'argmax_us':>10} {'bitmask':>8} {'temp':>8} "
+          f"{'top_p':>8}  check")
+    for vocab in (32000, 152064):
+        base = torch.randn(rows, vocab, device="cuda", generator=gen, dtype=torch.float32) * 3
+        words = (vocab + 31) // 32
+        bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), device="cuda", generator=gen,
+                                dtype=torch.int32)
+        free = np.full((rows, 2), NO_TOKEN, dtype=np.uint32)
+        params = {k: mf.sampling_params(rows, seed=7, position=np.arange(rows), **kw)
+                  for k, kw in (("greedy", dict(temperature=0.0)), ("temp", dict(temperature=1.0)),
+                                ("top_p", dict(temperature=1.0, top_p=0.9)))}
+        for name, tdtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            x = base.to(tdtype)
+            torch.cuda.synchronize()
+            runs = {
+                "argmax": lambda: feed.call(x, free, name),
+                "bitmask": lambda: mf.argmax_to_feed(x.data_ptr(), free, feed.cells, feed.dst, feed.event,
+                                                     feed.stream, rows=rows, vocab=vocab, dtype=name,
+                                                     bitmask=bitmask.data_ptr()),
+            }
+            for k in ("temp", "top_p"):
+                runs[k] = (lambda p: lambda: mf.sample_to_feed(
+                    x.data_ptr(), p, feed.cells, feed.dst, feed.event, feed.stream, rows=rows,
+                    vocab=vocab, dtype=name))(params[k])
+            feed.call(x, free, name)
+            want = feed.ids(rows)
+            mf.sample_to_feed(x.data_ptr(), params["greedy"], feed.cells, feed.dst, feed.event,
+                              feed.stream, rows=rows, vocab=vocab, dtype=name)
+            bad = int((feed.ids(rows) != want).sum())
+            failures += bad > 0
+            us = {}
+            for k, run in runs.items():
+                for _ in range(3):
+                    run()
+                feed.start.record(feed.stream)
+                for _ in range(50):
+                    run()
+                feed.end.record(feed.stream)
+                feed.end.synchronize()
+                us[k] = elapsed_ms(feed.start, feed.end) * 1e3 / 50
+            row = dict(rows=rows, vocab=vocab, dtype=name, us=us,
+                       ratio={k: us[k] / us["argmax"] for k in ("bitmask", "temp", "top_p")},
+                       greedy_mismatches=bad)
+            results.append(row)
+            r = row["ratio"]
+            print(f"{rows:>5} {vocab:>7} {name:>9} {us['argmax']:>10.2f} {r['bitmask']:>7.2f}x "
+                  f"{r['temp']:>7.2f}x {r['top_p']:>7.2f}x  {'ok' if bad == 0 else f'{bad} MISMATCHES'}")
+            del x
+        del base, bitmask
+        torch.cuda.empty_cache()
+    return results, failures
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("gpu_sweep: torch sees no CUDA device")
@@ -143,10 +202,13 @@ def main():
                 del x
             del base
             torch.cuda.empty_cache()
+    options, option_failures = sweep_options(feed, gen)
+    failures += option_failures
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "gpu_sweep.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "results": results,
+                       "options": options}, f, indent=1)
     print("all results match torch.argmax" if failures == 0 else f"{failures} configs mismatched")
     return 1 if failures else 0
 

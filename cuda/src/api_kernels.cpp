@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "api.hpp"
+#include "metrale_feed/argmax_rule.h"
 
 using namespace mf;
 
@@ -16,6 +17,26 @@ bool dtype_known(mf_dtype dtype) {
 }
 bool aligned(const void *ptr, size_t to) { return ((uintptr_t)ptr % to) == 0; }
 
+// Host-resident params are checked row by row here; device-resident ones only for their extent
+// (the kernels read an out-of-range value as its neutral setting).
+mf_status check_sampling(const mf_argmax_args *a) {
+    if (!aligned(a->params, 8)) return fail(MF_ERROR_INVALID_VALUE, "sampling params pointer is misaligned");
+    if (a->flags & MF_ARGS_PARAMS_DEVICE)
+        return check_device_range(a->params, (size_t)a->rows * sizeof(mf_sampling_params),
+                                  "device-resident sampling params");
+    for (uint32_t r = 0; r < a->rows; ++r) {
+        const mf_sampling_params &p = a->params[r];
+        if (!(p.temperature >= 0.0f && p.temperature <= 3.4e38f))  // NaN fails both
+            return fail(MF_ERROR_INVALID_VALUE, "row %u: temperature must be finite and >= 0, got %g", r,
+                        (double)p.temperature);
+        if (!(p.top_p > 0.0f && p.top_p <= 1.0f))
+            return fail(MF_ERROR_INVALID_VALUE, "row %u: top_p must be in (0, 1], got %g", r, (double)p.top_p);
+        if (!(p.min_p >= 0.0f && p.min_p < 1.0f))
+            return fail(MF_ERROR_INVALID_VALUE, "row %u: min_p must be in [0, 1), got %g", r, (double)p.min_p);
+    }
+    return MF_SUCCESS;
+}
+
 mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
     if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "unknown logits dtype %d", (int)a->dtype);
     if (a->rows == 0 || a->rows > kMaxRows)
@@ -28,12 +49,33 @@ mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
     if (a->row_stride < a->vocab)
         return fail(MF_ERROR_INVALID_VALUE, "row_stride %llu is less than vocab %u",
                     (unsigned long long)a->row_stride, a->vocab);
+    if (a->flags & ~(uint32_t)(MF_ARGS_MASKS_DEVICE | MF_ARGS_PARAMS_DEVICE))
+        return fail(MF_ERROR_INVALID_VALUE, "unknown argmax flags 0x%x", a->flags);
     if (!a->masks) return fail(MF_ERROR_INVALID_VALUE, "masks is a null pointer");
-    for (uint32_t i = 0; i < 2 * a->rows; ++i) {
-        uint32_t id = a->masks[i];
-        if (id != MF_NO_TOKEN && id >= a->vocab)
-            return fail(MF_ERROR_INVALID_VALUE, "mask id %u of row %u is not below vocab %u", id, i / 2,
-                        a->vocab);
+    if (a->flags & MF_ARGS_MASKS_DEVICE) {
+        // Read when the kernel runs: only its extent can be checked now.
+        if (!aligned(a->masks, 4)) return fail(MF_ERROR_INVALID_VALUE, "device masks pointer is misaligned");
+        mf_status st = check_device_range(a->masks, (size_t)a->rows * 8, "device-resident masks");
+        if (st != MF_SUCCESS) return st;
+    } else {
+        for (uint32_t i = 0; i < 2 * a->rows; ++i) {
+            uint32_t id = a->masks[i];
+            if (id != MF_NO_TOKEN && id >= a->vocab)
+                return fail(MF_ERROR_INVALID_VALUE, "mask id %u of row %u is not below vocab %u", id,
+                            i / 2, a->vocab);
+        }
+    }
+    if (a->bitmask) {
+        if (!aligned(a->bitmask, 4)) return fail(MF_ERROR_INVALID_VALUE, "bitmask pointer is misaligned");
+        mf_status st = check_device_range(a->bitmask, (size_t)a->rows * mf_bitmask_words(a->vocab) * 4,
+                                          "bitmask");
+        if (st != MF_SUCCESS) return st;
+    }
+    if (a->params) {
+        mf_status st = check_sampling(a);
+        if (st != MF_SUCCESS) return st;
+    } else if (a->flags & MF_ARGS_PARAMS_DEVICE) {
+        return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_PARAMS_DEVICE without params");
     }
     size_t esize = dtype_size(a->dtype);
     if (!aligned(a->logits, esize) || !aligned(a->cells, 4))
@@ -73,23 +115,36 @@ mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream) {
 
 mf_status mf_resolve_feed(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t prev_rows,
                           uint32_t *out, mf_stream_t stream) {
+    return mf_resolve_feed_flags(sources, n, cells, prev_rows, out, 0u, stream);
+}
+
+mf_status mf_resolve_feed_flags(const uint32_t *sources, uint32_t n, const uint32_t *cells,
+                                uint32_t prev_rows, uint32_t *out, unsigned flags, mf_stream_t stream) {
     MF_RANGE("resolve_feed");
     if (n == 0 || n > kMaxRows) return fail(MF_ERROR_INVALID_VALUE, "rows must be in [1, %u], got %u", kMaxRows, n);
+    if (flags & ~(unsigned)MF_SOURCES_DEVICE) return fail(MF_ERROR_INVALID_VALUE, "unknown resolve flags 0x%x", flags);
     if (!sources) return fail(MF_ERROR_INVALID_VALUE, "sources is a null pointer");
-    for (uint32_t i = 0; i < n; ++i) {
-        uint32_t s = sources[i];
-        if (!(s & MF_FEED_HOST_BIT) && s >= prev_rows)
-            return fail(MF_ERROR_INVALID_VALUE,
-                        "source %u reads feed cell %u, beyond the previous step's %u rows", i, s, prev_rows);
+    const bool on_device = flags & MF_SOURCES_DEVICE;
+    mf_status status = MF_SUCCESS;
+    if (on_device) {  // read when the kernel runs, which bounds from_row by prev_rows itself
+        if (!aligned(sources, 4)) return fail(MF_ERROR_INVALID_VALUE, "sources pointer is misaligned");
+        status = check_device_range(sources, (size_t)n * 4, "device-resident sources");
+    } else {
+        for (uint32_t i = 0; i < n; ++i) {
+            uint32_t s = sources[i];
+            if (!(s & MF_FEED_HOST_BIT) && s >= prev_rows)
+                return fail(MF_ERROR_INVALID_VALUE,
+                            "source %u reads feed cell %u, beyond the previous step's %u rows", i, s, prev_rows);
+        }
     }
     if (!aligned(cells, 4) || !aligned(out, 4))
         return fail(MF_ERROR_INVALID_VALUE, "cells or out pointer is misaligned");
-    mf_status status = prev_rows ? check_device_range(cells, (size_t)prev_rows * 4, "feed cells") : MF_SUCCESS;
+    if (status == MF_SUCCESS && prev_rows) status = check_device_range(cells, (size_t)prev_rows * 4, "feed cells");
     if (status == MF_SUCCESS) status = check_device_range(out, (size_t)n * 4, "resolve output");
     void *raw;
     if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
     if (status != MF_SUCCESS) return status;
-    return ops().resolve(sources, n, cells, out, raw);
+    return ops().resolve(sources, n, cells, prev_rows, out, on_device, raw);
 }
 
 mf_status mf_reference_forward(const mf_reference_args *a, mf_stream_t stream) {

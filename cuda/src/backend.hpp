@@ -42,9 +42,13 @@ struct Ops {
     mf_status (*copy_async)(void *dst, const void *src, size_t nbytes, CopyKind kind, void *stream);
 
     // Kernels only; argmax's copy and record are composed by api.cpp from the calls above.
+    // One id per row: the argmax, or a sampled id when args->params is set (one descriptor, one
+    // entry: the options are fields read by the shared rules, not separate launch paths).
     mf_status (*argmax)(const mf_argmax_args *args, void *stream);
-    mf_status (*resolve)(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t *out,
-                         void *stream);
+    // sources_on_device: read when the kernel runs (a from_row >= prev_rows gives NO_TOKEN);
+    // otherwise host words, checked by the caller and consumed before return.
+    mf_status (*resolve)(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t prev_rows,
+                         uint32_t *out, bool sources_on_device, void *stream);
     mf_status (*reference_forward)(const mf_reference_args *args, void *stream);
 };
 

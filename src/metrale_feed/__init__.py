@@ -48,6 +48,7 @@ from ._core import (
     nvtx_range as nvtx_range,
     read_pinned_u32 as read_pinned_u32,
     resolve_feed as resolve_feed,
+    sample_to_feed as sample_to_feed,
     stream_synchronize as stream_synchronize,
     write_pinned_u32 as write_pinned_u32,
 )
@@ -160,6 +161,8 @@ _LAZY = {
     "AsyncDeviceIo": ("router", "AsyncDeviceIo"),
     "SyncDeviceIo": ("router", "SyncDeviceIo"),
     "reference_argmax": ("oracle", "reference_argmax"),
+    "SAMPLING_PARAMS_DTYPE": ("sampling", "SAMPLING_PARAMS_DTYPE"),
+    "sampling_params": ("sampling", "sampling_params"),
 }
 
 

@@ -100,6 +100,14 @@ cdef extern from "metrale_feed/feed.h" nogil:
     mf_status mf_copy_h2d_async(void *dev_dst, const void *host_src, size_t nbytes, mf_stream_t stream)
     mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t nbytes, mf_stream_t stream)
 
+    ctypedef struct mf_sampling_params:
+        float temperature
+        float top_p
+        float min_p
+        uint32_t top_k
+        uint64_t seed
+        uint32_t position
+        uint32_t pad_
     ctypedef struct mf_argmax_args:
         const void *logits
         mf_dtype dtype
@@ -111,9 +119,19 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint32_t cell_capacity
         void *host_dst
         mf_event_t event
+        const uint32_t *bitmask
+        const mf_sampling_params *params
+        uint32_t flags
+    enum:
+        MF_ARGS_MASKS_DEVICE
+        MF_ARGS_PARAMS_DEVICE
+        MF_SOURCES_DEVICE
     mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream)
     mf_status mf_resolve_feed(const uint32_t *sources, uint32_t n, const uint32_t *cells,
                               uint32_t prev_rows, uint32_t *out, mf_stream_t stream)
+    mf_status mf_resolve_feed_flags(const uint32_t *sources, uint32_t n, const uint32_t *cells,
+                                    uint32_t prev_rows, uint32_t *out, unsigned flags,
+                                    mf_stream_t stream)
 
     ctypedef struct mf_reference_args:
         const uint32_t *input_ids

@@ -166,12 +166,19 @@ def write_pinned_u32(ptr: int, values: Iterable[int]) -> None: ...
 
 # ---- kernels ----
 
-def argmax_to_feed(logits: _DeviceLike, masks: _MasksLike | None, cells: _DeviceLike,
+def argmax_to_feed(logits: _DeviceLike, masks: _MasksLike | _DeviceLike | None, cells: _DeviceLike,
                    dst: Buffer | int | None, event: _EventLike | None, stream: _StreamLike = 0, *,
                    rows: int | None = None, vocab: int, dtype: _DType,
+                   row_stride: int | None = None, bitmask: _DeviceLike | None = None) -> int: ...
+def sample_to_feed(logits: _DeviceLike, params: Buffer | _DeviceLike, cells: _DeviceLike,
+                   dst: Buffer | int | None, event: _EventLike | None, stream: _StreamLike = 0, *,
+                   masks: _MasksLike | _DeviceLike | None = None,
+                   bitmask: _DeviceLike | None = None, rows: int | None = None,
+                   vocab: int | None = None, dtype: _DType | None = None,
                    row_stride: int | None = None) -> int: ...
-def resolve_feed(sources: _WordsLike, cells: _DeviceLike, out: _DeviceLike, stream: _StreamLike = 0,
-                 *, prev_rows: int | None = None) -> None: ...
+def resolve_feed(sources: _WordsLike | _DeviceLike, cells: _DeviceLike, out: _DeviceLike,
+                 stream: _StreamLike = 0, *, prev_rows: int | None = None,
+                 rows: int | None = None) -> None: ...
 def reference_forward(input_ids: _DeviceLike, meta: _DeviceLike, tables: _DeviceLike,
                       kv: _DeviceLike, kv_slots: int, block_size: int, rows: int, vocab: int,
                       dtype: _DType, logits: _DeviceLike | None,

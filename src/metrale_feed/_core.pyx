@@ -12,7 +12,7 @@ from cpython.long cimport PyLong_Check, PyLong_CheckExact
 from cpython.pycapsule cimport PyCapsule_New
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t, UINT64_MAX
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 
 from metrale_feed._cfeed cimport *
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["NO_TOKEN", "reference_argmax"]
+__all__ = ["NO_TOKEN", "reference_argmax", "reference_allowed", "reference_survivors"]
 
 NO_TOKEN = 0xFFFFFFFF
 
@@ -58,7 +58,45 @@ def _as_masks(masks, rows: int, vocab: int) -> np.ndarray:
     return array
 
 
-def reference_argmax(logits, masks=None) -> np.ndarray:
+def reference_allowed(masks, bitmask, rows: int, vocab: int) -> np.ndarray:
+    """(rows, vocab) bool: the ids neither mask names and the bitmask (int32 words, bit v % 32 of
+    word v // 32 set = allowed; None: all) allows."""
+    mask_ids = _as_masks(masks, rows, vocab)
+    ids = np.arange(vocab, dtype=np.int64)
+    allowed = (ids[None, :] != mask_ids[:, 0:1]) & (ids[None, :] != mask_ids[:, 1:2])
+    if bitmask is not None:
+        words = np.asarray(bitmask).view(np.uint32).reshape(rows, -1)
+        allowed &= ((words[:, ids // 32] >> (ids % 32).astype(np.uint32)) & 1).astype(bool)
+    return allowed
+
+
+def reference_survivors(row, allowed, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                        min_p: float = 0.0):
+    """The survivors of one row's sampling filters and their renormalised probabilities, in
+    float64 from the definitions: candidates are allowed ids with a finite logit; keep the top_k
+    greatest (ties to the lower id), then the shortest most-probable prefix whose probability
+    under softmax(logit / T) reaches top_p, then those with probability >= min_p * the largest.
+    Returns (ids ascending, probabilities)."""
+    values = _as_float64(np.asarray(row)[None, :])[0]
+    cand = np.flatnonzero(np.asarray(allowed) & np.isfinite(values))
+    if cand.size == 0:
+        return cand, np.zeros(0)
+    order = cand[np.lexsort((cand, -values[cand]))]  # greatest first, ties to the lower id
+    if top_k and order.size > top_k:
+        order = order[:top_k]
+    z = values[order] / temperature
+    w = np.exp(z - z.max())
+    if top_p < 1.0:
+        cum = np.cumsum(w / w.sum())
+        order, w = order[: int(np.searchsorted(cum, top_p)) + 1], w[: int(np.searchsorted(cum, top_p)) + 1]
+    if min_p > 0.0:
+        keep = w >= min_p * w.max()
+        order, w = order[keep], w[keep]
+    sort = np.argsort(order)
+    return order[sort], (w / w.sum())[sort]
+
+
+def reference_argmax(logits, masks=None, bitmask=None) -> np.ndarray:
     """The masked argmax of each row, stated in plain numpy (docs/encodings.md).
 
     Parameters
@@ -67,6 +105,8 @@ def reference_argmax(logits, masks=None) -> np.ndarray:
         float32, float16 or bfloat16 (``ml_dtypes.bfloat16``).
     masks : None, array_like of shape (rows, 2), or sequence of (int, int), optional
         Two banned ids per row, ``NO_TOKEN`` where unused; None bans nothing.
+    bitmask : None or array_like of shape (rows, ceil(vocab / 32)), optional
+        int32 words; bit ``v % 32`` of word ``v // 32`` set allows id ``v``; None allows all.
 
     Returns
     -------
@@ -89,11 +129,8 @@ def reference_argmax(logits, masks=None) -> np.ndarray:
     """
     values = _as_float64(logits)
     rows, vocab = values.shape
-    mask_ids = _as_masks(masks, rows, vocab)
-
-    ids = np.arange(vocab, dtype=np.int64)
-    # candidate[r, v]: v is neither of row r's mask ids.
-    candidate = (ids[None, :] != mask_ids[:, 0:1]) & (ids[None, :] != mask_ids[:, 1:2])
+    # candidate[r, v]: v is neither of row r's mask ids, and the bitmask allows it.
+    candidate = reference_allowed(masks, bitmask, rows, vocab)
     # A number (not NaN) among the candidates; -inf counts as a number.
     numeric = candidate & ~np.isnan(values)
 

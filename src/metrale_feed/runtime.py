@@ -88,6 +88,14 @@ class RuntimeFeedMixin:
         self.feed_prev_rows = _core.argmax_to_feed(logits, masks, self.feed_cells, dst, event, stream,
                                                    vocab=self.feed_vocab, dtype=self.feed_logits_dtype)
 
+    def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
+                             stream: Any) -> None:
+        if self.feed_cells is None:
+            raise FeedError("sample_batch_to_feed: call init_device_feed first")
+        self.feed_prev_rows = _core.sample_to_feed(logits, params, self.feed_cells, dst, event, stream,
+                                                   masks=masks, vocab=self.feed_vocab,
+                                                   dtype=self.feed_logits_dtype)
+
     def create_event(self) -> int:
         return _core.event_create()
 

@@ -69,6 +69,12 @@ class ModelDeviceFeed(abc.ABC):
         never synchronises: ``dst`` is valid once ``event`` completes."""
         raise _no_feed("argmax_batch_to_feed")
 
+    def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
+                             stream: Any) -> None:
+        """As ``argmax_batch_to_feed`` with a sampled id per row: ``params`` holds one
+        ``SAMPLING_PARAMS_DTYPE`` record per row (temperature 0 is the argmax)."""
+        raise _no_feed("sample_batch_to_feed")
+
     def reserve_decode_block(self, seq: "SequenceState") -> int:
         """Allocate the KV block for position ``seq.seq_len`` if the block table lacks it;
         returns the blocks added (0 or 1). Raises ``KvPoolExhausted`` when the pool is empty."""

@@ -34,7 +34,8 @@ MF_HD uint64_t mf_pack_max(uint64_t a, uint64_t b) { return a > b ? a : b; }
 /* Bytes of one logit of an mf_dtype (feed.h): the one source of that fact; 0 for an unknown one. */
 MF_HD uint32_t mf_dtype_size(int dtype) { return dtype == 0 ? 4u : (dtype == 1 || dtype == 2) ? 2u : 0u; }
 
-/* Candidates of a row are [0, vocab) without its two mask ids: at most three spans. */
+/* Candidates of a row are [0, vocab) without its two mask ids: at most three spans. A mask id
+ * >= vocab masks nothing (device-resident masks are not checked before the kernel runs). */
 typedef struct mf_spans {
     uint32_t lo[3];
     uint32_t hi[3];
@@ -55,6 +56,41 @@ MF_HD mf_spans mf_candidate_spans(uint32_t vocab, uint32_t m0, uint32_t m1) {
     }
     if (start < vocab) { s.lo[s.count] = start; s.hi[s.count] = vocab; ++s.count; }
     return s;
+}
+
+/* ---- the one per-row reduction ----
+ * A row's rule is its two mask ids and, optionally, its bitmask words (xgrammar's convention: bit
+ * v % 32 of word v / 32 set means id v is allowed). Everything that picks one id per row (the
+ * argmax, and the sampler's race, whose key is a score instead of the logit) is the maximum of
+ * packed words over the allowed ids, so partial maxima over any split of the ids (threads, blocks,
+ * ranks) combine with mf_pack_max into the same answer. */
+typedef struct mf_row_rule {
+    uint32_t m0, m1;
+    const uint32_t *bits; /* the row's ceil(vocab / 32) words, or NULL: every id allowed */
+} mf_row_rule;
+
+MF_HD uint32_t mf_bitmask_words(uint32_t vocab) { return (vocab + 31u) >> 5; }
+
+MF_HD int mf_bit_allowed(const uint32_t *bits, uint32_t v) {
+    return bits == 0 || ((bits[v >> 5] >> (v & 31u)) & 1u) != 0u;
+}
+
+/* The ordered key of element i of a row of `dtype` (0 f32, 1 f16, 2 bf16: mf_dtype's codes). */
+MF_HD uint32_t mf_key_at(const void *row, int dtype, uint32_t i) {
+    if (dtype == 0) return mf_key_f32(((const uint32_t *)row)[i]);
+    uint16_t b = ((const uint16_t *)row)[i];
+    return dtype == 1 ? mf_key_f16(b) : mf_key_bf16(b);
+}
+
+/* The packed maximum over the allowed ids of [lo, hi): 0 (NO_TOKEN) when there is none. The
+ * portable host path is exactly this; vector and GPU paths are this split over lanes/threads. */
+MF_HD uint64_t mf_reduce_row(const void *row, int dtype, uint32_t lo, uint32_t hi,
+                             const mf_row_rule *rule) {
+    uint64_t best = 0u;
+    for (uint32_t i = lo; i < hi; ++i)
+        if (i != rule->m0 && i != rule->m1 && mf_bit_allowed(rule->bits, i))
+            best = mf_pack_max(best, mf_pack(mf_key_at(row, dtype, i), i));
+    return best;
 }
 
 /* ---- the reference model's logits (docs/router.md, bit for bit) ---- */

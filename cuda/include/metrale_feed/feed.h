@@ -129,20 +129,45 @@ MF_EXPORT mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t
                                       mf_stream_t stream);
 
 /* ---- kernels ----
- * argmax_to_feed: cells[r] = masked argmax of row r (the rule of argmax_rule.h), then an async copy
- * of rows*4 bytes of cells into host_dst, then a record of event (0: none). masks (rows*2 ids) is
- * read before the call returns. Capacity is the cells' length in ids. */
+ * argmax_to_feed: cells[r] = the id chosen for row r, then an async copy of rows*4 bytes of cells
+ * into host_dst, then a record of event (0: none). Capacity is the cells' length in ids.
+ *
+ * One descriptor carries every option; the kernels read them through one rule (argmax_rule.h,
+ * sample_rule.h), so a new option is a field and a flag, not a new entry point:
+ * - masks (rows*2 ids): host memory is read before the call returns; with MF_ARGS_MASKS_DEVICE it
+ *   is device memory, read when the kernel runs (a mask id >= vocab then masks nothing);
+ * - bitmask (device, rows * ceil(vocab/32) words, NULL: none): bit v%32 of word v/32 set = allowed;
+ * - params (one mf_sampling_params per row, NULL: argmax): a sampled id per row; host memory is
+ *   read (and checked) before the call returns, device memory (MF_ARGS_PARAMS_DEVICE) when the
+ *   kernel runs, where a value out of range means its neutral setting (temperature 0, top_p 1,
+ *   min_p 0). */
+enum { MF_ARGS_MASKS_DEVICE = 1u, MF_ARGS_PARAMS_DEVICE = 2u };
+
+/* One row's sampling parameters (32 bytes; Python's SAMPLING_PARAMS_DTYPE has this layout). */
+typedef struct mf_sampling_params {
+    float temperature; /* 0: the argmax rule exactly; else finite and > 0 */
+    float top_p;       /* (0, 1]; 1: off */
+    float min_p;       /* [0, 1); 0: off */
+    uint32_t top_k;    /* 0: off */
+    uint64_t seed;     /* the Philox key */
+    uint32_t position; /* the Philox counter's position word (the token's index in its sequence) */
+    uint32_t pad_;
+} mf_sampling_params;
+
 typedef struct mf_argmax_args {
     const void *logits;
     mf_dtype dtype;
     uint32_t rows;
     uint32_t vocab;
     uint64_t row_stride; /* elements, >= vocab */
-    const uint32_t *masks; /* host, rows*2 */
+    const uint32_t *masks; /* rows*2, host unless MF_ARGS_MASKS_DEVICE */
     uint32_t *cells;       /* device */
     uint32_t cell_capacity;
     void *host_dst;        /* host, >= rows*4 bytes, or NULL for no copy */
     mf_event_t event;      /* 0: none */
+    const uint32_t *bitmask;           /* device, or NULL */
+    const mf_sampling_params *params;  /* NULL: argmax; host unless MF_ARGS_PARAMS_DEVICE */
+    uint32_t flags;                    /* MF_ARGS_* */
 } mf_argmax_args;
 MF_EXPORT mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream);
 
@@ -150,6 +175,12 @@ MF_EXPORT mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t st
  * sources (host, n words) is read before the call returns; from_row must be < prev_rows. */
 MF_EXPORT mf_status mf_resolve_feed(const uint32_t *sources, uint32_t n, const uint32_t *cells,
                                     uint32_t prev_rows, uint32_t *out, mf_stream_t stream);
+/* The same with flags: MF_SOURCES_DEVICE makes sources device memory, read when the kernel runs;
+ * a from_row >= prev_rows there resolves to MF_NO_TOKEN (it cannot be refused before launch). */
+enum { MF_SOURCES_DEVICE = 1u };
+MF_EXPORT mf_status mf_resolve_feed_flags(const uint32_t *sources, uint32_t n,
+                                          const uint32_t *cells, uint32_t prev_rows,
+                                          uint32_t *out, unsigned flags, mf_stream_t stream);
 
 /* The reference model's forward. Per row r (device arrays): meta[2r] = seq_len (the position
  * written), meta[2r+1] = offset of the row's block table in tables; input_ids[r] is written into

@@ -316,6 +316,10 @@ mf_status copy_async(void *dst, const void *src, size_t nbytes, CopyKind kind, v
 
 mf_status argmax(const mf_argmax_args *a, void *stream) {
     if (a->rows == 0) return MF_SUCCESS;
+    if (a->params) {  // the same descriptor; the sampler's own kernel reads the same rule
+        MF_CUDA_TRY(cudak::launch_sample(*a, as_stream(stream)), "launching mf_sample_kernel");
+        return MF_SUCCESS;
+    }
     const uintptr_t esize = mf_dtype_size(a->dtype);
     if (reinterpret_cast<uintptr_t>(a->logits) % esize != 0)
         return fail(MF_ERROR_INVALID_VALUE,
@@ -339,10 +343,11 @@ mf_status argmax(const mf_argmax_args *a, void *stream) {
     return MF_SUCCESS;
 }
 
-mf_status resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t *out,
-                  void *stream) {
+mf_status resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t prev_rows,
+                  uint32_t *out, bool sources_on_device, void *stream) {
     if (n == 0) return MF_SUCCESS;
-    MF_CUDA_TRY(cudak::launch_resolve(sources, n, cells, out, as_stream(stream)),
+    MF_CUDA_TRY(cudak::launch_resolve(sources, n, cells, prev_rows, out, sources_on_device,
+                                      as_stream(stream)),
                 "launching mf_resolve_kernel");
     return MF_SUCCESS;
 }

@@ -41,8 +41,13 @@ ArgmaxPlan argmax_plan(uint32_t rows, uint32_t vocab, mf_dtype dtype, int sm_cou
 cudaError_t launch_argmax(const mf_argmax_args &args, const ArgmaxPlan &plan,
                           const ArgmaxScratch &scratch, cudaStream_t stream);
 
+// Device-resident sources (on_device) are read by the kernel; from_row >= prev_rows gives NO_TOKEN.
 cudaError_t launch_resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells,
-                           uint32_t *out, cudaStream_t stream);
+                           uint32_t prev_rows, uint32_t *out, bool on_device, cudaStream_t stream);
+
+// A sampled id per row (args.params set; sample_feed.cu): one block per row, thresholds by radix
+// select, no sort. Host params and masks travel by value, device ones are read when it runs.
+cudaError_t launch_sample(const mf_argmax_args &args, cudaStream_t stream);
 
 cudaError_t launch_reference(const mf_reference_args &args, cudaStream_t stream);
 

@@ -1,12 +1,14 @@
-// The masked argmax on the CPU. The portable path is argmax_rule.h's packed-key maximum, element
-// by element. The AVX2 path keeps the same order: float32 in one pass with IEEE compares (which
-// skip NaN); the 16-bit types as argmax_rule.h's keys, signed (key - 0x8000), sixteen at a time,
-// the greatest key first, then the first candidate holding it in a pass over the cached row.
+// The masked argmax on the CPU. The portable path is argmax_rule.h's mf_reduce_row itself. The
+// AVX2 paths keep its order with integer compares only, so no floating-point mode (FTZ/DAZ set by
+// some library in the process) can change an answer: each value becomes a signed key (its
+// magnitude, negated for a negative sign, so -0.0 == +0.0), NaN the lowest key of a candidate and
+// an id the bitmask disallows lower still. float32 runs in one pass (per lane, the greatest key and
+// where it was first seen); the 16-bit types find the greatest key, then its first candidate.
 #include <atomic>
+#include <climits>
 #include <cstring>
 
 #include "kernels.hpp"
-#include "metrale_feed/argmax_rule.h"
 #include "queue.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -15,148 +17,221 @@
 #endif
 
 namespace mf::host {
-namespace {
-
-uint32_t key_at(const void *row, mf_dtype dtype, uint32_t i) {
-    if (dtype == MF_DTYPE_F32) {
-        uint32_t bits;
-        std::memcpy(&bits, (const char *)row + 4 * (size_t)i, 4);
-        return mf_key_f32(bits);
-    }
-    uint16_t bits;
-    std::memcpy(&bits, (const char *)row + 2 * (size_t)i, 2);
-    return dtype == MF_DTYPE_F16 ? mf_key_f16(bits) : mf_key_bf16(bits);
-}
 
 #ifdef MF_X86
-// float32 in one pass: per lane, the greatest value so far and where it was first seen. A strict
-// IEEE '>' never takes NaN and keeps the first of equal values (-0.0 == +0.0), so across lanes
-// the answer is the greatest value at its lowest id. No lane above -inf means every candidate is
-// -inf or NaN: the caller then takes the first -inf, else the lowest candidate.
-struct F32Best {
-    float value;
-    uint32_t id;  // UINT32_MAX: nothing above -inf in the span
+IeeeFpGuard::IeeeFpGuard() : saved(_mm_getcsr()) { _mm_setcsr(saved & ~0x8040u); }  // FTZ | DAZ
+IeeeFpGuard::~IeeeFpGuard() { _mm_setcsr(saved); }
+#else
+IeeeFpGuard::IeeeFpGuard() : saved(0) {}
+IeeeFpGuard::~IeeeFpGuard() {}
+#endif
+
+namespace {
+
+#ifdef MF_X86
+// The bitmask bits of ids [i, i + 32) (fewer at the row's end), lowest id in bit 0; all set when
+// the row has no bitmask. `words` bounds the reads to the row's own words.
+inline uint32_t bits_from(const uint32_t *bits, uint32_t words, uint32_t i) {
+    if (!bits) return 0xFFFFFFFFu;
+    const uint32_t w = i >> 5, sh = i & 31u;
+    uint64_t window = bits[w];
+    if (w + 1 < words) window |= (uint64_t)bits[w + 1] << 32;
+    return (uint32_t)(window >> sh);
+}
+
+// Lanes whose bit in `b` (one per lane, lane 0 in bit 0) is clear.
+__attribute__((target("avx2"))) inline __m256i disallowed32(uint32_t b) {
+    const __m256i pick = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)b), pick), _mm256_setzero_si256());
+}
+__attribute__((target("avx2"))) inline __m256i disallowed16(uint32_t b) {
+    const __m256i pick = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
+                                           8192, 16384, (short)0x8000);
+    return _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)b), pick), _mm256_setzero_si256());
+}
+
+constexpr int32_t kOut32 = INT32_MIN, kNan32 = INT32_MIN + 1;  // disallowed < NaN < -inf
+
+inline int32_t skey32(uint32_t bits) {
+    uint32_t mag = bits & 0x7FFFFFFFu;
+    if (mag > 0x7F800000u) return kNan32;
+    return (bits >> 31) ? -(int32_t)mag : (int32_t)mag;
+}
+
+// The greatest signed key of [lo, hi) and the lowest id holding it (key kOut32: no candidate).
+struct Best32 {
+    int32_t key;
+    uint32_t id;
 };
 
-__attribute__((target("avx2"))) F32Best best_f32(const float *p, uint32_t lo, uint32_t hi) {
-    const __m256 floor = _mm256_set1_ps(-__builtin_inff());
-    const __m256i step = _mm256_set1_epi32(16), none = _mm256_set1_epi32(-1);
-    __m256 v0 = floor, v1 = floor;
-    __m256i i0 = none, i1 = none;
-    __m256i at0 = _mm256_add_epi32(_mm256_set1_epi32((int)lo), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    __m256i at1 = _mm256_add_epi32(at0, _mm256_set1_epi32(8));
-    uint32_t i = lo;
-    for (; i + 16 <= hi; i += 16) {
-        __m256 x0 = _mm256_loadu_ps(p + i), x1 = _mm256_loadu_ps(p + i + 8);
-        __m256 up0 = _mm256_cmp_ps(x0, v0, _CMP_GT_OQ), up1 = _mm256_cmp_ps(x1, v1, _CMP_GT_OQ);
-        v0 = _mm256_max_ps(x0, v0);  // = the blend on `up`: maxps keeps v for NaN and for ties
-        v1 = _mm256_max_ps(x1, v1);
-        i0 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(i0), _mm256_castsi256_ps(at0), up0));
-        i1 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(i1), _mm256_castsi256_ps(at1), up1));
-        at0 = _mm256_add_epi32(at0, step);
-        at1 = _mm256_add_epi32(at1, step);
+// Per lane, the greatest key so far and where it was first seen (a strict '>' keeps the first).
+struct LaneBest {
+    __m256i k0, k1, i0, i1;
+};
+
+// Offers the 16 ids at p[0..16) (ids at..at+15); `allowed` holds their bitmask bits (bit j: id
+// at + j). Most blocks cannot raise any lane's best: their raw signed keys (NaN still high)
+// are checked first, and only a block that might is keyed fully (NaN low, disallowed lowest).
+__attribute__((target("avx2"))) inline void offer16(LaneBest &lb, const uint32_t *p, uint32_t at,
+                                                   uint32_t allowed) {
+    const __m256i mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i b0 = _mm256_loadu_si256((const __m256i *)p), b1 = _mm256_loadu_si256((const __m256i *)(p + 8));
+    __m256i m0 = _mm256_and_si256(b0, mag_mask), m1 = _mm256_and_si256(b1, mag_mask);
+    __m256i r0 = _mm256_sign_epi32(m0, b0), r1 = _mm256_sign_epi32(m1, b1);
+    __m256i up = _mm256_or_si256(_mm256_cmpgt_epi32(r0, lb.k0), _mm256_cmpgt_epi32(r1, lb.k1));
+    if (_mm256_testz_si256(up, up)) return;
+    const __m256i inf = _mm256_set1_epi32(0x7F800000), nan_key = _mm256_set1_epi32(kNan32);
+    __m256i x0 = _mm256_blendv_epi8(r0, nan_key, _mm256_cmpgt_epi32(m0, inf));
+    __m256i x1 = _mm256_blendv_epi8(r1, nan_key, _mm256_cmpgt_epi32(m1, inf));
+    if (allowed != 0xFFFFu) {  // a disallowed id's key: below every candidate's
+        const __m256i pick = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128), zero = _mm256_setzero_si256();
+        const __m256i out_key = _mm256_set1_epi32(kOut32);
+        __m256i d0 = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(allowed & 0xFFu)), pick), zero);
+        __m256i d1 = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(allowed >> 8)), pick), zero);
+        x0 = _mm256_blendv_epi8(x0, out_key, d0);
+        x1 = _mm256_blendv_epi8(x1, out_key, d1);
     }
-    alignas(32) float values[16];
+    const __m256i at0 = _mm256_add_epi32(_mm256_set1_epi32((int)at), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i at1 = _mm256_add_epi32(at0, _mm256_set1_epi32(8));
+    __m256i up0 = _mm256_cmpgt_epi32(x0, lb.k0), up1 = _mm256_cmpgt_epi32(x1, lb.k1);
+    lb.k0 = _mm256_max_epi32(x0, lb.k0);
+    lb.k1 = _mm256_max_epi32(x1, lb.k1);
+    lb.i0 = _mm256_blendv_epi8(lb.i0, at0, up0);
+    lb.i1 = _mm256_blendv_epi8(lb.i1, at1, up1);
+}
+
+// With a bitmask the scan walks whole 32-id words: one word load per 32 ids, and a word of zeros
+// skips its logits entirely (grammar masks are mostly such words).
+__attribute__((target("avx2"))) Best32 best_f32(const uint32_t *p, uint32_t lo, uint32_t hi,
+                                                const uint32_t *bits, uint32_t words) {
+    (void)words;
+    const __m256i out_key = _mm256_set1_epi32(kOut32);
+    LaneBest lb{out_key, out_key, _mm256_setzero_si256(), _mm256_setzero_si256()};
+    Best32 best{kOut32, UINT32_MAX};
+    uint32_t i = lo;
+    if (!bits) {
+        for (; i + 16 <= hi; i += 16) offer16(lb, p + i, i, 0xFFFFu);
+    } else {
+        for (; i < hi && (i & 31u); ++i)  // scalar up to a word boundary
+            if (mf_bit_allowed(bits, i) && skey32(p[i]) > best.key) best = Best32{skey32(p[i]), i};
+        for (; i + 32 <= hi; i += 32) {
+            const uint32_t w = bits[i >> 5];
+            if (w == 0u) continue;
+            offer16(lb, p + i, i, w & 0xFFFFu);
+            offer16(lb, p + i + 16, i + 16, w >> 16);
+        }
+    }
+    alignas(32) int32_t keys[16];
     alignas(32) uint32_t ids[16];
-    _mm256_store_ps(values, v0);
-    _mm256_store_ps(values + 8, v1);
-    _mm256_store_si256((__m256i *)ids, i0);
-    _mm256_store_si256((__m256i *)(ids + 8), i1);
-    F32Best best{-__builtin_inff(), UINT32_MAX};
+    _mm256_store_si256((__m256i *)keys, lb.k0);
+    _mm256_store_si256((__m256i *)(keys + 8), lb.k1);
+    _mm256_store_si256((__m256i *)ids, lb.i0);
+    _mm256_store_si256((__m256i *)(ids + 8), lb.i1);
+    // The scalar head (ids below every lane's) wins ties against the lanes.
     for (int lane = 0; lane < 16; ++lane)
-        if (ids[lane] != UINT32_MAX &&
-            (values[lane] > best.value || (values[lane] == best.value && ids[lane] < best.id)))
-            best = F32Best{values[lane], ids[lane]};
-    for (; i < hi; ++i)
-        if (p[i] > best.value) best = F32Best{p[i], i};
+        if (keys[lane] > best.key || (keys[lane] == best.key && keys[lane] != kOut32 && ids[lane] < best.id))
+            best = Best32{keys[lane], ids[lane]};
+    for (; i < hi; ++i) {
+        if (!mf_bit_allowed(bits, i)) continue;
+        int32_t k = skey32(p[i]);
+        if (k > best.key) best = Best32{k, i};
+    }
     return best;
 }
 
+// 16-bit keys: magnitude negated for a negative sign; NaN above the disallowed marker.
+constexpr int16_t kOut16 = INT16_MIN, kNan16 = INT16_MIN + 1;
+
+inline int32_t skey16(uint16_t b, uint16_t inf) {
+    uint16_t mag = b & 0x7FFFu;
+    if (mag > inf) return kNan16;
+    return (b >> 15) ? -(int32_t)mag : (int32_t)mag;
+}
+
+__attribute__((target("avx2"))) inline __m256i keys16(__m256i b, __m256i inf) {
+    const __m256i mag_mask = _mm256_set1_epi16(0x7FFF), nan_key = _mm256_set1_epi16(kNan16);
+    __m256i m = _mm256_and_si256(b, mag_mask);
+    return _mm256_blendv_epi8(_mm256_sign_epi16(m, b), nan_key, _mm256_cmpgt_epi16(m, inf));
+}
+
 __attribute__((target("avx2"))) int32_t max_key_h(const uint16_t *p, uint32_t lo, uint32_t hi,
-                                                  uint16_t inf_bits, bool is_f16) {
-    const __m256i mag_mask = _mm256_set1_epi16(0x7FFF), inf = _mm256_set1_epi16((short)inf_bits);
-    const __m256i lowest = _mm256_set1_epi16(INT16_MIN);
-    __m256i best0 = lowest, best1 = lowest;
+                                                  uint16_t inf_bits, const uint32_t *bits,
+                                                  uint32_t words) {
+    const __m256i inf = _mm256_set1_epi16((short)inf_bits), out_key = _mm256_set1_epi16(kOut16);
+    __m256i best0 = out_key, best1 = out_key;
     uint32_t i = lo;
     for (; i + 32 <= hi; i += 32) {
-        __m256i b0 = _mm256_loadu_si256((const __m256i *)(p + i));
-        __m256i b1 = _mm256_loadu_si256((const __m256i *)(p + i + 16));
-        __m256i m0 = _mm256_and_si256(b0, mag_mask), m1 = _mm256_and_si256(b1, mag_mask);
-        best0 = _mm256_max_epi16(best0, _mm256_blendv_epi8(_mm256_sign_epi16(m0, b0), lowest,
-                                                           _mm256_cmpgt_epi16(m0, inf)));
-        best1 = _mm256_max_epi16(best1, _mm256_blendv_epi8(_mm256_sign_epi16(m1, b1), lowest,
-                                                           _mm256_cmpgt_epi16(m1, inf)));
-    }
-    for (; i + 16 <= hi; i += 16) {
-        __m256i b = _mm256_loadu_si256((const __m256i *)(p + i));
-        __m256i m = _mm256_and_si256(b, mag_mask);
-        best0 = _mm256_max_epi16(best0, _mm256_blendv_epi8(_mm256_sign_epi16(m, b), lowest,
-                                                           _mm256_cmpgt_epi16(m, inf)));
+        __m256i x0 = keys16(_mm256_loadu_si256((const __m256i *)(p + i)), inf);
+        __m256i x1 = keys16(_mm256_loadu_si256((const __m256i *)(p + i + 16)), inf);
+        if (bits) {
+            uint32_t b = bits_from(bits, words, i);
+            x0 = _mm256_blendv_epi8(x0, out_key, disallowed16(b & 0xFFFFu));
+            x1 = _mm256_blendv_epi8(x1, out_key, disallowed16(b >> 16));
+        }
+        best0 = _mm256_max_epi16(best0, x0);
+        best1 = _mm256_max_epi16(best1, x1);
     }
     alignas(32) int16_t lanes[16];
     _mm256_store_si256((__m256i *)lanes, _mm256_max_epi16(best0, best1));
-    int32_t result = INT32_MIN;
+    int32_t result = kOut16;
     for (int16_t lane : lanes) result = lane > result ? lane : result;
-    for (; i < hi; ++i) {
-        int32_t key = (int32_t)(is_f16 ? mf_key_f16(p[i]) : mf_key_bf16(p[i])) - 0x8000;
-        result = key > result ? key : result;
-    }
+    for (; i < hi; ++i)
+        if (mf_bit_allowed(bits, i)) {
+            int32_t key = skey16(p[i], inf_bits);
+            result = key > result ? key : result;
+        }
     return result;
 }
 
-// First id in [lo, hi) whose signed 16-bit key equals `key`, or hi.
+// First allowed id in [lo, hi) whose signed 16-bit key equals `key` (> kOut16), or hi.
 __attribute__((target("avx2"))) uint32_t find_key_h(const uint16_t *p, uint32_t lo, uint32_t hi,
-                                                    int32_t key, uint16_t inf_bits, bool is_f16) {
-    const __m256i mag_mask = _mm256_set1_epi16(0x7FFF), inf = _mm256_set1_epi16((short)inf_bits);
-    const __m256i lowest = _mm256_set1_epi16(INT16_MIN), want = _mm256_set1_epi16((short)key);
+                                                    int32_t key, uint16_t inf_bits,
+                                                    const uint32_t *bits, uint32_t words) {
+    const __m256i inf = _mm256_set1_epi16((short)inf_bits), want = _mm256_set1_epi16((short)key);
+    const __m256i out_key = _mm256_set1_epi16(kOut16);
     uint32_t i = lo;
     for (; i + 16 <= hi; i += 16) {
-        __m256i b = _mm256_loadu_si256((const __m256i *)(p + i));
-        __m256i m = _mm256_and_si256(b, mag_mask);
-        __m256i k = _mm256_blendv_epi8(_mm256_sign_epi16(m, b), lowest, _mm256_cmpgt_epi16(m, inf));
+        __m256i k = keys16(_mm256_loadu_si256((const __m256i *)(p + i)), inf);
+        if (bits) k = _mm256_blendv_epi8(k, out_key, disallowed16(bits_from(bits, words, i) & 0xFFFFu));
         // Two mask bits per 16-bit lane.
         unsigned hits = (unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi16(k, want));
         if (hits) return i + (uint32_t)__builtin_ctz(hits) / 2;
     }
     for (; i < hi; ++i)
-        if ((int32_t)(is_f16 ? mf_key_f16(p[i]) : mf_key_bf16(p[i])) - 0x8000 == key) return i;
+        if (mf_bit_allowed(bits, i) && skey16(p[i], inf_bits) == key) return i;
     return hi;
 }
 
 __attribute__((target("avx2"))) uint32_t argmax_row_avx2(const void *row, mf_dtype dtype,
-                                                         uint32_t vocab, uint32_t m0, uint32_t m1) {
-    mf_spans spans = mf_candidate_spans(vocab, m0, m1);
-    if (spans.count == 0) return MF_NO_TOKEN;
+                                                         uint32_t vocab, const mf_row_rule *rule) {
+    mf_spans spans = mf_candidate_spans(vocab, rule->m0, rule->m1);
+    const uint32_t words = mf_bitmask_words(vocab);
     if (dtype == MF_DTYPE_F32) {
-        const float *p = (const float *)row;
-        F32Best best{-__builtin_inff(), UINT32_MAX};
+        const uint32_t *p = (const uint32_t *)row;
+        Best32 best{kOut32, UINT32_MAX};
         for (uint32_t s = 0; s < spans.count; ++s) {  // spans ascend: '>' keeps the lowest id
-            F32Best span = best_f32(p, spans.lo[s], spans.hi[s]);
-            if (span.id != UINT32_MAX && span.value > best.value) best = span;
+            Best32 span = best_f32(p, spans.lo[s], spans.hi[s], rule->bits, words);
+            if (span.key > best.key) best = span;
         }
-        if (best.id != UINT32_MAX) return best.id;
-        for (uint32_t s = 0; s < spans.count; ++s)  // all -inf or NaN: the first -inf wins
-            for (uint32_t i = spans.lo[s]; i < spans.hi[s]; ++i)
-                if (p[i] == -__builtin_inff()) return i;
-        return spans.lo[0];  // all NaN: the lowest candidate
+        return best.key == kOut32 ? MF_NO_TOKEN : best.id;
     }
     const uint16_t *p = (const uint16_t *)row;
     const uint16_t inf = dtype == MF_DTYPE_F16 ? 0x7C00 : 0x7F80;
-    const bool is_f16 = dtype == MF_DTYPE_F16;
-    int32_t best = INT32_MIN;
+    int32_t best = kOut16;
     for (uint32_t s = 0; s < spans.count; ++s) {
-        int32_t span_best = max_key_h(p, spans.lo[s], spans.hi[s], inf, is_f16);
+        int32_t span_best = max_key_h(p, spans.lo[s], spans.hi[s], inf, rule->bits, words);
         best = span_best > best ? span_best : best;
     }
+    if (best == kOut16) return MF_NO_TOKEN;
     for (uint32_t s = 0; s < spans.count; ++s) {
-        uint32_t found = find_key_h(p, spans.lo[s], spans.hi[s], best, inf, is_f16);
+        uint32_t found = find_key_h(p, spans.lo[s], spans.hi[s], best, inf, rule->bits, words);
         if (found < spans.hi[s]) return found;
     }
-    return spans.lo[0];  // unreachable: the greatest key belongs to some candidate
+    return MF_NO_TOKEN;  // unreachable: the greatest key belongs to some candidate
 }
 #endif
 
-using RowFn = uint32_t (*)(const void *, mf_dtype, uint32_t, uint32_t, uint32_t);
+using RowFn = uint32_t (*)(const void *, mf_dtype, uint32_t, const mf_row_rule *);
 
 RowFn pick_row_fn() {
 #ifdef MF_X86
@@ -175,17 +250,12 @@ bool use_portable_argmax(bool portable) {
     return g_best_fn != argmax_row_portable;  // whether a vector path exists at all
 }
 
-uint32_t argmax_row_portable(const void *row, mf_dtype dtype, uint32_t vocab, uint32_t m0, uint32_t m1) {
-    mf_spans spans = mf_candidate_spans(vocab, m0, m1);
-    uint64_t best = 0;  // unpacks to MF_NO_TOKEN when there is no candidate
-    for (uint32_t s = 0; s < spans.count; ++s)
-        for (uint32_t i = spans.lo[s]; i < spans.hi[s]; ++i)
-            best = mf_pack_max(best, mf_pack(key_at(row, dtype, i), i));
-    return mf_unpack_id(best);
+uint32_t argmax_row_portable(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule) {
+    return mf_unpack_id(mf_reduce_row(row, (int)dtype, 0, vocab, rule));
 }
 
-uint32_t argmax_row(const void *row, mf_dtype dtype, uint32_t vocab, uint32_t m0, uint32_t m1) {
-    return g_row_fn.load(std::memory_order_relaxed)(row, dtype, vocab, m0, m1);
+uint32_t argmax_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule) {
+    return g_row_fn.load(std::memory_order_relaxed)(row, dtype, vocab, rule);
 }
 
 const char *argmax_isa() {
@@ -194,19 +264,30 @@ const char *argmax_isa() {
 
 void run_argmax(const ArgmaxJob &job) {
     const mf_argmax_args &a = job.args;
-    size_t row_bytes = (size_t)a.row_stride * (a.dtype == MF_DTYPE_F32 ? 4 : 2);
+    const size_t row_bytes = (size_t)a.row_stride * (a.dtype == MF_DTYPE_F32 ? 4 : 2);
+    const size_t words = mf_bitmask_words(a.vocab);
+    const uint32_t *masks = job.mask_words();
+    const mf_sampling_params *params = job.row_params();
     RowFn row_fn = g_row_fn.load(std::memory_order_relaxed);
     parallel_rows(a.rows, [&](uint32_t begin, uint32_t end) {
-        for (uint32_t r = begin; r < end; ++r)
-            a.cells[r] = row_fn((const char *)a.logits + r * row_bytes, a.dtype, a.vocab,
-                                  job.masks[2 * r], job.masks[2 * r + 1]);
+        IeeeFpGuard ieee;  // on each pool thread: the sampler's arithmetic needs subnormals
+        for (uint32_t r = begin; r < end; ++r) {
+            const mf_row_rule rule{masks[2 * r], masks[2 * r + 1], a.bitmask ? a.bitmask + r * words : nullptr};
+            const void *row = (const char *)a.logits + r * row_bytes;
+            // A temperature that is not finite and > 0 (only device-resident params can hold
+            // one) is greedy, as 0 is.
+            const bool sampled = params && params[r].temperature > 0.0f && params[r].temperature <= 3.4e38f;
+            a.cells[r] = sampled ? sample_row(row, a.dtype, a.vocab, &rule, params[r], row_fn != argmax_row_portable)
+                                 : row_fn(row, a.dtype, a.vocab, &rule);
+        }
     });
 }
 
-void run_resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t *out) {
+void run_resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t prev_rows,
+                 uint32_t *out) {
     for (uint32_t i = 0; i < n; ++i) {
         uint32_t s = sources[i];
-        out[i] = (s & MF_FEED_HOST_BIT) ? (s & ~MF_FEED_HOST_BIT) : cells[s];
+        out[i] = (s & MF_FEED_HOST_BIT) ? (s & ~MF_FEED_HOST_BIT) : s < prev_rows ? cells[s] : MF_NO_TOKEN;
     }
 }
 

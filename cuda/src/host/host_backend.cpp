@@ -207,16 +207,17 @@ mf_status copy_async(void *dst, const void *src, size_t nbytes, CopyKind kind, v
 }
 
 mf_status argmax(const mf_argmax_args *args, void *stream) {
-    ArgmaxJob job(*args);  // masks are copied here: the caller may reuse them at once
+    ArgmaxJob job(*args);  // host masks and params are copied here: the caller may reuse them
     stream_of(stream)->enqueue("argmax", [job = std::move(job)] { run_argmax(job); });
     return MF_SUCCESS;
 }
 
-mf_status resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t *out,
-                  void *stream) {
-    std::vector<uint32_t> words(sources, sources + n);
-    stream_of(stream)->enqueue("resolve_feed", [words = std::move(words), cells, out] {
-        run_resolve(words.data(), (uint32_t)words.size(), cells, out);
+mf_status resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t prev_rows,
+                  uint32_t *out, bool sources_on_device, void *stream) {
+    std::vector<uint32_t> words;  // host sources are consumed now; device ones read when it runs
+    if (!sources_on_device) words.assign(sources, sources + n);
+    stream_of(stream)->enqueue("resolve_feed", [words = std::move(words), sources, n, cells, prev_rows, out] {
+        run_resolve(words.empty() ? sources : words.data(), n, cells, prev_rows, out);
     });
     return MF_SUCCESS;
 }

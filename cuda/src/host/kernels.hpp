@@ -3,27 +3,56 @@
 
 #include <vector>
 
+#include "metrale_feed/argmax_rule.h"
 #include "metrale_feed/feed.h"
 
 namespace mf::host {
 
+// What one argmax/sample launch needs when the worker runs it. Host-resident masks and params are
+// copied here (the caller may reuse them once the launch returns); device-resident ones stay
+// pointers and are read when the job runs, as the GPU kernel reads them.
 struct ArgmaxJob {
-    explicit ArgmaxJob(const mf_argmax_args &a)
-        : args(a), masks(a.masks, a.masks + 2 * (size_t)a.rows) {
-        args.masks = nullptr;  // the caller's array may be reused once the launch returns
+    explicit ArgmaxJob(const mf_argmax_args &a) : args(a) {
+        if (!(a.flags & MF_ARGS_MASKS_DEVICE)) {
+            masks.assign(a.masks, a.masks + 2 * (size_t)a.rows);
+            args.masks = nullptr;
+        }
+        if (a.params && !(a.flags & MF_ARGS_PARAMS_DEVICE)) {
+            params.assign(a.params, a.params + a.rows);
+            args.params = nullptr;
+        }
+    }
+    const uint32_t *mask_words() const { return args.masks ? args.masks : masks.data(); }
+    const mf_sampling_params *row_params() const {
+        return args.params ? args.params : (params.empty() ? nullptr : params.data());
     }
     mf_argmax_args args;
     std::vector<uint32_t> masks;
+    std::vector<mf_sampling_params> params;
 };
 
 void run_argmax(const ArgmaxJob &job);
-void run_resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t *out);
+void run_resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t prev_rows,
+                 uint32_t *out);
 void run_reference_forward(const mf_reference_args &args);
 
-// One row under the rule, for tests of the dispatch: the portable path and the best one.
-uint32_t argmax_row_portable(const void *row, mf_dtype dtype, uint32_t vocab, uint32_t m0, uint32_t m1);
-uint32_t argmax_row(const void *row, mf_dtype dtype, uint32_t vocab, uint32_t m0, uint32_t m1);
+// One row under the rule (masks and bitmask), for the dispatch: the portable path and the best.
+uint32_t argmax_row_portable(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule);
+uint32_t argmax_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule);
 const char *argmax_isa();
 bool use_portable_argmax(bool portable);  // for tests of both paths; false: no vector path here
+
+// One sampled row (sample_host.cpp); temperature 0 never reaches it. `vector`: the AVX2 helpers
+// may decide what to skip (the portable path when the argmax path is forced portable).
+uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
+                    const mf_sampling_params &p, bool vector);
+
+// Clears FTZ/DAZ for the lifetime of the guard: the rules are defined on IEEE arithmetic with
+// subnormals, whatever a library loaded into the process did to this thread's MXCSR.
+struct IeeeFpGuard {
+    IeeeFpGuard();
+    ~IeeeFpGuard();
+    unsigned saved;
+};
 
 }  // namespace mf::host

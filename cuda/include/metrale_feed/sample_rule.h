@@ -1,0 +1,189 @@
+/* The sampling rule, shared verbatim by the CUDA kernel and the host kernel, written so that both
+ * compute the same bits: every floating-point operation is one IEEE operation in round-to-nearest
+ * (on the device through the _rn intrinsics, which the compiler never fuses; on the host the
+ * library is built with -ffp-contract=off and runs with FTZ/DAZ cleared), exp and log are our own
+ * polynomials rather than a math library's, and every sum is an integer sum, so its order does
+ * not matter.
+ *
+ * A row's candidates are the ids its masks and bitmask allow whose logit is finite. With
+ * z = logit * (1 / temperature) (the reciprocal rounded once per row: a multiply per id, and
+ * still monotone in the logit) and zmax the greatest z:
+ * - the weight of id v is e(v) = exp(z(v) - zmax) in (0, 1], its mass floor(e(v) * 2**39) (an
+ *   integer: 2**24 ids of mass <= 2**39 sum without overflow, in any order);
+ * - top_k keeps the k greatest packed words (logit key, ~id): ties at the boundary to the lower id;
+ * - top_p keeps, in that order, the shortest prefix whose mass reaches ceil(total * top_p);
+ * - min_p keeps the ids with e(v) >= min_p (e(v) is the probability over the largest's);
+ * - the survivor with the greatest race score z(v) + g(v) wins, ties to the lower id, where
+ *   g(v) = -log(-log U(seed, position, v)) is a Gumbel variate from Philox (philox.h). This
+ *   "exponential race" is an exact draw from softmax(z) renormalised over the survivors, and
+ *   each id's score depends on that id alone, so the winner is the same however the row is split.
+ * Every filter is a threshold on the packed word, found by a radix select (no sort). */
+#ifndef METRALE_FEED_SAMPLE_RULE_H
+#define METRALE_FEED_SAMPLE_RULE_H
+
+#include "metrale_feed/argmax_rule.h"
+#include "metrale_feed/philox.h"
+
+#if defined(__CUDA_ARCH__)
+MF_HD float mf_fadd(float a, float b) { return __fadd_rn(a, b); }
+MF_HD float mf_fsub(float a, float b) { return __fsub_rn(a, b); }
+MF_HD float mf_fmul(float a, float b) { return __fmul_rn(a, b); }
+MF_HD float mf_fdiv(float a, float b) { return __fdiv_rn(a, b); }
+MF_HD float mf_floor(float a) { return floorf(a); }
+#else
+MF_HD float mf_fadd(float a, float b) { return a + b; }
+MF_HD float mf_fsub(float a, float b) { return a - b; }
+MF_HD float mf_fmul(float a, float b) { return a * b; }
+MF_HD float mf_fdiv(float a, float b) { return a / b; }
+MF_HD float mf_floor(float a) { return __builtin_floorf(a); } /* exact: no rounding involved */
+#endif
+
+MF_HD float mf_from_bits(uint32_t b) {
+    union { uint32_t u; float f; } c;
+    c.u = b;
+    return c.f;
+}
+MF_HD uint32_t mf_to_bits(float f) {
+    union { float f; uint32_t u; } c;
+    c.f = f;
+    return c.u;
+}
+
+#define MF_MASS_BITS 39
+/* Above every Gumbel variate this rule can produce: U >= 2**-25, so -log U >= ~2**-25 and
+ * g <= 25 ln 2 ~ 17.33 (plus rounding). A candidate whose z trails the best score by more than
+ * this cannot win the race, so it is skipped without drawing its noise. */
+#define MF_GUMBEL_BOUND 18.0f
+
+/* float16 bits -> float32 bits, exactly (subnormal halves become normal floats). */
+MF_HD uint32_t mf_f16_to_f32_bits(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    if (exp == 0x1Fu) return sign | 0x7F800000u | (mant << 13);
+    if (exp == 0u) {
+        if (mant == 0u) return sign;
+        int e = -1;
+        do { mant <<= 1; ++e; } while (!(mant & 0x400u));
+        return sign | ((uint32_t)(112 - e) << 23) | ((mant & 0x3FFu) << 13);
+    }
+    return sign | ((exp + 112u) << 23) | (mant << 13);
+}
+
+/* Element i of a row as float32 bits (mf_dtype codes: 0 f32, 1 f16, 2 bf16). */
+MF_HD uint32_t mf_logit_bits(const void *row, int dtype, uint32_t i) {
+    if (dtype == 0) return ((const uint32_t *)row)[i];
+    uint16_t b = ((const uint16_t *)row)[i];
+    return dtype == 2 ? (uint32_t)b << 16 : mf_f16_to_f32_bits(b);
+}
+
+MF_HD int mf_finite_bits(uint32_t bits) { return (bits & 0x7F800000u) != 0x7F800000u; }
+
+/* exp(x) for x <= 0: Cody-Waite reduction by ln 2 and a degree-6 polynomial. Results below
+ * 2**-125 are 0 here by definition (never a subnormal, whose handling a mode could change). */
+MF_HD float mf_exp_neg(float x) {
+    if (!(x >= -86.0f)) return 0.0f; /* also NaN */
+    float n = mf_floor(mf_fadd(mf_fmul(x, 1.44269502f), 0.5f));
+    float r = mf_fsub(mf_fsub(x, mf_fmul(n, 0.693145751953125f)), mf_fmul(n, 1.42860677e-06f));
+    float p = 1.38888889e-03f;
+    p = mf_fadd(mf_fmul(p, r), 8.33333333e-03f);
+    p = mf_fadd(mf_fmul(p, r), 4.16666667e-02f);
+    p = mf_fadd(mf_fmul(p, r), 1.66666667e-01f);
+    p = mf_fadd(mf_fmul(p, r), 0.5f);
+    p = mf_fadd(mf_fmul(p, r), 1.0f);
+    p = mf_fadd(mf_fmul(p, r), 1.0f);
+    int32_t k = (int32_t)n;
+    if (k < -125) return 0.0f;
+    return mf_from_bits((uint32_t)((int32_t)mf_to_bits(p) + k * (1 << 23))); /* p * 2**k, exact */
+}
+
+/* log(x) for a positive normal x: x = m * 2**e with m in [sqrt(1/2), sqrt(2)), then
+ * log m = 2 atanh(s), s = (m - 1) / (m + 1), as an odd series in s. */
+MF_HD float mf_log_pos(float x) {
+    uint32_t bits = mf_to_bits(x);
+    int32_t e = (int32_t)(bits >> 23) - 127;
+    uint32_t mant = bits & 0x7FFFFFu;
+    if (mant > 0x3504F3u) { /* m > sqrt(2): halve it */
+        mant |= 126u << 23;
+        e += 1;
+    } else {
+        mant |= 127u << 23;
+    }
+    float m = mf_from_bits(mant);
+    float f = mf_fsub(m, 1.0f);
+    float s = mf_fdiv(f, mf_fadd(m, 1.0f));
+    float z = mf_fmul(s, s);
+    float q = 0.111111111f;
+    q = mf_fadd(mf_fmul(q, z), 0.142857143f);
+    q = mf_fadd(mf_fmul(q, z), 0.2f);
+    q = mf_fadd(mf_fmul(q, z), 0.333333333f);
+    q = mf_fadd(mf_fmul(q, z), 1.0f);
+    float logm = mf_fmul(mf_fmul(2.0f, s), q);
+    float fe = (float)e;
+    return mf_fadd(mf_fmul(fe, 0.693145751953125f), mf_fadd(logm, mf_fmul(fe, 1.42860677e-06f)));
+}
+
+/* U in (0, 1) from 32 random bits: (24 bits + 1/2) / 2**24, exact in float32. */
+MF_HD float mf_uniform(uint32_t bits) {
+    return mf_fmul(mf_fadd((float)(bits >> 8), 0.5f), 5.96046448e-08f);
+}
+
+/* The Gumbel variate of id v: -log(-log U(seed, position, v)). */
+MF_HD float mf_gumbel(uint64_t seed, uint32_t position, uint32_t v) {
+    float u = mf_uniform(mf_philox_bits(seed, position, v));
+    return -mf_log_pos(-mf_log_pos(u));
+}
+
+/* z of a logit (float32 bits). */
+MF_HD float mf_scaled(uint32_t bits, float inv_t) { return mf_fmul(mf_from_bits(bits), inv_t); }
+
+/* floor(e * 2**39); through int64, one conversion instruction on every target (the value is below
+ * 2**39, so it is the same integer as a direct unsigned conversion). */
+MF_HD uint64_t mf_mass(float e) { return (uint64_t)(int64_t)mf_fmul(e, 549755813888.0f); }
+
+/* ceil(total * top_p), at least 1, with top_p as a 32-bit binary fraction (integer math). */
+MF_HD uint64_t mf_top_p_target(uint64_t total, float top_p) {
+    uint64_t frac = top_p >= 1.0f ? (1ull << 32) : (uint64_t)mf_fmul(top_p, 4294967296.0f);
+    /* total < 2**63, frac <= 2**32: the 96-bit product in two halves. */
+    uint64_t lo = (total & 0xFFFFFFFFull) * frac, hi = (total >> 32) * frac;
+    uint64_t low32 = lo & 0xFFFFFFFFull;
+    uint64_t q = hi + (lo >> 32); /* floor(total * frac / 2**32) */
+    uint64_t t = q + (low32 != 0u);
+    return t ? t : 1u;
+}
+
+/* A row's sampling parameters, sanitised: device-resident ones are not checked before launch, so
+ * a value out of range means its neutral setting. greedy: the argmax rule. */
+typedef struct mf_sample_plan {
+    float temperature, inv_t, top_p, min_p;
+    uint32_t top_k;
+    uint64_t seed;
+    uint32_t position;
+    int greedy, use_top_p, use_min_p;
+} mf_sample_plan;
+
+MF_HD mf_sample_plan mf_plan_sampling(const mf_sampling_params *p) {
+    mf_sample_plan s;
+    s.temperature = p->temperature;
+    s.top_p = p->top_p;
+    s.min_p = p->min_p;
+    s.top_k = p->top_k;
+    s.seed = p->seed;
+    s.position = p->position;
+    s.greedy = !(s.temperature > 0.0f && s.temperature <= 3.4e38f);
+    s.inv_t = s.greedy ? 0.0f : mf_fdiv(1.0f, s.temperature);
+    s.use_top_p = s.top_p > 0.0f && s.top_p < 1.0f;
+    s.use_min_p = s.min_p > 0.0f && s.min_p < 1.0f;
+    return s;
+}
+
+/* One radix-select step: `bins` holds the weight of each value of the digit at `shift` among the
+ * elements above which `above` weight already lies; returns the digit where the running weight
+ * first reaches `target` and adds the weight of the greater digits to *above. */
+MF_HD uint32_t mf_select_digit(const uint64_t *bins, uint64_t *above, uint64_t target) {
+    for (int d = 255; d > 0; --d) {
+        if (*above + bins[d] >= target) return (uint32_t)d;
+        *above += bins[d];
+    }
+    return 0u;
+}
+
+#endif

@@ -1,0 +1,435 @@
+// Sampling one row on the CPU, under sample_rule.h. The filters are thresholds on the packed word
+// (logit key, ~id) found by a radix select over the candidates, narrowed digit by digit. The race
+// draws exact scores only for ids that could still beat the best score so far: first the exact
+// bound z + MF_GUMBEL_BOUND, then (AVX2, float32 rows) a necessary condition on the id's uniform,
+// g = -log(-log U) <= -log(1 - U), checked 32 ids at a time with a vector Philox. Every skip is a
+// proof that the id cannot win, and every id that is not skipped is scored by the scalar rule, so
+// both paths give the rule's id (tests compare them); the vector code only decides what to skip,
+// except the masses of top_p, whose vector exp repeats sample_rule.h's operations one for one.
+#include <vector>
+
+#include "kernels.hpp"
+#include "metrale_feed/sample_rule.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define MF_X86 1
+#endif
+
+namespace mf::host {
+namespace {
+
+struct Cand {
+    uint64_t packed;  // mf_pack(logit key, id)
+    uint64_t weight;  // what the select counts: 1 (top_k) or the mass (top_p)
+};
+
+// Narrows a radix select over `c` (elements sharing the bits above `shift + 8` of `*prefix`)
+// digit by digit down to the whole 64-bit threshold. The last digit overlaps bits already fixed,
+// which every element left shares, so it still selects the right low nibble.
+uint64_t radix_finish(std::vector<Cand> &c, uint64_t target, uint64_t above, uint64_t prefix, int shift) {
+    for (;; shift = shift >= 8 ? shift - 8 : 0) {
+        uint64_t bins[256] = {0};
+        for (const Cand &x : c) bins[(x.packed >> shift) & 0xFFu] += x.weight;
+        const uint32_t digit = mf_select_digit(bins, &above, target);
+        prefix |= (uint64_t)digit << shift;
+        size_t kept = 0;
+        for (const Cand &x : c)
+            if (((x.packed >> shift) & 0xFFu) == digit) c[kept++] = x;
+        c.resize(kept);
+        if (shift == 0) return prefix;
+    }
+}
+
+struct RowView {
+    const void *row;
+    int dt;
+    uint32_t vocab;
+    const mf_row_rule *rule;
+    float inv_t;
+    bool candidate(uint32_t i, uint32_t *bits) const {
+        if (i == rule->m0 || i == rule->m1 || !mf_bit_allowed(rule->bits, i)) return false;
+        *bits = mf_logit_bits(row, dt, i);
+        return mf_finite_bits(*bits);
+    }
+    float z(uint32_t bits) const { return mf_scaled(bits, inv_t); }
+};
+
+// The race's state: the best packed score and its score, raised by offer().
+struct Race {
+    const RowView &v;
+    const mf_sample_plan &p;
+    float zmax;
+    uint64_t threshold;
+    uint64_t best;
+    float best_score;
+    // The scalar rule for one id (any id: non-candidates and filtered ids are refused here).
+    void offer(uint32_t i) {
+        uint32_t bits;
+        if (!v.candidate(i, &bits)) return;
+        const float z = v.z(bits);
+        if (mf_fadd(z, MF_GUMBEL_BOUND) < best_score) return;  // score <= z + bound: cannot win
+        if (threshold && mf_pack(mf_key_f32(bits), i) < threshold) return;
+        if (p.use_min_p && !(mf_exp_neg(mf_fsub(z, zmax)) >= p.min_p)) return;
+        const float score = mf_fadd(z, mf_gumbel(p.seed, p.position, i));
+        const uint64_t packed = mf_pack(mf_key_f32(mf_to_bits(score)), i);
+        if (packed > best) {
+            best = packed;
+            best_score = score;
+        }
+    }
+};
+
+#ifdef MF_X86
+#define MF_AVX2 __attribute__((target("avx2")))
+
+// The bitmask bits of ids [i, i + 32), lowest id in bit 0 (reads stay inside the row's words).
+inline uint32_t bits_word(const uint32_t *bits, uint32_t words, uint32_t i) {
+    const uint32_t w = i >> 5, sh = i & 31u;
+    uint64_t window = bits[w];
+    if (w + 1 < words) window |= (uint64_t)bits[w + 1] << 32;
+    return (uint32_t)(window >> sh);
+}
+
+// sample_rule.h's mf_exp_neg on 8 lanes: the same IEEE operations in the same order (no FMA in
+// this target), so the same bits.
+MF_AVX2 inline __m256 exp_neg8(__m256 x) {
+    const __m256 ok = _mm256_cmp_ps(x, _mm256_set1_ps(-86.0f), _CMP_GE_OQ);  // false for NaN
+    __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269502f)), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
+                             _mm256_mul_ps(n, _mm256_set1_ps(1.42860677e-06f)));
+    __m256 p = _mm256_set1_ps(1.38888889e-03f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.33333333e-03f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.16666667e-02f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.66666667e-01f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(0.5f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
+    const __m256i k = _mm256_cvttps_epi32(n);
+    const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(k, 23));
+    const __m256i keep = _mm256_and_si256(_mm256_castps_si256(ok), _mm256_cmpgt_epi32(k, _mm256_set1_epi32(-126)));
+    return _mm256_castsi256_ps(_mm256_and_si256(bits, keep));
+}
+
+// The round keys of a seed: philox.h's Weyl schedule, broadcast once per row.
+struct PhiloxKeys {
+    __m256i k0[10], k1[10];
+};
+
+MF_AVX2 PhiloxKeys philox_keys(uint64_t seed) {
+    PhiloxKeys k;
+    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+        if (round) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        k.k0[round] = _mm256_set1_epi64x(k0);
+        k.k1[round] = _mm256_set1_epi64x(k1);
+    }
+    return k;
+}
+
+// Four Philox blocks, each word in the low half of a 64-bit lane: _mm256_mul_epu32 then gives
+// the full 64-bit product in place (the high halves of the inputs are ignored, so what they
+// hold never matters). Returns the 16 words in id order: [block 0 words 0-3 | block 1 ...] in
+// out[0], blocks 2 and 3 in out[1].
+MF_AVX2 inline void philox4(__m256i c0, __m256i c1, const PhiloxKeys &k, __m256i out[2]) {
+    const __m256i m0 = _mm256_set1_epi64x(0xD2511F53u), m1 = _mm256_set1_epi64x(0xCD9E8D57u);
+    __m256i c2 = _mm256_setzero_si256(), c3 = c2;
+    for (int round = 0; round < 10; ++round) {
+        const __m256i p0 = _mm256_mul_epu32(c0, m0), p1 = _mm256_mul_epu32(c2, m1);
+        c0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), c1), k.k0[round]);
+        c1 = p1;
+        c2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), c3), k.k1[round]);
+        c3 = p0;
+    }
+    const __m256i t01 = _mm256_blend_epi32(c0, _mm256_slli_epi64(c1, 32), 0xAA);  // per block: w0 w1
+    const __m256i t23 = _mm256_blend_epi32(c2, _mm256_slli_epi64(c3, 32), 0xAA);  // per block: w2 w3
+    const __m256i lo = _mm256_unpacklo_epi64(t01, t23), hi = _mm256_unpackhi_epi64(t01, t23);
+    out[0] = _mm256_permute2x128_si256(lo, hi, 0x20);
+    out[1] = _mm256_permute2x128_si256(lo, hi, 0x31);
+}
+
+// The 32 random words of ids [i, i + 32) (i a multiple of 4), in id order: philox.h's blocks
+// (i / 4 + b, position, 0, 0) for b = 0..7.
+MF_AVX2 void philox32(const PhiloxKeys &k, uint32_t position, uint32_t i, __m256i out[4]) {
+    const __m256i base = _mm256_set1_epi64x(i >> 2), pos = _mm256_set1_epi64x(position);
+    philox4(_mm256_add_epi64(base, _mm256_setr_epi64x(0, 1, 2, 3)), pos, k, out);
+    philox4(_mm256_add_epi64(base, _mm256_setr_epi64x(4, 5, 6, 7)), pos, k, out + 2);
+}
+
+// The race over a float32 row, 32 ids at a time: offers only the ids that pass the two necessary
+// conditions (z + bound >= best score; 1 - U <= exp(z - best score), up to a factor of two),
+// everything else to the scalar rule.
+MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
+    const float *p = (const float *)race.v.row;
+    const uint32_t vocab = race.v.vocab;
+    const __m256 t = _mm256_set1_ps(race.v.inv_t), bound = _mm256_set1_ps(MF_GUMBEL_BOUND);
+    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000);
+    const PhiloxKeys keys = philox_keys(race.p.seed);
+    uint32_t i = 0;
+    for (; i + 32 <= vocab; i += 32) {
+        const __m256 s = _mm256_set1_ps(race.best_score);
+        __m256 z[4];
+        unsigned near = 0;
+        for (int j = 0; j < 4; ++j) {
+            const __m256 l = _mm256_loadu_ps(p + i + 8 * j);
+            const __m256i finite = _mm256_xor_si256(
+                _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(l), exp_mask), exp_mask),
+                _mm256_set1_epi32(-1));
+            z[j] = _mm256_mul_ps(l, t);
+            const __m256 close = _mm256_cmp_ps(_mm256_add_ps(z[j], bound), s, _CMP_GE_OQ);
+            near |= (unsigned)_mm256_movemask_ps(_mm256_and_ps(close, _mm256_castsi256_ps(finite))) << (8 * j);
+        }
+        if (!near) continue;
+        __m256i bits[4];
+        philox32(keys, race.p.position, i, bits);
+        // An id can win only if g >= s - z, and g <= -log(1 - U): out when 1 - U > exp(z - s).
+        // Checked by powers of two: with E the exponent of fl(1 - U) and c = ceil((z - s) log2 e),
+        // E >= c + 2 proves 1 - U > exp(z - s) with a factor of two to spare for every rounding.
+        unsigned pass = 0;
+        for (int j = 0; j < 4; ++j) {
+            const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bits[j], 8)),
+                                                         _mm256_set1_ps(0.5f)),
+                                           _mm256_set1_ps(5.96046448e-08f));
+            const __m256i e_bits = _mm256_srli_epi32(_mm256_castps_si256(_mm256_sub_ps(_mm256_set1_ps(1.0f), u)), 23);
+            const __m256 gap = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(z[j], s), _mm256_set1_ps(-200.0f)),
+                                             _mm256_setzero_ps());
+            const __m256i c = _mm256_cvttps_epi32(_mm256_ceil_ps(_mm256_mul_ps(gap, _mm256_set1_ps(1.44269504f))));
+            // out: (e_bits - 127) >= c + 2, i.e. e_bits > c + 128
+            const __m256i out = _mm256_cmpgt_epi32(e_bits, _mm256_add_epi32(c, _mm256_set1_epi32(128)));
+            pass |= ((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(out)) ^ 0xFFu) << (8 * j);
+        }
+        pass &= near;
+        while (pass) {
+            const uint32_t id = i + (uint32_t)__builtin_ctz(pass);
+            pass &= pass - 1;
+            if (id != top_id) race.offer(id);
+        }
+    }
+    for (; i < vocab; ++i)
+        if (i != top_id) race.offer(i);
+}
+
+// Calls f(id, packed, weight) for each candidate of a float32 row at or above `floor` with a
+// weight > 0 (1, or the mass: mass 0 moves no threshold) whose key's top 12 bits are `digit`
+// (any when digit < 0). The lane tests (finite, masks, bitmask, weight, digit) are vector; exp is
+// exp_neg8, which repeats the rule's operations, and the mass the rule's conversion.
+template <class F>
+MF_AVX2 void for_weighted_f32(const RowView &v, bool use_mass, float zmax, uint64_t floor, int digit, F &&f) {
+    const float *p = (const float *)v.row;
+    const __m256 t = _mm256_set1_ps(v.inv_t), zm = _mm256_set1_ps(zmax);
+    const __m256 scale = _mm256_set1_ps(549755813888.0f), one = _mm256_set1_ps(1.0f);
+    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000), mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m256i m0 = _mm256_set1_epi32((int)v.rule->m0), m1 = _mm256_set1_epi32((int)v.rule->m1);
+    const __m256i bias = _mm256_set1_epi32(INT32_MIN), want = _mm256_set1_epi32(digit);
+    const __m256i pick = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128), zero = _mm256_setzero_si256();
+    const uint32_t words = mf_bitmask_words(v.vocab);
+    uint32_t i = 0;
+    alignas(32) float w[8];
+    alignas(32) uint32_t keys[8];
+    for (; i + 8 <= v.vocab; i += 8) {
+        const __m256 l = _mm256_loadu_ps(p + i);
+        const __m256i b = _mm256_castps_si256(l);
+        const __m256i ids = _mm256_add_epi32(_mm256_set1_epi32((int)i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i bad = _mm256_or_si256(_mm256_cmpeq_epi32(_mm256_and_si256(b, exp_mask), exp_mask),
+                                      _mm256_or_si256(_mm256_cmpeq_epi32(ids, m0), _mm256_cmpeq_epi32(ids, m1)));
+        if (v.rule->bits) {
+            const __m256i allowed = _mm256_set1_epi32((int)(bits_word(v.rule->bits, words, i) & 0xFFu));
+            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(allowed, pick), zero));
+        }
+        const __m256i m = _mm256_and_si256(b, mag_mask);
+        const __m256i key = _mm256_add_epi32(_mm256_sign_epi32(m, b), bias);  // mf_key_f32, finite
+        if (digit >= 0) bad = _mm256_or_si256(bad, _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_srli_epi32(key, 20), want),
+                                                                     _mm256_set1_epi32(-1)));
+        __m256 wv = one;
+        if (use_mass) {
+            wv = _mm256_mul_ps(exp_neg8(_mm256_sub_ps(_mm256_mul_ps(l, t), zm)), scale);
+            bad = _mm256_or_si256(bad, _mm256_castps_si256(_mm256_cmp_ps(wv, one, _CMP_NGE_UQ)));
+        }
+        unsigned some = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(bad)) ^ 0xFFu;
+        if (!some) continue;
+        _mm256_store_ps(w, wv);
+        _mm256_store_si256((__m256i *)keys, key);
+        while (some) {
+            const uint32_t j = (uint32_t)__builtin_ctz(some), id = i + j;
+            some &= some - 1;
+            const uint64_t packed = mf_pack(keys[j], id);
+            if (packed >= floor) f(id, packed, (uint64_t)(int64_t)w[j]);  // = mf_mass(e): w is e * 2**39
+        }
+    }
+    for (; i < v.vocab; ++i) {
+        uint32_t bits;
+        if (!v.candidate(i, &bits)) continue;
+        const uint64_t packed = mf_pack(mf_key_f32(bits), i);
+        const uint64_t wt = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
+        if (packed >= floor && wt && (digit < 0 || (int)(packed >> 52) == digit)) f(i, packed, wt);
+    }
+}
+
+// Sweep 1 of select_threshold on a float32 row with no floor: adds each candidate's weight to
+// hist[(top 12 key bits) * 4 + id % 4]. The bucket indices are computed 8 at a time; only the adds
+// stay scalar. The same candidates and weights as for_weighted_f32 (the tests compare the paths).
+MF_AVX2 void histogram_f32(const RowView &v, bool use_mass, float zmax, uint64_t *hist) {
+    const float *p = (const float *)v.row;
+    const __m256 t = _mm256_set1_ps(v.inv_t), zm = _mm256_set1_ps(zmax);
+    const __m256 scale = _mm256_set1_ps(549755813888.0f), one = _mm256_set1_ps(1.0f);
+    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000), mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m256i m0 = _mm256_set1_epi32((int)v.rule->m0), m1 = _mm256_set1_epi32((int)v.rule->m1);
+    const __m256i bias = _mm256_set1_epi32(INT32_MIN), lane4 = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3);
+    const __m256i pick = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128), zero = _mm256_setzero_si256();
+    const uint32_t words = mf_bitmask_words(v.vocab);
+    alignas(32) float w[8];
+    alignas(32) uint32_t slot[8];
+    uint32_t i = 0;
+    for (; i + 8 <= v.vocab; i += 8) {
+        const __m256 l = _mm256_loadu_ps(p + i);
+        const __m256i b = _mm256_castps_si256(l);
+        const __m256i ids = _mm256_add_epi32(_mm256_set1_epi32((int)i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i bad = _mm256_or_si256(_mm256_cmpeq_epi32(_mm256_and_si256(b, exp_mask), exp_mask),
+                                      _mm256_or_si256(_mm256_cmpeq_epi32(ids, m0), _mm256_cmpeq_epi32(ids, m1)));
+        if (v.rule->bits) {
+            const __m256i allowed = _mm256_set1_epi32((int)(bits_word(v.rule->bits, words, i) & 0xFFu));
+            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(allowed, pick), zero));
+        }
+        const __m256i key = _mm256_add_epi32(_mm256_sign_epi32(_mm256_and_si256(b, mag_mask), b), bias);
+        __m256 wv = one;
+        if (use_mass) {
+            wv = _mm256_mul_ps(exp_neg8(_mm256_sub_ps(_mm256_mul_ps(l, t), zm)), scale);
+            bad = _mm256_or_si256(bad, _mm256_castps_si256(_mm256_cmp_ps(wv, one, _CMP_NGE_UQ)));
+        }
+        unsigned some = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(bad)) ^ 0xFFu;
+        if (!some) continue;
+        // i is a multiple of 8, so id % 4 is the lane's index % 4.
+        _mm256_store_si256((__m256i *)slot, _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(key, 20), 2), lane4));
+        _mm256_store_ps(w, wv);
+        if (some == 0xFFu) {
+            for (int j = 0; j < 8; ++j) hist[slot[j]] += (uint64_t)(int64_t)w[j];
+        } else {
+            while (some) {
+                const uint32_t j = (uint32_t)__builtin_ctz(some);
+                some &= some - 1;
+                hist[slot[j]] += (uint64_t)(int64_t)w[j];
+            }
+        }
+    }
+    for (; i < v.vocab; ++i) {
+        uint32_t bits;
+        if (!v.candidate(i, &bits)) continue;
+        const uint64_t wt = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
+        if (wt) hist[((mf_key_f32(bits) >> 20) << 2) | (i & 3u)] += wt;
+    }
+}
+#endif
+
+// Calls f(id, packed, weight) for each candidate at or above `floor` with a weight > 0: 1 for
+// top_k, the mass for top_p.
+template <class F>
+void for_weighted(const RowView &v, bool use_mass, float zmax, uint64_t floor, int digit, bool vector,
+                  F &&f) {
+#ifdef MF_X86
+    if (vector) return for_weighted_f32(v, use_mass, zmax, floor, digit, f);
+#else
+    (void)vector;
+#endif
+    for (uint32_t i = 0; i < v.vocab; ++i) {
+        uint32_t bits;
+        if (!v.candidate(i, &bits)) continue;
+        const uint64_t packed = mf_pack(mf_key_f32(bits), i);
+        if (packed < floor || (digit >= 0 && (int)(packed >> 52) != digit)) continue;
+        const uint64_t w = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
+        if (w) f(i, packed, w);
+    }
+}
+
+// The top_k (use_mass false, target k) or top_p threshold over the candidates at or above
+// `floor`: the smallest packed t whose candidates at or above it weigh >= the target, or `floor`
+// when all of them together do not exceed k. One sweep histograms the key's top 12 bits; a second
+// collects only that digit's candidates for the radix select of the rest.
+uint64_t select_threshold(const RowView &v, bool use_mass, float zmax, uint64_t floor, uint32_t k,
+                          float top_p, bool vector) {
+    // Four interleaved histograms: dense rows pile into a few buckets, and one histogram would
+    // chain every add through the same memory word.
+    thread_local std::vector<uint64_t> bins;
+    bins.assign(4 * 4096, 0);
+    uint64_t *hist = bins.data();
+#ifdef MF_X86
+    if (vector && floor == 0)
+        histogram_f32(v, use_mass, zmax, hist);
+    else
+#endif
+        for_weighted(v, use_mass, zmax, floor, -1, vector, [hist](uint32_t id, uint64_t packed, uint64_t w) {
+            hist[((packed >> 52) << 2) | (id & 3u)] += w;
+        });
+    uint64_t total = 0;  // summed here, not per element: a running sum would alias the stores
+    for (uint32_t d = 0; d < 4096; ++d) {
+        hist[d] = hist[4 * d] + hist[4 * d + 1] + hist[4 * d + 2] + hist[4 * d + 3];
+        total += hist[d];
+    }
+    if (!use_mass && total <= k) return floor;
+    const uint64_t target = use_mass ? mf_top_p_target(total, top_p) : k;
+    uint64_t above = 0;
+    uint32_t digit = 4095;
+    for (; digit > 0 && above + bins[digit] < target; --digit) above += bins[digit];
+    thread_local std::vector<Cand> cand;
+    cand.clear();
+    for_weighted(v, use_mass, zmax, floor, (int)digit, vector,
+                 [](uint32_t, uint64_t packed, uint64_t w) { cand.push_back(Cand{packed, w}); });
+    return radix_finish(cand, target, above, (uint64_t)digit << 52, 44);
+}
+
+}  // namespace
+
+uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
+                    const mf_sampling_params &params, bool vector) {
+    const mf_sample_plan p = mf_plan_sampling(&params);
+#ifdef MF_X86
+    // A 16-bit row is widened to float32 once (exactly: mf_logit_bits), so the vector helpers
+    // serve every dtype; the rule reads the same values either way.
+    thread_local std::vector<uint32_t> wide;
+    if (vector && dtype != MF_DTYPE_F32) {
+        wide.resize(vocab);
+        for (uint32_t i = 0; i < vocab; ++i) wide[i] = mf_logit_bits(row, (int)dtype, i);
+        row = wide.data();
+        dtype = MF_DTYPE_F32;
+    }
+#else
+    vector = false;
+#endif
+    const RowView v{row, (int)dtype, vocab, rule, p.inv_t};
+    // The greatest finite candidate. The argmax rule's winner is it when finite (+inf ranks
+    // above it, NaN and -inf below); otherwise a scalar pass.
+    uint64_t top = 0;
+    uint32_t top_id = argmax_row(row, dtype, vocab, rule);
+    if (top_id != MF_NO_TOKEN && mf_finite_bits(mf_logit_bits(row, v.dt, top_id))) {
+        top = mf_pack(mf_key_f32(mf_logit_bits(row, v.dt, top_id)), top_id);
+    } else {
+        for (uint32_t i = 0; i < vocab; ++i) {
+            uint32_t bits;
+            if (v.candidate(i, &bits)) top = mf_pack_max(top, mf_pack(mf_key_f32(bits), i));
+        }
+        if (!top) return MF_NO_TOKEN;
+        top_id = mf_unpack_id(top);
+    }
+    const float zmax = v.z(mf_logit_bits(row, v.dt, top_id));
+    if (!mf_finite_bits(mf_to_bits(zmax))) return top_id;  // temperature too small to matter
+
+    uint64_t threshold = 0;  // survivors: packed >= threshold
+    if (p.top_k) threshold = select_threshold(v, false, zmax, 0, p.top_k, 1.0f, vector);
+    if (p.use_top_p) threshold = select_threshold(v, true, zmax, threshold, 0, p.top_p, vector);
+    // The race, the greatest logit first: its score bounds which others can still win.
+    const float s0 = mf_fadd(zmax, mf_gumbel(p.seed, p.position, top_id));
+    Race race{v, p, zmax, threshold, mf_pack(mf_key_f32(mf_to_bits(s0)), top_id), s0};
+#ifdef MF_X86
+    if (vector) {
+        race_f32(race, top_id);
+        return mf_unpack_id(race.best);
+    }
+#endif
+    for (uint32_t i = 0; i < vocab; ++i)
+        if (i != top_id) race.offer(i);
+    return mf_unpack_id(race.best);
+}
+
+}  // namespace mf::host

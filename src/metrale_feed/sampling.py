@@ -1,0 +1,46 @@
+"""Sampling parameters: ``SAMPLING_PARAMS_DTYPE`` and a helper that fills an array of them.
+
+Loaded lazily (``metrale_feed.SAMPLING_PARAMS_DTYPE``), so ``import metrale_feed`` does not import
+numpy. The layout is the C ABI's ``mf_sampling_params`` (``feed.h``), 32 bytes a row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SAMPLING_PARAMS_DTYPE", "sampling_params"]
+
+SAMPLING_PARAMS_DTYPE = np.dtype([("temperature", "<f4"), ("top_p", "<f4"), ("min_p", "<f4"),
+                                  ("top_k", "<u4"), ("seed", "<u8"), ("position", "<u4"),
+                                  ("_pad", "<u4")])
+assert SAMPLING_PARAMS_DTYPE.itemsize == 32
+
+
+def sampling_params(rows: int, *, temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0,
+                    min_p: Any = 0.0, seed: Any = 0, position: Any = 0) -> np.ndarray:
+    """A ``(rows,)`` array of ``SAMPLING_PARAMS_DTYPE`` records; each field a scalar or a sequence
+    of ``rows`` values.
+
+    Parameters
+    ----------
+    rows : int
+        Records to make.
+    temperature, top_k, top_p, min_p, seed, position
+        The fields (``docs/kernels.md``); checked by ``sample_to_feed``, not here.
+
+    Returns
+    -------
+    numpy.ndarray
+        The records, C-contiguous.
+
+    Examples
+    --------
+    >>> sampling_params(2, temperature=0.8, seed=7, position=[3, 4])["position"].tolist()
+    [3, 4]
+    """
+    out = np.zeros(rows, SAMPLING_PARAMS_DTYPE)
+    out["temperature"], out["top_k"], out["top_p"] = temperature, top_k, top_p
+    out["min_p"], out["seed"], out["position"] = min_p, seed, position
+    return out
