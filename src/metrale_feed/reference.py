@@ -21,7 +21,8 @@ from .trait import ModelDeviceFeed
 __all__ = ["ReferenceModel", "host_logits", "host_next_token"]
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-_STAGING_SLOTS = 4  # more than the router keeps in flight, so a slot is always free in practice
+_STAGING_SLOTS = 4  # made up front: more than the router keeps in flight
+_STAGING_MAX = 64  # beyond this many forwards queued, a new forward waits for the oldest
 
 
 def _token(value: Any) -> int:
@@ -64,6 +65,7 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         self.pool = BlockPool(num_blocks)
         self.stream = stream
         self.settled_steps = 0
+        self.host_syncs = 0  # times the host waited for the device (a full staging ring)
         self.kv = _core.DeviceBuffer(num_blocks * block_size * 4)
         self.logits = _core.DeviceBuffer(max_rows * vocab * _ITEMSIZE[logits_dtype])
         self._staging: List[Optional[_Staging]] = [None] * _STAGING_SLOTS
@@ -105,21 +107,42 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
 
     # ---- the forward ----
 
+    def _free_staging(self) -> int:
+        """A staging slot whose copies have run, found without waiting: queued forwards (steps in
+        flight, prefills of newly admitted requests) keep theirs, and a new slot is made while
+        there are fewer than _STAGING_MAX. Only past that does the host wait (counted in
+        ``host_syncs``). Returns the slot's index, or -1: append a new slot."""
+        slots = self._staging
+        count = len(slots)
+        for step in range(count):
+            at = (self._next_staging + step) % count
+            slot = slots[at]
+            if slot is None or slot.event.query():
+                self._next_staging = (at + 1) % count
+                return at
+        if count < _STAGING_MAX:
+            return -1
+        at = self._next_staging
+        self._next_staging = (at + 1) % count
+        self.host_syncs += 1
+        slots[at].event.synchronize()  # type: ignore[union-attr]
+        return at
+
     def _stage(self, seqs: Sequence[SequenceState], positions: Sequence[int]) -> _Staging:
         rows = len(seqs)
         table_words = max(1, sum(len(seq.block_table) for seq in {id(s): s for s in seqs}.values()))
-        at = self._next_staging
-        self._next_staging = (at + 1) % _STAGING_SLOTS
-        slot = self._staging[at]
-        if slot is not None:
-            slot.event.synchronize()  # only when more than _STAGING_SLOTS forwards are queued
-            if slot.rows < rows or slot.table_words < table_words:
-                slot.close()
-                slot = None
-        if slot is None:
+        at = self._free_staging()
+        slot = self._staging[at] if at >= 0 else None
+        if slot is not None and (slot.rows < rows or slot.table_words < table_words):
+            slot.close()
             self._staging[at] = None  # a failed allocation leaves no closed slot behind
+            slot = None
+        if slot is None:
             slot = _Staging(max(rows, 64), max(table_words, 1024))
-            self._staging[at] = slot
+            if at < 0:
+                self._staging.append(slot)
+            else:
+                self._staging[at] = slot
         meta = slot.words[1]
         tables: List[int] = []
         offsets: Dict[int, int] = {}  # a sequence staged for several rows (prefill) has one table

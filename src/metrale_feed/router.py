@@ -8,15 +8,17 @@ records that slot's event; ``await_result`` reads a slot only after its event ha
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import warnings
+from operator import index
+from typing import Any, Dict, List, Optional, Sequence, TypeVar
 
 from . import _core
 from .errors import FeedError
-from .feed import NO_TOKEN
+from .feed import _HOST_BIT, NO_TOKEN
 from .kv import SequenceState
 from .trait import ModelDeviceFeed
 
-__all__ = ["AsyncDeviceIo", "SyncDeviceIo", "RouterStats", "Ticket"]
+__all__ = ["AsyncDeviceIo", "SyncDeviceIo", "RouterStats", "Ticket", "Reservation"]
 
 RING_SLOTS = 3  # two steps in flight plus the one being read
 SPIN_QUERIES = 64  # event_query polls before a wait blocks in event_synchronize
@@ -24,7 +26,7 @@ SPIN_QUERIES = 64  # event_query polls before a wait blocks in event_synchronize
 
 class RouterStats:
     __slots__ = ("launches", "ahead_launches", "reserved_blocks", "reserved_in_flight",
-                 "peak_reserved_in_flight", "rollbacks", "blocks_rolled_back")
+                 "peak_reserved_in_flight", "rollbacks", "blocks_rolled_back", "host_syncs")
     # For type checkers only (set in __init__): counters, all ints.
     launches: int
     ahead_launches: int
@@ -33,6 +35,7 @@ class RouterStats:
     peak_reserved_in_flight: int
     rollbacks: int
     blocks_rolled_back: int
+    host_syncs: int  # waits of the host on the device: one per awaited step, and at teardown
 
     def __init__(self) -> None:
         for name in self.__slots__:
@@ -52,20 +55,39 @@ class RouterStats:
 
 
 class Ticket:
-    """A launched step: which slot holds its ids, how many rows, whether it was fed."""
+    """A launched step: which slot holds its ids, how many rows, whether it was fed. ``gen`` is
+    the slot's generation at the launch: a ticket whose slot has been awaited (and perhaps handed
+    to a newer step since) is refused, never answered with another step's ids."""
 
-    __slots__ = ("step", "slot", "rows", "fed", "reservations", "router")
+    __slots__ = ("step", "slot", "gen", "rows", "fed", "reservations", "router")
 
-    def __init__(self, step: int, slot: int, rows: int, fed: bool, router: Any = None) -> None:
+    def __init__(self, step: int, slot: int, rows: int, fed: bool, router: Any = None,
+                 gen: int = 0) -> None:
         self.router = router  # the router that launched it: only that one can await it
         self.step = step
         self.slot = slot
+        self.gen = gen
         self.rows = rows
         self.fed = fed
-        self.reservations: List[Tuple[SequenceState, List[Any]]] = []
+        self.reservations: List[Reservation] = []
 
     def __repr__(self) -> str:
         return f"Ticket(step={self.step}, slot={self.slot}, rows={self.rows}, fed={self.fed})"
+
+
+class Reservation:
+    """One ledger entry: the blocks ``reserve_kv`` added to ``seq`` for one step (0 or 1), and
+    that step's number (None until the launch that uses it)."""
+
+    __slots__ = ("seq", "step", "blocks")
+
+    def __init__(self, seq: SequenceState, blocks: int) -> None:
+        self.seq = seq
+        self.step: Optional[int] = None
+        self.blocks = blocks
+
+    def __repr__(self) -> str:
+        return f"Reservation(step={self.step}, blocks={self.blocks})"
 
 
 def _mask_rows(masks: Any, rows: int) -> int:
@@ -81,8 +103,42 @@ def _mask_rows(masks: Any, rows: int) -> int:
         return view.nbytes // 8
 
 
+def _mask_words(masks: Any) -> List[int]:
+    """The mask ids of a buffer or a sequence of pairs, flat."""
+    try:
+        view = memoryview(masks)
+    except TypeError:
+        return [int(t) for pair in masks for t in pair]
+    with view:
+        return view.cast("B").cast("I").tolist()
+
+
+def _check_inputs(fed: bool, inputs: Sequence[int], masks: Any, vocab: Optional[int],
+                  prev_rows: int) -> None:
+    """Refuse a launch whose inputs the model would refuse only after its forward (or after a
+    block boundary took a block): host ids and mask ids in the vocabulary, feed rows inside the
+    previous step. Nothing has been reserved or launched when this raises."""
+    for value in inputs:
+        value = int(value)
+        if not 0 <= value <= NO_TOKEN:
+            raise ValueError(f"an input must be a uint32, got {value}")
+        if fed and not value & _HOST_BIT:
+            if value >= prev_rows:
+                raise ValueError(f"FeedSource.feed({value}) is beyond the previous step's "
+                                 f"{prev_rows} rows")
+            continue
+        token = value & (_HOST_BIT - 1) if fed else value
+        if vocab is not None and token >= vocab:
+            raise ValueError(f"input id {token} is outside the vocabulary of {vocab} ids")
+    if masks is not None and vocab is not None:
+        for token in _mask_words(masks):
+            if token >= vocab and token != NO_TOKEN:
+                raise ValueError(f"mask id {token} is outside the vocabulary of {vocab} ids")
+
+
 class _Ring:
-    """Readback slots of ``max_rows`` ids in the model's pinned memory, one event each."""
+    """Readback slots of ``max_rows`` ids in the model's pinned memory, one event each. Each slot
+    has a generation, bumped when it is handed to a new step."""
 
     def __init__(self, model: ModelDeviceFeed, max_rows: int, slots: int) -> None:
         self.model = model
@@ -90,6 +146,7 @@ class _Ring:
         self.ptrs: List[int] = []
         self.events: List[Any] = []
         self.busy = [False] * slots
+        self.gen = [0] * slots
         try:
             for _ in range(slots):
                 self.ptrs.append(model.alloc_host_pinned(self.nbytes))
@@ -113,29 +170,30 @@ class _Ring:
         self.events, self.ptrs = [], []
 
 
-class AsyncDeviceIo:
-    """Pipelines decode steps through ``model`` (a ``ModelDeviceFeed`` with the device feed)."""
+class _DeviceIo:
+    """What both routers share: the ring, the ledger of KV reservations, the launch and the
+    teardown. ``AsyncDeviceIo`` lets steps run ahead; ``SyncDeviceIo`` settles each one."""
 
-    def __init__(self, model: ModelDeviceFeed, max_rows: int, *, stream: Any = 0,
-                 slots: int = RING_SLOTS) -> None:
-        if not model.supports_device_token_feed():
-            raise FeedError("AsyncDeviceIo needs a model whose supports_device_token_feed() is True")
-        if not 1 <= max_rows <= 4096:
-            raise ValueError(f"max_rows must be in [1, 4096], got {max_rows}")
-        self._init_state(model, max_rows, stream, slots)
+    _ring: Optional[_Ring] = None  # so __del__ of a half-made router finds nothing to free
 
     def _init_state(self, model: ModelDeviceFeed, max_rows: int, stream: Any, slots: int) -> None:
+        max_rows = index(max_rows)
+        if not 1 <= max_rows <= 4096:
+            raise ValueError(f"max_rows must be in [1, 4096], got {max_rows}")
         self.model = model
         self.max_rows = max_rows
         self.stream = stream
         self.stats = RouterStats()
-        self._ring: Optional[_Ring] = _Ring(model, max_rows, slots)
+        # For the checks before a launch: the model's vocabulary when it says (the runtime mixin
+        # does), and the rows of the last launch (the feed rows the next one may read).
+        self._vocab: Optional[int] = getattr(model, "feed_vocab", None)
+        self._prev_rows = 0
+        self._ring = _Ring(model, max_rows, slots)
         self._step = 0
         self._unread = 0
-        # The ledger: per sequence, [step, blocks] of each uncommitted reservation, oldest first;
-        # step is None until the launch that uses it.
-        self._ledger: Dict[SequenceState, List[List[Any]]] = {}
-        self._pending: List[Tuple[SequenceState, List[Any]]] = []  # reserved since the last launch
+        # The ledger: per sequence, its uncommitted reservations, oldest first.
+        self._ledger: Dict[SequenceState, List[Reservation]] = {}
+        self._pending: List[Reservation] = []  # reserved since the last launch
 
     # ---- launches ----
 
@@ -145,16 +203,22 @@ class AsyncDeviceIo:
         return self._ring
 
     def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
-                masks: Any) -> Ticket:
+                masks: Any, checked: bool = False) -> Ticket:
+        """``checked``: the caller (the decode pipeline) built inputs and masks itself from ids it
+        validated once, so the per-row checks are skipped."""
         ring = self._open_ring()
         rows = len(seqs)
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"a step takes 1 to {self.max_rows} rows, got {rows}")
         if masks is None:
-            masks = [(NO_TOKEN, NO_TOKEN)] * rows
+            masks = unmasked(rows)
         mask_rows = _mask_rows(masks, rows)
         if len(inputs) != rows or mask_rows != rows:
             raise ValueError(f"{len(inputs)} inputs and {mask_rows} masks for {rows} rows")
+        if not checked:
+            prev_rows = getattr(self.model, "feed_prev_rows", self._prev_rows)
+            _check_inputs(fed, inputs, None if masks is _UNMASKED.get(rows) else masks,
+                          self._vocab, prev_rows)
         slot = ring.acquire()  # before anything is launched: exhaustion launches nothing
         model = self.model
         if fed:
@@ -170,43 +234,83 @@ class AsyncDeviceIo:
                     seq.seq_len -= 1
             raise
         ring.busy[slot] = True
-        ticket = Ticket(self._step, slot, rows, fed, self)
+        ring.gen[slot] += 1
+        ticket = Ticket(self._step, slot, rows, fed, self, ring.gen[slot])
         self._step += 1
+        self._prev_rows = rows
         if self._unread:
             self.stats.ahead_launches += 1
         self._unread += 1
         self.stats.launches += 1
-        for _seq, entry in self._pending:
-            entry[0] = ticket.step
-        ticket.reservations, self._pending = self._pending, []
+        if self._pending:
+            for entry in self._pending:
+                entry.step = ticket.step
+            ticket.reservations, self._pending = self._pending, []
         return ticket
 
     def launch_decode(self, tokens: Sequence[int], seqs: Sequence[SequenceState], masks: Any) -> Ticket:
-        """A step whose input ids the host knows; the model pushes them and advances ``seq_len``."""
+        """A step whose input ids the host knows; the model pushes them and advances ``seq_len``.
+
+        Parameters
+        ----------
+        tokens : sequence of int
+            One input id per row.
+        seqs : sequence of SequenceState
+            The rows' sequences.
+        masks : pairs, a uint32 buffer, or None
+            One ``RowMask`` per row.
+
+        Returns
+        -------
+        Ticket
+            To pass to ``await_result``.
+
+        Raises
+        ------
+        ValueError
+            Row counts that disagree, ids outside the model's vocabulary; nothing is launched.
+        FeedError
+            The ring is exhausted or the router torn down.
+        """
         return self._launch(False, tokens, seqs, masks)
 
     def launch_fed(self, sources: Sequence[int], seqs: Sequence[SequenceState], masks: Any) -> Ticket:
         """A step whose inputs are FeedSource words (host ids, or feed cells of the previous
-        step). The caller pushes and advances each row once the previous step commits."""
+        step). The caller pushes and advances each row once the previous step commits.
+
+        Parameters and errors are those of ``launch_decode``; a ``FeedSource.feed(row)`` beyond
+        the previous step's rows is a ``ValueError`` before any block is taken.
+        """
         return self._launch(True, sources, seqs, masks)
 
     # ---- readback ----
 
     def _wait(self, event: Any) -> None:
+        self.stats.host_syncs += 1
         model = self.model
         for _ in range(SPIN_QUERIES):
             if model.event_query(event):
                 return
         model.event_synchronize(event)
 
-    def await_result(self, ticket: Ticket) -> List[int]:
-        """The step's ids, once its event has completed. The slot is released even when the
-        wait fails, so a fault cannot wedge the ring."""
-        ring = self._open_ring()
+    def _check_ticket(self, ring: _Ring, ticket: Ticket) -> None:
         if not isinstance(ticket, Ticket) or ticket.router is not self:
             raise FeedError(f"{ticket!r} was not launched by this router")
-        if not ring.busy[ticket.slot]:
+        if not ring.busy[ticket.slot] or ring.gen[ticket.slot] != ticket.gen:
             raise FeedError(f"{ticket!r} was already awaited")
+
+    def await_result(self, ticket: Ticket) -> List[int]:
+        """The step's ids, once its event has completed. The slot is released even when the
+        wait fails, so a fault cannot wedge the ring.
+
+        Raises
+        ------
+        FeedError
+            The ticket was already awaited (even when its slot now holds a newer step), comes
+            from another router, or the wait failed.
+        """
+        ring = self._open_ring()
+        self._check_ticket(ring, ticket)
         try:
             self._wait(ring.events[ticket.slot])
             ids = _core.read_pinned_u32(ring.ptrs[ticket.slot], ticket.rows)
@@ -225,18 +329,29 @@ class AsyncDeviceIo:
 
     def reserve_kv(self, seq: SequenceState) -> int:
         """Reserve the block for ``seq``'s next position ahead of a launch; recorded in the
-        ledger so ``rollback(seq)`` can return it."""
+        ledger so ``rollback(seq)`` can return it.
+
+        Returns
+        -------
+        int
+            Blocks added (0 or 1).
+
+        Raises
+        ------
+        KvPoolExhausted
+            The pool is empty; nothing is recorded.
+        """
         if self._ring is None:
             raise FeedError("the router has been torn down")
         added = self.model.reserve_decode_block(seq)
         # Recorded even when no block was needed, so the latest entry is always this step's.
-        entry = [None, added]
+        entry = Reservation(seq, added)
         entries = self._ledger.get(seq)
         if entries is None:
             self._ledger[seq] = [entry]
         else:
             entries.append(entry)
-        self._pending.append((seq, entry))
+        self._pending.append(entry)
         if added:
             stats = self.stats
             stats.reserved_blocks += added
@@ -245,37 +360,64 @@ class AsyncDeviceIo:
                 stats.peak_reserved_in_flight = stats.reserved_in_flight
         return added
 
-    def _commit(self, reservations: List[Tuple[SequenceState, List[Any]]]) -> None:
+    def _commit(self, reservations: List[Reservation]) -> None:
         """A step's reservations are kept: out of the ledger, no longer rollback candidates."""
         ledger = self._ledger
         released = 0
-        for seq, entry in reservations:
-            entries = ledger.get(seq)
+        for entry in reservations:
+            entries = ledger.get(entry.seq)
             if not entries:
                 continue  # rolled back already
             # Entries are in launch order, so a step's is nearly always the oldest.
-            for index, held in enumerate(entries):
+            for at, held in enumerate(entries):
                 if held is entry:
-                    released += entry[1]
+                    released += entry.blocks
                     if len(entries) == 1:
-                        del ledger[seq]
+                        del ledger[entry.seq]
                     else:
-                        del entries[index]
+                        del entries[at]
                     break
         self.stats.reserved_in_flight -= released
 
-    def rollback(self, seq: SequenceState) -> int:
-        """Return ``seq``'s latest uncommitted reservation (its discarded step) to the pool;
-        the number of blocks returned (0 when that step needed no new block)."""
-        entries = self._ledger.get(seq)
-        blocks = entries.pop()[1] if entries else 0
-        if entries is not None and not entries:
-            del self._ledger[seq]
+    def _return(self, seq: SequenceState, entry: Reservation) -> int:
+        blocks = entry.blocks
         if blocks:
             self.model.release_decode_blocks(seq, blocks)
             self.stats.reserved_in_flight -= blocks
             self.stats.blocks_rolled_back += blocks
         self.stats.rollbacks += 1
+        return blocks
+
+    def rollback(self, seq: SequenceState) -> int:
+        """Return ``seq``'s latest uncommitted reservation (its discarded step) to the pool.
+
+        Returns
+        -------
+        int
+            The blocks returned (0 when that step needed no new block).
+        """
+        entries = self._ledger.get(seq)
+        if not entries:
+            self.stats.rollbacks += 1
+            return 0
+        entry = entries.pop()
+        if not entries:
+            del self._ledger[seq]
+        if entry.step is None:
+            self._pending.remove(entry)
+        return self._return(seq, entry)
+
+    def drop(self, seq: SequenceState) -> int:
+        """Roll back every uncommitted reservation of ``seq``, newest first (all its steps in
+        flight are discarded: the row finished, was aborted or preempted); the blocks returned."""
+        entries = self._ledger.pop(seq, None)
+        if not entries:
+            return 0
+        blocks = 0
+        for entry in reversed(entries):
+            if entry.step is None:
+                self._pending.remove(entry)
+            blocks += self._return(seq, entry)
         return blocks
 
     # ---- teardown ----
@@ -289,18 +431,64 @@ class AsyncDeviceIo:
         try:
             for slot, busy in enumerate(ring.busy):
                 if busy:  # the copy into this slot may still be running
+                    self.stats.host_syncs += 1
                     self.model.event_synchronize(ring.events[slot])
         finally:
             ring.close()
 
-    def __enter__(self) -> "AsyncDeviceIo":
+    def __del__(self) -> None:
+        # A router dropped without teardown() would leak its events and pinned ring.
+        if self._ring is not None:
+            try:
+                warnings.warn(f"{type(self).__name__} was not torn down; tearing down on "
+                              "collection (call teardown() or use it as a context manager)",
+                              ResourceWarning, stacklevel=2)
+                self.teardown()
+            except Exception:
+                pass  # interpreter shutdown: the runtime may be gone already
+
+    def __enter__(self: _IoT) -> _IoT:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.teardown()
 
 
-class SyncDeviceIo(AsyncDeviceIo):
+_IoT = TypeVar("_IoT", bound=_DeviceIo)
+
+
+class AsyncDeviceIo(_DeviceIo):
+    """Pipelines decode steps through ``model`` (a ``ModelDeviceFeed`` with the device feed):
+    up to two steps in flight over a ring of three readback slots.
+
+    Parameters
+    ----------
+    model : ModelDeviceFeed
+        Must say ``supports_device_token_feed()``.
+    max_rows : int
+        The most rows a step may have (sizes the ring).
+    stream : stream-like
+        Where every step is launched.
+
+    Raises
+    ------
+    FeedError
+        The model has no device feed.
+
+    Examples
+    --------
+    >>> io = AsyncDeviceIo(model, 8)                                   # doctest: +SKIP
+    >>> ids = io.await_result(io.launch_decode([5], [seq], None))      # doctest: +SKIP
+    """
+
+    def __init__(self, model: ModelDeviceFeed, max_rows: int, *, stream: Any = 0,
+                 slots: int = RING_SLOTS) -> None:
+        if not model.supports_device_token_feed():
+            raise FeedError("AsyncDeviceIo needs a model whose supports_device_token_feed() is True")
+        self._init_state(model, max_rows, stream, slots)
+
+
+class SyncDeviceIo(_DeviceIo):
     """The same calls, each step settled before the launch returns: no step is ever ahead. For
     models without the device feed it runs ``launch_decode`` only."""
 
@@ -310,17 +498,31 @@ class SyncDeviceIo(AsyncDeviceIo):
         self._results: Dict[int, List[int]] = {}
 
     def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
-                masks: Any) -> Ticket:
+                masks: Any, checked: bool = False) -> Ticket:
         if fed and not self.model.supports_device_token_feed():
             raise FeedError("launch_fed needs the device feed; with a settled step the inputs are "
                             "host-known, so use launch_decode")
-        ticket = super()._launch(fed, inputs, seqs, masks)
+        ticket = super()._launch(fed, inputs, seqs, masks, checked)
         self._results[ticket.step] = super().await_result(ticket)
         self.stats.ahead_launches = 0
         return ticket
 
     def await_result(self, ticket: Ticket) -> List[int]:
+        if not isinstance(ticket, Ticket) or ticket.router is not self:
+            raise FeedError(f"{ticket!r} was not launched by this router")
         try:
             return self._results.pop(ticket.step)
         except KeyError:
             raise FeedError(f"{ticket!r} was already awaited") from None
+
+
+_UNMASKED: Dict[int, memoryview] = {}
+
+
+def unmasked(rows: int) -> memoryview:
+    """A read-only uint32 buffer of ``rows`` unused masks, made once per row count: a step with
+    no ban passes it and skips the mask checks (it cannot change)."""
+    words = _UNMASKED.get(rows)
+    if words is None:
+        words = _UNMASKED[rows] = memoryview(b"\xff" * (8 * rows)).cast("I")
+    return words
