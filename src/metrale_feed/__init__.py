@@ -99,6 +99,8 @@ def __getattr__(name: str) -> "_Any":
         "BlockPool": ("kv", "BlockPool"),
         "AsyncDeviceIo": ("router", "AsyncDeviceIo"),
         "SyncDeviceIo": ("router", "SyncDeviceIo"),
+        "DecodePipeline": ("pipeline", "DecodePipeline"),
+        "Request": ("pipeline", "Request"),
         "reference_argmax": ("oracle", "reference_argmax"),
     }
     if name in lazy:
