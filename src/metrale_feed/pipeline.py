@@ -299,6 +299,9 @@ class DecodePipeline:
         for token in pair:
             if token != NO_TOKEN:
                 self._token(token, "ban id")
+        if self.vocab <= 2 and set(range(self.vocab)) <= set(pair):
+            # The argmax would answer NO_TOKEN: a placeholder must never become an input id.
+            raise ValueError(f"the ban {pair} leaves no candidate in a vocabulary of {self.vocab}")
         return RowMask(pair[0], pair[1])
 
     def submit(self, prompt_ids: Iterable[int], *, max_new_tokens: int,
