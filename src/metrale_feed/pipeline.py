@@ -493,27 +493,36 @@ class DecodePipeline:
     def _reserve(self, rows: List[Request], launch: int) -> List[Request]:
         """KV blocks for this launch's positions; when the pool runs dry, the youngest running
         request gives its blocks back and waits to resume (recompute). Returns the rows left."""
-        io = self.io
-        if self._block_size is None:
-            due: Sequence[Request] = rows  # the model decides per row
+        bs = self._block_size
+        if bs is None:
+            due: List[Request] = list(rows)  # the model decides per row
         else:
-            due = self._boundary.pop(launch, ())
-        for req in due:
-            if req._seq is None or req._last < launch:
-                continue  # finished, aborted or preempted since it was scheduled
-            while True:
-                try:
-                    io.reserve_kv(req._seq)
-                    break
-                except KvPoolExhausted:
-                    victim = max((r for r in rows if r._seq is not None), key=lambda r: r._order)
-                    self._preempt(victim)
-                    rows = [r for r in rows if r is not victim]
-                    if victim is req:
-                        break
-            if req._seq is not None and self._block_size is not None:
-                self._schedule(req, launch + self._block_size)
+            due = self._boundary.pop(launch, [])  # _leave keeps these lists current
+            for req in due:
+                req._bound = -1
+        while due:
+            failed = self.io._reserve_many([r._seq for r in due])  # type: ignore[misc]
+            if failed < 0:
+                break
+            # The pool ran dry at due[failed]: the youngest running row of this launch gives
+            # its blocks back (perhaps that row itself), then the rest are tried again.
+            victim = max((r for r in rows if r._seq is not None), key=lambda r: r._order)
+            done, due = due[:failed], due[failed:]
+            self._preempt(victim)
+            rows = [r for r in rows if r is not victim]
+            due = [r for r in due if r is not victim]
+            if bs is not None:
+                self._reschedule(done, launch + bs)
+        if bs is not None:
+            self._reschedule(due, launch + bs)
         return rows
+
+    def _reschedule(self, reqs: List[Request], launch: int) -> None:
+        keep = [r for r in reqs if r._seq is not None and r._last >= launch]
+        if keep:
+            for r in keep:
+                r._bound = launch
+            self._boundary.setdefault(launch, []).extend(keep)
 
     def _await(self) -> None:
         step = self._inflight.popleft()

@@ -9,11 +9,13 @@ records that slot's event; ``await_result`` reads a slot only after its event ha
 from __future__ import annotations
 
 import warnings
+from array import array
+from itertools import chain
 from operator import index
 from typing import Any, Dict, List, Optional, Sequence, TypeVar
 
 from . import _core
-from .errors import FeedError
+from .errors import FeedError, KvPoolExhausted
 from .feed import _HOST_BIT, NO_TOKEN
 from .kv import SequenceState
 from .trait import ModelDeviceFeed
@@ -103,37 +105,60 @@ def _mask_rows(masks: Any, rows: int) -> int:
         return view.nbytes // 8
 
 
-def _mask_words(masks: Any) -> List[int]:
+def _words(values: Any, what: str) -> "array[int]":
+    """``values`` as uint32 words, converted in C (a float is a TypeError, not truncated)."""
+    try:
+        return array("I", values)
+    except OverflowError:
+        raise ValueError(f"{what} must be uint32 ids") from None
+
+
+def _mask_words(masks: Any) -> "array[int]":
     """The mask ids of a buffer or a sequence of pairs, flat."""
     try:
         view = memoryview(masks)
     except TypeError:
-        return [int(t) for pair in masks for t in pair]
+        return _words(chain.from_iterable(masks), "masks")
     with view:
-        return view.cast("B").cast("I").tolist()
+        return array("I", view.cast("B").cast("I"))
 
 
 def _check_inputs(fed: bool, inputs: Sequence[int], masks: Any, vocab: Optional[int],
                   prev_rows: int) -> None:
     """Refuse a launch whose inputs the model would refuse only after its forward (or after a
     block boundary took a block): host ids and mask ids in the vocabulary, feed rows inside the
-    previous step. Nothing has been reserved or launched when this raises."""
-    for value in inputs:
-        value = int(value)
-        if not 0 <= value <= NO_TOKEN:
-            raise ValueError(f"an input must be a uint32, got {value}")
-        if fed and not value & _HOST_BIT:
-            if value >= prev_rows:
-                raise ValueError(f"FeedSource.feed({value}) is beyond the previous step's "
+    previous step. Nothing has been reserved or launched when this raises. Whole-array min/max
+    first, so a batch costs C-speed work unless something is wrong or host and feed mix."""
+    words = _words(inputs, "inputs")
+    if words:
+        lo, hi = min(words), max(words)
+        limit = NO_TOKEN if vocab is None else vocab
+        if not fed:
+            if hi >= limit:
+                raise ValueError(f"input id {hi} is outside the vocabulary of {vocab} ids")
+        elif hi < _HOST_BIT:  # all feed rows
+            if hi >= prev_rows:
+                raise ValueError(f"FeedSource.feed({hi}) is beyond the previous step's "
                                  f"{prev_rows} rows")
-            continue
-        token = value & (_HOST_BIT - 1) if fed else value
-        if vocab is not None and token >= vocab:
-            raise ValueError(f"input id {token} is outside the vocabulary of {vocab} ids")
+        elif lo >= _HOST_BIT:  # all host ids
+            if hi - _HOST_BIT >= limit:
+                raise ValueError(f"input id {hi - _HOST_BIT} is outside the vocabulary of "
+                                 f"{vocab} ids")
+        else:
+            for value in words:
+                if value & _HOST_BIT:
+                    if value - _HOST_BIT >= limit:
+                        raise ValueError(f"input id {value - _HOST_BIT} is outside the "
+                                         f"vocabulary of {vocab} ids")
+                elif value >= prev_rows:
+                    raise ValueError(f"FeedSource.feed({value}) is beyond the previous step's "
+                                     f"{prev_rows} rows")
     if masks is not None and vocab is not None:
-        for token in _mask_words(masks):
-            if token >= vocab and token != NO_TOKEN:
-                raise ValueError(f"mask id {token} is outside the vocabulary of {vocab} ids")
+        ids = _mask_words(masks)
+        if ids and max(ids) >= vocab:
+            bad = [t for t in ids if vocab <= t != NO_TOKEN]
+            if bad:
+                raise ValueError(f"mask id {bad[0]} is outside the vocabulary of {vocab} ids")
 
 
 class _Ring:
@@ -216,9 +241,8 @@ class _DeviceIo:
         if len(inputs) != rows or mask_rows != rows:
             raise ValueError(f"{len(inputs)} inputs and {mask_rows} masks for {rows} rows")
         if not checked:
-            prev_rows = getattr(self.model, "feed_prev_rows", self._prev_rows)
             _check_inputs(fed, inputs, None if masks is _UNMASKED.get(rows) else masks,
-                          self._vocab, prev_rows)
+                          self._vocab, self._prev_rows)
         slot = ring.acquire()  # before anything is launched: exhaustion launches nothing
         model = self.model
         if fed:
@@ -359,6 +383,38 @@ class _DeviceIo:
             if stats.reserved_in_flight > stats.peak_reserved_in_flight:
                 stats.peak_reserved_in_flight = stats.reserved_in_flight
         return added
+
+    def _reserve_many(self, seqs: Sequence[SequenceState]) -> int:
+        """``reserve_kv`` for each of ``seqs`` in order, in one call (the decode pipeline's
+        path); returns the index of the first sequence the pool could not serve, or -1. The
+        ones before it are reserved and recorded."""
+        if self._ring is None:
+            raise FeedError("the router has been torn down")
+        reserve = self.model.reserve_decode_block
+        ledger, pending = self._ledger, self._pending
+        added_total = 0
+        failed = -1
+        for at, seq in enumerate(seqs):
+            try:
+                added = reserve(seq)
+            except KvPoolExhausted:
+                failed = at
+                break
+            entry = Reservation(seq, added)
+            entries = ledger.get(seq)
+            if entries is None:
+                ledger[seq] = [entry]
+            else:
+                entries.append(entry)
+            pending.append(entry)
+            added_total += added
+        if added_total:
+            stats = self.stats
+            stats.reserved_blocks += added_total
+            stats.reserved_in_flight += added_total
+            if stats.reserved_in_flight > stats.peak_reserved_in_flight:
+                stats.peak_reserved_in_flight = stats.reserved_in_flight
+        return failed
 
     def _commit(self, reservations: List[Reservation]) -> None:
         """A step's reservations are kept: out of the ledger, no longer rollback candidates."""
