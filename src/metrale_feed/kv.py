@@ -1,4 +1,4 @@
-"""KV-cache bookkeeping (DESIGN.md, "KV bookkeeping"): sequences, block tables and the pool."""
+"""KV-cache bookkeeping: sequences, block tables and the pool (docs/pipeline.md)."""
 
 from __future__ import annotations
 

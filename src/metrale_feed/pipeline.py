@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from operator import index
-from typing import Any, Deque, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 from . import _core
 from .errors import FeedError, KvPoolExhausted
@@ -109,7 +109,7 @@ class _SeqView(SequenceState):
         self.req = req
         super().__init__(slot_idx)
 
-    @property  # type: ignore[override]
+    @property
     def seq_len(self) -> int:
         req = self.req
         if req._join < 0:
@@ -124,7 +124,7 @@ class _SeqView(SequenceState):
         if self.req._join < 0:
             self.req._base = value
 
-    @property  # type: ignore[override]
+    @property
     def tokens(self) -> List[int]:
         req = self.req
         return (list(req.prompt) + req.tokens)[: self.seq_len]
@@ -145,7 +145,7 @@ class _Step:
         self.launch = launch
         self.rows = rows
         self.sources = sources
-        self.dead: Optional[set] = None  # row indices
+        self.dead: Optional[Set[int]] = None  # row indices
         self.debug_slot = -1
 
 

@@ -1,4 +1,4 @@
-"""The readback ring and the routers (DESIGN.md, "Router").
+"""The readback ring and the routers beneath the decode pipeline (docs/pipeline.md).
 
 ``AsyncDeviceIo`` keeps up to two decode steps in flight: each launch runs the model's step and
 the masked argmax into the feed cells, copies the ids into one slot of a page-locked ring and
@@ -567,7 +567,8 @@ class SyncDeviceIo(_DeviceIo):
         if not isinstance(ticket, Ticket) or ticket.router is not self:
             raise FeedError(f"{ticket!r} was not launched by this router")
         try:
-            return self._results.pop(ticket.step)
+            ids: List[int] = self._results.pop(ticket.step)
+            return ids
         except KeyError:
             raise FeedError(f"{ticket!r} was already awaited") from None
 
