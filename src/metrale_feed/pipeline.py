@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from functools import partial
 from operator import index
 from typing import Any, Deque, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -28,7 +29,12 @@ from .trait import ModelDeviceFeed
 __all__ = ["DecodePipeline", "Request", "PipelineStats"]
 
 _UNMASKED_PAIR = (NO_TOKEN, NO_TOKEN)
+_drain = partial(deque, maxlen=0)  # runs an iterator to its end, keeping nothing
 _IDENTITY: Dict[int, List[FeedSource]] = {}  # rows -> [feed(0), feed(1), ...], made once
+
+
+def _order_of(req: "Request") -> int:
+    return req._order
 
 
 def _identity(rows: int) -> List[FeedSource]:
@@ -55,7 +61,8 @@ class Request:
     """
 
     __slots__ = ("prompt", "tokens", "max_new_tokens", "stop_ids", "finished", "finish_reason",
-                 "_ban", "_mask", "_pipe", "_seq", "_join", "_last", "_base", "_order", "_bound")
+                 "_ban", "_mask", "_pipe", "_seq", "_join", "_last", "_base", "_order", "_bound",
+                 "_reserved_at")
 
     def __init__(self, pipe: "DecodePipeline", prompt: Tuple[int, ...], max_new_tokens: int,
                  stop_ids: FrozenSet[int], ban: Optional[RowMask], order: int) -> None:
@@ -74,6 +81,7 @@ class Request:
         self._base = 0  # positions whose KV prefill wrote
         self._order = order  # admission order: the youngest running one is preempted first
         self._bound = -1  # the launch at which its next KV block is reserved
+        self._reserved_at = -1  # the last launch that reserved a block for it
 
     @property
     def ban(self) -> Optional[RowMask]:
@@ -138,15 +146,18 @@ class _Step:
     """A launched step: its ticket, its rows (requests), their sources, and the rows whose
     result will be thrown away (finished, aborted or preempted while it was in flight)."""
 
-    __slots__ = ("ticket", "launch", "rows", "sources", "dead", "debug_slot")
+    __slots__ = ("ticket", "launch", "rows", "lists", "sources", "dead", "debug_slot", "added")
 
-    def __init__(self, ticket: Ticket, launch: int, rows: List[Request], sources: Any) -> None:
+    def __init__(self, ticket: Ticket, launch: int, rows: List[Request], lists: List[List[int]],
+                 sources: Any) -> None:
         self.ticket = ticket
+        self.lists = lists  # the rows' token lists, where their ids are committed
         self.launch = launch
         self.rows = rows
         self.sources = sources
         self.dead: Optional[Set[int]] = None  # row indices
         self.debug_slot = -1
+        self.added = 0  # KV blocks reserved for it (known block size), still counted in flight
 
 
 class PipelineStats:
@@ -278,7 +289,9 @@ class DecodePipeline:
         self._masks_dirty = True
         self._rows: List[Request] = []  # the last launch's rows
         self._seqs: Optional[List[SequenceState]] = None  # and their sequences
+        self._lists: Optional[List[List[int]]] = None  # and their token lists
         self._masks: Any = None
+        self._added = 0  # blocks reserved for the launch being made
         self._prev_ids: List[int] = []  # debug: the last awaited step's ids
         self._closed = False
         self._debug = _Debug(self) if self.debug and self.fed else None
@@ -446,6 +459,7 @@ class DecodePipeline:
             rows = [r for r in self._running if r._last >= launch]
         else:
             rows = self._rows
+        self._added = 0
         rows = self._reserve(rows, launch)
         if not rows:
             return False
@@ -477,7 +491,10 @@ class DecodePipeline:
             sources = [r.tokens[-1] if r.tokens else r.prompt[-1] for r in rows]
             ticket = io._launch(False, sources, self._seqs_of(rows), masks, True)
         self._launches = launch + 1
-        step = _Step(ticket, launch, rows, sources)
+        if rows is not self._rows or self._lists is None:
+            self._lists = [r.tokens for r in rows]
+        step = _Step(ticket, launch, rows, self._lists, sources)
+        step.added = self._added
         if self._debug is not None:
             step.debug_slot = slot
         self._inflight.append(step)
@@ -492,29 +509,56 @@ class DecodePipeline:
 
     def _reserve(self, rows: List[Request], launch: int) -> List[Request]:
         """KV blocks for this launch's positions; when the pool runs dry, the youngest running
-        request gives its blocks back and waits to resume (recompute). Returns the rows left."""
+        request gives its blocks back and waits to resume (recompute). Returns the rows left.
+
+        With a known block size the pipeline reserves only for the rows its schedule says cross
+        a block boundary, and keeps the in-flight accounting itself: a discarded step's block
+        always leaves with its request (finish, abort or preemption return every block), so
+        there is no single reservation to roll back and the router's ledger is not needed."""
         bs = self._block_size
         if bs is None:
-            due: List[Request] = list(rows)  # the model decides per row
-        else:
-            due = self._boundary.pop(launch, [])  # _leave keeps these lists current
-            for req in due:
-                req._bound = -1
+            return self._reserve_each(rows)
+        due = self._boundary.pop(launch, None)
+        if not due:
+            return rows
+        reserve = self.model.reserve_decode_block
+        added = 0
+        for req in due:
+            req._bound = -1
+            while req._seq is not None:
+                try:
+                    if reserve(req._seq):
+                        added += 1
+                        req._reserved_at = launch
+                    break
+                except KvPoolExhausted:
+                    victim = max((r for r in rows if r._seq is not None), key=_order_of)
+                    if victim._reserved_at == launch:
+                        added -= 1  # its block for this launch goes back with the rest
+                    self._preempt(victim)
+                    rows = [r for r in rows if r is not victim]
+        if added:
+            stats = self.io.stats
+            stats.reserved_blocks += added
+            stats.reserved_in_flight += added
+            if stats.reserved_in_flight > stats.peak_reserved_in_flight:
+                stats.peak_reserved_in_flight = stats.reserved_in_flight
+            self._added = added
+        self._reschedule(due, launch + bs)
+        return rows
+
+    def _reserve_each(self, rows: List[Request]) -> List[Request]:
+        """A model that does not say its block size decides per row, through the router's
+        ledger (so a discarded step's reservation can be rolled back exactly)."""
+        due = list(rows)
         while due:
             failed = self.io._reserve_many([r._seq for r in due])  # type: ignore[misc]
             if failed < 0:
                 break
-            # The pool ran dry at due[failed]: the youngest running row of this launch gives
-            # its blocks back (perhaps that row itself), then the rest are tried again.
-            victim = max((r for r in rows if r._seq is not None), key=lambda r: r._order)
-            done, due = due[:failed], due[failed:]
+            victim = max((r for r in rows if r._seq is not None), key=_order_of)
+            due = [r for r in due[failed:] if r is not victim]
             self._preempt(victim)
             rows = [r for r in rows if r is not victim]
-            due = [r for r in due if r is not victim]
-            if bs is not None:
-                self._reschedule(done, launch + bs)
-        if bs is not None:
-            self._reschedule(due, launch + bs)
         return rows
 
     def _reschedule(self, reqs: List[Request], launch: int) -> None:
@@ -528,13 +572,14 @@ class DecodePipeline:
         step = self._inflight.popleft()
         ids = self.io.await_result(step.ticket)
         self.stats.steps += 1
+        if step.added:
+            self.io.stats.reserved_in_flight -= step.added
         if self._debug is not None:
             self._debug.check(step, self._prev_ids)
             self._prev_ids = ids
         rows, dead = step.rows, step.dead
         if dead is None:
-            for req, token in zip(rows, ids):
-                req.tokens.append(token)
+            _drain(map(list.append, step.lists, ids))  # each row's token, in a C loop
         else:
             for i, (req, token) in enumerate(zip(rows, ids)):
                 if i not in dead:
@@ -564,6 +609,12 @@ class DecodePipeline:
                     step.dead = set()
                 step.dead.add(at)
                 self.stats.rows_discarded += 1
+                if req._reserved_at == step.launch:  # its block for this step goes back
+                    stats = self.io.stats
+                    step.added -= 1
+                    stats.reserved_in_flight -= 1
+                    stats.rollbacks += 1
+                    stats.blocks_rolled_back += 1
 
     def _release(self, req: Request) -> None:
         """Every uncommitted reservation rolled back, every block back to the pool."""
