@@ -14,6 +14,7 @@ a row's step in flight is thrown away and where its KV blocks go is decided here
 from __future__ import annotations
 
 import os
+import warnings
 from collections import deque
 from functools import partial
 from operator import index
@@ -407,6 +408,21 @@ class DecodePipeline:
         self._finished = []
         return out
 
+    def admit(self) -> int:
+        """Admit waiting requests now, as ``step()`` would at its next launch (first come, first
+        served, while rows and blocks allow), so their prefill is queued before the next step.
+
+        Returns
+        -------
+        int
+            How many joined the batch.
+        """
+        if self._closed:
+            raise FeedError("the pipeline is closed")
+        before = len(self._running)
+        self._admit(self._launches)
+        return len(self._running) - before
+
     def _admit(self, launch: int) -> None:
         """First come, first served: the oldest waiting request joins while there is a row and
         (when the pool is known) blocks for its history and its first step."""
@@ -688,6 +704,17 @@ class DecodePipeline:
                 self._debug.close()
         finally:
             self._closed = True
+
+    def __del__(self) -> None:
+        # Dropped without close(): the model would keep the requests' KV blocks.
+        if not getattr(self, "_closed", True):
+            try:
+                warnings.warn("DecodePipeline was not closed; closing on collection (call "
+                              "close() or use it as a context manager)", ResourceWarning,
+                              stacklevel=2)
+                self.close()
+            except Exception:
+                pass  # interpreter shutdown: the runtime may be gone already
 
     def __enter__(self) -> "DecodePipeline":
         return self

@@ -332,3 +332,27 @@ def test_a_generic_model_without_block_size_reserves_every_row(host, no_leaks, g
             assert [r.tokens for r in reqs] == [greedy(p, 8, VOCAB) for p in ps]
             assert pipe.stats.preemptions > 0
         assert model.pool.free_count == 9
+
+
+def test_admit_prefills_before_the_next_step(host, no_leaks, greedy):
+    ps = prompts(3, seed=21)
+    with model_for(2) as model, DecodePipeline(model, 2) as pipe:
+        reqs = [pipe.submit(p, max_new_tokens=4) for p in ps]
+        free = model.pool.free_count
+        assert pipe.admit() == 2  # max_rows: the third waits
+        assert model.pool.free_count < free and pipe.stats.admitted == 2
+        assert pipe.admit() == 0
+        pipe.run()
+        assert [r.tokens for r in reqs] == [greedy(p, 4, VOCAB) for p in ps]
+
+
+def test_a_pipeline_dropped_without_close_returns_its_blocks(host, no_leaks):
+    with model_for(2) as model:
+        pipe = DecodePipeline(model, 2)
+        pipe.submit([1, 2, 3], max_new_tokens=40)
+        pipe.step()
+        assert model.pool.free_count < model.pool.num_blocks
+        with pytest.warns(ResourceWarning, match="not closed"):
+            del pipe
+            gc.collect()
+        assert model.pool.free_count == model.pool.num_blocks
