@@ -110,7 +110,7 @@ def _words(values: Any, what: str) -> "array[int]":
     try:
         return array("I", values)
     except OverflowError:
-        raise ValueError(f"{what} must be uint32 ids") from None
+        raise ValueError(f"{what}: a token id must be a uint32") from None
 
 
 def _mask_words(masks: Any) -> "array[int]":
@@ -118,7 +118,11 @@ def _mask_words(masks: Any) -> "array[int]":
     try:
         view = memoryview(masks)
     except TypeError:
-        return _words(chain.from_iterable(masks), "masks")
+        ids = _words(chain.from_iterable(masks), "masks")
+        if len(ids) != 2 * len(masks):
+            bad = next(i for i, pair in enumerate(masks) if len(pair) != 2)
+            raise ValueError(f"masks[{bad}] must be a pair of ids") from None
+        return ids
     with view:
         return array("I", view.cast("B").cast("I"))
 
@@ -156,9 +160,9 @@ def _check_inputs(fed: bool, inputs: Sequence[int], masks: Any, vocab: Optional[
     if masks is not None and vocab is not None:
         ids = _mask_words(masks)
         if ids and max(ids) >= vocab:
-            bad = [t for t in ids if vocab <= t != NO_TOKEN]
-            if bad:
-                raise ValueError(f"mask id {bad[0]} is outside the vocabulary of {vocab} ids")
+            for at, token in enumerate(ids):
+                if vocab <= token != NO_TOKEN:  # the kernel's words, said before any launch
+                    raise ValueError(f"mask id {token} of row {at // 2} is not below vocab {vocab}")
 
 
 class _Ring:
