@@ -112,3 +112,5 @@ def test_router(record):
     per_step = r["pipeline_us_per_step"]
     assert sorted(map(int, per_step)) == [16, 64, 256, 1024]
     assert all(positive(v) for v in per_step.values())
+    assert sorted(map(int, r["router_us_per_step_at"])) == [16, 64, 256, 1024]
+    assert all(positive(v) for v in r["router_us_per_step_at"].values())

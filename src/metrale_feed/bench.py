@@ -472,19 +472,21 @@ def _pipeline_step_us(rows: int, steps: int, repeats: int) -> float:
     return best
 
 
-def _stub_step_us(rows: int, steps: int, repeats: int, reserve: bool) -> float:
-    """Best µs per launch_fed + await_result of ``rows`` rows (after ``rows`` reserve_kv calls)."""
+def _stub_step_us(rows: int, steps: int, repeats: int, reserve: bool, masks: bool = True) -> float:
+    """Best µs per launch_fed + await_result of ``rows`` rows (after ``rows`` reserve_kv calls;
+    ``masks=False``: no mask list, as the pipeline launches a step without bans)."""
     seqs = [mf.SequenceState(i) for i in range(rows)]
-    sources, masks = [mf.FeedSource.feed(i) for i in range(rows)], [(NO_TOKEN, NO_TOKEN)] * rows
+    sources = [mf.FeedSource.feed(i) for i in range(rows)]
+    mask_list = [(NO_TOKEN, NO_TOKEN)] * rows if masks else None
     io, best = mf.AsyncDeviceIo(_StubModel(), rows), float("inf")
     try:
-        io.await_result(io.launch_decode([1] * rows, seqs, masks))  # feed rows exist from here
+        io.await_result(io.launch_decode([1] * rows, seqs, mask_list))  # feed rows exist from here
         for _ in range(repeats):
             start = time.perf_counter()
             for _ in range(steps):
                 for seq in seqs if reserve else ():
                     io.reserve_kv(seq)
-                io.await_result(io.launch_fed(sources, seqs, masks))
+                io.await_result(io.launch_fed(sources, seqs, mask_list))
             best = min(best, (time.perf_counter() - start) / steps * 1e6)
     finally:
         io.teardown()
@@ -530,8 +532,11 @@ def bench_router(quick: bool) -> Dict[str, Any]:
     steps = 2000 if quick else 10000
     r["stub_us_per_step"] = _stub_step_us(rows, steps, repeats, False)
     r["stub_us_per_step_reserve"] = _stub_step_us(rows, steps // 4, repeats, True)
-    r["pipeline_us_per_step"] = {
-        n: _pipeline_step_us(n, max(100, (steps // 4) * 64 // n), repeats) for n in PIPELINE_ROWS}
+    r["pipeline_us_per_step"], r["router_us_per_step_at"] = {}, {}
+    for n in PIPELINE_ROWS:  # the pipeline beside the bare router of as many rows, interleaved
+        n_steps = max(100, (steps // 4) * 64 // n)
+        r["router_us_per_step_at"][n] = _stub_step_us(n, n_steps, repeats, False, masks=False)
+        r["pipeline_us_per_step"][n] = _pipeline_step_us(n, n_steps, repeats)
     _section(f"router, reference model: {rows} rows, vocab {vocab}, {max_new} new tokens, "
              f"1 device thread (best of {repeats}); ratio = async / sync")
     _row("sync step, no host work", f"{step:.0f} us")
@@ -544,9 +549,9 @@ def bench_router(quick: bool) -> Dict[str, Any]:
          "stub model")
     _row(f"  with {rows} reserve_kv", f"{r['stub_us_per_step_reserve']:.1f} us", "",
          f"{r['stub_us_per_step_reserve'] / step:.3f}x", "<= 30 us")
-    base = r["stub_us_per_step"]
     for n, us in r["pipeline_us_per_step"].items():
-        _row(f"pipeline Python/step, {n} rows", f"{us:.1f} us", f"router alone, {rows} rows",
+        base = r["router_us_per_step_at"][n]
+        _row(f"pipeline Python/step, {n} rows", f"{us:.1f} us", f"router alone {base:.1f} us",
              f"{us / base:.2f}x", "<= 20 us" if n == 256 else "",
              f"{us / n * 1e3:.0f} ns/row; stub model, KV reservation and commit included")
     return r
