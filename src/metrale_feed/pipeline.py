@@ -475,8 +475,7 @@ class DecodePipeline:
             rows = [r for r in self._running if r._last >= launch]
         else:
             rows = self._rows
-        self._added = 0
-        rows = self._reserve(rows, launch)
+        rows = self._reserve(rows, launch)  # adds to self._added
         if not rows:
             return False
         if self._dirty or self._masks_dirty or rows is not self._rows:
@@ -510,7 +509,9 @@ class DecodePipeline:
         if rows is not self._rows or self._lists is None:
             self._lists = [r.tokens for r in rows]
         step = _Step(ticket, launch, rows, self._lists, sources)
-        step.added = self._added
+        # Blocks reserved for a launch that raised stay in their tables and count for the
+        # launch that follows, so the in-flight figure comes back to 0.
+        step.added, self._added = self._added, 0
         if self._debug is not None:
             step.debug_slot = slot
         self._inflight.append(step)
@@ -559,7 +560,7 @@ class DecodePipeline:
             stats.reserved_in_flight += added
             if stats.reserved_in_flight > stats.peak_reserved_in_flight:
                 stats.peak_reserved_in_flight = stats.reserved_in_flight
-            self._added = added
+            self._added += added
         self._reschedule(due, launch + bs)
         return rows
 

@@ -356,3 +356,30 @@ def test_a_pipeline_dropped_without_close_returns_its_blocks(host, no_leaks):
             del pipe
             gc.collect()
         assert model.pool.free_count == model.pool.num_blocks
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_launch_that_raises_can_be_retried(host, no_leaks, greedy, depth):
+    """The model's step raises once (here at a launch that crosses block boundaries): step()
+    raises it, nothing is committed or counted twice, and the next step() carries on exactly."""
+
+    class Flaky(ReferenceModel):
+        calls = 0
+
+        def decode_batch_fed(self, *args):
+            Flaky.calls += 1
+            if Flaky.calls == 3:
+                raise FeedError("injected: the forward failed")
+            return super().decode_batch_fed(*args)
+
+    ps = prompts(3, seed=17, lo=2, hi=3)
+    with Flaky(VOCAB, block_size=2, num_blocks=60, max_rows=3) as model:
+        with DecodePipeline(model, 3, depth=depth) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=7) for p in ps]
+            with pytest.raises(FeedError, match="injected"):
+                while True:
+                    pipe.step()
+            pipe.run()
+            assert [r.tokens for r in reqs] == [greedy(p, 7, VOCAB) for p in ps]
+            assert pipe.stats.reserved_in_flight == 0
+        assert model.pool.free_count == 60
