@@ -30,7 +30,7 @@ from .trait import ModelDeviceFeed
 __all__ = ["DecodePipeline", "Request", "PipelineStats"]
 
 _UNMASKED_PAIR = (NO_TOKEN, NO_TOKEN)
-_drain = partial(deque, maxlen=0)  # runs an iterator to its end, keeping nothing
+_drain: "partial[Deque[Any]]" = partial(deque, maxlen=0)  # runs an iterator out, keeping nothing
 _IDENTITY: Dict[int, List[FeedSource]] = {}  # rows -> [feed(0), feed(1), ...], made once
 
 
