@@ -424,31 +424,63 @@ class DecodePipeline:
         return len(self._running) - before
 
     def _admit(self, launch: int) -> None:
-        """First come, first served: the oldest waiting request joins while there is a row and
-        (when the pool is known) blocks for its history and its first step."""
-        waiting, running = self._waiting, self._running
-        while waiting and len(running) < self.max_rows:
-            req = waiting[0]
-            history = list(req.prompt) + req.tokens
-            need = self._blocks_for(len(history))
-            if need is not None and self._pool is not None:
-                # Room for its history and for the running rows that cross a block boundary
-                # at this launch, so that admitting it does not preempt it at once.
-                need += len(self._boundary.get(launch, ()))
-                if self._pool.free_count < need:
-                    return
-            seq = _SeqView(req, req._order)
-            req._seq, req._join, req._base = seq, -1, 0
-            try:
-                self.model.prefill(seq, history[:-1], self.stream)  # type: ignore[attr-defined]
-            except KvPoolExhausted:
-                self._release(req)
-                return  # the pool is not known to the pipeline: try again next step
+        """First come, first served: the oldest waiting requests join while there are rows and
+        (when the pool is known) blocks for their histories and their first step. A model with
+        ``prefill_many`` prefills them in one call (one forward for the reference model), so an
+        admission does not fill the model's queue with forwards."""
+        waiting = self._waiting
+        room = self.max_rows - len(self._running)
+        pool = self._pool
+        free = pool.free_count if pool is not None else 0
+        # Keep blocks for the running rows that cross a block boundary at this launch, so an
+        # admitted request is not preempted at once.
+        free -= len(self._boundary.get(launch, ()))
+        batch: List[Request] = []
+        for req in waiting:
+            if len(batch) >= room:
+                break
+            if pool is not None:
+                need = self._blocks_for(len(req.prompt) + len(req.tokens)) or 0
+                if free < need:
+                    break
+                free -= need
+            batch.append(req)
+        if not batch:
+            return
+        prefill_many = getattr(self.model, "prefill_many", None)
+        if prefill_many is None:  # one request at a time; stop at the first that does not fit
+            for count, req in enumerate(batch):
+                if not self._prefill([req], self.model.prefill, False):  # type: ignore[attr-defined]
+                    batch = batch[:count]
+                    break
+        elif not self._prefill(batch, prefill_many, True):
+            return
+        for req in batch:
             waiting.popleft()
             self._join(req, launch)
-            running.append(req)
-            self.stats.admitted += 1
-            self._dirty = True
+            self._running.append(req)
+        self.stats.admitted += len(batch)
+        self._dirty = True
+
+    def _prefill(self, reqs: List[Request], prefill: Any, many: bool) -> bool:
+        """Prefill each request's history but its last id into a fresh sequence view; False
+        (and nothing kept) when the pool ran out (a pool the pipeline cannot see)."""
+        views, histories = [], []
+        for req in reqs:
+            req._seq = _SeqView(req, req._order)
+            req._join, req._base = -1, 0
+            views.append(req._seq)
+            histories.append((list(req.prompt) + req.tokens)[:-1])
+        try:
+            if many:
+                prefill(views, histories, self.stream)
+            else:
+                prefill(views[0], histories[0], self.stream)
+        except KvPoolExhausted:
+            for req in reqs:
+                self._release(req)
+            return False
+        return True
 
     def _join(self, req: Request, launch: int) -> None:
         req._join = launch

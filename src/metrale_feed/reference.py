@@ -21,8 +21,8 @@ from .trait import ModelDeviceFeed
 __all__ = ["ReferenceModel", "host_logits", "host_next_token"]
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-_STAGING_SLOTS = 4  # made up front: more than the router keeps in flight
-_STAGING_MAX = 64  # beyond this many forwards queued, a new forward waits for the oldest
+_STAGING_SLOTS = 4  # two steps in flight and a batch of prefills, with one to spare
+_PREFILL_ROWS = 4096  # positions per prefill forward: the forward's row limit (no logits)
 
 
 def _token(value: Any) -> int:
@@ -107,42 +107,23 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
 
     # ---- the forward ----
 
-    def _free_staging(self) -> int:
-        """A staging slot whose copies have run, found without waiting: queued forwards (steps in
-        flight, prefills of newly admitted requests) keep theirs, and a new slot is made while
-        there are fewer than _STAGING_MAX. Only past that does the host wait (counted in
-        ``host_syncs``). Returns the slot's index, or -1: append a new slot."""
-        slots = self._staging
-        count = len(slots)
-        for step in range(count):
-            at = (self._next_staging + step) % count
-            slot = slots[at]
-            if slot is None or slot.event.query():
-                self._next_staging = (at + 1) % count
-                return at
-        if count < _STAGING_MAX:
-            return -1
-        at = self._next_staging
-        self._next_staging = (at + 1) % count
-        self.host_syncs += 1
-        slots[at].event.synchronize()  # type: ignore[union-attr]
-        return at
-
     def _stage(self, seqs: Sequence[SequenceState], positions: Sequence[int]) -> _Staging:
         rows = len(seqs)
         table_words = max(1, sum(len(seq.block_table) for seq in {id(s): s for s in seqs}.values()))
-        at = self._free_staging()
-        slot = self._staging[at] if at >= 0 else None
-        if slot is not None and (slot.rows < rows or slot.table_words < table_words):
-            slot.close()
-            self._staging[at] = None  # a failed allocation leaves no closed slot behind
-            slot = None
+        at = self._next_staging
+        self._next_staging = (at + 1) % _STAGING_SLOTS
+        slot = self._staging[at]
+        if slot is not None:
+            if not slot.event.query():  # only when more than _STAGING_SLOTS forwards are queued
+                self.host_syncs += 1
+                slot.event.synchronize()
+            if slot.rows < rows or slot.table_words < table_words:
+                slot.close()
+                slot = None
         if slot is None:
+            self._staging[at] = None  # a failed allocation leaves no closed slot behind
             slot = _Staging(max(rows, 64), max(table_words, 1024))
-            if at < 0:
-                self._staging.append(slot)
-            else:
-                self._staging[at] = slot
+            self._staging[at] = slot
         meta = slot.words[1]
         tables: List[int] = []
         offsets: Dict[int, int] = {}  # a sequence staged for several rows (prefill) has one table
@@ -202,28 +183,49 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
     def prefill(self, seq: SequenceState, ids: Sequence[int], stream: Any = None) -> None:
         """Write ``ids`` at positions ``seq_len..`` (allocating blocks), append them to
         ``seq.tokens`` and advance ``seq_len``. Computes no logits."""
+        self.prefill_many([seq], [ids], stream)
+
+    def prefill_many(self, seqs: Sequence[SequenceState], id_lists: Sequence[Sequence[int]],
+                     stream: Any = None) -> None:
+        """``prefill`` of several sequences in as few forwards as the row limit allows (one per
+        4096 positions), so admitting a batch of requests queues one forward, not one each.
+        Blocks are allocated for all of them or none."""
         stream = self.stream if stream is None else stream
         if self._closed:
             raise FeedError("the reference model is closed")
-        ids = [_token(i) for i in ids]
-        for start in range(0, len(ids), self.feed_max_rows):
-            chunk = ids[start : start + self.feed_max_rows]
-            first_new = len(seq.block_table)
-            try:
-                while (seq.seq_len + len(chunk) - 1) // self.block_size >= len(seq.block_table):
+        if len(seqs) != len(id_lists):
+            raise ValueError(f"{len(id_lists)} id lists for {len(seqs)} sequences")
+        lists = [[_token(i) for i in ids] for ids in id_lists]  # checked before any block
+        taken: List[Any] = []  # (seq, blocks added)
+        try:
+            for seq, ids in zip(seqs, lists):
+                first = len(seq.block_table)
+                taken.append((seq, 0))
+                while ids and (seq.seq_len + len(ids) - 1) // self.block_size >= len(seq.block_table):
                     seq.block_table.append(self.pool.alloc())
-            except BaseException:
-                self.release_decode_blocks(seq, len(seq.block_table) - first_new)
-                raise
-            # One row per position, all reading this sequence's table: the forward writes each
-            # id at its position; logits=None skips the logits.
-            rows = len(chunk)
-            slot = self._stage([seq] * rows, [seq.seq_len + i for i in range(rows)])
-            slot.words[0][:rows] = array("I", chunk)
+                    taken[-1] = (seq, len(seq.block_table) - first)
+        except BaseException:
+            for seq, blocks in taken:
+                self.release_decode_blocks(seq, blocks)
+            raise
+        # One row per position, each reading its sequence's table: the forward writes each id
+        # at its position; logits=None skips the logits.
+        row_seqs: List[SequenceState] = []
+        positions: List[int] = []
+        words: List[int] = []
+        for seq, ids in zip(seqs, lists):
+            row_seqs.extend([seq] * len(ids))
+            positions.extend(range(seq.seq_len, seq.seq_len + len(ids)))
+            words.extend(ids)
+        for start in range(0, len(words), _PREFILL_ROWS):
+            end = min(start + _PREFILL_ROWS, len(words))
+            slot = self._stage(row_seqs[start:end], positions[start:end])
+            slot.words[0][: end - start] = array("I", words[start:end])
             _core.copy_h2d_async(slot.dev[0], slot.host[0], stream)
-            self._forward(slot, rows, stream, logits=False)
-            seq.tokens.extend(chunk)
-            seq.seq_len += rows
+            self._forward(slot, end - start, stream, logits=False)
+        for seq, ids in zip(seqs, lists):
+            seq.tokens.extend(ids)
+            seq.seq_len += len(ids)
 
     def _check_rows(self, n: int, seqs: Sequence[SequenceState]) -> None:
         if self._closed:

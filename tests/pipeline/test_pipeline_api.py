@@ -313,12 +313,12 @@ def test_stats_by_name_and_the_lazy_exports(host, no_leaks):
 
 
 def test_a_generic_model_without_block_size_reserves_every_row(host, no_leaks, greedy):
-    """A model that does not expose block_size/pool: reserve_kv per row per step, and
-    preemption still works from KvPoolExhausted alone."""
+    """A model that does not expose block_size/pool/prefill_many: reserve_kv per row per step,
+    one prefill per request, and preemption still works from KvPoolExhausted alone."""
 
     class Opaque(ReferenceModel):
         def __getattribute__(self, name):
-            if name in ("block_size", "pool"):
+            if name in ("block_size", "pool", "prefill_many"):
                 if __import__("inspect").stack()[1].filename.endswith("pipeline.py"):
                     raise AttributeError(name)
             return super().__getattribute__(name)
