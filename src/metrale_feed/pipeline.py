@@ -18,7 +18,7 @@ import warnings
 from collections import deque
 from functools import partial
 from operator import index
-from typing import Any, Deque, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Deque, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from . import _core
 from .errors import FeedError, KvPoolExhausted
