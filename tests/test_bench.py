@@ -109,3 +109,8 @@ def test_router(record):
         assert lv["same_tokens"] is True
         assert positive(lv["async_tps"]) and positive(lv["sync_tps"]) and positive(lv["speedup"])
     assert positive(r["stub_us_per_step"]) and positive(r["stub_us_per_step_reserve"])
+    per_step = r["pipeline_us_per_step"]
+    assert sorted(map(int, per_step)) == [16, 64, 256, 1024]
+    assert all(positive(v) for v in per_step.values())
+    assert sorted(map(int, r["router_us_per_step_at"])) == [16, 64, 256, 1024]
+    assert all(positive(v) for v in r["router_us_per_step_at"].values())

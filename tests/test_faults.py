@@ -450,9 +450,8 @@ def test_kv_exhaustion_in_decode_batch_is_all_or_none(host, no_leaks):
 
 def test_prefill_exhaustion_returns_its_blocks(host, no_leaks):
     """Refuses cleanly: a prefill that runs out of blocks part-way returns the blocks it took,
-    and the sequence is as before. A prefill longer than max_rows ids goes chunk by chunk: the
-    chunk that runs out returns its blocks, and the sequence keeps the chunks before it, its
-    tokens, seq_len and blocks agreeing with what was written."""
+    and the sequence is as before, also when it is longer than max_rows ids (a prefill takes
+    its blocks all or none before it writes anything)."""
     model = ReferenceModel(VOCAB, block_size=2, num_blocks=3, max_rows=8)
     seq = SequenceState(0)
     model.prefill(seq, [1, 2])
@@ -468,7 +467,9 @@ def test_prefill_exhaustion_returns_its_blocks(host, no_leaks):
     seq = SequenceState(0)
     model.prefill(seq, [1, 2])
     with pytest.raises(KvPoolExhausted):
-        model.prefill(seq, [3, 4, 5, 6, 7])  # chunk [3, 4, 5, 6] fits, chunk [7] does not
+        model.prefill(seq, [3, 4, 5, 6, 7])  # more ids than max_rows; 3 blocks needed, 2 free
+    assert (seq.seq_len, seq.tokens, len(seq.block_table), model.pool.free_count) == (2, [1, 2], 1, 2)
+    model.prefill(seq, [3, 4, 5, 6])  # longer than max_rows and fits: one forward
     assert (seq.seq_len, seq.tokens, len(seq.block_table), model.pool.free_count) == \
         (6, [1, 2, 3, 4, 5, 6], 3, 0)
     model.release_sequence(seq)

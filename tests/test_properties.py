@@ -4,8 +4,8 @@
    valid and invalid) against a small Python model of what should be live and what must raise;
 2. random argmax inputs (raw bit patterns, NaN payloads, infinities, signed zeros, ties, padding,
    masks) against ``metrale_feed.oracle.reference_argmax``;
-3. random router schedules (stops, masks, reorders of rows between steps) on the reference model
-   against ``metrale_feed.reference.host_next_token``.
+3. random schedules through the decode pipeline (stops, masks, submission orders) on the
+   reference model against ``metrale_feed.reference.host_next_token``.
 
 Example counts are modest so the file runs in well under a minute on two cores.
 """
@@ -26,7 +26,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
 
 import metrale_feed as mf
 from metrale_feed import DeviceBuffer, Event, FeedError, PinnedBuffer, Stream
-from metrale_feed.demo import host_reference, run_async
+from metrale_feed.demo import host_reference
 from metrale_feed.oracle import reference_argmax
 from metrale_feed.reference import ReferenceModel, host_next_token
 
@@ -450,11 +450,27 @@ def test_router_schedules_match_the_host(host, schedule, seed, block_size):
     rows = len(requests)
     blocks = rows * ((10 + max_new) // block_size + 3)
     before = mf.live_objects()
+    order = list(range(rows))
+    random.Random(seed).shuffle(order)
     with ReferenceModel(vocab, block_size=block_size, num_blocks=blocks, max_rows=rows,
                         logits_dtype=dtype) as model:
-        result = run_async(model, requests, max_new, shuffle=random.Random(seed))
+        with mf.DecodePipeline(model, rows) as pipe:
+            reqs = {}
+            for i in order:
+                r = requests[i]
+                stops = () if r["stop"] == NT else (r["stop"],)
+                ban = None if tuple(r["mask"]) == (NT, NT) else r["mask"]
+                if vocab <= 2 and set(range(vocab)) <= set(r["mask"]):
+                    # No candidate left: the argmax would answer NO_TOKEN, a placeholder that
+                    # must never become an input id, so the pipeline refuses the request.
+                    with pytest.raises(ValueError, match="no candidate"):
+                        pipe.submit(r["prompt"], max_new_tokens=max_new, ban=ban)
+                    expected[i] = None
+                    continue
+                reqs[i] = pipe.submit(r["prompt"], max_new_tokens=max_new, stop_ids=stops, ban=ban)
+            pipe.run()
+            assert pipe.stats.reserved_in_flight == 0
         assert model.pool.free_count == blocks, "KV blocks leaked"
-    assert result["tokens"] == expected
-    assert result["stats"]["reserved_in_flight"] == 0
+    assert [reqs[i].tokens if i in reqs else None for i in range(rows)] == expected
     gc.collect()
     assert mf.live_objects() == before

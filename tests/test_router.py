@@ -5,8 +5,8 @@ import random
 import pytest
 
 import metrale_feed
-from metrale_feed import AsyncDeviceIo, FeedError, FeedSource, SyncDeviceIo
-from metrale_feed.demo import host_reference, make_requests, run_async, run_sync
+from metrale_feed import AsyncDeviceIo, DecodePipeline, FeedError, FeedSource, SyncDeviceIo
+from metrale_feed.demo import host_reference, make_requests
 from metrale_feed.feed import NO_TOKEN
 from metrale_feed.kv import KvPoolExhausted, SequenceState
 from metrale_feed.reference import ReferenceModel, host_next_token
@@ -19,6 +19,19 @@ def model_for(rows, dtype="float32", num_blocks=None, block_size=4):
                           max_rows=rows, logits_dtype=dtype)
 
 
+def pipeline_tokens(model, requests, max_new, depth, order):
+    """The requests through a DecodePipeline, submitted in ``order``; tokens in request order."""
+    with DecodePipeline(model, len(requests), depth=depth) as pipe:
+        reqs = {}
+        for i in order:
+            r = requests[i]
+            stops = () if r["stop"] == NO_TOKEN else (r["stop"],)
+            ban = None if tuple(r["mask"]) == (NO_TOKEN, NO_TOKEN) else r["mask"]
+            reqs[i] = pipe.submit(r["prompt"], max_new_tokens=max_new, stop_ids=stops, ban=ban)
+        pipe.run()
+        return [reqs[i].tokens for i in range(len(requests))], pipe.stats.as_dict()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_async_equals_sync_equals_host_with_stops_reorders_and_drops(host, no_leaks, dtype, seed):
@@ -27,18 +40,19 @@ def test_async_equals_sync_equals_host_with_stops_reorders_and_drops(host, no_le
     expected = [host_reference(r["prompt"], r["mask"], r["stop"], max_new, VOCAB, dtype) for r in requests]
     assert any(len(e) < max_new for e in expected), "some rows must stop early"
     assert any(r["mask"][0] != NO_TOKEN for r in requests)
+    order = list(range(rows))
+    random.Random(seed).shuffle(order)
     with model_for(rows, dtype) as model:
         start = model.pool.free_count
-        fast = run_async(model, requests, max_new, shuffle=random.Random(seed))
+        fast, fast_stats = pipeline_tokens(model, requests, max_new, 2, order)
         assert model.pool.free_count == start
-        slow = run_sync(model, requests, max_new)
+        slow, slow_stats = pipeline_tokens(model, requests, max_new, 1, order)
         assert model.pool.free_count == start
-    assert fast["tokens"] == expected
-    assert slow["tokens"] == expected
-    stats = fast["stats"]
-    assert stats["ahead_launches"] > 0 and stats["rollbacks"] > 0
-    assert stats["reserved_in_flight"] == 0
-    assert slow["stats"]["ahead_launches"] == 0
+    assert fast == expected
+    assert slow == expected
+    assert fast_stats["ahead_launches"] > 0 and fast_stats["rows_discarded"] > 0
+    assert fast_stats["reserved_in_flight"] == 0
+    assert slow_stats["ahead_launches"] == 0
 
 
 def test_masks_that_ban_the_winner_change_the_token(host, no_leaks):
@@ -191,13 +205,13 @@ def test_router_validates_rows_and_lengths(host, no_leaks):
         assert io.stats.launches == 0
 
 
-def test_live_objects_back_to_zero_after_a_demo_run(host):
+def test_live_objects_back_to_zero_after_a_pipeline_run(host):
     import gc
 
     before = metrale_feed.live_objects()
     requests = make_requests(4, 8, VOCAB, "float32", 5)
     with model_for(4) as model:
-        run_async(model, requests, 8)
+        pipeline_tokens(model, requests, 8, 2, range(4))
     gc.collect()
     assert metrale_feed.live_objects() == before
 
@@ -253,3 +267,71 @@ def test_resolve_defaults_to_the_rows_of_the_last_argmax(host, no_leaks, dev):
     assert list(dev.download(out, "uint32")) == [2, 41, 0, 1]
     for b in (buf, cells, out):
         b.close()
+
+
+def test_a_ticket_awaited_twice_is_refused_after_its_slot_was_reused(host, no_leaks):
+    """await(t1), a launch that reuses t1's slot, await(t1) again: FeedError, never the newer
+    step's ids; the newer ticket still reads its own ids."""
+    with model_for(1) as model, AsyncDeviceIo(model, 1) as io:
+        seq = SequenceState(0)
+        t1 = launch_one(io, model, seq)
+        first = io.await_result(t1)
+        t2 = launch_one(io, model, seq)
+        assert t2.slot == t1.slot  # the same slot, a newer generation
+        with pytest.raises(FeedError, match="already awaited"):
+            io.await_result(t1)
+        assert io.await_result(t2) == [host_next_token([1, 1], VOCAB)]
+        assert first == [host_next_token([1], VOCAB)]
+        with SyncDeviceIo(model, 1) as other:
+            with pytest.raises(FeedError, match="not launched by this router"):
+                other.await_result(t2)
+        model.release_sequence(seq)
+
+
+@pytest.mark.parametrize("fed", [False, True])
+def test_a_refused_launch_at_a_block_boundary_takes_no_block_and_runs_nothing(host, no_leaks, fed):
+    """A bad FeedSource or a mask id outside the vocabulary, at a position that starts a block:
+    refused before the model reserves a block or runs its forward."""
+    with model_for(2, block_size=2) as model, AsyncDeviceIo(model, 2) as io:
+        seqs = [SequenceState(0), SequenceState(1)]
+        for seq in seqs:
+            model.prefill(seq, [3])
+        io.await_result(io.launch_decode([5, 5], seqs, None))  # seq_len 2: position 2 starts block 2
+        free, lens = model.pool.free_count, [s.seq_len for s in seqs]
+        tables = [list(s.block_table) for s in seqs]
+        launch = io.launch_fed if fed else io.launch_decode
+        good = [FeedSource.feed(0), FeedSource.feed(1)] if fed else [6, 6]
+        bad_inputs = ([FeedSource.feed(2), FeedSource.feed(0)], [FeedSource.host(VOCAB), FeedSource.feed(0)]) \
+            if fed else ([VOCAB, 1],)
+        for inputs in bad_inputs:
+            with pytest.raises(ValueError, match="previous step|vocabulary"):
+                launch(inputs, seqs, None)
+        with pytest.raises(ValueError, match="mask id"):
+            launch(good, seqs, [(VOCAB, NO_TOKEN), (NO_TOKEN, NO_TOKEN)])
+        assert model.pool.free_count == free
+        assert [s.seq_len for s in seqs] == lens and [s.block_table for s in seqs] == tables
+        assert io.stats.launches == 1 and model.settled_steps == 0
+        # The same launch with good inputs runs, and its tokens are exact.
+        ids = io.await_result(launch(good, seqs, None))
+        assert len(ids) == 2 and model.pool.free_count == free - 2
+        for seq in seqs:
+            model.release_sequence(seq)
+
+
+def test_a_router_dropped_without_teardown_tears_down_on_collection(host, no_leaks):
+    import gc
+
+    metrale_feed.configure_host(lag_us=2000)
+    with model_for(1) as model:
+        io = AsyncDeviceIo(model, 1)
+        seq = SequenceState(0)
+        launch_one(io, model, seq)  # a step in flight
+        during = metrale_feed.live_objects()
+        with pytest.warns(ResourceWarning, match="not torn down"):
+            del io
+            gc.collect()
+        after = metrale_feed.live_objects()
+        # The ring's three events and three 4-byte slots are gone; the model's own are not.
+        assert after["events"] == during["events"] - 3
+        assert after["pinned_bytes"] == during["pinned_bytes"] - 3 * 4
+        model.release_sequence(seq)

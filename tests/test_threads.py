@@ -14,8 +14,7 @@ import pytest
 
 import metrale_feed as mf
 from metrale_feed import DeviceBuffer, Event, PinnedBuffer, Stream
-from metrale_feed import demo
-from metrale_feed.demo import host_reference, make_requests, run_async
+from metrale_feed.demo import host_reference, make_requests
 from metrale_feed.oracle import reference_argmax
 from metrale_feed.reference import ReferenceModel
 
@@ -132,6 +131,24 @@ def test_pinned_and_event_churn_from_eight_threads(host, no_leaks):
     run_threads(churn, THREADS)
 
 
+def pipeline_tokens(model, requests, max_new, seed, seen=None):
+    """The requests through a DecodePipeline (two steps deep), submitted in a shuffled order;
+    ``seen`` gets the pipeline while it runs."""
+    order = list(range(len(requests)))
+    random.Random(seed).shuffle(order)
+    with mf.DecodePipeline(model, len(requests)) as pipe:
+        if seen is not None:
+            seen.append(pipe)
+        reqs = {}
+        for i in order:
+            r = requests[i]
+            stops = () if r["stop"] == NT else (r["stop"],)
+            ban = None if tuple(r["mask"]) == (NT, NT) else r["mask"]
+            reqs[i] = pipe.submit(r["prompt"], max_new_tokens=max_new, stop_ids=stops, ban=ban)
+        pipe.run()
+        return [reqs[i].tokens for i in range(len(requests))], pipe.stats.as_dict()
+
+
 def test_routers_in_four_threads(host, no_leaks):
     """Four schedulers, each with its own model and router, all on the default stream."""
     vocab, max_new = 200, 48
@@ -141,24 +158,17 @@ def test_routers_in_four_threads(host, no_leaks):
         expected = [host_reference(r["prompt"], r["mask"], r["stop"], max_new, vocab, "float32")
                     for r in requests]
         with ReferenceModel(vocab, block_size=4, num_blocks=5 * 24, max_rows=5) as model:
-            result = run_async(model, requests, max_new, shuffle=random.Random(index))
+            tokens, _ = pipeline_tokens(model, requests, max_new, index)
             assert model.pool.free_count == 5 * 24
-        assert result["tokens"] == expected
+        assert tokens == expected
 
     run_threads(drive, 4)
 
 
-def test_router_while_others_read_stats(host, no_leaks, monkeypatch):
-    """One thread drives demo.run_async; three others read the router's stats, live_objects()
-    and the fault knobs in a loop until it is done."""
+def test_router_while_others_read_stats(host, no_leaks):
+    """One thread drives a DecodePipeline; three others read its stats (and its router's),
+    live_objects() and the fault knobs in a loop until it is done."""
     routers = []
-
-    class SeenAsyncDeviceIo(demo.AsyncDeviceIo):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            routers.append(self)
-
-    monkeypatch.setattr(demo, "AsyncDeviceIo", SeenAsyncDeviceIo)
     vocab, max_new, rows = 300, 100, 8
     requests = make_requests(rows, max_new, vocab, "bfloat16", seed=9)
     expected = [host_reference(r["prompt"], r["mask"], r["stop"], max_new, vocab, "bfloat16")
@@ -172,16 +182,16 @@ def test_router_while_others_read_stats(host, no_leaks, monkeypatch):
             try:
                 with ReferenceModel(vocab, block_size=4, num_blocks=rows * 40, max_rows=rows,
                                     logits_dtype="bfloat16") as model:
-                    outcome["result"] = run_async(model, requests, max_new,
-                                                  shuffle=random.Random(3))
+                    outcome["result"] = pipeline_tokens(model, requests, max_new, 3, routers)
             finally:
                 finished.set()
             return
         while not finished.is_set() or reads[index - 1] == 0:
-            for io in list(routers):
-                stats = io.stats.as_dict()
-                assert all(isinstance(v, int) and v >= 0 for v in stats.values()), stats
-                repr(io.stats)
+            for pipe in list(routers):
+                for stats in (pipe.stats, pipe.io.stats):
+                    values = stats.as_dict()
+                    assert all(isinstance(v, int) and v >= 0 for v in values.values()), values
+                    repr(stats)
             counts = mf.live_objects()
             assert set(counts) == {"events", "streams", "pinned_bytes", "device_bytes"}
             assert mf.host_faults()["fail_event_query_at"] == 0
@@ -189,9 +199,9 @@ def test_router_while_others_read_stats(host, no_leaks, monkeypatch):
 
     run_threads(role, 4)
     assert len(routers) == 1
-    result = outcome["result"]
-    assert result["tokens"] == expected
-    assert result["stats"]["ahead_launches"] > 0
+    tokens, stats = outcome["result"]
+    assert tokens == expected
+    assert stats["ahead_launches"] > 0
     assert min(reads) > 0
 
 

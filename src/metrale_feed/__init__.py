@@ -160,6 +160,8 @@ _LAZY = {
     "BlockPool": ("kv", "BlockPool"),
     "AsyncDeviceIo": ("router", "AsyncDeviceIo"),
     "SyncDeviceIo": ("router", "SyncDeviceIo"),
+    "DecodePipeline": ("pipeline", "DecodePipeline"),
+    "Request": ("pipeline", "Request"),
     "reference_argmax": ("oracle", "reference_argmax"),
     "SAMPLING_PARAMS_DTYPE": ("sampling", "SAMPLING_PARAMS_DTYPE"),
     "sampling_params": ("sampling", "sampling_params"),

@@ -1,37 +1,18 @@
-"""``metrale-feed demo``: sequences through the async router two steps deep and through the sync
-router, on the reference model, checked against the host computation of the reference logits."""
+"""``metrale-feed demo``: requests through the decode pipeline two steps deep and settled step by
+step, on the reference model, checked against the host computation of the reference logits."""
 
 from __future__ import annotations
 
 import random
 import sys
 import time
-from collections import deque
 from typing import Any, Dict, List, Optional, Tuple
 
-from .feed import NO_TOKEN, FeedSource
-from .kv import SequenceState
+from ._core import stream_synchronize
+from .feed import NO_TOKEN
+from .pipeline import DecodePipeline, Request
 from .reference import ReferenceModel, host_next_token
-from .router import AsyncDeviceIo, SyncDeviceIo
 from .timeline import Recorder
-
-
-class Row:
-    """One request: its prompt, mask, stop id and what it has generated so far."""
-
-    __slots__ = ("index", "prompt", "mask", "stop", "max_new", "seq", "out", "done", "launched")
-
-    def __init__(self, index: int, prompt: List[int], mask: Tuple[int, int], stop: int, max_new: int) -> None:
-        self.index, self.prompt, self.mask, self.stop, self.max_new = index, prompt, mask, stop, max_new
-        self.seq: SequenceState = SequenceState(index)
-        self.out: List[int] = []
-        self.done = False
-        self.launched = 0
-
-    def accept(self, token: int) -> None:
-        self.out.append(token)
-        if token == self.stop or len(self.out) >= self.max_new:
-            self.done = True
 
 
 def host_reference(prompt: List[int], mask: Tuple[int, int], stop: int, max_new: int, vocab: int,
@@ -105,112 +86,57 @@ class _Timed:
         self.stop(mark)
 
 
-def _rows(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: int) -> List[Row]:
-    rows = [Row(i, r["prompt"], r["mask"], r["stop"], max_new) for i, r in enumerate(requests)]
-    for row in rows:
-        model.prefill(row.seq, row.prompt[:-1])
-    return rows
-
-
-def _result(model: ReferenceModel, rows: List[Row], io: AsyncDeviceIo, seconds: float,
-            steps: int) -> Dict[str, Any]:
-    """What a run produced; its sequences' blocks go back to the pool."""
-    for r in rows:
-        model.release_sequence(r.seq)
-    return {"tokens": [r.out for r in rows], "seconds": seconds, "steps": steps,
-            "stats": io.stats.as_dict()}
+def _run(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: int, depth: int,
+         host_work_us: float, progress: Optional[Any], shuffle: Optional[random.Random],
+         work_kind: str, recorder: Optional[Recorder], span: str) -> Dict[str, Any]:
+    """Every request through a DecodePipeline of ``depth``, the host work after each step; the
+    tokens in the order of ``requests`` (``shuffle`` changes the order they are submitted in)."""
+    order = list(range(len(requests)))
+    if shuffle is not None:
+        shuffle.shuffle(order)
+    rec = _Timed(recorder)
+    steps = 0
+    with DecodePipeline(model, len(requests), depth=depth) as pipe:
+        reqs: Dict[int, Request] = {}
+        for i in order:
+            r = requests[i]
+            stops = () if r["stop"] == NO_TOKEN else (r["stop"],)
+            ban = None if tuple(r["mask"]) == (NO_TOKEN, NO_TOKEN) else r["mask"]
+            reqs[i] = pipe.submit(r["prompt"], max_new_tokens=max_new, stop_ids=stops, ban=ban)
+        # Prefill before the clock starts (and has run: a harness may wait): decode is timed.
+        pipe.admit()
+        stream_synchronize(pipe.stream)
+        start = time.perf_counter()
+        while not pipe.idle:
+            mark = rec.start(span)
+            pipe.step()
+            rec.stop(mark)
+            steps += 1
+            rec.host_work(host_work_us, work_kind)
+            if progress:
+                progress(sum(len(q.tokens) for q in reqs.values()))
+        elapsed = time.perf_counter() - start
+        stats = pipe.stats.as_dict()
+    return {"tokens": [reqs[i].tokens for i in range(len(requests))], "seconds": elapsed,
+            "steps": steps, "stats": stats}
 
 
 def run_async(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: int,
               host_work_us: float = 0.0, progress: Optional[Any] = None,
               shuffle: Optional[random.Random] = None, work_kind: str = "sleep",
               recorder: Optional[Recorder] = None) -> Dict[str, Any]:
-    """The two-deep pipeline: launch step k+1 (fed from step k's cells), then read step k."""
-    rows = _rows(model, requests, max_new)
-    io = AsyncDeviceIo(model, len(rows))
-    rec = _Timed(recorder)
-    start = time.perf_counter()
-    steps = 0
-    try:
-        first = list(rows)
-        mark = rec.start("launch decode")
-        inflight = deque([(io.launch_decode([r.prompt[-1] for r in first], [r.seq for r in first],
-                                            [r.mask for r in first]), first)])
-        rec.stop(mark)
-        for r in first:
-            r.launched = 1
-        while inflight:
-            newest = inflight[-1][1]
-            if len(inflight) < 2:
-                ahead = [r for r in newest if not r.done and r.launched < r.max_new]
-                if shuffle is not None:
-                    shuffle.shuffle(ahead)
-                if ahead:
-                    mark = rec.start("launch fed")
-                    where = {id(r): i for i, r in enumerate(newest)}
-                    for r in ahead:
-                        io.reserve_kv(r.seq)
-                        r.launched += 1
-                    ticket = io.launch_fed([FeedSource.feed(where[id(r)]) for r in ahead],
-                                           [r.seq for r in ahead], [r.mask for r in ahead])
-                    inflight.append((ticket, ahead))
-                    rec.stop(mark)
-            ticket, order = inflight.popleft()
-            mark = rec.start("await")
-            ids = io.await_result(ticket)
-            rec.stop(mark)
-            steps += 1
-            rec.host_work(host_work_us, work_kind)
-            next_rows = {id(r) for r in inflight[0][1]} if inflight else set()
-            for r, token in zip(order, ids):
-                if r.done:
-                    continue  # a discarded step launched before the row stopped
-                r.accept(token)
-                if id(r) in next_rows:
-                    if r.done:
-                        io.rollback(r.seq)  # its step ahead is discarded
-                    else:
-                        r.seq.tokens.append(token)  # the step ahead wrote this id's KV
-                        r.seq.seq_len += 1
-            if progress:
-                progress(sum(len(r.out) for r in rows))
-        elapsed = time.perf_counter() - start
-    finally:
-        io.teardown()
-    return _result(model, rows, io, elapsed, steps)
+    """Two steps deep: the pipeline launches step k+1 (fed from step k's cells), then reads
+    step k, so the host work after a step overlaps the device's next one."""
+    return _run(model, requests, max_new, 2, host_work_us, progress, shuffle, work_kind,
+                recorder, "step (launch ahead + await)")
 
 
 def run_sync(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: int,
              host_work_us: float = 0.0, progress: Optional[Any] = None,
              work_kind: str = "sleep", recorder: Optional[Recorder] = None) -> Dict[str, Any]:
-    """Every step settled before the next: the inputs are host-known, so launch_decode."""
-    rows = _rows(model, requests, max_new)
-    io = SyncDeviceIo(model, len(rows))
-    rec = _Timed(recorder)
-    start = time.perf_counter()
-    steps = 0
-    try:
-        inputs = {r.index: r.prompt[-1] for r in rows}
-        while True:
-            live = [r for r in rows if not r.done]
-            if not live:
-                break
-            mark = rec.start("launch decode + settle")
-            ticket = io.launch_decode([inputs[r.index] for r in live], [r.seq for r in live],
-                                      [r.mask for r in live])
-            ids = io.await_result(ticket)
-            rec.stop(mark)
-            steps += 1
-            rec.host_work(host_work_us, work_kind)
-            for r, token in zip(live, ids):
-                r.accept(token)
-                inputs[r.index] = token
-            if progress:
-                progress(sum(len(r.out) for r in rows))
-        elapsed = time.perf_counter() - start
-    finally:
-        io.teardown()
-    return _result(model, rows, io, elapsed, steps)
+    """Every step settled before the next (depth 1)."""
+    return _run(model, requests, max_new, 1, host_work_us, progress, None, work_kind,
+                recorder, "launch decode + settle")
 
 
 class Progress:

@@ -1,4 +1,5 @@
-"""KV-cache bookkeeping (docs/router.md, "KV bookkeeping"): sequences, block tables and the pool."""
+"""KV-cache bookkeeping (docs/router.md, "KV bookkeeping"; docs/pipeline.md): sequences, block
+tables and the pool."""
 
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ from .trait import ModelDeviceFeed
 __all__ = ["ReferenceModel", "host_logits", "host_next_token"]
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-_STAGING_SLOTS = 4  # more than the router keeps in flight, so a slot is always free in practice
+_STAGING_SLOTS = 4  # two steps in flight and a batch of prefills, with one to spare
+_PREFILL_ROWS = _core.MAX_ROWS  # positions per prefill forward: the forward's row limit (no logits)
 
 
 def _token(value: Any) -> int:
@@ -70,7 +71,7 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
     num_blocks : int, optional
         Blocks in the pool; ``num_blocks * block_size`` must be below 2**32. Default 4096.
     max_rows : int, optional
-        The most rows a step may have, 1 to 4096. Default 256.
+        The most rows a step may have, 1 to ``metrale_feed.MAX_ROWS`` (4096). Default 256.
     logits_dtype : {"float32", "float16", "bfloat16"}, optional
         The logits' dtype (16-bit values are rounded to nearest even). Default "float32".
     stream : Stream, int or stream-like, optional
@@ -107,6 +108,7 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         self.pool = BlockPool(num_blocks)
         self.stream = stream
         self.settled_steps = 0
+        self.host_syncs = 0  # times the host waited for the device (a full staging ring)
         self.kv = _core.DeviceBuffer(num_blocks * block_size * 4)
         self.logits = _core.DeviceBuffer(max_rows * vocab * _ITEMSIZE[logits_dtype])
         self._staging: List[Optional[_Staging]] = [None] * _STAGING_SLOTS
@@ -155,7 +157,9 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         self._next_staging = (at + 1) % _STAGING_SLOTS
         slot = self._staging[at]
         if slot is not None:
-            slot.event.synchronize()  # only when more than _STAGING_SLOTS forwards are queued
+            if not slot.event.query():  # only when more than _STAGING_SLOTS forwards are queued
+                self.host_syncs += 1
+                slot.event.synchronize()
             if slot.rows < rows or slot.table_words < table_words:
                 slot.close()
                 slot = None
@@ -236,32 +240,53 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         Raises
         ------
         KvPoolExhausted
-            The pool ran out of blocks (the sequence keeps what it had).
+            The pool ran out of blocks (nothing is allocated: all or none).
         ValueError
             An id outside uint32, or a sequence longer than the cache.
         """
+        self.prefill_many([seq], [ids], stream)
+
+    def prefill_many(self, seqs: Sequence[SequenceState], id_lists: Sequence[Sequence[int]],
+                     stream: Any = None) -> None:
+        """``prefill`` of several sequences in as few forwards as the row limit allows (one per
+        ``MAX_ROWS`` positions), so admitting a batch of requests queues one forward, not one each.
+        Blocks are allocated for all of them or none."""
         stream = self.stream if stream is None else stream
         if self._closed:
             raise FeedError("the reference model is closed")
-        ids = [_token(i) for i in ids]
-        for start in range(0, len(ids), self.feed_max_rows):
-            chunk = ids[start : start + self.feed_max_rows]
-            first_new = len(seq.block_table)
-            try:
-                while (seq.seq_len + len(chunk) - 1) // self.block_size >= len(seq.block_table):
+        if len(seqs) != len(id_lists):
+            raise ValueError(f"{len(id_lists)} id lists for {len(seqs)} sequences")
+        lists = [[_token(i) for i in ids] for ids in id_lists]  # checked before any block
+        taken: List[Any] = []  # (seq, blocks added)
+        try:
+            for seq, ids in zip(seqs, lists):
+                first = len(seq.block_table)
+                taken.append((seq, 0))
+                while ids and (seq.seq_len + len(ids) - 1) // self.block_size >= len(seq.block_table):
                     seq.block_table.append(self.pool.alloc())
-            except BaseException:
-                self.release_decode_blocks(seq, len(seq.block_table) - first_new)
-                raise
-            # One row per position, all reading this sequence's table: the forward writes each
-            # id at its position; logits=None skips the logits.
-            rows = len(chunk)
-            slot = self._stage([seq] * rows, [seq.seq_len + i for i in range(rows)])
-            slot.words[0][:rows] = array("I", chunk)
+                    taken[-1] = (seq, len(seq.block_table) - first)
+        except BaseException:
+            for seq, blocks in taken:
+                self.release_decode_blocks(seq, blocks)
+            raise
+        # One row per position, each reading its sequence's table: the forward writes each id
+        # at its position; logits=None skips the logits.
+        row_seqs: List[SequenceState] = []
+        positions: List[int] = []
+        words: List[int] = []
+        for seq, ids in zip(seqs, lists):
+            row_seqs.extend([seq] * len(ids))
+            positions.extend(range(seq.seq_len, seq.seq_len + len(ids)))
+            words.extend(ids)
+        for start in range(0, len(words), _PREFILL_ROWS):
+            end = min(start + _PREFILL_ROWS, len(words))
+            slot = self._stage(row_seqs[start:end], positions[start:end])
+            slot.words[0][: end - start] = array("I", words[start:end])
             _core.copy_h2d_async(slot.dev[0], slot.host[0], stream)
-            self._forward(slot, rows, stream, logits=False)
-            seq.tokens.extend(chunk)
-            seq.seq_len += rows
+            self._forward(slot, end - start, stream, logits=False)
+        for seq, ids in zip(seqs, lists):
+            seq.tokens.extend(ids)
+            seq.seq_len += len(ids)
 
     def _check_rows(self, n: int, seqs: Sequence[SequenceState]) -> None:
         if self._closed:

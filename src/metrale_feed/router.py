@@ -1,4 +1,5 @@
-"""The readback ring and the routers (docs/router.md, "The router protocol").
+"""The readback ring and the routers beneath the decode pipeline (docs/router.md, "The router
+protocol"; docs/pipeline.md).
 
 ``AsyncDeviceIo`` keeps up to two decode steps in flight: each launch runs the model's step and
 the masked argmax into the feed cells, copies the ids into one slot of a page-locked ring and
@@ -8,15 +9,19 @@ records that slot's event; ``await_result`` reads a slot only after its event ha
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import warnings
+from array import array
+from itertools import chain
+from operator import index
+from typing import Any, Dict, List, Optional, Sequence, TypeVar
 
 from . import _core
-from .errors import FeedError
-from .feed import NO_TOKEN
+from .errors import FeedError, KvPoolExhausted
+from .feed import _HOST_BIT, NO_TOKEN
 from .kv import SequenceState
 from .trait import ModelDeviceFeed
 
-__all__ = ["AsyncDeviceIo", "SyncDeviceIo", "RouterStats", "Ticket"]
+__all__ = ["AsyncDeviceIo", "SyncDeviceIo", "RouterStats", "Ticket", "Reservation"]
 
 RING_SLOTS = 3  # two steps in flight plus the one being read
 SPIN_QUERIES = 64  # event_query polls before a wait blocks in event_synchronize
@@ -29,7 +34,7 @@ class RouterStats:
     ``as_dict()`` read them.
     """
     __slots__ = ("launches", "ahead_launches", "reserved_blocks", "reserved_in_flight",
-                 "peak_reserved_in_flight", "rollbacks", "blocks_rolled_back")
+                 "peak_reserved_in_flight", "rollbacks", "blocks_rolled_back", "host_syncs")
     # For type checkers only (set in __init__): counters, all ints.
     launches: int
     ahead_launches: int
@@ -38,6 +43,7 @@ class RouterStats:
     peak_reserved_in_flight: int
     rollbacks: int
     blocks_rolled_back: int
+    host_syncs: int  # waits of the host on the device: one per awaited step, and at teardown
 
     def __init__(self) -> None:
         for name in self.__slots__:
@@ -57,20 +63,39 @@ class RouterStats:
 
 
 class Ticket:
-    """A launched step: which slot holds its ids, how many rows, whether it was fed."""
+    """A launched step: which slot holds its ids, how many rows, whether it was fed. ``gen`` is
+    the slot's generation at the launch: a ticket whose slot has been awaited (and perhaps handed
+    to a newer step since) is refused, never answered with another step's ids."""
 
-    __slots__ = ("step", "slot", "rows", "fed", "reservations", "router")
+    __slots__ = ("step", "slot", "gen", "rows", "fed", "reservations", "router")
 
-    def __init__(self, step: int, slot: int, rows: int, fed: bool, router: Any = None) -> None:
+    def __init__(self, step: int, slot: int, rows: int, fed: bool, router: Any = None,
+                 gen: int = 0) -> None:
         self.router = router  # the router that launched it: only that one can await it
         self.step = step
         self.slot = slot
+        self.gen = gen
         self.rows = rows
         self.fed = fed
-        self.reservations: List[Tuple[SequenceState, List[Any]]] = []
+        self.reservations: List[Reservation] = []
 
     def __repr__(self) -> str:
         return f"Ticket(step={self.step}, slot={self.slot}, rows={self.rows}, fed={self.fed})"
+
+
+class Reservation:
+    """One ledger entry: the blocks ``reserve_kv`` added to ``seq`` for one step (0 or 1), and
+    that step's number (None until the launch that uses it)."""
+
+    __slots__ = ("seq", "step", "blocks")
+
+    def __init__(self, seq: SequenceState, blocks: int) -> None:
+        self.seq = seq
+        self.step: Optional[int] = None
+        self.blocks = blocks
+
+    def __repr__(self) -> str:
+        return f"Reservation(step={self.step}, blocks={self.blocks})"
 
 
 def _mask_rows(masks: Any, rows: int) -> int:
@@ -86,8 +111,69 @@ def _mask_rows(masks: Any, rows: int) -> int:
         return view.nbytes // 8
 
 
+def _words(values: Any, what: str) -> "array[int]":
+    """``values`` as uint32 words, converted in C (a float is a TypeError, not truncated)."""
+    try:
+        return array("I", values)
+    except OverflowError:
+        raise ValueError(f"{what}: a token id must be a uint32") from None
+
+
+def _mask_words(masks: Any) -> "array[int]":
+    """The mask ids of a buffer or a sequence of pairs, flat."""
+    try:
+        view = memoryview(masks)
+    except TypeError:
+        ids = _words(chain.from_iterable(masks), "masks")
+        if len(ids) != 2 * len(masks):
+            bad = next(i for i, pair in enumerate(masks) if len(pair) != 2)
+            raise ValueError(f"masks[{bad}] must be a pair of ids") from None
+        return ids
+    with view:
+        return array("I", view.cast("B").cast("I"))
+
+
+def _check_inputs(fed: bool, inputs: Sequence[int], masks: Any, vocab: Optional[int],
+                  prev_rows: int) -> None:
+    """Refuse a launch whose inputs the model would refuse only after its forward (or after a
+    block boundary took a block): host ids and mask ids in the vocabulary, feed rows inside the
+    previous step. Nothing has been reserved or launched when this raises. Whole-array min/max
+    first, so a batch costs C-speed work unless something is wrong or host and feed mix."""
+    words = _words(inputs, "inputs")
+    if words:
+        lo, hi = min(words), max(words)
+        limit = NO_TOKEN if vocab is None else vocab
+        if not fed:
+            if hi >= limit:
+                raise ValueError(f"input id {hi} is outside the vocabulary of {vocab} ids")
+        elif hi < _HOST_BIT:  # all feed rows
+            if hi >= prev_rows:
+                raise ValueError(f"FeedSource.feed({hi}) is beyond the previous step's "
+                                 f"{prev_rows} rows")
+        elif lo >= _HOST_BIT:  # all host ids
+            if hi - _HOST_BIT >= limit:
+                raise ValueError(f"input id {hi - _HOST_BIT} is outside the vocabulary of "
+                                 f"{vocab} ids")
+        else:
+            for value in words:
+                if value & _HOST_BIT:
+                    if value - _HOST_BIT >= limit:
+                        raise ValueError(f"input id {value - _HOST_BIT} is outside the "
+                                         f"vocabulary of {vocab} ids")
+                elif value >= prev_rows:
+                    raise ValueError(f"FeedSource.feed({value}) is beyond the previous step's "
+                                     f"{prev_rows} rows")
+    if masks is not None and vocab is not None:
+        ids = _mask_words(masks)
+        if ids and max(ids) >= vocab:
+            for at, token in enumerate(ids):
+                if vocab <= token != NO_TOKEN:  # the kernel's words, said before any launch
+                    raise ValueError(f"mask id {token} of row {at // 2} is not below vocab {vocab}")
+
+
 class _Ring:
-    """Readback slots of ``max_rows`` ids in the model's pinned memory, one event each."""
+    """Readback slots of ``max_rows`` ids in the model's pinned memory, one event each. Each slot
+    has a generation, bumped when it is handed to a new step."""
 
     def __init__(self, model: ModelDeviceFeed, max_rows: int, slots: int) -> None:
         self.model = model
@@ -95,6 +181,7 @@ class _Ring:
         self.ptrs: List[int] = []
         self.events: List[Any] = []
         self.busy = [False] * slots
+        self.gen = [0] * slots
         try:
             for _ in range(slots):
                 self.ptrs.append(model.alloc_host_pinned(self.nbytes))
@@ -118,7 +205,373 @@ class _Ring:
         self.events, self.ptrs = [], []
 
 
-class AsyncDeviceIo:
+class _DeviceIo:
+    """What both routers share: the ring, the ledger of KV reservations, the launch and the
+    teardown. ``AsyncDeviceIo`` lets steps run ahead; ``SyncDeviceIo`` settles each one."""
+
+    _ring: Optional[_Ring] = None  # so __del__ of a half-made router finds nothing to free
+
+    def _init_state(self, model: ModelDeviceFeed, max_rows: int, stream: Any, slots: int) -> None:
+        max_rows = index(max_rows)
+        if not 1 <= max_rows <= _core.MAX_ROWS:
+            raise ValueError(f"max_rows must be in [1, {_core.MAX_ROWS}], got {max_rows}")
+        self.model = model
+        self.max_rows = max_rows
+        self.stream = stream
+        self.stats = RouterStats()
+        # For the checks before a launch: the model's vocabulary when it says (the runtime mixin
+        # does), and the rows of the last launch (the feed rows the next one may read).
+        self._vocab: Optional[int] = getattr(model, "feed_vocab", None)
+        self._prev_rows = 0
+        self._ring = _Ring(model, max_rows, slots)
+        self._step = 0
+        self._unread = 0
+        # The ledger: per sequence, its uncommitted reservations, oldest first.
+        self._ledger: Dict[SequenceState, List[Reservation]] = {}
+        self._pending: List[Reservation] = []  # reserved since the last launch
+
+    # ---- launches ----
+
+    def _open_ring(self) -> _Ring:
+        if self._ring is None:
+            raise FeedError("the router has been torn down")
+        return self._ring
+
+    def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
+                masks: Any, checked: bool = False) -> Ticket:
+        """``checked``: the caller (the decode pipeline) built inputs and masks itself from ids it
+        validated once, so the per-row checks are skipped."""
+        ring = self._open_ring()
+        rows = len(seqs)
+        if not 1 <= rows <= self.max_rows:
+            raise ValueError(f"a step takes 1 to {self.max_rows} rows, got {rows}")
+        if masks is None:
+            masks = unmasked(rows)
+        mask_rows = _mask_rows(masks, rows)
+        if len(inputs) != rows or mask_rows != rows:
+            raise ValueError(f"{len(inputs)} inputs and {mask_rows} masks for {rows} rows")
+        if not checked:
+            _check_inputs(fed, inputs, None if masks is _UNMASKED.get(rows) else masks,
+                          self._vocab, self._prev_rows)
+        slot = ring.acquire()  # before anything is launched: exhaustion launches nothing
+        model = self.model
+        if fed:
+            logits = model.decode_batch_fed(inputs, seqs, self.stream)
+        else:
+            logits = model.decode_batch(inputs, seqs, self.stream)  # type: ignore[attr-defined]
+        try:
+            model.argmax_batch_to_feed(logits, masks, ring.ptrs[slot], ring.events[slot], self.stream)
+        except BaseException:
+            if not fed:  # decode_batch pushed the inputs: a step that never ran pushes nothing
+                for seq in seqs:
+                    seq.tokens.pop()
+                    seq.seq_len -= 1
+            raise
+        ring.busy[slot] = True
+        ring.gen[slot] += 1
+        ticket = Ticket(self._step, slot, rows, fed, self, ring.gen[slot])
+        self._step += 1
+        self._prev_rows = rows
+        if self._unread:
+            self.stats.ahead_launches += 1
+        self._unread += 1
+        self.stats.launches += 1
+        if self._pending:
+            for entry in self._pending:
+                entry.step = ticket.step
+            ticket.reservations, self._pending = self._pending, []
+        return ticket
+
+    def launch_decode(self, tokens: Sequence[int], seqs: Sequence[SequenceState], masks: Any) -> Ticket:
+        """Launch a step whose input ids the host knows (a first step, or after a settle).
+
+        The model's ``decode_batch`` pushes each id to its sequence and advances ``seq_len``.
+
+        Parameters
+        ----------
+        tokens : sequence of int
+            One input id per row.
+        seqs : sequence of SequenceState
+            The rows' sequences, as many as ``tokens``.
+        masks : sequence of (int, int), uint32 buffer, or None
+            Two banned ids per row (``NO_TOKEN`` where unused); None bans nothing.
+
+        Returns
+        -------
+        Ticket
+            Pass it to ``await_result``.
+
+        Raises
+        ------
+        ValueError
+            No rows, more than ``max_rows``, row counts that disagree, or ids outside the
+            model's vocabulary; nothing is launched.
+        FeedError
+            Every readback slot holds an unread result, or the router was torn down.
+        KvPoolExhausted
+            The model found no free KV block.
+        """
+        return self._launch(False, tokens, seqs, masks)
+
+    def launch_fed(self, sources: Sequence[int], seqs: Sequence[SequenceState], masks: Any) -> Ticket:
+        """Launch a step whose inputs are resolved on the device from FeedSource words.
+
+        ``FeedSource.feed(r)`` takes the id row ``r`` of the previous step wrote to the feed cells;
+        ``FeedSource.host(id)`` an id the host supplies (a newly admitted row). The model writes KV at
+        ``seq.seq_len`` but does not push the id: the caller appends it to ``seq.tokens`` and advances
+        ``seq.seq_len`` once the previous step's result is read.
+
+        Parameters
+        ----------
+        sources : sequence of int
+            One FeedSource word per row.
+        seqs : sequence of SequenceState
+        masks : sequence of (int, int), uint32 buffer, or None
+
+        Returns
+        -------
+        Ticket
+
+        Raises
+        ------
+        ValueError
+            No rows, more than ``max_rows``, lengths that disagree, or a ``from_row`` beyond the
+            previous step's rows; nothing is launched and no block is taken.
+        FeedError
+            The ring is exhausted, or the router was torn down.
+        """
+        return self._launch(True, sources, seqs, masks)
+
+    # ---- readback ----
+
+    def _wait(self, event: Any) -> None:
+        self.stats.host_syncs += 1
+        model = self.model
+        for _ in range(SPIN_QUERIES):
+            if model.event_query(event):
+                return
+        model.event_synchronize(event)
+
+    def _check_ticket(self, ring: _Ring, ticket: Ticket) -> None:
+        if not isinstance(ticket, Ticket) or ticket.router is not self:
+            raise FeedError(f"{ticket!r} was not launched by this router")
+        if not ring.busy[ticket.slot] or ring.gen[ticket.slot] != ticket.gen:
+            raise FeedError(f"{ticket!r} was already awaited")
+
+    def await_result(self, ticket: Ticket) -> List[int]:
+        """The step's ids, one per row, once its event has completed.
+
+        It polls ``event_query`` a bounded number of times, then blocks in ``event_synchronize`` with
+        the GIL released. The slot is released even when the wait fails, so a fault cannot wedge the
+        ring.
+
+        Parameters
+        ----------
+        ticket : Ticket
+            From this router's ``launch_decode`` or ``launch_fed``, not yet awaited.
+
+        Returns
+        -------
+        list of int
+            The argmax of each row (``NO_TOKEN`` for a row with no candidate).
+
+        Raises
+        ------
+        FeedError
+            A ticket of another router, one already awaited (even when its slot now holds a
+            newer step), or a failed wait.
+        """
+        ring = self._open_ring()
+        self._check_ticket(ring, ticket)
+        try:
+            self._wait(ring.events[ticket.slot])
+            ids = _core.read_pinned_u32(ring.ptrs[ticket.slot], ticket.rows)
+        finally:
+            ring.busy[ticket.slot] = False
+            self._unread -= 1
+        # Settled: its reservations leave the ledger. After a failed wait they stay, so the
+        # scheduler can roll back exactly that step's blocks for the rows it gives up on.
+        if ticket.reservations:
+            self._commit(ticket.reservations)
+        if ticket.fed:
+            self.model.fed_step_settled()
+        return ids
+
+    # ---- KV ----
+
+    def reserve_kv(self, seq: SequenceState) -> int:
+        """Reserve the KV block for ``seq``'s next position ahead of a launch.
+
+        The reservation is written in the router's ledger, so ``rollback(seq)`` can return exactly it
+        when the step is discarded.
+
+        Parameters
+        ----------
+        seq : SequenceState
+
+        Returns
+        -------
+        int
+            Blocks added, 0 or 1.
+
+        Raises
+        ------
+        KvPoolExhausted
+            The pool is empty; nothing is recorded.
+        FeedError
+            The router was torn down.
+        """
+        if self._ring is None:
+            raise FeedError("the router has been torn down")
+        added = self.model.reserve_decode_block(seq)
+        # Recorded even when no block was needed, so the latest entry is always this step's.
+        entry = Reservation(seq, added)
+        entries = self._ledger.get(seq)
+        if entries is None:
+            self._ledger[seq] = [entry]
+        else:
+            entries.append(entry)
+        self._pending.append(entry)
+        if added:
+            stats = self.stats
+            stats.reserved_blocks += added
+            stats.reserved_in_flight += added
+            if stats.reserved_in_flight > stats.peak_reserved_in_flight:
+                stats.peak_reserved_in_flight = stats.reserved_in_flight
+        return added
+
+    def _reserve_many(self, seqs: Sequence[SequenceState]) -> int:
+        """``reserve_kv`` for each of ``seqs`` in order, in one call (the decode pipeline's
+        path); returns the index of the first sequence the pool could not serve, or -1. The
+        ones before it are reserved and recorded."""
+        if self._ring is None:
+            raise FeedError("the router has been torn down")
+        reserve = self.model.reserve_decode_block
+        ledger, pending = self._ledger, self._pending
+        added_total = 0
+        failed = -1
+        for at, seq in enumerate(seqs):
+            try:
+                added = reserve(seq)
+            except KvPoolExhausted:
+                failed = at
+                break
+            entry = Reservation(seq, added)
+            entries = ledger.get(seq)
+            if entries is None:
+                ledger[seq] = [entry]
+            else:
+                entries.append(entry)
+            pending.append(entry)
+            added_total += added
+        if added_total:
+            stats = self.stats
+            stats.reserved_blocks += added_total
+            stats.reserved_in_flight += added_total
+            if stats.reserved_in_flight > stats.peak_reserved_in_flight:
+                stats.peak_reserved_in_flight = stats.reserved_in_flight
+        return failed
+
+    def _commit(self, reservations: List[Reservation]) -> None:
+        """A step's reservations are kept: out of the ledger, no longer rollback candidates."""
+        ledger = self._ledger
+        released = 0
+        for entry in reservations:
+            entries = ledger.get(entry.seq)
+            if not entries:
+                continue  # rolled back already
+            # Entries are in launch order, so a step's is nearly always the oldest.
+            for at, held in enumerate(entries):
+                if held is entry:
+                    released += entry.blocks
+                    if len(entries) == 1:
+                        del ledger[entry.seq]
+                    else:
+                        del entries[at]
+                    break
+        self.stats.reserved_in_flight -= released
+
+    def _return(self, seq: SequenceState, entry: Reservation) -> int:
+        blocks = entry.blocks
+        if blocks:
+            self.model.release_decode_blocks(seq, blocks)
+            self.stats.reserved_in_flight -= blocks
+            self.stats.blocks_rolled_back += blocks
+        self.stats.rollbacks += 1
+        return blocks
+
+    def rollback(self, seq: SequenceState) -> int:
+        """Return ``seq``'s latest uncommitted reservation (its discarded step) to the pool.
+
+        Returns
+        -------
+        int
+            The blocks returned (0 when that step needed no new block).
+        """
+        entries = self._ledger.get(seq)
+        if not entries:
+            self.stats.rollbacks += 1
+            return 0
+        entry = entries.pop()
+        if not entries:
+            del self._ledger[seq]
+        if entry.step is None:
+            self._pending.remove(entry)
+        return self._return(seq, entry)
+
+    def drop(self, seq: SequenceState) -> int:
+        """Roll back every uncommitted reservation of ``seq``, newest first (all its steps in
+        flight are discarded: the row finished, was aborted or preempted); the blocks returned."""
+        entries = self._ledger.pop(seq, None)
+        if not entries:
+            return 0
+        blocks = 0
+        for entry in reversed(entries):
+            if entry.step is None:
+                self._pending.remove(entry)
+            blocks += self._return(seq, entry)
+        return blocks
+
+    # ---- teardown ----
+
+    def teardown(self) -> None:
+        """Destroy the events and free the ring, after any step still in flight. Idempotent; also
+        what leaving a ``with`` block does.
+        """
+        ring = self._ring
+        if ring is None:
+            return
+        self._ring = None
+        try:
+            for slot, busy in enumerate(ring.busy):
+                if busy:  # the copy into this slot may still be running
+                    self.stats.host_syncs += 1
+                    self.model.event_synchronize(ring.events[slot])
+        finally:
+            ring.close()
+
+    def __del__(self) -> None:
+        # A router dropped without teardown() would leak its events and pinned ring.
+        if self._ring is not None:
+            try:
+                warnings.warn(f"{type(self).__name__} was not torn down; tearing down on "
+                              "collection (call teardown() or use it as a context manager)",
+                              ResourceWarning, stacklevel=2)
+                self.teardown()
+            except Exception:
+                pass  # interpreter shutdown: the runtime may be gone already
+
+    def __enter__(self: _IoT) -> _IoT:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+
+_IoT = TypeVar("_IoT", bound=_DeviceIo)
+
+
+class AsyncDeviceIo(_DeviceIo):
     """Pipelines decode steps through ``model``, up to two steps in flight.
 
     Each launch runs the model's step and the masked argmax into its feed cells, copies the ids
@@ -132,7 +585,7 @@ class AsyncDeviceIo:
         A model whose ``supports_device_token_feed()`` is True (``RuntimeFeedMixin`` supplies the
         runtime half).
     max_rows : int
-        The most rows a step may have, 1 to 4096; sizes the ring.
+        The most rows a step may have, 1 to ``metrale_feed.MAX_ROWS`` (4096); sizes the ring.
     stream : Stream, int or stream-like, optional
         The stream of the readback copies and events. Default 0.
     slots : int, optional
@@ -143,7 +596,7 @@ class AsyncDeviceIo:
     FeedError
         The model has no device token feed.
     ValueError
-        ``max_rows`` outside 1..4096.
+        ``max_rows`` outside 1..``MAX_ROWS``.
 
     See Also
     --------
@@ -181,307 +634,30 @@ class AsyncDeviceIo:
     [4, 4]
     """
 
+    Parameters
+    ----------
+    model : ModelDeviceFeed
+
     def __init__(self, model: ModelDeviceFeed, max_rows: int, *, stream: Any = 0,
                  slots: int = RING_SLOTS) -> None:
         if not model.supports_device_token_feed():
             raise FeedError("AsyncDeviceIo needs a model whose supports_device_token_feed() is True")
-        if not 1 <= max_rows <= _core.MAX_ROWS:
-            raise ValueError(f"max_rows must be in [1, {_core.MAX_ROWS}], got {max_rows}")
         self._init_state(model, max_rows, stream, slots)
 
-    def _init_state(self, model: ModelDeviceFeed, max_rows: int, stream: Any, slots: int) -> None:
-        self.model = model
-        self.max_rows = max_rows
-        self.stream = stream
-        self.stats = RouterStats()
-        self._ring: Optional[_Ring] = _Ring(model, max_rows, slots)
-        self._step = 0
-        self._unread = 0
-        # The ledger: per sequence, [step, blocks] of each uncommitted reservation, oldest first;
-        # step is None until the launch that uses it.
-        self._ledger: Dict[SequenceState, List[List[Any]]] = {}
-        self._pending: List[Tuple[SequenceState, List[Any]]] = []  # reserved since the last launch
 
-    # ---- launches ----
-
-    def _open_ring(self) -> _Ring:
-        if self._ring is None:
-            raise FeedError("the router has been torn down")
-        return self._ring
-
-    def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
-                masks: Any) -> Ticket:
-        ring = self._open_ring()
-        rows = len(seqs)
-        if not 1 <= rows <= self.max_rows:
-            raise ValueError(f"a step takes 1 to {self.max_rows} rows, got {rows}")
-        if masks is None:
-            masks = [(NO_TOKEN, NO_TOKEN)] * rows
-        mask_rows = _mask_rows(masks, rows)
-        if len(inputs) != rows or mask_rows != rows:
-            raise ValueError(f"{len(inputs)} inputs and {mask_rows} masks for {rows} rows")
-        slot = ring.acquire()  # before anything is launched: exhaustion launches nothing
-        model = self.model
-        if fed:
-            logits = model.decode_batch_fed(inputs, seqs, self.stream)
-        else:
-            logits = model.decode_batch(inputs, seqs, self.stream)  # type: ignore[attr-defined]
-        try:
-            model.argmax_batch_to_feed(logits, masks, ring.ptrs[slot], ring.events[slot], self.stream)
-        except BaseException:
-            if not fed:  # decode_batch pushed the inputs: a step that never ran pushes nothing
-                for seq in seqs:
-                    seq.tokens.pop()
-                    seq.seq_len -= 1
-            raise
-        ring.busy[slot] = True
-        ticket = Ticket(self._step, slot, rows, fed, self)
-        self._step += 1
-        if self._unread:
-            self.stats.ahead_launches += 1
-        self._unread += 1
-        self.stats.launches += 1
-        for _seq, entry in self._pending:
-            entry[0] = ticket.step
-        ticket.reservations, self._pending = self._pending, []
-        return ticket
-
-    def launch_decode(self, tokens: Sequence[int], seqs: Sequence[SequenceState], masks: Any) -> Ticket:
-        """Launch a step whose input ids the host knows (a first step, or after a settle).
-
-        The model's ``decode_batch`` pushes each id to its sequence and advances ``seq_len``.
-
-        Parameters
-        ----------
-        tokens : sequence of int
-            One input id per row.
-        seqs : sequence of SequenceState
-            The rows' sequences, as many as ``tokens``.
-        masks : sequence of (int, int), uint32 buffer, or None
-            Two banned ids per row (``NO_TOKEN`` where unused); None bans nothing.
-
-        Returns
-        -------
-        Ticket
-            Pass it to ``await_result``.
-
-        Raises
-        ------
-        ValueError
-            No rows, more than ``max_rows``, or lengths that disagree; nothing is launched.
-        FeedError
-            Every readback slot holds an unread result, or the router was torn down.
-        KvPoolExhausted
-            The model found no free KV block.
-        """
-        return self._launch(False, tokens, seqs, masks)
-
-    def launch_fed(self, sources: Sequence[int], seqs: Sequence[SequenceState], masks: Any) -> Ticket:
-        """Launch a step whose inputs are resolved on the device from FeedSource words.
-
-        ``FeedSource.feed(r)`` takes the id row ``r`` of the previous step wrote to the feed cells;
-        ``FeedSource.host(id)`` an id the host supplies (a newly admitted row). The model writes KV at
-        ``seq.seq_len`` but does not push the id: the caller appends it to ``seq.tokens`` and advances
-        ``seq.seq_len`` once the previous step's result is read.
-
-        Parameters
-        ----------
-        sources : sequence of int
-            One FeedSource word per row.
-        seqs : sequence of SequenceState
-        masks : sequence of (int, int), uint32 buffer, or None
-
-        Returns
-        -------
-        Ticket
-
-        Raises
-        ------
-        ValueError
-            No rows, more than ``max_rows``, lengths that disagree, or a ``from_row`` beyond the
-            previous step's rows; nothing is launched.
-        FeedError
-            The ring is exhausted, or the router was torn down.
-        """
-        return self._launch(True, sources, seqs, masks)
-
-    # ---- readback ----
-
-    def _wait(self, event: Any) -> None:
-        model = self.model
-        for _ in range(SPIN_QUERIES):
-            if model.event_query(event):
-                return
-        model.event_synchronize(event)
-
-    def await_result(self, ticket: Ticket) -> List[int]:
-        """The step's ids, one per row, once its event has completed.
-
-        It polls ``event_query`` a bounded number of times, then blocks in ``event_synchronize`` with
-        the GIL released. The slot is released even when the wait fails, so a fault cannot wedge the
-        ring.
-
-        Parameters
-        ----------
-        ticket : Ticket
-            From this router's ``launch_decode`` or ``launch_fed``, not yet awaited.
-
-        Returns
-        -------
-        list of int
-            The argmax of each row (``NO_TOKEN`` for a row with no candidate).
-
-        Raises
-        ------
-        FeedError
-            A ticket of another router, one already awaited, or a failed wait.
-        """
-        ring = self._open_ring()
-        if not isinstance(ticket, Ticket) or ticket.router is not self:
-            raise FeedError(f"{ticket!r} was not launched by this router")
-        if not ring.busy[ticket.slot]:
-            raise FeedError(f"{ticket!r} was already awaited")
-        try:
-            self._wait(ring.events[ticket.slot])
-            ids = _core.read_pinned_u32(ring.ptrs[ticket.slot], ticket.rows)
-        finally:
-            ring.busy[ticket.slot] = False
-            self._unread -= 1
-        # Settled: its reservations leave the ledger. After a failed wait they stay, so the
-        # scheduler can roll back exactly that step's blocks for the rows it gives up on.
-        if ticket.reservations:
-            self._commit(ticket.reservations)
-        if ticket.fed:
-            self.model.fed_step_settled()
-        return ids
-
-    # ---- KV ----
-
-    def reserve_kv(self, seq: SequenceState) -> int:
-        """Reserve the KV block for ``seq``'s next position ahead of a launch.
-
-        The reservation is written in the router's ledger, so ``rollback(seq)`` can return exactly it
-        when the step is discarded.
-
-        Parameters
-        ----------
-        seq : SequenceState
-
-        Returns
-        -------
-        int
-            Blocks added, 0 or 1.
-
-        Raises
-        ------
-        KvPoolExhausted
-            The pool is empty.
-        FeedError
-            The router was torn down.
-        """
-        if self._ring is None:
-            raise FeedError("the router has been torn down")
-        added = self.model.reserve_decode_block(seq)
-        # Recorded even when no block was needed, so the latest entry is always this step's.
-        entry = [None, added]
-        entries = self._ledger.get(seq)
-        if entries is None:
-            self._ledger[seq] = [entry]
-        else:
-            entries.append(entry)
-        self._pending.append((seq, entry))
-        if added:
-            stats = self.stats
-            stats.reserved_blocks += added
-            stats.reserved_in_flight += added
-            if stats.reserved_in_flight > stats.peak_reserved_in_flight:
-                stats.peak_reserved_in_flight = stats.reserved_in_flight
-        return added
-
-    def _commit(self, reservations: List[Tuple[SequenceState, List[Any]]]) -> None:
-        """A step's reservations are kept: out of the ledger, no longer rollback candidates."""
-        ledger = self._ledger
-        released = 0
-        for seq, entry in reservations:
-            entries = ledger.get(seq)
-            if not entries:
-                continue  # rolled back already
-            # Entries are in launch order, so a step's is nearly always the oldest.
-            for index, held in enumerate(entries):
-                if held is entry:
-                    released += entry[1]
-                    if len(entries) == 1:
-                        del ledger[seq]
-                    else:
-                        del entries[index]
-                    break
-        self.stats.reserved_in_flight -= released
-
-    def rollback(self, seq: SequenceState) -> int:
-        """Return ``seq``'s latest uncommitted reservation to the pool (its step ahead is discarded).
-
-        Parameters
-        ----------
-        seq : SequenceState
-            A row that stopped while its next step was already launched.
-
-        Returns
-        -------
-        int
-            Blocks returned (0 when that step needed no new block).
-        """
-        entries = self._ledger.get(seq)
-        blocks = entries.pop()[1] if entries else 0
-        if entries is not None and not entries:
-            del self._ledger[seq]
-        if blocks:
-            self.model.release_decode_blocks(seq, blocks)
-            self.stats.reserved_in_flight -= blocks
-            self.stats.blocks_rolled_back += blocks
-        self.stats.rollbacks += 1
-        return blocks
-
-    # ---- teardown ----
-
-    def teardown(self) -> None:
-        """Destroy the events and free the ring, after any step still in flight. Idempotent; also
-        what leaving a ``with`` block does.
-        """
-        ring = self._ring
-        if ring is None:
-            return
-        self._ring = None
-        try:
-            for slot, busy in enumerate(ring.busy):
-                if busy:  # the copy into this slot may still be running
-                    self.model.event_synchronize(ring.events[slot])
-        finally:
-            ring.close()
-
-    def __enter__(self) -> "AsyncDeviceIo":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.teardown()
-
-
-class SyncDeviceIo(AsyncDeviceIo):
+class SyncDeviceIo(_DeviceIo):
     """The router's calls with every step settled before the launch returns: no step is ahead.
 
     It works with models that lack the device feed (through ``launch_decode``), and is the baseline
     ``metrale-feed demo`` compares the async router with.
-
-    Parameters
-    ----------
-    model : ModelDeviceFeed
     max_rows : int
-        1 to 4096.
+        1 to ``metrale_feed.MAX_ROWS`` (4096).
     stream : Stream, int or stream-like, optional
 
     Raises
     ------
     ValueError
-        ``max_rows`` outside 1..4096.
+        ``max_rows`` outside 1..``MAX_ROWS``.
 
     Examples
     --------
@@ -503,17 +679,32 @@ class SyncDeviceIo(AsyncDeviceIo):
         self._results: Dict[int, List[int]] = {}
 
     def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
-                masks: Any) -> Ticket:
+                masks: Any, checked: bool = False) -> Ticket:
         if fed and not self.model.supports_device_token_feed():
             raise FeedError("launch_fed needs the device feed; with a settled step the inputs are "
                             "host-known, so use launch_decode")
-        ticket = super()._launch(fed, inputs, seqs, masks)
+        ticket = super()._launch(fed, inputs, seqs, masks, checked)
         self._results[ticket.step] = super().await_result(ticket)
         self.stats.ahead_launches = 0
         return ticket
 
     def await_result(self, ticket: Ticket) -> List[int]:
+        if not isinstance(ticket, Ticket) or ticket.router is not self:
+            raise FeedError(f"{ticket!r} was not launched by this router")
         try:
-            return self._results.pop(ticket.step)
+            ids: List[int] = self._results.pop(ticket.step)
+            return ids
         except KeyError:
             raise FeedError(f"{ticket!r} was already awaited") from None
+
+
+_UNMASKED: Dict[int, memoryview] = {}
+
+
+def unmasked(rows: int) -> memoryview:
+    """A read-only uint32 buffer of ``rows`` unused masks, made once per row count: a step with
+    no ban passes it and skips the mask checks (it cannot change)."""
+    words = _UNMASKED.get(rows)
+    if words is None:
+        words = _UNMASKED[rows] = memoryview(b"\xff" * (8 * rows)).cast("I")
+    return words

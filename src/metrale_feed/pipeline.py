@@ -1,0 +1,814 @@
+"""``DecodePipeline``: the scheduler core that owns the overlap protocol (docs/pipeline.md).
+
+The routers launch steps and read their ids back; what to launch, which token a row commits, when
+a row's step in flight is thrown away and where its KV blocks go is decided here, in one place:
+
+- a request's committed tokens are ``Request.tokens`` and nothing else; its ``SequenceState`` is a
+  view of them (``_SeqView``): ``seq_len`` counts the positions whose ids are known and whose KV
+  the launched steps wrote, so no model, router or caller pushes tokens;
+- every running row is in every launch from the one it joins to its last, so a row's position,
+  its block boundaries and its length limit are known from the launch number alone, and a step
+  costs Python work per row only to hand each row its token.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import deque
+from functools import partial
+from operator import index
+from typing import Any, Deque, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+
+from . import _core
+from .errors import FeedError, KvPoolExhausted
+from .feed import NO_TOKEN, FeedSource, RowMask
+from .kv import SequenceState
+from .router import AsyncDeviceIo, SyncDeviceIo, Ticket, _DeviceIo
+from .trait import ModelDeviceFeed
+
+__all__ = ["DecodePipeline", "Request", "PipelineStats"]
+
+_UNMASKED_PAIR = (NO_TOKEN, NO_TOKEN)
+_drain: "partial[Deque[Any]]" = partial(deque, maxlen=0)  # runs an iterator out, keeping nothing
+_IDENTITY: Dict[int, List[FeedSource]] = {}  # rows -> [feed(0), feed(1), ...], made once
+
+
+def _order_of(req: "Request") -> int:
+    return req._order
+
+
+def _identity(rows: int) -> List[FeedSource]:
+    sources = _IDENTITY.get(rows)
+    if sources is None:
+        sources = _IDENTITY[rows] = [FeedSource.feed(i) for i in range(rows)]
+    return sources
+
+
+class Request:
+    """One submitted request. ``tokens`` holds its committed generated ids only.
+
+    Attributes
+    ----------
+    prompt : tuple of int
+    tokens : list of int
+        Committed generated ids (greedy), never a speculative one.
+    max_new_tokens : int
+    stop_ids : frozenset of int
+    finished : bool
+    finish_reason : {"stop", "length", "abort"} or None
+    ban : RowMask or None
+        The row's mask; may be set between steps and applies from the next launched step.
+    """
+
+    __slots__ = ("prompt", "tokens", "max_new_tokens", "stop_ids", "finished", "finish_reason",
+                 "_ban", "_mask", "_pipe", "_seq", "_join", "_last", "_base", "_order", "_bound",
+                 "_reserved_at")
+
+    def __init__(self, pipe: "DecodePipeline", prompt: Tuple[int, ...], max_new_tokens: int,
+                 stop_ids: FrozenSet[int], ban: Optional[RowMask], order: int) -> None:
+        self.prompt = prompt
+        self.tokens: List[int] = []
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = stop_ids
+        self.finished = False
+        self.finish_reason: Optional[str] = None
+        self._ban = ban
+        self._mask = ban if ban is not None else _UNMASKED_PAIR
+        self._pipe = pipe
+        self._seq: Optional[_SeqView] = None  # while running
+        self._join = -1  # the launch number of its first step since (re)admission
+        self._last = -1  # the launch number of its last possible step
+        self._base = 0  # positions whose KV prefill wrote
+        self._order = order  # admission order: the youngest running one is preempted first
+        self._bound = -1  # the launch at which its next KV block is reserved
+        self._reserved_at = -1  # the last launch that reserved a block for it
+
+    @property
+    def ban(self) -> Optional[RowMask]:
+        return self._ban
+
+    @ban.setter
+    def ban(self, value: Any) -> None:
+        ban = self._pipe._check_ban(value)
+        self._ban = ban
+        self._mask = ban if ban is not None else _UNMASKED_PAIR
+        self._pipe._masks_dirty = True
+
+    @property
+    def position(self) -> int:
+        """``len(prompt) + len(tokens)``: the position of the next generated id (what a sampler
+        keys its randomness on)."""
+        return len(self.prompt) + len(self.tokens)
+
+    def __repr__(self) -> str:
+        state = self.finish_reason or ("running" if self._seq is not None else "waiting")
+        return f"Request(prompt={len(self.prompt)} ids, tokens={len(self.tokens)}, {state})"
+
+
+class _SeqView(SequenceState):
+    """A running request's KV bookkeeping, derived from the request: ``tokens`` and ``seq_len``
+    follow its committed tokens and the steps launched for it, so the pipeline is their one
+    owner. Writes to ``seq_len`` count only while prefill fills the cache; after the first
+    launch, a model's own push (the synchronous ``decode_batch`` path) changes nothing."""
+
+    __slots__ = ("req",)
+
+    def __init__(self, req: Request, slot_idx: int) -> None:
+        self.req = req
+        super().__init__(slot_idx)
+
+    @property
+    def seq_len(self) -> int:
+        req = self.req
+        if req._join < 0:
+            return req._base
+        launched = min(req._pipe._launches, req._last + 1) - req._join
+        written = req._base + launched
+        known = len(req.prompt) + len(req.tokens)
+        return written if written < known else known
+
+    @seq_len.setter
+    def seq_len(self, value: int) -> None:
+        if self.req._join < 0:
+            self.req._base = value
+
+    @property
+    def tokens(self) -> List[int]:
+        req = self.req
+        return (list(req.prompt) + req.tokens)[: self.seq_len]
+
+    @tokens.setter
+    def tokens(self, value: List[int]) -> None:
+        pass  # derived: see the class docstring
+
+
+class _Step:
+    """A launched step: its ticket, its rows (requests), their sources, and the rows whose
+    result will be thrown away (finished, aborted or preempted while it was in flight)."""
+
+    __slots__ = ("ticket", "launch", "rows", "lists", "sources", "dead", "debug_slot", "added")
+
+    def __init__(self, ticket: Ticket, launch: int, rows: List[Request], lists: List[List[int]],
+                 sources: Any) -> None:
+        self.ticket = ticket
+        self.lists = lists  # the rows' token lists, where their ids are committed
+        self.launch = launch
+        self.rows = rows
+        self.sources = sources
+        self.dead: Optional[Set[int]] = None  # row indices
+        self.debug_slot = -1
+        self.added = 0  # KV blocks reserved for it (known block size), still counted in flight
+
+
+class PipelineStats:
+    """The router's counters plus the pipeline's own: ``steps`` (awaited), ``host_syncs`` (every
+    wait of the host on the device: the router's, the model's and the pipeline's),
+    ``rows_discarded`` (results thrown away for rows that finished, were aborted or preempted
+    with a step in flight), ``preemptions``, ``admitted``, ``finished``."""
+
+    _OWN = ("steps", "rows_discarded", "preemptions", "admitted", "finished")
+
+    def __init__(self, pipe: "DecodePipeline") -> None:
+        self._pipe = pipe
+        self.steps = 0
+        self.rows_discarded = 0
+        self.preemptions = 0
+        self.admitted = 0
+        self.finished = 0
+
+    @property
+    def host_syncs(self) -> int:
+        pipe = self._pipe
+        model_syncs = getattr(pipe.model, "host_syncs", 0) - pipe._model_syncs_at_start
+        return pipe.io.stats.host_syncs + model_syncs
+
+    def __getattr__(self, name: str) -> int:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._pipe.io.stats[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __getitem__(self, name: str) -> int:
+        try:
+            value: int = getattr(self, name)
+        except AttributeError:
+            raise KeyError(name) from None
+        return value
+
+    def as_dict(self) -> Dict[str, int]:
+        out = self._pipe.io.stats.as_dict()
+        out["host_syncs"] = self.host_syncs
+        out.update((name, getattr(self, name)) for name in self._OWN)
+        return out
+
+    def __repr__(self) -> str:
+        return f"PipelineStats({', '.join(f'{k}={v}' for k, v in self.as_dict().items())})"
+
+
+class DecodePipeline:
+    """Greedy decoding of many requests through a ``ModelDeviceFeed``, ``depth`` steps deep.
+
+    Parameters
+    ----------
+    model : ModelDeviceFeed
+        Also needs ``prefill(seq, ids, stream)`` and a vocabulary (``feed_vocab``, as the
+        runtime mixin has, or ``vocab=``). A model that exposes ``block_size`` and ``pool`` (a
+        ``BlockPool``) gets admission by free blocks and the never-fits check at submit.
+    max_rows : int
+        The most requests running at once; more wait, first come first served.
+    depth : {1, 2}
+        Steps in flight: 2 launches step k+1 before reading step k; 1 settles each step.
+    stream : stream-like
+        Where prefills and steps run (one stream: KV writes stay in order).
+    vocab : int, optional
+        The vocabulary, when the model has no ``feed_vocab``.
+    debug : bool, optional
+        Poison consumed feed cells with ``NO_TOKEN`` and check every step's resolved input ids
+        (default: the ``METRALE_FEED_DEBUG`` environment variable is ``1``).
+
+    Raises
+    ------
+    FeedError
+        ``depth=2`` with a model whose ``supports_device_token_feed()`` is False.
+    ValueError, TypeError
+        A bad depth, ``max_rows``, or a model without prefill or vocabulary.
+
+    Examples
+    --------
+    >>> with DecodePipeline(model, 8) as pipe:                       # doctest: +SKIP
+    ...     req = pipe.submit([3, 1, 4], max_new_tokens=16, stop_ids=(2,))
+    ...     pipe.run()
+    ...     print(req.tokens, req.finish_reason)
+    """
+
+    def __init__(self, model: ModelDeviceFeed, max_rows: int, *, depth: int = 2, stream: Any = 0,
+                 vocab: Optional[int] = None, debug: Optional[bool] = None) -> None:
+        max_rows = index(max_rows)
+        depth = index(depth)
+        if depth not in (1, 2):
+            raise ValueError(f"depth must be 1 or 2, got {depth}")
+        if not callable(getattr(model, "prefill", None)):
+            raise TypeError("DecodePipeline needs a model with prefill(seq, ids, stream)")
+        vocab = getattr(model, "feed_vocab", None) if vocab is None else index(vocab)
+        if vocab is None or not 1 <= vocab:
+            raise TypeError("DecodePipeline needs the vocabulary: a model with feed_vocab, or vocab=")
+        model_rows = getattr(model, "feed_max_rows", None)
+        if model_rows is not None and max_rows > model_rows:
+            raise ValueError(f"max_rows {max_rows} is more than the model's {model_rows}")
+        self.fed = model.supports_device_token_feed()
+        if depth == 2 and not self.fed:
+            raise FeedError("depth=2 needs a model whose supports_device_token_feed() is True; "
+                            "use depth=1")
+        if debug is None:
+            debug = os.environ.get("METRALE_FEED_DEBUG", "") == "1"
+        self.model = model
+        self.max_rows = max_rows
+        self.depth = depth
+        self.stream = stream
+        self.vocab = vocab
+        self.debug = bool(debug)
+        block_size = getattr(model, "block_size", None)
+        self._block_size: Optional[int] = block_size if isinstance(block_size, int) else None
+        self._pool = getattr(model, "pool", None) if self._block_size else None
+        self._model_syncs_at_start = getattr(model, "host_syncs", 0)
+        self.io: _DeviceIo = (AsyncDeviceIo(model, max_rows, stream=stream) if depth == 2
+                              else SyncDeviceIo(model, max_rows, stream=stream))
+        self.stats = PipelineStats(self)
+        self._waiting: Deque[Request] = deque()
+        self._running: List[Request] = []
+        self._inflight: Deque[_Step] = deque()
+        self._launches = 0
+        self._orders = 0
+        self._boundary: Dict[int, List[Request]] = {}  # launch -> rows that cross a block there
+        self._ending: Dict[int, List[Request]] = {}  # launch -> rows whose last step it is
+        self._stop_union: FrozenSet[int] = frozenset()
+        self._finished: List[Request] = []  # finished since the last step() returned
+        self._dirty = True  # the batch changed since the last launch: rebuild rows and sources
+        self._masks_dirty = True
+        self._rows: List[Request] = []  # the last launch's rows
+        self._seqs: Optional[List[SequenceState]] = None  # and their sequences
+        self._lists: Optional[List[List[int]]] = None  # and their token lists
+        self._masks: Any = None
+        self._added = 0  # blocks reserved for the launch being made
+        self._prev_ids: List[int] = []  # debug: the last awaited step's ids
+        self._closed = False
+        self._debug = _Debug(self) if self.debug and self.fed else None
+
+    # ---- submission ----
+
+    def _token(self, value: Any, what: str) -> int:
+        token = index(value)
+        if not 0 <= token < self.vocab:
+            raise ValueError(f"{what} {token} is outside the vocabulary of {self.vocab} ids")
+        return token
+
+    def _check_ban(self, ban: Any) -> Optional[RowMask]:
+        if ban is None:
+            return None
+        a, b = ban  # a pair; anything else is a TypeError or ValueError here
+        pair = [index(a), index(b)]
+        for token in pair:
+            if token != NO_TOKEN:
+                self._token(token, "ban id")
+        if self.vocab <= 2 and set(range(self.vocab)) <= set(pair):
+            # The argmax would answer NO_TOKEN: a placeholder must never become an input id.
+            raise ValueError(f"the ban {pair} leaves no candidate in a vocabulary of {self.vocab}")
+        return RowMask(pair[0], pair[1])
+
+    def submit(self, prompt_ids: Iterable[int], *, max_new_tokens: int,
+               stop_ids: Iterable[int] = (), ban: Any = None) -> Request:
+        """Queue a request; it joins the batch at the next launch with room for it.
+
+        Parameters
+        ----------
+        prompt_ids : iterable of int
+            At least one id, each in the vocabulary.
+        max_new_tokens : int
+            At least 1.
+        stop_ids : iterable of int
+            Ids that finish the request (committed as its last token).
+        ban : pair of int, optional
+            A ``RowMask``: ids the row's argmax may not answer (``NO_TOKEN`` where unused).
+
+        Returns
+        -------
+        Request
+
+        Raises
+        ------
+        ValueError, TypeError
+            Bad input, or a request that could never fit the KV pool; nothing is queued.
+        FeedError
+            The pipeline is closed.
+        """
+        # Sampling parameters (temperature, top_k, top_p, min_p, seed) would be validated here
+        # and carried on the Request; _launch is the one place that picks the feed method.
+        if self._closed:
+            raise FeedError("the pipeline is closed")
+        prompt = tuple(self._token(t, "prompt id") for t in prompt_ids)
+        if not prompt:
+            raise ValueError("the prompt is empty: a request needs at least one id")
+        max_new = index(max_new_tokens)
+        if max_new < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new}")
+        stops = frozenset(self._token(t, "stop id") for t in stop_ids)
+        mask = self._check_ban(ban)
+        blocks = self._blocks_for(len(prompt) + max_new - 1)
+        if blocks is not None and self._pool is not None and blocks > self._pool.num_blocks:
+            raise ValueError(f"the request needs {blocks} KV blocks at most (prompt "
+                             f"{len(prompt)} + {max_new} new tokens); the pool has "
+                             f"{self._pool.num_blocks}")
+        self._orders += 1
+        req = Request(self, prompt, max_new, stops, mask, self._orders)
+        self._waiting.append(req)
+        return req
+
+    def _blocks_for(self, positions: int) -> Optional[int]:
+        bs = self._block_size
+        return None if bs is None else -(-positions // bs)
+
+    # ---- the step ----
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waiting, running or in flight."""
+        return not (self._waiting or self._running or self._inflight)
+
+    def step(self) -> List[Request]:
+        """Advance one step: launch (up to ``depth`` in flight), then read the oldest.
+
+        Returns
+        -------
+        list of Request
+            The requests that finished during it (and any aborted since the last call), in
+            finish order.
+        """
+        if self._closed:
+            raise FeedError("the pipeline is closed")
+        while len(self._inflight) < self.depth and self._launch():
+            pass
+        if self._inflight:
+            self._await()
+        elif self._waiting and not self._running:
+            head = self._waiting[0]
+            raise FeedError(f"cannot admit {head!r}: the KV pool has too few free blocks "
+                            f"({getattr(self._pool, 'free_count', '?')}) and nothing runs")
+        done, self._finished = self._finished, []
+        return done
+
+    def run(self) -> List[Request]:
+        """Step until idle; every request that finished, in finish order."""
+        out: List[Request] = []
+        while not self.idle:
+            out.extend(self.step())
+        out.extend(self._finished)
+        self._finished = []
+        return out
+
+    def admit(self) -> int:
+        """Admit waiting requests now, as ``step()`` would at its next launch (first come, first
+        served, while rows and blocks allow), so their prefill is queued before the next step.
+
+        Returns
+        -------
+        int
+            How many joined the batch.
+        """
+        if self._closed:
+            raise FeedError("the pipeline is closed")
+        before = len(self._running)
+        self._admit(self._launches)
+        return len(self._running) - before
+
+    def _admit(self, launch: int) -> None:
+        """First come, first served: the oldest waiting requests join while there are rows and
+        (when the pool is known) blocks for their histories and their first step. A model with
+        ``prefill_many`` prefills them in one call (one forward for the reference model), so an
+        admission does not fill the model's queue with forwards."""
+        waiting = self._waiting
+        room = self.max_rows - len(self._running)
+        pool = self._pool
+        free = pool.free_count if pool is not None else 0
+        # Keep blocks for the running rows that cross a block boundary at this launch, so an
+        # admitted request is not preempted at once.
+        free -= len(self._boundary.get(launch, ()))
+        batch: List[Request] = []
+        for req in waiting:
+            if len(batch) >= room:
+                break
+            if pool is not None:
+                need = self._blocks_for(len(req.prompt) + len(req.tokens)) or 0
+                if free < need:
+                    break
+                free -= need
+            batch.append(req)
+        if not batch:
+            return
+        prefill_many = getattr(self.model, "prefill_many", None)
+        if prefill_many is None:  # one request at a time; stop at the first that does not fit
+            for count, req in enumerate(batch):
+                if not self._prefill([req], self.model.prefill, False):  # type: ignore[attr-defined]
+                    batch = batch[:count]
+                    break
+        elif not self._prefill(batch, prefill_many, True):
+            return
+        for req in batch:
+            waiting.popleft()
+            self._join(req, launch)
+            self._running.append(req)
+        self.stats.admitted += len(batch)
+        self._dirty = True
+
+    def _prefill(self, reqs: List[Request], prefill: Any, many: bool) -> bool:
+        """Prefill each request's history but its last id into a fresh sequence view; False
+        (and nothing kept) when the pool ran out (a pool the pipeline cannot see)."""
+        views, histories = [], []
+        for req in reqs:
+            req._seq = _SeqView(req, req._order)
+            req._join, req._base = -1, 0
+            views.append(req._seq)
+            histories.append((list(req.prompt) + req.tokens)[:-1])
+        try:
+            if many:
+                prefill(views, histories, self.stream)
+            else:
+                prefill(views[0], histories[0], self.stream)
+        except KvPoolExhausted:
+            for req in reqs:
+                self._release(req)
+            return False
+        return True
+
+    def _join(self, req: Request, launch: int) -> None:
+        req._join = launch
+        req._last = launch + req.max_new_tokens - len(req.tokens) - 1
+        self._ending.setdefault(req._last, []).append(req)
+        if req.stop_ids:
+            self._stop_union = self._stop_union | req.stop_ids
+        bs = self._block_size
+        if bs is not None:  # the first launch whose position starts a block
+            self._schedule(req, launch + (-req._base) % bs)
+
+    def _schedule(self, req: Request, launch: int) -> None:
+        if launch <= req._last:
+            req._bound = launch
+            self._boundary.setdefault(launch, []).append(req)
+
+    def _launch(self) -> bool:
+        launch = self._launches
+        if self._waiting and len(self._running) < self.max_rows:
+            self._admit(launch)
+        if (launch - 1) in self._ending:
+            self._dirty = True  # rows whose last step was the previous launch leave the batch
+        if self._dirty:
+            rows = [r for r in self._running if r._last >= launch]
+        else:
+            rows = self._rows
+        rows = self._reserve(rows, launch)  # adds to self._added
+        if not rows:
+            return False
+        if self._dirty or self._masks_dirty or rows is not self._rows:
+            masks = None
+            if any(r._ban is not None for r in rows):
+                masks = [r._mask for r in rows]
+            self._masks = masks
+        masks = self._masks
+        io = self.io
+        if self.fed:
+            if self._dirty or rows is not self._rows:
+                prev = {id(r): i for i, r in enumerate(self._rows)} if self._launches else {}
+                sources: Any = [
+                    FeedSource(prev[id(r)]) if id(r) in prev and r._join < launch
+                    else FeedSource.host((r.tokens[-1] if r.tokens else r.prompt[-1]))
+                    for r in rows]
+                if all(s == i for i, s in enumerate(sources)):
+                    sources = _identity(len(rows))
+            else:
+                sources = _identity(len(rows))
+            debug = self._debug
+            if debug is not None:
+                slot = debug.before(sources, len(rows))
+            ticket = io._launch(True, sources, self._seqs_of(rows), masks, True)
+            if debug is not None:
+                debug.after(len(rows))
+        else:
+            sources = [r.tokens[-1] if r.tokens else r.prompt[-1] for r in rows]
+            ticket = io._launch(False, sources, self._seqs_of(rows), masks, True)
+        self._launches = launch + 1
+        if rows is not self._rows or self._lists is None:
+            self._lists = [r.tokens for r in rows]
+        step = _Step(ticket, launch, rows, self._lists, sources)
+        # Blocks reserved for a launch that raised stay in their tables and count for the
+        # launch that follows, so the in-flight figure comes back to 0.
+        step.added, self._added = self._added, 0
+        if self._debug is not None:
+            step.debug_slot = slot
+        self._inflight.append(step)
+        self._rows = rows
+        self._dirty = self._masks_dirty = False
+        return True
+
+    def _seqs_of(self, rows: List[Request]) -> List[SequenceState]:
+        if rows is not self._rows or self._seqs is None:
+            self._seqs = [r._seq for r in rows]  # type: ignore[misc]
+        return self._seqs
+
+    def _reserve(self, rows: List[Request], launch: int) -> List[Request]:
+        """KV blocks for this launch's positions; when the pool runs dry, the youngest running
+        request gives its blocks back and waits to resume (recompute). Returns the rows left.
+
+        With a known block size the pipeline reserves only for the rows its schedule says cross
+        a block boundary, and keeps the in-flight accounting itself: a discarded step's block
+        always leaves with its request (finish, abort or preemption return every block), so
+        there is no single reservation to roll back and the router's ledger is not needed."""
+        bs = self._block_size
+        if bs is None:
+            return self._reserve_each(rows)
+        due = self._boundary.pop(launch, None)
+        if not due:
+            return rows
+        reserve = self.model.reserve_decode_block
+        added = 0
+        for req in due:
+            req._bound = -1
+            while req._seq is not None:
+                try:
+                    if reserve(req._seq):
+                        added += 1
+                        req._reserved_at = launch
+                    break
+                except KvPoolExhausted:
+                    victim = max((r for r in rows if r._seq is not None), key=_order_of)
+                    if victim._reserved_at == launch:
+                        added -= 1  # its block for this launch goes back with the rest
+                    self._preempt(victim)
+                    rows = [r for r in rows if r is not victim]
+        if added:
+            stats = self.io.stats
+            stats.reserved_blocks += added
+            stats.reserved_in_flight += added
+            if stats.reserved_in_flight > stats.peak_reserved_in_flight:
+                stats.peak_reserved_in_flight = stats.reserved_in_flight
+            self._added += added
+        self._reschedule(due, launch + bs)
+        return rows
+
+    def _reserve_each(self, rows: List[Request]) -> List[Request]:
+        """A model that does not say its block size decides per row, through the router's
+        ledger (so a discarded step's reservation can be rolled back exactly)."""
+        due = list(rows)
+        while due:
+            failed = self.io._reserve_many([r._seq for r in due])  # type: ignore[misc]
+            if failed < 0:
+                break
+            victim = max((r for r in rows if r._seq is not None), key=_order_of)
+            due = [r for r in due[failed:] if r is not victim]
+            self._preempt(victim)
+            rows = [r for r in rows if r is not victim]
+        return rows
+
+    def _reschedule(self, reqs: List[Request], launch: int) -> None:
+        keep = [r for r in reqs if r._seq is not None and r._last >= launch]
+        if keep:
+            for r in keep:
+                r._bound = launch
+            self._boundary.setdefault(launch, []).extend(keep)
+
+    def _await(self) -> None:
+        step = self._inflight.popleft()
+        ids = self.io.await_result(step.ticket)
+        self.stats.steps += 1
+        if step.added:
+            self.io.stats.reserved_in_flight -= step.added
+        if self._debug is not None:
+            self._debug.check(step, self._prev_ids)
+            self._prev_ids = ids
+        rows, dead = step.rows, step.dead
+        if dead is None:
+            _drain(map(list.append, step.lists, ids))  # each row's token, in a C loop
+        else:
+            for i, (req, token) in enumerate(zip(rows, ids)):
+                if i not in dead:
+                    req.tokens.append(token)
+        if self._stop_union:
+            hits = self._stop_union.intersection(ids)
+            if hits:
+                for i, (req, token) in enumerate(zip(rows, ids)):
+                    if token in hits and token in req.stop_ids and not req.finished and (
+                            dead is None or i not in dead):
+                        self._finish(req, "stop")
+        for req in self._ending.pop(step.launch, ()):
+            if req._seq is not None and req._last == step.launch and not req.finished:
+                self._finish(req, "length")
+
+    # ---- finishing, aborts and preemption ----
+
+    def _discard_in_flight(self, req: Request) -> None:
+        """Mark ``req``'s rows in the steps still in flight as thrown away."""
+        for step in self._inflight:
+            if step.launch <= req._last and step.launch >= req._join:
+                try:
+                    at = step.rows.index(req)
+                except ValueError:
+                    continue
+                if step.dead is None:
+                    step.dead = set()
+                step.dead.add(at)
+                self.stats.rows_discarded += 1
+                if req._reserved_at == step.launch:  # its block for this step goes back
+                    stats = self.io.stats
+                    step.added -= 1
+                    stats.reserved_in_flight -= 1
+                    stats.rollbacks += 1
+                    stats.blocks_rolled_back += 1
+
+    def _release(self, req: Request) -> None:
+        """Every uncommitted reservation rolled back, every block back to the pool."""
+        seq = req._seq
+        if seq is None:
+            return
+        self.io.drop(seq)
+        if seq.block_table:
+            self.model.release_decode_blocks(seq, len(seq.block_table))
+        req._seq = None
+
+    def _leave(self, req: Request) -> None:
+        # Out of the launch schedules, so a long-running pipeline keeps no stale entries.
+        for table, key in ((self._ending, req._last), (self._boundary, req._bound)):
+            entries = table.get(key)
+            if entries is not None and req in entries:
+                entries.remove(req)
+                if not entries:
+                    del table[key]
+        req._bound = -1
+        self._discard_in_flight(req)
+        self._release(req)
+        self._running.remove(req)
+        self._dirty = True
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req._seq is not None:
+            self._leave(req)
+        req.finished = True
+        req.finish_reason = reason
+        self.stats.finished += 1
+        self._finished.append(req)
+
+    def _preempt(self, req: Request) -> None:
+        self._leave(req)
+        req._join = req._last = -1
+        self._waiting.appendleft(req)  # first in line to resume
+        self.stats.preemptions += 1
+
+    def abort(self, req: Request) -> None:
+        """Finish ``req`` now (reason ``"abort"``): its steps in flight are discarded and its
+        blocks returned. A finished request is left as it is. It is reported by the next
+        ``step()``.
+
+        Raises
+        ------
+        FeedError
+            ``req`` belongs to another pipeline.
+        """
+        if not isinstance(req, Request) or req._pipe is not self:
+            raise FeedError(f"{req!r} was not submitted to this pipeline")
+        if req.finished:
+            return
+        if req._seq is None:
+            self._waiting.remove(req)
+        self._finish(req, "abort")
+
+    # ---- closing ----
+
+    def close(self) -> None:
+        """Abort whatever runs or waits, return every KV block and ring slot (after the steps
+        in flight)."""
+        if self._closed:
+            return
+        try:
+            for req in list(self._running) + list(self._waiting):
+                self.abort(req)
+            self._inflight.clear()
+            self.io.teardown()
+            if self._debug is not None:
+                self._debug.close()
+        finally:
+            self._closed = True
+
+    def __del__(self) -> None:
+        # Dropped without close(): the model would keep the requests' KV blocks.
+        if not getattr(self, "_closed", True):
+            try:
+                warnings.warn("DecodePipeline was not closed; closing on collection (call "
+                              "close() or use it as a context manager)", ResourceWarning,
+                              stacklevel=2)
+                self.close()
+            except Exception:
+                pass  # interpreter shutdown: the runtime may be gone already
+
+    def __enter__(self) -> "DecodePipeline":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Debug:
+    """Debug mode: after each launch every feed cell that step's argmax did not write is set to
+    ``NO_TOKEN`` (so a stale read shows), and the step's inputs are resolved a second time, in
+    stream order before its forward, into a buffer read back with the step: at its await, every
+    input id must be in the vocabulary and equal to what the pipeline meant, or the step raises
+    ``FeedError`` before any of its ids is committed. No wait is added: the readback completes
+    with the step's own event."""
+
+    def __init__(self, pipe: DecodePipeline) -> None:
+        self.pipe = pipe
+        rows = pipe.max_rows
+        cells = getattr(pipe.model, "feed_cells", None)
+        self.cells = cells
+        self.capacity = cells.nbytes // 4 if cells is not None else 0
+        self.poison = _core.DeviceBuffer(max(1, self.capacity) * 4)
+        self.poison.memset_async(0xFF, pipe.stream)  # NO_TOKEN in every word
+        slots = pipe.depth + 1
+        self.dev = [_core.DeviceBuffer(rows * 4) for _ in range(slots)]
+        self.host = [_core.PinnedBuffer(rows * 4) for _ in range(slots)]
+        self.next = 0
+
+    def before(self, sources: Any, rows: int) -> int:
+        if self.cells is None:
+            return -1
+        slot = self.next
+        self.next = (slot + 1) % len(self.dev)
+        prev = getattr(self.pipe.model, "feed_prev_rows", 0)
+        stream = self.pipe.stream
+        _core.resolve_feed(sources, self.cells, self.dev[slot], stream, prev_rows=prev)
+        _core.copy_d2h_async(self.dev[slot], self.host[slot], stream)
+        return slot
+
+    def after(self, rows: int) -> None:
+        if self.cells is None or rows >= self.capacity:
+            return
+        _core.copy_d2d_async(self.cells.ptr + rows * 4, self.poison, (self.capacity - rows) * 4,
+                             self.pipe.stream)
+
+    def check(self, step: _Step, prev_ids: List[int]) -> None:
+        if step.debug_slot < 0:
+            return
+        rows = len(step.rows)
+        got = _core.read_pinned_u32(self.host[step.debug_slot].ptr, rows)
+        vocab = self.pipe.vocab
+        for row, (source, token) in enumerate(zip(step.sources, got)):
+            source = FeedSource(source)
+            meant = source.value if source.is_host else (
+                prev_ids[source.value] if source.value < len(prev_ids) else None)
+            if token >= vocab or (meant is not None and token != meant):
+                raise FeedError(f"debug: row {row} of launch {step.launch} read input id "
+                                f"{token:#x} from {source!r} (expected {meant}); vocabulary "
+                                f"{vocab}")
+
+    def close(self) -> None:
+        for buf in self.dev + self.host + [self.poison]:
+            buf.close()
