@@ -634,10 +634,6 @@ class AsyncDeviceIo(_DeviceIo):
     [4, 4]
     """
 
-    Parameters
-    ----------
-    model : ModelDeviceFeed
-
     def __init__(self, model: ModelDeviceFeed, max_rows: int, *, stream: Any = 0,
                  slots: int = RING_SLOTS) -> None:
         if not model.supports_device_token_feed():
@@ -650,6 +646,10 @@ class SyncDeviceIo(_DeviceIo):
 
     It works with models that lack the device feed (through ``launch_decode``), and is the baseline
     ``metrale-feed demo`` compares the async router with.
+
+    Parameters
+    ----------
+    model : ModelDeviceFeed
     max_rows : int
         1 to ``metrale_feed.MAX_ROWS`` (4096).
     stream : Stream, int or stream-like, optional
