@@ -48,6 +48,19 @@ def _identity(rows: int) -> List[FeedSource]:
 class Request:
     """One submitted request. ``tokens`` holds its committed generated ids only.
 
+    Made by ``DecodePipeline.submit``, never directly.
+
+    Parameters
+    ----------
+    pipe : DecodePipeline
+        The pipeline that owns it.
+    prompt : tuple of int
+    max_new_tokens : int
+    stop_ids : frozenset of int
+    ban : RowMask or None
+    order : int
+        Its place in submission order (first come, first served).
+
     Attributes
     ----------
     prompt : tuple of int
@@ -59,6 +72,22 @@ class Request:
     finish_reason : {"stop", "length", "abort"} or None
     ban : RowMask or None
         The row's mask; may be set between steps and applies from the next launched step.
+
+    Examples
+    --------
+    ``DecodePipeline.submit`` makes them:
+
+    >>> import metrale_feed as mf
+    >>> from metrale_feed.reference import ReferenceModel
+    >>> model = ReferenceModel(1000, max_rows=2)
+    >>> with mf.DecodePipeline(model, 2) as pipe:
+    ...     req = pipe.submit([7, 8], max_new_tokens=2)
+    ...     req.finished
+    ...     finished = pipe.run()
+    False
+    >>> model.close()
+    >>> req.finished, req.finish_reason, len(req.tokens)
+    (True, 'length', 2)
     """
 
     __slots__ = ("prompt", "tokens", "max_new_tokens", "stop_ids", "finished", "finish_reason",
@@ -238,10 +267,17 @@ class DecodePipeline:
 
     Examples
     --------
-    >>> with DecodePipeline(model, 8) as pipe:                       # doctest: +SKIP
-    ...     req = pipe.submit([3, 1, 4], max_new_tokens=16, stop_ids=(2,))
-    ...     pipe.run()
-    ...     print(req.tokens, req.finish_reason)
+    >>> import metrale_feed as mf
+    >>> from metrale_feed.reference import ReferenceModel, host_next_token
+    >>> model = ReferenceModel(1000, max_rows=8)
+    >>> with mf.DecodePipeline(model, 8) as pipe:
+    ...     req = pipe.submit([3, 1, 4], max_new_tokens=4)
+    ...     finished = pipe.run()
+    >>> model.close()
+    >>> req.finish_reason, len(req.tokens)
+    ('length', 4)
+    >>> req.tokens[0] == host_next_token([3, 1, 4], 1000)
+    True
     """
 
     def __init__(self, model: ModelDeviceFeed, max_rows: int, *, depth: int = 2, stream: Any = 0,
