@@ -195,11 +195,13 @@ mf_status mf_event_record(mf_event_t event, mf_stream_t stream) {
 }
 
 mf_status mf_event_query(mf_event_t event, int *done) {
-    MF_RANGE("event_query");
+    MF_RANGE_ONLY("event_query");  // the hottest call: pinned and unpinned here, no PinScope
     Slot *slot;
-    mf_status status = resolve_event(event, &slot);
+    mf_status status = event_table().pin(event, &slot, "event");
     if (status != MF_SUCCESS) return status;
-    return ops().event_query(slot->raw, done);
+    status = ops().event_query(slot->raw, done);
+    event_table().unpin(slot);
+    return status;
 }
 
 mf_status mf_event_synchronize(mf_event_t event) {
