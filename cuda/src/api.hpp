@@ -40,7 +40,9 @@ private:
 
 }  // namespace mf
 
-#define MF_RANGE(text)                                                     \
-    ::mf::PinScope mf_pins_;                                                 \
+#define MF_RANGE_ONLY(text)                                                \
     static const void *const mf_range_attr_ = ::mf::NvtxRange::attributes(text); \
     ::mf::NvtxRange mf_range_(mf_range_attr_)
+#define MF_RANGE(text)                                                     \
+    ::mf::PinScope mf_pins_;                                                 \
+    MF_RANGE_ONLY(text)

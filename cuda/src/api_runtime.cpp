@@ -1,7 +1,7 @@
 // Public entry points: backend selection, build facts, events and streams.
 #include <atomic>
 #include <mutex>
-#include <unordered_set>
+#include <unordered_map>
 
 #include "api.hpp"
 
@@ -10,15 +10,16 @@ namespace {
 const Ops *g_ops = &host_ops;
 mf_backend g_kind = MF_BACKEND_HOST;
 
-// cuda streams this layer created, by their cudaStream_t value (host streams are in
-// stream_table(), generation-checked). Never destroyed: see registry.cpp.
+// cuda streams this layer created: their cudaStream_t value (the handle other libraries take,
+// so it stays the handle) to their slot in stream_table(), which pins them for a call as it pins
+// host streams. Never destroyed: see registry.cpp.
 std::mutex &cuda_stream_mutex() {
     static std::mutex *mutex = new std::mutex;
     return *mutex;
 }
-std::unordered_set<uint64_t> &cuda_streams() {
-    static auto *set = new std::unordered_set<uint64_t>;
-    return *set;
+std::unordered_map<uint64_t, uint64_t> &cuda_streams() {
+    static auto *map = new std::unordered_map<uint64_t, uint64_t>;
+    return *map;
 }
 
 // CUDA cannot cross fork(): in a child of a process that used the cuda backend every call fails
@@ -67,16 +68,20 @@ void backend_after_fork_child() {
     if (g_kind == MF_BACKEND_CUDA) g_ops = &forked_cuda_ops;
 }
 
-uint64_t live_stream_count() {
-    std::lock_guard<std::mutex> lock(cuda_stream_mutex());
-    return cuda_streams().size() + stream_table().live_count();
-}
+uint64_t live_stream_count() { return stream_table().live_count(); }
 
 mf_status resolve_stream(mf_stream_t stream, void **raw) {
     *raw = (void *)(uintptr_t)stream;
-    if (stream == 0 || g_kind == MF_BACKEND_CUDA) return MF_SUCCESS;
+    if (stream == 0) return MF_SUCCESS;
+    uint64_t handle = stream;
+    if (g_kind == MF_BACKEND_CUDA) {
+        std::unique_lock<std::mutex> lock(cuda_stream_mutex());
+        auto it = cuda_streams().find(stream);
+        if (it == cuda_streams().end()) return MF_SUCCESS;  // foreign: CUDA's to check
+        handle = it->second;
+    }
     Slot *slot;
-    mf_status status = stream_table().acquire(stream, &slot, "stream");
+    mf_status status = stream_table().acquire(handle, &slot, "stream");
     if (status == MF_SUCCESS) *raw = slot->raw;
     return status;
 }
@@ -190,11 +195,13 @@ mf_status mf_event_record(mf_event_t event, mf_stream_t stream) {
 }
 
 mf_status mf_event_query(mf_event_t event, int *done) {
-    MF_RANGE("event_query");
+    MF_RANGE_ONLY("event_query");  // the hottest call: pinned and unpinned here, no PinScope
     Slot *slot;
-    mf_status status = resolve_event(event, &slot);
+    mf_status status = event_table().pin(event, &slot, "event");
     if (status != MF_SUCCESS) return status;
-    return ops().event_query(slot->raw, done);
+    status = ops().event_query(slot->raw, done);
+    event_table().unpin(slot);
+    return status;
 }
 
 mf_status mf_event_synchronize(mf_event_t event) {
@@ -250,17 +257,17 @@ mf_status mf_stream_create(unsigned flags, mf_stream_t *out) {
     void *raw = nullptr;
     mf_status status = ops().stream_create(flags, &raw);
     if (status != MF_SUCCESS) return status;
+    uint64_t handle = stream_table().insert(raw, flags, true);
+    if (handle == 0) {
+        ops().stream_destroy(raw);
+        return fail(MF_ERROR_OUT_OF_MEMORY, "too many live streams");
+    }
+    *out = handle;
     if (g_kind == MF_BACKEND_CUDA) {
         // A cudaStream_t is what other libraries take (__cuda_stream__), so it stays the handle.
         std::lock_guard<std::mutex> lock(cuda_stream_mutex());
         *out = (mf_stream_t)(uintptr_t)raw;
-        cuda_streams().insert(*out);
-        return MF_SUCCESS;
-    }
-    *out = stream_table().insert(raw, flags, true);
-    if (*out == 0) {
-        ops().stream_destroy(raw);
-        return fail(MF_ERROR_OUT_OF_MEMORY, "too many live streams");
+        cuda_streams()[*out] = handle;
     }
     return MF_SUCCESS;
 }
@@ -305,14 +312,17 @@ mf_status mf_stream_wait_event(mf_stream_t stream, mf_event_t event) {
 mf_status mf_stream_destroy(mf_stream_t stream) {
     MF_RANGE("stream_destroy");
     if (stream == 0) return fail(MF_ERROR_INVALID_VALUE, "the default stream cannot be destroyed");
-    if (g_kind != MF_BACKEND_CUDA) return stream_table().erase(stream, "stream");
-    {
+    uint64_t handle = stream;
+    if (g_kind == MF_BACKEND_CUDA) {
         std::lock_guard<std::mutex> lock(cuda_stream_mutex());
-        if (!cuda_streams().erase(stream))
+        auto it = cuda_streams().find(stream);
+        if (it == cuda_streams().end())
             return fail(MF_ERROR_INVALID_HANDLE, "unknown or destroyed stream 0x%llx",
                         (unsigned long long)stream);
+        handle = it->second;
+        cuda_streams().erase(it);
     }
-    return ops().stream_destroy((void *)(uintptr_t)stream);
+    return stream_table().erase(handle, "stream");  // a call using it meanwhile finishes first
 }
 
 }  // extern "C"

@@ -119,6 +119,12 @@ void SlotTable::push_free(uint32_t index) {
 mf_status SlotTable::acquire(uint64_t handle, Slot **out, const char *what) {
     if (t_pin_count >= kMaxPins)
         return fail(MF_ERROR_INVALID_VALUE, "internal: too many handles pinned by one call");
+    mf_status status = pin(handle, out, what);
+    if (status == MF_SUCCESS) t_pins[t_pin_count++] = Pin{this, *out};
+    return status;
+}
+
+mf_status SlotTable::pin(uint64_t handle, Slot **out, const char *what) {
     Slot *slot = slot_of(handle);
     uint64_t state = slot ? slot->state.load(std::memory_order_acquire) : 0;
     for (;;) {
@@ -137,7 +143,6 @@ mf_status SlotTable::acquire(uint64_t handle, Slot **out, const char *what) {
                     "forked child (create new ones there)",
                     what, (unsigned long long)handle, what);
     }
-    t_pins[t_pin_count++] = Pin{this, slot};
     *out = slot;
     return MF_SUCCESS;
 }

@@ -35,6 +35,8 @@ public:
     // A live slot, pinned until the current PinScope ends; MF_ERROR_INVALID_HANDLE (message set,
     // `what` names the kind) when not live, or created before a fork().
     mf_status acquire(uint64_t handle, Slot **out, const char *what);
+    // As acquire, but the caller unpins it itself (no PinScope: the hot event_query path).
+    mf_status pin(uint64_t handle, Slot **out, const char *what);
     void unpin(Slot *slot);
     // Takes the handle out of the table; its object is reclaimed now, or by its last user.
     mf_status erase(uint64_t handle, const char *what);

@@ -7,6 +7,7 @@ fresh interpreter, so that a crash or a hang fails the test instead of the test 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -69,14 +70,19 @@ def run_python(code: str | None = None, *, argv: list[str] | None = None, timeou
     if (code is None) == (argv is None):
         raise TypeError("give code or argv")
     args = [sys.executable] + (["-c", textwrap.dedent(code)] if code is not None else list(argv or []))
+    # A session of its own, so that a hung child is killed with everything it forked.
+    proc = subprocess.Popen(args, env=child_env(backend, env), cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        done = subprocess.run(args, env=child_env(backend, env), cwd=cwd, capture_output=True,
-                              text=True, timeout=timeout)
-        result = ChildResult(done.returncode, done.stdout, done.stderr)
-    except subprocess.TimeoutExpired as expired:
-        def text(raw):
-            return raw.decode(errors="replace") if isinstance(raw, bytes) else (raw or "")
-        result = ChildResult(None, text(expired.stdout), text(expired.stderr))
+        stdout, stderr = proc.communicate(timeout=timeout)
+        result = ChildResult(proc.returncode, stdout, stderr)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        stdout, stderr = proc.communicate()
+        result = ChildResult(None, stdout or "", stderr or "")
     if check and result.returncode != 0:
         raise AssertionError(result.describe())
     return result
