@@ -17,6 +17,7 @@ from . import _core
 # `X as X`: the PEP 484 spelling of a re-export, so `mypy --strict` users see these names.
 from ._core import (
     NO_TOKEN as NO_TOKEN,
+    BufferView as BufferView,
     DeviceBuffer as DeviceBuffer,
     Event as Event,
     PinnedBuffer as PinnedBuffer,
@@ -40,6 +41,7 @@ from ._core import (
     host_faults as host_faults,
     host_argmax_path as host_argmax_path,
     host_kernel_threads as host_kernel_threads,
+    launch_host_func as launch_host_func,
     live_objects as live_objects,
     nvtx_range as nvtx_range,
     read_pinned_u32 as read_pinned_u32,
@@ -47,6 +49,7 @@ from ._core import (
     stream_synchronize as stream_synchronize,
     write_pinned_u32 as write_pinned_u32,
 )
+from .dtypes import dtype as dtype
 from .errors import CudaError as CudaError
 from .errors import FeedError as FeedError
 from .errors import KvPoolExhausted as KvPoolExhausted

@@ -36,6 +36,8 @@ cdef class Event:
     cdef int _record(self, uint64_t stream) except -1:
         self._check_open()
         check(mf_event_record(self._handle, stream))
+        if _host_func_seq:
+            note_record(self._handle, stream)
         return 0
 
     cdef bint _query(self) except -1:
@@ -45,6 +47,8 @@ cdef class Event:
         cdef mf_status status = mf_event_query(self._handle, &done)
         if status != MF_SUCCESS:
             raise_status(status)
+        if _host_func_errors:
+            event_host_errors(self._handle)
         return done != 0
 
     cdef int _synchronize(self) except -1:
@@ -54,6 +58,8 @@ cdef class Event:
             status = mf_event_synchronize(self._handle)
         check(status)
         release_passed()  # copies up to here are done: their held buffers can go
+        if _host_func_errors:
+            event_host_errors(self._handle)
         return 0
 
     @property
@@ -97,6 +103,8 @@ cdef class Event:
         cdef uint64_t handle = self._handle
         if handle:
             self._handle = 0
+            if _event_marks:
+                _event_marks.pop(handle, None)
             check(mf_event_destroy(handle))
 
     def __enter__(self):
@@ -122,10 +130,25 @@ cdef class Stream:
 
     @staticmethod
     def wrap(handle):
+        """The same as ``from_handle``."""
         cdef Stream stream = Stream.__new__(Stream)
         stream_of(handle, &stream._handle)
         check(mf_stream_check(stream._handle))
         return stream
+
+    @staticmethod
+    def from_handle(handle):
+        """A non-owning Stream over a foreign stream: an int ``cudaStream_t``, or any object with
+        ``__cuda_stream__`` (torch.cuda.Stream, CuPy streams). Closing it never destroys the
+        stream. On the host backend a handle it never made raises ``FeedError``.
+
+        Examples
+        --------
+        >>> s = Stream()
+        >>> Stream.from_handle(s.handle) == s
+        True
+        """
+        return Stream.wrap(handle)
 
     def __dealloc__(self):
         if self._owned and not self._closed:
@@ -154,6 +177,8 @@ cdef class Stream:
         cdef int idle = 0
         self._check_open()
         check(mf_stream_query(self._handle, &idle))
+        if _host_func_errors:
+            stream_host_errors(self._handle)
         return idle != 0
 
     def synchronize(self):
@@ -163,6 +188,8 @@ cdef class Stream:
             status = mf_stream_synchronize(self._handle)
         check(status)
         release_passed()
+        if _host_func_errors:
+            stream_host_errors(self._handle)
 
     def wait_event(self, event):
         """Later work on this stream waits for ``event`` (no host wait)."""
@@ -210,6 +237,8 @@ def event_record(event, stream=0):
     event_of(event, &e, False)
     stream_of(stream, &s)
     check(mf_event_record(e, s))
+    if _host_func_seq:
+        note_record(e, s)
 
 
 def event_query(event):
@@ -220,6 +249,8 @@ def event_query(event):
         return (<Event>event)._query()
     event_of(event, &e, False)
     check(mf_event_query(e, &done))
+    if _host_func_errors:
+        event_host_errors(e)
     return done != 0
 
 
@@ -231,6 +262,8 @@ def event_synchronize(event):
         status = mf_event_synchronize(e)
     check(status)
     release_passed()
+    if _host_func_errors:
+        event_host_errors(e)
 
 
 def destroy_event(event):
@@ -240,6 +273,8 @@ def destroy_event(event):
         event.close()
         return
     event_of(event, &e, False)
+    if _event_marks:
+        _event_marks.pop(e, None)
     check(mf_event_destroy(e))
 
 
@@ -251,6 +286,8 @@ def stream_synchronize(stream=0):
         status = mf_stream_synchronize(s)
     check(status)
     release_passed()
+    if _host_func_errors:
+        stream_host_errors(s)
 
 
 # C-level entry points for cimport users: no Python objects, no GIL.

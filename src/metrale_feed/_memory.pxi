@@ -21,9 +21,11 @@ cdef class PinnedBuffer:
 
     def __dealloc__(self):
         # A live export holds a reference to this object, so none can remain here.
-        if self._ptr != NULL:
-            _object_pinned.discard(<size_t>self._ptr)
-            mf_host_free(self._ptr, self._nbytes)
+        cdef void *ptr = self._ptr
+        if ptr != NULL:
+            _object_pinned.discard(<size_t>ptr)
+            with nogil:  # the free waits for queued work, which may be a host function taking the GIL
+                mf_host_free(ptr, self._nbytes)
 
     cdef int _check_open(self) except -1:
         if self._ptr == NULL:
@@ -54,6 +56,54 @@ cdef class PinnedBuffer:
     def __releasebuffer__(self, Py_buffer *view):
         self._exports -= 1
 
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule of the bytes as 1-D uint8 (``kDLCUDAHost`` on cuda, ``kDLCPU`` on the
+        host backend); never synchronises. See ``view`` for a typed, shaped export."""
+        self._check_open()
+        device = buffer_dlpack_device(True)
+        return dlpack_export(self, self._ptr, device[0], device[1], _UINT8, (self._nbytes,),
+                             stream, max_version, dl_device, copy)
+
+    def __dlpack_device__(self):
+        """``(kDLCUDAHost, 0)`` on cuda, ``(kDLCPU, 0)`` on the host backend."""
+        return buffer_dlpack_device(True)
+
+    @property
+    def __cuda_array_interface__(self):
+        self._check_open()
+        return cuda_array_interface(<size_t>self._ptr, (self._nbytes,), "|u1")
+
+    def view(self, dtype="uint8", shape=None, *, offset=0):
+        """A typed, shaped exporter over these bytes (DLPack, and the CUDA array interface on
+        cuda); its ``.base`` is this buffer, kept alive by it and by every tensor made from it.
+
+        Parameters
+        ----------
+        dtype : str, numpy or torch dtype
+            Any spelling of the package's dtype table.
+        shape : int or tuple of int, optional
+            C-contiguous shape; default: as many elements as fit after ``offset``.
+        offset : int
+            Bytes from the start, a multiple of the element size.
+
+        Returns
+        -------
+        BufferView
+
+        Raises
+        ------
+        ValueError
+            An unknown dtype, or a shape that needs more bytes than the buffer has.
+
+        Examples
+        --------
+        >>> buf = PinnedBuffer(64)
+        >>> buf.view("float32", (4, 4)).shape
+        (4, 4)
+        """
+        self._check_open()
+        return make_view(self, self._nbytes, True, dtype, shape, offset)
+
     @property
     def ptr(self):
         self._check_open()
@@ -76,7 +126,7 @@ cdef class PinnedBuffer:
             return
         release_passed()  # views held for copies that have completed go first
         if self._exports:
-            raise BufferError(f"the pinned buffer has {self._exports} exported view(s); release them first")
+            raise BufferError(f"the pinned buffer has {self._exports} exported view(s) or tensor(s); release them first")
         cdef void *ptr = self._ptr
         self._ptr = NULL
         _object_pinned.discard(<size_t>ptr)
@@ -104,9 +154,11 @@ cdef class DeviceBuffer:
         check(mf_device_alloc(self._nbytes, &self._ptr))
 
     def __dealloc__(self):
-        if self._ptr != NULL:
-            _cell_rows.pop(<size_t>self._ptr, None)
-            mf_device_free(self._ptr)
+        cdef void *ptr = self._ptr
+        if ptr != NULL:
+            _cell_rows.pop(<size_t>ptr, None)
+            with nogil:  # as PinnedBuffer's
+                mf_device_free(ptr)
 
     cdef int _check_open(self) except -1:
         if self._ptr == NULL:
@@ -132,10 +184,32 @@ cdef class DeviceBuffer:
     @property
     def __cuda_array_interface__(self):
         self._check_open()
-        if mf_active_backend() != MF_BACKEND_CUDA:
-            raise AttributeError("__cuda_array_interface__ exists only on the cuda backend")
-        return {"shape": (self._nbytes,), "typestr": "|u1", "data": (<size_t>self._ptr, False),
-                "version": 3, "strides": None}
+        return cuda_array_interface(<size_t>self._ptr, (self._nbytes,), "|u1")
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule of the bytes as 1-D uint8 (``kDLCUDA`` on cuda, ``kDLCPU`` on the host
+        backend). Never synchronises: order the writer's stream before the reader's yourself
+        (``stream=-1`` and any other stream alike). See ``view`` for a typed, shaped export."""
+        self._check_open()
+        device = buffer_dlpack_device(False)
+        return dlpack_export(self, self._ptr, device[0], device[1], _UINT8, (self._nbytes,),
+                             stream, max_version, dl_device, copy)
+
+    def __dlpack_device__(self):
+        """``(kDLCUDA, ordinal)`` on cuda, ``(kDLCPU, 0)`` on the host backend."""
+        return buffer_dlpack_device(False)
+
+    def view(self, dtype="uint8", shape=None, *, offset=0):
+        """A typed, shaped exporter over these bytes; see ``PinnedBuffer.view``.
+
+        Examples
+        --------
+        >>> logits = DeviceBuffer(4 * 2 * 8)
+        >>> logits.view("f32", (2, 8)).shape
+        (2, 8)
+        """
+        self._check_open()
+        return make_view(self, self._nbytes, False, dtype, shape, offset)
 
     def memset_async(self, int value, stream=0):
         cdef uint64_t s
@@ -144,8 +218,12 @@ cdef class DeviceBuffer:
         check(mf_memset_async(self._ptr, value, self._nbytes, s))
 
     def close(self):
+        """Free the memory (after queued work that may touch it). Refused while tensors made
+        from it through DLPack are alive."""
         if self._ptr == NULL:
             return
+        if self._exports:
+            raise BufferError(f"the device buffer has {self._exports} exported tensor(s); release them first")
         cdef void *ptr = self._ptr
         self._ptr = NULL
         _cell_rows.pop(<size_t>ptr, None)  # a later allocation may reuse the address
@@ -180,18 +258,31 @@ cdef _HeldBuffer host_ptr_of(object obj, bint writable, void **ptr, size_t *nbyt
     return held
 
 
+cdef int device_side_fits(size_t have, size_t need, str what) except -1:
+    if have != <size_t>-1 and have < need:  # -1: an int pointer, range-checked by the C layer
+        raise ValueError(f"{what}: {need} bytes run past the end of its {have} bytes")
+    return 0
+
+
 def copy_d2h_async(src, dst, stream=0):
     """Copy ``len(dst)`` bytes from device ``src`` into host buffer ``dst`` on ``stream``; never
-    waits. ``dst`` must stay untouched until the stream has passed the copy."""
+    waits. ``dst`` must stay untouched until the stream has passed the copy. ``src`` may be a
+    DeviceBuffer, an int pointer or a tensor."""
     cdef void *device
     cdef void *host
-    cdef size_t nbytes
+    cdef size_t nbytes, have
     cdef uint64_t s
     cdef _HeldBuffer held = None
-    device_ptr_of(src, &device)
     stream_of(stream, &s)
-    held = host_ptr_of(dst, True, &host, &nbytes)
-    check(mf_copy_d2h_async(host, device, nbytes, s))
+    cdef _Call call = call_on(s)
+    try:
+        call.device(src, &device, &have, "copy source", False, False)
+        held = host_ptr_of(dst, True, &host, &nbytes)
+        device_side_fits(have, nbytes, "copy source")
+        check(mf_copy_d2h_async(host, device, nbytes, s))
+        call.done()
+    finally:
+        call.close()
     if held is not None and nbytes:
         hold_until_passed(held, s)
 
@@ -200,26 +291,41 @@ def copy_h2d_async(dst, src, stream=0):
     """Copy ``len(src)`` bytes from host buffer ``src`` into device ``dst`` on ``stream``."""
     cdef void *device
     cdef void *host
-    cdef size_t nbytes
+    cdef size_t nbytes, have
     cdef uint64_t s
     cdef _HeldBuffer held = None
-    device_ptr_of(dst, &device)
     stream_of(stream, &s)
-    held = host_ptr_of(src, False, &host, &nbytes)
-    check(mf_copy_h2d_async(device, host, nbytes, s))
+    cdef _Call call = call_on(s)
+    try:
+        call.device(dst, &device, &have, "copy destination", True, False)
+        held = host_ptr_of(src, False, &host, &nbytes)
+        device_side_fits(have, nbytes, "copy destination")
+        check(mf_copy_h2d_async(device, host, nbytes, s))
+        call.done()
+    finally:
+        call.close()
     if held is not None and nbytes:
         hold_until_passed(held, s)
 
 
 def copy_d2d_async(dst, src, nbytes, stream=0):
+    """Copy ``nbytes`` between two device arrays (DeviceBuffers, int pointers or tensors)."""
     cdef size_t n = size_of(nbytes, "nbytes")
     cdef void *d
     cdef void *s_ptr
+    cdef size_t have
     cdef uint64_t s
-    device_ptr_of(dst, &d)
-    device_ptr_of(src, &s_ptr)
     stream_of(stream, &s)
-    check(mf_copy_d2d_async(d, s_ptr, n, s))
+    cdef _Call call = call_on(s)
+    try:
+        call.device(dst, &d, &have, "copy destination", True, False)
+        device_side_fits(have, n, "copy destination")
+        call.device(src, &s_ptr, &have, "copy source", False, False)
+        device_side_fits(have, n, "copy source")
+        check(mf_copy_d2d_async(d, s_ptr, n, s))
+        call.done()
+    finally:
+        call.close()
 
 
 def alloc_host_pinned(nbytes):

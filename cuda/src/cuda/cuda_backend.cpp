@@ -329,6 +329,17 @@ mf_status reference_forward(const mf_reference_args *a, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status current_device(int *device) {
+    MF_CUDA_TRY(cudaGetDevice(device), "cudaGetDevice");
+    return MF_SUCCESS;
+}
+
+// The runtime calls fn on one of its own threads once the stream reaches it; fn must not call CUDA.
+mf_status launch_host_func(mf_host_fn fn, void *data, void *stream) {
+    MF_CUDA_TRY(cudaLaunchHostFunc(as_stream(stream), fn, data), "cudaLaunchHostFunc");
+    return MF_SUCCESS;
+}
+
 }  // namespace
 
 extern const Ops cuda_ops;
@@ -358,6 +369,8 @@ const Ops cuda_ops = {
     argmax,
     resolve,
     reference_forward,
+    launch_host_func,
+    current_device,
 };
 
 }  // namespace mf

@@ -1,0 +1,133 @@
+# Python functions in stream order (launch_host_func). The C layer runs a callback when the stream
+# reaches it (cuda: a runtime thread through cudaLaunchHostFunc; host backend: the stream's
+# worker); the callback takes the GIL, calls fn(*args), and keeps any exception here so that the
+# next query or wait of that stream, or of an event recorded on it afterwards, raises it.
+
+from cpython.ref cimport Py_XDECREF
+
+cdef extern from "Python.h":
+    int Py_IsInitialized() nogil
+
+# Once the interpreter starts to exit, callbacks still queued leave Python alone (their payloads
+# are leaked on purpose: no reference may be dropped without a live interpreter).
+cdef int _exiting = 0
+
+# stream handle -> the last host function's sequence number on it (launched, run or not).
+cdef dict _host_func_seq = {}
+# stream handle -> [(sequence, exception)] of host functions that raised, not yet reported.
+cdef dict _host_func_errors = {}
+# event handle -> (stream, sequence): the last host function queued on the stream the event was
+# recorded on, at the record. Only kept once a host function has been launched.
+cdef dict _event_marks = {}
+
+
+def _mark_exiting():
+    global _exiting
+    _exiting = 1
+
+
+import atexit as _atexit
+_atexit.register(_mark_exiting)
+
+
+cdef void _host_func_trampoline(void *data) noexcept nogil:
+    if _exiting or not Py_IsInitialized():
+        return
+    with gil:
+        _host_func_run(<object>data)
+        Py_XDECREF(<PyObject *>data)  # the reference launch_host_func took
+
+
+cdef void _host_func_run(tuple payload) noexcept:
+    fn, args, stream, seq = payload
+    try:
+        fn(*args)
+    except BaseException as exc:  # never into the C layer: it is reported at the next wait
+        _host_func_errors.setdefault(stream, []).append((seq, exc))
+
+
+def launch_host_func(stream, fn, *args):
+    """Run ``fn(*args)`` in stream order: after the work queued before it on ``stream``, before
+    the work queued after it. Never waits.
+
+    On cuda it runs on a CUDA runtime thread (``cudaLaunchHostFunc``), on the host backend on the
+    stream's worker; either way it takes the GIL. ``fn`` must not call CUDA nor wait on its own
+    stream. An exception in ``fn`` never crashes the process: the next ``query``/``synchronize``
+    of the stream, or of an event recorded on it afterwards, raises a ``FeedError`` with the
+    exception as ``__cause__``.
+
+    Parameters
+    ----------
+    stream : Stream, int handle or any ``__cuda_stream__`` object
+    fn : callable
+    *args
+        Passed to ``fn``; kept alive until it has run.
+
+    Raises
+    ------
+    TypeError
+        ``fn`` is not callable.
+    FeedError
+        A closed or unknown stream.
+
+    Examples
+    --------
+    >>> s = Stream()
+    >>> out = []
+    >>> launch_host_func(s, out.append, 1)
+    >>> s.synchronize(); out
+    [1]
+    """
+    cdef uint64_t s
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+    stream_of(stream, &s)
+    seq = _host_func_seq.get(s, 0) + 1
+    payload = (fn, args, s, seq)
+    Py_INCREF(payload)  # dropped by the trampoline once fn has run
+    cdef mf_status status = mf_launch_host_func(s, _host_func_trampoline, <void *>payload)
+    if status != MF_SUCCESS:
+        Py_DECREF(payload)
+        raise_status(status)
+    _host_func_seq[s] = seq
+
+
+cdef int note_record(uint64_t event, uint64_t stream) except -1:
+    """An event recorded on ``stream``: it reports the host functions queued there before it."""
+    seq = _host_func_seq.get(stream)
+    if seq is not None:
+        _event_marks[event] = (stream, seq)
+    else:
+        _event_marks.pop(event, None)
+    return 0
+
+
+cdef int _raise_failed(uint64_t stream, object upto) except -1:
+    failed = _host_func_errors.get(stream)
+    if not failed:
+        return 0
+    for i in range(len(failed)):
+        seq, exc = failed[i]
+        if upto is None or seq <= upto:
+            del failed[i]
+            if not failed:
+                del _host_func_errors[stream]
+            raise FeedError(f"a host function launched on stream 0x{stream:x} raised "
+                            f"{type(exc).__name__}: {exc}") from exc
+    return 0
+
+
+cdef int stream_host_errors(uint64_t stream) except -1:
+    """A failure of a host function queued on ``stream`` (reported once)."""
+    if _host_func_errors:
+        _raise_failed(stream, None)
+    return 0
+
+
+cdef int event_host_errors(uint64_t event) except -1:
+    """A failure of a host function queued before ``event``'s record on its stream."""
+    if _host_func_errors:
+        mark = _event_marks.get(event)
+        if mark is not None:
+            _raise_failed(mark[0], mark[1])
+    return 0
