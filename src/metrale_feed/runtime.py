@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from . import _core
+from .dtypes import logits_dtype as logits_dtypes
 from .errors import FeedError
 
 __all__ = ["RuntimeFeedMixin"]
@@ -27,15 +28,15 @@ class RuntimeFeedMixin:
     feed_cells: Optional[_core.DeviceBuffer] = None
     feed_prev_rows: int = 0  # rows the last argmax wrote: the from_row bound of the next step
 
-    def init_device_feed(self, *, vocab: int, logits_dtype: str = "float32", max_rows: int = 256) -> None:
+    def init_device_feed(self, *, vocab: int, logits_dtype: Any = "float32", max_rows: int = 256) -> None:
+        """Allocate the feed cells. ``logits_dtype`` takes every spelling of ``metrale_feed.dtypes``
+        (``"bf16"``, ``numpy.float16``, ``torch.bfloat16``, ...)."""
         if not 1 <= max_rows <= 4096:
             raise ValueError(f"max_rows must be in [1, 4096], got {max_rows}")
         if not 1 <= vocab <= 1 << 24:
             raise ValueError(f"vocab must be in [1, 2**24], got {vocab}")
-        if logits_dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"unknown logits dtype {logits_dtype!r}")
         self.feed_vocab = vocab
-        self.feed_logits_dtype = logits_dtype
+        self.feed_logits_dtype = logits_dtypes(logits_dtype).name
         self.feed_max_rows = max_rows
         self.feed_cells = _core.DeviceBuffer(max_rows * 4)
         self.feed_prev_rows = 0
