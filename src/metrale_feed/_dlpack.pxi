@@ -397,7 +397,9 @@ cdef _Foreign foreign_from_dlpack(object obj, object stream_arg):
                 capsule = obj.__dlpack__(stream=stream_arg)
         else:
             capsule = obj.__dlpack__(stream=stream_arg)
-    except BufferError as error:  # e.g. an object array, a tensor that requires grad
+    except (BufferError, RuntimeError) as error:  # an object array; a torch tensor that requires grad
+        if isinstance(error, FeedError):
+            raise
         raise TypeError(f"{type(obj).__name__} cannot be taken through DLPack: {error}") from error
     if PyCapsule_IsValid(capsule, b"dltensor_versioned"):
         v = <DLManagedTensorVersioned *>PyCapsule_GetPointer(capsule, b"dltensor_versioned")
