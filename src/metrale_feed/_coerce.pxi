@@ -168,7 +168,7 @@ cdef class _Call:
     cdef int done(self) except -1:
         """The C call queued its work: keep the foreign arrays until the stream has passed it."""
         if self.kept:
-            hold_until_passed(self.kept, self.stream)
+            keep_until_passed(self.kept, self.stream)
             self.kept = None
         return 0
 
@@ -183,6 +183,8 @@ cdef _Call call_on(uint64_t stream):
     c.cuda = mf_active_backend() == MF_BACKEND_CUDA
     return c
 
+
+from collections import deque
 
 # A foreign host buffer handed to an async copy stays exported until an event recorded after the
 # copy has completed, so the copy never writes memory that Python has already freed.
@@ -227,6 +229,60 @@ cdef int hold_until_passed(object held, uint64_t stream) except -1:
     return 0
 
 
+# Foreign arrays kept for queued kernels: (event, arrays) in call order, events reused. A call
+# releases from the front while the front has passed, so each call costs O(1) amortised; an entry
+# behind a slower stream's waits for it or for the next synchronize (release_passed).
+cdef object _kept = deque()
+cdef list _spare_events = []
+
+
+cdef int keep_until_passed(object objs, uint64_t stream) except -1:
+    cdef uint64_t event
+    cdef mf_status status
+    release_kept(False)
+    if _spare_events:
+        event = _spare_events.pop()
+    else:
+        check(mf_event_create(MF_EVENT_UNCOUNTED, &event))
+    status = mf_event_record(event, stream)
+    if status != MF_SUCCESS:
+        mf_event_destroy(event)
+        with nogil:  # queued but unguarded: wait rather than let the arrays go under the work
+            mf_stream_synchronize(stream)
+        return 0
+    _kept.append((event, objs))
+    return 0
+
+
+cdef int release_kept(bint all_passed) except -1:
+    """Drop the arrays of every front entry whose work has passed (all of them when the caller
+    has just synchronised and ``all_passed`` may hold: each is still queried)."""
+    cdef int done
+    cdef uint64_t event
+    cdef Py_ssize_t n = len(_kept)
+    while n:
+        event = (<tuple>_kept[0])[0]
+        if mf_event_query(event, &done) != MF_SUCCESS or done:
+            _kept.popleft()
+            if len(_spare_events) < 64:
+                _spare_events.append(event)
+            else:
+                mf_event_destroy(event)
+        elif all_passed:
+            _kept.rotate(-1)  # look past a pending one: a wait on one stream passes only it
+        else:
+            break
+        n -= 1
+    return 0
+
+
+cdef int drop_spare_events() except -1:
+    """Destroy the reusable keep-alive events (live_objects counts what is left: none of ours)."""
+    while _spare_events:
+        mf_event_destroy(_spare_events.pop())
+    return 0
+
+
 cdef int release_passed() except -1:
     cdef int done
     cdef uint64_t event
@@ -238,4 +294,6 @@ cdef int release_passed() except -1:
             del _held[i]
         else:
             i += 1
+    if _kept:
+        release_kept(True)
     return 0

@@ -354,6 +354,21 @@ cdef class _Foreign:
 
 # Whether a type's __dlpack__ takes max_version (DLPack 1.0 producers); learnt once per type.
 cdef dict _takes_max_version = {}
+# A type's C-level exporter for CPU memory, or None: torch's __dlpack__ is Python (about 3 us of
+# checks for streams and devices that a CPU tensor on the host backend does not need) around the
+# exporter that makes the same capsule. Learnt once per type.
+cdef dict _cpu_exporters = {}
+
+
+cdef object cpu_exporter(object kind):
+    f = _cpu_exporters.get(kind, False)
+    if f is False:
+        f = None
+        if kind.__module__ == "torch" and kind.__name__ == "Tensor":
+            import sys
+            f = getattr(sys.modules["torch"]._C, "_to_dlpack_versioned", None)
+        _cpu_exporters[kind] = f
+    return f
 
 
 cdef int _fill_from_tensor(_Foreign f, DLTensor *t) except -1:
@@ -384,8 +399,13 @@ cdef _Foreign foreign_from_dlpack(object obj, object stream_arg):
     cdef DLManagedTensorVersioned *v
     kind = type(obj)
     takes = _takes_max_version.get(kind)
+    fast = cpu_exporter(kind) if stream_arg is None else None
     try:
-        if takes is None or takes:
+        if fast is not None:
+            if obj.requires_grad:  # as torch's __dlpack__ refuses it
+                raise BufferError("a tensor that requires grad is not exported; detach() it")
+            capsule = fast(obj)
+        elif takes is None or takes:
             try:
                 capsule = obj.__dlpack__(stream=stream_arg, max_version=(1, 0))
                 if takes is None:
