@@ -62,6 +62,7 @@ cdef enum:
 
 import metrale_feed.dtypes as _dtypes_mod
 from metrale_feed.dtypes import dtype as _dtype_lookup
+from metrale_feed.dtypes import logits_dtype as _logits_lookup
 
 _UINT8 = _dtypes_mod.TABLE["uint8"]
 for _entry in _dtypes_mod.TABLE.values():  # the table's logits codes are feed.h's
@@ -78,16 +79,7 @@ cdef object dtype_entry(object spelling):
 
 cdef mf_dtype dtype_of(object dtype) except *:
     """A logits dtype's C code, from any spelling of the dtype table."""
-    try:
-        entry = _dtype_lookup(dtype)
-    except ValueError as error:
-        if "byte order" in str(error):
-            raise
-        entry = None
-    if entry is None or entry.code is None:
-        raise ValueError(f"unknown logits dtype {dtype!r}: use float32, float16 or bfloat16 "
-                         f"(or f32, f16, bf16, a numpy or a torch dtype)")
-    return <mf_dtype><int>entry.code
+    return <mf_dtype><int>_logits_lookup(dtype).code
 
 
 # ---- exports ----

@@ -134,8 +134,15 @@ def dtype(spelling: object) -> DType:
 
 
 def logits_dtype(spelling: object) -> DType:
-    """``dtype(spelling)``, refused with ``ValueError`` unless it is a logits type."""
-    entry = dtype(spelling)
-    if entry.code is None:
-        raise ValueError(f"logits dtype must be float32, float16 or bfloat16, not {entry.name}")
+    """``dtype(spelling)``, refused with ``ValueError`` unless it is a logits type (float32,
+    float16 or bfloat16). A non-native byte order says so."""
+    try:
+        entry = dtype(spelling)
+    except ValueError as error:
+        if "byte order" in str(error):
+            raise
+        entry = None
+    if entry is None or entry.code is None:
+        raise ValueError(f"unknown logits dtype {spelling!r}: use float32, float16 or bfloat16 "
+                         f"(or f32, f16, bf16, a numpy or a torch dtype)")
     return entry
