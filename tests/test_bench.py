@@ -109,3 +109,15 @@ def test_router(record):
         assert lv["same_tokens"] is True
         assert positive(lv["async_tps"]) and positive(lv["sync_tps"]) and positive(lv["speedup"])
     assert positive(r["stub_us_per_step"]) and positive(r["stub_us_per_step_reserve"])
+
+
+def test_interop_figures(record):
+    r = record["interop"]
+    assert {"DeviceBuffer", "numpy array", "numpy array, numpy cells"} <= set(r["call_ns"])
+    assert all(positive(v) for v in r["call_ns"].values())
+    if "llama" in r:  # torch, transformers and the examples/ folder were found
+        levels = r["llama"]["levels"]
+        assert len(levels) == 3 and positive(r["llama"]["step_us"])
+        for lv in levels:
+            assert lv["same_tokens"] is True  # async and sync agree, token for token
+            assert positive(lv["async_tps"]) and positive(lv["sync_tps"])

@@ -537,3 +537,40 @@ def test_a_buffer_freed_while_a_host_function_waits_for_the_gil_does_not_deadloc
         print("done", got)
     """, timeout=30)
     assert "done [1]" in out
+
+
+def test_an_argmax_event_reports_a_host_function_queued_before_it():
+    s = Stream()
+    done = Event()
+
+    def boom():
+        raise ZeroDivisionError("forward failed")
+
+    dev = DeviceBuffer(4 * 8)
+    mf.launch_host_func(s, boom)
+    mf.argmax_to_feed(dev, None, DeviceBuffer(4), None, done, s, rows=1, vocab=8, dtype="f32")
+    with pytest.raises(FeedError, match="forward failed") as info:
+        while not mf.event_query(done.handle):
+            time.sleep(0.001)
+        done.synchronize()
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    s.close()
+
+
+def test_exit_while_a_host_function_runs_is_clean():
+    # A host function is running (holding the GIL in slices) when the interpreter exits: the exit
+    # waits for it (up to 2 s), so it never takes the GIL from a finalising interpreter.
+    out = run_child("""
+        import time
+        import metrale_feed as mf
+        s = mf.Stream()
+        def slow():
+            end = time.monotonic() + 0.3
+            while time.monotonic() < end:
+                time.sleep(0.001)
+            print("finished", flush=True)
+        mf.launch_host_func(s, slow)
+        time.sleep(0.05)
+        print("exiting", flush=True)
+    """, timeout=30)
+    assert "exiting" in out and "finished" in out

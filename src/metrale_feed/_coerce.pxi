@@ -120,7 +120,7 @@ cdef class _Call:
             nbytes[0] = (<DeviceBuffer>obj)._nbytes if type(obj) is DeviceBuffer else <size_t>-1
             return 0
         f = self.foreign(obj, what)
-        if ids and (f.entry is None or f.entry.name not in ("uint32", "int32")):
+        if ids and not f.ids:
             raise TypeError(f"{what} must hold uint32 ids, not {f.type_name()}")
         if f.entry is None:
             raise TypeError(f"{what}: DLPack type {f.type_name()} is not taken")
@@ -129,16 +129,17 @@ cdef class _Call:
         if writable and f.readonly:
             raise ValueError(f"{what} is read-only but this call writes it")
         out[0] = f.ptr
-        nbytes[0] = f.count() * <size_t>f.entry.itemsize
+        nbytes[0] = f.count() * (f.dl_bits // 8)
         self.lend(f, nbytes[0])
         return 0
 
     cdef _Foreign foreign(self, object obj, str what):
         """A foreign array on the active backend's device, kept for the call."""
         cdef _Foreign f
-        if type(obj) is PinnedBuffer or type(obj) is BufferView and (<BufferView>obj)._pinned:
+        kind = type(obj)
+        if kind is PinnedBuffer or kind is BufferView and (<BufferView>obj)._pinned:
             raise ValueError(f"{what} is page-locked host memory, not device memory")
-        if hasattr(obj, "__dlpack__"):
+        if (not self.cuda and cpu_exporter(kind) is not None) or hasattr(obj, "__dlpack__"):
             # cuda: the array is made safe to use on the call's stream (1: CUDA's legacy default)
             # with no host wait; host backend: CPU memory, no stream.
             f = foreign_from_dlpack(obj, (self.stream or 1) if self.cuda else None)
@@ -184,7 +185,7 @@ cdef _Call call_on(uint64_t stream):
     return c
 
 
-from collections import deque
+from collections import deque as _deque
 
 # A foreign host buffer handed to an async copy stays exported until an event recorded after the
 # copy has completed, so the copy never writes memory that Python has already freed.
@@ -232,7 +233,7 @@ cdef int hold_until_passed(object held, uint64_t stream) except -1:
 # Foreign arrays kept for queued kernels: (event, arrays) in call order, events reused. A call
 # releases from the front while the front has passed, so each call costs O(1) amortised; an entry
 # behind a slower stream's waits for it or for the next synchronize (release_passed).
-cdef object _kept = deque()
+cdef object _kept = _deque()
 cdef list _spare_events = []
 
 

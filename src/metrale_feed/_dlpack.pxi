@@ -57,6 +57,8 @@ cdef enum:
     kDLCUDA = 2
     kDLCUDAHost = 3
     kDLCUDAManaged = 13
+    DL_INT = 0
+    DL_UINT = 1
     DL_FLAG_READ_ONLY = 1
     MAX_DIMS = 8
 
@@ -70,6 +72,7 @@ for _entry in _dtypes_mod.TABLE.values():  # the table's logits codes are feed.h
         assert _entry.code == {"float32": MF_DTYPE_F32, "float16": MF_DTYPE_F16,
                                "bfloat16": MF_DTYPE_BF16}[_entry.name], _entry.name
 _BY_DLPACK = _dtypes_mod.BY_DLPACK
+_BY_DLPACK_KEY = {code << 8 | bits: entry for (code, bits), entry in _BY_DLPACK.items()}
 
 
 cdef object dtype_entry(object spelling):
@@ -307,6 +310,7 @@ cdef class _Foreign:
     cdef int64_t strides[MAX_DIMS]  # in elements; C-contiguous when none were given
     cdef object entry               # the dtype table's entry, or None for a type it lacks
     cdef uint8_t dl_code, dl_bits
+    cdef bint ids                   # 32-bit integers: uint32 ids, or int32 taken as their bits
     cdef bint readonly
     cdef object owner
     cdef void *managed
@@ -374,7 +378,8 @@ cdef int _fill_from_tensor(_Foreign f, DLTensor *t) except -1:
     f.ndim = t.ndim
     f.dl_code = t.dtype.code
     f.dl_bits = t.dtype.bits
-    f.entry = _BY_DLPACK.get((t.dtype.code, t.dtype.bits))
+    f.ids = t.dtype.bits == 32 and (t.dtype.code == DL_INT or t.dtype.code == DL_UINT)
+    f.entry = _BY_DLPACK_KEY.get(t.dtype.code << 8 | t.dtype.bits)
     cdef int64_t stride = 1
     for i in range(t.ndim - 1, -1, -1):
         f.shape[i] = t.shape[i]
@@ -448,6 +453,7 @@ cdef _Foreign foreign_from_cai(object obj):
     f.entry = entry
     f.dl_code = entry.dl_code
     f.dl_bits = entry.dl_bits
+    f.ids = entry.name in ("uint32", "int32")
     strides = cai.get("strides")
     stride = 1
     for i in range(f.ndim - 1, -1, -1):

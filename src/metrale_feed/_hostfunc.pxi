@@ -4,13 +4,33 @@
 # next query or wait of that stream, or of an event recorded on it afterwards, raises it.
 
 from cpython.ref cimport Py_XDECREF
+from posix.unistd cimport usleep
 
 cdef extern from "Python.h":
     int Py_IsInitialized() nogil
 
-# Once the interpreter starts to exit, callbacks still queued leave Python alone (their payloads
-# are leaked on purpose: no reference may be dropped without a live interpreter).
-cdef int _exiting = 0
+cdef extern from *:
+    """
+    /* Exit protocol between the callbacks and the atexit hook (sequentially consistent, so a
+     * callback either sees the exit flag or is counted before the hook reads the count). */
+    static int mf_hf_exiting = 0;
+    static int mf_hf_entering = 0;
+    static int mf_hf_enter(void) {
+        __atomic_fetch_add(&mf_hf_entering, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&mf_hf_exiting, __ATOMIC_SEQ_CST)) {
+            __atomic_fetch_sub(&mf_hf_entering, 1, __ATOMIC_SEQ_CST);
+            return 0;
+        }
+        return 1;
+    }
+    static void mf_hf_leave(void) { __atomic_fetch_sub(&mf_hf_entering, 1, __ATOMIC_SEQ_CST); }
+    static void mf_hf_set_exiting(void) { __atomic_store_n(&mf_hf_exiting, 1, __ATOMIC_SEQ_CST); }
+    static int mf_hf_in_flight(void) { return __atomic_load_n(&mf_hf_entering, __ATOMIC_SEQ_CST); }
+    """
+    int mf_hf_enter() nogil
+    void mf_hf_leave() nogil
+    void mf_hf_set_exiting() nogil
+    int mf_hf_in_flight() nogil
 
 # stream handle -> the last host function's sequence number on it (launched, run or not).
 cdef dict _host_func_seq = {}
@@ -22,8 +42,16 @@ cdef dict _event_marks = {}
 
 
 def _mark_exiting():
-    global _exiting
-    _exiting = 1
+    # Exit policy: host functions still queued are skipped (their payloads are leaked on purpose:
+    # nothing may be released without a running interpreter); one already started may finish,
+    # for up to 2 s, with the GIL released here so that it can. A callback that would take the GIL
+    # while the interpreter finalises would be ended mid-call by Python.
+    import time
+    mf_hf_set_exiting()
+    deadline = time.monotonic() + 2.0
+    while mf_hf_in_flight() and time.monotonic() < deadline:
+        with nogil:
+            usleep(1000)
 
 
 import atexit as _atexit
@@ -31,11 +59,13 @@ _atexit.register(_mark_exiting)
 
 
 cdef void _host_func_trampoline(void *data) noexcept nogil:
-    if _exiting or not Py_IsInitialized():
+    if not mf_hf_enter():
         return
-    with gil:
-        _host_func_run(<object>data)
-        Py_XDECREF(<PyObject *>data)  # the reference launch_host_func took
+    if Py_IsInitialized():
+        with gil:
+            _host_func_run(<object>data)
+            Py_XDECREF(<PyObject *>data)  # the reference launch_host_func took
+    mf_hf_leave()
 
 
 cdef void _host_func_run(tuple payload) noexcept:
