@@ -144,7 +144,7 @@ cdef class _Call:
             # with no host wait; host backend: CPU memory, no stream.
             f = foreign_from_dlpack(obj, (self.stream or 1) if self.cuda else None)
         elif self.cuda and hasattr(obj, "__cuda_array_interface__"):
-            f = foreign_from_cai(obj)
+            f = foreign_from_cai(obj, self.stream)
         else:
             raise TypeError(f"{what}: expected a DeviceBuffer, an int pointer or a tensor "
                             f"(__dlpack__), not {type(obj).__name__}")

@@ -437,9 +437,28 @@ cdef _Foreign foreign_from_dlpack(object obj, object stream_arg):
     return f
 
 
-cdef _Foreign foreign_from_cai(object obj):
+cdef int order_after(object producer, uint64_t stream) except -1:
+    """The CUDA array interface's ``stream``: the consumer's stream waits for the producer's work
+    (an event, no host wait). 1 and 2 name CUDA's legacy and per-thread default streams."""
+    cdef uint64_t event, p
+    if producer is None:
+        return 0
+    u64_of(0 if producer == 1 else producer, &p, "__cuda_array_interface__ stream")
+    if p == stream:
+        return 0
+    check(mf_event_create(MF_EVENT_UNCOUNTED, &event))
+    try:
+        check(mf_event_record(event, p))
+        check(mf_stream_wait_event(stream, event))
+    finally:
+        mf_event_destroy(event)  # CUDA keeps a recorded event's work until it has run
+    return 0
+
+
+cdef _Foreign foreign_from_cai(object obj, uint64_t stream):
     cdef _Foreign f = _Foreign.__new__(_Foreign)
     cai = obj.__cuda_array_interface__
+    order_after(cai.get("stream"), stream)
     data = cai["data"]
     shape = tuple(cai["shape"])
     entry = dtype_entry(cai["typestr"])
