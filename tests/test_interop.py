@@ -574,3 +574,11 @@ def test_exit_while_a_host_function_runs_is_clean():
         print("exiting", flush=True)
     """, timeout=30)
     assert "exiting" in out and "finished" in out
+
+
+@host_only
+def test_zero_byte_copies_with_empty_tensors():
+    empty = np.zeros(0, np.uint8)
+    mf.copy_h2d_async(empty, b"")
+    mf.copy_d2h_async(empty, bytearray())
+    mf.stream_synchronize()

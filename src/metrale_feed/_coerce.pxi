@@ -162,7 +162,7 @@ cdef class _Call:
         return f
 
     cdef int lend(self, _Foreign f, size_t nbytes) except -1:
-        if not self.cuda and nbytes:
+        if not self.cuda and f.ptr != NULL:  # an empty tensor too: a 0-byte copy to it is valid
             check(mf_device_borrow(f.ptr, nbytes))
         return 0
 
@@ -199,7 +199,6 @@ cdef class _HeldBuffer:
             PyBuffer_Release(&self.view)
 
 
-# Events and what they keep: buffer exports held for copies, foreign arrays held for kernels.
 cdef list _held = []
 
 
@@ -215,7 +214,7 @@ cdef _HeldBuffer host_buffer_of(object obj, bint writable, str what):
     return held
 
 
-cdef int hold_until_passed(object held, uint64_t stream) except -1:
+cdef int hold_until_passed(_HeldBuffer held, uint64_t stream) except -1:
     cdef uint64_t event
     release_passed()
     check(mf_event_create(MF_EVENT_UNCOUNTED, &event))

@@ -338,6 +338,8 @@ cdef class _Foreign:
 
     cdef bint contiguous(self):
         cdef int64_t expect = 1
+        if self.count() == 0:
+            return True  # no element to reach: any strides will do
         for i in range(self.ndim - 1, -1, -1):
             if self.shape[i] != 1 and self.strides[i] != expect:
                 return False
