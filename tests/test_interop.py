@@ -582,3 +582,22 @@ def test_zero_byte_copies_with_empty_tensors():
     mf.copy_h2d_async(empty, b"")
     mf.copy_d2h_async(empty, bytearray())
     mf.stream_synchronize()
+
+
+@host_only
+def test_numpy_asarray_of_a_device_buffer_is_its_memory():
+    dev = DeviceBuffer(8)
+    a = np.asarray(dev)
+    assert a.dtype == np.uint8 and a.shape == (8,) and a.ctypes.data == dev.ptr  # not a 0-d object
+    a[:] = 3
+    assert device_bytes(dev) == b"\x03" * 8
+    with pytest.raises(BufferError):
+        dev.close()
+    v = np.asarray(dev.view("u32", 2))
+    assert v.tolist() == [0x03030303] * 2
+    c = np.asarray(dev, copy=True)
+    c[:] = 0
+    assert device_bytes(dev) == b"\x03" * 8
+    del a, v
+    gc.collect()
+    dev.close()

@@ -204,6 +204,33 @@ cdef tuple buffer_dlpack_device(bint pinned):
     return (<int>kDLCUDA, device_ordinal())
 
 
+cdef object as_numpy(object exporter, bint device, object dtype, object copy):
+    """``numpy.asarray(buffer)``: on the host backend the buffer's own memory (through DLPack, so a
+    live array keeps ``close()`` refused); on cuda device memory is refused as CuPy refuses an
+    implicit conversion, and page-locked memory is read through the buffer protocol."""
+    import numpy
+    if mf_active_backend() == MF_BACKEND_CUDA:
+        if device:
+            raise TypeError("device memory has no implicit numpy conversion on the cuda backend: "
+                            "copy it (copy_d2h_async) or use torch/CuPy (DLPack)")
+        view = <BufferView>exporter if type(exporter) is BufferView else None
+        base = view.base if view is not None else exporter
+        entry = view.dtype_info if view is not None else _UINT8
+        shape = view.shape if view is not None else (len(base),)
+        n = 1
+        for d in shape:
+            n *= d
+        arr = numpy.frombuffer(base, numpy.dtype(entry.typestr), n,
+                               view._offset if view is not None else 0).reshape(shape)
+    else:
+        arr = numpy.from_dlpack(exporter)
+    if dtype is not None:
+        arr = arr.astype(dtype, copy=bool(copy))
+    elif copy:
+        arr = arr.copy()
+    return arr
+
+
 cdef dict cuda_array_interface(size_t ptr, tuple shape, str typestr):
     if mf_active_backend() != MF_BACKEND_CUDA:
         raise AttributeError("__cuda_array_interface__ exists only on the cuda backend")
@@ -254,6 +281,9 @@ cdef class BufferView:
 
     def __dlpack_device__(self):
         return buffer_dlpack_device(self._pinned)
+
+    def __array__(self, dtype=None, copy=None):
+        return as_numpy(self, not self._pinned, dtype, copy)
 
     @property
     def __cuda_array_interface__(self):

@@ -199,6 +199,12 @@ cdef class DeviceBuffer:
         """``(kDLCUDA, ordinal)`` on cuda, ``(kDLCPU, 0)`` on the host backend."""
         return buffer_dlpack_device(False)
 
+    def __array__(self, dtype=None, copy=None):
+        """``numpy.asarray(buf)``: the bytes themselves on the host backend (zero-copy; ``close()``
+        is refused while the array lives); a ``TypeError`` on cuda (device memory)."""
+        self._check_open()
+        return as_numpy(self, True, dtype, copy)
+
     def view(self, dtype="uint8", shape=None, *, offset=0):
         """A typed, shaped exporter over these bytes; see ``PinnedBuffer.view``.
 
