@@ -114,3 +114,15 @@ def test_router(record):
     assert all(positive(v) for v in per_step.values())
     assert sorted(map(int, r["router_us_per_step_at"])) == [16, 64, 256, 1024]
     assert all(positive(v) for v in r["router_us_per_step_at"].values())
+
+
+def test_interop_figures(record):
+    r = record["interop"]
+    assert {"DeviceBuffer", "numpy array", "numpy array, numpy cells"} <= set(r["call_ns"])
+    assert all(positive(v) for v in r["call_ns"].values())
+    if "llama" in r:  # torch, transformers and the examples/ folder were found
+        levels = r["llama"]["levels"]
+        assert len(levels) == 3 and positive(r["llama"]["step_us"])
+        for lv in levels:
+            assert lv["same_tokens"] is True  # async and sync agree, token for token
+            assert positive(lv["async_tps"]) and positive(lv["sync_tps"])

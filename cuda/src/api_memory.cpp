@@ -1,7 +1,28 @@
 // Public entry points: page-locked and device memory, and the async copies.
+#include <cstdint>
+
 #include "api.hpp"
 
 namespace mf {
+namespace {
+// Ranges vouched for by the binding for the calls this thread makes (mf_device_borrow).
+struct Borrowed {
+    const char *begin;
+    size_t nbytes;
+};
+thread_local Borrowed t_borrowed[MF_MAX_BORROWED];
+thread_local int t_borrowed_count = 0;
+
+bool borrowed(const void *ptr, size_t nbytes) {
+    const char *p = static_cast<const char *>(ptr);
+    for (int i = 0; i < t_borrowed_count; ++i) {
+        const Borrowed &b = t_borrowed[i];
+        if (p >= b.begin && (size_t)(p - b.begin) <= b.nbytes && nbytes <= b.nbytes - (size_t)(p - b.begin))
+            return true;
+    }
+    return false;
+}
+}  // namespace
 
 mf_status check_device_range(const void *ptr, size_t nbytes, const char *what) {
     if (!ptr) return fail(MF_ERROR_INVALID_VALUE, "%s is a null pointer", what);
@@ -17,6 +38,7 @@ mf_status check_device_range(const void *ptr, size_t nbytes, const char *what) {
     if (kind == MF_MEM_PINNED)
         return fail(MF_ERROR_INVALID_VALUE, "%s is page-locked host memory, not device memory", what);
     if (active_kind() == MF_BACKEND_CUDA) return MF_SUCCESS;  // foreign device memory, as is
+    if (borrowed(ptr, nbytes)) return MF_SUCCESS;            // a CPU tensor the binding holds
     return fail(MF_ERROR_INVALID_HANDLE,
                 "%s 0x%llx is not a live device allocation of this package (the host backend "
                 "accepts only its own)",
@@ -130,5 +152,21 @@ mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t nbytes, m
     MF_RANGE("copy_d2d_async");
     return copy(dev_dst, dev_src, nbytes, kD2D, stream);
 }
+
+}  // extern "C"
+
+extern "C" {
+
+mf_status mf_device_borrow(const void *ptr, size_t nbytes) {
+    if (!ptr) return fail(MF_ERROR_INVALID_VALUE, "a borrowed range cannot start at a null pointer");
+    if (t_borrowed_count == MF_MAX_BORROWED)
+        return fail(MF_ERROR_INVALID_VALUE, "more than %d borrowed ranges at once", MF_MAX_BORROWED);
+    if (nbytes > SIZE_MAX - (uintptr_t)ptr)
+        return fail(MF_ERROR_INVALID_VALUE, "a borrowed range of %zu bytes wraps the address space", nbytes);
+    t_borrowed[t_borrowed_count++] = Borrowed{static_cast<const char *>(ptr), nbytes};
+    return MF_SUCCESS;
+}
+
+void mf_device_borrow_clear(void) { t_borrowed_count = 0; }
 
 }  // extern "C"

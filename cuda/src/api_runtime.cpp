@@ -58,6 +58,8 @@ const Ops forked_cuda_ops = {
     .argmax = kForked,
     .resolve = kForked,
     .reference_forward = kForked,
+    .launch_host_func = kForked,
+    .current_device = kForked,
 };
 }  // namespace
 
@@ -146,6 +148,7 @@ const char *mf_build_cuda_archs(void) {
 }
 
 mf_status mf_device_count(int *count) { return ops().device_count(count); }
+mf_status mf_current_device(int *device) { return ops().current_device(device); }
 mf_status mf_device_name(int device, char *buf, size_t buflen) {
     return ops().device_name(device, buf, buflen);
 }
@@ -307,6 +310,14 @@ mf_status mf_stream_wait_event(mf_stream_t stream, mf_event_t event) {
     mf_status status = resolve_event(event, &slot);
     if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
     return status != MF_SUCCESS ? status : ops().stream_wait_event(raw, slot->raw);
+}
+
+mf_status mf_launch_host_func(mf_stream_t stream, mf_host_fn fn, void *data) {
+    MF_RANGE("launch_host_func");
+    if (!fn) return fail(MF_ERROR_INVALID_VALUE, "launch_host_func: fn is a null function");
+    void *raw;
+    mf_status status = resolve_stream(stream, &raw);
+    return status != MF_SUCCESS ? status : ops().launch_host_func(fn, data, raw);
 }
 
 mf_status mf_stream_destroy(mf_stream_t stream) {

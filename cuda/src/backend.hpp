@@ -50,6 +50,8 @@ struct Ops {
     mf_status (*resolve)(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t prev_rows,
                          uint32_t *out, bool sources_on_device, void *stream);
     mf_status (*reference_forward)(const mf_reference_args *args, void *stream);
+    mf_status (*launch_host_func)(mf_host_fn fn, void *data, void *stream);
+    mf_status (*current_device)(int *device);  // the ordinal DLPack exports name
 };
 
 extern const Ops host_ops;

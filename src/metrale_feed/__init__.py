@@ -21,6 +21,7 @@ from ._core import (
     MAX_ROWS as MAX_ROWS,
     MAX_VOCAB as MAX_VOCAB,
     NO_TOKEN as NO_TOKEN,
+    BufferView as BufferView,
     DeviceBuffer as DeviceBuffer,
     Event as Event,
     PinnedBuffer as PinnedBuffer,
@@ -44,6 +45,7 @@ from ._core import (
     host_faults as host_faults,
     host_argmax_path as host_argmax_path,
     host_kernel_threads as host_kernel_threads,
+    launch_host_func as launch_host_func,
     live_objects as live_objects,
     nvtx_range as nvtx_range,
     read_pinned_u32 as read_pinned_u32,
@@ -52,6 +54,7 @@ from ._core import (
     stream_synchronize as stream_synchronize,
     write_pinned_u32 as write_pinned_u32,
 )
+from .dtypes import dtype as dtype
 from .errors import CudaError as CudaError
 from .errors import FeedError as FeedError
 from .errors import KvPoolExhausted as KvPoolExhausted

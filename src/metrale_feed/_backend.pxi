@@ -249,6 +249,7 @@ def live_objects():
     """
     cdef uint64_t events, streams, pinned, device
     release_passed()
+    drop_spare_events()
     mf_live_counts(&events, &streams, &pinned, &device)
     return {"events": events, "streams": streams, "pinned_bytes": pinned, "device_bytes": device}
 

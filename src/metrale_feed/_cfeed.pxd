@@ -56,6 +56,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
     mf_status mf_device_count(int *count)
     mf_status mf_device_name(int device, char *buf, size_t buflen)
     mf_status mf_driver_version(int *version)
+    mf_status mf_current_device(int *device)
     void mf_live_counts(uint64_t *events, uint64_t *streams, uint64_t *pinned_bytes,
                         uint64_t *device_bytes)
 
@@ -146,6 +147,12 @@ cdef extern from "metrale_feed/feed.h" nogil:
         mf_dtype dtype
         void *logits
     mf_status mf_reference_forward(const mf_reference_args *args, mf_stream_t stream)
+
+    ctypedef void (*mf_host_fn)(void *data) noexcept
+    mf_status mf_launch_host_func(mf_stream_t stream, mf_host_fn fn, void *data)
+    const int MF_MAX_BORROWED
+    mf_status mf_device_borrow(const void *ptr, size_t nbytes)
+    void mf_device_borrow_clear()
 
     ctypedef struct mf_trace_record:
         const char *name

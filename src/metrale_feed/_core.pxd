@@ -35,6 +35,7 @@ cdef class PinnedBuffer:
 cdef class DeviceBuffer:
     cdef void *_ptr
     cdef size_t _nbytes
+    cdef Py_ssize_t _exports
     cdef int _check_open(self) except -1
 
 

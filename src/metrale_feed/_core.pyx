@@ -9,7 +9,8 @@ from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_ND, PyBUF_S
                              PyBUF_WRITABLE, PyBuffer_Release, PyObject_CheckBuffer,
                              PyObject_GetBuffer)
 from cpython.long cimport PyLong_Check, PyLong_CheckExact
-from cpython.pycapsule cimport PyCapsule_New
+from cpython.pycapsule cimport PyCapsule_Destructor, PyCapsule_New
+from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t, UINT64_MAX
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
@@ -17,6 +18,7 @@ from libc.string cimport memcpy, memset
 from metrale_feed._cfeed cimport *
 
 import atexit as _atexit
+import os as _os
 from collections import deque as _deque
 
 from metrale_feed.errors import CudaError, FeedError
@@ -30,6 +32,8 @@ include "_errors.pxi"
 include "_coerce.pxi"
 include "_event.pxi"
 include "_memory.pxi"
+include "_dlpack.pxi"
+include "_hostfunc.pxi"
 include "_words.pxi"
 include "_kernels.pxi"
 include "_backend.pxi"

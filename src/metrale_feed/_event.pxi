@@ -124,6 +124,8 @@ cdef class Event:
     cdef int _record(self, uint64_t stream) except -1:
         self._check_open()
         check(mf_event_record(self._handle, stream))
+        if _host_func_seq:
+            note_record(self._handle, stream)
         return 0
 
     cdef bint _query(self) except -1:
@@ -133,12 +135,16 @@ cdef class Event:
         cdef mf_status status = mf_event_query(self._handle, &done)
         if status != MF_SUCCESS:
             raise_status(status)
+        if _host_func_errors:
+            event_host_errors(self._handle)
         return done != 0
 
     cdef int _synchronize(self) except -1:
         self._check_open()
         wait_event(self._handle)
         release_passed()  # copies up to here are done: their held buffers can go
+        if _host_func_errors:
+            event_host_errors(self._handle)
         return 0
 
     @property
@@ -242,6 +248,8 @@ cdef class Event:
         cdef uint64_t handle = self._handle
         if handle:
             self._handle = 0
+            if _event_marks:
+                _event_marks.pop(handle, None)
             check(mf_event_destroy(handle))
 
     def __enter__(self):
@@ -322,6 +330,20 @@ cdef class Stream:
         check(mf_stream_check(stream._handle))
         return stream
 
+    @staticmethod
+    def from_handle(handle):
+        """A non-owning Stream over a foreign stream: an int ``cudaStream_t``, or any object with
+        ``__cuda_stream__`` (torch.cuda.Stream, CuPy streams). Closing it never destroys the
+        stream. On the host backend a handle it never made raises ``FeedError``.
+
+        Examples
+        --------
+        >>> s = Stream()
+        >>> Stream.from_handle(s.handle) == s
+        True
+        """
+        return Stream.wrap(handle)
+
     def __dealloc__(self):
         if self._owned and not self._closed:
             mf_stream_destroy(self._handle)
@@ -354,6 +376,8 @@ cdef class Stream:
         cdef int idle = 0
         self._check_open()
         check(mf_stream_query(self._handle, &idle))
+        if _host_func_errors:
+            stream_host_errors(self._handle)
         return idle != 0
 
     def synchronize(self):
@@ -367,6 +391,8 @@ cdef class Stream:
         self._check_open()
         wait_stream(self._handle)
         release_passed()
+        if _host_func_errors:
+            stream_host_errors(self._handle)
 
     def wait_event(self, event):
         """Make later work on this stream wait for ``event``; the host does not wait.
@@ -467,6 +493,8 @@ def event_record(event, stream=0):
     event_of(event, &e, False)
     stream_of(stream, &s)
     check(mf_event_record(e, s))
+    if _host_func_seq:
+        note_record(e, s)
 
 
 def event_query(event):
@@ -498,6 +526,8 @@ def event_query(event):
         return (<Event>event)._query()
     event_of(event, &e, False)
     check(mf_event_query(e, &done))
+    if _host_func_errors:
+        event_host_errors(e)
     return done != 0
 
 
@@ -524,6 +554,8 @@ def event_synchronize(event):
     event_of(event, &e, False)
     wait_event(e)
     release_passed()
+    if _host_func_errors:
+        event_host_errors(e)
 
 
 def destroy_event(event):
@@ -551,6 +583,8 @@ def destroy_event(event):
         event.close()
         return
     event_of(event, &e, False)
+    if _event_marks:
+        _event_marks.pop(e, None)
     check(mf_event_destroy(e))
 
 
@@ -576,6 +610,8 @@ def stream_synchronize(stream=0):
     stream_of(stream, &s)
     wait_stream(s)
     release_passed()
+    if _host_func_errors:
+        stream_host_errors(s)
 
 
 # C-level entry points for cimport users: no Python objects, no GIL.

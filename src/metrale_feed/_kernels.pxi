@@ -1,60 +1,112 @@
 # Launchers of the two feed kernels and the reference forward. Every argument is checked here
 # or in the C layer before anything is queued.
 
-cdef dict _DTYPES = {"float32": MF_DTYPE_F32, "float16": MF_DTYPE_F16, "bfloat16": MF_DTYPE_BF16,
-                     "f4": MF_DTYPE_F32, "f2": MF_DTYPE_F16, "half": MF_DTYPE_F16, "float": MF_DTYPE_F32}
-
-
-cdef mf_dtype dtype_of(object dtype) except *:
-    # A string, a dtype object (.name), or a scalar type such as numpy.float16 or ml_dtypes.bfloat16.
-    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None)
-    if not isinstance(name, str) and isinstance(dtype, type):
-        name = dtype.__name__
-    if not isinstance(name, str):
-        name = str(dtype)
-    if name.startswith("torch."):
-        name = name[6:]
-    code = _DTYPES.get(name)
-    if code is None:
-        raise ValueError(f"unknown logits dtype {dtype!r}: use float32, float16 or bfloat16")
-    return <mf_dtype>code
-
-
-cdef uint32_t cells_capacity(object cells, void *ptr, uint32_t rows):
+cdef uint32_t cells_capacity(object cells, void *ptr, size_t nbytes, uint32_t rows):
     cdef size_t left = 0
-    if type(cells) is DeviceBuffer:
-        return <uint32_t>min((<DeviceBuffer>cells)._nbytes // 4, 0xFFFFFFFF)
+    if nbytes != <size_t>-1:  # a DeviceBuffer or a tensor: its own length
+        return <uint32_t>min(nbytes // 4, 0xFFFFFFFF)
     if mf_mem_lookup(ptr, &left) == MF_MEM_DEVICE:
         return <uint32_t>min(left // 4, 0xFFFFFFFF)
     return rows  # foreign device memory: CUDA cannot say, so trust the caller
 
 
-cdef uint32_t table_words_of(object tables, void *ptr):
-    """Ids in a block-table array: its DeviceBuffer's or allocation's length (the forward reads
-    nothing past it); foreign device memory on cuda cannot say, so the caller is trusted."""
+cdef int agree(object given, object found, str what) except -1:
+    if given is not None and given != found:
+        raise ValueError(f"{what}={given!r} disagrees with the logits tensor's {found!r}")
+    return 0
+
+
+cdef int logits_of(_Call call, object logits, mf_argmax_args *a, object rows, object vocab,
+                   object dtype, object row_stride) except -1:
+    """Logits: a tensor gives its own rows, vocab, dtype and row stride (given ones must agree);
+    a DeviceBuffer or an int pointer needs vocab and dtype. Sets a.logits, a.vocab, a.dtype,
+    a.row_stride, and a.rows when the tensor says."""
+    cdef void *ptr
+    cdef size_t nbytes
+    cdef _Foreign f
+    cdef int64_t t_rows, t_vocab, t_stride
+    if not is_foreign(logits):
+        if vocab is None or dtype is None:
+            raise TypeError(f"{'vocab' if vocab is None else 'dtype'} is required unless logits is a tensor")
+        a.vocab = <uint32_t>int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
+        a.row_stride = a.vocab if row_stride is None else int_of(row_stride, "row_stride", 1, UINT64_MAX)
+        a.dtype = dtype_of(dtype)
+        device_ptr_of(logits, &ptr)
+        a.logits = ptr
+        return 0
+    f = call.foreign(logits, "logits")
+    if f.entry is None or f.entry.code is None:
+        raise TypeError(f"logits must be float32, float16 or bfloat16, not {f.type_name()}")
+    if f.ndim == 1:
+        t_rows, t_vocab, t_stride = 1, f.shape[0], f.shape[0]
+        if f.shape[0] > 1 and f.strides[0] != 1:
+            raise ValueError("logits must have unit stride along the vocabulary")
+    elif f.ndim == 2:
+        t_rows, t_vocab, t_stride = f.shape[0], f.shape[1], f.strides[0]
+        if f.shape[1] > 1 and f.strides[1] != 1:
+            raise ValueError("logits must have unit stride along the vocabulary (the last dimension)")
+        if f.shape[0] == 1:
+            t_stride = t_vocab
+        elif t_stride < t_vocab:
+            raise ValueError(f"logits rows overlap or run backwards (row stride {t_stride} < vocab {t_vocab})")
+    else:
+        raise ValueError(f"logits must be 1-D (vocab,) or 2-D (rows, vocab), not {f.ndim}-D")
+    if t_rows < 1 or t_rows > MF_MAX_ROWS:
+        raise ValueError(f"the logits tensor has {t_rows} rows; rows must be in [1, {MF_MAX_ROWS}]")
+    if t_vocab < 1 or t_vocab > MF_MAX_VOCAB:
+        raise ValueError(f"the logits tensor has vocab {t_vocab}; vocab must be in [1, 2**24]")
+    agree(rows, t_rows, "rows")
+    agree(vocab, t_vocab, "vocab")
+    agree(row_stride, t_stride, "row_stride")
+    if dtype is not None and dtype_entry(dtype) is not f.entry:
+        raise ValueError(f"dtype={dtype!r} disagrees with the logits tensor's {f.entry.name}")
+    a.rows = <uint32_t>t_rows
+    a.vocab = <uint32_t>t_vocab
+    a.row_stride = <uint64_t>t_stride
+    a.dtype = <mf_dtype><int>f.entry.code
+    a.logits = f.ptr
+    call.lend(f, ((t_rows - 1) * t_stride + t_vocab) * <size_t>f.entry.itemsize)
+    return 0
+
+
+cdef uint32_t table_words_of(object tables, void *ptr, size_t nbytes):
+    """Ids in a block-table array: its DeviceBuffer's, tensor's or allocation's length (the
+    forward reads nothing past it); a foreign pointer on cuda cannot say, so the caller is trusted."""
     cdef size_t left = 0
-    if type(tables) is DeviceBuffer:
-        return <uint32_t>min((<DeviceBuffer>tables)._nbytes // 4, 0xFFFFFFFF)
+    if nbytes != <size_t>-1:
+        return <uint32_t>min(nbytes // 4, 0xFFFFFFFF)
     if mf_mem_lookup(ptr, &left) == MF_MEM_DEVICE:
         return <uint32_t>min(left // 4, 0xFFFFFFFF)
     return 0xFFFFFFFF
 
 
-cdef bint device_resident(object obj, void **out, str what) except -1:
-    """Whether ``obj`` is device memory (a DeviceBuffer, an int pointer to a device allocation of
-    this package, a CUDA array), with its pointer in ``out``; False for a host buffer. Device
-    memory is read when the kernel runs, host memory before the call returns."""
+cdef bint device_resident(object obj) except -1:
+    """Whether a masks/sources/params argument is device memory, read when the kernel runs: a
+    DeviceBuffer, an int pointer, or a tensor that is not a host buffer (``__cuda_array_interface__``,
+    or ``__dlpack__`` without the buffer protocol). Sequences and buffers (lists, numpy arrays,
+    ``array``) are host inputs, read before the call returns."""
+    if type(obj) is DeviceBuffer:
+        return True
+    if isinstance(obj, int):
+        return not isinstance(obj, bool)
+    if hasattr(obj, "__cuda_array_interface__"):
+        return True
+    return hasattr(obj, "__dlpack__") and not PyObject_CheckBuffer(obj)
+
+
+cdef void *device_input(_Call call, object obj, size_t need, str what) except? NULL:
+    """A device-resident input's pointer, checked to hold ``need`` bytes where its length is known
+    (an int pointer of this package's allocations is checked by the C layer; a foreign one is
+    trusted, as CUDA must)."""
+    cdef void *ptr
+    cdef size_t have
     cdef size_t left = 0
-    if isinstance(obj, int) and not isinstance(obj, bool):
-        device_ptr_of(obj, out)
-        if mf_mem_lookup(out[0], &left) != MF_MEM_DEVICE:
-            raise TypeError(f"{what} must be a uint32 buffer or a sequence, or device memory: the int "
-                            f"{obj:#x} is not a device allocation of this package")
-        return True
-    if type(obj) is DeviceBuffer or hasattr(obj, "__cuda_array_interface__"):
-        device_ptr_of(obj, out)
-        return True
-    return False
+    call.device(obj, &ptr, &have, what, False, False)
+    if have == <size_t>-1 and mf_mem_lookup(ptr, &left) == MF_MEM_DEVICE:
+        have = left
+    if have != <size_t>-1 and have < need:
+        raise ValueError(f"{what} holds {have} bytes; {need} are needed")
+    return ptr
 
 
 cdef class _PickInputs:
@@ -63,21 +115,13 @@ cdef class _PickInputs:
     cdef _HeldBuffer params
 
 
-cdef object _params_dtype = None
-
-
-cdef int fill_params(mf_argmax_args *a, object params, _PickInputs keep) except -1:
+cdef int fill_params(_Call call, mf_argmax_args *a, object params, _PickInputs keep) except -1:
     """``params``: one SAMPLING_PARAMS_DTYPE record per row, host (read and checked now) or device
     memory (read when the kernel runs)."""
     global _params_dtype
     cdef void *ptr
-    if isinstance(params, int) and not isinstance(params, bool):
-        device_ptr_of(params, &ptr)  # device memory, foreign ones included (the C layer checks ours)
-        a.params = <const mf_sampling_params *>ptr
-        a.flags |= MF_ARGS_PARAMS_DEVICE
-        return 0
-    if device_resident(params, &ptr, "params"):
-        a.params = <const mf_sampling_params *>ptr
+    if device_resident(params):
+        a.params = <const mf_sampling_params *>device_input(call, params, <size_t>a.rows * 32, "params")
         a.flags |= MF_ARGS_PARAMS_DEVICE
         return 0
     if _params_dtype is None:
@@ -96,70 +140,76 @@ cdef int fill_params(mf_argmax_args *a, object params, _PickInputs keep) except 
 cdef object launch_pick(object logits, object masks, object cells, object dst, object event,
                         object stream, object bitmask, object params, object rows, object vocab,
                         object dtype, object row_stride):
-    """The one launcher under argmax_to_feed and sample_to_feed: one descriptor, one C call."""
+    """The one launcher under argmax_to_feed and sample_to_feed: one descriptor, one C call. Every
+    argument is checked, and the event that holds a foreign ``dst`` reserved, before the launch."""
     cdef mf_argmax_args a
     cdef uint64_t s, e, hold
     cdef void *ptr
-    cdef size_t dst_len
+    cdef size_t dst_len, cells_len
     cdef _HeldBuffer held = None
     cdef _PickInputs keep = _PickInputs.__new__(_PickInputs)
     memset(&a, 0, sizeof(a))
-    if masks is not None and device_resident(masks, &ptr, "masks"):
-        if rows is None:
-            raise ValueError("rows is required with device-resident masks")
-        a.masks = <const uint32_t *>ptr
-        a.flags |= MF_ARGS_MASKS_DEVICE
-        rows = int_of(rows, "rows", 1, MF_MAX_ROWS)
-    else:
-        if rows is None:
-            if masks is None:
-                raise ValueError("rows is required when masks is None")
-            keep.words = words_of(masks, True, "masks")
-            rows = keep.words.n // 2
-        else:
-            rows = int_of(rows, "rows", 1, MF_MAX_ROWS)
-            keep.words = unmasked_words(rows) if masks is None else words_of(masks, True, "masks")
-        if keep.words.n != 2 * rows:
-            raise ValueError(f"masks hold {keep.words.n // 2} rows, not {rows}")
-        a.masks = keep.words.data
-    a.rows = rows
-    a.vocab = <uint32_t>int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
-    a.row_stride = a.vocab if row_stride is None else int_of(row_stride, "row_stride", 1, UINT64_MAX)
-    a.dtype = dtype_of(dtype)
-    if bitmask is not None:
-        if type(bitmask) is not DeviceBuffer and PyObject_CheckBuffer(bitmask) \
-                and not hasattr(bitmask, "__cuda_array_interface__"):
-            raise TypeError("bitmask must be device memory (a DeviceBuffer, a device pointer or a "
-                            f"CUDA array) of int32 words, not {type(bitmask).__name__}")
-        device_ptr_of(bitmask, &ptr)  # an int: device memory, foreign ones included
-        a.bitmask = <const uint32_t *>ptr
-    if params is not None:
-        fill_params(&a, params, keep)
-    device_ptr_of(logits, &ptr)
-    a.logits = ptr
-    device_ptr_of(cells, &ptr)
-    a.cells = <uint32_t *>ptr
-    a.cell_capacity = cells_capacity(cells, ptr, a.rows)
-    event_of(event, &a.event, True)
     stream_of(stream, &s)
-    if dst is None:
-        a.host_dst = NULL
-    elif isinstance(dst, int):
-        u64_of(dst, &e, "dst pointer")
-        a.host_dst = <void *><size_t>e
-        pinned_range(e, a.rows * 4)
-    else:
-        held = host_ptr_of(dst, True, &a.host_dst, &dst_len)
-        if dst_len < a.rows * 4:
-            raise ValueError(f"dst holds {dst_len} bytes; {a.rows} ids need {a.rows * 4}")
-    hold = reserve_hold(held)  # all or nothing: reserved before the launch is queued
-    commit_hold(held, hold, s, mf_argmax_to_feed(&a, s))
+    cdef _Call call = call_on(s)
+    try:
+        logits_of(call, logits, &a, rows, vocab, dtype, row_stride)
+        if a.rows:  # the tensor's
+            rows = a.rows
+        if masks is not None and device_resident(masks):
+            if rows is None:
+                raise ValueError("rows is required with device-resident masks")
+            a.rows = <uint32_t>int_of(rows, "rows", 1, MF_MAX_ROWS)
+            a.masks = <const uint32_t *>device_input(call, masks, <size_t>a.rows * 8, "masks")
+            a.flags |= MF_ARGS_MASKS_DEVICE
+        else:
+            if rows is None:
+                if masks is None:
+                    raise ValueError("rows is required when masks is None")
+                keep.words = words_of(masks, True, "masks")
+                rows = keep.words.n // 2
+                int_of(rows, "rows", 1, MF_MAX_ROWS)  # a huge mask buffer must not wrap a.rows
+            else:
+                rows = int_of(rows, "rows", 1, MF_MAX_ROWS)
+                keep.words = unmasked_words(rows) if masks is None else words_of(masks, True, "masks")
+            if keep.words.n != 2 * rows:
+                raise ValueError(f"masks hold {keep.words.n // 2} rows, not {rows}")
+            a.rows = rows
+            a.masks = keep.words.data
+        if bitmask is not None:
+            if not device_resident(bitmask) and not hasattr(bitmask, "__dlpack__"):
+                raise TypeError("bitmask must be device memory (a DeviceBuffer, a device pointer or a "
+                                f"tensor) of int32 words, not {type(bitmask).__name__}")
+            a.bitmask = <const uint32_t *>device_input(
+                call, bitmask, <size_t>a.rows * ((a.vocab + 31) // 32) * 4, "bitmask")
+        if params is not None:
+            fill_params(call, &a, params, keep)
+        call.device(cells, &ptr, &cells_len, "cells", True, True)
+        a.cells = <uint32_t *>ptr
+        a.cell_capacity = cells_capacity(cells, ptr, cells_len, a.rows)
+        event_of(event, &a.event, True)
+        if dst is None:
+            a.host_dst = NULL
+        elif isinstance(dst, int):
+            u64_of(dst, &e, "dst pointer")
+            a.host_dst = <void *><size_t>e
+            pinned_range(e, a.rows * 4)
+        else:
+            held = host_ptr_of(dst, True, &a.host_dst, &dst_len)
+            if dst_len < a.rows * 4:
+                raise ValueError(f"dst holds {dst_len} bytes; {a.rows} ids need {a.rows * 4}")
+        hold = reserve_hold(held)  # all or nothing: reserved before the launch is queued
+        commit_hold(held, hold, s, mf_argmax_to_feed(&a, s))
+        call.done()
+    finally:
+        call.close()
     _cell_rows[<size_t>a.cells] = a.rows
+    if a.event and _host_func_seq:
+        note_record(a.event, s)
     return a.rows
 
 
-def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, vocab, dtype,
-                   row_stride=None, bitmask=None):
+def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, vocab=None,
+                   dtype=None, row_stride=None, bitmask=None):
     """Masked argmax of each row into the feed cells, then an async readback and an event record.
 
     In stream order and with no host synchronisation: the argmax of each row (the rule is in
@@ -170,19 +220,20 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
 
     Parameters
     ----------
-    logits : DeviceBuffer, int, or a device array
+    logits : tensor, DeviceBuffer, or int
         Device memory holding ``rows`` rows of ``vocab`` values of ``dtype``, row ``r`` starting at
-        element ``r * row_stride``: a ``DeviceBuffer``, an int device pointer, or an object with
-        ``__cuda_array_interface__`` (CuPy, Numba), ``data_ptr()`` (a CUDA ``torch.Tensor``) or
-        ``.ptr``. A ``DeviceBuffer`` is bounds-checked; a foreign pointer is trusted.
+        element ``r * row_stride``. A tensor (torch, CuPy, numpy on the host backend: any
+        ``__dlpack__`` or ``__cuda_array_interface__`` object) gives rows, vocab, dtype and row
+        stride itself, and given ones must agree. A ``DeviceBuffer`` (bounds-checked) or an int
+        device pointer (trusted when foreign) needs ``vocab`` and ``dtype``.
     masks : sequence of (int, int), uint32 buffer, device memory, or None
         Two ids per row that may not win, ``NO_TOKEN`` where unused: pairs, or a buffer of
         ``2 * rows`` uint32 (a ``(rows, 2)`` array), read before the call returns. Device memory
         (a ``DeviceBuffer``, a device pointer of this package) is read when the kernel runs:
         ``rows`` is then required, and a mask id ``>= vocab`` masks nothing. None masks nothing
         (then ``rows`` is required).
-    cells : DeviceBuffer, int, or a device array
-        The feed cells, one uint32 per row; a ``DeviceBuffer`` must hold ``rows * 4`` bytes.
+    cells : DeviceBuffer, int, or a uint32/int32 tensor
+        The feed cells, one uint32 per row; they must hold ``rows * 4`` bytes.
     dst : PinnedBuffer, writable buffer, int, or None
         Where the ids are copied: a ``PinnedBuffer``, any writable buffer of at least ``rows * 4``
         bytes, an int pointer from ``alloc_host_pinned``, or None for no readback.
@@ -191,11 +242,13 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
     stream : Stream, int or stream-like, optional
         Default 0, the default stream.
     rows : int, optional
-        Rows to process, 1 to 4096; taken from ``masks`` when None.
-    vocab : int
-        Values per row, 1 to 2**24.
-    dtype : {"float32", "float16", "bfloat16"}
-        The logits' element type.
+        Rows to process, 1 to ``MAX_ROWS`` (4096); taken from the tensor or ``masks`` when None.
+    vocab : int, optional
+        Values per row, 1 to ``MAX_VOCAB`` (2**24); required unless ``logits`` is a tensor.
+    dtype : dtype spelling, optional
+        The logits' element type: float32, float16 or bfloat16 in any spelling
+        ``metrale_feed.dtype`` knows (``"bf16"``, ``numpy.float16``, ``torch.bfloat16``);
+        required unless ``logits`` is a tensor.
     row_stride : int, optional
         Distance between row starts, in **elements** of ``dtype`` (not bytes), at least ``vocab``;
         default ``vocab``.
@@ -213,10 +266,12 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
     ------
     ValueError
         A mask id at or beyond ``vocab`` other than ``NO_TOKEN``; masks that do not cover ``rows``;
-        ``rows`` outside 1..4096 or beyond the cells' or ``dst``'s capacity; ``row_stride < vocab``;
-        an unknown ``dtype``; ``rows`` missing with ``masks=None``.
+        ``rows`` outside 1..``MAX_ROWS`` or beyond the cells' or ``dst``'s capacity; ``row_stride < vocab``;
+        an unknown ``dtype``; ``rows`` missing with ``masks=None``; a tensor whose shape or
+        dtype disagrees with a given ``rows``/``vocab``/``dtype``/``row_stride``, or on another device.
     TypeError
-        An argument of the wrong kind (a float where an int is needed, a non-buffer ``dst``).
+        An argument of the wrong kind (a float where an int is needed, a non-buffer ``dst``);
+        ``vocab`` or ``dtype`` missing with logits that are not a tensor.
     FeedError
         A closed or unknown buffer, event or stream; ``dst`` not inside pinned memory of this
         package (an int pointer); a failed launch (``CudaError`` on the cuda backend).
@@ -276,11 +331,8 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
     >>> sample_to_feed(logits, p, cells, dst, ev, vocab=32000, dtype="f32")  # doctest: +SKIP
     2
     """
-    cdef void *ptr
-    if vocab is None or dtype is None:
-        raise ValueError("vocab and dtype are required")
-    if rows is None and masks is None:
-        if device_resident(params, &ptr, "params"):
+    if rows is None and masks is None and not (is_foreign(logits) and not isinstance(logits, (list, tuple))):
+        if device_resident(params):
             raise ValueError("rows is required with device-resident params and no masks")
         rows = len(params)
     return launch_pick(logits, masks, cells, dst, event, stream, bitmask, params, rows, vocab, dtype,
@@ -332,42 +384,56 @@ def resolve_feed(sources, cells, out, stream=0, *, prev_rows=None, rows=None):
     cdef void *cells_ptr
     cdef void *out_ptr
     cdef void *src_ptr
+    cdef size_t have
     cdef _Words words = None
     cdef uint32_t n
     cdef unsigned flags = 0
-    if device_resident(sources, &src_ptr, "sources"):
-        n = <uint32_t>int_of(device_words(sources, src_ptr) if rows is None else rows, "rows", 1, MF_MAX_ROWS)
-        flags = MF_SOURCES_DEVICE
-    else:
-        words = words_of(sources, False, "sources")
-        src_ptr = <void *>words.data
-        if rows is not None and rows != words.n:
-            raise ValueError(f"rows {rows} differs from the {words.n} sources given")
-        if words.n > MF_MAX_ROWS:
-            raise ValueError(f"rows must be in [1, {MF_MAX_ROWS}], got {words.n}")
-        n = <uint32_t>words.n
-    device_ptr_of(cells, &cells_ptr)
-    if prev_rows is None:
-        prev_rows = _cell_rows.get(<size_t>cells_ptr)
-        if prev_rows is None:
-            raise ValueError("prev_rows is required: no argmax_to_feed has written these cells")
-    prev_rows = int_of(prev_rows, "prev_rows", 0, 0xFFFFFFFF)
-    device_ptr_of(out, &out_ptr)
     stream_of(stream, &s)
-    check(mf_resolve_feed_flags(<const uint32_t *>src_ptr, n, <const uint32_t *>cells_ptr,
-                                <uint32_t>prev_rows, <uint32_t *>out_ptr, flags, s))
+    cdef _Call call = call_on(s)
+    try:
+        if device_resident(sources):
+            call.device(sources, &src_ptr, &have, "sources", False, True)
+            n = <uint32_t>int_of(device_words(sources, src_ptr, have) if rows is None else rows, "rows", 1,
+                                 MF_MAX_ROWS)
+            if have != <size_t>-1 and <size_t>n * 4 > have:
+                raise ValueError(f"sources: {n * 4} bytes run past the end of the array's {have}")
+            flags = MF_SOURCES_DEVICE
+        else:
+            words = words_of(sources, False, "sources")
+            if words.n > MF_MAX_ROWS:  # before the uint32 cast: 2**32 + 2 sources must not resolve 2
+                raise ValueError(f"rows must be in [1, {MF_MAX_ROWS}], got {words.n}")
+            if rows is not None and rows != words.n:
+                raise ValueError(f"rows {rows} differs from the {words.n} sources given")
+            src_ptr = <void *>words.data
+            n = <uint32_t>words.n
+        call.device(cells, &cells_ptr, &have, "cells", False, True)
+        if prev_rows is None:
+            prev_rows = _cell_rows.get(<size_t>cells_ptr)
+            if prev_rows is None:
+                raise ValueError("prev_rows is required: no argmax_to_feed has written these cells")
+        prev_rows = int_of(prev_rows, "prev_rows", 0, 0xFFFFFFFF)
+        if is_foreign(cells) and prev_rows * 4 > have:  # the C layer checks its own allocations
+            raise ValueError(f"feed cells: {prev_rows * 4} bytes run past the end of the tensor's {have}")
+        call.device(out, &out_ptr, &have, "out", True, True)
+        if is_foreign(out) and <size_t>n * 4 > have:
+            raise ValueError(f"resolve output: {n * 4} bytes run past the end of the tensor's {have}")
+        check(mf_resolve_feed_flags(<const uint32_t *>src_ptr, n, <const uint32_t *>cells_ptr,
+                                    <uint32_t>prev_rows, <uint32_t *>out_ptr, flags, s))
+        call.done()
+    finally:
+        call.close()
 
 
-cdef object device_words(object obj, void *ptr):
-    """The uint32 words of device-resident sources: a DeviceBuffer's or this package's allocation's
-    length; foreign memory cannot say, so it is refused."""
+cdef object device_words(object obj, void *ptr, size_t have):
+    """The uint32 words of device-resident sources: a DeviceBuffer's, a tensor's or this package's
+    allocation's length; a foreign pointer cannot say, so it is refused."""
     cdef size_t left = 0
-    if type(obj) is DeviceBuffer:
-        return (<DeviceBuffer>obj)._nbytes // 4
+    if have != <size_t>-1:
+        return have // 4
     if mf_mem_lookup(ptr, &left) == MF_MEM_DEVICE:
         return left // 4
-    raise ValueError("device-resident sources must be a DeviceBuffer or an allocation of this package "
-                     "(their length is the row count)")
+    raise ValueError("device-resident sources given as a foreign pointer need rows= (their length is "
+                     "unknown)")
 
 
 def reference_forward(input_ids, meta, tables, kv, kv_slots, block_size, rows, vocab, dtype,
@@ -377,26 +443,32 @@ def reference_forward(input_ids, meta, tables, kv, kv_slots, block_size, rows, v
     cdef mf_reference_args a
     cdef uint64_t s
     cdef void *ptr
-    device_ptr_of(input_ids, &ptr)
-    a.input_ids = <const uint32_t *>ptr
-    device_ptr_of(meta, &ptr)
-    a.meta = <const uint32_t *>ptr
-    device_ptr_of(tables, &ptr)
-    a.tables = <const uint32_t *>ptr
-    a.table_words = table_words_of(tables, ptr)
-    device_ptr_of(kv, &ptr)
-    a.kv = <uint32_t *>ptr
-    a.logits = NULL
-    if logits is not None:
-        device_ptr_of(logits, &ptr)
-        a.logits = ptr
-    a.kv_slots = <uint32_t>int_of(kv_slots, "kv_slots", 0, 0xFFFFFFFF)
-    a.block_size = <uint32_t>int_of(block_size, "block_size", 1, 0xFFFFFFFF)
-    a.rows = <uint32_t>int_of(rows, "rows", 1, MF_MAX_ROWS)
-    a.vocab = <uint32_t>int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
-    a.dtype = dtype_of(dtype)
+    cdef size_t have
     stream_of(stream, &s)
-    check(mf_reference_forward(&a, s))
+    cdef _Call call = call_on(s)
+    try:
+        call.device(input_ids, &ptr, &have, "input_ids", False, True)
+        a.input_ids = <const uint32_t *>ptr
+        call.device(meta, &ptr, &have, "meta", False, True)
+        a.meta = <const uint32_t *>ptr
+        call.device(tables, &ptr, &have, "tables", False, True)
+        a.tables = <const uint32_t *>ptr
+        a.table_words = table_words_of(tables, ptr, have)
+        call.device(kv, &ptr, &have, "kv", True, True)
+        a.kv = <uint32_t *>ptr
+        a.logits = NULL
+        if logits is not None:
+            call.device(logits, &ptr, &have, "logits", True, False)
+            a.logits = ptr
+        a.kv_slots = <uint32_t>int_of(kv_slots, "kv_slots", 0, 0xFFFFFFFF)
+        a.block_size = <uint32_t>int_of(block_size, "block_size", 1, 0xFFFFFFFF)
+        a.rows = <uint32_t>int_of(rows, "rows", 1, MF_MAX_ROWS)
+        a.vocab = <uint32_t>int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
+        a.dtype = dtype_of(dtype)
+        check(mf_reference_forward(&a, s))
+        call.done()
+    finally:
+        call.close()
 
 
 cdef mf_status argmax_to_feed_c(const mf_argmax_args *args, uint64_t stream) noexcept nogil:

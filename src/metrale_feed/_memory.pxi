@@ -44,10 +44,11 @@ cdef class PinnedBuffer:
 
     def __dealloc__(self):
         # A live export holds a reference to this object, so none can remain here.
-        if self._ptr != NULL and not _exiting:
-            _object_pinned.discard(<size_t>self._ptr)
-            with nogil:  # a free waits for queued work: never with the GIL held
-                mf_host_free(self._ptr, self._nbytes)
+        cdef void *ptr = self._ptr
+        if ptr != NULL and not _exiting:
+            _object_pinned.discard(<size_t>ptr)
+            with nogil:  # a free waits for queued work, which may be a host function taking the GIL
+                mf_host_free(ptr, self._nbytes)
 
     cdef int _check_open(self) except -1:
         if self._ptr == NULL:
@@ -78,6 +79,54 @@ cdef class PinnedBuffer:
     def __releasebuffer__(self, Py_buffer *view):
         self._exports -= 1
 
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule of the bytes as 1-D uint8 (``kDLCUDAHost`` on cuda, ``kDLCPU`` on the
+        host backend); never synchronises. See ``view`` for a typed, shaped export."""
+        self._check_open()
+        device = buffer_dlpack_device(True)
+        return dlpack_export(self, self._ptr, device[0], device[1], _UINT8, (self._nbytes,),
+                             stream, max_version, dl_device, copy)
+
+    def __dlpack_device__(self):
+        """``(kDLCUDAHost, 0)`` on cuda, ``(kDLCPU, 0)`` on the host backend."""
+        return buffer_dlpack_device(True)
+
+    @property
+    def __cuda_array_interface__(self):
+        self._check_open()
+        return cuda_array_interface(<size_t>self._ptr, (self._nbytes,), "|u1")
+
+    def view(self, dtype="uint8", shape=None, *, offset=0):
+        """A typed, shaped exporter over these bytes (DLPack, and the CUDA array interface on
+        cuda); its ``.base`` is this buffer, kept alive by it and by every tensor made from it.
+
+        Parameters
+        ----------
+        dtype : str, numpy or torch dtype
+            Any spelling of the package's dtype table.
+        shape : int or tuple of int, optional
+            C-contiguous shape; default: as many elements as fit after ``offset``.
+        offset : int
+            Bytes from the start, a multiple of the element size.
+
+        Returns
+        -------
+        BufferView
+
+        Raises
+        ------
+        ValueError
+            An unknown dtype, or a shape that needs more bytes than the buffer has.
+
+        Examples
+        --------
+        >>> buf = PinnedBuffer(64)
+        >>> buf.view("float32", (4, 4)).shape
+        (4, 4)
+        """
+        self._check_open()
+        return make_view(self, self._nbytes, True, dtype, shape, offset)
+
     @property
     def ptr(self):
         """The memory's address, an int (what ``copy_d2h_async`` or a C library takes).
@@ -106,7 +155,7 @@ cdef class PinnedBuffer:
             return
         release_passed()  # views held for copies that have completed go first
         if self._exports:
-            raise BufferError(f"the pinned buffer has {self._exports} exported view(s); release them first")
+            raise BufferError(f"the pinned buffer has {self._exports} exported view(s) or tensor(s); release them first")
         cdef void *ptr = self._ptr
         self._ptr = NULL
         _object_pinned.discard(<size_t>ptr)
@@ -163,10 +212,11 @@ cdef class DeviceBuffer:
         check(mf_device_alloc(self._nbytes, &self._ptr))
 
     def __dealloc__(self):
-        if self._ptr != NULL and not _exiting:
-            _cell_rows.pop(<size_t>self._ptr, None)
-            with nogil:  # a free waits for queued work: never with the GIL held
-                mf_device_free(self._ptr)
+        cdef void *ptr = self._ptr
+        if ptr != NULL and not _exiting:
+            _cell_rows.pop(<size_t>ptr, None)
+            with nogil:  # as PinnedBuffer's
+                mf_device_free(ptr)
 
     cdef int _check_open(self) except -1:
         if self._ptr == NULL:
@@ -198,10 +248,38 @@ cdef class DeviceBuffer:
     @property
     def __cuda_array_interface__(self):
         self._check_open()
-        if mf_active_backend() != MF_BACKEND_CUDA:
-            raise AttributeError("__cuda_array_interface__ exists only on the cuda backend")
-        return {"shape": (self._nbytes,), "typestr": "|u1", "data": (<size_t>self._ptr, False),
-                "version": 3, "strides": None}
+        return cuda_array_interface(<size_t>self._ptr, (self._nbytes,), "|u1")
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule of the bytes as 1-D uint8 (``kDLCUDA`` on cuda, ``kDLCPU`` on the host
+        backend). Never synchronises: order the writer's stream before the reader's yourself
+        (``stream=-1`` and any other stream alike). See ``view`` for a typed, shaped export."""
+        self._check_open()
+        device = buffer_dlpack_device(False)
+        return dlpack_export(self, self._ptr, device[0], device[1], _UINT8, (self._nbytes,),
+                             stream, max_version, dl_device, copy)
+
+    def __dlpack_device__(self):
+        """``(kDLCUDA, ordinal)`` on cuda, ``(kDLCPU, 0)`` on the host backend."""
+        return buffer_dlpack_device(False)
+
+    def __array__(self, dtype=None, copy=None):
+        """``numpy.asarray(buf)``: the bytes themselves on the host backend (zero-copy; ``close()``
+        is refused while the array lives); a ``TypeError`` on cuda (device memory)."""
+        self._check_open()
+        return as_numpy(self, True, dtype, copy)
+
+    def view(self, dtype="uint8", shape=None, *, offset=0):
+        """A typed, shaped exporter over these bytes; see ``PinnedBuffer.view``.
+
+        Examples
+        --------
+        >>> logits = DeviceBuffer(4 * 2 * 8)
+        >>> logits.view("f32", (2, 8)).shape
+        (2, 8)
+        """
+        self._check_open()
+        return make_view(self, self._nbytes, False, dtype, shape, offset)
 
     def memset_async(self, int value, stream=0):
         """Set every byte to ``value`` on ``stream``; never waits.
@@ -224,10 +302,13 @@ cdef class DeviceBuffer:
         check(mf_memset_async(self._ptr, value, self._nbytes, s))
 
     def close(self):
-        """Free the memory after the work queued on it has passed. Closing twice is a no-op.
+        """Free the memory after the work queued on it has passed. Closing twice is a no-op;
+        closing is refused (``BufferError``) while tensors made from it through DLPack are alive.
         """
         if self._ptr == NULL:
             return
+        if self._exports:
+            raise BufferError(f"the device buffer has {self._exports} exported tensor(s); release them first")
         cdef void *ptr = self._ptr
         self._ptr = NULL
         _cell_rows.pop(<size_t>ptr, None)  # a later allocation may reuse the address
@@ -302,6 +383,8 @@ cdef int release_passed() except -1:
             queue.popleft()
         if not queue:
             _held.pop(stream, None)
+    if _kept:
+        release_kept(True)
     return 0
 
 
@@ -321,6 +404,12 @@ cdef _HeldBuffer host_ptr_of(object obj, bint writable, void **ptr, size_t *nbyt
     return held
 
 
+cdef int device_side_fits(size_t have, size_t need, str what) except -1:
+    if have != <size_t>-1 and have < need:  # -1: an int pointer, range-checked by the C layer
+        raise ValueError(f"{what}: {need} bytes run past the end of its {have} bytes")
+    return 0
+
+
 def copy_d2h_async(src, dst, stream=0):
     """Copy ``len(dst)`` bytes from device ``src`` into host buffer ``dst`` on ``stream``.
 
@@ -330,7 +419,7 @@ def copy_d2h_async(src, dst, stream=0):
 
     Parameters
     ----------
-    src : DeviceBuffer, int, or an object with ``__cuda_array_interface__`` or ``data_ptr()``
+    src : DeviceBuffer, int, or a tensor (DLPack or ``__cuda_array_interface__``)
         The device memory; a ``DeviceBuffer`` must hold at least ``len(dst)`` bytes.
     dst : writable buffer
         A ``PinnedBuffer``, a numpy array, a bytearray: any writable contiguous buffer.
@@ -358,16 +447,22 @@ def copy_d2h_async(src, dst, stream=0):
     """
     cdef void *device
     cdef void *host
-    cdef size_t nbytes
+    cdef size_t nbytes, have
     cdef uint64_t s, hold
     cdef _HeldBuffer held = None
-    device_ptr_of(src, &device)
     stream_of(stream, &s)
-    held = host_ptr_of(dst, True, &host, &nbytes)
-    if not nbytes:
-        held = None
-    hold = reserve_hold(held)
-    commit_hold(held, hold, s, mf_copy_d2h_async(host, device, nbytes, s))
+    cdef _Call call = call_on(s)
+    try:
+        call.device(src, &device, &have, "copy source", False, False)
+        held = host_ptr_of(dst, True, &host, &nbytes)
+        device_side_fits(have, nbytes, "copy source")
+        if not nbytes:
+            held = None
+        hold = reserve_hold(held)  # all or nothing: reserved before the copy is queued
+        commit_hold(held, hold, s, mf_copy_d2h_async(host, device, nbytes, s))
+        call.done()
+    finally:
+        call.close()
 
 
 def copy_h2d_async(dst, src, stream=0):
@@ -401,16 +496,22 @@ def copy_h2d_async(dst, src, stream=0):
     """
     cdef void *device
     cdef void *host
-    cdef size_t nbytes
+    cdef size_t nbytes, have
     cdef uint64_t s, hold
     cdef _HeldBuffer held = None
-    device_ptr_of(dst, &device)
     stream_of(stream, &s)
-    held = host_ptr_of(src, False, &host, &nbytes)
-    if not nbytes:
-        held = None
-    hold = reserve_hold(held)
-    commit_hold(held, hold, s, mf_copy_h2d_async(device, host, nbytes, s))
+    cdef _Call call = call_on(s)
+    try:
+        call.device(dst, &device, &have, "copy destination", True, False)
+        held = host_ptr_of(src, False, &host, &nbytes)
+        device_side_fits(have, nbytes, "copy destination")
+        if not nbytes:
+            held = None
+        hold = reserve_hold(held)  # all or nothing: reserved before the copy is queued
+        commit_hold(held, hold, s, mf_copy_h2d_async(device, host, nbytes, s))
+        call.done()
+    finally:
+        call.close()
 
 
 def copy_d2d_async(dst, src, nbytes, stream=0):
@@ -418,7 +519,7 @@ def copy_d2d_async(dst, src, nbytes, stream=0):
 
     Parameters
     ----------
-    dst, src : DeviceBuffer, int, or device array
+    dst, src : DeviceBuffer, int, or a tensor (DLPack or ``__cuda_array_interface__``)
         Destination and source; a ``DeviceBuffer`` must hold ``nbytes``.
     nbytes : int
         Bytes to copy.
@@ -442,11 +543,19 @@ def copy_d2d_async(dst, src, nbytes, stream=0):
     cdef size_t n = size_of(nbytes, "nbytes")
     cdef void *d
     cdef void *s_ptr
+    cdef size_t have
     cdef uint64_t s
-    device_ptr_of(dst, &d)
-    device_ptr_of(src, &s_ptr)
     stream_of(stream, &s)
-    check(mf_copy_d2d_async(d, s_ptr, n, s))
+    cdef _Call call = call_on(s)
+    try:
+        call.device(dst, &d, &have, "copy destination", True, False)
+        device_side_fits(have, n, "copy destination")
+        call.device(src, &s_ptr, &have, "copy source", False, False)
+        device_side_fits(have, n, "copy source")
+        check(mf_copy_d2d_async(d, s_ptr, n, s))
+        call.done()
+    finally:
+        call.close()
 
 
 def alloc_host_pinned(nbytes):

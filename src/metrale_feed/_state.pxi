@@ -13,6 +13,32 @@ cdef set _object_pinned = set()
 # release_passed): a copy costs O(1), however many are outstanding.
 cdef dict _held = {}
 
+# Foreign arrays (tensors) kept alive for queued kernels: (event, arrays) in call order, with
+# their events reused (keep_until_passed, release_kept in _coerce.pxi); a call releases from the
+# front while the front has passed, so each costs O(1) amortised.
+cdef object _kept = _deque()
+cdef list _spare_events = []
+
+# Host functions (_hostfunc.pxi):
+# stream handle -> the last host function's sequence number on it (launched, run or not).
+cdef dict _host_func_seq = {}
+# stream handle -> [(sequence, exception)] of host functions that raised, not yet reported.
+cdef dict _host_func_errors = {}
+# event handle -> (stream, sequence): the last host function queued on the stream the event was
+# recorded on, at the record. Only kept once a host function has been launched.
+cdef dict _event_marks = {}
+
+# DLPack imports (_dlpack.pxi):
+# Whether a type's __dlpack__ takes max_version (DLPack 1.0 producers); learnt once per type.
+cdef dict _takes_max_version = {}
+# A type's C-level exporter for CPU memory, or None: torch's __dlpack__ is Python (about 3 us of
+# checks for streams and devices that a CPU tensor on the host backend does not need) around the
+# exporter that makes the same capsule. Learnt once per type.
+cdef dict _cpu_exporters = {}
+
+# SAMPLING_PARAMS_DTYPE, loaded on the first host params (fill_params): importing it needs numpy.
+cdef object _params_dtype = None
+
 # Rows the last argmax launched into each feed-cell array, by address: the default from_row bound
 # of the resolve that reads them (launch order is stream order for one stream).
 cdef dict _cell_rows = {}
@@ -29,3 +55,16 @@ def _note_exit():
 
 
 _atexit.register(_note_exit)
+
+
+def _forget_parent_events():
+    # A fork()ed child: the parent's events are not this process's (they raise FeedError), so
+    # drop them unused instead of recycling them; the arrays they guarded are the parent's work.
+    _kept.clear()
+    del _spare_events[:]
+    _host_func_seq.clear()
+    _host_func_errors.clear()
+    _event_marks.clear()
+
+
+_os.register_at_fork(after_in_child=_forget_parent_events)

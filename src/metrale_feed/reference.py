@@ -110,7 +110,7 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         self.settled_steps = 0
         self.host_syncs = 0  # times the host waited for the device (a full staging ring)
         self.kv = _core.DeviceBuffer(num_blocks * block_size * 4)
-        self.logits = _core.DeviceBuffer(max_rows * vocab * _ITEMSIZE[logits_dtype])
+        self.logits = _core.DeviceBuffer(max_rows * vocab * _ITEMSIZE[self.feed_logits_dtype])
         self._staging: List[Optional[_Staging]] = [None] * _STAGING_SLOTS
         self._next_staging = 0
         self._closed = False

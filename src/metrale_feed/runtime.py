@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from . import _core
+from .dtypes import logits_dtype as logits_dtypes
 from .errors import FeedError
 
 __all__ = ["RuntimeFeedMixin"]
@@ -43,14 +44,16 @@ class RuntimeFeedMixin:
     feed_cells: Optional[_core.DeviceBuffer] = None
     feed_prev_rows: int = 0  # rows the last argmax wrote: the from_row bound of the next step
 
-    def init_device_feed(self, *, vocab: int, logits_dtype: str = "float32", max_rows: int = 256) -> None:
+    def init_device_feed(self, *, vocab: int, logits_dtype: Any = "float32", max_rows: int = 256) -> None:
         """Allocate the feed cells and fix the logits' shape.
 
         Parameters
         ----------
         vocab : int
             Logits per row, 1 to ``metrale_feed.MAX_VOCAB`` (2**24).
-        logits_dtype : {"float32", "float16", "bfloat16"}, optional
+        logits_dtype : dtype spelling, optional
+            Any spelling ``metrale_feed.dtype`` knows: ``"float32"`` (default), ``"bf16"``,
+            ``numpy.float16``, ``torch.bfloat16``, ...
         max_rows : int, optional
             The most rows a step may have, 1 to ``metrale_feed.MAX_ROWS`` (4096). Default 256.
 
@@ -63,10 +66,8 @@ class RuntimeFeedMixin:
             raise ValueError(f"max_rows must be in [1, {_core.MAX_ROWS}], got {max_rows}")
         if not 1 <= vocab <= _core.MAX_VOCAB:
             raise ValueError(f"vocab must be in [1, 2**24], got {vocab}")
-        if logits_dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"unknown logits dtype {logits_dtype!r}")
         self.feed_vocab = vocab
-        self.feed_logits_dtype = logits_dtype
+        self.feed_logits_dtype = logits_dtypes(logits_dtype).name
         self.feed_max_rows = max_rows
         self.feed_cells = _core.DeviceBuffer(max_rows * 4)
         self.feed_prev_rows = 0

@@ -45,7 +45,9 @@ D2H_SOURCES = [
     ("float", lambda s: 1.0, TypeError, "expected a DeviceBuffer"),
     ("none", lambda s: None, TypeError, "expected a DeviceBuffer"),
     ("bool", lambda s: True, TypeError, "expected a DeviceBuffer"),
-    ("numpy_host_array", lambda s: FOREIGN, TypeError, "expected a DeviceBuffer"),
+    # A CPU array stands for device memory on the host backend (test_interop); one DLPack cannot
+    # carry is refused.
+    ("numpy_object_array", lambda s: np.array([None] * 16, dtype=object), TypeError, "DLPack"),
 ]
 for _label, _src, _exc, _match in D2H_SOURCES:
     add("copies", f"d2h_src_{_label}", lambda s=_src, x=_exc, m=_match: _d2h_refused(x, m, s))

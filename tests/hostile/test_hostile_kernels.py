@@ -96,7 +96,7 @@ ARGMAX_BAD = [
     ("vocab_str", TypeError, "not supported|str", dict(vocab="8")),
     ("dtype_int8", ValueError, "unknown logits dtype 'int8'", dict(dtype="int8")),
     ("dtype_float64", ValueError, "unknown logits dtype", dict(dtype="float64")),
-    ("dtype_none", ValueError, "unknown logits dtype None", dict(dtype=None)),
+    ("dtype_none", TypeError, "dtype is required unless logits is a tensor", dict(dtype=None)),
     ("dtype_numpy_int32", ValueError, "unknown logits dtype", dict(dtype=np.dtype("int32"))),
     ("row_stride_below_vocab", ValueError, "row_stride 7 is less than vocab 8", dict(row_stride=7)),
     ("row_stride_negative", ValueError, "row_stride must be in", dict(row_stride=-1)),
@@ -114,7 +114,8 @@ ARGMAX_BAD = [
     ("logits_pinned", ValueError, "page-locked", dict(logits=lambda s: PinnedBuffer(64))),
     ("logits_null", ValueError, "logits is a null pointer", dict(logits=0)),
     ("logits_str", TypeError, "expected a DeviceBuffer", dict(logits="x")),
-    ("logits_numpy", TypeError, "expected a DeviceBuffer", dict(logits=np.zeros((2, 8), np.float32))),
+    # A CPU array stands for device memory on the host backend (test_interop), but must agree.
+    ("logits_numpy_disagrees", ValueError, "disagrees", dict(logits=np.zeros((2, 9), np.float32))),
     # cells
     ("cells_freed", FeedError, "feed cells 0x.* is not a live device allocation", dict(cells=lambda s: _freed_dev())),
     ("cells_misaligned", ValueError, "misaligned", dict(cells=lambda s: s.cells.ptr + 2)),

@@ -64,6 +64,7 @@ MF_EXPORT int mf_build_has_nvtx(void);
 MF_EXPORT mf_status mf_device_count(int *count);
 MF_EXPORT mf_status mf_device_name(int device, char *buf, size_t buflen);
 MF_EXPORT mf_status mf_driver_version(int *version);
+MF_EXPORT mf_status mf_current_device(int *device); /* cuda: cudaGetDevice; host: 0 */
 MF_EXPORT void mf_live_counts(uint64_t *events, uint64_t *streams, uint64_t *pinned_bytes,
                               uint64_t *device_bytes);
 
@@ -200,6 +201,22 @@ typedef struct mf_reference_args {
     void *logits;
 } mf_reference_args;
 MF_EXPORT mf_status mf_reference_forward(const mf_reference_args *args, mf_stream_t stream);
+
+/* ---- host functions in stream order ----
+ * fn(data) runs once the work queued before it on `stream` has run, and work queued after it waits
+ * for it to return (cuda: cudaLaunchHostFunc, so fn must make no CUDA call; host: the stream's
+ * worker thread). fn reports nothing back: a binding that needs errors keeps them itself. */
+typedef void (*mf_host_fn)(void *data);
+MF_EXPORT mf_status mf_launch_host_func(mf_stream_t stream, mf_host_fn fn, void *data);
+
+/* ---- borrowed memory ----
+ * Foreign memory a binding vouches for (a CPU tensor standing in for device memory on the host
+ * backend) passes the device-range checks of the calls this thread makes until
+ * mf_device_borrow_clear(). The caller keeps that memory alive until the work using it has run.
+ * At most MF_MAX_BORROWED ranges at once. The cuda backend takes foreign pointers as they are. */
+#define MF_MAX_BORROWED 8
+MF_EXPORT mf_status mf_device_borrow(const void *ptr, size_t nbytes);
+MF_EXPORT void mf_device_borrow_clear(void);
 
 /* ---- timelines (host backend) ----
  * While enabled, each op a host-backend worker runs is recorded: its name, its stream (0: the

@@ -363,6 +363,17 @@ mf_status stream_wait(void *raw, uint32_t timeout_us, uint64_t *mark, int *done)
     return poll_for(timeout_us, done, [raw](int *d) { return stream_query(raw, d); });
 }
 
+mf_status current_device(int *device) {
+    MF_CUDA_TRY(cudaGetDevice(device), "cudaGetDevice");
+    return MF_SUCCESS;
+}
+
+// The runtime calls fn on one of its own threads once the stream reaches it; fn must not call CUDA.
+mf_status launch_host_func(mf_host_fn fn, void *data, void *stream) {
+    MF_CUDA_TRY(cudaLaunchHostFunc(as_stream(stream), fn, data), "cudaLaunchHostFunc");
+    return MF_SUCCESS;
+}
+
 }  // namespace
 
 extern const Ops cuda_ops;
@@ -394,6 +405,8 @@ const Ops cuda_ops = {
     .argmax = argmax,
     .resolve = resolve,
     .reference_forward = reference_forward,
+    .launch_host_func = launch_host_func,
+    .current_device = current_device,
 };
 
 }  // namespace mf

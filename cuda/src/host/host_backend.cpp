@@ -228,6 +228,16 @@ mf_status reference_forward(const mf_reference_args *args, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status current_device(int *device) {
+    *device = 0;
+    return MF_SUCCESS;
+}
+
+mf_status launch_host_func(mf_host_fn fn, void *data, void *stream) {
+    stream_of(stream)->enqueue("host_func", [fn, data] { fn(data); });
+    return MF_SUCCESS;
+}
+
 }  // namespace
 
 uint32_t lag_us() { return g_lag_us.load(std::memory_order_relaxed); }
@@ -264,6 +274,8 @@ const Ops host_ops = {
     .argmax = argmax,
     .resolve = resolve,
     .reference_forward = reference_forward,
+    .launch_host_func = launch_host_func,
+    .current_device = current_device,
 };
 }  // namespace mf
 

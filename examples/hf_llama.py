@@ -1,0 +1,246 @@
+"""A transformers ``LlamaForCausalLM`` served through the device token feed.
+
+The model is built from a small config with random weights (nothing is downloaded). It implements
+``ModelDeviceFeed`` through ``RuntimeFeedMixin``:
+
+- its KV cache is paged: per layer, ``num_blocks`` blocks of ``block_size`` positions, handed out
+  by the trait's ``reserve_decode_block``/``release_decode_blocks``; a row's history is gathered
+  through its block table at each step;
+- its forward is queued with ``metrale_feed.launch_host_func``, so it runs in stream order on the
+  stream's worker (host backend) while the scheduler goes on: the input ids a fed step reads are
+  resolved from the feed cells into a torch tensor first, on the same stream;
+- its logits are a torch tensor, handed straight to the masked argmax (DLPack, no copy).
+
+It is served by ``AsyncDeviceIo`` (the two-deep pipeline of ``metrale_feed.demo.run_async``), and
+its tokens equal ``model.generate(do_sample=False)`` for each prompt (tests/test_interop_torch.py).
+
+Run ``python examples/hf_llama.py`` for a short comparison of the async and sync routers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+import metrale_feed as mf
+from metrale_feed import NO_TOKEN, FeedError, ModelDeviceFeed, RuntimeFeedMixin
+from metrale_feed.kv import BlockPool, SequenceState
+
+
+def small_llama(dtype: torch.dtype = torch.float32, *, vocab: int = 256, seed: int = 0) -> Any:
+    """A randomly initialised two-layer Llama (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    return model.to(dtype)
+
+
+class HfLlamaFeed(RuntimeFeedMixin, ModelDeviceFeed):
+    """``ModelDeviceFeed`` over a transformers causal LM with a paged KV cache.
+
+    Parameters
+    ----------
+    model : transformers.LlamaForCausalLM
+        Any causal LM whose ``forward`` takes ``past_key_values`` as a ``DynamicCache``.
+    max_rows : int
+        The most rows a step may have.
+    block_size, num_blocks : int
+        The paged KV cache's geometry.
+    stream : Stream, int or ``__cuda_stream__`` object
+        Where the forwards run, in order with the feed's kernels (the router passes its own).
+    """
+
+    def __init__(self, model: Any, *, max_rows: int = 8, block_size: int = 16, num_blocks: int = 256,
+                 stream: Any = 0) -> None:
+        config = model.config
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+        self.init_device_feed(vocab=config.vocab_size, logits_dtype=self.dtype, max_rows=max_rows)
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.stream = stream
+        heads = config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (config.num_hidden_layers, num_blocks * block_size, heads, head_dim)
+        self.k_pages = torch.zeros(shape, dtype=self.dtype)
+        self.v_pages = torch.zeros(shape, dtype=self.dtype)
+        # Written on the stream: the fed inputs by resolve_feed, the logits by the forward.
+        self.ids = torch.zeros(max_rows, dtype=torch.int32)
+        self.logits = torch.zeros(max_rows, config.vocab_size, dtype=self.dtype)
+        self.forwards = 0
+        # transformers renamed past_key_values to cache; take whichever this version has.
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    # ---- KV bookkeeping (the trait's block calls) ----
+
+    def reserve_decode_block(self, seq: SequenceState) -> int:
+        if seq.seq_len // self.block_size >= len(seq.block_table):
+            seq.block_table.append(self.pool.alloc())
+            return 1
+        return 0
+
+    def release_decode_blocks(self, seq: SequenceState, blocks: int) -> None:
+        if not 0 <= blocks <= len(seq.block_table):
+            raise ValueError(f"cannot release {blocks} of {len(seq.block_table)} blocks")
+        for _ in range(blocks):
+            self.pool.free(seq.block_table.pop())
+
+    def release_sequence(self, seq: SequenceState) -> None:
+        self.release_decode_blocks(seq, len(seq.block_table))
+
+    def _reserve_rows(self, seqs: Sequence[SequenceState]) -> None:
+        added: List[SequenceState] = []
+        try:
+            for seq in seqs:
+                if self.reserve_decode_block(seq):
+                    added.append(seq)
+        except BaseException:
+            for seq in added:
+                self.release_decode_blocks(seq, 1)
+            raise
+
+    # ---- the forward, run in stream order by launch_host_func ----
+
+    def _slots(self, table: Sequence[int], start: int, count: int) -> torch.Tensor:
+        bs = self.block_size
+        return torch.tensor([table[p // bs] * bs + p % bs for p in range(start, start + count)],
+                            dtype=torch.long)
+
+    def _run(self, ids: Sequence[int], start: int, table: Sequence[int]) -> torch.Tensor:
+        """The model over ``ids`` at positions ``start..``, the history read from the pages
+        through ``table`` and the new keys and values written back; the last position's logits."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        if start:
+            past = self._slots(table, 0, start)
+            for layer in range(self.k_pages.shape[0]):
+                cache.update(self.k_pages[layer, past].permute(1, 0, 2).unsqueeze(0),
+                             self.v_pages[layer, past].permute(1, 0, 2).unsqueeze(0), layer)
+        n = len(ids)
+        out = self.model(input_ids=torch.tensor([list(ids)]),
+                         position_ids=torch.arange(start, start + n).unsqueeze(0),
+                         use_cache=True, **{self._cache_arg: cache})
+        new = self._slots(table, start, n)
+        for layer, entry in enumerate(cache.layers):  # the forward appended to the cache in place
+            self.k_pages[layer, new] = entry.keys[0, :, start:start + n].permute(1, 0, 2)
+            self.v_pages[layer, new] = entry.values[0, :, start:start + n].permute(1, 0, 2)
+        return out.logits[0, -1]
+
+    def _forward(self, tokens: Optional[List[int]], positions: List[int], tables: List[List[int]]) -> None:
+        with torch.no_grad():
+            ids = tokens if tokens is not None else self.ids[: len(positions)].tolist()
+            for r, (token, position, table) in enumerate(zip(ids, positions, tables)):
+                self.logits[r].copy_(self._run([token], position, table))
+        self.forwards += 1
+
+    def _prefill(self, ids: List[int], start: int, table: List[int]) -> None:
+        with torch.no_grad():
+            self._run(ids, start, table)
+
+    def _launch(self, tokens: Optional[List[int]], seqs: Sequence[SequenceState], stream: Any) -> torch.Tensor:
+        positions = [seq.seq_len for seq in seqs]
+        tables = [list(seq.block_table) for seq in seqs]  # as reserved now, not as later edited
+        mf.launch_host_func(stream, self._forward, tokens, positions, tables)
+        return self.logits[: len(seqs)]
+
+    def _check(self, n: int, seqs: Sequence[SequenceState]) -> None:
+        if self.feed_cells is None:
+            raise FeedError("the model is closed")
+        if n != len(seqs) or not 1 <= n <= self.feed_max_rows:
+            raise ValueError(f"{n} inputs for {len(seqs)} rows (at most {self.feed_max_rows})")
+
+    def decode_batch(self, tokens: Sequence[int], seqs: Sequence[SequenceState], stream: Any = None) -> Any:
+        """A step whose inputs the host knows: pushes them and advances ``seq_len``."""
+        stream = self.stream if stream is None else stream
+        self._check(len(tokens), seqs)
+        tokens = [int(t) for t in tokens]
+        self._reserve_rows(seqs)
+        logits = self._launch(tokens, seqs, stream)
+        for token, seq in zip(tokens, seqs):
+            seq.tokens.append(token)
+            seq.seq_len += 1
+        return logits
+
+    def decode_batch_fed(self, sources: Sequence[int], seqs: Sequence[SequenceState], stream: Any = None) -> Any:
+        """A step whose inputs are read on the device: resolved from the feed cells into the
+        ``ids`` tensor, then read by the forward, both in stream order."""
+        stream = self.stream if stream is None else stream
+        self._check(len(sources), seqs)
+        self._reserve_rows(seqs)
+        mf.resolve_feed(sources, self.feed_cells, self.ids, stream, prev_rows=self.feed_prev_rows)
+        return self._launch(None, seqs, stream)
+
+    def prefill(self, seq: SequenceState, ids: Sequence[int], stream: Any = None) -> None:
+        """Write ``ids``' keys and values at positions ``seq_len..``; no logits."""
+        stream = self.stream if stream is None else stream
+        ids = [int(i) for i in ids]
+        if not ids:
+            return
+        first_new = len(seq.block_table)
+        try:
+            while (seq.seq_len + len(ids) - 1) // self.block_size >= len(seq.block_table):
+                seq.block_table.append(self.pool.alloc())
+        except BaseException:
+            self.release_decode_blocks(seq, len(seq.block_table) - first_new)
+            raise
+        mf.launch_host_func(stream, self._prefill, ids, seq.seq_len, list(seq.block_table))
+        seq.tokens.extend(ids)
+        seq.seq_len += len(ids)
+
+    def close(self) -> None:
+        mf.stream_synchronize(self.stream)
+        self.close_device_feed()
+
+
+def greedy(model: Any, prompts: Sequence[Sequence[int]], max_new: int, bans: Sequence[Any],
+           *, router: str = "async", host_work_us: float = 0.0) -> dict:
+    """Greedy tokens of each prompt through the feed (``router``: "async" or "sync"); ``bans``
+    holds a (a, b) RowMask per prompt (``NO_TOKEN`` unused)."""
+    from metrale_feed.demo import run_async, run_sync
+
+    feed = HfLlamaFeed(model, max_rows=len(prompts))
+    requests = [{"prompt": list(p), "mask": tuple(b), "stop": NO_TOKEN} for p, b in zip(prompts, bans)]
+    try:
+        run = run_async if router == "async" else run_sync
+        return run(feed, requests, max_new, host_work_us, work_kind="spin")  # type: ignore[arg-type]
+    finally:
+        feed.close()
+
+
+def hf_greedy(model: Any, prompt: Sequence[int], max_new: int, ban: Any) -> List[int]:
+    """What transformers' own greedy generate gives, with the same two ids banned."""
+    bad = [[t] for t in ban if t != NO_TOKEN] or None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([list(prompt)]), do_sample=False, max_new_tokens=max_new,
+                             min_new_tokens=max_new, bad_words_ids=bad, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    mf.host_kernel_threads(1)
+    model = small_llama()
+    prompts = [[1, 2, 3, 4], [9, 8, 7], [5, 5, 5, 5, 5], [42, 17]]
+    bans = [(NO_TOKEN, NO_TOKEN), (3, NO_TOKEN), (NO_TOKEN, NO_TOKEN), (10, 11)]
+    for router in ("sync", "async"):
+        start = time.perf_counter()
+        result = greedy(model, prompts, 16, bans, router=router)
+        tokens = sum(len(t) for t in result["tokens"])
+        print(f"{router:5s}: {tokens / (time.perf_counter() - start):7.1f} tok/s")
+    for prompt, ban, got in zip(prompts, bans, result["tokens"]):
+        assert got == hf_greedy(model, prompt, 16, ban), (prompt, got)
+    print("tokens equal transformers' greedy generate for every prompt")
+
+
+if __name__ == "__main__":
+    main()

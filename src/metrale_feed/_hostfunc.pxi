@@ -1,0 +1,157 @@
+# Python functions in stream order (launch_host_func). The C layer runs a callback when the stream
+# reaches it (cuda: a runtime thread through cudaLaunchHostFunc; host backend: the stream's
+# worker); the callback takes the GIL, calls fn(*args), and keeps any exception here so that the
+# next query or wait of that stream, or of an event recorded on it afterwards, raises it.
+
+from cpython.ref cimport Py_XDECREF
+from posix.unistd cimport usleep
+
+cdef extern from "Python.h":
+    int Py_IsInitialized() nogil
+
+cdef extern from *:
+    """
+    /* Exit protocol between the callbacks and the atexit hook (sequentially consistent, so a
+     * callback either sees the exit flag or is counted before the hook reads the count). */
+    static int mf_hf_exiting = 0;
+    static int mf_hf_entering = 0;
+    static int mf_hf_enter(void) {
+        __atomic_fetch_add(&mf_hf_entering, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&mf_hf_exiting, __ATOMIC_SEQ_CST)) {
+            __atomic_fetch_sub(&mf_hf_entering, 1, __ATOMIC_SEQ_CST);
+            return 0;
+        }
+        return 1;
+    }
+    static void mf_hf_leave(void) { __atomic_fetch_sub(&mf_hf_entering, 1, __ATOMIC_SEQ_CST); }
+    static void mf_hf_set_exiting(void) { __atomic_store_n(&mf_hf_exiting, 1, __ATOMIC_SEQ_CST); }
+    static int mf_hf_in_flight(void) { return __atomic_load_n(&mf_hf_entering, __ATOMIC_SEQ_CST); }
+    """
+    int mf_hf_enter() nogil
+    void mf_hf_leave() nogil
+    void mf_hf_set_exiting() nogil
+    int mf_hf_in_flight() nogil
+
+# Module state (_host_func_seq, _host_func_errors, _event_marks) is declared in _state.pxi.
+
+
+def _mark_exiting():
+    # Exit policy: host functions still queued are skipped (their payloads are leaked on purpose:
+    # nothing may be released without a running interpreter); one already started may finish,
+    # for up to 2 s, with the GIL released here so that it can. A callback that would take the GIL
+    # while the interpreter finalises would be ended mid-call by Python.
+    import time
+    mf_hf_set_exiting()
+    deadline = time.monotonic() + 2.0
+    while mf_hf_in_flight() and time.monotonic() < deadline:
+        with nogil:
+            usleep(1000)
+
+
+import atexit as _atexit
+_atexit.register(_mark_exiting)
+
+
+cdef void _host_func_trampoline(void *data) noexcept nogil:
+    if not mf_hf_enter():
+        return
+    if Py_IsInitialized():
+        with gil:
+            _host_func_run(<object>data)
+            Py_XDECREF(<PyObject *>data)  # the reference launch_host_func took
+    mf_hf_leave()
+
+
+cdef void _host_func_run(tuple payload) noexcept:
+    fn, args, stream, seq = payload
+    try:
+        fn(*args)
+    except BaseException as exc:  # never into the C layer: it is reported at the next wait
+        _host_func_errors.setdefault(stream, []).append((seq, exc))
+
+
+def launch_host_func(stream, fn, *args):
+    """Run ``fn(*args)`` in stream order: after the work queued before it on ``stream``, before
+    the work queued after it. Never waits.
+
+    On cuda it runs on a CUDA runtime thread (``cudaLaunchHostFunc``), on the host backend on the
+    stream's worker; either way it takes the GIL. ``fn`` must not call CUDA nor wait on its own
+    stream. An exception in ``fn`` never crashes the process: the next ``query``/``synchronize``
+    of the stream, or of an event recorded on it afterwards, raises a ``FeedError`` with the
+    exception as ``__cause__``.
+
+    Parameters
+    ----------
+    stream : Stream, int handle or any ``__cuda_stream__`` object
+    fn : callable
+    *args
+        Passed to ``fn``; kept alive until it has run.
+
+    Raises
+    ------
+    TypeError
+        ``fn`` is not callable.
+    FeedError
+        A closed or unknown stream.
+
+    Examples
+    --------
+    >>> s = Stream()
+    >>> out = []
+    >>> launch_host_func(s, out.append, 1)
+    >>> s.synchronize(); out
+    [1]
+    """
+    cdef uint64_t s
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+    stream_of(stream, &s)
+    seq = _host_func_seq.get(s, 0) + 1
+    payload = (fn, args, s, seq)
+    Py_INCREF(payload)  # dropped by the trampoline once fn has run
+    cdef mf_status status = mf_launch_host_func(s, _host_func_trampoline, <void *>payload)
+    if status != MF_SUCCESS:
+        Py_DECREF(payload)
+        raise_status(status)
+    _host_func_seq[s] = seq
+
+
+cdef int note_record(uint64_t event, uint64_t stream) except -1:
+    """An event recorded on ``stream``: it reports the host functions queued there before it."""
+    seq = _host_func_seq.get(stream)
+    if seq is not None:
+        _event_marks[event] = (stream, seq)
+    else:
+        _event_marks.pop(event, None)
+    return 0
+
+
+cdef int _raise_failed(uint64_t stream, object upto) except -1:
+    failed = _host_func_errors.get(stream)
+    if not failed:
+        return 0
+    for i in range(len(failed)):
+        seq, exc = failed[i]
+        if upto is None or seq <= upto:
+            del failed[i]
+            if not failed:
+                del _host_func_errors[stream]
+            raise FeedError(f"a host function launched on stream 0x{stream:x} raised "
+                            f"{type(exc).__name__}: {exc}") from exc
+    return 0
+
+
+cdef int stream_host_errors(uint64_t stream) except -1:
+    """A failure of a host function queued on ``stream`` (reported once)."""
+    if _host_func_errors:
+        _raise_failed(stream, None)
+    return 0
+
+
+cdef int event_host_errors(uint64_t event) except -1:
+    """A failure of a host function queued before ``event``'s record on its stream."""
+    if _host_func_errors:
+        mark = _event_marks.get(event)
+        if mark is not None:
+            _raise_failed(mark[0], mark[1])
+    return 0

@@ -1,0 +1,202 @@
+"""Interop with torch (docs/interop.md): torch tensors as device memory and as views of the
+package's buffers, torch dtypes, and a transformers Llama served through the feed
+(examples/hf_llama.py) giving exactly ``generate(do_sample=False)``'s tokens. Skipped cleanly
+without torch or transformers (the ``torch`` extra installs both)."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import pathlib
+import weakref
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import metrale_feed as mf  # noqa: E402
+from metrale_feed import NO_TOKEN, DeviceBuffer, FeedError, PinnedBuffer, Stream  # noqa: E402
+from metrale_feed.oracle import reference_argmax  # noqa: E402
+
+host_only = pytest.mark.skipif(mf.backend() != "host", reason="CPU tensors are device memory only on the host backend")
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "hf_llama.py"
+
+
+def _example():
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("hf_llama", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- the real model ----
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llama_through_the_feed_equals_generate(dtype, one_thread):
+    hf = _example()
+    model = hf.small_llama(getattr(torch, dtype))
+    prompts = [[1, 2, 3, 4], [9, 8, 7], [5, 5, 5, 5, 5, 5, 5], [42, 17], [7]]
+    free = [hf.hf_greedy(model, p, 1, (NO_TOKEN, NO_TOKEN))[0] for p in prompts]
+    # Bans that matter: rows 1 and 3 ban the token they would pick first, row 4 bans two ids.
+    bans = [(NO_TOKEN, NO_TOKEN), (free[1], NO_TOKEN), (NO_TOKEN, NO_TOKEN), (NO_TOKEN, free[3]),
+            (free[4], (free[4] + 1) % 256)]
+    expect = [hf.hf_greedy(model, p, 20, b) for p, b in zip(prompts, bans)]
+    assert expect[1][0] != free[1] and expect[3][0] != free[3]
+    got = hf.greedy(model, prompts, 20, bans, router="async")
+    assert got["tokens"] == expect
+    assert got["stats"]["ahead_launches"] > 0  # the steps really ran ahead of the reads
+    sync = hf.greedy(model, prompts, 20, bans, router="sync")
+    assert sync["tokens"] == expect
+
+
+def test_a_failing_forward_surfaces_at_the_read(one_thread):
+    hf = _example()
+    model = hf.small_llama(torch.float32)
+    feed = hf.HfLlamaFeed(model, max_rows=1)
+    io = mf.AsyncDeviceIo(feed, 1)
+    try:
+        seq = mf.SequenceState(0)
+        feed.prefill(seq, [1, 2])
+        ticket = io.launch_decode([300], [seq], None)  # past the vocabulary: the forward raises
+        with pytest.raises(FeedError, match="host function") as info:
+            io.await_result(ticket)
+        assert isinstance(info.value.__cause__, IndexError)
+    finally:
+        io.teardown()
+        feed.close()
+
+
+# ---- tensors ----
+
+def test_torch_dtypes_are_spelled_by_name():
+    assert [mf.dtype(t).name for t in (torch.float32, torch.float16, torch.bfloat16, torch.int32)] == [
+        "float32", "float16", "bfloat16", "int32"]
+    m = mf.RuntimeFeedMixin()
+    m.init_device_feed(vocab=8, logits_dtype=torch.bfloat16, max_rows=1)
+    assert m.feed_logits_dtype == "bfloat16"
+    m.close_device_feed()
+
+
+@host_only
+def test_torch_from_dlpack_of_a_view_is_zero_copy():
+    buf = DeviceBuffer(2 * 8 * 2)
+    t = torch.from_dlpack(buf.view("bfloat16", (2, 8)))
+    assert t.dtype == torch.bfloat16 and t.shape == (2, 8) and t.data_ptr() == buf.ptr
+    t.fill_(1.5)
+    back = bytearray(buf.nbytes)
+    mf.copy_d2h_async(buf, back)
+    mf.stream_synchronize()
+    assert torch.frombuffer(back, dtype=torch.bfloat16).tolist() == [1.5] * 16
+    p = PinnedBuffer(16)
+    u = torch.from_dlpack(p)
+    assert u.dtype == torch.uint8 and u.data_ptr() == p.ptr
+    with pytest.raises(BufferError):
+        buf.close()  # t still uses it
+    del t, u
+    gc.collect()
+    buf.close()
+
+
+@host_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_argmax_of_torch_logits(dtype):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randint(-2, 3, (6, 40), generator=g).to(dtype)[:, :33]  # a row stride of 40
+    masks = [(0, 1), (NO_TOKEN, NO_TOKEN), (5, NO_TOKEN), (NO_TOKEN, 32), (3, 4), (NO_TOKEN, 7)]
+    cells = torch.zeros(6, dtype=torch.int32)
+    dst = PinnedBuffer(24)
+    mf.argmax_to_feed(logits, masks, cells, dst, None)
+    mf.stream_synchronize()
+    expect = reference_argmax(logits.float().contiguous().numpy(), np.array(masks, np.uint32))
+    assert np.frombuffer(dst, np.uint32).tolist() == list(expect) == cells.tolist()
+
+
+@host_only
+def test_bad_torch_tensors_are_refused_before_queueing():
+    cells = torch.zeros(2, dtype=torch.int32)
+    e = mf.Event()
+    bad = [
+        (TypeError, "gradient|DLPack", dict(logits=torch.zeros(2, 8, requires_grad=True))),
+        (TypeError, "float32, float16 or bfloat16", dict(logits=torch.zeros(2, 8, dtype=torch.float64))),
+        (ValueError, "unit stride", dict(logits=torch.zeros(8, 2).t())),
+        (TypeError, "uint32 ids", dict(cells=torch.zeros(2, dtype=torch.int64))),
+        (ValueError, "capacity", dict(cells=torch.zeros(1, dtype=torch.int32))),
+    ]
+    for exc, match, over in bad:
+        args = dict(logits=torch.zeros(2, 8), cells=cells)
+        args.update(over)
+        with pytest.raises(exc, match=match):
+            mf.argmax_to_feed(args["logits"], None, args["cells"], None, e)
+        assert e.query()
+
+
+@host_only
+def test_a_torch_tensor_lives_until_its_work_has_run():
+    mf.configure_host(lag_us=30_000)
+    try:
+        logits = torch.zeros(1, 8)
+        logits[0, 6] = 1
+        alive = weakref.ref(logits)
+        cells = torch.zeros(1, dtype=torch.int32)
+        s = Stream()
+        mf.argmax_to_feed(logits, None, cells, None, None, s)
+        del logits
+        gc.collect()
+        assert alive() is not None
+        s.synchronize()
+        mf.live_objects()
+        gc.collect()
+        assert alive() is None and cells.tolist() == [6]
+        s.close()
+    finally:
+        mf.configure_host()
+
+
+# ---- cuda backend (torch.cuda tensors and streams, CuPy) ----
+
+@pytest.mark.gpu
+def test_torch_cuda_tensors_and_streams_zero_copy():
+    if not torch.cuda.is_available():
+        pytest.skip("this torch build has no CUDA")
+    ts = torch.cuda.Stream()
+    with torch.cuda.stream(ts):
+        logits = torch.randn(4, 1000, device="cuda", dtype=torch.bfloat16)
+        cells = torch.zeros(4, dtype=torch.int32, device="cuda")
+    dst = PinnedBuffer(16)
+    e = mf.Event()
+    mf.argmax_to_feed(logits, None, cells, dst, e, ts)  # a torch stream via __cuda_stream__/cuda_stream
+    e.synchronize()
+    assert np.frombuffer(dst, np.uint32).tolist() == logits.float().argmax(1).tolist()
+    buf = DeviceBuffer(4 * 8)
+    t = torch.from_dlpack(buf.view("float32", (8,)))
+    assert t.device.type == "cuda" and t.data_ptr() == buf.ptr
+    assert buf.__dlpack_device__()[0] == 2 and PinnedBuffer(4).__dlpack_device__() == (3, 0)
+    assert buf.__cuda_array_interface__["version"] == 3
+    buf.__dlpack__(stream=-1)  # no synchronisation asked for, none done
+    w = Stream.from_handle(ts)
+    assert w.handle == ts.cuda_stream
+
+
+@pytest.mark.gpu
+def test_cupy_arrays_both_ways():
+    cp = pytest.importorskip("cupy")
+    logits = cp.random.standard_normal((3, 500), dtype=cp.float32)
+    cells = cp.zeros(3, dtype=cp.uint32)
+    mf.argmax_to_feed(logits, None, cells, None, None)
+    mf.stream_synchronize()
+    assert cells.get().tolist() == logits.argmax(axis=1).get().tolist()
+    buf = DeviceBuffer(16)
+    a = cp.asarray(buf.view("uint32"))  # the CUDA array interface
+    assert a.data.ptr == buf.ptr
+    b = cp.from_dlpack(buf.view("f32", (2, 2)))
+    assert b.shape == (2, 2)
