@@ -133,9 +133,12 @@ def test_bad_bitmasks_and_masks_are_refused(host, dev):
     with pytest.raises((ValueError, mf.FeedError)):
         mf.argmax_to_feed(logits, None, cells, dst, None, rows=rows, vocab=vocab, dtype="float32",
                           bitmask=small)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError):  # a CPU array stands for device memory here, but of int32 words
         mf.argmax_to_feed(logits, None, cells, dst, None, rows=rows, vocab=vocab, dtype="float32",
-                          bitmask=np.zeros((rows, 3), np.int32))  # host memory
+                          bitmask=np.zeros((rows, 3), np.float32))
+    with pytest.raises(ValueError):  # too few words for rows x ceil(vocab / 32)
+        mf.argmax_to_feed(logits, None, cells, dst, None, rows=rows, vocab=vocab, dtype="float32",
+                          bitmask=np.zeros((rows, 1), np.int32))
     with pytest.raises(mf.FeedError):  # an int the host backend never allocated
         mf.argmax_to_feed(logits, None, cells, dst, None, rows=rows, vocab=vocab, dtype="float32",
                           bitmask=0x1000)
@@ -151,3 +154,21 @@ def test_bad_bitmasks_and_masks_are_refused(host, dev):
     assert (dst == 5).all()  # nothing ran
     for b in (logits, cells, small, short_masks, ones):
         b.close()
+
+
+def test_a_cpu_int32_bitmask_stands_for_device_memory_on_the_host_backend(host, dev):
+    # xgrammar fills a CPU int32 tensor; on the host backend it is device memory, read at run time.
+    rng = np.random.default_rng(7)
+    rows, vocab = 4, 100
+    logits = rng.standard_normal((rows, vocab), dtype=np.float32)
+    words = rng.integers(-2**31, 2**31, size=(rows, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+    want = mf.reference_argmax(logits, None, bitmask=words).tolist()
+    cells = mf.DeviceBuffer(rows * 4)
+    dst = mf.PinnedBuffer(rows * 4)
+    with mf.Event() as done:
+        mf.argmax_to_feed(dev.upload(logits), None, cells, dst, done, rows=rows, vocab=vocab,
+                          dtype="float32", bitmask=words)
+        done.synchronize()
+    assert np.frombuffer(dst, np.uint32).tolist() == want
+    cells.close()
+    dst.close()

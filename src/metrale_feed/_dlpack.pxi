@@ -243,7 +243,25 @@ cdef dict cuda_array_interface(size_t ptr, tuple shape, str typestr):
 cdef class BufferView:
     """A typed, shaped view of a ``DeviceBuffer`` or ``PinnedBuffer``'s bytes, for DLPack and the
     CUDA array interface. ``.base`` is the buffer, kept alive by the view and by every tensor
-    made from it."""
+    made from it.
+
+    Made by ``DeviceBuffer.view`` and ``PinnedBuffer.view``, never directly.
+
+    Parameters
+    ----------
+    base : DeviceBuffer or PinnedBuffer
+        The buffer whose bytes it shows (``.base``).
+
+    Examples
+    --------
+    >>> import numpy as np, metrale_feed as mf
+    >>> buf = mf.PinnedBuffer(4 * 4)
+    >>> v = buf.view("uint32", (2, 2))
+    >>> v.base is buf, v.shape, v.dtype
+    (True, (2, 2), 'uint32')
+    >>> np.from_dlpack(v).tolist()
+    [[0, 0], [0, 0]]
+    """
     cdef readonly object base
     cdef readonly object dtype_info
     cdef readonly tuple shape

@@ -338,8 +338,9 @@ cdef class Stream:
 
         Examples
         --------
-        >>> s = Stream()
-        >>> Stream.from_handle(s.handle) == s
+        >>> import metrale_feed as mf
+        >>> with mf.Stream() as s:
+        ...     mf.Stream.from_handle(s.handle) == s
         True
         """
         return Stream.wrap(handle)

@@ -96,10 +96,12 @@ def launch_host_func(stream, fn, *args):
 
     Examples
     --------
-    >>> s = Stream()
+    >>> import metrale_feed as mf
     >>> out = []
-    >>> launch_host_func(s, out.append, 1)
-    >>> s.synchronize(); out
+    >>> with mf.Stream() as s:
+    ...     mf.launch_host_func(s, out.append, 1)
+    ...     s.synchronize()
+    >>> out
     [1]
     """
     cdef uint64_t s

@@ -80,28 +80,35 @@ cdef uint32_t table_words_of(object tables, void *ptr, size_t nbytes):
     return 0xFFFFFFFF
 
 
-cdef bint device_resident(object obj) except -1:
+cdef bint device_resident(object obj, str what) except -1:
     """Whether a masks/sources/params argument is device memory, read when the kernel runs: a
     DeviceBuffer, an int pointer, or a tensor that is not a host buffer (``__cuda_array_interface__``,
     or ``__dlpack__`` without the buffer protocol). Sequences and buffers (lists, numpy arrays,
-    ``array``) are host inputs, read before the call returns."""
+    ``array``) are host inputs, read before the call returns. An int on the host backend must be
+    one of this package's device allocations (on cuda a foreign pointer is taken as is)."""
+    cdef size_t left = 0
     if type(obj) is DeviceBuffer:
         return True
-    if isinstance(obj, int):
-        return not isinstance(obj, bool)
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        if mf_active_backend() == MF_BACKEND_HOST and (obj <= 0 or obj > <object>UINT64_MAX or mf_mem_lookup(
+                <void *><size_t>obj, &left) != MF_MEM_DEVICE):
+            raise TypeError(f"{what} must be a uint32 buffer or a sequence, or device memory: the int "
+                            f"{obj:#x} is not a device allocation of this package")
+        return True
     if hasattr(obj, "__cuda_array_interface__"):
         return True
     return hasattr(obj, "__dlpack__") and not PyObject_CheckBuffer(obj)
 
 
-cdef void *device_input(_Call call, object obj, size_t need, str what) except? NULL:
+cdef void *device_input(_Call call, object obj, size_t need, str what, bint words=True) except? NULL:
     """A device-resident input's pointer, checked to hold ``need`` bytes where its length is known
     (an int pointer of this package's allocations is checked by the C layer; a foreign one is
-    trusted, as CUDA must)."""
+    trusted, as CUDA must). ``words``: a tensor must hold 4-byte integers (uint32, or int32 as
+    its bit pattern), as masks, sources and bitmasks do."""
     cdef void *ptr
     cdef size_t have
     cdef size_t left = 0
-    call.device(obj, &ptr, &have, what, False, False)
+    call.device(obj, &ptr, &have, what, False, words)
     if have == <size_t>-1 and mf_mem_lookup(ptr, &left) == MF_MEM_DEVICE:
         have = left
     if have != <size_t>-1 and have < need:
@@ -120,8 +127,8 @@ cdef int fill_params(_Call call, mf_argmax_args *a, object params, _PickInputs k
     memory (read when the kernel runs)."""
     global _params_dtype
     cdef void *ptr
-    if device_resident(params):
-        a.params = <const mf_sampling_params *>device_input(call, params, <size_t>a.rows * 32, "params")
+    if device_resident(params, "params"):
+        a.params = <const mf_sampling_params *>device_input(call, params, <size_t>a.rows * 32, "params", False)
         a.flags |= MF_ARGS_PARAMS_DEVICE
         return 0
     if _params_dtype is None:
@@ -155,7 +162,7 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
         logits_of(call, logits, &a, rows, vocab, dtype, row_stride)
         if a.rows:  # the tensor's
             rows = a.rows
-        if masks is not None and device_resident(masks):
+        if masks is not None and device_resident(masks, "masks"):
             if rows is None:
                 raise ValueError("rows is required with device-resident masks")
             a.rows = <uint32_t>int_of(rows, "rows", 1, MF_MAX_ROWS)
@@ -176,7 +183,8 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
             a.rows = rows
             a.masks = keep.words.data
         if bitmask is not None:
-            if not device_resident(bitmask) and not hasattr(bitmask, "__dlpack__"):
+            if not (isinstance(bitmask, int) or type(bitmask) is DeviceBuffer
+                    or hasattr(bitmask, "__dlpack__") or hasattr(bitmask, "__cuda_array_interface__")):
                 raise TypeError("bitmask must be device memory (a DeviceBuffer, a device pointer or a "
                                 f"tensor) of int32 words, not {type(bitmask).__name__}")
             a.bitmask = <const uint32_t *>device_input(
@@ -332,7 +340,7 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
     2
     """
     if rows is None and masks is None and not (is_foreign(logits) and not isinstance(logits, (list, tuple))):
-        if device_resident(params):
+        if device_resident(params, "params"):
             raise ValueError("rows is required with device-resident params and no masks")
         rows = len(params)
     return launch_pick(logits, masks, cells, dst, event, stream, bitmask, params, rows, vocab, dtype,
@@ -391,7 +399,7 @@ def resolve_feed(sources, cells, out, stream=0, *, prev_rows=None, rows=None):
     stream_of(stream, &s)
     cdef _Call call = call_on(s)
     try:
-        if device_resident(sources):
+        if device_resident(sources, "sources"):
             call.device(sources, &src_ptr, &have, "sources", False, True)
             n = <uint32_t>int_of(device_words(sources, src_ptr, have) if rows is None else rows, "rows", 1,
                                  MF_MAX_ROWS)

@@ -120,7 +120,8 @@ cdef class PinnedBuffer:
 
         Examples
         --------
-        >>> buf = PinnedBuffer(64)
+        >>> import metrale_feed as mf
+        >>> buf = mf.PinnedBuffer(64)
         >>> buf.view("float32", (4, 4)).shape
         (4, 4)
         """
@@ -274,7 +275,8 @@ cdef class DeviceBuffer:
 
         Examples
         --------
-        >>> logits = DeviceBuffer(4 * 2 * 8)
+        >>> import metrale_feed as mf
+        >>> logits = mf.DeviceBuffer(4 * 2 * 8)
         >>> logits.view("f32", (2, 8)).shape
         (2, 8)
         """
