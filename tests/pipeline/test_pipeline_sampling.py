@@ -165,6 +165,54 @@ def test_the_pipeline_picks_the_feed_method_per_step(host, no_leaks):
         assert len(hot.tokens) == 3 and cold.tokens == greedy.tokens[:1]
 
 
+def test_a_model_without_the_device_feed_samples_at_depth_1(host, no_leaks, sampled):
+    """Host-known inputs (launch_decode) with sampled rows: the same draws."""
+
+    class NoFeed(ReferenceModel):
+        def supports_device_token_feed(self):
+            return False
+
+    ps = prompts(3, seed=8)
+    with NoFeed(VOCAB, block_size=3, num_blocks=60, max_rows=2) as model:
+        with DecodePipeline(model, 2, depth=1) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=6, temperature=1.1, top_k=30, seed=i)
+                    for i, p in enumerate(ps)]
+            pipe.run()
+            assert [r.tokens for r in reqs] == [
+                sampled(p, 6, VOCAB, temperature=1.1, top_k=30, seed=i) for i, p in enumerate(ps)]
+        assert model.pool.free_count == 60
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_sampler_that_raises_once_is_retried_with_the_same_draws(host, no_leaks, sampled,
+                                                                   depth):
+    """The sampler fails at the third step: step() raises it, nothing is committed, and the
+    retried launch draws at the same positions."""
+
+    class Flaky(ReferenceModel):
+        calls = 0
+
+        def sample_batch_to_feed(self, *args):
+            Flaky.calls += 1
+            if Flaky.calls == 3:
+                raise FeedError("injected: the sampler failed")
+            return super().sample_batch_to_feed(*args)
+
+    ps = prompts(3, seed=18, lo=2, hi=3)
+    with Flaky(VOCAB, block_size=2, num_blocks=60, max_rows=3) as model:
+        with DecodePipeline(model, 3, depth=depth) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=7, temperature=0.9, seed=40 + i)
+                    for i, p in enumerate(ps)]
+            with pytest.raises(FeedError, match="injected"):
+                while True:
+                    pipe.step()
+            pipe.run()
+            assert [r.tokens for r in reqs] == [
+                sampled(p, 7, VOCAB, temperature=0.9, seed=40 + i) for i, p in enumerate(ps)]
+            assert pipe.stats.reserved_in_flight == 0
+        assert model.pool.free_count == 60
+
+
 def test_bad_sampling_params_at_submit_queue_nothing(host, no_leaks):
     with model_for(2) as model, DecodePipeline(model, 2) as pipe:
         cases = [
