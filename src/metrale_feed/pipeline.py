@@ -393,8 +393,8 @@ class DecodePipeline:
         self._debug = _Debug(self) if self.debug and self.fed else None
         # Sampling: the models that override the trait's default can draw; a step with a
         # sampled row passes one params record per row (``_params``), rebuilt with the batch.
-        self._can_sample = (type(model).sample_batch_to_feed
-                            is not ModelDeviceFeed.sample_batch_to_feed)
+        sampler = getattr(type(model), "sample_batch_to_feed", None)
+        self._can_sample = sampler not in (None, ModelDeviceFeed.sample_batch_to_feed)
         self._params: Any = None  # SAMPLING_PARAMS_DTYPE records of self._rows, or None
         self._positions: Any = None  # per row: its position at launch 0 (int64)
 
