@@ -113,6 +113,13 @@ def test_router(record):
     assert sorted(map(int, per_step)) == [16, 64, 256, 1024]
     assert all(positive(v) for v in per_step.values())
     assert sorted(map(int, r["router_us_per_step_at"])) == [16, 64, 256, 1024]
+    assert positive(r["pipeline_us_per_step_sampled"])
+    sm = r["sampling"]
+    assert sm["rows"] == 64 and sm["params"]["top_p"] == 0.9 and sm["params"]["temperature"] == 0.8
+    assert sm["checked"] is True  # async == sync == the host sampler, request by request
+    for key in ("sampled_tps", "greedy_tps", "sampled_step_us", "greedy_step_us", "ratio"):
+        assert positive(sm[key]), key
+    assert sm["ratio"] == pytest.approx(sm["sampled_step_us"] / sm["greedy_step_us"])
     assert all(positive(v) for v in r["router_us_per_step_at"].values())
 
 

@@ -60,6 +60,18 @@ BAD = [
     (["--backend", "tpu"], "--backend", "host"),
     (["--trace", os.path.join("no-such-folder-here", "t.json")], "--trace", "does not exist"),
     (["--rows", "4096", "--tokens", "100000"], "--tokens", "host reference"),
+    (["--temperature", "-0.5"], "--temperature", "[0, 1000]"),
+    (["--temperature", "nan"], "--temperature", "[0, 1000]"),
+    (["--temperature", "inf"], "--temperature", "[0, 1000]"),
+    (["--temperature", "warm"], "--temperature", "[0, 1000]"),
+    (["--top-k", "-1"], "--top-k", "0 to 4,294,967,295"),
+    (["--top-k", "2**32"], "--top-k", "0 to 4,294,967,295"),
+    (["--top-p", "0"], "--top-p", "(0, 1]"),
+    (["--top-p", "1e-50"], "--top-p", "(0, 1]"),  # 0 as float32, the sampler's width
+    (["--top-p", "1.01"], "--top-p", "(0, 1]"),
+    (["--min-p", "1"], "--min-p", "[0, 1)"),
+    (["--min-p", "0.99999999"], "--min-p", "[0, 1)"),  # 1 as float32
+    (["--min-p", "-0.1"], "--min-p", "[0, 1)"),
 ]
 
 
@@ -97,7 +109,7 @@ def test_every_demo_option_has_help_that_states_it(capsys):
     text = capsys.readouterr().out
     for option in ("--rows", "--tokens", "--vocab", "--dtype", "--seed", "--block-size",
                    "--backend", "--host-work-us", "--host-work", "--device-threads", "--trace",
-                   "--plot", "--quiet"):
+                   "--plot", "--quiet", "--temperature", "--top-k", "--top-p", "--min-p"):
         assert option in text
     assert "metrale-feed[plot]" in text.replace("\n", " ").replace("  ", " ")
 
@@ -156,6 +168,37 @@ def test_no_host_work_says_there_is_nothing_to_overlap():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "measured device step" not in done.stdout
     assert "no host work" in done.stdout and "nothing to overlap" in done.stdout
+
+
+def test_a_sampled_demo_checks_every_token_against_the_host_sampler():
+    done = command("demo", "--rows", "6", "--tokens", "10", "--vocab", "500", "--quiet",
+                   "--host-work-us", "0", "--temperature", "0.8", "--top-p", "0.9",
+                   "--top-k", "50", "--min-p", "0.01", "--dtype", "bfloat16",
+                   env_extra={"METRALE_FEED_BACKEND": "host"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "sampling: temperature 0.8, top_k 50, top_p 0.9, min_p 0.01" in out
+    assert out.count("checked: ") == 3 and "FAILED" not in out
+    assert "equal the host sampler's draws" in out
+
+
+def test_the_demo_reference_of_a_sampled_request_is_not_the_greedy_one(host, no_leaks):
+    """The sampled check can fail: its references leave the argmax's path, and both routers
+    meet them."""
+    from metrale_feed import demo
+    from metrale_feed.reference import ReferenceModel
+
+    sampling = {"temperature": 1.5, "top_k": 0, "top_p": 0.95, "min_p": 0.0}
+    reqs = demo.make_requests(6, 8, 300, "float32", 3, sampling)
+    assert len({r["sampling"]["seed"] for r in reqs}) == 6
+    greedy = [demo.host_reference(r["prompt"], r["mask"], r["stop"], 8, 300, "float32")
+              for r in reqs]
+    expected = [demo.host_reference(r["prompt"], r["mask"], r["stop"], 8, 300, "float32",
+                                    r["sampling"]) for r in reqs]
+    assert expected != greedy
+    with ReferenceModel(300, max_rows=6) as model:
+        assert demo.run_async(model, reqs, 8)["tokens"] == expected
+        assert demo.run_sync(model, reqs, 8)["tokens"] == expected
 
 
 # ---- the cuda backend's state, in words ----

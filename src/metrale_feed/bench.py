@@ -500,6 +500,7 @@ def bench_pick_options(quick: bool) -> Dict[str, Any]:
 # ---- 4. router ----
 
 PIPELINE_ROWS = (16, 64, 256, 1024)  # the pipeline's cost per step at these batch sizes
+SAMPLED = {"temperature": 0.8, "top_k": 0, "top_p": 0.9, "min_p": 0.0}  # the sampled rows'
 
 class _StubModel(mf.RuntimeFeedMixin, mf.ModelDeviceFeed):
     """No device work, so a step costs only the router's Python; events and pinned memory are
@@ -515,6 +516,10 @@ class _StubModel(mf.RuntimeFeedMixin, mf.ModelDeviceFeed):
         return 0
 
     def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any,
+                             stream: Any) -> None:
+        pass
+
+    def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
                              stream: Any) -> None:
         pass
 
@@ -551,11 +556,12 @@ class _StubPagedModel(_StubModel):
         seq.seq_len = end
 
 
-def _pipeline_step_us(rows: int, steps: int, repeats: int) -> float:
+def _pipeline_step_us(rows: int, steps: int, repeats: int, sampled: bool = False) -> float:
     """Best µs per DecodePipeline.step() of ``rows`` running requests beside the stub: a launch
     ahead, an await, the commit of every row's token, block reservations as rows cross block
     boundaries (block size 16; prompt lengths spread so that a sixteenth of the rows cross at
-    each step, as in a batch of requests that arrived at different times)."""
+    each step, as in a batch of requests that arrived at different times). ``sampled``: every
+    request samples (``SAMPLED``), so each launch also sets its params' positions."""
     block_size = 16
     per_request = (steps * (repeats + 1) + 16) // block_size + 2
     model = _StubPagedModel(rows, 32000, block_size, rows * per_request)
@@ -563,7 +569,8 @@ def _pipeline_step_us(rows: int, steps: int, repeats: int) -> float:
     best = float("inf")
     try:
         for i in range(rows):
-            pipe.submit([1] * (1 + i % block_size), max_new_tokens=steps * (repeats + 1))
+            pipe.submit([1] * (1 + i % block_size), max_new_tokens=steps * (repeats + 1),
+                        **(dict(SAMPLED, seed=i) if sampled else {}))
         for _ in range(steps):  # admission, prefill and warm-up
             pipe.step()
         for _ in range(repeats):
@@ -614,6 +621,35 @@ def _router_level(model: Any, requests: Any, max_new: int, work: float, kind: st
             "sync_step_us": s["seconds"] / s["steps"] * 1e6}
 
 
+def _sampled_beside_greedy(model: Any, rows: int, vocab: int, max_new: int,
+                           repeats: int) -> Dict[str, Any]:
+    """The pipeline two steps deep on the reference model with no host work, every request
+    greedy, then every request sampled (``SAMPLED``, a seed each): tokens per second side by
+    side, and the sampled tokens checked, async == sync == the host sampler over each request
+    alone (the demo's reference)."""
+    from . import demo
+
+    greedy = demo.make_requests(rows, max_new, vocab, "float32", 0)
+    sampled = demo.make_requests(rows, max_new, vocab, "float32", 0, SAMPLED)
+    expected = [demo.host_reference(r["prompt"], r["mask"], r["stop"], max_new, vocab,
+                                    "float32", r["sampling"]) for r in sampled]
+    best: Dict[str, Any] = {}
+    for _ in range(repeats):  # interleaved; the best of each
+        for name, reqs in (("greedy", greedy), ("sampled", sampled)):
+            run = demo.run_async(model, reqs, max_new)
+            if name not in best or run["seconds"] < best[name]["seconds"]:
+                best[name] = run
+    slow = demo.run_sync(model, sampled, max_new)
+    out: Dict[str, Any] = {"rows": rows, "params": dict(SAMPLED),
+                           "checked": best["sampled"]["tokens"] == slow["tokens"] == expected}
+    for name, run in best.items():
+        tokens = sum(len(t) for t in run["tokens"])
+        out[f"{name}_tps"] = tokens / run["seconds"]
+        out[f"{name}_step_us"] = run["seconds"] / max(1, run["steps"]) * 1e6
+    out["ratio"] = out["sampled_step_us"] / out["greedy_step_us"]
+    return out
+
+
 def bench_router(quick: bool) -> Dict[str, Any]:
     from . import demo
     from .reference import ReferenceModel
@@ -630,7 +666,8 @@ def bench_router(quick: bool) -> Dict[str, Any]:
         levels += [_router_level(model, requests, max_new, w, k, repeats)
                    for w, k in ((step, "sleep"), (2 * step, "sleep"), (step, "spin"))]
         r = {"rows": rows, "vocab": vocab, "max_new": max_new, "device_threads": 1,
-             "step_us": step, "repeats": repeats, "levels": levels}
+             "step_us": step, "repeats": repeats, "levels": levels,
+             "sampling": _sampled_beside_greedy(model, rows, vocab, max_new, repeats)}
     finally:
         model.close()
         mf.host_kernel_threads(0)
@@ -642,6 +679,8 @@ def bench_router(quick: bool) -> Dict[str, Any]:
         n_steps = max(100, (steps // 4) * 64 // n)
         r["router_us_per_step_at"][n] = _stub_step_us(n, n_steps, repeats, False, masks=False)
         r["pipeline_us_per_step"][n] = _pipeline_step_us(n, n_steps, repeats)
+        if n == rows:
+            r["pipeline_us_per_step_sampled"] = _pipeline_step_us(n, n_steps, repeats, True)
     _section(f"router, reference model: {rows} rows, vocab {vocab}, {max_new} new tokens, "
              f"1 device thread (best of {repeats}); ratio = async / sync")
     _row("sync step, no host work", f"{step:.0f} us")
@@ -659,6 +698,16 @@ def bench_router(quick: bool) -> Dict[str, Any]:
         _row(f"pipeline Python/step, {n} rows", f"{us:.1f} us", f"router alone {base:.1f} us",
              f"{us / base:.2f}x", "<= 20 us" if n == 256 else "",
              f"{us / n * 1e3:.0f} ns/row; stub model, KV reservation and commit included")
+        if n == rows:
+            sampled_us = r["pipeline_us_per_step_sampled"]
+            _row(f"  every row sampled, {n} rows", f"{sampled_us:.1f} us", f"greedy {us:.1f} us",
+                 f"{sampled_us / us:.2f}x", "", "stub model: the params' cost alone")
+    sm = r["sampling"]
+    _row(f"pipeline sampled, {rows} rows", f"{sm['sampled_tps']:.0f} tok/s",
+         f"greedy {sm['greedy_tps']:.0f} tok/s", f"{sm['ratio']:.2f}x",
+         "", f"step {sm['sampled_step_us']:.0f} us vs {sm['greedy_step_us']:.0f} us; top_p "
+         f"{SAMPLED['top_p']}, temperature {SAMPLED['temperature']}; ratio = step time"
+         + ("" if sm["checked"] else "; TOKENS DIFFER from the host sampler"))
     return r
 
 
@@ -813,7 +862,9 @@ def main(args: Any) -> int:
         print(f"figures written to {args.json}")
     ok = (all(e["checked"] for e in record["argmax"]) and record["argmax_options"]["checked"]
           and all(lv["same_tokens"] for lv in record["router"]["levels"])
-          and all(lv["same_tokens"] for lv in record["interop"].get("llama", {}).get("levels", [])))
+          and all(lv["same_tokens"] for lv in record["interop"].get("llama", {}).get("levels", []
+          and record["router"]["sampling"]["checked"])
     if not ok:
-        print("a correctness check failed: argmax ids or router tokens differ", file=sys.stderr)
+        print("a correctness check failed: argmax ids or router tokens differ (sampled ones "
+              "included)", file=sys.stderr)
     return 0 if ok else 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import struct
 import sys
 from typing import Any, Callable, List, Mapping, NoReturn, Optional, Tuple
 
@@ -18,6 +19,7 @@ MAX_TOKENS = 100_000  # new tokens per row; the demo also checks the host refere
 MAX_VOCAB = 1 << 20
 MAX_BLOCK_SIZE = 4096
 MAX_HOST_WORK_US = 10_000_000.0  # ten seconds a step is no longer a scheduler's bookkeeping
+MAX_TEMPERATURE = 1000.0  # far past flat: softmax(logit / 1000) of logits in [0, 1) is uniform
 # The host reference costs 3 to 7 ns a logit (numpy, one core): this keeps it to a few minutes.
 MAX_REFERENCE_LOGITS = 2e10
 PLOT_EXTRA = "pip install 'metrale-feed[plot]'"
@@ -39,6 +41,26 @@ def _int_in(low: int, high: int, why: str = "") -> Callable[[str], int]:
         if value is None or not low <= value <= high:
             raise argparse.ArgumentTypeError(
                 f"must be an integer from {low:,} to {high:,}{why}, not {text!r}")
+        return value
+    return parse
+
+
+def _float_in(low: float, high: float, *, open_low: bool = False, open_high: bool = False,
+              why: str = "") -> Callable[[str], float]:
+    """A finite number in ``[low, high]``, either end open: the sampling options' ranges are
+    the sampler's (docs/kernels.md), refused here in one line rather than at submit."""
+    span = f"{'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
+
+    def parse(text: str) -> float:
+        try:
+            # As float32, the sampler's width: 1e-50 is 0 there, 0.99999999 is 1.
+            value = struct.unpack("<f", struct.pack("<f", float(text)))[0]
+        except (ValueError, OverflowError):
+            value = math.nan
+        ok = (low < value if open_low else low <= value) and (
+            value < high if open_high else value <= high)  # NaN fails both
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be a number in {span}{why}, not {text!r}")
         return value
     return parse
 
@@ -295,6 +317,17 @@ def parser() -> argparse.ArgumentParser:
                       "both runs")
     demo.add_argument("--plot", metavar="FILE.png", help="draw the host and device lanes of both "
                       f"runs (needs matplotlib: {PLOT_EXTRA})")
+    demo.add_argument("--temperature", type=_float_in(0.0, MAX_TEMPERATURE, why=" (0: greedy)"),
+                      default=0.0, help="sample every request at this temperature (0, the "
+                      f"default: greedy decoding; at most {MAX_TEMPERATURE:g})")
+    demo.add_argument("--top-k", type=_int_in(0, 2**32 - 1, " (0: every id)"), default=0,
+                      help="sampling: keep the k most probable ids (0: all)")
+    demo.add_argument("--top-p", type=_float_in(0.0, 1.0, open_low=True), default=1.0,
+                      help="sampling: keep the most probable ids up to this probability, in "
+                      "(0, 1] (1: all)")
+    demo.add_argument("--min-p", type=_float_in(0.0, 1.0, open_high=True), default=0.0,
+                      help="sampling: keep the ids at least this fraction as probable as the "
+                      "most probable, in [0, 1) (0: all)")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.set_defaults(run=_run_demo, check=lambda a: check_demo(demo, a))
 

@@ -3,32 +3,90 @@ step, on the reference model, checked against the host computation of the refere
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from . import _core
 from ._core import stream_synchronize
 from .feed import NO_TOKEN
 from .pipeline import DecodePipeline, Request
-from .reference import ReferenceModel, host_next_token
+from .reference import ReferenceModel, _widened_logits, host_next_token
 from .timeline import Recorder
 
 
+def _host_sampled(history: List[int], mask: Tuple[int, int], sampling: Dict[str, Any],
+                  vocab: int, dtype: str, buffers: Tuple[Any, Any, Any]) -> int:
+    """One draw of the host sampler over one row: the reference logits after ``history``
+    (widened to float32, which draws as the narrow dtype does), at position ``len(history)``."""
+    import numpy as np
+
+    from .sampling import sampling_params
+
+    logits, cells, done = buffers
+    row = _widened_logits(history, vocab, dtype)
+    _core.copy_h2d_async(logits, row.view(np.uint8))
+    params = sampling_params(1, position=len(history), **sampling)
+    dst = np.zeros(1, np.uint32)
+    _core.sample_to_feed(logits, params, cells, dst, done, masks=[mask], vocab=vocab,
+                         dtype="float32")
+    done.synchronize()
+    return int(dst[0])
+
+
 def host_reference(prompt: List[int], mask: Tuple[int, int], stop: int, max_new: int, vocab: int,
-                   dtype: str) -> List[int]:
+                   dtype: str, sampling: Optional[Dict[str, Any]] = None) -> List[int]:
+    """The tokens of one request decoded alone, on the host: ``host_next_token`` step by step,
+    or, for a sampled request (``sampling``: ``temperature``, ``top_k``, ``top_p``, ``min_p``,
+    ``seed``; temperature above 0), the active backend's ``sample_to_feed`` over that one row
+    (``main`` makes it the host backend)."""
     history, out = list(prompt), []  # type: List[int], List[int]
-    while len(out) < max_new:
-        token = host_next_token(history, vocab, dtype, mask)
-        out.append(token)
-        history.append(token)
-        if token == stop:
-            break
+    if not sampling or sampling.get("temperature", 0.0) <= 0.0:
+        while len(out) < max_new:
+            token = host_next_token(history, vocab, dtype, mask)
+            out.append(token)
+            history.append(token)
+            if token == stop:
+                break
+        return out
+    buffers = (_core.DeviceBuffer(vocab * 4), _core.DeviceBuffer(4), _core.Event())
+    try:
+        while len(out) < max_new:
+            token = _host_sampled(history, mask, sampling, vocab, dtype, buffers)
+            out.append(token)
+            history.append(token)
+            if token == stop:
+                break
+    finally:
+        for buf in buffers:
+            buf.close()
     return out
 
 
-def make_requests(rows: int, max_new: int, vocab: int, dtype: str, seed: int) -> List[Dict[str, Any]]:
-    """Random prompts and masks; a quarter of the rows stop on an id they would generate."""
+@contextlib.contextmanager
+def on_host_backend(needed: bool = True) -> Iterator[None]:
+    """The host backend for the block (when ``needed``), the previous one back after it: the
+    sampled references run on the host whatever backend the demo decodes on."""
+    import metrale_feed
+
+    previous = metrale_feed.backend()
+    if not needed or previous == "host":
+        yield
+        return
+    metrale_feed.set_backend("host")
+    try:
+        yield
+    finally:
+        metrale_feed.set_backend(previous)
+
+
+def make_requests(rows: int, max_new: int, vocab: int, dtype: str, seed: int,
+                  sampling: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
+    """Random prompts and masks; a quarter of the rows stop on an id they would generate.
+    ``sampling`` (``temperature``, ``top_k``, ``top_p``, ``min_p``): every request samples
+    with them and a seed of its own."""
     rng = random.Random(seed)
     requests = []
     for index in range(rows):
@@ -36,11 +94,14 @@ def make_requests(rows: int, max_new: int, vocab: int, dtype: str, seed: int) ->
         mask = (NO_TOKEN, NO_TOKEN)
         if index % 2:  # ban the unmasked winner, so a wrong mask shows in the tokens
             mask = (host_next_token(prompt, vocab, dtype), rng.randrange(vocab))
+        own = None
+        if sampling and sampling.get("temperature", 0.0) > 0.0:
+            own = dict(sampling, seed=rng.getrandbits(64))
         stop = NO_TOKEN
         if index % 4 == 3 and max_new > 1:
-            trajectory = host_reference(prompt, mask, NO_TOKEN, max_new, vocab, dtype)
+            trajectory = host_reference(prompt, mask, NO_TOKEN, max_new, vocab, dtype, own)
             stop = trajectory[rng.randrange(max_new - 1)]
-        requests.append({"prompt": prompt, "mask": mask, "stop": stop})
+        requests.append({"prompt": prompt, "mask": mask, "stop": stop, "sampling": own})
     return requests
 
 
@@ -102,7 +163,8 @@ def _run(model: ReferenceModel, requests: List[Dict[str, Any]], max_new: int, de
             r = requests[i]
             stops = () if r["stop"] == NO_TOKEN else (r["stop"],)
             ban = None if tuple(r["mask"]) == (NO_TOKEN, NO_TOKEN) else r["mask"]
-            reqs[i] = pipe.submit(r["prompt"], max_new_tokens=max_new, stop_ids=stops, ban=ban)
+            reqs[i] = pipe.submit(r["prompt"], max_new_tokens=max_new, stop_ids=stops, ban=ban,
+                                  **(r.get("sampling") or {}))
         # Prefill before the clock starts (and has run: a harness may wait): decode is timed.
         pipe.admit()
         stream_synchronize(pipe.stream)
@@ -165,7 +227,8 @@ def _references(requests: List[Dict[str, Any]], max_new: int, vocab: int, dtype:
     bar = Progress("check", len(requests), show)
     expected = []
     for i, r in enumerate(requests):
-        expected.append(host_reference(r["prompt"], r["mask"], r["stop"], max_new, vocab, dtype))
+        expected.append(host_reference(r["prompt"], r["mask"], r["stop"], max_new, vocab, dtype,
+                                       r.get("sampling")))
         bar(i + 1)
     bar.finish()
     return expected
@@ -205,15 +268,27 @@ def _report(args: Any, work_us: float, step_us: Optional[float], fast: Dict[str,
     print(f"  async router: {stats.get('ahead_launches', 0)} steps launched ahead from the feed "
           f"cells;\n  {stats.get('rollbacks', 0)} rows rolled back (a row stopped with its next step "
           f"already launched: that step is discarded, its KV reservation returned)")
-    words = {"tokens": f"all {total} tokens of both routers equal the host computation of the "
-                       f"reference model (masks and stop ids included)",
+    what = ("the host sampler's draws over the reference logits, each request alone"
+            if _sampling_of(args) else "the host computation of the reference model")
+    words = {"tokens": f"all {total} tokens of both routers equal {what} (masks and stop ids "
+                       f"included)",
              "pool": "every KV block went back to the pool",
              "live": "no event, stream, pinned or device memory is left live after teardown"}
     for key, text in words.items():
         print(f"{'checked' if checks[key] else 'FAILED'}: {text}")
     print("try: --host-work-us 0 (no host work), --host-work spin (host work that holds a core), "
-          "--host-work-us N,\n     --rows, --tokens, --vocab, --dtype, --device-threads; "
-          "--trace run.json or --plot run.png to see the lanes")
+          "--host-work-us N,\n     --rows, --tokens, --vocab, --dtype, --device-threads;"
+          "\n     --temperature, --top-k, --top-p, --min-p (sampling); --trace run.json or "
+          "--plot run.png to see the lanes")
+
+
+def _sampling_of(args: Any) -> Optional[Dict[str, Any]]:
+    """The sampling options (None when greedy: temperature 0 or not given)."""
+    temperature = getattr(args, "temperature", 0.0) or 0.0
+    if temperature <= 0.0:
+        return None
+    return {"temperature": temperature, "top_k": getattr(args, "top_k", 0),
+            "top_p": getattr(args, "top_p", 1.0), "min_p": getattr(args, "min_p", 0.0)}
 
 
 def main(args: Any) -> int:
@@ -241,9 +316,18 @@ def main(args: Any) -> int:
     print(f"metrale-feed demo: {args.rows} rows, up to {args.tokens} new tokens each, vocab "
           f"{args.vocab}, {args.dtype} logits, seed {args.seed}")
     print(f"backend: {metrale_feed.backend()} ({device})")
+    sampling = _sampling_of(args)
+    if sampling:
+        print(f"sampling: temperature {sampling['temperature']:g}, top_k {sampling['top_k']}, "
+              f"top_p {sampling['top_p']:g}, min_p {sampling['min_p']:g}, a seed per request; "
+              f"the reference draws on the host backend, one request at a time")
+    else:
+        print("decoding: greedy (the argmax); --temperature above 0 samples")
     show = not args.quiet and sys.stderr.isatty()
-    requests = make_requests(args.rows, args.tokens, args.vocab, args.dtype, args.seed)
-    expected = _references(requests, args.tokens, args.vocab, args.dtype, show)
+    with on_host_backend(sampling is not None):
+        requests = make_requests(args.rows, args.tokens, args.vocab, args.dtype, args.seed,
+                                 sampling)
+        expected = _references(requests, args.tokens, args.vocab, args.dtype, show)
     total = sum(len(e) for e in expected)
     model = ReferenceModel(args.vocab, block_size=args.block_size,
                            num_blocks=args.rows * ((24 + args.tokens) // args.block_size + 3),

@@ -13,7 +13,9 @@ a row's step in flight is thrown away and where its KV blocks go is decided here
 
 from __future__ import annotations
 
+import math
 import os
+import struct
 import warnings
 from collections import deque
 from functools import partial
@@ -32,6 +34,48 @@ __all__ = ["DecodePipeline", "Request", "PipelineStats"]
 _UNMASKED_PAIR = (NO_TOKEN, NO_TOKEN)
 _drain: "partial[Deque[Any]]" = partial(deque, maxlen=0)  # runs an iterator out, keeping nothing
 _IDENTITY: Dict[int, List[FeedSource]] = {}  # rows -> [feed(0), feed(1), ...], made once
+_GREEDY = (0.0, 0, 1.0, 0.0, 0)  # temperature, top_k, top_p, min_p, seed: the argmax
+_F32 = struct.Struct("<f")
+
+
+def _float32(value: Any, name: str) -> float:
+    """``value`` rounded to float32, as ``SAMPLING_PARAMS_DTYPE`` stores it, so a value that
+    passes here is the value the sampler checks (1e-50 is 0.0 in float32; 1e39 is refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            value = float(value)  # numpy scalars and the like; a str is a TypeError
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be a real number, got {type(value).__name__}") from None
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    try:
+        rounded: float = _F32.unpack(_F32.pack(value))[0]
+    except OverflowError:
+        raise ValueError(f"{name} {value} is outside float32") from None
+    return rounded
+
+
+def _sampling(temperature: Any, top_k: Any, top_p: Any, min_p: Any,
+              seed: Any) -> Tuple[float, int, float, float, int]:
+    """The sampling parameters of ``submit``, checked (the rules of ``sample_to_feed``,
+    docs/kernels.md), as float32 values and unsigned ints."""
+    t = _float32(temperature, "temperature")
+    if t < 0.0:
+        raise ValueError(f"temperature must be at least 0, got {temperature}")
+    p = _float32(top_p, "top_p")
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    m = _float32(min_p, "min_p")
+    if not 0.0 <= m < 1.0:
+        raise ValueError(f"min_p must be in [0, 1), got {min_p}")
+    k = index(top_k)
+    if not 0 <= k <= 0xFFFFFFFF:
+        raise ValueError(f"top_k must be in [0, 2**32) (0: every id), got {k}")
+    s = index(seed)
+    if not 0 <= s <= 0xFFFFFFFFFFFFFFFF:
+        raise ValueError(f"seed must be in [0, 2**64), got {s}")
+    return (t, k, p, m, s)
 
 
 def _order_of(req: "Request") -> int:
@@ -60,18 +104,24 @@ class Request:
     ban : RowMask or None
     order : int
         Its place in submission order (first come, first served).
+    sampling : tuple, optional
+        ``(temperature, top_k, top_p, min_p, seed)``, checked by ``submit``; greedy by default.
 
     Attributes
     ----------
     prompt : tuple of int
     tokens : list of int
-        Committed generated ids (greedy), never a speculative one.
+        Committed generated ids, never a speculative one.
     max_new_tokens : int
     stop_ids : frozenset of int
     finished : bool
     finish_reason : {"stop", "length", "abort"} or None
     ban : RowMask or None
         The row's mask; may be set between steps and applies from the next launched step.
+    temperature, top_k, top_p, min_p, seed
+        Its sampling parameters (``submit``); ``temperature == 0`` is greedy decoding.
+    sampled : bool
+        ``temperature > 0``.
 
     Examples
     --------
@@ -92,10 +142,11 @@ class Request:
 
     __slots__ = ("prompt", "tokens", "max_new_tokens", "stop_ids", "finished", "finish_reason",
                  "_ban", "_mask", "_pipe", "_seq", "_join", "_last", "_base", "_order", "_bound",
-                 "_reserved_at")
+                 "_reserved_at", "_pos0", "temperature", "top_k", "top_p", "min_p", "seed")
 
     def __init__(self, pipe: "DecodePipeline", prompt: Tuple[int, ...], max_new_tokens: int,
-                 stop_ids: FrozenSet[int], ban: Optional[RowMask], order: int) -> None:
+                 stop_ids: FrozenSet[int], ban: Optional[RowMask], order: int,
+                 sampling: Tuple[float, int, float, float, int] = _GREEDY) -> None:
         self.prompt = prompt
         self.tokens: List[int] = []
         self.max_new_tokens = max_new_tokens
@@ -112,6 +163,13 @@ class Request:
         self._order = order  # admission order: the youngest running one is preempted first
         self._bound = -1  # the launch at which its next KV block is reserved
         self._reserved_at = -1  # the last launch that reserved a block for it
+        self._pos0 = 0  # its position at launch L is _pos0 + L (set when it joins)
+        self.temperature, self.top_k, self.top_p, self.min_p, self.seed = sampling
+
+    @property
+    def sampled(self) -> bool:
+        """Whether its ids are drawn (``temperature > 0``) rather than the argmax."""
+        return self.temperature > 0.0
 
     @property
     def ban(self) -> Optional[RowMask]:
@@ -238,7 +296,8 @@ class PipelineStats:
 
 
 class DecodePipeline:
-    """Greedy decoding of many requests through a ``ModelDeviceFeed``, ``depth`` steps deep.
+    """Greedy or sampled decoding of many requests through a ``ModelDeviceFeed``, ``depth``
+    steps deep.
 
     Parameters
     ----------
@@ -332,6 +391,12 @@ class DecodePipeline:
         self._prev_ids: List[int] = []  # debug: the last awaited step's ids
         self._closed = False
         self._debug = _Debug(self) if self.debug and self.fed else None
+        # Sampling: the models that override the trait's default can draw; a step with a
+        # sampled row passes one params record per row (``_params``), rebuilt with the batch.
+        sampler = getattr(type(model), "sample_batch_to_feed", None)
+        self._can_sample = sampler not in (None, ModelDeviceFeed.sample_batch_to_feed)
+        self._params: Any = None  # SAMPLING_PARAMS_DTYPE records of self._rows, or None
+        self._positions: Any = None  # per row: its position at launch 0 (int64)
 
     # ---- submission ----
 
@@ -355,7 +420,8 @@ class DecodePipeline:
         return RowMask(pair[0], pair[1])
 
     def submit(self, prompt_ids: Iterable[int], *, max_new_tokens: int,
-               stop_ids: Iterable[int] = (), ban: Any = None) -> Request:
+               stop_ids: Iterable[int] = (), ban: Any = None, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0) -> Request:
         """Queue a request; it joins the batch at the next launch with room for it.
 
         Parameters
@@ -367,7 +433,24 @@ class DecodePipeline:
         stop_ids : iterable of int
             Ids that finish the request (committed as its last token).
         ban : pair of int, optional
-            A ``RowMask``: ids the row's argmax may not answer (``NO_TOKEN`` where unused).
+            A ``RowMask``: ids the row may not answer (``NO_TOKEN`` where unused).
+        temperature : float, optional
+            0 (the default): greedy decoding, the argmax. Above 0: each id is drawn from
+            ``softmax(logit / temperature)`` over the ids the filters below keep, by the
+            model's ``sample_batch_to_feed`` (docs/kernels.md, "Sampling"). Finite, at least 0.
+        top_k : int, optional
+            Keep the ``top_k`` most probable ids; 0 (the default) keeps all. Below 2**32.
+        top_p : float, optional
+            Keep the smallest set of the most probable ids whose probability reaches ``top_p``;
+            in (0, 1], default 1.0 (all).
+        min_p : float, optional
+            Keep the ids whose probability is at least ``min_p`` times the largest; in [0, 1),
+            default 0.0 (all).
+        seed : int, optional
+            The key of the counter-based draw, in [0, 2**64). The draw of each token depends on
+            the seed, the logits and the position ``len(prompt) + len(tokens)`` alone, so a
+            request gets the same tokens whatever the batch, its row, the depth or a
+            preemption.
 
         Returns
         -------
@@ -376,12 +459,25 @@ class DecodePipeline:
         Raises
         ------
         ValueError, TypeError
-            Bad input, or a request that could never fit the KV pool; nothing is queued.
+            Bad input (sampling parameters included, checked as float32 values), or a request
+            that could never fit the KV pool; nothing is queued.
         FeedError
-            The pipeline is closed.
+            The pipeline is closed, or a sampled request for a model without
+            ``sample_batch_to_feed``.
+
+        Examples
+        --------
+        >>> import metrale_feed as mf
+        >>> from metrale_feed.reference import ReferenceModel
+        >>> model = ReferenceModel(1000, max_rows=2)
+        >>> with mf.DecodePipeline(model, 2) as pipe:
+        ...     a = pipe.submit([5, 6], max_new_tokens=4, temperature=0.8, top_p=0.9, seed=1)
+        ...     b = pipe.submit([5, 6], max_new_tokens=4, temperature=0.8, top_p=0.9, seed=1)
+        ...     finished = pipe.run()
+        >>> model.close()
+        >>> a.tokens == b.tokens, len(a.tokens)     # same prompt, params and seed: same draws
+        (True, 4)
         """
-        # Sampling parameters (temperature, top_k, top_p, min_p, seed) would be validated here
-        # and carried on the Request; _launch is the one place that picks the feed method.
         if self._closed:
             raise FeedError("the pipeline is closed")
         prompt = tuple(self._token(t, "prompt id") for t in prompt_ids)
@@ -392,13 +488,17 @@ class DecodePipeline:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new}")
         stops = frozenset(self._token(t, "stop id") for t in stop_ids)
         mask = self._check_ban(ban)
+        sampling = _sampling(temperature, top_k, top_p, min_p, seed)
+        if sampling[0] > 0.0 and not self._can_sample:
+            raise FeedError(f"{type(self.model).__name__} has no sample_batch_to_feed: a request "
+                            f"with temperature > 0 cannot run on it")
         blocks = self._blocks_for(len(prompt) + max_new - 1)
         if blocks is not None and self._pool is not None and blocks > self._pool.num_blocks:
             raise ValueError(f"the request needs {blocks} KV blocks at most (prompt "
                              f"{len(prompt)} + {max_new} new tokens); the pool has "
                              f"{self._pool.num_blocks}")
         self._orders += 1
-        req = Request(self, prompt, max_new, stops, mask, self._orders)
+        req = Request(self, prompt, max_new, stops, mask, self._orders, sampling)
         self._waiting.append(req)
         return req
 
@@ -521,6 +621,9 @@ class DecodePipeline:
     def _join(self, req: Request, launch: int) -> None:
         req._join = launch
         req._last = launch + req.max_new_tokens - len(req.tokens) - 1
+        # The step of launch L draws token len(tokens) + (L - launch): its position is known
+        # from the launch number, and after a preemption it resumes from the committed tokens.
+        req._pos0 = len(req.prompt) + len(req.tokens) - launch
         self._ending.setdefault(req._last, []).append(req)
         if req.stop_ids:
             self._stop_union = self._stop_union | req.stop_ids
@@ -552,6 +655,13 @@ class DecodePipeline:
                 masks = [r._mask for r in rows]
             self._masks = masks
         masks = self._masks
+        if self._dirty or rows is not self._rows:
+            self._params = self._sampling_params(rows)
+        params = self._params
+        if params is not None:
+            # Host params are read before the feed method returns, so rewriting the one array
+            # each launch never changes what a step in flight draws.
+            params["position"] = self._positions + launch
         io = self.io
         if self.fed:
             if self._dirty or rows is not self._rows:
@@ -567,12 +677,12 @@ class DecodePipeline:
             debug = self._debug
             if debug is not None:
                 slot = debug.before(sources, len(rows))
-            ticket = io._launch(True, sources, self._seqs_of(rows), masks, True)
+            ticket = io._launch(True, sources, self._seqs_of(rows), masks, True, params)
             if debug is not None:
                 debug.after(len(rows))
         else:
             sources = [r.tokens[-1] if r.tokens else r.prompt[-1] for r in rows]
-            ticket = io._launch(False, sources, self._seqs_of(rows), masks, True)
+            ticket = io._launch(False, sources, self._seqs_of(rows), masks, True, params)
         self._launches = launch + 1
         if rows is not self._rows or self._lists is None:
             self._lists = [r.tokens for r in rows]
@@ -586,6 +696,22 @@ class DecodePipeline:
         self._rows = rows
         self._dirty = self._masks_dirty = False
         return True
+
+    def _sampling_params(self, rows: List[Request]) -> Any:
+        """One ``SAMPLING_PARAMS_DTYPE`` record per row when any row samples (positions are set
+        at each launch), else None: an all-greedy step keeps the argmax and imports no numpy."""
+        if not any(r.temperature > 0.0 for r in rows):
+            self._positions = None
+            return None
+        import numpy as np
+
+        from .sampling import SAMPLING_PARAMS_DTYPE
+
+        params = np.zeros(len(rows), SAMPLING_PARAMS_DTYPE)
+        for field in ("temperature", "top_k", "top_p", "min_p", "seed"):
+            params[field] = [getattr(r, field) for r in rows]
+        self._positions = np.array([r._pos0 for r in rows], np.int64)
+        return params
 
     def _seqs_of(self, rows: List[Request]) -> List[SequenceState]:
         if rows is not self._rows or self._seqs is None:

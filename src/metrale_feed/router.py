@@ -171,6 +171,28 @@ def _check_inputs(fed: bool, inputs: Sequence[int], masks: Any, vocab: Optional[
                     raise ValueError(f"mask id {token} of row {at // 2} is not below vocab {vocab}")
 
 
+def _check_params(params: Any, rows: int) -> None:
+    """Sampling params refused before the forward, not after it: their dtype, their rows and
+    the ranges ``sample_to_feed`` checks (docs/kernels.md), so a bad record runs no step."""
+    from .sampling import SAMPLING_PARAMS_DTYPE  # numpy is loaded: params is an array
+
+    if getattr(params, "dtype", None) != SAMPLING_PARAMS_DTYPE:
+        raise TypeError("params must be an array of metrale_feed.SAMPLING_PARAMS_DTYPE records, "
+                        f"not {getattr(params, 'dtype', type(params).__name__)}")
+    if len(params) < rows:
+        raise ValueError(f"params hold {len(params)} rows, fewer than the {rows} launched")
+    import numpy as np
+
+    head = params[:rows]
+    t, p, m = head["temperature"], head["top_p"], head["min_p"]
+    if not (np.isfinite(t) & (t >= 0)).all():
+        raise ValueError("params: a temperature is negative or not finite")
+    if not ((p > 0) & (p <= 1)).all():
+        raise ValueError("params: a top_p is outside (0, 1]")
+    if not ((m >= 0) & (m < 1)).all():
+        raise ValueError("params: a min_p is outside [0, 1)")
+
+
 class _Ring:
     """Readback slots of ``max_rows`` ids in the model's pinned memory, one event each. Each slot
     has a generation, bumped when it is handed to a new step."""
@@ -238,9 +260,11 @@ class _DeviceIo:
         return self._ring
 
     def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
-                masks: Any, checked: bool = False) -> Ticket:
-        """``checked``: the caller (the decode pipeline) built inputs and masks itself from ids it
-        validated once, so the per-row checks are skipped."""
+                masks: Any, checked: bool = False, params: Any = None) -> Ticket:
+        """``checked``: the caller (the decode pipeline) built inputs, masks and params itself
+        from values it validated once, so the per-row checks are skipped. ``params``: one
+        ``SAMPLING_PARAMS_DTYPE`` record per row, the step then answered by the model's
+        ``sample_batch_to_feed``; None, its ``argmax_batch_to_feed``."""
         ring = self._open_ring()
         rows = len(seqs)
         if not 1 <= rows <= self.max_rows:
@@ -253,6 +277,8 @@ class _DeviceIo:
         if not checked:
             _check_inputs(fed, inputs, None if masks is _UNMASKED.get(rows) else masks,
                           self._vocab, self._prev_rows)
+            if params is not None:
+                _check_params(params, rows)
         slot = ring.acquire()  # before anything is launched: exhaustion launches nothing
         model = self.model
         if fed:
@@ -260,7 +286,12 @@ class _DeviceIo:
         else:
             logits = model.decode_batch(inputs, seqs, self.stream)  # type: ignore[attr-defined]
         try:
-            model.argmax_batch_to_feed(logits, masks, ring.ptrs[slot], ring.events[slot], self.stream)
+            if params is None:
+                model.argmax_batch_to_feed(logits, masks, ring.ptrs[slot], ring.events[slot],
+                                           self.stream)
+            else:
+                model.sample_batch_to_feed(logits, params, masks, ring.ptrs[slot],
+                                           ring.events[slot], self.stream)
         except BaseException:
             if not fed:  # decode_batch pushed the inputs: a step that never ran pushes nothing
                 for seq in seqs:
@@ -282,7 +313,8 @@ class _DeviceIo:
             ticket.reservations, self._pending = self._pending, []
         return ticket
 
-    def launch_decode(self, tokens: Sequence[int], seqs: Sequence[SequenceState], masks: Any) -> Ticket:
+    def launch_decode(self, tokens: Sequence[int], seqs: Sequence[SequenceState], masks: Any, *,
+                      params: Any = None) -> Ticket:
         """Launch a step whose input ids the host knows (a first step, or after a settle).
 
         The model's ``decode_batch`` pushes each id to its sequence and advances ``seq_len``.
@@ -295,6 +327,10 @@ class _DeviceIo:
             The rows' sequences, as many as ``tokens``.
         masks : sequence of (int, int), uint32 buffer, or None
             Two banned ids per row (``NO_TOKEN`` where unused); None bans nothing.
+        params : numpy.ndarray, optional
+            One ``SAMPLING_PARAMS_DTYPE`` record per row: the step's ids are drawn by the
+            model's ``sample_batch_to_feed`` (docs/kernels.md, "Sampling"). None (the default):
+            the argmax, by ``argmax_batch_to_feed``. Read before the call returns.
 
         Returns
         -------
@@ -304,16 +340,19 @@ class _DeviceIo:
         Raises
         ------
         ValueError
-            No rows, more than ``max_rows``, row counts that disagree, or ids outside the
-            model's vocabulary; nothing is launched.
+            No rows, more than ``max_rows``, row counts that disagree, ids outside the
+            model's vocabulary, or fewer params than rows; nothing is launched.
+        TypeError
+            ``params`` that are not ``SAMPLING_PARAMS_DTYPE`` records; nothing is launched.
         FeedError
             Every readback slot holds an unread result, or the router was torn down.
         KvPoolExhausted
             The model found no free KV block.
         """
-        return self._launch(False, tokens, seqs, masks)
+        return self._launch(False, tokens, seqs, masks, params=params)
 
-    def launch_fed(self, sources: Sequence[int], seqs: Sequence[SequenceState], masks: Any) -> Ticket:
+    def launch_fed(self, sources: Sequence[int], seqs: Sequence[SequenceState], masks: Any, *,
+                   params: Any = None) -> Ticket:
         """Launch a step whose inputs are resolved on the device from FeedSource words.
 
         ``FeedSource.feed(r)`` takes the id row ``r`` of the previous step wrote to the feed cells;
@@ -327,6 +366,8 @@ class _DeviceIo:
             One FeedSource word per row.
         seqs : sequence of SequenceState
         masks : sequence of (int, int), uint32 buffer, or None
+        params : numpy.ndarray, optional
+            As for ``launch_decode``: sampling parameters per row, or None for the argmax.
 
         Returns
         -------
@@ -335,12 +376,15 @@ class _DeviceIo:
         Raises
         ------
         ValueError
-            No rows, more than ``max_rows``, lengths that disagree, or a ``from_row`` beyond the
-            previous step's rows; nothing is launched and no block is taken.
+            No rows, more than ``max_rows``, lengths that disagree, a ``from_row`` beyond the
+            previous step's rows, or fewer params than rows; nothing is launched and no block
+            is taken.
+        TypeError
+            ``params`` that are not ``SAMPLING_PARAMS_DTYPE`` records.
         FeedError
             The ring is exhausted, or the router was torn down.
         """
-        return self._launch(True, sources, seqs, masks)
+        return self._launch(True, sources, seqs, masks, params=params)
 
     # ---- readback ----
 
@@ -679,11 +723,11 @@ class SyncDeviceIo(_DeviceIo):
         self._results: Dict[int, List[int]] = {}
 
     def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
-                masks: Any, checked: bool = False) -> Ticket:
+                masks: Any, checked: bool = False, params: Any = None) -> Ticket:
         if fed and not self.model.supports_device_token_feed():
             raise FeedError("launch_fed needs the device feed; with a settled step the inputs are "
                             "host-known, so use launch_decode")
-        ticket = super()._launch(fed, inputs, seqs, masks, checked)
+        ticket = super()._launch(fed, inputs, seqs, masks, checked, params)
         self._results[ticket.step] = super().await_result(ticket)
         self.stats.ahead_launches = 0
         return ticket

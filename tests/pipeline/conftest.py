@@ -28,3 +28,42 @@ def greedy_tokens(prompt, max_new, vocab, dtype="float32", stops=(), ban=None, s
 @pytest.fixture
 def greedy():
     return greedy_tokens
+
+
+def sampled_tokens(prompt, max_new, vocab, dtype="float32", stops=(), ban=None, *,
+                   temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0):
+    """What decoding of the request alone gives: at each step the host backend's
+    ``sample_to_feed`` over one row, the reference model's logits (``host_logits``) at position
+    ``len(prompt) + len(tokens)``; the stop id committed as the last token. Needs the host
+    backend active (the ``host`` fixture)."""
+    import numpy as np
+
+    import metrale_feed as mf
+    from metrale_feed.reference import host_logits
+
+    assert mf.backend() == "host"
+    mask = np.array([tuple(ban) if ban else (NO_TOKEN, NO_TOKEN)], np.uint32)
+    history, out = list(prompt), []
+    itemsize = 4 if dtype == "float32" else 2
+    with mf.DeviceBuffer(vocab * itemsize) as logits, mf.DeviceBuffer(4) as cells, \
+            mf.Event() as done:
+        while len(out) < max_new:
+            row = np.ascontiguousarray(host_logits(history, vocab, dtype)).view(np.uint8)
+            mf.copy_h2d_async(logits, row)
+            params = mf.sampling_params(1, temperature=temperature, top_k=top_k, top_p=top_p,
+                                        min_p=min_p, seed=seed, position=len(history))
+            dst = np.zeros(1, np.uint32)
+            mf.sample_to_feed(logits, params, cells, dst, done, masks=mask, vocab=vocab,
+                              dtype=dtype)
+            done.synchronize()
+            token = int(dst[0])
+            out.append(token)
+            history.append(token)
+            if token in stops:
+                break
+    return out
+
+
+@pytest.fixture
+def sampled():
+    return sampled_tokens
