@@ -862,7 +862,7 @@ def main(args: Any) -> int:
         print(f"figures written to {args.json}")
     ok = (all(e["checked"] for e in record["argmax"]) and record["argmax_options"]["checked"]
           and all(lv["same_tokens"] for lv in record["router"]["levels"])
-          and all(lv["same_tokens"] for lv in record["interop"].get("llama", {}).get("levels", []
+          and all(lv["same_tokens"] for lv in record["interop"].get("llama", {}).get("levels", []))
           and record["router"]["sampling"]["checked"])
     if not ok:
         print("a correctness check failed: argmax ids or router tokens differ (sampled ones "
