@@ -67,7 +67,13 @@ def test_a_failing_forward_surfaces_at_the_read(one_thread):
     try:
         seq = mf.SequenceState(0)
         feed.prefill(seq, [1, 2])
-        ticket = io.launch_decode([300], [seq], None)  # past the vocabulary: the forward raises
+        mf.stream_synchronize(0)  # the prefill's forward has run before the model breaks
+
+        def broken(*args, **kwargs):  # the torch forward fails on the stream's worker
+            raise IndexError("index out of range in self")
+
+        model.forward = broken
+        ticket = io.launch_decode([3], [seq], None)  # queued: the call itself does not raise
         with pytest.raises(FeedError, match="host function") as info:
             io.await_result(ticket)
         assert isinstance(info.value.__cause__, IndexError)
