@@ -50,6 +50,9 @@ struct Ops {
     mf_status (*resolve)(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t prev_rows,
                          uint32_t *out, bool sources_on_device, void *stream);
     mf_status (*reference_forward)(const mf_reference_args *args, void *stream);
+    // Cells, logprobs and the fault word from gathered partial blocks (logprob_rule.h); copies
+    // and the record are composed by api_kernels.cpp.
+    mf_status (*combine)(const mf_combine_args *args, void *stream);
 };
 
 extern const Ops host_ops;

@@ -228,6 +228,12 @@ mf_status reference_forward(const mf_reference_args *args, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status combine(const mf_combine_args *args, void *stream) {
+    CombineJob job(*args);  // host params copied: the caller may reuse them
+    stream_of(stream)->enqueue("combine_partials", [job = std::move(job)] { run_combine(job); });
+    return MF_SUCCESS;
+}
+
 }  // namespace
 
 uint32_t lag_us() { return g_lag_us.load(std::memory_order_relaxed); }
@@ -264,6 +270,7 @@ const Ops host_ops = {
     .argmax = argmax,
     .resolve = resolve,
     .reference_forward = reference_forward,
+    .combine = combine,
 };
 }  // namespace mf
 
