@@ -400,3 +400,39 @@ def test_split_on_cuda(backend, dev):
     want, _ = pick(dev, logits, masks, bitmask, params=params)
     ids, _, _ = split(dev, logits, [0, 1234, 5000], masks, bitmask, params=params)
     assert np.array_equal(ids, want)
+
+
+# ---- property: any split, any masks, the unsharded call's answer ----
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+# The fixtures hold for every example: the backend and the helpers carry no per-example state.
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_split_equals_unsharded(host, dev, data):
+    vocab = data.draw(st.integers(1, 300), label="vocab")
+    rows = data.draw(st.integers(1, 6), label="rows")
+    cuts = sorted(data.draw(st.lists(st.integers(0, vocab), max_size=5), label="cuts"))
+    offsets = [0, *cuts, vocab]
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    dtype = DTYPES[data.draw(st.sampled_from(sorted(DTYPES)), label="dtype")]
+    sampled = data.draw(st.booleans(), label="sampled")
+    rng = np.random.default_rng(seed)
+    pool = np.array([-np.inf, -1.5, -0.0, 0.0, 0.25, 1.0, np.nan, 3.0], np.float32)
+    logits = np.where(rng.random((rows, vocab)) < 0.5, pool[rng.integers(0, 8, (rows, vocab))],
+                      rng.standard_normal((rows, vocab)).astype(np.float32)).astype(dtype)
+    masks = rng.integers(0, vocab, (rows, 2)).astype(np.uint32)
+    masks[rng.random((rows, 2)) < 0.3] = mf.NO_TOKEN
+    bitmask = None
+    if data.draw(st.booleans(), label="bitmask"):
+        bitmask = rng.integers(-2**31, 2**31, (rows, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+    params = None
+    if sampled:
+        params = mf.sampling_params(rows, temperature=rng.uniform(0.2, 3.0, rows), seed=int(seed),
+                                    position=np.arange(rows))
+    want, _ = pick(dev, logits, masks, bitmask, params=params)
+    ids, lp, fault = split(dev, logits, offsets, masks, bitmask, params=params)
+    _core._check_partials_fault(fault)
+    assert np.array_equal(ids, want)
+    assert_close(lp, reference_logprobs(logits, ids))
