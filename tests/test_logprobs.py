@@ -158,6 +158,21 @@ def test_same_inputs_same_bits_and_ids_unchanged(path, dev):
     assert np.array_equal(lp1.view(np.uint32), lp2.view(np.uint32))
 
 
+def test_pinned_pointer_destination(host, dev):
+    logits = np.arange(12, dtype=np.float32).reshape(3, 4)
+    buf, cells, lp = dev.upload(logits), mf.DeviceBuffer(12), mf.DeviceBuffer(12)
+    ptr = mf.alloc_host_pinned(12)
+    with mf.Event() as done:
+        mf.argmax_to_feed(buf, None, cells, None, done, rows=3, vocab=4, dtype="float32", logprobs=lp,
+                          logprobs_dst=ptr)
+        done.synchronize()
+    got = np.array(mf.read_pinned_u32(ptr, 3), np.uint32).view(np.float32)
+    mf.free_host_pinned(ptr, 12)
+    assert_close(got, reference_logprobs(logits, [3, 3, 3]))
+    for b in (buf, cells, lp):
+        b.close()
+
+
 def test_padded_row_stride(host, dev):
     rng = np.random.default_rng(8)
     wide = rng.standard_normal((6, 130)).astype(np.float32)
@@ -205,8 +220,8 @@ def test_bad_logprobs_buffers_raise_before_queueing(host, dev):
                           **common)
     with pytest.raises(ValueError, match="needs logprobs"):
         mf.argmax_to_feed(buf, None, cells, ids, None, logprobs_dst=np.zeros(4, np.float32), **common)
-    with pytest.raises(TypeError):
-        mf.argmax_to_feed(buf, None, cells, ids, None, logprobs=ok, logprobs_dst=7, **common)
+    with pytest.raises(FeedError):  # an int is a pinned pointer of this package
+        mf.argmax_to_feed(buf, None, cells, ids, None, logprobs=ok, logprobs_dst=4096, **common)
     mf.stream_synchronize(0)
     assert (ids == 99).all()  # nothing was queued
     for b in (buf, cells, small, ok):

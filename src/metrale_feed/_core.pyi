@@ -171,14 +171,14 @@ def argmax_to_feed(logits: _DeviceLike, masks: _MasksLike | _DeviceLike | None, 
                    rows: int | None = None, vocab: int, dtype: _DType,
                    row_stride: int | None = None, bitmask: _DeviceLike | None = None,
                    logprobs: _DeviceLike | None = None,
-                   logprobs_dst: Buffer | None = None) -> int: ...
+                   logprobs_dst: Buffer | int | None = None) -> int: ...
 def sample_to_feed(logits: _DeviceLike, params: Buffer | _DeviceLike, cells: _DeviceLike,
                    dst: Buffer | int | None, event: _EventLike | None, stream: _StreamLike = 0, *,
                    masks: _MasksLike | _DeviceLike | None = None,
                    bitmask: _DeviceLike | None = None, rows: int | None = None,
                    vocab: int | None = None, dtype: _DType | None = None,
                    row_stride: int | None = None, logprobs: _DeviceLike | None = None,
-                   logprobs_dst: Buffer | None = None) -> int: ...
+                   logprobs_dst: Buffer | int | None = None) -> int: ...
 def resolve_feed(sources: _WordsLike | _DeviceLike, cells: _DeviceLike, out: _DeviceLike,
                  stream: _StreamLike = 0, *, prev_rows: int | None = None,
                  rows: int | None = None) -> None: ...
@@ -204,7 +204,7 @@ def _combine_partials(partials: _DeviceLike, world: int, cells: _DeviceLike,
                       dst: Buffer | int | None, event: _EventLike | None,
                       stream: _StreamLike = 0, *, rows: int, vocab: int, call: int,
                       fault_dst: Buffer, params: Buffer | None = None,
-                      logprobs: _DeviceLike | None = None, logprobs_dst: Buffer | None = None,
+                      logprobs: _DeviceLike | None = None, logprobs_dst: Buffer | int | None = None,
                       slice_stride: int | None = None) -> None: ...
 def _check_partials_fault(fault_dst: Buffer) -> None: ...
 

@@ -182,6 +182,7 @@ cdef _HeldBuffer fill_logprobs(float **dev, void **host, object logprobs, object
     object can say) and a host float32 destination; returns a foreign host buffer to hold."""
     cdef void *ptr
     cdef size_t n = 0
+    cdef uint64_t e
     cdef _HeldBuffer held = None
     dev[0] = NULL
     host[0] = NULL
@@ -194,9 +195,12 @@ cdef _HeldBuffer fill_logprobs(float **dev, void **host, object logprobs, object
     dev[0] = <float *>ptr
     if logprobs_dst is None:
         return None
+    if isinstance(logprobs_dst, int) and not isinstance(logprobs_dst, bool):
+        u64_of(logprobs_dst, &e, "logprobs_dst pointer")  # pinned memory of this package, as dst
+        pinned_range(e, <size_t>rows * 4)
+        host[0] = <void *><size_t>e
+        return None
     check_float_rows(logprobs_dst, rows, "logprobs_dst", False)
-    if isinstance(logprobs_dst, int):
-        raise TypeError("logprobs_dst must be a buffer (a PinnedBuffer or a float32 array), not an int")
     held = host_ptr_of(logprobs_dst, True, host, &n)
     if n < <size_t>rows * 4:
         raise ValueError(f"logprobs_dst holds {n} bytes; {rows} float32 logprobs need {rows * 4}")
@@ -300,9 +304,9 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
         before masks and bitmask; NaN logits count as ``-inf``), within 2e-5 or 2 float32 ulps of
         a float64 reference. A ``-inf`` or NaN choice gives ``-inf``; a ``NO_TOKEN`` row, a row with
         no finite logit and a row with a ``+inf`` logit give NaN (docs/kernels.md, "Logprobs").
-    logprobs_dst : PinnedBuffer or writable float32 buffer, optional
-        Where ``logprobs`` is copied, after ``dst`` and before the event record; needs
-        ``logprobs``.
+    logprobs_dst : PinnedBuffer, writable float32 buffer, int, or None
+        Where ``logprobs`` is copied (an int: a pointer from ``alloc_host_pinned``), after
+        ``dst`` and before the event record; needs ``logprobs``.
 
     Returns
     -------
