@@ -126,7 +126,7 @@ RowStats stats_f32(const float *p, uint32_t n) {
 }
 #endif
 
-// The record of row `r` of block `base`, whose blocks lie `stride` records apart.
+// Row r's record in block 0 (block w's is `slice_stride * w` records further).
 const mf_partial_record *records_of(const mf_combine_args &a, uint32_t r) {
     return (const mf_partial_record *)a.partials + MF_PARTIAL_HEADER_RECORDS + r;
 }
