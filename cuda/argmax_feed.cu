@@ -53,19 +53,21 @@ struct Best {
 };
 
 // One 16-byte vector starting at id `base`; lower ids sit in lower bytes (little-endian).
-// `bits`: the row's bitmask words or nullptr; an id it disallows is never offered.
+// `bits`: the row's bitmask words or nullptr, where local id i is bit `bit0 + i` (bit0: a slice's
+// first global id); an id it disallows is never offered.
 template <class E>
-__device__ __forceinline__ void offer_vec(Best &b, uint4 v, uint32_t base, const uint32_t *bits) {
+__device__ __forceinline__ void offer_vec(Best &b, uint4 v, uint32_t base, const uint32_t *bits,
+                                          uint32_t bit0) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
     if (sizeof(typename E::T) == 4) {
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            if (mf_bit_allowed(bits, base + j)) b.offer(E::key(w[j]), base + j);
+            if (mf_bit_allowed(bits, bit0 + base + j)) b.offer(E::key(w[j]), base + j);
     } else {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            if (mf_bit_allowed(bits, base + 2 * j)) b.offer(E::key(w[j] & 0xFFFFu), base + 2 * j);
-            if (mf_bit_allowed(bits, base + 2 * j + 1)) b.offer(E::key(w[j] >> 16), base + 2 * j + 1);
+            if (mf_bit_allowed(bits, bit0 + base + 2 * j)) b.offer(E::key(w[j] & 0xFFFFu), base + 2 * j);
+            if (mf_bit_allowed(bits, bit0 + base + 2 * j + 1)) b.offer(E::key(w[j] >> 16), base + 2 * j + 1);
         }
     }
 }
@@ -74,14 +76,14 @@ __device__ __forceinline__ void offer_vec(Best &b, uint4 v, uint32_t base, const
 // boundary, 16-byte vector loads, then a scalar tail. Works for any element-aligned row start.
 template <class E>
 __device__ void scan_range(const typename E::T *__restrict__ row, uint32_t lo, uint32_t hi,
-                           const uint32_t *bits, Best &b) {
+                           const uint32_t *bits, uint32_t bit0, Best &b) {
     using T = typename E::T;
     constexpr uint32_t V = 16 / sizeof(T);
     if (lo >= hi) return;
     const uint32_t t = threadIdx.x, B = blockDim.x;
     uint32_t head = (uint32_t)((16u - ((uintptr_t)(row + lo) & 15u)) & 15u) / sizeof(T);
     head = min(head, hi - lo);
-    if (t < head && mf_bit_allowed(bits, lo + t)) b.offer(E::key(__ldg(row + lo + t)), lo + t);
+    if (t < head && mf_bit_allowed(bits, bit0 + lo + t)) b.offer(E::key(__ldg(row + lo + t)), lo + t);
 
     const uint32_t vlo = lo + head, nvec = (hi - vlo) / V;
     const uint4 *vp = reinterpret_cast<const uint4 *>(row + vlo);
@@ -91,12 +93,12 @@ __device__ void scan_range(const typename E::T *__restrict__ row, uint32_t lo, u
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) v[u] = __ldg(vp + i + u * B);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) offer_vec<E>(b, v[u], vlo + (i + u * B) * V, bits);
+        for (int u = 0; u < kUnroll; ++u) offer_vec<E>(b, v[u], vlo + (i + u * B) * V, bits, bit0);
     }
-    for (; i < nvec; i += B) offer_vec<E>(b, __ldg(vp + i), vlo + i * V, bits);
+    for (; i < nvec; i += B) offer_vec<E>(b, __ldg(vp + i), vlo + i * V, bits, bit0);
 
     const uint32_t tail = vlo + nvec * V;
-    if (tail + t < hi && mf_bit_allowed(bits, tail + t)) b.offer(E::key(__ldg(row + tail + t)), tail + t);
+    if (tail + t < hi && mf_bit_allowed(bits, bit0 + tail + t)) b.offer(E::key(__ldg(row + tail + t)), tail + t);
 }
 
 // Max of the packed words of the block; the result is valid in thread 0. Callers that reduce
@@ -116,27 +118,30 @@ __device__ unsigned long long block_max(unsigned long long v) {
     return v;
 }
 
-// grid = (splits, rows of this launch). Block x scans ids [x * chunk, (x + 1) * chunk).
+// grid = (splits, rows of this launch). Block x scans ids [x * chunk, (x + 1) * chunk). A slice
+// of a split row (id_base > 0 or a partial call) has global mask ids and bitmask; its local id
+// goes to cells[r * cell_stride] (a partial record's id field), made global by the stats kernel.
 template <class E, int MaxRows>
 __global__ void __launch_bounds__(kMaxThreads)
     mf_argmax_kernel(const typename E::T *__restrict__ logits, uint64_t row_stride,
                      uint32_t vocab, uint32_t chunk, uint32_t *__restrict__ cells,
                      unsigned long long *partials, unsigned int *counters,
-                     const uint32_t *device_masks, const uint32_t *bitmask,
+                     const uint32_t *device_masks, const uint32_t *bitmask, uint32_t id_base,
+                     uint32_t cell_stride, uint32_t bit_words,
                      const __grid_constant__ RowMasks<MaxRows> masks) {
     const uint32_t r = blockIdx.y, splits = gridDim.x;
     const typename E::T *row = logits + (uint64_t)r * row_stride;
     const uint32_t *m = device_masks ? device_masks + 2 * r : masks.ids + 2 * r;
-    const mf_spans s = mf_candidate_spans(vocab, m[0], m[1]);
-    const uint32_t *bits = bitmask ? bitmask + (uint64_t)r * mf_bitmask_words(vocab) : nullptr;
+    const mf_spans s = mf_candidate_spans(vocab, m[0] - id_base, m[1] - id_base);  // outside: wraps past vocab
+    const uint32_t *bits = bitmask ? bitmask + (uint64_t)r * bit_words : nullptr;
     const uint32_t lo = blockIdx.x * chunk, hi = min(lo + chunk, vocab);
 
     Best b;
     for (uint32_t k = 0; k < s.count; ++k)
-        scan_range<E>(row, max(lo, s.lo[k]), min(hi, s.hi[k]), bits, b);
+        scan_range<E>(row, max(lo, s.lo[k]), min(hi, s.hi[k]), bits, id_base, b);
     unsigned long long best = block_max(b.pack());
     if (splits == 1) {
-        if (threadIdx.x == 0) cells[r] = mf_unpack_id(best);
+        if (threadIdx.x == 0) cells[(uint64_t)r * cell_stride] = mf_unpack_id(best);
         return;
     }
 
@@ -154,7 +159,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         v = mf_pack_max(v, __ldcg(&partials[(uint64_t)r * splits + i]));
     v = block_max(v);
     if (threadIdx.x == 0) {
-        cells[r] = mf_unpack_id(v);
+        cells[(uint64_t)r * cell_stride] = mf_unpack_id(v);
         counters[r] = 0u;  // ready for the next launch on this stream
     }
 }
@@ -170,10 +175,12 @@ cudaError_t launch_tier(const mf_argmax_args &a, const ArgmaxPlan &p, const Argm
         for (uint32_t i = 0; i < 2 * n; ++i) m.ids[i] = a.masks[2 * (uint64_t)row0 + i];
     const auto *logits = static_cast<const typename E::T *>(a.logits) + row0 * a.row_stride;
     const uint32_t *dmasks = on_device ? a.masks + 2 * (uint64_t)row0 : nullptr;
-    const uint32_t *bits = a.bitmask ? a.bitmask + (uint64_t)row0 * mf_bitmask_words(a.vocab) : nullptr;
+    const IdSink sink = id_sink(a);
+    const uint32_t words = mf_bitmask_words(sink.total);
+    const uint32_t *bits = a.bitmask ? a.bitmask + (uint64_t)row0 * words : nullptr;
     mf_argmax_kernel<E, MaxRows><<<dim3(p.splits, n), p.threads, 0, stream>>>(
-        logits, a.row_stride, a.vocab, p.chunk, a.cells + row0, s.partials, s.counters, dmasks,
-        bits, m);
+        logits, a.row_stride, a.vocab, p.chunk, sink.ids + (uint64_t)row0 * sink.stride, s.partials,
+        s.counters, dmasks, bits, sink.base, sink.stride, words, m);
     return cudaGetLastError();
 }
 

@@ -35,13 +35,16 @@ __device__ unsigned long long block_reduce(unsigned long long v, bool is_max) {
     return v;  // every thread has it
 }
 
+// A row, or a slice of a split row: local ids, global mask ids (shifted into local ones), bitmask
+// bits and Philox draws at `base + id`.
 struct Row {
     const void *logits;
     int dtype;
     uint32_t vocab;
     mf_row_rule rule;
+    uint32_t base;
     __device__ bool candidate(uint32_t i, uint32_t *bits) const {
-        if (i == rule.m0 || i == rule.m1 || !mf_bit_allowed(rule.bits, i)) return false;
+        if (i == rule.m0 || i == rule.m1 || !mf_bit_allowed(rule.bits, base + i)) return false;
         *bits = mf_logit_bits(logits, dtype, i);
         return mf_finite_bits(*bits);
     }
@@ -85,21 +88,24 @@ __global__ void __launch_bounds__(kThreads)
     mf_sample_kernel(const char *logits, int dtype, uint64_t row_bytes, uint32_t vocab,
                      uint32_t *cells, const uint32_t *device_masks,
                      const mf_sampling_params *device_params, const uint32_t *bitmask,
+                     uint32_t id_base, uint32_t cell_stride, uint32_t bit_words,
                      const __grid_constant__ SampleInputs in) {
     const uint32_t r = blockIdx.x;
     const mf_sampling_params params = device_params ? device_params[r] : in.params[r];
     const uint32_t *m = device_masks ? device_masks + 2 * r : in.masks + 2 * r;
     Row row{logits + r * row_bytes, dtype, vocab,
-            mf_row_rule{m[0], m[1], bitmask ? bitmask + (uint64_t)r * mf_bitmask_words(vocab) : nullptr}};
+            mf_row_rule{m[0] - id_base, m[1] - id_base, bitmask ? bitmask + (uint64_t)r * bit_words : nullptr},
+            id_base};
+    cells += (uint64_t)r * cell_stride;
     const mf_sample_plan p = mf_plan_sampling(&params);
 
     if (p.greedy) {  // the argmax rule itself
         uint64_t best = 0;
         for (uint32_t i = threadIdx.x; i < vocab; i += blockDim.x)
-            if (i != row.rule.m0 && i != row.rule.m1 && mf_bit_allowed(row.rule.bits, i))
+            if (i != row.rule.m0 && i != row.rule.m1 && mf_bit_allowed(row.rule.bits, id_base + i))
                 best = mf_pack_max(best, mf_pack(mf_key_at(row.logits, dtype, i), i));
         best = block_reduce(best, true);
-        if (threadIdx.x == 0) cells[r] = mf_unpack_id(best);
+        if (threadIdx.x == 0) cells[0] = mf_unpack_id(best);
         return;
     }
     uint64_t top = 0, count = 0;
@@ -112,13 +118,13 @@ __global__ void __launch_bounds__(kThreads)
     top = block_reduce(top, true);
     count = block_reduce(count, false);
     if (count == 0) {
-        if (threadIdx.x == 0) cells[r] = MF_NO_TOKEN;
+        if (threadIdx.x == 0) cells[0] = MF_NO_TOKEN;
         return;
     }
     const uint32_t top_id = mf_unpack_id(top);
     const float zmax = mf_scaled(mf_logit_bits(row.logits, dtype, top_id), p.inv_t);
     if (!mf_finite_bits(mf_to_bits(zmax))) {
-        if (threadIdx.x == 0) cells[r] = top_id;
+        if (threadIdx.x == 0) cells[0] = top_id;
         return;
     }
     uint64_t threshold = 0;
@@ -136,7 +142,7 @@ __global__ void __launch_bounds__(kThreads)
                                  mf_top_p_target(total, p.top_p));
     }
     // The race. The top candidate's score bounds the others: z + MF_GUMBEL_BOUND below it cannot win.
-    const float s0 = mf_fadd(zmax, mf_gumbel(p.seed, p.position, top_id));
+    const float s0 = mf_fadd(zmax, mf_gumbel(p.seed, p.position, id_base + top_id));
     uint64_t best = mf_pack(mf_key_f32(mf_to_bits(s0)), top_id);
     for (uint32_t i = threadIdx.x; i < vocab; i += blockDim.x) {
         uint32_t bits;
@@ -145,11 +151,11 @@ __global__ void __launch_bounds__(kThreads)
         if (mf_fadd(z, MF_GUMBEL_BOUND) < s0) continue;
         if (threshold && mf_pack(mf_key_f32(bits), i) < threshold) continue;
         if (p.use_min_p && !(mf_exp_neg(mf_fsub(z, zmax)) >= p.min_p)) continue;
-        const float score = mf_fadd(z, mf_gumbel(p.seed, p.position, i));
+        const float score = mf_fadd(z, mf_gumbel(p.seed, p.position, id_base + i));
         best = mf_pack_max(best, mf_pack(mf_key_f32(mf_to_bits(score)), i));
     }
     best = block_reduce(best, true);
-    if (threadIdx.x == 0) cells[r] = mf_unpack_id(best);
+    if (threadIdx.x == 0) cells[0] = mf_unpack_id(best);
 }
 
 }  // namespace
@@ -162,11 +168,13 @@ cudaError_t launch_sample(const mf_argmax_args &a, cudaStream_t stream) {
         SampleInputs in;
         if (!dparams) std::copy(a.params + row0, a.params + row0 + n, in.params);
         if (!dmasks) std::copy(a.masks + 2 * (uint64_t)row0, a.masks + 2 * (uint64_t)(row0 + n), in.masks);
+        const IdSink sink = id_sink(a);
+        const uint32_t words = mf_bitmask_words(sink.total);
         mf_sample_kernel<<<n, kThreads, 0, stream>>>(
             static_cast<const char *>(a.logits) + row0 * a.row_stride * esize, (int)a.dtype,
-            a.row_stride * esize, a.vocab, a.cells + row0, dmasks ? a.masks + 2 * (uint64_t)row0 : nullptr,
-            dparams ? a.params + row0 : nullptr,
-            a.bitmask ? a.bitmask + (uint64_t)row0 * mf_bitmask_words(a.vocab) : nullptr, in);
+            a.row_stride * esize, a.vocab, sink.ids + (uint64_t)row0 * sink.stride,
+            dmasks ? a.masks + 2 * (uint64_t)row0 : nullptr, dparams ? a.params + row0 : nullptr,
+            a.bitmask ? a.bitmask + (uint64_t)row0 * words : nullptr, sink.base, sink.stride, words, in);
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
     }

@@ -24,7 +24,7 @@ work=$(cd "$work" && pwd)
 # (test_cimport, test_capi, test_symbols) would run compilers under the preloaded runtime.
 default_tests="tests/test_runtime.py tests/test_argmax.py tests/test_router.py tests/test_reference.py
 tests/hostile tests/test_faults.py tests/test_threads.py tests/test_properties.py tests/test_soak.py
-tests/test_bitmask.py tests/test_sampling.py"
+tests/test_bitmask.py tests/test_sampling.py tests/test_logprobs.py"
 tests=${METRALE_FEED_SANITIZE_TESTS:-$default_tests}
 # The tests with threads racing on handles, streams and copies (a few minutes under TSan).
 tsan_tests=${METRALE_FEED_TSAN_TESTS:-"tests/test_threads.py"}

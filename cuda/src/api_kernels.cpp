@@ -4,6 +4,7 @@
 
 #include "api.hpp"
 #include "metrale_feed/argmax_rule.h"
+#include "metrale_feed/logprob_rule.h"
 
 using namespace mf;
 
@@ -37,19 +38,53 @@ mf_status check_sampling(const mf_argmax_args *a) {
     return MF_SUCCESS;
 }
 
+// A split row's partial calls and its combine: every row temperature-only, since top_k, top_p and
+// min_p need thresholds over the whole row (docs/kernels.md, "Partial records and the combine").
+mf_status check_temperature_only(const mf_sampling_params *params, uint32_t rows) {
+    for (uint32_t r = 0; r < rows; ++r)
+        if (params[r].top_k != 0u || params[r].top_p < 1.0f || params[r].min_p > 0.0f)
+            return fail(MF_ERROR_INVALID_VALUE,
+                        "row %u: a split row samples with temperature only (top_k, top_p and min_p "
+                        "need global thresholds)", r);
+    return MF_SUCCESS;
+}
+
+mf_status check_partial(const mf_argmax_args *a) {
+    if (a->vocab_total == 0 || a->vocab_total > kMaxVocab)
+        return fail(MF_ERROR_INVALID_VALUE, "vocab must be in [1, 2**24], got %u", a->vocab_total);
+    if (a->start > a->vocab_total || a->vocab > a->vocab_total - a->start)
+        return fail(MF_ERROR_INVALID_VALUE, "the slice [%u, %llu) is not inside the vocabulary of %u",
+                    a->start, (unsigned long long)a->start + a->vocab, a->vocab_total);
+    if (a->cells || a->host_dst || a->logprobs || a->logprobs_dst)
+        return fail(MF_ERROR_INVALID_VALUE, "a partial call writes its partial block only: cells, "
+                    "host_dst and logprobs belong to the combine");
+    if (!a->partials || !aligned(a->partials, 8))
+        return fail(MF_ERROR_INVALID_VALUE, "partials is a null or misaligned pointer");
+    if (a->params && (a->flags & MF_ARGS_PARAMS_DEVICE))
+        return fail(MF_ERROR_INVALID_VALUE, "a partial sampling call takes host params (checked now)");
+    if (a->params) {
+        mf_status st = check_temperature_only(a->params, a->rows);
+        if (st != MF_SUCCESS) return st;
+    }
+    return check_device_range(a->partials, ((size_t)a->rows + MF_PARTIAL_HEADER_RECORDS) * 16, "partials");
+}
+
 mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
     if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "unknown logits dtype %d", (int)a->dtype);
     if (a->rows == 0 || a->rows > kMaxRows)
         return fail(MF_ERROR_INVALID_VALUE, "rows must be in [1, %u], got %u", kMaxRows, a->rows);
-    if (a->rows > a->cell_capacity)
+    const bool partial = a->flags & MF_ARGS_PARTIAL;
+    if (!partial && a->rows > a->cell_capacity)
         return fail(MF_ERROR_INVALID_VALUE, "%u rows exceed the feed cells' capacity of %u", a->rows,
                     a->cell_capacity);
-    if (a->vocab == 0 || a->vocab > kMaxVocab)
+    if ((a->vocab == 0 && !partial) || a->vocab > kMaxVocab)
         return fail(MF_ERROR_INVALID_VALUE, "vocab must be in [1, 2**24], got %u", a->vocab);
+    // Mask ids and the bitmask are global: the whole vocabulary's, in a partial call.
+    const uint32_t total = partial ? a->vocab_total : a->vocab;
     if (a->row_stride < a->vocab)
         return fail(MF_ERROR_INVALID_VALUE, "row_stride %llu is less than vocab %u",
                     (unsigned long long)a->row_stride, a->vocab);
-    if (a->flags & ~(uint32_t)(MF_ARGS_MASKS_DEVICE | MF_ARGS_PARAMS_DEVICE))
+    if (a->flags & ~(uint32_t)(MF_ARGS_MASKS_DEVICE | MF_ARGS_PARAMS_DEVICE | MF_ARGS_PARTIAL))
         return fail(MF_ERROR_INVALID_VALUE, "unknown argmax flags 0x%x", a->flags);
     if (!a->masks) return fail(MF_ERROR_INVALID_VALUE, "masks is a null pointer");
     if (a->flags & MF_ARGS_MASKS_DEVICE) {
@@ -60,14 +95,14 @@ mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
     } else {
         for (uint32_t i = 0; i < 2 * a->rows; ++i) {
             uint32_t id = a->masks[i];
-            if (id != MF_NO_TOKEN && id >= a->vocab)
+            if (id != MF_NO_TOKEN && id >= total)
                 return fail(MF_ERROR_INVALID_VALUE, "mask id %u of row %u is not below vocab %u", id,
-                            i / 2, a->vocab);
+                            i / 2, total);
         }
     }
     if (a->bitmask) {
         if (!aligned(a->bitmask, 4)) return fail(MF_ERROR_INVALID_VALUE, "bitmask pointer is misaligned");
-        mf_status st = check_device_range(a->bitmask, (size_t)a->rows * mf_bitmask_words(a->vocab) * 4,
+        mf_status st = check_device_range(a->bitmask, (size_t)a->rows * mf_bitmask_words(total) * 4,
                                           "bitmask");
         if (st != MF_SUCCESS) return st;
     }
@@ -76,6 +111,19 @@ mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
         if (st != MF_SUCCESS) return st;
     } else if (a->flags & MF_ARGS_PARAMS_DEVICE) {
         return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_PARAMS_DEVICE without params");
+    }
+    if (partial) {
+        mf_status st = check_partial(a);
+        if (st != MF_SUCCESS) return st;
+    } else if (a->logprobs_dst && !a->logprobs) {
+        return fail(MF_ERROR_INVALID_VALUE, "logprobs_dst needs logprobs (the device floats it copies)");
+    }
+    if (a->logprobs) {
+        if (!aligned(a->logprobs, 4)) return fail(MF_ERROR_INVALID_VALUE, "logprobs pointer is misaligned");
+        mf_status st = check_device_range(a->logprobs, (size_t)a->rows * 4, "logprobs");
+        if (st == MF_SUCCESS && a->logprobs_dst)
+            st = check_host_range(a->logprobs_dst, (size_t)a->rows * 4, "logprobs destination");
+        if (st != MF_SUCCESS) return st;
     }
     size_t esize = dtype_size(a->dtype);
     if (!aligned(a->logits, esize) || !aligned(a->cells, 4))
@@ -86,8 +134,8 @@ mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
         return fail(MF_ERROR_INVALID_VALUE, "rows x row_stride (%u x %llu) spans more memory than exists",
                     a->rows, (unsigned long long)a->row_stride);
     size_t span = (size_t)wide;
-    mf_status status = check_device_range(a->logits, span, "logits");
-    if (status == MF_SUCCESS)
+    mf_status status = a->vocab ? check_device_range(a->logits, span, "logits") : MF_SUCCESS;
+    if (status == MF_SUCCESS && !partial)
         status = check_device_range(a->cells, (size_t)a->cell_capacity * 4, "feed cells");
     if (status == MF_SUCCESS && a->host_dst)
         status = check_host_range(a->host_dst, (size_t)a->rows * 4, "argmax destination");
@@ -109,6 +157,65 @@ mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream) {
     status = ops().argmax(args, raw);
     if (status == MF_SUCCESS && args->host_dst)
         status = ops().copy_async(args->host_dst, args->cells, (size_t)args->rows * 4, kD2H, raw);
+    if (status == MF_SUCCESS && args->logprobs_dst)
+        status = ops().copy_async(args->logprobs_dst, args->logprobs, (size_t)args->rows * 4, kD2H, raw);
+    if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, (mf_stream_t)(uintptr_t)raw);
+    return status;
+}
+
+mf_status mf_combine_partials(const mf_combine_args *a, mf_stream_t stream) {
+    MF_RANGE("combine_partials");
+    if (a->world == 0 || a->world > MF_MAX_SLICES)
+        return fail(MF_ERROR_INVALID_VALUE, "world must be in [1, %u], got %u", MF_MAX_SLICES, a->world);
+    if (a->rows == 0 || a->rows > kMaxRows)
+        return fail(MF_ERROR_INVALID_VALUE, "rows must be in [1, %u], got %u", kMaxRows, a->rows);
+    if (a->rows > a->cell_capacity)
+        return fail(MF_ERROR_INVALID_VALUE, "%u rows exceed the feed cells' capacity of %u", a->rows,
+                    a->cell_capacity);
+    if (a->vocab == 0 || a->vocab > kMaxVocab)
+        return fail(MF_ERROR_INVALID_VALUE, "vocab must be in [1, 2**24], got %u", a->vocab);
+    if (a->op != MF_PARTIAL_ARGMAX && a->op != MF_PARTIAL_SAMPLE)
+        return fail(MF_ERROR_INVALID_VALUE, "unknown partial operation %u", a->op);
+    if ((uint64_t)a->slice_stride < (uint64_t)a->rows + MF_PARTIAL_HEADER_RECORDS)
+        return fail(MF_ERROR_INVALID_VALUE, "slice_stride %u records is less than rows + %u", a->slice_stride,
+                    MF_PARTIAL_HEADER_RECORDS);
+    if ((a->op == MF_PARTIAL_SAMPLE) != (a->params != nullptr))
+        return fail(MF_ERROR_INVALID_VALUE, "params are required for a sampled combine, and only there");
+    if (!a->partials || !aligned(a->partials, 8) || !a->cells || !aligned(a->cells, 4) || !a->fault ||
+        !aligned(a->fault, 4) || (a->logprobs && !aligned(a->logprobs, 4)))
+        return fail(MF_ERROR_INVALID_VALUE, "partials, cells, fault or logprobs is a null or misaligned pointer");
+    if (a->logprobs_dst && !a->logprobs)
+        return fail(MF_ERROR_INVALID_VALUE, "logprobs_dst needs logprobs (the device floats it copies)");
+    mf_status status = MF_SUCCESS;
+    if (a->params) {
+        mf_argmax_args view{};
+        view.rows = a->rows;
+        view.params = a->params;
+        status = check_sampling(&view);
+        if (status == MF_SUCCESS) status = check_temperature_only(a->params, a->rows);
+    }
+    // world <= MF_MAX_SLICES and slice_stride < 2**32: the product fits 64 bits.
+    if (status == MF_SUCCESS)
+        status = check_device_range(a->partials, (size_t)a->world * a->slice_stride * 16, "partials");
+    if (status == MF_SUCCESS) status = check_device_range(a->cells, (size_t)a->cell_capacity * 4, "feed cells");
+    if (status == MF_SUCCESS) status = check_device_range(a->fault, 4, "fault word");
+    if (status == MF_SUCCESS && a->logprobs) status = check_device_range(a->logprobs, (size_t)a->rows * 4, "logprobs");
+    if (status == MF_SUCCESS && a->host_dst)
+        status = check_host_range(a->host_dst, (size_t)a->rows * 4, "combine destination");
+    if (status == MF_SUCCESS && a->logprobs_dst)
+        status = check_host_range(a->logprobs_dst, (size_t)a->rows * 4, "logprobs destination");
+    if (status == MF_SUCCESS && a->fault_dst) status = check_host_range(a->fault_dst, 4, "fault destination");
+    Slot *event = nullptr;
+    if (status == MF_SUCCESS && a->event) status = resolve_event(a->event, &event);
+    void *raw;
+    if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+    if (status != MF_SUCCESS) return status;
+    status = ops().combine(a, raw);
+    if (status == MF_SUCCESS && a->host_dst)
+        status = ops().copy_async(a->host_dst, a->cells, (size_t)a->rows * 4, kD2H, raw);
+    if (status == MF_SUCCESS && a->logprobs_dst)
+        status = ops().copy_async(a->logprobs_dst, a->logprobs, (size_t)a->rows * 4, kD2H, raw);
+    if (status == MF_SUCCESS && a->fault_dst) status = ops().copy_async(a->fault_dst, a->fault, 4, kD2H, raw);
     if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, (mf_stream_t)(uintptr_t)raw);
     return status;
 }

@@ -52,6 +52,9 @@ struct Ops {
     mf_status (*reference_forward)(const mf_reference_args *args, void *stream);
     mf_status (*launch_host_func)(mf_host_fn fn, void *data, void *stream);
     mf_status (*current_device)(int *device);  // the ordinal DLPack exports name
+    // Cells, logprobs and the fault word from gathered partial blocks (logprob_rule.h); copies
+    // and the record are composed by api_kernels.cpp.
+    mf_status (*combine)(const mf_combine_args *args, void *stream);
 };
 
 extern const Ops host_ops;

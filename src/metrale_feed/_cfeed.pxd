@@ -123,11 +123,37 @@ cdef extern from "metrale_feed/feed.h" nogil:
         const uint32_t *bitmask
         const mf_sampling_params *params
         uint32_t flags
+        float *logprobs
+        void *logprobs_dst
+        void *partials
+        uint32_t vocab_total
+        uint32_t start
+        uint64_t call
     enum:
         MF_ARGS_MASKS_DEVICE
         MF_ARGS_PARAMS_DEVICE
+        MF_ARGS_PARTIAL
         MF_SOURCES_DEVICE
     mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream)
+    const uint32_t MF_MAX_SLICES
+    ctypedef struct mf_combine_args:
+        const void *partials
+        uint32_t world
+        uint32_t slice_stride
+        uint32_t rows
+        uint32_t vocab
+        uint32_t op
+        uint64_t call
+        const mf_sampling_params *params
+        uint32_t *cells
+        uint32_t cell_capacity
+        void *host_dst
+        float *logprobs
+        void *logprobs_dst
+        uint32_t *fault
+        void *fault_dst
+        mf_event_t event
+    mf_status mf_combine_partials(const mf_combine_args *args, mf_stream_t stream)
     mf_status mf_resolve_feed(const uint32_t *sources, uint32_t n, const uint32_t *cells,
                               uint32_t prev_rows, uint32_t *out, mf_stream_t stream)
     mf_status mf_resolve_feed_flags(const uint32_t *sources, uint32_t n, const uint32_t *cells,
@@ -167,3 +193,10 @@ cdef extern from "metrale_feed/feed.h" nogil:
     void mf_nvtx_push(const char *name)
     void mf_nvtx_pop()
     void mf_nvtx_enable(int on)
+
+
+cdef extern from "metrale_feed/logprob_rule.h" nogil:
+    const uint32_t MF_PARTIAL_HEADER_RECORDS
+    enum:
+        MF_PARTIAL_ARGMAX
+        MF_PARTIAL_SAMPLE

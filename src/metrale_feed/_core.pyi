@@ -210,16 +210,45 @@ def write_pinned_u32(ptr: int, values: Iterable[int]) -> None: ...
 def argmax_to_feed(logits: _DeviceLike, masks: _MasksLike | _DeviceLike | None, cells: _DeviceLike,
                    dst: Buffer | int | None, event: _EventLike | None, stream: _StreamLike = 0, *,
                    rows: int | None = None, vocab: int | None = None, dtype: _DType | None = None,
-                   row_stride: int | None = None, bitmask: _DeviceLike | None = None) -> int: ...
+                   row_stride: int | None = None, bitmask: _DeviceLike | None = None,
+                   logprobs: _DeviceLike | None = None,
+                   logprobs_dst: Buffer | int | None = None) -> int: ...
 def sample_to_feed(logits: _DeviceLike, params: Buffer | _DeviceLike, cells: _DeviceLike,
                    dst: Buffer | int | None, event: _EventLike | None, stream: _StreamLike = 0, *,
                    masks: _MasksLike | _DeviceLike | None = None,
                    bitmask: _DeviceLike | None = None, rows: int | None = None,
                    vocab: int | None = None, dtype: _DType | None = None,
-                   row_stride: int | None = None) -> int: ...
+                   row_stride: int | None = None, logprobs: _DeviceLike | None = None,
+                   logprobs_dst: Buffer | int | None = None) -> int: ...
 def resolve_feed(sources: _WordsLike | _DeviceLike, cells: _DeviceLike, out: _DeviceLike,
                  stream: _StreamLike = 0, *, prev_rows: int | None = None,
                  rows: int | None = None) -> None: ...
+
+# ---- partial blocks of a row split, and their combine (docs/kernels.md) ----
+
+PARTIAL_RECORD_BYTES: int
+PARTIAL_HEADER_BYTES: int
+
+def _partial_bytes(rows: int) -> int: ...
+def _argmax_partial(logits: _DeviceLike | None, masks: _MasksLike | _DeviceLike | None,
+                    partials: _DeviceLike, event: _EventLike | None = None,
+                    stream: _StreamLike = 0, *, start: int, stop: int, vocab: int, dtype: _DType,
+                    call: int, rows: int | None = None, row_stride: int | None = None,
+                    bitmask: _DeviceLike | None = None) -> int: ...
+def _sample_partial(logits: _DeviceLike | None, params: Buffer, partials: _DeviceLike,
+                    event: _EventLike | None = None, stream: _StreamLike = 0, *, start: int,
+                    stop: int, vocab: int, dtype: _DType, call: int,
+                    masks: _MasksLike | _DeviceLike | None = None, rows: int | None = None,
+                    row_stride: int | None = None,
+                    bitmask: _DeviceLike | None = None) -> int: ...
+def _combine_partials(partials: _DeviceLike, world: int, cells: _DeviceLike,
+                      dst: Buffer | int | None, event: _EventLike | None,
+                      stream: _StreamLike = 0, *, rows: int, vocab: int, call: int,
+                      fault_dst: Buffer, params: Buffer | None = None,
+                      logprobs: _DeviceLike | None = None, logprobs_dst: Buffer | int | None = None,
+                      slice_stride: int | None = None) -> None: ...
+def _check_partials_fault(fault_dst: Buffer) -> None: ...
+
 def reference_forward(input_ids: _DeviceLike, meta: _DeviceLike, tables: _DeviceLike,
                       kv: _DeviceLike, kv_slots: int, block_size: int, rows: int, vocab: int,
                       dtype: _DType, logits: _DeviceLike | None,

@@ -146,20 +146,32 @@ cdef int fill_params(_Call call, mf_argmax_args *a, object params, _PickInputs k
 
 cdef object launch_pick(object logits, object masks, object cells, object dst, object event,
                         object stream, object bitmask, object params, object rows, object vocab,
-                        object dtype, object row_stride):
-    """The one launcher under argmax_to_feed and sample_to_feed: one descriptor, one C call. Every
-    argument is checked, and the event that holds a foreign ``dst`` reserved, before the launch."""
+                        object dtype, object row_stride, object logprobs=None,
+                        object logprobs_dst=None, object partial=None):
+    """The one launcher under argmax_to_feed and sample_to_feed (and their partial calls, see
+    _shard.pxi): one descriptor, one C call. Every argument is checked, and the events that hold
+    foreign host destinations reserved, before the launch."""
     cdef mf_argmax_args a
-    cdef uint64_t s, e, hold
+    cdef uint64_t s, e, hold, hold_lp
     cdef void *ptr
     cdef size_t dst_len, cells_len
     cdef _HeldBuffer held = None
+    cdef _HeldBuffer held_lp = None
     cdef _PickInputs keep = _PickInputs.__new__(_PickInputs)
     memset(&a, 0, sizeof(a))
     stream_of(stream, &s)
     cdef _Call call = call_on(s)
     try:
-        logits_of(call, logits, &a, rows, vocab, dtype, row_stride)
+        if partial is None:
+            logits_of(call, logits, &a, rows, vocab, dtype, row_stride)
+        else:  # a slice [start, stop) of rows of `vocab` ids: the logits hold the slice's columns
+            fill_partial(&a, partial)
+            if a.vocab == 0:  # an empty slice reads nothing
+                a.logits = NULL
+                a.row_stride = 0
+                a.dtype = dtype_of(dtype)
+            else:
+                logits_of(call, logits, &a, rows, a.vocab, dtype, row_stride)
         if a.rows:  # the tensor's
             rows = a.rows
         if masks is not None and device_resident(masks, "masks"):
@@ -187,13 +199,16 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
                     or hasattr(bitmask, "__dlpack__") or hasattr(bitmask, "__cuda_array_interface__")):
                 raise TypeError("bitmask must be device memory (a DeviceBuffer, a device pointer or a "
                                 f"tensor) of int32 words, not {type(bitmask).__name__}")
+            total = a.vocab if partial is None else a.vocab_total  # the whole row's words
             a.bitmask = <const uint32_t *>device_input(
-                call, bitmask, <size_t>a.rows * ((a.vocab + 31) // 32) * 4, "bitmask")
+                call, bitmask, <size_t>a.rows * ((total + 31) // 32) * 4, "bitmask")
         if params is not None:
             fill_params(call, &a, params, keep)
-        call.device(cells, &ptr, &cells_len, "cells", True, True)
-        a.cells = <uint32_t *>ptr
-        a.cell_capacity = cells_capacity(cells, ptr, cells_len, a.rows)
+        if partial is None:
+            call.device(cells, &ptr, &cells_len, "cells", True, True)
+            a.cells = <uint32_t *>ptr
+            a.cell_capacity = cells_capacity(cells, ptr, cells_len, a.rows)
+        held_lp = fill_logprobs(&a.logprobs, &a.logprobs_dst, logprobs, logprobs_dst, a.rows)
         event_of(event, &a.event, True)
         if dst is None:
             a.host_dst = NULL
@@ -206,18 +221,103 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
             if dst_len < a.rows * 4:
                 raise ValueError(f"dst holds {dst_len} bytes; {a.rows} ids need {a.rows * 4}")
         hold = reserve_hold(held)  # all or nothing: reserved before the launch is queued
-        commit_hold(held, hold, s, mf_argmax_to_feed(&a, s))
+        try:
+            hold_lp = reserve_hold(held_lp)
+        except BaseException:
+            if hold:
+                mf_event_destroy(hold)
+            raise
+        commit_two_holds(held, hold, held_lp, hold_lp, s, mf_argmax_to_feed(&a, s))
         call.done()
     finally:
         call.close()
-    _cell_rows[<size_t>a.cells] = a.rows
+    if partial is None:
+        _cell_rows[<size_t>a.cells] = a.rows
     if a.event and _host_func_seq:
         note_record(a.event, s)
     return a.rows
 
 
+cdef _HeldBuffer fill_logprobs(float **dev, void **host, object logprobs, object logprobs_dst,
+                               uint32_t rows):
+    """The logprobs options: device float32 (one per row, checked for dtype and size where the
+    object can say) and a host float32 destination; returns a foreign host buffer to hold."""
+    cdef void *ptr
+    cdef size_t n = 0
+    cdef uint64_t e
+    cdef _HeldBuffer held = None
+    dev[0] = NULL
+    host[0] = NULL
+    if logprobs is None:
+        if logprobs_dst is not None:
+            raise ValueError("logprobs_dst needs logprobs (the device floats it copies)")
+        return None
+    check_float_rows(logprobs, rows, "logprobs", True)
+    device_ptr_of(logprobs, &ptr)
+    dev[0] = <float *>ptr
+    if logprobs_dst is None:
+        return None
+    if isinstance(logprobs_dst, int) and not isinstance(logprobs_dst, bool):
+        u64_of(logprobs_dst, &e, "logprobs_dst pointer")  # pinned memory of this package, as dst
+        pinned_range(e, <size_t>rows * 4)
+        host[0] = <void *><size_t>e
+        return None
+    check_float_rows(logprobs_dst, rows, "logprobs_dst", False)
+    held = host_ptr_of(logprobs_dst, True, host, &n)
+    if n < <size_t>rows * 4:
+        raise ValueError(f"logprobs_dst holds {n} bytes; {rows} float32 logprobs need {rows * 4}")
+    return held
+
+
+cdef int check_float_rows(object obj, uint32_t rows, str what, bint device) except -1:
+    """A typed array must hold float32 and at least ``rows`` elements; untyped memory (a
+    DeviceBuffer, a PinnedBuffer, bytes) is checked for its size by the C layer or the caller."""
+    cdef size_t left = 0
+    cdef void *ptr
+    typestr = None
+    count = None
+    if type(obj) is DeviceBuffer:
+        count = (<DeviceBuffer>obj)._nbytes // 4
+    elif device and hasattr(obj, "__cuda_array_interface__"):
+        cai = obj.__cuda_array_interface__
+        typestr = cai.get("typestr")
+        count = 1
+        for d in cai.get("shape", ()):
+            count *= d
+        typestr = "float32" if typestr in ("<f4", "=f4", "f4") else typestr
+    elif hasattr(obj, "dtype") and hasattr(obj, "shape"):  # numpy, torch
+        typestr = str(obj.dtype).replace("torch.", "")
+        count = 1
+        for d in obj.shape:
+            count *= int(d)
+    elif not device and PyObject_CheckBuffer(obj) and type(obj) is not PinnedBuffer:
+        view = memoryview(obj)
+        if view.format not in ("B", "b", "c"):
+            typestr = "float32" if view.format in ("f", "<f", "=f") else view.format
+            count = view.nbytes // view.itemsize
+    elif device and isinstance(obj, int) and not isinstance(obj, bool):
+        if mf_mem_lookup(<void *><size_t>obj, &left) == MF_MEM_DEVICE:
+            count = left // 4
+    if typestr is not None and typestr != "float32":
+        raise TypeError(f"{what} must hold float32, not {typestr}")
+    if count is not None and count < rows:
+        raise ValueError(f"{what} holds {count} float32, fewer than the {rows} rows launched")
+    return 0
+
+
+cdef int commit_two_holds(_HeldBuffer a, uint64_t ev_a, _HeldBuffer b, uint64_t ev_b, uint64_t stream,
+                          mf_status queued) except -1:
+    """commit_hold for the two host destinations of one call (ids and logprobs)."""
+    if queued != MF_SUCCESS and ev_b:
+        mf_event_destroy(ev_b)
+        ev_b = 0
+    commit_hold(a, ev_a, stream, queued)
+    commit_hold(b, ev_b, stream, MF_SUCCESS)
+    return 0
+
+
 def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, vocab=None,
-                   dtype=None, row_stride=None, bitmask=None):
+                   dtype=None, row_stride=None, bitmask=None, logprobs=None, logprobs_dst=None):
     """Masked argmax of each row into the feed cells, then an async readback and an event record.
 
     In stream order and with no host synchronisation: the argmax of each row (the rule is in
@@ -264,6 +364,21 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
         int32 words of shape ``[rows, ceil(vocab / 32)]``; bit ``v % 32`` of word ``v // 32`` set
         allows id ``v`` (the xgrammar convention), combined with ``masks``. Read when the kernel
         runs. A row with no allowed id gives ``NO_TOKEN``.
+    logprobs : device memory, optional
+        float32, one per row: the chosen id's log-probability under the raw distribution,
+        ``log_softmax(logit)`` over all ``vocab`` ids (before masks and bitmask), final once
+        ``event`` has completed; ``-inf`` for a chosen id whose logit is ``-inf`` or NaN, NaN for a
+        ``NO_TOKEN`` row, a row with no finite logit or a ``+inf`` anywhere (docs/kernels.md).
+    logprobs_dst : PinnedBuffer, writable float32 buffer, int, or None
+        Where ``logprobs`` are copied, after ``dst`` and before the event record.
+    logprobs : device memory, optional
+        One float32 per row: the chosen id's ``log_softmax`` over all ``vocab`` ids (temperature 1,
+        before masks and bitmask; NaN logits count as ``-inf``), within 2e-5 or 2 float32 ulps of
+        a float64 reference. A ``-inf`` or NaN choice gives ``-inf``; a ``NO_TOKEN`` row, a row with
+        no finite logit and a row with a ``+inf`` logit give NaN (docs/kernels.md, "Logprobs").
+    logprobs_dst : PinnedBuffer, writable float32 buffer, int, or None
+        Where ``logprobs`` is copied (an int: a pointer from ``alloc_host_pinned``), after
+        ``dst`` and before the event record; needs ``logprobs``.
 
     Returns
     -------
@@ -276,10 +391,13 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
         A mask id at or beyond ``vocab`` other than ``NO_TOKEN``; masks that do not cover ``rows``;
         ``rows`` outside 1..``MAX_ROWS`` or beyond the cells' or ``dst``'s capacity; ``row_stride < vocab``;
         an unknown ``dtype``; ``rows`` missing with ``masks=None``; a tensor whose shape or
-        dtype disagrees with a given ``rows``/``vocab``/``dtype``/``row_stride``, or on another device.
+        dtype disagrees with a given ``rows``/``vocab``/``dtype``/``row_stride``, or on another device;
+        ``logprobs`` or ``logprobs_dst`` holding fewer than ``rows`` floats, or ``logprobs_dst``
+        without ``logprobs``.
     TypeError
         An argument of the wrong kind (a float where an int is needed, a non-buffer ``dst``);
-        ``vocab`` or ``dtype`` missing with logits that are not a tensor.
+        ``vocab`` or ``dtype`` missing with logits that are not a tensor; ``logprobs`` or
+        ``logprobs_dst`` typed other than float32.
     FeedError
         A closed or unknown buffer, event or stream; ``dst`` not inside pinned memory of this
         package (an int pointer); a failed launch (``CudaError`` on the cuda backend).
@@ -304,11 +422,12 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
     [2, 0]
     """
     return launch_pick(logits, masks, cells, dst, event, stream, bitmask, None, rows, vocab, dtype,
-                       row_stride)
+                       row_stride, logprobs, logprobs_dst)
 
 
 def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, bitmask=None,
-                   rows=None, vocab=None, dtype=None, row_stride=None):
+                   rows=None, vocab=None, dtype=None, row_stride=None, logprobs=None,
+                   logprobs_dst=None):
     """``argmax_to_feed`` with a sampled id per row (``docs/kernels.md``, "Sampling").
 
     Parameters
@@ -317,8 +436,9 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
         One record per row (``temperature``, ``top_p``, ``min_p``, ``top_k``, ``seed``,
         ``position``). Host params are read and checked before this returns; device-resident
         ones when the kernel runs (an out-of-range value there means its neutral setting).
-    masks, bitmask
-        As for ``argmax_to_feed``.
+    masks, bitmask, logprobs, logprobs_dst
+        As for ``argmax_to_feed``; the logprob is the sampled id's under the raw distribution
+        (temperature 1, before top_k, top_p and min_p).
 
     Returns
     -------
@@ -344,7 +464,7 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
             raise ValueError("rows is required with device-resident params and no masks")
         rows = len(params)
     return launch_pick(logits, masks, cells, dst, event, stream, bitmask, params, rows, vocab, dtype,
-                       row_stride)
+                       row_stride, logprobs, logprobs_dst)
 
 
 def resolve_feed(sources, cells, out, stream=0, *, prev_rows=None, rows=None):

@@ -439,8 +439,9 @@ def bench_argmax(quick: bool) -> Dict[str, Any]:
 def bench_pick_options(quick: bool) -> Dict[str, Any]:
     """At 256 x 152064 float32 (standard normal logits, the argmax section's), side by side: the
     masked argmax, the same with a bitmask (random words: no word all ones or all zeros, the
-    dearest case), and sampling with temperature alone and with top_p = 0.9. Checked: an
-    all-ones bitmask and temperature 0 give the argmax's ids."""
+    dearest case), the same with chosen-token logprobs, and sampling with temperature alone and
+    with top_p = 0.9. Checked: an all-ones bitmask, temperature 0 and asking for logprobs give the
+    argmax's ids."""
     import numpy as np
 
     rows, vocab = LARGE
@@ -453,6 +454,7 @@ def bench_pick_options(quick: bool) -> Dict[str, Any]:
     bits = {"random": rng.integers(-2**31, 2**31, (rows, words)).astype(np.int32),
             "ones": np.full((rows, words), -1, np.int32)}
     bit_dev = {k: mf.DeviceBuffer(v.nbytes) for k, v in bits.items()}
+    lp_dev, lp_dst = mf.DeviceBuffer(rows * 4), mf.PinnedBuffer(rows * 4)
     mf.copy_h2d_async(dev, arr)
     for k, v in bits.items():
         mf.copy_h2d_async(bit_dev[k], v)
@@ -461,8 +463,9 @@ def bench_pick_options(quick: bool) -> Dict[str, Any]:
               for name, kw in (("greedy", dict(temperature=0.0)), ("temperature", dict(temperature=1.0)),
                                ("top_p", dict(temperature=1.0, top_p=0.9)))}
 
-    def argmax(bitmask: Any = None) -> List[int]:
-        mf.argmax_to_feed(dev, masks, cells, dst, ev, 0, vocab=vocab, dtype="float32", bitmask=bitmask)
+    def argmax(bitmask: Any = None, logprobs: bool = False) -> List[int]:
+        mf.argmax_to_feed(dev, masks, cells, dst, ev, 0, vocab=vocab, dtype="float32", bitmask=bitmask,
+                          logprobs=lp_dev if logprobs else None, logprobs_dst=lp_dst if logprobs else None)
         ev.synchronize()
         return mf.read_pinned_u32(dst.ptr, rows)
 
@@ -473,8 +476,10 @@ def bench_pick_options(quick: bool) -> Dict[str, Any]:
 
     try:
         plain = argmax()
-        checked = argmax(bit_dev["ones"]) == plain and sample(params["greedy"]) == plain
+        checked = (argmax(bit_dev["ones"]) == plain and sample(params["greedy"]) == plain
+                   and argmax(logprobs=True) == plain)
         runs = {"argmax": argmax, "bitmask": lambda: argmax(bit_dev["random"]),
+                "logprobs": lambda: argmax(logprobs=True),
                 "temperature": lambda: sample(params["temperature"]),
                 "top_p": lambda: sample(params["top_p"])}
         times: Dict[str, List[float]] = {k: [] for k in runs}
@@ -482,16 +487,17 @@ def bench_pick_options(quick: bool) -> Dict[str, Any]:
             for k, run in runs.items():
                 times[k].append(_timed(run))
     finally:
-        for b in (dev, cells, dst, ev, *bit_dev.values()):
+        for b in (dev, cells, dst, ev, lp_dev, lp_dst, *bit_dev.values()):
             b.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {"rows": rows, "vocab": vocab, "checked": checked, "ms": med,
-              "ratio": {k: med[k] / med["argmax"] for k in ("bitmask", "temperature", "top_p")}}
+              "ratio": {k: med[k] / med["argmax"] for k in ("bitmask", "logprobs", "temperature", "top_p")}}
     _section(f"argmax options at {rows}x{vocab} float32, host backend (median of {repeats}); "
              "ratio = time / the masked argmax's")
     _row("masked argmax", f"{med['argmax']:.2f} ms")
-    for k, target in (("bitmask", "<= 1.15x"), ("temperature", "<= 1.5x"), ("top_p", "<= 3x")):
-        label = {"bitmask": "+ bitmask (random words)", "temperature": "sample, temperature 1",
+    for k, target in (("bitmask", "<= 1.15x"), ("logprobs", ""), ("temperature", "<= 1.5x"), ("top_p", "<= 3x")):
+        label = {"bitmask": "+ bitmask (random words)", "logprobs": "+ logprobs (with readback)",
+                 "temperature": "sample, temperature 1",
                  "top_p": "sample, top_p 0.9"}[k]
         _row(label, f"{med[k]:.2f} ms", "", f"{result['ratio'][k]:.2f}x", target)
     return result

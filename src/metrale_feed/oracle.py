@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["NO_TOKEN", "reference_argmax", "reference_allowed", "reference_survivors"]
+__all__ = ["NO_TOKEN", "reference_argmax", "reference_allowed", "reference_logprobs",
+           "reference_survivors"]
 
 NO_TOKEN = 0xFFFFFFFF
 
@@ -144,3 +145,44 @@ def reference_argmax(logits, masks=None, bitmask=None) -> np.ndarray:
             result[r] = np.flatnonzero(candidate[r])[0]  # all NaN: the lowest candidate
         # else: no candidate at all, NO_TOKEN
     return result
+
+
+def reference_logprobs(logits, ids) -> np.ndarray:
+    """Each row's ``log_softmax`` at its chosen id, in float64 (docs/kernels.md, "Logprobs").
+
+    Over all ids of the row, at temperature 1 and before any mask: NaN logits count as ``-inf``.
+    A ``-inf`` or NaN choice gives ``-inf``; a ``NO_TOKEN`` row, a row with no finite logit and a
+    row with a ``+inf`` logit give NaN.
+
+    Parameters
+    ----------
+    logits : array_like, shape (rows, vocab)
+        float32, float16 or bfloat16.
+    ids : array_like of int, shape (rows,)
+        The chosen id of each row, or ``NO_TOKEN``.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``rows`` float64 logprobs.
+
+    Examples
+    --------
+    >>> import numpy as np, metrale_feed.oracle as o
+    >>> round(float(o.reference_logprobs(np.array([[0.0, 0.0]], np.float32), [1])[0]), 6)
+    -0.693147
+    """
+    values = _as_float64(logits)
+    ids = np.asarray(ids, dtype=np.int64)
+    out = np.full(values.shape[0], np.nan)
+    for r, row in enumerate(values):
+        v = np.where(np.isnan(row), -np.inf, row)
+        if ids[r] == NO_TOKEN or np.isposinf(v).any() or not np.isfinite(v).any():
+            continue
+        chosen = row[ids[r]]
+        if not np.isfinite(chosen):
+            out[r] = -np.inf
+            continue
+        top = v.max()
+        out[r] = chosen - (top + np.log(np.exp(v[np.isfinite(v)] - top).sum()))
+    return out

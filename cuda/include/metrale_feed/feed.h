@@ -23,6 +23,7 @@ extern "C" {
 /* The one source of the kernels' limits (exported to Python as MAX_ROWS and MAX_VOCAB). */
 #define MF_MAX_ROWS 4096u
 #define MF_MAX_VOCAB 16777216u /* 2**24: ids below it fit a float32 mantissa */
+#define MF_MAX_SLICES 65536u  /* slices one combine takes */
 #define MF_FEED_HOST_BIT 0x80000000u
 
 typedef uint64_t mf_event_t;  /* a handle this layer hands out; never 0 */
@@ -141,8 +142,16 @@ MF_EXPORT mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t
  * - params (one mf_sampling_params per row, NULL: argmax): a sampled id per row; host memory is
  *   read (and checked) before the call returns, device memory (MF_ARGS_PARAMS_DEVICE) when the
  *   kernel runs, where a value out of range means its neutral setting (temperature 0, top_p 1,
- *   min_p 0). */
-enum { MF_ARGS_MASKS_DEVICE = 1u, MF_ARGS_PARAMS_DEVICE = 2u };
+ *   min_p 0);
+ * - logprobs (device, rows floats, NULL: none): each row's chosen id's log_softmax over the whole
+ *   row (logprob_rule.h); logprobs_dst (host, rows*4 bytes, NULL: none) gets a copy after host_dst
+ *   and before the event record;
+ * - MF_ARGS_PARTIAL: the logits are the slice [start, start + vocab) of a row of vocab_total ids
+ *   (masks hold global ids, the bitmask is the whole row's ceil(vocab_total/32) words, vocab may be
+ *   0); instead of cells, a partial block (a header, then one record per row: logprob_rule.h) is
+ *   written to `partials`, for mf_combine_partials. cells, host_dst and logprobs must be NULL, and
+ *   params (host only) temperature-only: top_k, top_p and min_p need global thresholds. */
+enum { MF_ARGS_MASKS_DEVICE = 1u, MF_ARGS_PARAMS_DEVICE = 2u, MF_ARGS_PARTIAL = 4u };
 
 /* One row's sampling parameters (32 bytes; Python's SAMPLING_PARAMS_DTYPE has this layout). */
 typedef struct mf_sampling_params {
@@ -169,8 +178,42 @@ typedef struct mf_argmax_args {
     const uint32_t *bitmask;           /* device, or NULL */
     const mf_sampling_params *params;  /* NULL: argmax; host unless MF_ARGS_PARAMS_DEVICE */
     uint32_t flags;                    /* MF_ARGS_* */
+    float *logprobs;                   /* device, rows floats, or NULL */
+    void *logprobs_dst;                /* host, rows*4 bytes, or NULL (needs logprobs) */
+    void *partials;                    /* MF_ARGS_PARTIAL: device, 2 + rows 16-byte records */
+    uint32_t vocab_total;              /* MF_ARGS_PARTIAL: the whole vocabulary */
+    uint32_t start;                    /* MF_ARGS_PARTIAL: the slice's first global id */
+    uint64_t call;                     /* MF_ARGS_PARTIAL: the caller's call counter (header) */
 } mf_argmax_args;
 MF_EXPORT mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream);
+
+/* The partial blocks of one row split: what each slice's MF_ARGS_PARTIAL call wrote, gathered.
+ * Block w starts at record w * slice_stride (records of 16 bytes; slice_stride >= rows + 2) and
+ * holds a header (2 records) then rows records, slices in id order. The combine checks every
+ * header against (op, rows, call, vocab) and the slices' coverage of [0, vocab), then writes cells,
+ * host_dst, logprobs and logprobs_dst exactly as the unsharded call would, then records event.
+ * A mismatch writes NO_TOKEN and NaN to every row and the fault (MF_FAULT_* | slice << 8) to
+ * `fault` (device word, required; 0 when the headers agree), copied to fault_dst (host) if set. */
+typedef struct mf_combine_args {
+    const void *partials;             /* device */
+    uint32_t world;                   /* slices, >= 1 */
+    uint32_t slice_stride;            /* records between blocks */
+    uint32_t rows;
+    uint32_t vocab;                   /* the whole vocabulary */
+    uint32_t op;                      /* MF_PARTIAL_ARGMAX or MF_PARTIAL_SAMPLE */
+    uint32_t pad_;
+    uint64_t call;
+    const mf_sampling_params *params; /* MF_PARTIAL_SAMPLE: host, rows records */
+    uint32_t *cells;                  /* device */
+    uint32_t cell_capacity;
+    void *host_dst;                   /* host, or NULL */
+    float *logprobs;                  /* device, or NULL */
+    void *logprobs_dst;               /* host, or NULL */
+    uint32_t *fault;                  /* device, one word */
+    void *fault_dst;                  /* host, one word, or NULL */
+    mf_event_t event;                 /* 0: none */
+} mf_combine_args;
+MF_EXPORT mf_status mf_combine_partials(const mf_combine_args *args, mf_stream_t stream);
 
 /* resolve_feed: out[i] = sources[i] & 0x7FFFFFFF when bit 31 is set, else cells[sources[i]].
  * sources (host, n words) is read before the call returns; from_row must be < prev_rows. */

@@ -314,8 +314,23 @@ mf_status copy_async(void *dst, const void *src, size_t nbytes, CopyKind kind, v
     return MF_SUCCESS;
 }
 
+mf_status pick(const mf_argmax_args *a, void *stream);
+
+// The id of each row, then (logprobs, or a partial call's records) each row's (m, s) after it.
 mf_status argmax(const mf_argmax_args *a, void *stream) {
     if (a->rows == 0) return MF_SUCCESS;
+    mf_status st = pick(a, stream);
+    if (st == MF_SUCCESS && (a->logprobs || (a->flags & MF_ARGS_PARTIAL)))
+        MF_CUDA_TRY(cudak::launch_logprob_stats(*a, as_stream(stream)), "launching mf_logprob_stats_kernel");
+    return st;
+}
+
+mf_status combine(const mf_combine_args *a, void *stream) {
+    MF_CUDA_TRY(cudak::launch_combine(*a, as_stream(stream)), "launching mf_combine_kernel");
+    return MF_SUCCESS;
+}
+
+mf_status pick(const mf_argmax_args *a, void *stream) {
     if (a->params) {  // the same descriptor; the sampler's own kernel reads the same rule
         MF_CUDA_TRY(cudak::launch_sample(*a, as_stream(stream)), "launching mf_sample_kernel");
         return MF_SUCCESS;
@@ -407,6 +422,7 @@ const Ops cuda_ops = {
     .reference_forward = reference_forward,
     .launch_host_func = launch_host_func,
     .current_device = current_device,
+    .combine = combine,
 };
 
 }  // namespace mf

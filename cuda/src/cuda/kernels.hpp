@@ -34,6 +34,20 @@ struct ArgmaxScratch {
 constexpr size_t argmax_scratch_partials(int sm_count) { return 6u * (size_t)sm_count; }
 constexpr size_t argmax_scratch_counters(int sm_count) { return 2u * (size_t)sm_count; }
 
+// Where a launch's ids go: the cells (stride 1), or a partial call's records (their id fields,
+// 4 words apart, local ids that the stats kernel makes global); `total` sizes the bitmask rows.
+struct IdSink {
+    uint32_t *ids;
+    uint32_t stride;
+    uint32_t base;
+    uint32_t total;
+};
+inline IdSink id_sink(const mf_argmax_args &a) {
+    if (a.flags & MF_ARGS_PARTIAL)
+        return IdSink{static_cast<uint32_t *>(a.partials) + 8, 4u, a.start, a.vocab_total};
+    return IdSink{a.cells, 1u, 0u, a.vocab};
+}
+
 ArgmaxPlan argmax_plan(uint32_t rows, uint32_t vocab, mf_dtype dtype, int sm_count);
 
 // args is already validated (rows >= 1, mask ids < vocab or NO_TOKEN, logits element-aligned);
@@ -48,6 +62,13 @@ cudaError_t launch_resolve(const uint32_t *sources, uint32_t n, const uint32_t *
 // A sampled id per row (args.params set; sample_feed.cu): one block per row, thresholds by radix
 // select, no sort. Host params and masks travel by value, device ones are read when it runs.
 cudaError_t launch_sample(const mf_argmax_args &args, cudaStream_t stream);
+
+// After the argmax or the sampler: each row's (m, s) (logprob_rule.h), then its logprob, or (a
+// partial call) its record and the block's header (logprob_feed.cu). One block per row.
+cudaError_t launch_logprob_stats(const mf_argmax_args &args, cudaStream_t stream);
+
+// Cells, logprobs and the fault word from gathered partial blocks; params (host) by value.
+cudaError_t launch_combine(const mf_combine_args &args, cudaStream_t stream);
 
 cudaError_t launch_reference(const mf_reference_args &args, cudaStream_t stream);
 

@@ -7,8 +7,10 @@
 #include <atomic>
 #include <climits>
 #include <cstring>
+#include <vector>
 
 #include "kernels.hpp"
+#include "metrale_feed/logprob_rule.h"
 #include "queue.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -262,23 +264,71 @@ const char *argmax_isa() {
     return g_row_fn.load(std::memory_order_relaxed) == argmax_row_portable ? "portable" : "avx2";
 }
 
+// The rule of a slice [start, start + width) of a row whose masks hold global ids and whose
+// bitmask is the whole row's: mask ids shift down (those outside wrap past the width and mask
+// nothing), and the bitmask words are realigned to the slice's first id in `local`.
+static mf_row_rule slice_rule(uint32_t m0, uint32_t m1, const uint32_t *row_bits, uint32_t total_words,
+                       uint32_t start, uint32_t width, std::vector<uint32_t> &local) {
+    mf_row_rule rule{m0 - start, m1 - start, nullptr};
+    if (!row_bits) return rule;
+    if (start % 32u == 0u) {
+        rule.bits = row_bits + start / 32u;
+        return rule;
+    }
+    const uint32_t words = mf_bitmask_words(width), w0 = start / 32u, sh = start % 32u;
+    local.resize(words + 1);
+    for (uint32_t j = 0; j < words; ++j) {
+        const uint32_t lo = row_bits[w0 + j], hi = w0 + j + 1 < total_words ? row_bits[w0 + j + 1] : 0u;
+        local[j] = (lo >> sh) | (hi << (32u - sh));
+    }
+    rule.bits = local.data();
+    return rule;
+}
+
 void run_argmax(const ArgmaxJob &job) {
     const mf_argmax_args &a = job.args;
     const size_t row_bytes = (size_t)a.row_stride * (a.dtype == MF_DTYPE_F32 ? 4 : 2);
-    const size_t words = mf_bitmask_words(a.vocab);
+    const bool partial = a.flags & MF_ARGS_PARTIAL;
+    const uint32_t start = partial ? a.start : 0u, total = partial ? a.vocab_total : a.vocab;
+    const size_t words = mf_bitmask_words(total);
     const uint32_t *masks = job.mask_words();
     const mf_sampling_params *params = job.row_params();
     RowFn row_fn = g_row_fn.load(std::memory_order_relaxed);
+    const bool vector = row_fn != argmax_row_portable;
+    mf_partial_record *records = nullptr;
+    if (partial) {  // the block's header first: what the combine checks
+        mf_partial_header h{MF_PARTIAL_TAG ^ (params ? MF_PARTIAL_SAMPLE : MF_PARTIAL_ARGMAX), a.rows,
+                            a.call, a.vocab_total, a.start, a.start + a.vocab, 0u};
+        std::memcpy(a.partials, &h, sizeof h);
+        records = (mf_partial_record *)a.partials + MF_PARTIAL_HEADER_RECORDS;
+    }
     parallel_rows(a.rows, [&](uint32_t begin, uint32_t end) {
         IeeeFpGuard ieee;  // on each pool thread: the sampler's arithmetic needs subnormals
+        std::vector<uint32_t> local_bits;
         for (uint32_t r = begin; r < end; ++r) {
-            const mf_row_rule rule{masks[2 * r], masks[2 * r + 1], a.bitmask ? a.bitmask + r * words : nullptr};
+            const uint32_t *row_bits = a.bitmask ? a.bitmask + r * words : nullptr;
+            const mf_row_rule rule = slice_rule(masks[2 * r], masks[2 * r + 1], row_bits, (uint32_t)words,
+                                                start, a.vocab, local_bits);
             const void *row = (const char *)a.logits + r * row_bytes;
             // A temperature that is not finite and > 0 (only device-resident params can hold
             // one) is greedy, as 0 is.
             const bool sampled = params && params[r].temperature > 0.0f && params[r].temperature <= 3.4e38f;
-            a.cells[r] = sampled ? sample_row(row, a.dtype, a.vocab, &rule, params[r], row_fn != argmax_row_portable)
-                                 : row_fn(row, a.dtype, a.vocab, &rule);
+            uint32_t id = a.vocab == 0 ? MF_NO_TOKEN
+                          : sampled    ? sample_row(row, a.dtype, a.vocab, &rule, params[r], vector, start)
+                                       : row_fn(row, a.dtype, a.vocab, &rule);
+            if (!partial) {
+                a.cells[r] = id;
+                if (a.logprobs) {
+                    const RowStats st = row_stats(row, a.dtype, a.vocab, vector);
+                    const uint32_t bits = id == MF_NO_TOKEN ? 0u : mf_logit_bits(row, (int)a.dtype, id);
+                    a.logprobs[r] = mf_logprob_finish(id, bits, st.m, st.s);
+                }
+                continue;
+            }
+            const RowStats st = row_stats(row, a.dtype, a.vocab, vector);
+            records[r] = mf_partial_record{id == MF_NO_TOKEN ? MF_NO_TOKEN : start + id,
+                                           id == MF_NO_TOKEN ? 0u : mf_logit_bits(row, (int)a.dtype, id),
+                                           st.m, (float)st.s};
         }
     });
 }

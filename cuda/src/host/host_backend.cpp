@@ -238,6 +238,12 @@ mf_status launch_host_func(mf_host_fn fn, void *data, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status combine(const mf_combine_args *args, void *stream) {
+    CombineJob job(*args);  // host params copied: the caller may reuse them
+    stream_of(stream)->enqueue("combine_partials", [job = std::move(job)] { run_combine(job); });
+    return MF_SUCCESS;
+}
+
 }  // namespace
 
 uint32_t lag_us() { return g_lag_us.load(std::memory_order_relaxed); }
@@ -276,6 +282,7 @@ const Ops host_ops = {
     .reference_forward = reference_forward,
     .launch_host_func = launch_host_func,
     .current_device = current_device,
+    .combine = combine,
 };
 }  // namespace mf
 

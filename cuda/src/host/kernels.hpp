@@ -43,9 +43,30 @@ const char *argmax_isa();
 bool use_portable_argmax(bool portable);  // for tests of both paths; false: no vector path here
 
 // One sampled row (sample_host.cpp); temperature 0 never reaches it. `vector`: the AVX2 helpers
-// may decide what to skip (the portable path when the argmax path is forced portable).
+// may decide what to skip (the portable path when the argmax path is forced portable). `base`:
+// the global id of the row's first element when it is a slice of a split row (Philox draws by
+// global id, so the race is the same however the row is split).
 uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
-                    const mf_sampling_params &p, bool vector);
+                    const mf_sampling_params &p, bool vector, uint32_t base = 0);
+
+// A row's (m, s) for logprobs (logprob_rule.h), over n elements: vector or portable, both
+// deterministic (a fixed order of float64 adds).
+struct RowStats {
+    float m;
+    double s;
+};
+RowStats row_stats(const void *row, mf_dtype dtype, uint32_t n, bool vector);
+
+// What one combine needs when the worker runs it (host params copied now).
+struct CombineJob {
+    explicit CombineJob(const mf_combine_args &a) : args(a) {
+        if (a.params) params.assign(a.params, a.params + a.rows);
+        args.params = nullptr;
+    }
+    mf_combine_args args;
+    std::vector<mf_sampling_params> params;
+};
+void run_combine(const CombineJob &job);
 
 // Clears FTZ/DAZ for the lifetime of the guard: the rules are defined on IEEE arithmetic with
 // subnormals, whatever a library loaded into the process did to this thread's MXCSR.

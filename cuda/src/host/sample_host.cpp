@@ -10,6 +10,7 @@
 
 #include "kernels.hpp"
 #include "metrale_feed/sample_rule.h"
+#include "vec_exp.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -47,6 +48,7 @@ struct RowView {
     uint32_t vocab;
     const mf_row_rule *rule;
     float inv_t;
+    uint32_t base;  // the global id of local id 0 (a slice of a split row): Philox draws by global id
     bool candidate(uint32_t i, uint32_t *bits) const {
         if (i == rule->m0 || i == rule->m1 || !mf_bit_allowed(rule->bits, i)) return false;
         *bits = mf_logit_bits(row, dt, i);
@@ -71,7 +73,7 @@ struct Race {
         if (mf_fadd(z, MF_GUMBEL_BOUND) < best_score) return;  // score <= z + bound: cannot win
         if (threshold && mf_pack(mf_key_f32(bits), i) < threshold) return;
         if (p.use_min_p && !(mf_exp_neg(mf_fsub(z, zmax)) >= p.min_p)) return;
-        const float score = mf_fadd(z, mf_gumbel(p.seed, p.position, i));
+        const float score = mf_fadd(z, mf_gumbel(p.seed, p.position, v.base + i));
         const uint64_t packed = mf_pack(mf_key_f32(mf_to_bits(score)), i);
         if (packed > best) {
             best = packed;
@@ -89,26 +91,6 @@ inline uint32_t bits_word(const uint32_t *bits, uint32_t words, uint32_t i) {
     uint64_t window = bits[w];
     if (w + 1 < words) window |= (uint64_t)bits[w + 1] << 32;
     return (uint32_t)(window >> sh);
-}
-
-// sample_rule.h's mf_exp_neg on 8 lanes: the same IEEE operations in the same order (no FMA in
-// this target), so the same bits.
-MF_AVX2 inline __m256 exp_neg8(__m256 x) {
-    const __m256 ok = _mm256_cmp_ps(x, _mm256_set1_ps(-86.0f), _CMP_GE_OQ);  // false for NaN
-    __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269502f)), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
-                             _mm256_mul_ps(n, _mm256_set1_ps(1.42860677e-06f)));
-    __m256 p = _mm256_set1_ps(1.38888889e-03f);
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.33333333e-03f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.16666667e-02f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.66666667e-01f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(0.5f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
-    const __m256i k = _mm256_cvttps_epi32(n);
-    const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(k, 23));
-    const __m256i keep = _mm256_and_si256(_mm256_castps_si256(ok), _mm256_cmpgt_epi32(k, _mm256_set1_epi32(-126)));
-    return _mm256_castsi256_ps(_mm256_and_si256(bits, keep));
 }
 
 // The round keys of a seed: philox.h's Weyl schedule, broadcast once per row.
@@ -184,7 +166,7 @@ MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
         }
         if (!near) continue;
         __m256i bits[4];
-        philox32(keys, race.p.position, i, bits);
+        philox32(keys, race.p.position, race.v.base + i, bits);
         // An id can win only if g >= s - z, and g <= -log(1 - U): out when 1 - U > exp(z - s).
         // Checked by powers of two: with E the exponent of fl(1 - U) and c = ceil((z - s) log2 e),
         // E >= c + 2 proves 1 - U > exp(z - s) with a factor of two to spare for every rounding.
@@ -382,7 +364,7 @@ uint64_t select_threshold(const RowView &v, bool use_mass, float zmax, uint64_t 
 }  // namespace
 
 uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
-                    const mf_sampling_params &params, bool vector) {
+                    const mf_sampling_params &params, bool vector, uint32_t base) {
     const mf_sample_plan p = mf_plan_sampling(&params);
 #ifdef MF_X86
     // A 16-bit row is widened to float32 once (exactly: mf_logit_bits), so the vector helpers
@@ -397,7 +379,7 @@ uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_ro
 #else
     vector = false;
 #endif
-    const RowView v{row, (int)dtype, vocab, rule, p.inv_t};
+    const RowView v{row, (int)dtype, vocab, rule, p.inv_t, base};
     // The greatest finite candidate. The argmax rule's winner is it when finite (+inf ranks
     // above it, NaN and -inf below); otherwise a scalar pass.
     uint64_t top = 0;
@@ -419,10 +401,10 @@ uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_ro
     if (p.top_k) threshold = select_threshold(v, false, zmax, 0, p.top_k, 1.0f, vector);
     if (p.use_top_p) threshold = select_threshold(v, true, zmax, threshold, 0, p.top_p, vector);
     // The race, the greatest logit first: its score bounds which others can still win.
-    const float s0 = mf_fadd(zmax, mf_gumbel(p.seed, p.position, top_id));
+    const float s0 = mf_fadd(zmax, mf_gumbel(p.seed, p.position, base + top_id));
     Race race{v, p, zmax, threshold, mf_pack(mf_key_f32(mf_to_bits(s0)), top_id), s0};
 #ifdef MF_X86
-    if (vector) {
+    if (vector && base % 4u == 0u) {  // the vector Philox draws whole blocks of four ids
         race_f32(race, top_id);
         return mf_unpack_id(race.best);
     }

@@ -1,0 +1,141 @@
+/* Chosen-token logprobs and the partial records of a row split, shared verbatim by the CUDA kernels
+ * and the host backend (docs/kernels.md, "Logprobs" and "Partial records and the combine").
+ *
+ * A row's log-sum-exp is carried as (m, s): m the greatest logit (NaN counts as -inf; +inf when
+ * any logit is +inf; -inf when there is no finite one) and s the sum of exp(logit - m) over the
+ * finite logits, accumulated in float64. Slices combine exactly as one row would:
+ * M = max m_r, S = sum_r s_r exp(m_r - M), and the chosen id's logprob is
+ * logit - (M + log S), evaluated in float64. Each term exp(logit - m) is mf_exp_neg (a few ulps of
+ * float32), so S is within ~1e-7 relative of the true sum and the logprob within ~2e-7 absolute
+ * plus the rounding of the result: far inside the 2e-5 contract, whatever the split. */
+#ifndef METRALE_FEED_LOGPROB_RULE_H
+#define METRALE_FEED_LOGPROB_RULE_H
+
+#include <math.h>
+
+#include "metrale_feed/feed.h"
+#include "metrale_feed/sample_rule.h"
+
+#define MF_PARTIAL_TAG 0x3150464Du /* "MFP1" */
+#define MF_PARTIAL_HEADER_RECORDS 2u
+enum { MF_PARTIAL_ARGMAX = 1u, MF_PARTIAL_SAMPLE = 2u };
+/* Why a combine refused its partials (the low byte of the fault word; the slice is in bits 8+). */
+enum {
+    MF_FAULT_NONE = 0u,
+    MF_FAULT_TAG = 1u,   /* not a partial block, or another operation */
+    MF_FAULT_ROWS = 2u,  /* another row count */
+    MF_FAULT_CALL = 3u,  /* another call: a slice from an earlier or later step */
+    MF_FAULT_VOCAB = 4u, /* another vocabulary */
+    MF_FAULT_SPLIT = 5u  /* the slices do not tile [0, vocab) in order */
+};
+
+/* The first 32 bytes of a slice's partial block: what the combine checks before trusting it. */
+typedef struct mf_partial_header {
+    uint32_t tag; /* MF_PARTIAL_TAG ^ op */
+    uint32_t rows;
+    uint64_t call;
+    uint32_t vocab; /* the whole vocabulary */
+    uint32_t start, stop;
+    uint32_t reserved;
+} mf_partial_header;
+
+/* One row of one slice, 16 bytes. id/logit_bits: the slice's candidate (the argmax, or the race
+ * winner of a sampled row) as a global id and its logit widened exactly to float32 bits (the
+ * combine rebuilds the packed key from them, and a sampled row's race score too, so a sampled
+ * record still carries the chosen logit for its logprob); MF_NO_TOKEN when the slice has none.
+ * max/sum: the slice's (m, s) over all its ids, masks and bitmask ignored. */
+typedef struct mf_partial_record {
+    uint32_t id;
+    uint32_t logit_bits;
+    float max;
+    float sum;
+} mf_partial_record;
+
+MF_HD float mf_neg_inf(void) { return mf_from_bits(0xFF800000u); }
+MF_HD float mf_nan(void) { return mf_from_bits(0x7FC00000u); }
+
+/* The logprob of a chosen id with logit `bits` under a row (or gathered slices) of (M, S); NaN
+ * for NO_TOKEN, a +inf anywhere and a row with no finite logit; -inf for a -inf or NaN choice. */
+MF_HD float mf_logprob_finish(uint32_t id, uint32_t bits, float m, double s) {
+    if (id == MF_NO_TOKEN || !(m > mf_neg_inf()) || !mf_finite_bits(mf_to_bits(m))) return mf_nan();
+    if (!mf_finite_bits(bits)) return mf_neg_inf(); /* +inf would have made m +inf */
+    return (float)((double)mf_from_bits(bits) - ((double)m + log(s)));
+}
+
+/* The packed key of a slice's record in the combine (0: no candidate). Greedy: (logit, id), the
+ * argmax order (float32 keys order widened 16-bit values as their own keys do). */
+MF_HD uint64_t mf_record_logit_key(const mf_partial_record *r) {
+    return r->id == MF_NO_TOKEN ? 0ull : mf_pack(mf_key_f32(r->logit_bits), r->id);
+}
+
+/* The combined id of one row from its `world` records (rec[w * stride]). A sampled row's records
+ * are race winners, except that a slice whose greatest scaled logit z is not finite keeps its top
+ * (sample_rule.h's early return); so: any candidate whose z is neither finite nor -inf means the
+ * whole row's zmax is not finite (the top wins); all at -inf likewise; otherwise the greatest race
+ * score, recomputed from (logit, global id) by the rule's own operations, wins. */
+MF_HD uint32_t mf_combine_pick(const mf_partial_record *rec, uint32_t world, uint32_t stride,
+                               const mf_sample_plan *plan) {
+    uint64_t best = 0, top_hot = 0, top_all = 0, race = 0;
+    int any_hot = 0, all_cold = 1, any = 0;
+    for (uint32_t w = 0; w < world; ++w) {
+        const mf_partial_record *r = rec + (uint64_t)w * stride;
+        const uint64_t key = mf_record_logit_key(r);
+        best = mf_pack_max(best, key);
+        if (!plan || !key) continue;
+        any = 1;
+        const float z = mf_scaled(r->logit_bits, plan->inv_t);
+        const int cold = z == mf_neg_inf();
+        if (!cold && !mf_finite_bits(mf_to_bits(z))) {
+            any_hot = 1;
+            top_hot = mf_pack_max(top_hot, key);
+        }
+        all_cold &= cold;
+        top_all = mf_pack_max(top_all, key);
+        const float score = mf_fadd(z, mf_gumbel(plan->seed, plan->position, r->id));
+        race = mf_pack_max(race, mf_pack(mf_key_f32(mf_to_bits(score)), r->id));
+    }
+    if (!plan) return mf_unpack_id(best);
+    if (!any) return MF_NO_TOKEN;
+    return mf_unpack_id(any_hot ? top_hot : all_cold ? top_all : race);
+}
+
+/* (M, S) of a row from its slices' records. */
+MF_HD void mf_combine_stats(const mf_partial_record *rec, uint32_t world, uint32_t stride, float *m,
+                            double *s) {
+    float top = mf_neg_inf();
+    for (uint32_t w = 0; w < world; ++w) {
+        const float x = rec[(uint64_t)w * stride].max;
+        top = x > top ? x : top;
+    }
+    double sum = 0.0;
+    if (top > mf_neg_inf() && mf_finite_bits(mf_to_bits(top)))
+        for (uint32_t w = 0; w < world; ++w) {
+            const mf_partial_record *r = rec + (uint64_t)w * stride;
+            if (r->max > mf_neg_inf()) sum += (double)r->sum * exp((double)r->max - (double)top);
+        }
+    *m = top;
+    *s = sum;
+}
+
+/* The fault of a set of headers (hdr[w * stride] in records), 0 when they agree. */
+MF_HD uint32_t mf_check_headers(const mf_partial_header *first, uint32_t world, uint32_t stride_records,
+                                uint32_t op, uint32_t rows, uint64_t call, uint32_t vocab) {
+    uint32_t expect_start = 0;
+    for (uint32_t w = 0; w < world; ++w) {
+        const mf_partial_header *h =
+            (const mf_partial_header *)((const char *)first + (uint64_t)w * stride_records * 16u);
+        uint32_t code = h->tag != (MF_PARTIAL_TAG ^ op) ? MF_FAULT_TAG
+                        : h->rows != rows              ? MF_FAULT_ROWS
+                        : h->call != call              ? MF_FAULT_CALL
+                        : h->vocab != vocab            ? MF_FAULT_VOCAB
+                        : (h->start != expect_start || h->stop < h->start || h->stop > vocab ||
+                           (w + 1 == world && h->stop != vocab))
+                            ? MF_FAULT_SPLIT
+                            : MF_FAULT_NONE;
+        if (code) return code | (w << 8);
+        expect_start = h->stop;
+    }
+    return MF_FAULT_NONE;
+}
+
+#endif

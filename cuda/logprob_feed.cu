@@ -1,0 +1,131 @@
+// Chosen-token logprobs and the partial records of a split row (logprob_rule.h), after the argmax
+// or the sampler has written each row's id. One block per row: the greatest logit, then the sum of
+// exp(logit - max) in float64, each thread over a fixed stride of ids and the block in a fixed
+// tree, so the same inputs give the same bits (no atomics). The combine is one thread per row.
+#include <algorithm>
+
+#include "cuda/kernels.hpp"
+#include "metrale_feed/logprob_rule.h"
+
+namespace mf {
+namespace cudak {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr uint32_t kCombineRowsPerLaunch = 256;  // 256 * 32 bytes of params by value
+
+struct CombineParams {
+    mf_sampling_params params[kCombineRowsPerLaunch];
+};
+
+// A fixed-order block reduction (every thread gets the result).
+template <class T, class Op>
+__device__ T block_fold(T v, Op op, T *slots) {
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+    __syncthreads();  // slots may still be read by a previous fold
+    if (lane == 0) slots[warp] = v;
+    __syncthreads();
+    v = slots[0];
+    for (unsigned w = 1; w < blockDim.x / 32; ++w) v = op(v, slots[w]);
+    return v;
+}
+
+struct MaxF {
+    __device__ float operator()(float a, float b) const { return b > a ? b : a; }  // NaN never wins
+};
+struct AddD {
+    __device__ double operator()(double a, double b) const { return a + b; }
+};
+
+// ids: the argmax/sampler's output, row r at ids[r * id_stride] (a local id in a partial call).
+__global__ void __launch_bounds__(kThreads)
+    mf_logprob_stats_kernel(const char *logits, int dtype, uint64_t row_bytes, uint32_t width,
+                            const uint32_t *ids, uint32_t id_stride, float *logprobs,
+                            mf_partial_record *records, mf_partial_header header) {
+    __shared__ float fslots[kThreads / 32];
+    __shared__ double dslots[kThreads / 32];
+    const uint32_t r = blockIdx.x;
+    const void *row = logits + r * row_bytes;
+    float m = mf_neg_inf();
+    for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) m = MaxF()(m, mf_from_bits(mf_logit_bits(row, dtype, i)));
+    m = block_fold(m, MaxF(), fslots);
+    double s = 0.0;
+    if (m > mf_neg_inf() && mf_finite_bits(mf_to_bits(m))) {
+        for (uint32_t i = threadIdx.x; i < width; i += blockDim.x)
+            s += (double)mf_exp_neg(mf_fsub(mf_from_bits(mf_logit_bits(row, dtype, i)), m));
+        s = block_fold(s, AddD(), dslots);
+    }
+    if (threadIdx.x != 0) return;
+    const uint32_t id = ids[(uint64_t)r * id_stride];
+    const uint32_t bits = id == MF_NO_TOKEN ? 0u : mf_logit_bits(row, dtype, id);
+    if (!records) {
+        logprobs[r] = mf_logprob_finish(id, bits, m, s);
+        return;
+    }
+    records[r] = mf_partial_record{id == MF_NO_TOKEN ? MF_NO_TOKEN : header.start + id, bits, m, (float)s};
+    if (r == 0) reinterpret_cast<mf_partial_header *>(records)[-1] = header;  // the two records before row 0
+}
+
+__global__ void mf_combine_kernel(const mf_partial_record *first, const mf_partial_header *headers,
+                                  uint32_t world, uint32_t stride, uint32_t rows, uint32_t op,
+                                  uint64_t call, uint32_t vocab, uint32_t *cells, float *logprobs,
+                                  uint32_t *fault, uint32_t row0,
+                                  const __grid_constant__ CombineParams in) {
+    const uint32_t r = blockIdx.x * blockDim.x + threadIdx.x;  // within this launch
+    if (row0 + r >= rows || r >= kCombineRowsPerLaunch) return;
+    const uint32_t f = mf_check_headers(headers, world, stride, op, rows, call, vocab);
+    if (row0 + r == 0) *fault = f;
+    uint32_t id = MF_NO_TOKEN, bits = 0;
+    float m = mf_neg_inf();
+    double s = 0.0;
+    if (!f) {
+        const mf_partial_record *rec = first + row0 + r;
+        mf_sample_plan plan;
+        const bool sampled = op == MF_PARTIAL_SAMPLE && !(plan = mf_plan_sampling(&in.params[r])).greedy;
+        id = mf_combine_pick(rec, world, stride, sampled ? &plan : nullptr);
+        for (uint32_t w = 0; w < world; ++w)
+            if (id != MF_NO_TOKEN && rec[(uint64_t)w * stride].id == id) bits = rec[(uint64_t)w * stride].logit_bits;
+        mf_combine_stats(rec, world, stride, &m, &s);
+    }
+    cells[row0 + r] = id;
+    if (logprobs) logprobs[row0 + r] = mf_logprob_finish(id, bits, m, s);
+}
+
+}  // namespace
+
+cudaError_t launch_logprob_stats(const mf_argmax_args &a, cudaStream_t stream) {
+    const uint64_t esize = a.dtype == MF_DTYPE_F32 ? 4u : 2u;
+    const bool partial = a.flags & MF_ARGS_PARTIAL;
+    const IdSink sink = id_sink(a);
+    mf_partial_header h{};
+    mf_partial_record *records = nullptr;
+    if (partial) {
+        h = mf_partial_header{MF_PARTIAL_TAG ^ (a.params ? MF_PARTIAL_SAMPLE : MF_PARTIAL_ARGMAX), a.rows,
+                              a.call, a.vocab_total, a.start, a.start + a.vocab, 0u};
+        records = static_cast<mf_partial_record *>(a.partials) + MF_PARTIAL_HEADER_RECORDS;
+    }
+    mf_logprob_stats_kernel<<<a.rows, kThreads, 0, stream>>>(
+        static_cast<const char *>(a.logits), (int)a.dtype, a.row_stride * esize, a.vocab, sink.ids,
+        sink.stride, a.logprobs, records, h);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_combine(const mf_combine_args &a, cudaStream_t stream) {
+    const auto *headers = static_cast<const mf_partial_header *>(a.partials);
+    const auto *first = static_cast<const mf_partial_record *>(a.partials) + MF_PARTIAL_HEADER_RECORDS;
+    for (uint32_t row0 = 0; row0 < a.rows; row0 += kCombineRowsPerLaunch) {
+        const uint32_t n = std::min(a.rows - row0, kCombineRowsPerLaunch);
+        CombineParams in;
+        if (a.params) std::copy(a.params + row0, a.params + row0 + n, in.params);
+        mf_combine_kernel<<<(n + 127) / 128, 128, 0, stream>>>(first, headers, a.world, a.slice_stride,
+                                                              a.rows, a.op, a.call, a.vocab, a.cells,
+                                                              a.logprobs, a.fault, row0, in);
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
+
+}  // namespace cudak
+}  // namespace mf

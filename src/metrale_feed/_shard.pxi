@@ -1,0 +1,275 @@
+# The building blocks of a vocabulary split across slices (docs/kernels.md, "Partial records and
+# the combine"): a partial argmax or temperature-only sample over one slice of each row, writing a
+# partial block, and the combine of the gathered blocks into the feed cells, exactly as the
+# unsharded call. Private: the tensor-parallel shard is built on them.
+
+PARTIAL_RECORD_BYTES = 16                                 # one row of one slice
+PARTIAL_HEADER_BYTES = MF_PARTIAL_HEADER_RECORDS * 16     # the fingerprint before the rows
+
+_FAULTS = {1: "another operation or not a partial block", 2: "another row count",
+           3: "another call counter", 4: "another vocabulary",
+           5: "slices that do not tile the vocabulary in order"}
+
+
+cdef int fill_partial(mf_argmax_args *a, object partial) except -1:
+    """The slice of a partial call: ``partial`` is (partials, start, stop, vocab, call)."""
+    cdef void *ptr
+    cdef uint64_t call
+    partials, start, stop, vocab, call_obj = partial
+    total = int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
+    lo = int_of(start, "start", 0, total)
+    hi = int_of(stop, "stop", lo, total)
+    u64_of(call_obj, &call, "call")
+    device_ptr_of(partials, &ptr)
+    a.partials = ptr
+    a.vocab = <uint32_t>(hi - lo)
+    a.vocab_total = <uint32_t>total
+    a.start = <uint32_t>lo
+    a.call = call
+    a.flags |= MF_ARGS_PARTIAL
+    return 0
+
+
+def _partial_bytes(rows):
+    """Bytes of one slice's partial block for ``rows`` rows (a header, then a record per row)."""
+    return (int_of(rows, "rows", 1, MF_MAX_ROWS) + MF_PARTIAL_HEADER_RECORDS) * PARTIAL_RECORD_BYTES
+
+
+def _argmax_partial(logits, masks, partials, event=None, stream=0, *, start, stop, vocab, dtype,
+                    call, rows=None, row_stride=None, bitmask=None):
+    """The masked argmax of the slice ``[start, stop)`` of each row, as a partial block.
+
+    Writes ``partials`` (device, ``_partial_bytes(rows)`` bytes) in stream order: a 32-byte header
+    (operation, rows, ``call``, ``vocab``, ``start``, ``stop``), then one 16-byte record per row
+    (the slice's best candidate as a global id and its logit, and the slice's greatest logit and
+    sum of exponentials), then records ``event``. ``_combine_partials`` turns the blocks of every
+    slice into what ``argmax_to_feed`` gives on the whole rows.
+
+    Parameters
+    ----------
+    logits : device memory or None
+        The slice's ``stop - start`` columns of each row (row ``r`` at element ``r * row_stride``);
+        None for an empty slice.
+    masks : as for ``argmax_to_feed``
+        Global ids (below ``vocab``); an id outside the slice masks nothing here.
+    partials : DeviceBuffer, int, or a device array
+        Where the block goes.
+    event, stream
+        As for ``argmax_to_feed``.
+    start, stop : int
+        The slice, ``0 <= start <= stop <= vocab``.
+    vocab : int
+        The whole vocabulary.
+    dtype : {"float32", "float16", "bfloat16"}
+    call : int
+        The caller's call counter (uint64), written into the header and checked by the combine.
+    rows, row_stride
+        As for ``argmax_to_feed`` (``row_stride`` in elements of the slice's rows).
+    bitmask : device memory, optional
+        The *whole* rows' bitmask, ``[rows, ceil(vocab / 32)]`` int32 words.
+
+    Returns
+    -------
+    int
+        The rows launched.
+
+    Raises
+    ------
+    ValueError
+        A slice outside ``[0, vocab]``, a mask id ``>= vocab``, ``partials`` too small, and the
+        errors of ``argmax_to_feed``; before anything is queued.
+
+    Examples
+    --------
+    >>> _argmax_partial(dev, None, part, rows=4, start=0, stop=50, vocab=100,
+    ...                 dtype="float32", call=7)  # doctest: +SKIP
+    4
+    """
+    return launch_pick(logits, masks, None, None, event, stream, bitmask, None, rows, vocab, dtype,
+                       row_stride, None, None, (partials, start, stop, vocab, call))
+
+
+def _sample_partial(logits, params, partials, event=None, stream=0, *, start, stop, vocab, dtype,
+                    call, masks=None, rows=None, row_stride=None, bitmask=None):
+    """``_argmax_partial`` with each row's race winner over the slice (``sample_to_feed``'s rule).
+
+    The race draws by global id, so the combine gives the very id ``sample_to_feed`` draws on the
+    whole row. Rows must be temperature-only (``top_k`` 0, ``top_p`` 1, ``min_p`` 0): the filters
+    need thresholds over the whole row (docs/kernels.md). ``params`` must be host records.
+
+    Parameters
+    ----------
+    params : SAMPLING_PARAMS_DTYPE array
+        One record per row, the same on every slice.
+    logits, partials, event, stream, start, stop, vocab, dtype, call, masks, rows, row_stride, bitmask
+        As for ``_argmax_partial``.
+
+    Returns
+    -------
+    int
+        The rows launched.
+
+    Raises
+    ------
+    ValueError
+        A filter set on some row, device-resident params, and the errors of ``_argmax_partial``.
+
+    Examples
+    --------
+    >>> _sample_partial(dev, p, part, rows=4, start=50, stop=100, vocab=100,
+    ...                 dtype="float32", call=7)  # doctest: +SKIP
+    4
+    """
+    if rows is None and masks is None:
+        rows = len(params)
+    return launch_pick(logits, masks, None, None, event, stream, bitmask, params, rows, vocab, dtype,
+                       row_stride, None, None, (partials, start, stop, vocab, call))
+
+
+def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, vocab, call, fault_dst,
+                      params=None, logprobs=None, logprobs_dst=None, slice_stride=None):
+    """The feed cells (and logprobs) of whole rows from the partial blocks of their slices.
+
+    ``partials`` holds ``world`` blocks, block ``w`` at byte ``w * slice_stride * 16``, slices in
+    id order (what an all-gather of each slice's block gives). In stream order: every header is
+    checked against (operation, ``rows``, ``call``, ``vocab``) and the slices against
+    ``[0, vocab)``; then ``cells``, ``dst``, ``logprobs`` and ``logprobs_dst`` get what
+    ``argmax_to_feed`` (``params`` None) or ``sample_to_feed`` gives on the whole rows; then the
+    fault word is copied into ``fault_dst`` and ``event`` recorded. A mismatch writes ``NO_TOKEN``
+    and NaN to every row and a nonzero fault: ``_check_partials_fault(fault_dst)`` raises it as a
+    ``FeedError`` once the event has completed.
+
+    Parameters
+    ----------
+    partials : device memory
+        The gathered blocks (slice 0's header also holds the fault word the combine writes).
+    world : int
+        Slices, 1 to 65536.
+    cells, dst, event, stream, logprobs, logprobs_dst
+        As for ``argmax_to_feed``.
+    rows : int
+        Rows, 1 to 4096, the same as every partial call's.
+    vocab : int
+        The whole vocabulary.
+    call : int
+        The call counter every block must carry.
+    fault_dst : PinnedBuffer or writable buffer of at least 4 bytes
+        Where the fault word is copied (0: the blocks agreed).
+    params : SAMPLING_PARAMS_DTYPE array, optional
+        The sampled combine's host records (temperature-only), the partial calls' own.
+    slice_stride : int, optional
+        16-byte records between blocks, at least ``rows + 2`` (default ``rows + 2``).
+
+    Raises
+    ------
+    ValueError
+        A bad ``world``, ``rows``, ``vocab`` or ``slice_stride``, buffers too small, filters set in
+        ``params``; before anything is queued.
+    TypeError
+        ``logprobs`` or ``logprobs_dst`` typed other than float32; a non-buffer ``fault_dst``.
+
+    Examples
+    --------
+    >>> _combine_partials(gathered, 2, cells, ids, done, rows=4, vocab=100, call=7,
+    ...                   fault_dst=fault)  # doctest: +SKIP
+    """
+    cdef mf_combine_args c
+    cdef mf_argmax_args view
+    cdef _PickInputs keep = _PickInputs.__new__(_PickInputs)
+    cdef uint64_t s, e
+    cdef void *ptr
+    cdef size_t n = 0
+    cdef list held = [None, None, None]
+    memset(&c, 0, sizeof(c))
+    memset(&view, 0, sizeof(view))
+    c.world = <uint32_t>int_of(world, "world", 1, MF_MAX_SLICES)
+    c.rows = <uint32_t>int_of(rows, "rows", 1, MF_MAX_ROWS)
+    c.vocab = <uint32_t>int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
+    u64_of(call, &c.call, "call")
+    c.slice_stride = <uint32_t>int_of(c.rows + MF_PARTIAL_HEADER_RECORDS if slice_stride is None
+                                      else slice_stride, "slice_stride",
+                                      c.rows + MF_PARTIAL_HEADER_RECORDS, 0xFFFFFFFF)
+    c.op = MF_PARTIAL_ARGMAX
+    if params is not None:
+        view.rows = c.rows
+        fill_params(&view, params, keep)
+        if view.flags & MF_ARGS_PARAMS_DEVICE:
+            raise ValueError("_combine_partials takes host params (checked now)")
+        c.params = view.params
+        c.op = MF_PARTIAL_SAMPLE
+    device_ptr_of(partials, &ptr)
+    c.partials = ptr
+    c.fault = <uint32_t *>(<char *>ptr + 28)  # slice 0's header, its reserved word
+    device_ptr_of(cells, &ptr)
+    c.cells = <uint32_t *>ptr
+    c.cell_capacity = cells_capacity(cells, ptr, c.rows)
+    if dst is not None:
+        if isinstance(dst, int):
+            u64_of(dst, &e, "dst pointer")
+            pinned_range(e, c.rows * 4)
+            c.host_dst = <void *><size_t>e
+        else:
+            held[0] = host_ptr_of(dst, True, &c.host_dst, &n)
+            if n < c.rows * 4:
+                raise ValueError(f"dst holds {n} bytes; {c.rows} ids need {c.rows * 4}")
+    held[1] = fill_logprobs(&c.logprobs, &c.logprobs_dst, logprobs, logprobs_dst, c.rows)
+    if isinstance(fault_dst, int):
+        raise TypeError("fault_dst must be a buffer of at least 4 bytes, not an int")
+    held[2] = host_ptr_of(fault_dst, True, &c.fault_dst, &n)
+    if n < 4:
+        raise ValueError(f"fault_dst holds {n} bytes, fewer than the fault word's 4")
+    event_of(event, &c.event, True)
+    stream_of(stream, &s)
+    events = reserve_holds(held)
+    commit_holds(held, events, s, mf_combine_partials(&c, s))
+    _cell_rows[<size_t>c.cells] = c.rows
+
+
+cdef list reserve_holds(list held):
+    """The events of several holds, all or none (see reserve_hold)."""
+    cdef list events = []
+    try:
+        for h in held:
+            events.append(reserve_hold(h))
+    except BaseException:
+        for ev in events:
+            if ev:
+                mf_event_destroy(ev)
+        raise
+    return events
+
+
+cdef int commit_holds(list held, list events, uint64_t stream, mf_status queued) except -1:
+    if queued != MF_SUCCESS:
+        for ev in events:
+            if ev:
+                mf_event_destroy(ev)
+        raise_status(queued)
+    for h, ev in zip(held, events):
+        commit_hold(h, ev, stream, MF_SUCCESS)
+    return 0
+
+
+def _check_partials_fault(fault_dst):
+    """Raise the fault a combine copied into ``fault_dst``, if any; read it only once the
+    combine's event has completed.
+
+    Parameters
+    ----------
+    fault_dst : buffer
+        The combine's ``fault_dst``.
+
+    Raises
+    ------
+    FeedError
+        The partial blocks did not match: the reason and the first mismatched slice.
+
+    Examples
+    --------
+    >>> _check_partials_fault(fault)  # doctest: +SKIP
+    """
+    word = memoryview(fault_dst).cast("B")[:4].cast("I")[0]
+    if word:
+        reason = _FAULTS.get(word & 0xFF, f"fault {word & 0xFF}")
+        raise FeedError(f"partial blocks refused: slice {word >> 8} has {reason}; every row got "
+                        "NO_TOKEN")

@@ -1,0 +1,453 @@
+"""Chosen-token logprobs against a float64 numpy oracle, and the partial blocks of a row split and
+their combine against the unsharded call: ids bit for bit, logprobs within the contract
+(2e-5 absolute or 2 float32 ulps of the float64 reference)."""
+
+import numpy as np
+import pytest
+
+import metrale_feed as mf
+from metrale_feed import _core
+from metrale_feed.errors import FeedError
+from metrale_feed.oracle import reference_argmax, reference_logprobs
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def assert_close(got, ref):
+    """Within 2e-5 absolute or 2 float32 ulps of ref, whichever is larger; NaN and +-inf exactly."""
+    got = np.asarray(got, np.float64)
+    special = ~np.isfinite(ref)
+    assert np.array_equal(np.isnan(got), np.isnan(ref)), (got, ref)
+    assert np.array_equal(got[special & ~np.isnan(ref)], ref[special & ~np.isnan(ref)])
+    fin = ~special
+    tol = np.maximum(2e-5, 2 * np.spacing(np.abs(ref[fin]).astype(np.float32)).astype(np.float64))
+    err = np.abs(got[fin] - ref[fin])
+    assert (err <= tol).all(), (err.max(), got[fin][err > tol][:5], ref[fin][err > tol][:5])
+
+
+@pytest.fixture(params=["portable", "best"])
+def path(request, host):
+    mf.host_argmax_path(request.param == "portable")
+    yield mf.host_argmax_path()
+    mf.host_argmax_path(False)
+
+
+def pick(dev, logits, masks=None, bitmask=None, params=None, with_logprobs=True, row_stride=None):
+    """argmax_to_feed (params None) or sample_to_feed over whole rows: (ids, logprobs or None)."""
+    rows = logits.shape[0]
+    vocab = logits.shape[1] if row_stride is None else row_stride[1]
+    buf, cells = dev.upload(logits), mf.DeviceBuffer(rows * 4)
+    held = [buf, cells]
+    if bitmask is not None:
+        bitmask = dev.upload(bitmask)
+        held.append(bitmask)
+    lp_dev = mf.DeviceBuffer(rows * 4) if with_logprobs else None
+    lp = np.full(rows, 7.0, np.float32) if with_logprobs else None
+    ids = np.zeros(rows, np.uint32)
+    kw = dict(masks=masks, bitmask=bitmask, rows=rows, vocab=vocab, dtype=np.dtype(logits.dtype).name,
+              row_stride=None if row_stride is None else row_stride[0], logprobs=lp_dev, logprobs_dst=lp)
+    with mf.Event() as done:
+        if params is None:
+            mf.argmax_to_feed(buf, kw.pop("masks"), cells, ids, done, **kw)
+        else:
+            mf.sample_to_feed(buf, params, cells, ids, done, **kw)
+        done.synchronize()
+    for b in held + ([lp_dev] if lp_dev else []):
+        b.close()
+    return ids, lp
+
+
+def split(dev, logits, offsets, masks=None, bitmask=None, params=None, pad=0, call=11,
+          tamper=None):
+    """The partial calls over the slices [offsets[w], offsets[w+1]) and their combine: (ids,
+    logprobs, fault word). ``pad`` widens each slice's rows (a padded row stride); ``tamper(w)``
+    returns overrides for slice w's call."""
+    rows, vocab = logits.shape
+    world = len(offsets) - 1
+    block = _core._partial_bytes(rows)
+    parts, cells, lp_dev = mf.DeviceBuffer(block * world), mf.DeviceBuffer(rows * 4), mf.DeviceBuffer(rows * 4)
+    held = [parts, cells, lp_dev]
+    if bitmask is not None:
+        bitmask = dev.upload(bitmask)
+        held.append(bitmask)
+    dtype = np.dtype(logits.dtype).name
+    for w in range(world):
+        lo, hi = offsets[w], offsets[w + 1]
+        part = np.zeros((rows, hi - lo + pad), logits.dtype)
+        part[:, : hi - lo] = logits[:, lo:hi]
+        sl = dev.upload(part) if hi > lo else None
+        if sl is not None:
+            held.append(sl)
+        kw = dict(rows=rows, start=lo, stop=hi, vocab=vocab, dtype=dtype, call=call, bitmask=bitmask,
+                  row_stride=hi - lo + pad if pad else None)
+        if tamper:
+            kw.update(tamper(w))
+        if params is None:
+            _core._argmax_partial(sl, masks, parts.ptr + w * block, **kw)
+        else:
+            _core._sample_partial(sl, params, parts.ptr + w * block, masks=masks, **kw)
+    ids, lp = np.zeros(rows, np.uint32), np.full(rows, 7.0, np.float32)
+    fault = mf.PinnedBuffer(4)
+    with mf.Event() as done:
+        _core._combine_partials(parts, world, cells, ids, done, rows=rows, vocab=vocab, call=call,
+                                fault_dst=fault, params=params, logprobs=lp_dev, logprobs_dst=lp)
+        done.synchronize()
+    for b in held:
+        b.close()
+    return ids, lp, fault
+
+
+# ---- logprobs of the unsharded call ----
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("vocab", [1, 2, 17, 1000, 152064])
+def test_argmax_logprobs_match_float64(path, no_leaks, dev, dtype, vocab):
+    rng = np.random.default_rng(vocab + len(dtype))
+    rows = 3 if vocab > 10000 else 12
+    logits = (rng.standard_normal((rows, vocab)) * 4).astype(DTYPES[dtype])
+    masks = rng.integers(0, vocab, (rows, 2)).astype(np.uint32)
+    masks[::2] = mf.NO_TOKEN
+    ids, lp = pick(dev, logits, masks)
+    assert np.array_equal(ids, reference_argmax(logits, masks))
+    assert_close(lp, reference_logprobs(logits, ids))
+
+
+def test_special_rows(path, dev):
+    nan, inf = np.nan, np.inf
+    logits = np.array([
+        [nan, nan, nan, nan],        # no finite logit: NaN
+        [-inf, -inf, -inf, -inf],    # likewise
+        [0.0, inf, 1.0, 2.0],        # +inf anywhere: NaN
+        [0.0, inf, 1.0, 2.0],        # +inf masked off: still NaN
+        [nan, 1.0, -inf, 2.0],       # NaN counts as -inf
+        [-inf, 1.0, nan, 3.0],       # masks leave only -inf and NaN: the -inf wins, -inf logprob
+        [5.0, 1.0, 2.0, 3.0],        # masks leave only NaN: -inf
+        [1.0, 1.0, 1.0, 1.0],        # every id masked: NO_TOKEN, NaN
+    ], np.float32)
+    N = mf.NO_TOKEN
+    masks = np.array([[N, N], [N, N], [N, N], [1, N], [N, N], [1, 3], [0, 1], [0, 1]], np.uint32)
+    bitmask = np.full((8, 1), -1, np.int32)
+    bitmask[6] = 0b0100  # row 6: only id 2 (set to NaN below) is allowed besides the masks
+    bitmask[7] = 0
+    logits[6, 2] = nan
+    ids, lp = pick(dev, logits, masks, bitmask)
+    assert np.array_equal(ids, reference_argmax(logits, masks, bitmask))
+    ref = reference_logprobs(logits, ids)
+    assert np.isnan(ref[[0, 1, 2, 3, 7]]).all() and np.isneginf(ref[[5, 6]]).all()
+    assert_close(lp, ref)
+
+
+def test_sequential_float32_would_miss(host, dev):
+    # 152064 equal logits: a sequential float32 sum of ones stalls far from 152064; the contract
+    # holds only with a float64 or pairwise sum.
+    logits = np.zeros((2, 152064), np.float32)
+    logits[1, 5] = 1e-3
+    ids, lp = pick(dev, logits)
+    assert_close(lp, reference_logprobs(logits, ids))
+    assert abs(lp[0] + np.log(152064)) < 2e-5
+
+
+def test_same_inputs_same_bits_and_ids_unchanged(path, dev):
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((16, 5000)) * 3).astype(np.float32)
+    ids1, lp1 = pick(dev, logits)
+    ids2, lp2 = pick(dev, logits)
+    ids0, _ = pick(dev, logits, with_logprobs=False)
+    assert np.array_equal(ids1, ids0) and np.array_equal(ids1, ids2)
+    assert np.array_equal(lp1.view(np.uint32), lp2.view(np.uint32))
+
+
+def test_pinned_pointer_destination(host, dev):
+    logits = np.arange(12, dtype=np.float32).reshape(3, 4)
+    buf, cells, lp = dev.upload(logits), mf.DeviceBuffer(12), mf.DeviceBuffer(12)
+    ptr = mf.alloc_host_pinned(12)
+    with mf.Event() as done:
+        mf.argmax_to_feed(buf, None, cells, None, done, rows=3, vocab=4, dtype="float32", logprobs=lp,
+                          logprobs_dst=ptr)
+        done.synchronize()
+    got = np.array(mf.read_pinned_u32(ptr, 3), np.uint32).view(np.float32)
+    mf.free_host_pinned(ptr, 12)
+    assert_close(got, reference_logprobs(logits, [3, 3, 3]))
+    for b in (buf, cells, lp):
+        b.close()
+
+
+def test_padded_row_stride(host, dev):
+    rng = np.random.default_rng(8)
+    wide = rng.standard_normal((6, 130)).astype(np.float32)
+    wide[:, 100:] = 50.0  # padding that must not count
+    ids, lp = pick(dev, wide, row_stride=(130, 100))
+    assert_close(lp, reference_logprobs(wide[:, :100], ids))
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_sampled_logprobs(path, dev, dtype):
+    rng = np.random.default_rng(9)
+    rows, vocab = 10, 3000
+    logits = (rng.standard_normal((rows, vocab)) * 2).astype(DTYPES[dtype])
+    params = mf.sampling_params(rows, temperature=0.8, top_p=0.9, top_k=40, seed=5,
+                                position=np.arange(rows))
+    params["temperature"][0] = 0.0
+    ids, lp = pick(dev, logits, params=params)
+    plain, _ = pick(dev, logits, params=params, with_logprobs=False)
+    assert np.array_equal(ids, plain)
+    assert_close(lp, reference_logprobs(logits, ids))
+
+
+def test_backend_logprobs(backend, dev):
+    rng = np.random.default_rng(10)
+    logits = (rng.standard_normal((5, 4099)) * 3).astype(np.float32)
+    ids, lp = pick(dev, logits)
+    assert np.array_equal(ids, reference_argmax(logits))
+    assert_close(lp, reference_logprobs(logits, ids))
+
+
+# ---- bad input: refused before anything is queued ----
+
+def test_bad_logprobs_buffers_raise_before_queueing(host, dev):
+    logits = np.ones((4, 10), np.float32)
+    buf, cells, small = dev.upload(logits), mf.DeviceBuffer(16), mf.DeviceBuffer(12)
+    ok = mf.DeviceBuffer(16)
+    ids = np.full(4, 99, np.uint32)
+    common = dict(rows=4, vocab=10, dtype="float32")
+    with pytest.raises((ValueError, FeedError)):
+        mf.argmax_to_feed(buf, None, cells, ids, None, logprobs=small, **common)
+    with pytest.raises(TypeError, match="float32"):
+        mf.argmax_to_feed(buf, None, cells, ids, None, logprobs=ok, logprobs_dst=np.zeros(4), **common)
+    with pytest.raises(ValueError, match="fewer than"):
+        mf.argmax_to_feed(buf, None, cells, ids, None, logprobs=ok, logprobs_dst=np.zeros(3, np.float32),
+                          **common)
+    with pytest.raises(ValueError, match="needs logprobs"):
+        mf.argmax_to_feed(buf, None, cells, ids, None, logprobs_dst=np.zeros(4, np.float32), **common)
+    with pytest.raises(FeedError):  # an int is a pinned pointer of this package
+        mf.argmax_to_feed(buf, None, cells, ids, None, logprobs=ok, logprobs_dst=4096, **common)
+    mf.stream_synchronize(0)
+    assert (ids == 99).all()  # nothing was queued
+    for b in (buf, cells, small, ok):
+        b.close()
+
+
+def test_partial_refusals(host, dev):
+    rows = 2
+    parts, sl = mf.DeviceBuffer(_core._partial_bytes(rows)), dev.upload(np.ones((rows, 5), np.float32))
+    kw = dict(rows=rows, vocab=10, dtype="float32", call=1)
+    with pytest.raises(ValueError):
+        _core._argmax_partial(sl, None, parts, start=6, stop=11, **kw)  # past the vocabulary
+    with pytest.raises(ValueError):
+        _core._argmax_partial(sl, [(10, mf.NO_TOKEN)] * rows, parts, start=0, stop=5, **kw)
+    with pytest.raises(ValueError, match="temperature only"):
+        _core._sample_partial(sl, mf.sampling_params(rows, temperature=1.0, top_k=3), parts, start=0,
+                              stop=5, **kw)
+    tiny = mf.DeviceBuffer(16)
+    with pytest.raises((ValueError, FeedError)):
+        _core._argmax_partial(sl, None, tiny, start=0, stop=5, **kw)
+    cells, fault = mf.DeviceBuffer(8), mf.PinnedBuffer(4)
+    with pytest.raises(ValueError):
+        _core._combine_partials(parts, 1, cells, None, None, rows=rows, vocab=10, call=1, fault_dst=fault,
+                                slice_stride=rows + 1)
+    with pytest.raises((ValueError, FeedError)):  # two blocks do not fit in one block's buffer
+        _core._combine_partials(parts, 2, cells, None, None, rows=rows, vocab=10, call=1, fault_dst=fault)
+    for b in (parts, sl, tiny, cells, fault):
+        b.close()
+
+
+# ---- the split: partial blocks and the combine equal the unsharded call ----
+
+def nasty(rng, rows, vocab, dtype=np.float32):
+    x = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    x[rng.random((rows, vocab)) < 0.01] = np.nan
+    x[rng.random((rows, vocab)) < 0.01] = -np.inf
+    return x.astype(dtype)
+
+
+SPLITS = {
+    "whole": lambda v: [0, v],
+    "even": lambda v: [0, v // 2, v],
+    "uneven": lambda v: [0, 7, 333, v],
+    "custom-empty": lambda v: [0, 100, 100, 517, v],
+    "empty-first-last": lambda v: [0, 0, 500, v, v],
+}
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("how", sorted(SPLITS))
+def test_split_argmax_equals_unsharded(path, no_leaks, dev, dtype, how):
+    rng = np.random.default_rng(len(how) * 3 + len(dtype))
+    rows, vocab = 9, 1000
+    logits = nasty(rng, rows, vocab, DTYPES[dtype])
+    masks = rng.integers(0, vocab, (rows, 2)).astype(np.uint32)  # ids in every slice
+    masks[::3] = mf.NO_TOKEN
+    bitmask = rng.integers(-2**31, 2**31, (rows, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+    bitmask[0] = -1
+    bitmask[1, -1] = -1  # the partial last word: ids past vocab are set and must not count
+    bitmask[2] = 0       # nothing allowed: NO_TOKEN in every slice
+    want, want_lp = pick(dev, logits, masks, bitmask)
+    ids, lp, fault = split(dev, logits, SPLITS[how](vocab), masks, bitmask)
+    _core._check_partials_fault(fault)
+    assert np.array_equal(ids, want) and ids[2] == mf.NO_TOKEN
+    ref = reference_logprobs(logits, ids)
+    assert_close(lp, ref)
+    assert_close(want_lp, ref)
+
+
+def test_ties_across_a_slice_boundary_go_to_the_lowest_global_id(path, dev):
+    logits = np.zeros((3, 64), np.float32)
+    logits[0, [31, 32]] = 5.0   # the boundary at 32
+    logits[1, [10, 40, 63]] = 5.0
+    logits[2, :] = np.nan       # all NaN: the lowest id, in slice 0
+    for offsets in ([0, 32, 64], [0, 11, 33, 64], [0, 0, 32, 32, 64]):
+        ids, lp, fault = split(dev, logits, offsets)
+        _core._check_partials_fault(fault)
+        assert ids.tolist() == [31, 10, 0]
+        assert_close(lp, reference_logprobs(logits, ids))
+
+
+def test_no_slice_has_a_candidate(path, dev):
+    logits = np.ones((2, 50), np.float32)
+    masks = np.array([[3, 4], [0, mf.NO_TOKEN]], np.uint32)
+    bitmask = np.zeros((2, 2), np.int32)
+    bitmask[:, 0] = (1 << 3) | (1 << 4)  # only the masked ids are allowed
+    bitmask[1, 0] = 1
+    ids, lp, _ = split(dev, logits, [0, 3, 25, 50], masks, bitmask)
+    assert (ids == mf.NO_TOKEN).all() and np.isnan(lp).all()
+
+
+def test_padded_slices_and_large_vocab(host, dev):
+    rng = np.random.default_rng(12)
+    rows, vocab = 2, 152064
+    logits = (rng.standard_normal((rows, vocab)) * 5).astype(np.float32)
+    want, _ = pick(dev, logits)
+    ids, lp, _ = split(dev, logits, [0, 50000, 100001, vocab], pad=13)
+    assert np.array_equal(ids, want)
+    assert_close(lp, reference_logprobs(logits, ids))
+
+
+@pytest.mark.parametrize("how", ["even", "uneven", "custom-empty"])
+def test_split_temperature_sampling_equals_unsharded(path, dev, how):
+    rng = np.random.default_rng(13)
+    rows, vocab = 12, 1000
+    logits = nasty(rng, rows, vocab)
+    params = mf.sampling_params(rows, temperature=rng.uniform(0.3, 2.0, rows), seed=rng.integers(0, 2**63, rows),
+                                position=rng.integers(0, 10**6, rows))
+    params["temperature"][0] = 0.0   # a greedy row in the batch
+    params["temperature"][1] = 1e-38  # z overflows: the top wins
+    masks = rng.integers(0, vocab, (rows, 2)).astype(np.uint32)
+    bitmask = rng.integers(-2**31, 2**31, (rows, 32), dtype=np.int64).astype(np.int32)
+    want, want_lp = pick(dev, logits, masks, bitmask, params=params)
+    ids, lp, fault = split(dev, logits, SPLITS[how](vocab), masks, bitmask, params=params)
+    _core._check_partials_fault(fault)
+    assert np.array_equal(ids, want)
+    assert_close(lp, reference_logprobs(logits, ids))
+
+
+def test_sampled_race_is_split_invariant_over_many_seeds(path, dev):
+    # Many draws of one row: any split gives the unsharded draw, seed by seed.
+    rng = np.random.default_rng(14)
+    rows, vocab = 64, 300
+    row = (rng.standard_normal(vocab)).astype(np.float32)
+    logits = np.tile(row, (rows, 1))
+    params = mf.sampling_params(rows, temperature=1.0, seed=np.arange(rows) + 1, position=3)
+    want, _ = pick(dev, logits, params=params, with_logprobs=False)
+    assert len(set(want.tolist())) > 10  # the draws do differ
+    ids, _, _ = split(dev, logits, [0, 1, 130, 131, 299, 300], params=params)
+    assert np.array_equal(ids, want)
+
+
+@pytest.mark.parametrize("field,value,reason", [
+    ("call", 12, "call counter"),
+    ("rows", 2, "row count"),
+    ("vocab", 999, "vocabulary"),
+])
+def test_mismatched_partial_is_a_feed_error(host, dev, field, value, reason):
+    rng = np.random.default_rng(15)
+    logits = rng.standard_normal((3, 1000)).astype(np.float32)
+
+    def tamper(w):
+        if w != 1:
+            return {}
+        if field == "vocab":
+            return {"vocab": value, "stop": min(667, value)}
+        return {field: value}
+
+    ids, lp, fault = split(dev, logits, [0, 333, 667, 1000], tamper=tamper)
+    with pytest.raises(FeedError, match=f"slice 1 has another {reason}"):
+        _core._check_partials_fault(fault)
+    assert (ids == mf.NO_TOKEN).all() and np.isnan(lp).all()
+
+
+def test_slices_that_do_not_tile_and_another_operation(host, dev):
+    logits = np.ones((2, 100), np.float32)
+    _, _, fault = split(dev, logits, [0, 40, 100], tamper=lambda w: {"start": 41} if w == 1 else {})
+    with pytest.raises(FeedError, match="slice 1 has slices that do not tile"):
+        _core._check_partials_fault(fault)
+    # A sampled block where the combine expects an argmax one.
+    params = mf.sampling_params(2, temperature=1.0)
+    rows = 2
+    block = _core._partial_bytes(rows)
+    parts, cells, sl = mf.DeviceBuffer(block * 2), mf.DeviceBuffer(8), dev.upload(logits[:, :50].copy())
+    sl2 = dev.upload(logits[:, 50:].copy())
+    _core._argmax_partial(sl, None, parts, rows=rows, start=0, stop=50, vocab=100, dtype="float32", call=1)
+    _core._sample_partial(sl2, params, parts.ptr + block, rows=rows, start=50, stop=100, vocab=100,
+                          dtype="float32", call=1)
+    with mf.PinnedBuffer(4) as f, mf.Event() as done:
+        _core._combine_partials(parts, 2, cells, None, done, rows=rows, vocab=100, call=1, fault_dst=f)
+        done.synchronize()
+        with pytest.raises(FeedError, match="slice 1 has another operation"):
+            _core._check_partials_fault(f)
+    for b in (parts, cells, sl, sl2):
+        b.close()
+
+
+@pytest.mark.gpu
+def test_split_on_cuda(backend, dev):
+    rng = np.random.default_rng(16)
+    logits = nasty(rng, 7, 5000)
+    masks = rng.integers(0, 5000, (7, 2)).astype(np.uint32)
+    bitmask = rng.integers(-2**31, 2**31, (7, 157), dtype=np.int64).astype(np.int32)
+    want, want_lp = pick(dev, logits, masks, bitmask)
+    ids, lp, fault = split(dev, logits, [0, 1, 2500, 2500, 4999, 5000], masks, bitmask)
+    _core._check_partials_fault(fault)
+    assert np.array_equal(ids, want)
+    assert_close(lp, reference_logprobs(logits, ids))
+    assert_close(want_lp, reference_logprobs(logits, ids))
+    params = mf.sampling_params(7, temperature=0.7, seed=3, position=np.arange(7))
+    want, _ = pick(dev, logits, masks, bitmask, params=params)
+    ids, _, _ = split(dev, logits, [0, 1234, 5000], masks, bitmask, params=params)
+    assert np.array_equal(ids, want)
+
+
+# ---- property: any split, any masks, the unsharded call's answer ----
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+# The fixtures hold for every example: the backend and the helpers carry no per-example state.
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_split_equals_unsharded(host, dev, data):
+    vocab = data.draw(st.integers(1, 300), label="vocab")
+    rows = data.draw(st.integers(1, 6), label="rows")
+    cuts = sorted(data.draw(st.lists(st.integers(0, vocab), max_size=5), label="cuts"))
+    offsets = [0, *cuts, vocab]
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    dtype = DTYPES[data.draw(st.sampled_from(sorted(DTYPES)), label="dtype")]
+    sampled = data.draw(st.booleans(), label="sampled")
+    rng = np.random.default_rng(seed)
+    pool = np.array([-np.inf, -1.5, -0.0, 0.0, 0.25, 1.0, np.nan, 3.0], np.float32)
+    logits = np.where(rng.random((rows, vocab)) < 0.5, pool[rng.integers(0, 8, (rows, vocab))],
+                      rng.standard_normal((rows, vocab)).astype(np.float32)).astype(dtype)
+    masks = rng.integers(0, vocab, (rows, 2)).astype(np.uint32)
+    masks[rng.random((rows, 2)) < 0.3] = mf.NO_TOKEN
+    bitmask = None
+    if data.draw(st.booleans(), label="bitmask"):
+        bitmask = rng.integers(-2**31, 2**31, (rows, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+    params = None
+    if sampled:
+        params = mf.sampling_params(rows, temperature=rng.uniform(0.2, 3.0, rows), seed=int(seed),
+                                    position=np.arange(rows))
+    want, _ = pick(dev, logits, masks, bitmask, params=params)
+    ids, lp, fault = split(dev, logits, offsets, masks, bitmask, params=params)
+    _core._check_partials_fault(fault)
+    assert np.array_equal(ids, want)
+    assert_close(lp, reference_logprobs(logits, ids))
