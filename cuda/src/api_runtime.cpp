@@ -60,6 +60,7 @@ const Ops forked_cuda_ops = {
     .reference_forward = kForked,
     .launch_host_func = kForked,
     .current_device = kForked,
+    .combine = kForked,
 };
 }  // namespace
 

@@ -192,7 +192,7 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
     c.op = MF_PARTIAL_ARGMAX
     if params is not None:
         view.rows = c.rows
-        fill_params(&view, params, keep)
+        fill_params(call_on(0), &view, params, keep)  # host params: no foreign array to lend
         if view.flags & MF_ARGS_PARAMS_DEVICE:
             raise ValueError("_combine_partials takes host params (checked now)")
         c.params = view.params
@@ -202,7 +202,8 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
     c.fault = <uint32_t *>(<char *>ptr + 28)  # slice 0's header, its reserved word
     device_ptr_of(cells, &ptr)
     c.cells = <uint32_t *>ptr
-    c.cell_capacity = cells_capacity(cells, ptr, c.rows)
+    c.cell_capacity = cells_capacity(
+        cells, ptr, (<DeviceBuffer>cells)._nbytes if type(cells) is DeviceBuffer else <size_t>-1, c.rows)
     if dst is not None:
         if isinstance(dst, int):
             u64_of(dst, &e, "dst pointer")
