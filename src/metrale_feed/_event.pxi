@@ -392,9 +392,13 @@ cdef class Stream:
         """
         if self._closed:
             return
-        self._closed = True
+        cdef mf_status status = MF_SUCCESS
         if self._owned:
-            check(mf_stream_destroy(self._handle))
+            status = mf_stream_destroy(self._handle)
+            if status == MF_ERROR_CAPTURE:
+                raise_status(status)  # still open: its capture must end first
+        self._closed = True
+        check(status)
 
     def __enter__(self):
         self._check_open()

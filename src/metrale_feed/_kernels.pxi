@@ -118,10 +118,12 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
             rows = keep.words.n // 2
         else:
             rows = int_of(rows, "rows", 1, MF_MAX_ROWS)
-            keep.words = unmasked_words(rows) if masks is None else words_of(masks, True, "masks")
-        if keep.words.n != 2 * rows:
-            raise ValueError(f"masks hold {keep.words.n // 2} rows, not {rows}")
-        a.masks = keep.words.data
+            if masks is not None:
+                keep.words = words_of(masks, True, "masks")
+        if keep.words is not None:  # None: no masks, which the C layer reads as constant (NULL)
+            if keep.words.n != 2 * rows:
+                raise ValueError(f"masks hold {keep.words.n // 2} rows, not {rows}")
+            a.masks = keep.words.data
     a.rows = rows
     a.vocab = <uint32_t>int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
     a.row_stride = a.vocab if row_stride is None else int_of(row_stride, "row_stride", 1, UINT64_MAX)

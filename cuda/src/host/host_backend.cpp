@@ -11,6 +11,7 @@
 #include "../registry.hpp"
 
 #include "../backend.hpp"
+#include "graph.hpp"
 #include "kernels.hpp"
 #include "queue.hpp"
 
@@ -264,6 +265,12 @@ const Ops host_ops = {
     .argmax = argmax,
     .resolve = resolve,
     .reference_forward = reference_forward,
+    .capture_begin = capture_begin,
+    .capture_status = capture_status,
+    .capture_end = capture_end,
+    .graph_launch = graph_launch,
+    .graph_destroy = graph_destroy,
+    .capture_keep = capture_keep,
 };
 }  // namespace mf
 
