@@ -183,7 +183,7 @@ def test_router_while_others_read_stats(host, no_leaks, monkeypatch):
                 assert all(isinstance(v, int) and v >= 0 for v in stats.values()), stats
                 repr(io.stats)
             counts = mf.live_objects()
-            assert set(counts) == {"events", "streams", "pinned_bytes", "device_bytes"}
+            assert set(counts) == {"events", "streams", "graphs", "pinned_bytes", "device_bytes"}
             assert mf.host_faults()["fail_event_query_at"] == 0
             reads[index - 1] += 1
 
