@@ -296,3 +296,44 @@ def test_host_launch_after_a_free_queues_nothing(host, no_leaks):
         stream.synchronize()
         assert np.frombuffer(back, np.uint32).tolist() == [0, 0]  # its first copies did not run
         graph.close()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_fork_while_another_thread_captures(host):
+    """A thread begins and ends captures in a loop while the main thread forks: each child works
+    with new streams of its own, none of them capturing. (The fork hooks of the capture lock
+    matter for C callers without the GIL; from Python the lock is never held across a fork.)"""
+    from helpers.child import run_python
+
+    run_python("""
+        import os, threading
+        import numpy as np, metrale_feed as mf
+        stop = threading.Event()
+        def capture_loop():
+            with mf.Stream() as s, mf.DeviceBuffer(8) as buf:
+                while not stop.is_set():
+                    with mf.graph_capture(s) as g:
+                        buf.memset_async(0, s)
+                    g.close()
+        worker = threading.Thread(target=capture_loop)
+        worker.start()
+        for _ in range(100):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    with mf.Stream() as s, mf.DeviceBuffer(8) as buf, mf.PinnedBuffer(8) as host:
+                        np.frombuffer(host, np.uint32)[:] = [3, 4]
+                        mf.copy_h2d_async(buf, host, s)
+                        mf.copy_d2h_async(buf, np.zeros(2, np.uint32), s)
+                        assert not mf.stream_capturing(s)
+                        s.synchronize()
+                    code = 0
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0, status
+        stop.set()
+        worker.join()
+        print("ok")
+    """, timeout=120)

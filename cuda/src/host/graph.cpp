@@ -5,6 +5,8 @@
 // new ticket at each launch, as a CUDA event record node does.
 #include "graph.hpp"
 
+#include <pthread.h>
+
 #include <atomic>
 #include <mutex>
 #include <new>
@@ -35,6 +37,18 @@ std::atomic<size_t> g_captures{0};
 
 // Set while a launch makes its checking pass: each call is checked and kept here, not queued.
 thread_local bool t_checking = false;
+
+// fork(): the lock is taken around it, so a child never inherits it held by a thread that does
+// not exist there; the child drops the parent's captures (their streams are the parent's, see
+// docs/host-backend.md, "fork"). Its own hooks: this file's lock is taken with no other held.
+void before_fork() { capture_mutex().lock(); }
+void after_fork_parent() { capture_mutex().unlock(); }
+void after_fork_child() {
+    captures().clear();  // the graphs are left as they are: a few bytes, and the parent's
+    g_captures.store(0, std::memory_order_relaxed);
+    capture_mutex().unlock();
+}
+const int g_atfork = pthread_atfork(before_fork, after_fork_parent, after_fork_child);
 
 }  // namespace
 
