@@ -337,3 +337,40 @@ def test_fork_while_another_thread_captures(host):
         worker.join()
         print("ok")
     """, timeout=120)
+
+
+def test_other_streams_and_threads_run_eagerly_during_a_capture(backend, no_leaks, dev):
+    """A capture restricts only its own stream: another stream, from another thread, queues and
+    synchronises as usual meanwhile, and its host-side inputs are accepted."""
+    import threading
+
+    logits = np.random.default_rng(12).standard_normal((4, 50)).astype(np.float32)
+    errors = []
+    with mf.Stream() as capturing, mf.Stream() as other, mf.DeviceBuffer(16) as cells, \
+            mf.DeviceBuffer(16) as buf:
+        dlogits = dev.upload(logits)
+
+        def eager():
+            try:
+                for _ in range(20):
+                    got = np.zeros(4, np.uint32)
+                    mf.argmax_to_feed(dlogits, [(0, 1)] * 4, cells, got, None, other, vocab=50,
+                                      dtype="float32")
+                    other.synchronize()
+                    if not np.array_equal(got, reference_argmax(logits, [(0, 1)] * 4)):
+                        errors.append(got)
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+        with mf.graph_capture(capturing) as graph:
+            buf.memset_async(1, capturing)
+            worker = threading.Thread(target=eager)
+            worker.start()
+            worker.join()
+            assert mf.stream_capturing(capturing) and not mf.stream_capturing(other)
+        assert not errors, errors
+        graph.launch(capturing)
+        capturing.synchronize()
+        assert (dev.download(buf) == 1).all()
+        graph.close()
+        dlogits.close()

@@ -320,6 +320,14 @@ mf_status mf_stream_wait_event(mf_stream_t stream, mf_event_t event) {
 mf_status mf_stream_destroy(mf_stream_t stream) {
     MF_RANGE("stream_destroy");
     if (stream == 0) return fail(MF_ERROR_INVALID_VALUE, "the default stream cannot be destroyed");
+    if (g_kind == MF_BACKEND_CUDA) {
+        // Only a stream of ours is asked about its capture: a stale cudaStream_t must not reach
+        // the runtime.
+        std::lock_guard<std::mutex> lock(cuda_stream_mutex());
+        if (!cuda_streams().count(stream))
+            return fail(MF_ERROR_INVALID_HANDLE, "unknown or destroyed stream 0x%llx",
+                        (unsigned long long)stream);
+    }
     {
         void *raw;  // a capturing stream is ended (mf_graph_end) before it goes
         mf_status status = resolve_stream(stream, &raw);
