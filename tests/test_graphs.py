@@ -374,3 +374,24 @@ def test_other_streams_and_threads_run_eagerly_during_a_capture(backend, no_leak
         assert (dev.download(buf) == 1).all()
         graph.close()
         dlogits.close()
+
+
+def test_a_graph_keeps_the_buffers_its_operations_name(backend, no_leaks):
+    """Buffers made inside the capture and dropped by the caller stay alive with the graph (a
+    replay writes them), and go with it."""
+    with mf.Stream() as stream, mf.PinnedBuffer(8) as back:
+        with mf.graph_capture(stream) as graph:
+            src = mf.PinnedBuffer(8)
+            tmp = mf.DeviceBuffer(8)
+            np.frombuffer(src, np.uint32)[:] = [9, 10]
+            mf.copy_h2d_async(tmp, src, stream)
+            mf.copy_d2h_async(tmp, back, stream)
+        del src, tmp
+        gc.collect()
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.frombuffer(back, np.uint32).tolist() == [9, 10]
+        assert mf.live_objects()["device_bytes"] == no_leaks.start["device_bytes"] + 8
+        graph.close()
+        gc.collect()
+        assert mf.live_objects()["device_bytes"] == no_leaks.start["device_bytes"]

@@ -124,6 +124,7 @@ cdef class Event:
     cdef int _record(self, uint64_t stream) except -1:
         self._check_open()
         check(mf_event_record(self._handle, stream))
+        note_capture(stream, (self,))
         return 0
 
     cdef bint _query(self) except -1:
@@ -471,6 +472,7 @@ def event_record(event, stream=0):
     event_of(event, &e, False)
     stream_of(stream, &s)
     check(mf_event_record(e, s))
+    note_capture(s, (event,))
 
 
 def event_query(event):

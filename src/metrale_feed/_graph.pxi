@@ -28,12 +28,14 @@ cdef class Graph:
     """
     cdef uint64_t _handle
     cdef object _stream   # the capturing stream, while the capture is open
+    cdef list _keep       # the objects its operations name: alive as long as the graph
     cdef uint64_t _capturing
     cdef bint _began
     cdef bint _closed
 
     def __cinit__(self):
         self._handle = 0
+        self._keep = []
         self._capturing = 0
         self._began = False
         self._closed = False
@@ -46,20 +48,24 @@ cdef class Graph:
         check(mf_graph_begin(s))
         self._began = True
         self._capturing = s
+        _capturing[s] = self
         return self
 
     def __exit__(self, exc_type, exc, tb):
         cdef uint64_t s = self._capturing
         self._capturing = 0
         self._stream = None
+        _capturing.pop(s, None)
         if exc_type is not None:
             # The body failed: the capture is ended and dropped (its error is the one raised).
             mf_graph_end(s, NULL)
             self._closed = True
+            self._keep = []
             return False
         status = mf_graph_end(s, &self._handle)
         if status != MF_SUCCESS:
             self._closed = True
+            self._keep = []
             raise_status(status)
         return False
 
@@ -121,7 +127,9 @@ cdef class Graph:
         self._closed = True
         if self._handle:
             handle, self._handle = self._handle, 0
-            check(mf_graph_destroy(handle))
+            status = mf_graph_destroy(handle)
+            self._keep = []  # after the destroy: a launch already queued still runs (see docs)
+            check(status)
 
     def __dealloc__(self):
         if self._capturing:
@@ -133,6 +141,16 @@ cdef class Graph:
         state = "closed" if self._closed else ("capturing" if self._capturing else
                                                ("ready" if self._handle else "new"))
         return f"<Graph {state}>"
+
+
+cdef inline int note_capture(uint64_t stream, tuple objects) except -1:
+    """Keep ``objects`` alive with the graph capturing ``stream``, if one is: called after an
+    operation was recorded. Costs one dict test when nothing captures."""
+    if _capturing:
+        graph = _capturing.get(stream)
+        if graph is not None:
+            (<Graph>graph)._keep.append(objects)
+    return 0
 
 
 def graph_capture(stream):

@@ -156,6 +156,7 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
             raise ValueError(f"dst holds {dst_len} bytes; {a.rows} ids need {a.rows * 4}")
     hold = reserve_hold(held)  # all or nothing: reserved before the launch is queued
     commit_hold(held, hold, s, mf_argmax_to_feed(&a, s))
+    note_capture(s, (logits, masks, cells, dst, event, bitmask, params))
     _cell_rows[<size_t>a.cells] = a.rows
     return a.rows
 
@@ -358,6 +359,7 @@ def resolve_feed(sources, cells, out, stream=0, *, prev_rows=None, rows=None):
     stream_of(stream, &s)
     check(mf_resolve_feed_flags(<const uint32_t *>src_ptr, n, <const uint32_t *>cells_ptr,
                                 <uint32_t>prev_rows, <uint32_t *>out_ptr, flags, s))
+    note_capture(s, (sources, cells, out))
 
 
 cdef object device_words(object obj, void *ptr):
@@ -399,6 +401,7 @@ def reference_forward(input_ids, meta, tables, kv, kv_slots, block_size, rows, v
     a.dtype = dtype_of(dtype)
     stream_of(stream, &s)
     check(mf_reference_forward(&a, s))
+    note_capture(s, (input_ids, meta, tables, kv, logits))
 
 
 cdef mf_status argmax_to_feed_c(const mf_argmax_args *args, uint64_t stream) noexcept nogil:

@@ -222,6 +222,7 @@ cdef class DeviceBuffer:
         self._check_open()
         stream_of(stream, &s)
         check(mf_memset_async(self._ptr, value, self._nbytes, s))
+        note_capture(s, (self,))
 
     def close(self):
         """Free the memory after the work queued on it has passed. Closing twice is a no-op.
@@ -368,6 +369,7 @@ def copy_d2h_async(src, dst, stream=0):
         held = None
     hold = reserve_hold(held)
     commit_hold(held, hold, s, mf_copy_d2h_async(host, device, nbytes, s))
+    note_capture(s, (src, dst))
 
 
 def copy_h2d_async(dst, src, stream=0):
@@ -411,6 +413,7 @@ def copy_h2d_async(dst, src, stream=0):
         held = None
     hold = reserve_hold(held)
     commit_hold(held, hold, s, mf_copy_h2d_async(device, host, nbytes, s))
+    note_capture(s, (dst, src))
 
 
 def copy_d2d_async(dst, src, nbytes, stream=0):
@@ -447,6 +450,7 @@ def copy_d2d_async(dst, src, nbytes, stream=0):
     device_ptr_of(src, &s_ptr)
     stream_of(stream, &s)
     check(mf_copy_d2d_async(d, s_ptr, n, s))
+    note_capture(s, (dst, src))
 
 
 def alloc_host_pinned(nbytes):
