@@ -9,9 +9,10 @@ cdef class Graph:
     Made by ``graph_capture``; the operations queued on the capturing stream inside its ``with``
     block are recorded, not run. Each ``launch`` runs them all in order, each reading its
     device-resident inputs (masks, bitmask, sources, params, pinned copy sources) when it runs,
-    and each event record in the graph records that event again. Memory the graph reads or writes
-    must stay allocated while the graph lives (the host backend checks at each launch; CUDA
-    cannot).
+    and each event record in the graph records that event again. The graph keeps the objects its
+    operations named (buffers, events) alive; one closed explicitly is freed all the same, so
+    memory the graph uses must not be closed while it lives (the host backend checks at each
+    launch; CUDA cannot).
 
     Attributes
     ----------
