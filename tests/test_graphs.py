@@ -395,3 +395,36 @@ def test_a_graph_keeps_the_buffers_its_operations_name(backend, no_leaks):
         graph.close()
         gc.collect()
         assert mf.live_objects()["device_bytes"] == no_leaks.start["device_bytes"]
+
+
+def test_concurrent_captures_and_launches_on_several_streams(backend, no_leaks):
+    """Threads capturing their own streams while others launch graphs: each graph replays its
+    own operations only (the capture state is per stream)."""
+    import threading
+
+    errors = []
+
+    def worker(k):
+        try:
+            with mf.Stream() as s, mf.PinnedBuffer(4) as src, mf.DeviceBuffer(4) as d, \
+                    mf.PinnedBuffer(4) as back:
+                with mf.graph_capture(s) as graph:
+                    mf.copy_h2d_async(d, src, s)
+                    mf.copy_d2h_async(d, back, s)
+                for step in range(30):
+                    np.frombuffer(src, np.uint32)[0] = k * 1000 + step
+                    graph.launch(s)
+                    s.synchronize()
+                    got = int(np.frombuffer(back, np.uint32)[0])
+                    if got != k * 1000 + step:
+                        errors.append((k, step, got))
+                graph.close()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
