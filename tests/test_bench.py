@@ -35,7 +35,7 @@ def record(tmp_path_factory):
 
 
 def test_top_level_sections(record):
-    assert {"machine", "import", "calls", "cimport", "argmax", "bandwidth", "router"} <= set(record)
+    assert {"machine", "import", "calls", "cimport", "argmax", "bandwidth", "router", "graphs"} <= set(record)
     assert record["quick"] is True
     assert positive(record["seconds"])
 
@@ -133,3 +133,12 @@ def test_interop_figures(record):
         for lv in levels:
             assert lv["same_tokens"] is True  # async and sync agree, token for token
             assert positive(lv["async_tps"]) and positive(lv["sync_tps"])
+
+
+def test_graphs(record):
+    g = record["graphs"]
+    assert (g["rows"], g["vocab"], g["steps"]) == (8, 4096, 40)
+    assert g["checked"] is True  # the graph's ids are the one-by-one path's
+    assert g["captures"] == 1 and g["launches"] == 40  # one shape, one readback slot
+    for key in ("eager_queue_us", "graph_queue_us", "eager_step_us", "graph_step_us"):
+        assert positive(g[key]), key

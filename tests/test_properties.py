@@ -293,6 +293,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         want = {
             "events": self.base["events"] + len(self.live_events) + len(self.live_dev),
             "streams": self.base["streams"] + len(self.live_streams),
+            "graphs": self.base["graphs"],
             "pinned_bytes": self.base["pinned_bytes"] + sum(self.live_pinned.values()),
             "device_bytes": self.base["device_bytes"] + sum(len(d.want) for d in self.live_dev),
         }

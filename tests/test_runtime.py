@@ -323,7 +323,7 @@ def test_close_refused_while_exported(host, no_leaks):
 def test_live_object_counters(host):
     gc.collect()
     start = mf.live_objects()
-    assert set(start) == {"events", "streams", "pinned_bytes", "device_bytes"}
+    assert set(start) == {"events", "streams", "graphs", "pinned_bytes", "device_bytes"}
 
     def delta():
         now = mf.live_objects()
@@ -335,20 +335,20 @@ def test_live_object_counters(host):
     d = DeviceBuffer(300)
     raw = mf.alloc_host_pinned(64)
     h = mf.event_create()
-    assert delta() == {"events": 2, "streams": 1, "pinned_bytes": 164, "device_bytes": 300}
+    assert delta() == {"events": 2, "streams": 1, "graphs": 0, "pinned_bytes": 164, "device_bytes": 300}
     mf.free_host_pinned(raw, 64)
     mf.destroy_event(h)
     e.close()
     s.close()
-    assert delta() == {"events": 0, "streams": 0, "pinned_bytes": 100, "device_bytes": 300}
+    assert delta() == {"events": 0, "streams": 0, "graphs": 0, "pinned_bytes": 100, "device_bytes": 300}
     del p, d  # freed by collection
     gc.collect()
-    assert delta() == {"events": 0, "streams": 0, "pinned_bytes": 0, "device_bytes": 0}
+    assert delta() == {"events": 0, "streams": 0, "graphs": 0, "pinned_bytes": 0, "device_bytes": 0}
     # Dropping open objects frees them too.
     Event(), Stream(), PinnedBuffer(10), DeviceBuffer(10)
     gc.collect()
     mf.stream_synchronize(0)
-    assert delta() == {"events": 0, "streams": 0, "pinned_bytes": 0, "device_bytes": 0}
+    assert delta() == {"events": 0, "streams": 0, "graphs": 0, "pinned_bytes": 0, "device_bytes": 0}
 
 
 def test_foreign_host_buffer_held_until_copy_passed(host, dev, no_leaks):

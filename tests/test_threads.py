@@ -193,7 +193,7 @@ def test_router_while_others_read_stats(host, no_leaks):
                     assert all(isinstance(v, int) and v >= 0 for v in values.values()), values
                     repr(stats)
             counts = mf.live_objects()
-            assert set(counts) == {"events", "streams", "pinned_bytes", "device_bytes"}
+            assert set(counts) == {"events", "streams", "graphs", "pinned_bytes", "device_bytes"}
             assert mf.host_faults()["fail_event_query_at"] == 0
             reads[index - 1] += 1
 

@@ -25,6 +25,20 @@ mf_status check_device_range(const void *ptr, size_t nbytes, const char *what);
 // is the caller's; a device allocation of ours is refused.
 mf_status check_host_range(const void *ptr, size_t nbytes, const char *what);
 
+// Graph captures (api_graph.cpp). Each asks the backend whether `raw` (a resolved stream) is
+// capturing, which costs a lock-free check on the host and one runtime query on cuda, so callers
+// ask only for operations that have host-side inputs.
+// MF_ERROR_CAPTURE (message names `what`) when `raw` is capturing: a replay could not see new
+// values of a host-side input (host_inputs), nor may a capturing stream be waited on.
+mf_status refuse_in_capture(void *raw, const char *what, bool host_inputs);
+// During a capture, host memory a copy reads or writes must be pinned memory of this layer (a
+// graph's copy runs at each launch; pageable memory cannot be copied asynchronously).
+mf_status capture_host_check(void *raw, const void *ptr, const char *what);
+// Host backend: when `raw` is capturing, keeps the call (`replay`, re-issued on the launch stream)
+// for the graph and returns true: the caller then queues nothing.
+bool kept_for_graph(void *raw, Replay &&replay);
+uint64_t live_graph_count();
+
 // NVTX: a range per C-layer call in the "metrale_feed" domain, a null check without a profiler.
 // The attributes are built once per call site, so a range costs two flag checks and, without a
 // profiler, two calls that find NVTX's function pointers null.

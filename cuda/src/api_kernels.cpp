@@ -18,6 +18,17 @@ bool dtype_known(mf_dtype dtype) {
 }
 bool aligned(const void *ptr, size_t to) { return ((uintptr_t)ptr % to) == 0; }
 
+// Host masks of MF_MAX_ROWS unmasked rows: what masks NULL means. A constant, so a graph that
+// captured it replays the same (no) masks.
+const uint32_t *no_masks() {
+    static const uint32_t *const words = [] {
+        static uint32_t table[2 * MF_MAX_ROWS];
+        for (uint32_t &w : table) w = MF_NO_TOKEN;
+        return table;
+    }();
+    return words;
+}
+
 // Host-resident params are checked row by row here; device-resident ones only for their extent
 // (the kernels read an out-of-range value as its neutral setting).
 mf_status check_sampling(const mf_argmax_args *a) {
@@ -86,8 +97,11 @@ mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
                     (unsigned long long)a->row_stride, a->vocab);
     if (a->flags & ~(uint32_t)(MF_ARGS_MASKS_DEVICE | MF_ARGS_PARAMS_DEVICE | MF_ARGS_PARTIAL))
         return fail(MF_ERROR_INVALID_VALUE, "unknown argmax flags 0x%x", a->flags);
-    if (!a->masks) return fail(MF_ERROR_INVALID_VALUE, "masks is a null pointer");
-    if (a->flags & MF_ARGS_MASKS_DEVICE) {
+    if (!a->masks && (a->flags & MF_ARGS_MASKS_DEVICE))
+        return fail(MF_ERROR_INVALID_VALUE, "device-resident masks is a null pointer");
+    if (!a->masks) {
+        // No masks: mf_argmax_to_feed passes the constant unmasked rows.
+    } else if (a->flags & MF_ARGS_MASKS_DEVICE) {
         // Read when the kernel runs: only its extent can be checked now.
         if (!aligned(a->masks, 4)) return fail(MF_ERROR_INVALID_VALUE, "device masks pointer is misaligned");
         mf_status st = check_device_range(a->masks, (size_t)a->rows * 8, "device-resident masks");
@@ -153,7 +167,21 @@ mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream) {
     Slot *event;
     mf_status status = check_argmax(args, &event);
     if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+    if (status == MF_SUCCESS && args->masks && !(args->flags & MF_ARGS_MASKS_DEVICE))
+        status = refuse_in_capture(raw, "argmax_to_feed with host-resident masks", true);
+    if (status == MF_SUCCESS && args->params && !(args->flags & MF_ARGS_PARAMS_DEVICE))
+        status = refuse_in_capture(raw, "sample_to_feed with host-resident params", true);
+    if (status == MF_SUCCESS && args->host_dst)
+        status = capture_host_check(raw, args->host_dst, "argmax_to_feed destination");
     if (status != MF_SUCCESS) return status;
+    if (kept_for_graph(raw, [copy = *args](mf_stream_t s) { return mf_argmax_to_feed(&copy, s); }))
+        return MF_SUCCESS;
+    mf_argmax_args local;
+    if (!args->masks) {
+        local = *args;
+        local.masks = no_masks();
+        args = &local;
+    }
     status = ops().argmax(args, raw);
     if (status == MF_SUCCESS && args->host_dst)
         status = ops().copy_async(args->host_dst, args->cells, (size_t)args->rows * 4, kD2H, raw);
@@ -250,7 +278,13 @@ mf_status mf_resolve_feed_flags(const uint32_t *sources, uint32_t n, const uint3
     if (status == MF_SUCCESS) status = check_device_range(out, (size_t)n * 4, "resolve output");
     void *raw;
     if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+    if (status == MF_SUCCESS && !on_device)
+        status = refuse_in_capture(raw, "resolve_feed with host-resident sources", true);
     if (status != MF_SUCCESS) return status;
+    if (kept_for_graph(raw, [=](mf_stream_t s) {
+            return mf_resolve_feed_flags(sources, n, cells, prev_rows, out, flags, s);
+        }))
+        return MF_SUCCESS;
     return ops().resolve(sources, n, cells, prev_rows, out, on_device, raw);
 }
 
@@ -271,6 +305,8 @@ mf_status mf_reference_forward(const mf_reference_args *a, mf_stream_t stream) {
     void *raw;
     if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
     if (status != MF_SUCCESS) return status;
+    if (kept_for_graph(raw, [copy = *a](mf_stream_t s) { return mf_reference_forward(&copy, s); }))
+        return MF_SUCCESS;
     return ops().reference_forward(a, raw);
 }
 

@@ -65,22 +65,28 @@ using namespace mf;
 namespace {
 mf_status copy(void *dst, const void *src, size_t nbytes, CopyKind kind, mf_stream_t stream) {
     mf_status status;
+    void *raw;
     switch (kind) {
     case kD2H:
         status = check_host_range(dst, nbytes, "copy destination");
         if (status == MF_SUCCESS) status = check_device_range(src, nbytes, "copy source");
+        if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+        if (status == MF_SUCCESS) status = capture_host_check(raw, dst, "copy_d2h_async destination");
         break;
     case kH2D:
         status = check_device_range(dst, nbytes, "copy destination");
         if (status == MF_SUCCESS) status = check_host_range(src, nbytes, "copy source");
+        if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+        if (status == MF_SUCCESS) status = capture_host_check(raw, src, "copy_h2d_async source");
         break;
     default:
         status = check_device_range(dst, nbytes, "copy destination");
         if (status == MF_SUCCESS) status = check_device_range(src, nbytes, "copy source");
+        if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
     }
-    void *raw;
-    if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
     if (status != MF_SUCCESS || nbytes == 0) return status;
+    if (kept_for_graph(raw, [=](mf_stream_t s) { return copy(dst, src, nbytes, kind, s); }))
+        return MF_SUCCESS;
     return ops().copy_async(dst, src, nbytes, kind, raw);
 }
 }  // namespace
@@ -135,6 +141,8 @@ mf_status mf_memset_async(void *dev, int value, size_t nbytes, mf_stream_t strea
     void *raw;
     if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
     if (status != MF_SUCCESS || nbytes == 0) return status;
+    if (kept_for_graph(raw, [=](mf_stream_t s) { return mf_memset_async(dev, value, nbytes, s); }))
+        return MF_SUCCESS;
     return ops().memset_async(dev, value, nbytes, raw);
 }
 

@@ -61,6 +61,12 @@ const Ops forked_cuda_ops = {
     .launch_host_func = kForked,
     .current_device = kForked,
     .combine = kForked,
+    .capture_begin = kForked,
+    .capture_status = kForked,
+    .capture_end = kForked,
+    .graph_launch = kForked,
+    .graph_destroy = kForked,
+    .capture_keep = nullptr,
 };
 }  // namespace
 
@@ -113,8 +119,9 @@ mf_status mf_select_backend(mf_backend which) {
         return fail(MF_ERROR_INVALID_VALUE, "unknown backend %d", (int)which);
     }
     if (next == g_ops) return MF_SUCCESS;
-    if (event_table().live_count() || live_stream_count() || alloc_live_count())
-        return fail(MF_ERROR_INVALID_VALUE, "cannot switch backend while events, streams or memory are live");
+    if (event_table().live_count() || live_stream_count() || alloc_live_count() || live_graph_count())
+        return fail(MF_ERROR_INVALID_VALUE,
+                    "cannot switch backend while events, streams, graphs or memory are live");
     mf_status status = next->init();
     if (status != MF_SUCCESS) return status;
     g_ops = next;
@@ -195,6 +202,9 @@ mf_status mf_event_record(mf_event_t event, mf_stream_t stream) {
     mf_status status = resolve_event(event, &slot);
     if (status == MF_SUCCESS) status = resolve_stream(stream, &raw_stream);
     if (status != MF_SUCCESS) return status;
+    // In a capture, a record is an operation of the graph: it records the event at each launch.
+    if (kept_for_graph(raw_stream, [event](mf_stream_t s) { return mf_event_record(event, s); }))
+        return MF_SUCCESS;
     return ops().event_record(slot->raw, (mf_stream_t)(uintptr_t)raw_stream);
 }
 
@@ -286,6 +296,7 @@ mf_status mf_stream_query(mf_stream_t stream, int *idle) {
     PinScope pins;
     void *raw;
     mf_status status = resolve_stream(stream, &raw);
+    if (status == MF_SUCCESS) status = refuse_in_capture(raw, "stream_query", false);
     return status != MF_SUCCESS ? status : ops().stream_query(raw, idle);
 }
 
@@ -293,6 +304,7 @@ mf_status mf_stream_synchronize(mf_stream_t stream) {
     MF_RANGE("stream_synchronize");
     void *raw;
     mf_status status = resolve_stream(stream, &raw);
+    if (status == MF_SUCCESS) status = refuse_in_capture(raw, "stream_synchronize", false);
     return status != MF_SUCCESS ? status : ops().stream_synchronize(raw);
 }
 
@@ -301,6 +313,7 @@ mf_status mf_stream_synchronize_for(mf_stream_t stream, uint32_t timeout_us, uin
     PinScope pins;
     void *raw;
     mf_status status = resolve_stream(stream, &raw);
+    if (status == MF_SUCCESS && *mark == 0) status = refuse_in_capture(raw, "stream_synchronize", false);
     return status != MF_SUCCESS ? status : ops().stream_wait(raw, timeout_us, mark, done);
 }
 
@@ -310,6 +323,8 @@ mf_status mf_stream_wait_event(mf_stream_t stream, mf_event_t event) {
     void *raw;
     mf_status status = resolve_event(event, &slot);
     if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+    // Kept simple: a graph has no cross-stream waits (docs/graphs.md).
+    if (status == MF_SUCCESS) status = refuse_in_capture(raw, "stream_wait_event", false);
     return status != MF_SUCCESS ? status : ops().stream_wait_event(raw, slot->raw);
 }
 
@@ -318,6 +333,8 @@ mf_status mf_launch_host_func(mf_stream_t stream, mf_host_fn fn, void *data) {
     if (!fn) return fail(MF_ERROR_INVALID_VALUE, "launch_host_func: fn is a null function");
     void *raw;
     mf_status status = resolve_stream(stream, &raw);
+    // A host function is Python state the graph could not re-issue faithfully: refused in a capture.
+    if (status == MF_SUCCESS) status = refuse_in_capture(raw, "launch_host_func", false);
     return status != MF_SUCCESS ? status : ops().launch_host_func(fn, data, raw);
 }
 
@@ -325,6 +342,20 @@ mf_status mf_stream_destroy(mf_stream_t stream) {
     MF_RANGE("stream_destroy");
     if (stream == 0) return fail(MF_ERROR_INVALID_VALUE, "the default stream cannot be destroyed");
     uint64_t handle = stream;
+    if (g_kind == MF_BACKEND_CUDA) {
+        // Only a stream of ours is asked about its capture: a stale cudaStream_t must not reach
+        // the runtime.
+        std::lock_guard<std::mutex> lock(cuda_stream_mutex());
+        if (!cuda_streams().count(stream))
+            return fail(MF_ERROR_INVALID_HANDLE, "unknown or destroyed stream 0x%llx",
+                        (unsigned long long)stream);
+    }
+    {
+        void *raw;  // a capturing stream is ended (mf_graph_end) before it goes
+        mf_status status = resolve_stream(stream, &raw);
+        if (status == MF_SUCCESS) status = refuse_in_capture(raw, "stream_destroy", false);
+        if (status != MF_SUCCESS) return status;
+    }
     if (g_kind == MF_BACKEND_CUDA) {
         std::lock_guard<std::mutex> lock(cuda_stream_mutex());
         auto it = cuda_streams().find(stream);

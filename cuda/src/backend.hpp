@@ -2,11 +2,16 @@
 // handles and keep the live-object ledger; a backend only performs already-checked operations.
 #pragma once
 
+#include <functional>
+
 #include "metrale_feed/feed.h"
 
 namespace mf {
 
 enum CopyKind { kD2H = 0, kH2D = 1, kD2D = 2 };
+
+// One public call kept by a host-backend capture, re-issued on the launch stream (api_graph.cpp).
+using Replay = std::function<mf_status(mf_stream_t stream)>;
 
 struct Ops {
     const char *name;
@@ -55,6 +60,17 @@ struct Ops {
     // Cells, logprobs and the fault word from gathered partial blocks (logprob_rule.h); copies
     // and the record are composed by api_kernels.cpp.
     mf_status (*combine)(const mf_combine_args *args, void *stream);
+
+    // Graphs (api_graph.cpp checks the arguments). `graph` is the backend's own object (cuda: a
+    // cudaGraphExec_t); capture_end with graph NULL discards the capture.
+    mf_status (*capture_begin)(void *stream);
+    mf_status (*capture_status)(void *stream, int *capturing);
+    mf_status (*capture_end)(void *stream, void **graph);
+    mf_status (*graph_launch)(void *graph, void *stream, mf_stream_t handle);
+    mf_status (*graph_destroy)(void *graph);
+    // Host only (nullptr on cuda, whose runtime records the calls itself): when `stream` is
+    // capturing, keeps `replay` for the graph instead of running the call, and returns true.
+    bool (*capture_keep)(void *stream, Replay &&replay);
 };
 
 extern const Ops host_ops;

@@ -42,6 +42,8 @@ from ._core import (
     event_record as event_record,
     event_synchronize as event_synchronize,
     free_host_pinned as free_host_pinned,
+    Graph as Graph,
+    graph_capture as graph_capture,
     host_faults as host_faults,
     host_argmax_path as host_argmax_path,
     host_kernel_threads as host_kernel_threads,
@@ -51,6 +53,7 @@ from ._core import (
     read_pinned_u32 as read_pinned_u32,
     resolve_feed as resolve_feed,
     sample_to_feed as sample_to_feed,
+    stream_capturing as stream_capturing,
     stream_synchronize as stream_synchronize,
     write_pinned_u32 as write_pinned_u32,
 )

@@ -237,7 +237,7 @@ def live_objects():
     Returns
     -------
     dict
-        ``events``, ``streams``, ``pinned_bytes``, ``device_bytes``.
+        ``events``, ``streams``, ``graphs``, ``pinned_bytes``, ``device_bytes``.
 
     Examples
     --------
@@ -251,7 +251,8 @@ def live_objects():
     release_passed()
     drop_spare_events()
     mf_live_counts(&events, &streams, &pinned, &device)
-    return {"events": events, "streams": streams, "pinned_bytes": pinned, "device_bytes": device}
+    return {"events": events, "streams": streams, "graphs": mf_live_graphs(), "pinned_bytes": pinned,
+            "device_bytes": device}
 
 
 @cython.final

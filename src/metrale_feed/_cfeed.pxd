@@ -18,6 +18,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         MF_ERROR_INJECTED
         MF_ERROR_UNAVAILABLE
         MF_ERROR_DEVICE
+        MF_ERROR_CAPTURE
 
     ctypedef enum mf_backend:
         MF_BACKEND_HOST
@@ -179,6 +180,13 @@ cdef extern from "metrale_feed/feed.h" nogil:
     const int MF_MAX_BORROWED
     mf_status mf_device_borrow(const void *ptr, size_t nbytes)
     void mf_device_borrow_clear()
+    ctypedef uint64_t mf_graph_t
+    mf_status mf_graph_begin(mf_stream_t stream)
+    mf_status mf_graph_end(mf_stream_t stream, mf_graph_t *out)
+    mf_status mf_graph_launch(mf_graph_t graph, mf_stream_t stream)
+    mf_status mf_graph_destroy(mf_graph_t graph)
+    mf_status mf_stream_capturing(mf_stream_t stream, int *capturing)
+    uint64_t mf_live_graphs()
 
     ctypedef struct mf_trace_record:
         const char *name

@@ -126,6 +126,7 @@ cdef class Event:
         check(mf_event_record(self._handle, stream))
         if _host_func_seq:
             note_record(self._handle, stream)
+        note_capture(stream, (self,))
         return 0
 
     cdef bint _query(self) except -1:
@@ -419,9 +420,13 @@ cdef class Stream:
         """
         if self._closed:
             return
-        self._closed = True
+        cdef mf_status status = MF_SUCCESS
         if self._owned:
-            check(mf_stream_destroy(self._handle))
+            status = mf_stream_destroy(self._handle)
+            if status == MF_ERROR_CAPTURE:
+                raise_status(status)  # still open: its capture must end first
+        self._closed = True
+        check(status)
 
     def __enter__(self):
         self._check_open()
@@ -496,6 +501,7 @@ def event_record(event, stream=0):
     check(mf_event_record(e, s))
     if _host_func_seq:
         note_record(e, s)
+    note_capture(s, (event,))
 
 
 def event_query(event):

@@ -189,11 +189,13 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
                 int_of(rows, "rows", 1, MF_MAX_ROWS)  # a huge mask buffer must not wrap a.rows
             else:
                 rows = int_of(rows, "rows", 1, MF_MAX_ROWS)
-                keep.words = unmasked_words(rows) if masks is None else words_of(masks, True, "masks")
-            if keep.words.n != 2 * rows:
-                raise ValueError(f"masks hold {keep.words.n // 2} rows, not {rows}")
+                if masks is not None:
+                    keep.words = words_of(masks, True, "masks")
+            if keep.words is not None:  # None: no masks, which the C layer reads as constant (NULL)
+                if keep.words.n != 2 * rows:
+                    raise ValueError(f"masks hold {keep.words.n // 2} rows, not {rows}")
+                a.masks = keep.words.data
             a.rows = rows
-            a.masks = keep.words.data
         if bitmask is not None:
             if not (isinstance(bitmask, int) or type(bitmask) is DeviceBuffer
                     or hasattr(bitmask, "__dlpack__") or hasattr(bitmask, "__cuda_array_interface__")):
@@ -228,6 +230,7 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
                 mf_event_destroy(hold)
             raise
         commit_two_holds(held, hold, held_lp, hold_lp, s, mf_argmax_to_feed(&a, s))
+        note_capture(s, (logits, masks, cells, dst, event, bitmask, params, logprobs, logprobs_dst))
         call.done()
     finally:
         call.close()
@@ -547,6 +550,7 @@ def resolve_feed(sources, cells, out, stream=0, *, prev_rows=None, rows=None):
             raise ValueError(f"resolve output: {n * 4} bytes run past the end of the tensor's {have}")
         check(mf_resolve_feed_flags(<const uint32_t *>src_ptr, n, <const uint32_t *>cells_ptr,
                                     <uint32_t>prev_rows, <uint32_t *>out_ptr, flags, s))
+        note_capture(s, (sources, cells, out))
         call.done()
     finally:
         call.close()
@@ -594,6 +598,7 @@ def reference_forward(input_ids, meta, tables, kv, kv_slots, block_size, rows, v
         a.vocab = <uint32_t>int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
         a.dtype = dtype_of(dtype)
         check(mf_reference_forward(&a, s))
+        note_capture(s, (input_ids, meta, tables, kv, logits))
         call.done()
     finally:
         call.close()

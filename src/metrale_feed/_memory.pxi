@@ -302,6 +302,7 @@ cdef class DeviceBuffer:
         self._check_open()
         stream_of(stream, &s)
         check(mf_memset_async(self._ptr, value, self._nbytes, s))
+        note_capture(s, (self,))
 
     def close(self):
         """Free the memory after the work queued on it has passed. Closing twice is a no-op;
@@ -462,6 +463,7 @@ def copy_d2h_async(src, dst, stream=0):
             held = None
         hold = reserve_hold(held)  # all or nothing: reserved before the copy is queued
         commit_hold(held, hold, s, mf_copy_d2h_async(host, device, nbytes, s))
+        note_capture(s, (src, dst))
         call.done()
     finally:
         call.close()
@@ -511,6 +513,7 @@ def copy_h2d_async(dst, src, stream=0):
             held = None
         hold = reserve_hold(held)  # all or nothing: reserved before the copy is queued
         commit_hold(held, hold, s, mf_copy_h2d_async(device, host, nbytes, s))
+        note_capture(s, (dst, src))
         call.done()
     finally:
         call.close()
@@ -555,6 +558,7 @@ def copy_d2d_async(dst, src, nbytes, stream=0):
         call.device(src, &s_ptr, &have, "copy source", False, False)
         device_side_fits(have, n, "copy source")
         check(mf_copy_d2d_async(d, s_ptr, n, s))
+        note_capture(s, (dst, src))
         call.done()
     finally:
         call.close()

@@ -43,6 +43,11 @@ cdef object _params_dtype = None
 # of the resolve that reads them (launch order is stream order for one stream).
 cdef dict _cell_rows = {}
 
+# Graphs capturing, by stream handle: {stream: Graph}. The objects each operation queued on a
+# capturing stream names (buffers, events) are kept by its Graph, so garbage collection cannot
+# free memory a replay reads or writes (see note_capture).
+cdef dict _capturing = {}
+
 # Set at interpreter exit (atexit runs before modules are torn down): from then on a buffer
 # collected is not freed, since a free waits for queued work and exit never does
 # (docs/host-backend.md, "Exit"). The process's end returns the memory.
@@ -65,6 +70,7 @@ def _forget_parent_events():
     _host_func_seq.clear()
     _host_func_errors.clear()
     _event_marks.clear()
+    _capturing.clear()  # the C layer drops the parent's captures in the child too
 
 
 _os.register_at_fork(after_in_child=_forget_parent_events)

@@ -72,15 +72,3 @@ cdef _Words words_of(object obj, bint pairs, str what, Py_ssize_t max_items=8192
     except TypeError as error:
         raise TypeError(f"{what}: {error}") from None
     return words
-
-
-cdef _Words unmasked_words(Py_ssize_t rows):
-    cdef _Words words = _Words.__new__(_Words)
-    words.owned = <uint32_t *>malloc(2 * rows * sizeof(uint32_t) + 4)
-    if words.owned == NULL:
-        raise MemoryError()
-    for i in range(2 * rows):
-        words.owned[i] = MF_NO_TOKEN
-    words.data = words.owned
-    words.n = 2 * rows
-    return words

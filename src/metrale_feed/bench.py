@@ -828,6 +828,79 @@ def bench_interop(quick: bool) -> Dict[str, Any]:
     return r
 
 
+# ---- 5. graphs ----
+
+def _fed_steps(graphs: bool, rows: int, vocab: int, steps: int) -> Dict[str, Any]:
+    """``steps`` fed steps of the reference model through the trait, one at a time: the host time
+    to queue each (decode_batch_fed + argmax_batch_to_feed) and the time until its event, and the
+    ids of every step."""
+    from .feed import FeedSource
+    from .kv import SequenceState
+    from .reference import ReferenceModel
+
+    model = ReferenceModel(vocab, block_size=16, num_blocks=rows * (steps // 16 + 3), max_rows=rows,
+                           graphs=graphs)
+    seqs = [SequenceState(r) for r in range(rows)]
+    dst, event = mf.PinnedBuffer(rows * 4), mf.Event()
+    sources = [FeedSource.feed(r) for r in range(rows)]
+    masks = [(NO_TOKEN, NO_TOKEN)] * rows
+    queue_us: List[float] = []
+    step_us: List[float] = []
+    ids: List[List[int]] = []
+    try:
+        for r, seq in enumerate(seqs):
+            model.prefill(seq, [r + 1, 2 * r + 3])
+        model.decode_batch([5] * rows, seqs)
+        model.argmax_batch_to_feed(model.logits.ptr, masks, dst.ptr, event.handle, 0)
+        event.synchronize()
+        last = mf.read_pinned_u32(dst.ptr, rows)
+        for _ in range(steps):
+            start = time.perf_counter()
+            logits = model.decode_batch_fed(sources, seqs, 0)
+            model.argmax_batch_to_feed(logits, masks, dst.ptr, event.handle, 0)
+            queued = time.perf_counter()
+            event.synchronize()
+            done = time.perf_counter()
+            queue_us.append((queued - start) * 1e6)
+            step_us.append((done - start) * 1e6)
+            for seq, token in zip(seqs, last):
+                seq.tokens.append(token)
+                seq.seq_len += 1
+            last = mf.read_pinned_u32(dst.ptr, rows)
+            ids.append(last)
+            model.fed_step_settled()
+        stats = model.graph_stats
+    finally:
+        model.close()
+        dst.close()
+        event.close()
+    return {"queue_us": statistics.median(queue_us[1:]), "step_us": statistics.median(step_us[1:]),
+            "ids": ids, "stats": stats}
+
+
+def bench_graphs(quick: bool) -> Dict[str, Any]:
+    """The reference model's fed step (resolve, forward, argmax, readback, event) launched as one
+    graph vs the same operations queued one by one, on the host backend. Small rows and vocabulary,
+    so the figure is the cost of queueing, not of the kernels. Checked: the same ids."""
+    rows, vocab, steps = 8, 4096, 40 if quick else 200
+    eager = _fed_steps(False, rows, vocab, steps)
+    graph = _fed_steps(True, rows, vocab, steps)
+    r = {"rows": rows, "vocab": vocab, "steps": steps, "checked": eager["ids"] == graph["ids"],
+         "eager_queue_us": eager["queue_us"], "graph_queue_us": graph["queue_us"],
+         "eager_step_us": eager["step_us"], "graph_step_us": graph["step_us"],
+         "captures": graph["stats"]["captures"], "launches": graph["stats"]["launches"]}
+    _section(f"graphs, reference model fed step: {rows} rows, vocab {vocab}, host backend "
+             f"(median of {steps} steps); ratio = graph / one by one")
+    _row("queue the step, one by one", f"{r['eager_queue_us']:.0f} us")
+    _row("queue the step, graph launch", f"{r['graph_queue_us']:.0f} us", "one by one",
+         f"{r['graph_queue_us'] / r['eager_queue_us']:.2f}x", "",
+         "host re-issues each call" if r["checked"] else "IDS DIFFER")
+    _row("step until its event, one by one", f"{r['eager_step_us']:.0f} us")
+    _row("step until its event, graph", f"{r['graph_step_us']:.0f} us", "one by one",
+         f"{r['graph_step_us'] / r['eager_step_us']:.2f}x")
+    return r
+
+
 # ---- the command ----
 
 def machine() -> Dict[str, Any]:
@@ -856,6 +929,7 @@ def main(args: Any) -> int:
     record["argmax_options"] = bench_pick_options(args.quick)
     record["router"] = bench_router(args.quick)
     record["interop"] = bench_interop(args.quick)
+    record["graphs"] = bench_graphs(args.quick)
     record["seconds"] = time.perf_counter() - start
     missed = [name for name, mark in _VERDICTS if mark != "met"]
     record["targets"] = {"met": len(_VERDICTS) - len(missed), "missed": missed}
@@ -869,7 +943,8 @@ def main(args: Any) -> int:
     ok = (all(e["checked"] for e in record["argmax"]) and record["argmax_options"]["checked"]
           and all(lv["same_tokens"] for lv in record["router"]["levels"])
           and all(lv["same_tokens"] for lv in record["interop"].get("llama", {}).get("levels", []))
-          and record["router"]["sampling"]["checked"])
+          and record["router"]["sampling"]["checked"]
+          and record["graphs"]["checked"])
     if not ok:
         print("a correctness check failed: argmax ids or router tokens differ (sampled ones "
               "included)", file=sys.stderr)

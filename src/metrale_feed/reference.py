@@ -76,6 +76,14 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         The logits' dtype (16-bit values are rounded to nearest even). Default "float32".
     stream : Stream, int or stream-like, optional
         The stream its work runs on. Default 0.
+    graphs : bool, optional
+        Run each fed step (``resolve_feed`` from device-resident sources, the forward, the argmax
+        with device-resident masks, the readback and its event) as one captured graph, replayed
+        each step with the same tokens as the default path (docs/graphs.md, "The reference
+        model's graphs"). Default False.
+    max_graphs : int, optional
+        With ``graphs``, how many graphs ``fed_step_settled`` keeps (least recently used evicted
+        first, once their last launch has completed). Default 16.
 
     Raises
     ------
@@ -98,9 +106,12 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
     >>> model.close()
     """
     def __init__(self, vocab: int, *, block_size: int = 16, num_blocks: int = 4096,
-                 max_rows: int = 256, logits_dtype: str = "float32", stream: Any = 0) -> None:
+                 max_rows: int = 256, logits_dtype: str = "float32", stream: Any = 0,
+                 graphs: bool = False, max_graphs: int = 16) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if graphs and max_graphs < 1:
+            raise ValueError(f"max_graphs must be at least 1, got {max_graphs}")
         if num_blocks * block_size > 0xFFFFFFFF:  # KV slots are addressed with uint32
             raise ValueError(f"num_blocks x block_size must be below 2**32, got {num_blocks * block_size}")
         self.init_device_feed(vocab=vocab, logits_dtype=logits_dtype, max_rows=max_rows)
@@ -114,6 +125,11 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         self._staging: List[Optional[_Staging]] = [None] * _STAGING_SLOTS
         self._next_staging = 0
         self._closed = False
+        self._fed_graphs = None
+        if graphs:
+            from ._fed_graphs import FedGraphs
+
+            self._fed_graphs = FedGraphs(self, max_graphs)
 
     # ---- KV bookkeeping ----
 
@@ -134,7 +150,23 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         self.release_decode_blocks(seq, len(seq.block_table))
 
     def fed_step_settled(self) -> None:
+        """A fed step has completed: with ``graphs=True``, graphs beyond ``max_graphs`` whose last
+        launch has completed are evicted here."""
         self.settled_steps += 1
+        if self._fed_graphs is not None:
+            self._fed_graphs.evict()
+
+    @property
+    def graph_stats(self) -> Dict[str, int]:
+        """With ``graphs=True``: ``captures``, ``launches`` and ``live`` graphs; else empty."""
+        fg = self._fed_graphs
+        if fg is None:
+            return {}
+        return {"captures": fg.captures, "launches": fg.launches, "live": len(fg.graphs)}
+
+    def _flush_graph_step(self) -> None:
+        if self._fed_graphs is not None:
+            self._fed_graphs.flush()
 
     def _reserve_rows(self, seqs: Sequence[SequenceState]) -> None:
         """Blocks for every row's next position, all or none (a failed batch leaks nothing)."""
@@ -198,6 +230,7 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         them and advances ``seq_len``; returns the logits' device pointer."""
         stream = self.stream if stream is None else stream
         self._check_rows(len(tokens), seqs)
+        self._flush_graph_step()
         ids = array("I", [_token(t) for t in tokens])  # checked before any block is taken
         self._reserve_rows(seqs)
         positions = [seq.seq_len for seq in seqs]
@@ -214,7 +247,17 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
                          stream: Any = None) -> int:
         stream = self.stream if stream is None else stream
         self._check_rows(len(sources), seqs)
-        self._reserve_rows(seqs)
+        if self._fed_graphs is not None:
+            # Kept until argmax_batch_to_feed names the readback slot: the step is one graph.
+            self._fed_graphs.flush()
+            self._fed_graphs.keep(sources, seqs, stream)
+            return self.logits.ptr
+        return self._decode_fed_eager(sources, seqs, stream)
+
+    def _decode_fed_eager(self, sources: Sequence[int], seqs: Sequence[SequenceState], stream: Any,
+                          reserve: bool = True) -> int:
+        if reserve:
+            self._reserve_rows(seqs)
         slot = self._stage(seqs, [seq.seq_len for seq in seqs])
         cells = self.feed_cells
         if cells is None:
@@ -254,6 +297,7 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         stream = self.stream if stream is None else stream
         if self._closed:
             raise FeedError("the reference model is closed")
+        self._flush_graph_step()
         if len(seqs) != len(id_lists):
             raise ValueError(f"{len(id_lists)} id lists for {len(seqs)} sequences")
         lists = [[_token(i) for i in ids] for ids in id_lists]  # checked before any block
@@ -288,6 +332,16 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
             seq.tokens.extend(ids)
             seq.seq_len += len(ids)
 
+    def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any) -> None:
+        if self._fed_graphs is not None and self._fed_graphs.launch(masks, dst, event, stream):
+            return
+        super().argmax_batch_to_feed(logits, masks, dst, event, stream)
+
+    def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
+                             stream: Any) -> None:
+        self._flush_graph_step()  # a sampled step runs as the default path does
+        super().sample_batch_to_feed(logits, params, masks, dst, event, stream)
+
     def _check_rows(self, n: int, seqs: Sequence[SequenceState]) -> None:
         if self._closed:
             raise FeedError("the reference model is closed")
@@ -301,6 +355,8 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         if self._closed:
             return
         self._closed = True
+        if self._fed_graphs is not None:
+            self._fed_graphs.close()
         for slot in self._staging:
             if slot is not None:
                 slot.close()

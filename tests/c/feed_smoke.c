@@ -140,7 +140,7 @@ static void test_memory_and_copies(void) {
     for (size_t i = 0; i < sizeof back; ++i) CHECK(back[i] == 0x5A); /* nothing launched */
 
     /* An injected copy fault: the call fails, and the knob is spent. */
-    mf_host_faults faults = {0, 0, 0, 1, 0};
+    mf_host_faults faults = {0, 0, 0, 1, 0, 0};
     mf_host_configure(&faults);
     FAILS_WITH(mf_copy_d2h_async(back, dev, 8, 0), MF_ERROR_INJECTED);
     OK(mf_copy_d2h_async(back, dev, 8, 0));
@@ -267,6 +267,65 @@ static void test_argmax_and_resolve(void) {
     OK(mf_stream_destroy(stream));
 }
 
+/* Graphs: a capture keeps, a launch replays reading device-resident inputs at run time, refusals
+ * return MF_ERROR_CAPTURE, and graph handles are generation-checked like events. */
+static void test_graphs(void) {
+    mf_stream_t stream;
+    mf_graph_t graph = 0, empty = 0;
+    void *dev, *pinned;
+    int on = 1;
+    uint32_t host_masks[2] = {MF_NO_TOKEN, MF_NO_TOKEN};
+    OK(mf_stream_create(MF_STREAM_NON_BLOCKING, &stream));
+    OK(mf_device_alloc(16, &dev));
+    OK(mf_host_alloc(16, 0, &pinned));
+    FAILS_WITH(mf_graph_begin(0), MF_ERROR_INVALID_VALUE);
+    FAILS_WITH(mf_graph_end(stream, &graph), MF_ERROR_CAPTURE); /* not capturing */
+    OK(mf_graph_begin(stream));
+    OK(mf_stream_capturing(stream, &on));
+    CHECK(on == 1);
+    FAILS_WITH(mf_graph_begin(stream), MF_ERROR_CAPTURE);
+    FAILS_WITH(mf_stream_synchronize(stream), MF_ERROR_CAPTURE);
+    FAILS_WITH(mf_stream_destroy(stream), MF_ERROR_CAPTURE);
+    OK(mf_copy_h2d_async(dev, pinned, 16, stream)); /* pinned: read at each launch */
+    OK(mf_copy_d2h_async((char *)pinned + 8, (char *)dev + 4, 4, stream)); /* word 1 to word 2 */
+    mf_argmax_args a;
+    memset(&a, 0, sizeof a);
+    a.logits = dev;
+    a.dtype = MF_DTYPE_F32;
+    a.rows = 1;
+    a.vocab = 4;
+    a.row_stride = 4;
+    a.masks = host_masks;
+    a.cells = (uint32_t *)dev;
+    a.cell_capacity = 4;
+    FAILS_WITH(mf_argmax_to_feed(&a, stream), MF_ERROR_CAPTURE); /* host masks */
+    OK(mf_graph_end(stream, &graph));
+    CHECK(graph != 0 && mf_live_graphs() == 1);
+    OK(mf_stream_capturing(stream, &on));
+    CHECK(on == 0);
+    for (uint32_t step = 1; step <= 3; ++step) {
+        ((uint32_t *)pinned)[1] = step; /* a new value, read by the replay */
+        ((uint32_t *)pinned)[2] = 0;
+        OK(mf_graph_launch(graph, stream));
+        OK(mf_stream_synchronize(stream));
+        CHECK(((uint32_t *)pinned)[2] == step);
+    }
+    OK(mf_graph_begin(stream));
+    OK(mf_graph_end(stream, &empty)); /* an empty graph does nothing */
+    OK(mf_graph_launch(empty, stream));
+    OK(mf_graph_destroy(empty));
+    FAILS_WITH(mf_graph_launch(empty, stream), MF_ERROR_INVALID_HANDLE); /* generation-checked */
+    FAILS_WITH(mf_graph_destroy(empty), MF_ERROR_INVALID_HANDLE);
+    OK(mf_graph_begin(stream));
+    OK(mf_graph_end(stream, NULL)); /* discarded */
+    OK(mf_graph_destroy(graph));
+    CHECK(mf_live_graphs() == 0);
+    OK(mf_stream_synchronize(stream));
+    OK(mf_host_free(pinned, 16));
+    OK(mf_device_free(dev));
+    OK(mf_stream_destroy(stream));
+}
+
 int main(void) {
     uint64_t events = 1, streams = 1, pinned = 1, device = 1;
 
@@ -276,6 +335,7 @@ int main(void) {
     test_events_and_streams();
     test_memory_and_copies();
     test_argmax_and_resolve();
+    test_graphs();
     OK(mf_stream_synchronize(0));
     mf_live_counts(&events, &streams, &pinned, &device);
     CHECK(events == 0 && streams == 0 && pinned == 0 && device == 0); /* nothing leaked */

@@ -37,7 +37,8 @@ typedef enum mf_status {
     MF_ERROR_CUDA = 4,           /* the CUDA runtime failed: mf_last_cuda_error() has the code */
     MF_ERROR_INJECTED = 5,       /* a host-backend fault knob fired */
     MF_ERROR_UNAVAILABLE = 6,    /* backend not compiled in, or no usable device */
-    MF_ERROR_DEVICE = 7          /* queued work failed (asynchronous error) */
+    MF_ERROR_DEVICE = 7,         /* queued work failed (asynchronous error) */
+    MF_ERROR_CAPTURE = 8         /* not allowed on a stream that is capturing a graph (graphs) */
 } mf_status;
 
 typedef enum mf_backend { MF_BACKEND_HOST = 0, MF_BACKEND_CUDA = 1 } mf_backend;
@@ -137,7 +138,8 @@ MF_EXPORT mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t
  * One descriptor carries every option; the kernels read them through one rule (argmax_rule.h,
  * sample_rule.h), so a new option is a field and a flag, not a new entry point:
  * - masks (rows*2 ids): host memory is read before the call returns; with MF_ARGS_MASKS_DEVICE it
- *   is device memory, read when the kernel runs (a mask id >= vocab then masks nothing);
+ *   is device memory, read when the kernel runs (a mask id >= vocab then masks nothing); NULL
+ *   (without the flag): no masks, a constant a graph capture accepts;
  * - bitmask (device, rows * ceil(vocab/32) words, NULL: none): bit v%32 of word v/32 set = allowed;
  * - params (one mf_sampling_params per row, NULL: argmax): a sampled id per row; host memory is
  *   read (and checked) before the call returns, device memory (MF_ARGS_PARAMS_DEVICE) when the
@@ -170,7 +172,7 @@ typedef struct mf_argmax_args {
     uint32_t rows;
     uint32_t vocab;
     uint64_t row_stride; /* elements, >= vocab */
-    const uint32_t *masks; /* rows*2, host unless MF_ARGS_MASKS_DEVICE */
+    const uint32_t *masks; /* rows*2, host unless MF_ARGS_MASKS_DEVICE; NULL: none */
     uint32_t *cells;       /* device */
     uint32_t cell_capacity;
     void *host_dst;        /* host, >= rows*4 bytes, or NULL for no copy */
@@ -260,6 +262,26 @@ MF_EXPORT mf_status mf_launch_host_func(mf_stream_t stream, mf_host_fn fn, void 
 #define MF_MAX_BORROWED 8
 MF_EXPORT mf_status mf_device_borrow(const void *ptr, size_t nbytes);
 MF_EXPORT void mf_device_borrow_clear(void);
+/* ---- graphs (docs/graphs.md) ----
+ * mf_graph_begin starts capturing `stream` (not the default stream): operations then queued on it
+ * are recorded, not run, until mf_graph_end makes them a graph. mf_graph_launch queues the whole
+ * graph on any stream; each operation reads its device-resident inputs when it runs, and an event
+ * record in the graph records that event at each launch. cuda: stream capture (thread-local mode),
+ * instantiate, graph launch. host: the recorded calls are re-issued on the launch stream, each
+ * checked again first, so a launch that fails queues nothing.
+ * While a stream captures, an operation whose inputs live in host memory other than this layer's
+ * pinned memory (host masks, params or sources, pageable copies), a stream wait, and a
+ * synchronize, query or destroy of that stream fail with MF_ERROR_CAPTURE: a replay could not see
+ * new host values. The memory a graph uses must outlive it. */
+typedef uint64_t mf_graph_t; /* a handle this layer hands out; never 0 */
+MF_EXPORT mf_status mf_graph_begin(mf_stream_t stream);
+/* Ends the capture of `stream`; out NULL discards what was recorded. The capture ends even when
+ * making the graph fails (cuda: a capture the runtime invalidated). */
+MF_EXPORT mf_status mf_graph_end(mf_stream_t stream, mf_graph_t *out);
+MF_EXPORT mf_status mf_graph_launch(mf_graph_t graph, mf_stream_t stream);
+MF_EXPORT mf_status mf_graph_destroy(mf_graph_t graph); /* a launch already queued still runs */
+MF_EXPORT mf_status mf_stream_capturing(mf_stream_t stream, int *capturing);
+MF_EXPORT uint64_t mf_live_graphs(void);
 
 /* ---- timelines (host backend) ----
  * While enabled, each op a host-backend worker runs is recorded: its name, its stream (0: the

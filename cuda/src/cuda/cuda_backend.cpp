@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "cuda/graph.hpp"
 #include "cuda/kernels.hpp"
 #include "metrale_feed/argmax_rule.h"
 
@@ -188,6 +189,9 @@ mf_status event_destroy(void *raw) {
 
 mf_status event_record(void *raw, mf_stream_t stream) {
     const auto s = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream));
+    bool captured = false;
+    mf_status st = cudag::event_record_in_capture(as_event(raw), s, &captured);
+    if (st != MF_SUCCESS || captured) return st;
     MF_CUDA_TRY(cudaEventRecord(as_event(raw), s), "cudaEventRecord");
     return MF_SUCCESS;
 }
@@ -423,6 +427,12 @@ const Ops cuda_ops = {
     .launch_host_func = launch_host_func,
     .current_device = current_device,
     .combine = combine,
+    .capture_begin = cudag::capture_begin,
+    .capture_status = cudag::capture_status,
+    .capture_end = cudag::capture_end,
+    .graph_launch = cudag::graph_launch,
+    .graph_destroy = cudag::graph_destroy,
+    .capture_keep = nullptr,
 };
 
 }  // namespace mf

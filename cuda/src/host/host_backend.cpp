@@ -11,6 +11,7 @@
 #include "../registry.hpp"
 
 #include "../backend.hpp"
+#include "graph.hpp"
 #include "kernels.hpp"
 #include "queue.hpp"
 
@@ -283,6 +284,12 @@ const Ops host_ops = {
     .launch_host_func = launch_host_func,
     .current_device = current_device,
     .combine = combine,
+    .capture_begin = capture_begin,
+    .capture_status = capture_status,
+    .capture_end = capture_end,
+    .graph_launch = graph_launch,
+    .graph_destroy = graph_destroy,
+    .capture_keep = capture_keep,
 };
 }  // namespace mf
 

@@ -1,0 +1,225 @@
+# Graphs: a capture of the operations queued on one stream, replayed by one launch
+# (docs/graphs.md). The C layer checks every call; this keeps the handle and the capture's state.
+
+
+@cython.final
+cdef class Graph:
+    """Operations captured on a stream, replayed on any stream by one ``launch``.
+
+    Made by ``graph_capture``; the operations queued on the capturing stream inside its ``with``
+    block are recorded, not run. Each ``launch`` runs them all in order, each reading its
+    device-resident inputs (masks, bitmask, sources, params, pinned copy sources) when it runs,
+    and each event record in the graph records that event again. The graph keeps the objects its
+    operations named (buffers, events) alive; one closed explicitly is freed all the same, so
+    memory the graph uses must not be closed while it lives (the host backend checks at each
+    launch; CUDA cannot).
+
+    Attributes
+    ----------
+    closed : bool
+        True once closed, or when the capture failed.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> with mf.Stream() as s, mf.DeviceBuffer(8) as dev, mf.PinnedBuffer(8) as host:
+    ...     with mf.graph_capture(s) as g:
+    ...         mf.copy_h2d_async(dev, host, s)      # pinned: read at each launch
+    ...     g.launch(s); s.synchronize(); g.close()
+    """
+    cdef uint64_t _handle
+    cdef object _stream   # the capturing stream, while the capture is open
+    cdef list _keep       # the objects its operations name: alive as long as the graph
+    cdef uint64_t _capturing
+    cdef bint _began
+    cdef bint _closed
+
+    def __cinit__(self):
+        self._handle = 0
+        self._keep = []
+        self._capturing = 0
+        self._began = False
+        self._closed = False
+
+    def __enter__(self):
+        cdef uint64_t s
+        if self._began:
+            raise FeedError("this capture was already used: call graph_capture again")
+        stream_of(self._stream, &s)
+        check(mf_graph_begin(s))
+        self._began = True
+        self._capturing = s
+        _capturing[s] = self
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        cdef uint64_t s = self._capturing
+        self._capturing = 0
+        self._stream = None
+        _capturing.pop(s, None)
+        if exc_type is not None:
+            # The body failed: the capture is ended and dropped (its error is the one raised).
+            mf_graph_end(s, NULL)
+            self._closed = True
+            self._keep = []
+            return False
+        status = mf_graph_end(s, &self._handle)
+        if status != MF_SUCCESS:
+            self._closed = True
+            self._keep = []
+            raise_status(status)
+        return False
+
+    cdef int _check_ready(self) except -1:
+        if self._closed:
+            raise FeedError("the graph is closed")
+        if self._handle == 0:
+            raise FeedError("the graph's capture has not ended (launch it after its with block)")
+        return 0
+
+    @property
+    def closed(self):
+        return self._closed
+
+    def launch(self, stream=0):
+        """Queue the whole graph on ``stream``; the host does not wait.
+
+        Parameters
+        ----------
+        stream : Stream, int or stream-like, optional
+            Any stream that is not capturing; default 0. A graph runs on one stream at a time
+            (replaying it on two streams at once races on the memory it writes).
+
+        Returns
+        -------
+        None
+
+        Raises
+        ------
+        FeedError
+            The graph is closed or its capture has not ended; the stream is closed, unknown or
+            capturing; on the host backend, memory or an event the graph uses is gone (nothing
+            is queued then).
+
+        Examples
+        --------
+        >>> g.launch(stream)  # doctest: +SKIP
+        """
+        cdef uint64_t s
+        self._check_ready()
+        stream_of(stream, &s)
+        check(mf_graph_launch(self._handle, s))
+
+    def close(self):
+        """Destroy the graph; launches already queued still run. Closing twice is a no-op.
+
+        Returns
+        -------
+        None
+
+        Examples
+        --------
+        >>> g.close()  # doctest: +SKIP
+        """
+        if self._closed or self._capturing:
+            if self._capturing:
+                raise FeedError("the graph is still capturing: leave its with block first")
+            return
+        self._closed = True
+        if self._handle:
+            handle, self._handle = self._handle, 0
+            status = mf_graph_destroy(handle)
+            self._keep = []  # after the destroy: a launch already queued still runs (see docs)
+            check(status)
+
+    def __dealloc__(self):
+        if self._capturing:
+            mf_graph_end(self._capturing, NULL)
+        if self._handle and not self._closed:
+            mf_graph_destroy(self._handle)
+
+    def __repr__(self):
+        state = "closed" if self._closed else ("capturing" if self._capturing else
+                                               ("ready" if self._handle else "new"))
+        return f"<Graph {state}>"
+
+
+cdef inline int note_capture(uint64_t stream, tuple objects) except -1:
+    """Keep ``objects`` alive with the graph capturing ``stream``, if one is: called after an
+    operation was recorded. Costs one dict test when nothing captures."""
+    if _capturing:
+        graph = _capturing.get(stream)
+        if graph is not None:
+            (<Graph>graph)._keep.append(objects)
+    return 0
+
+
+def graph_capture(stream):
+    """Capture the operations queued on ``stream`` into a ``Graph``: ``with graph_capture(s) as g``.
+
+    Inside the ``with`` block, work queued on ``stream`` is recorded, not run. Operations whose
+    inputs live in host memory (host masks, params or sources, copies from or into memory that is
+    not this package's pinned memory), a wait on another event, and a synchronize, query or close
+    of ``stream`` raise ``FeedError`` there, because a replay could not see new host values. An
+    empty capture is a graph that does nothing. If the block raises, the capture is dropped.
+
+    Parameters
+    ----------
+    stream : Stream, int or stream-like
+        A stream that is not the default stream and not already capturing.
+
+    Returns
+    -------
+    Graph
+        A context manager; after its block, ``launch`` replays the capture.
+
+    Raises
+    ------
+    ValueError
+        ``stream`` is the default stream.
+    FeedError
+        ``stream`` is closed, unknown or already capturing (on entering the block).
+
+    See Also
+    --------
+    Graph.launch : replay the capture.
+
+    Examples
+    --------
+    >>> import numpy as np, metrale_feed as mf
+    >>> with mf.Stream() as s, mf.DeviceBuffer(8) as dev, mf.PinnedBuffer(8) as host:
+    ...     with mf.graph_capture(s) as g:
+    ...         mf.copy_h2d_async(dev, host, s); mf.copy_d2h_async(dev, host, s)
+    ...     g.launch(s); s.synchronize(); g.close()
+    """
+    cdef uint64_t s
+    stream_of(stream, &s)  # refused now, not on entering the block
+    if s == 0:
+        raise ValueError("the default stream cannot be captured: capture a Stream of your own")
+    cdef Graph graph = Graph.__new__(Graph)
+    graph._stream = stream
+    return graph
+
+
+def stream_capturing(stream):
+    """Whether ``stream`` is capturing a graph.
+
+    Parameters
+    ----------
+    stream : Stream, int or stream-like
+
+    Returns
+    -------
+    bool
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> mf.stream_capturing(0)
+    False
+    """
+    cdef uint64_t s
+    cdef int on = 0
+    stream_of(stream, &s)
+    check(mf_stream_capturing(s, &on))
+    return on != 0
