@@ -1,0 +1,49 @@
+"""The sharded feed calls over 1 to 4 ranks, each a separate process in one gloo group on
+127.0.0.1 (tests/tp/rank_main.py holds what every rank runs and checks; docs/tensor-parallel.md)."""
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+pytest.importorskip("ml_dtypes")
+
+if os.path.dirname(os.path.dirname(os.path.abspath(__file__))) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for helpers
+from helpers.child import run_ranks  # noqa: E402
+
+RANK_MAIN = os.path.join(os.path.dirname(__file__), "rank_main.py")
+
+
+def ranks(world, scenario, timeout=240):
+    results = run_ranks(RANK_MAIN, world, scenario, timeout=timeout)
+    for rank, result in enumerate(results):
+        assert result.returncode == 0 and f"OK {scenario}" in result.stdout, \
+            f"rank {rank} of {world}: {result.describe()}"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_sharded_calls_equal_the_unsharded_call_and_the_oracle(world):
+    ranks(world, "exact")
+
+
+def test_a_late_peer_leaves_the_others_pending_then_right():
+    ranks(2, "late")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mismatched_rows_are_a_feed_error_on_every_rank(world):
+    ranks(world, "rows-mismatch")
+
+
+def test_ranks_that_disagree_on_the_shard_get_feed_error():
+    ranks(3, "vocab-mismatch")
+
+
+def test_bad_offsets_are_refused_before_any_collective():
+    ranks(2, "bad-offsets")
+
+
+def test_a_dead_peer_is_a_feed_error_not_a_hang():
+    ranks(2, "dead")
