@@ -47,3 +47,22 @@ def test_bad_offsets_are_refused_before_any_collective():
 
 def test_a_dead_peer_is_a_feed_error_not_a_hang():
     ranks(2, "dead")
+
+
+def test_bench_tp_checks_ids_and_counts_bytes(tmp_path):
+    from helpers.child import run_python
+
+    out = tmp_path / "tp.json"
+    run_python(argv=["-m", "metrale_feed.cli", "bench", "--tp", "2", "--quick", "--json", str(out)],
+               timeout=300)
+    import json
+
+    sizes = json.loads(out.read_text())["tp"]["sizes"]
+    assert [e["rows"] for e in sizes] == [64, 256]
+    for e in sizes:
+        assert e["checked"], e
+        assert e["sharded_bytes_per_step"] == 16 * (e["rows"] + 2)
+        # The shard's own count: its agreement at construction (4 int64), then one block for each
+        # of --quick's 3 timed calls.
+        assert e["shard_stats"] == {"collectives": 1 + 3,
+                                    "bytes_sent": 32 + 3 * e["sharded_bytes_per_step"]}, e
