@@ -76,6 +76,10 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         The logits' dtype (16-bit values are rounded to nearest even). Default "float32".
     stream : Stream, int or stream-like, optional
         The stream its work runs on. Default 0.
+    shard : VocabShard, optional
+        A vocabulary split across ranks (docs/tensor-parallel.md): the feed reads only the
+        slice's columns of each row and goes through the sharded call, so every rank gets the
+        same tokens as the unsharded model. (The forward still writes whole rows.)
 
     Raises
     ------
@@ -98,12 +102,14 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
     >>> model.close()
     """
     def __init__(self, vocab: int, *, block_size: int = 16, num_blocks: int = 4096,
-                 max_rows: int = 256, logits_dtype: str = "float32", stream: Any = 0) -> None:
+                 max_rows: int = 256, logits_dtype: str = "float32", stream: Any = 0,
+                 shard: Any = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         if num_blocks * block_size > 0xFFFFFFFF:  # KV slots are addressed with uint32
             raise ValueError(f"num_blocks x block_size must be below 2**32, got {num_blocks * block_size}")
-        self.init_device_feed(vocab=vocab, logits_dtype=logits_dtype, max_rows=max_rows)
+        self.init_device_feed(vocab=vocab, logits_dtype=logits_dtype, max_rows=max_rows,
+                              shard=shard, row_stride=None if shard is None else vocab)
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.stream = stream
@@ -190,7 +196,10 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
                                 self.pool.num_blocks * self.block_size, self.block_size, rows,
                                 self.feed_vocab, self.feed_logits_dtype,
                                 self.logits if logits else None, stream)
-        return self.logits.ptr
+        if self.feed_shard is None:
+            return self.logits.ptr
+        # The slice's columns of each row: rows `vocab` elements apart (feed_row_stride).
+        return self.logits.ptr + self.feed_shard.start * _ITEMSIZE[self.feed_logits_dtype]
 
     def decode_batch(self, tokens: Sequence[int], seqs: Sequence[SequenceState],
                      stream: Any = None) -> int:

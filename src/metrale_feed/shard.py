@@ -152,7 +152,11 @@ class VocabShard:
     def _rows_of(self, logits: Any, masks: Any, params: Any, rows: Any) -> int:
         if rows is None:
             if masks is not None:
-                rows = len(masks)
+                try:  # a buffer holds two uint32 per row; a sequence one pair per row
+                    with memoryview(masks) as view:
+                        rows = view.nbytes // 8
+                except TypeError:
+                    rows = len(masks)
             elif params is not None:
                 rows = len(params)
             elif hasattr(logits, "shape"):
@@ -187,7 +191,8 @@ class VocabShard:
         _precheck_host(logprobs_dst, n, "logprobs_dst", "f")
         if (logprobs is None) != (logprobs_dst is None) and logprobs_dst is not None:
             raise ValueError("logprobs_dst needs logprobs (the device buffer it is copied from)")
-        if hasattr(logits, "shape") and len(logits.shape) == 2 and int(logits.shape[1]) == 0:
+        if self.stop == self.start or (hasattr(logits, "shape") and len(logits.shape) == 2
+                                       and int(logits.shape[1]) == 0):
             logits = None  # an empty slice takes part with no candidate
         self._reap()
         torch = self._torch

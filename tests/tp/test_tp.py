@@ -28,6 +28,11 @@ def test_sharded_calls_equal_the_unsharded_call_and_the_oracle(world):
     ranks(world, "exact")
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_the_pipeline_spmd_gives_the_unsharded_tokens_on_every_rank(world):
+    ranks(world, "pipeline")
+
+
 def test_a_late_peer_leaves_the_others_pending_then_right():
     ranks(2, "late")
 
