@@ -71,3 +71,20 @@ def test_bench_tp_checks_ids_and_counts_bytes(tmp_path):
         # of --quick's 3 timed calls.
         assert e["shard_stats"] == {"collectives": 1 + 3,
                                     "bytes_sent": 32 + 3 * e["sharded_bytes_per_step"]}, e
+
+
+@pytest.mark.parametrize("extra", [[], ["--temperature", "0.7"]])
+def test_demo_tp_tokens_equal_the_single_rank_run(extra):
+    from helpers.child import run_python
+
+    done = run_python(argv=["-m", "metrale_feed.cli", "demo", "--tp", "2", "--rows", "6",
+                            "--tokens", "12", "--vocab", "5000", "--quiet", *extra], timeout=300)
+    assert "tokens equal the single-rank run on all 2 ranks: yes" in done.stdout, done.describe()
+
+
+def test_demo_tp_refuses_sharded_filters():
+    from helpers.child import run_python
+
+    done = run_python(argv=["-m", "metrale_feed.cli", "demo", "--tp", "2", "--temperature", "1",
+                            "--top-k", "3"], timeout=120, check=False)
+    assert done.returncode == 2 and "not supported yet" in done.stderr, done.describe()
