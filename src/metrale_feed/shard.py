@@ -120,6 +120,7 @@ class VocabShard:
         self._calls = 0
         self._fault: str | None = None
         self._pending: list[tuple[Any, tuple[Any, ...]]] = []  # (done event, buffers it holds)
+        self._stream = 0  # the stream of the pending calls
         self._block = (max_rows + _HEADER_RECORDS) * _RECORD_BYTES
         # The agreement: every rank sends the same-sized record, so a disagreement is an error on
         # every rank instead of mismatched collectives later.
@@ -138,6 +139,31 @@ class VocabShard:
             if _core.backend() != "host":
                 raise FeedError("VocabShard: the sharded call over several ranks runs on the host "
                                 "backend only in this build (the cuda collective is not built yet)")
+
+    def close(self) -> None:
+        """Wait for this rank's pending sharded calls and free their buffers; the shard then
+        refuses further calls. Idempotent.
+
+        Raises
+        ------
+        FeedError
+            A pending call failed (its event's error).
+
+        Examples
+        --------
+        >>> shard.close()  # doctest: +SKIP
+        """
+        pending, self._pending = self._pending, []
+        if self._fault is None:
+            self._fault = "the shard is closed"
+        for done, held in pending:
+            try:
+                done.synchronize()
+            except FeedError:
+                pass  # reported by the caller's own event
+            done.close()
+            for buf in held[:3]:
+                buf.close()
 
     def _count(self, nbytes: int) -> None:
         self.stats["collectives"] += 1
@@ -189,12 +215,20 @@ class VocabShard:
         n = self._rows_of(logits, masks, params, rows)
         _precheck_host(dst, n, "dst", "I")
         _precheck_host(logprobs_dst, n, "logprobs_dst", "f")
+        for buf, what in ((cells, "cells"), (logprobs, "logprobs")):
+            if type(buf) is _core.DeviceBuffer and buf.nbytes < n * 4:
+                raise ValueError(f"{what} holds {buf.nbytes} bytes; {n} rows need {n * 4}")
+        handle = _stream_key(stream)
+        self._reap()
+        if self._pending and handle != self._stream:
+            # Two streams' workers would issue this group's collectives in either order.
+            raise ValueError("a shard's calls go on one stream while earlier ones are pending "
+                             f"(stream {self._stream:#x}, now {handle:#x})")
         if (logprobs is None) != (logprobs_dst is None) and logprobs_dst is not None:
             raise ValueError("logprobs_dst needs logprobs (the device buffer it is copied from)")
         if self.stop == self.start or (hasattr(logits, "shape") and len(logits.shape) == 2
                                        and int(logits.shape[1]) == 0):
             logits = None  # an empty slice takes part with no candidate
-        self._reap()
         torch = self._torch
         block = _core.DeviceBuffer(self._block)
         gathered = _core.DeviceBuffer(self._block * self.world)
@@ -212,6 +246,7 @@ class VocabShard:
             raise
         # Queued: from here every rank's collective sequence includes this call.
         self._calls = call
+        self._stream = handle
         self._count(self._block)
         src = _host_view(torch, block.ptr, self._block)
         outs = [_host_view(torch, gathered.ptr + w * self._block, self._block) for w in range(self.world)]
@@ -251,6 +286,18 @@ class VocabShard:
             if self._fault is None:
                 self._fault = str(exc)
             raise
+
+
+def _stream_key(stream: Any) -> int:
+    if stream is None:
+        return 0
+    if isinstance(stream, _core.Stream):
+        return int(stream.handle)
+    if isinstance(stream, int):
+        return int(stream)
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    return int(getattr(stream, "cuda_stream", getattr(stream, "ptr", 0)))
 
 
 def _check_temperature_only(params: Any) -> None:

@@ -64,7 +64,8 @@ def whole(logits, masks=None, bitmask=None, params=None):
     return ids, lp
 
 
-def sharded(shard, logits, masks=None, bitmask=None, params=None, pad=0, rows=None, wait=True):
+def sharded(shard, logits, masks=None, bitmask=None, params=None, pad=0, rows=None, wait=True,
+            stream=0):
     """This rank's slice through the sharded call: (ids, logprobs, event, cells, seconds to return)."""
     lo, hi = shard.start, shard.stop
     n = logits.shape[0]
@@ -80,9 +81,9 @@ def sharded(shard, logits, masks=None, bitmask=None, params=None, pad=0, rows=No
               logprobs_dst=lp, shard=shard)
     t0 = time.monotonic()
     if params is None:
-        got = mf.argmax_to_feed(sl, masks, cells, ids, done, **kw)
+        got = mf.argmax_to_feed(sl, masks, cells, ids, done, stream, **kw)
     else:
-        got = mf.sample_to_feed(sl, params, cells, ids, done, masks=masks, **kw)
+        got = mf.sample_to_feed(sl, params, cells, ids, done, stream, masks=masks, **kw)
     took = time.monotonic() - t0
     assert got == kw["rows"], got
     if wait:
@@ -173,9 +174,26 @@ def scenario_late():
     if RANK != WORLD - 1:
         assert took < 0.5, f"the call waited for the late peer: {took:.3f} s"
         assert not done.query(), "the event completed before the late peer called"
+        # Another stream's worker could reorder the collectives. (No upload here: it would wait
+        # for stream 0, so for the late peer.)
+        with mf.Stream() as other, mf.DeviceBuffer(rows * 4) as cells2, mf.Event() as done2:
+            try:
+                mf.argmax_to_feed(held[0], None, cells2, np.zeros(rows, np.uint32), done2, other,
+                                  rows=rows, dtype="float32", shard=shard)
+            except ValueError as exc:
+                assert "one stream" in str(exc), exc
+            else:
+                raise AssertionError("a second stream was accepted while a call was pending")
     done.synchronize()
     assert np.array_equal(ids, want), (ids, want)
     assert_close(lp, reference_logprobs(logits, ids))
+    shard.close()
+    try:
+        sharded(shard, logits)
+    except FeedError:
+        pass
+    else:
+        raise AssertionError("a closed shard took a call")
 
 
 def scenario_rows_mismatch():
