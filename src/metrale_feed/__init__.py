@@ -171,6 +171,7 @@ _LAZY = {
     "reference_argmax": ("oracle", "reference_argmax"),
     "SAMPLING_PARAMS_DTYPE": ("sampling", "SAMPLING_PARAMS_DTYPE"),
     "sampling_params": ("sampling", "sampling_params"),
+    "VocabShard": ("shard", "VocabShard"),
 }
 
 

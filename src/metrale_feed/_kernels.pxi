@@ -320,7 +320,8 @@ cdef int commit_two_holds(_HeldBuffer a, uint64_t ev_a, _HeldBuffer b, uint64_t 
 
 
 def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, vocab=None,
-                   dtype=None, row_stride=None, bitmask=None, logprobs=None, logprobs_dst=None):
+                   dtype=None, row_stride=None, bitmask=None, logprobs=None, logprobs_dst=None,
+                   shard=None):
     """Masked argmax of each row into the feed cells, then an async readback and an event record.
 
     In stream order and with no host synchronisation: the argmax of each row (the rule is in
@@ -382,6 +383,11 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
     logprobs_dst : PinnedBuffer, writable float32 buffer, int, or None
         Where ``logprobs`` is copied (an int: a pointer from ``alloc_host_pinned``), after
         ``dst`` and before the event record; needs ``logprobs``.
+    shard : VocabShard, optional
+        A vocabulary split across ranks (docs/tensor-parallel.md): ``logits`` then hold this
+        rank's ``shard.stop - shard.start`` columns (``vocab``, if given, is that width), masks
+        hold global ids, ``bitmask`` covers the whole vocabulary; every rank gets the unsharded
+        call's cells, ids and logprobs. ``rows`` may not exceed ``shard.max_rows``.
 
     Returns
     -------
@@ -424,13 +430,16 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
     2
     [2, 0]
     """
+    if shard is not None:  # the tensor-parallel call (shard.py; torch is imported there only)
+        return shard._call("argmax", logits, masks, None, cells, dst, event, stream, rows, vocab,
+                           dtype, row_stride, bitmask, logprobs, logprobs_dst)
     return launch_pick(logits, masks, cells, dst, event, stream, bitmask, None, rows, vocab, dtype,
                        row_stride, logprobs, logprobs_dst)
 
 
 def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, bitmask=None,
                    rows=None, vocab=None, dtype=None, row_stride=None, logprobs=None,
-                   logprobs_dst=None):
+                   logprobs_dst=None, shard=None):
     """``argmax_to_feed`` with a sampled id per row (``docs/kernels.md``, "Sampling").
 
     Parameters
@@ -442,6 +451,9 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
     masks, bitmask, logprobs, logprobs_dst
         As for ``argmax_to_feed``; the logprob is the sampled id's under the raw distribution
         (temperature 1, before top_k, top_p and min_p).
+    shard : VocabShard, optional
+        As for ``argmax_to_feed``; sharded rows must be temperature-only (``top_k`` 0, ``top_p``
+        1, ``min_p`` 0, host params): sharded filters are not supported yet (ValueError).
 
     Returns
     -------
@@ -462,6 +474,9 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
     >>> sample_to_feed(logits, p, cells, dst, ev, vocab=32000, dtype="f32")  # doctest: +SKIP
     2
     """
+    if shard is not None:  # temperature-only rows (shard.py says why)
+        return shard._call("sample", logits, masks, params, cells, dst, event, stream, rows, vocab,
+                           dtype, row_stride, bitmask, logprobs, logprobs_dst)
     if rows is None and masks is None and not (is_foreign(logits) and not isinstance(logits, (list, tuple))):
         if device_resident(params, "params"):
             raise ValueError("rows is required with device-resident params and no masks")

@@ -913,8 +913,38 @@ def machine() -> Dict[str, Any]:
             "build": mf.build_info(), "metrale_feed": mf.__version__}
 
 
+def bench_tp(world: int, quick: bool) -> Dict[str, Any]:
+    """``--tp N``: the sharded argmax over N local ranks beside its two baselines (bench_tp.py)."""
+    from . import bench_tp as tp
+
+    _section(f"tensor parallel, {world} ranks x {tp.VOCAB // world} ids, float32, gloo")
+    result = tp.run(world, quick)
+    for e in result["sizes"]:
+        name = f"sharded argmax {e['rows']}x{e['vocab']}"
+        _row(name, f"{e['sharded_ms']:.2f} ms", f"gather logits {e['gather_ms']:.2f} ms",
+             f"{e['gather_ms'] / e['sharded_ms']:.1f}x", ">= 10x")
+        _row("", "", f"torch by hand {e['hand_ms']:.2f} ms", f"{e['hand_ms'] / e['sharded_ms']:.1f}x",
+             ">= 2x")
+        _row("  bytes sent per rank", f"{e['sharded_bytes_per_step']}",
+             f"gather {e['gather_bytes_per_step']}", "", "",
+             f"by hand {e['hand_bytes_per_step']}; ids {'checked' if e['checked'] else 'DIFFER'}")
+    return result
+
+
 def main(args: Any) -> int:
     start = time.perf_counter()
+    if getattr(args, "tp", None):
+        if mf.backend() != "host":
+            mf.set_backend("host")
+        print(f"metrale-feed bench --tp {args.tp}{' --quick' if args.quick else ''}: host backend")
+        record = {"tp": bench_tp(args.tp, args.quick), "seconds": time.perf_counter() - start}
+        missed = [name for name, mark in _VERDICTS if mark != "met"]
+        print(f"\ntargets: {len(_VERDICTS) - len(missed)} of {len(_VERDICTS)} met"
+              + (f"; missed or not measured: {', '.join(missed)}" if missed else ""))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(record, f, indent=1)
+        return 0 if all(e["checked"] for e in record["tp"]["sizes"]) else 1
     default = mf.backend()
     if default != "host":
         mf.set_backend("host")  # the record is of the host backend, on a GPU machine too

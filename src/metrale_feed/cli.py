@@ -226,6 +226,17 @@ def check_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                          f"{args.plot!r}")
     _folder_of(parser, "--plot", args.plot)
     _folder_of(parser, "--trace", args.trace)
+    if args.tp is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:
+            parser.error("argument --tp: needs torch.distributed, which is not installed: "
+                         "pip install 'metrale-feed[torch]'")
+        if args.top_k or args.top_p < 1.0 or args.min_p > 0.0:
+            parser.error("argument --tp: sharded sampling takes the temperature alone (top_k, "
+                         "top_p and min_p over a split vocabulary are not supported yet)")
+        if args.trace or args.plot:
+            parser.error("argument --tp: --trace and --plot are for the single-rank demo")
     itemsize = 4 if args.dtype == "float32" else 2
     logits = args.rows * args.vocab * itemsize
     if hasattr(os, "sysconf"):
@@ -328,6 +339,10 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--min-p", type=_float_in(0.0, 1.0, open_high=True), default=0.0,
                       help="sampling: keep the ids at least this fraction as probable as the "
                       "most probable, in [0, 1) (0: all)")
+    demo.add_argument("--tp", type=_int_in(2, 8), default=None, metavar="N",
+                      help="also decode SPMD on N local ranks, each holding a slice of the "
+                      "vocabulary (gloo; needs torch), and check their tokens equal the "
+                      "single-rank run's")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.set_defaults(run=_run_demo, check=lambda a: check_demo(demo, a))
 
@@ -335,6 +350,9 @@ def parser() -> argparse.ArgumentParser:
                            "marked met or missed")
     bench.add_argument("--json", metavar="FILE.json", help="also write the figures to this file")
     bench.add_argument("--quick", action="store_true", help="fewer repeats: under a minute")
+    bench.add_argument("--tp", type=_int_in(2, 8), default=None, metavar="N",
+                       help="only the tensor-parallel figures: the sharded argmax over N local "
+                       "ranks beside all-gathering the logits (needs torch)")
     bench.set_defaults(run=_run_bench,
                        check=lambda a: _folder_of(bench, "--json", a.json))
     return top

@@ -329,6 +329,11 @@ def main(args: Any) -> int:
                                  sampling)
         expected = _references(requests, args.tokens, args.vocab, args.dtype, show)
     total = sum(len(e) for e in expected)
+    if getattr(args, "tp", None):
+        from .demo_tp import run as run_tp
+
+        print(f"tensor parallel: {args.tp} local ranks, each a slice of the vocabulary")
+        return run_tp(args.tp, requests, args.tokens, args.vocab, args.dtype, args.block_size)
     model = ReferenceModel(args.vocab, block_size=args.block_size,
                            num_blocks=args.rows * ((24 + args.tokens) // args.block_size + 3),
                            max_rows=args.rows, logits_dtype=args.dtype)

@@ -316,6 +316,11 @@ class DecodePipeline:
     debug : bool, optional
         Poison consumed feed cells with ``NO_TOKEN`` and check every step's resolved input ids
         (default: the ``METRALE_FEED_DEBUG`` environment variable is ``1``).
+    shard : VocabShard, optional
+        Run SPMD over a vocabulary split across ranks (docs/tensor-parallel.md): every rank makes
+        the same pipeline and submits the same requests in the same order, and every rank's
+        requests get the same tokens as the unsharded pipeline. The model must feed through this
+        shard (``init_device_feed(..., shard=)``, as ``ReferenceModel(..., shard=)`` does).
 
     Raises
     ------
@@ -340,8 +345,16 @@ class DecodePipeline:
     """
 
     def __init__(self, model: ModelDeviceFeed, max_rows: int, *, depth: int = 2, stream: Any = 0,
-                 vocab: Optional[int] = None, debug: Optional[bool] = None) -> None:
+                 vocab: Optional[int] = None, debug: Optional[bool] = None,
+                 shard: Any = None) -> None:
         max_rows = index(max_rows)
+        if shard is not None:
+            if getattr(model, "feed_shard", None) is not shard:
+                raise ValueError("DecodePipeline(shard=) needs a model that feeds through that shard "
+                                 "(init_device_feed(..., shard=shard))")
+            if max_rows > shard.max_rows:
+                raise ValueError(f"max_rows {max_rows} is more than the shard's {shard.max_rows}")
+        self.shard = shard
         depth = index(depth)
         if depth not in (1, 2):
             raise ValueError(f"depth must be 1 or 2, got {depth}")

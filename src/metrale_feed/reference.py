@@ -84,6 +84,10 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
     max_graphs : int, optional
         With ``graphs``, how many graphs ``fed_step_settled`` keeps (least recently used evicted
         first, once their last launch has completed). Default 16.
+    shard : VocabShard, optional
+        A vocabulary split across ranks (docs/tensor-parallel.md): the feed reads only the
+        slice's columns of each row and goes through the sharded call, so every rank gets the
+        same tokens as the unsharded model. (The forward still writes whole rows.)
 
     Raises
     ------
@@ -107,14 +111,17 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
     """
     def __init__(self, vocab: int, *, block_size: int = 16, num_blocks: int = 4096,
                  max_rows: int = 256, logits_dtype: str = "float32", stream: Any = 0,
-                 graphs: bool = False, max_graphs: int = 16) -> None:
+                 graphs: bool = False, max_graphs: int = 16, shard: Any = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         if graphs and max_graphs < 1:
             raise ValueError(f"max_graphs must be at least 1, got {max_graphs}")
+        if graphs and shard is not None:  # a sharded call runs a host function: not capturable yet
+            raise ValueError("graphs=True and shard= cannot be combined yet")
         if num_blocks * block_size > 0xFFFFFFFF:  # KV slots are addressed with uint32
             raise ValueError(f"num_blocks x block_size must be below 2**32, got {num_blocks * block_size}")
-        self.init_device_feed(vocab=vocab, logits_dtype=logits_dtype, max_rows=max_rows)
+        self.init_device_feed(vocab=vocab, logits_dtype=logits_dtype, max_rows=max_rows,
+                              shard=shard, row_stride=None if shard is None else vocab)
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.stream = stream
@@ -222,7 +229,10 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
                                 self.pool.num_blocks * self.block_size, self.block_size, rows,
                                 self.feed_vocab, self.feed_logits_dtype,
                                 self.logits if logits else None, stream)
-        return self.logits.ptr
+        if self.feed_shard is None:
+            return self.logits.ptr
+        # The slice's columns of each row: rows `vocab` elements apart (feed_row_stride).
+        return self.logits.ptr + self.feed_shard.start * _ITEMSIZE[self.feed_logits_dtype]
 
     def decode_batch(self, tokens: Sequence[int], seqs: Sequence[SequenceState],
                      stream: Any = None) -> int:

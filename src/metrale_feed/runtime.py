@@ -43,8 +43,11 @@ class RuntimeFeedMixin:
     feed_max_rows: int
     feed_cells: Optional[_core.DeviceBuffer] = None
     feed_prev_rows: int = 0  # rows the last argmax wrote: the from_row bound of the next step
+    feed_shard: Any = None  # a VocabShard: the logits hold its slice's columns
+    feed_row_stride: Optional[int] = None  # elements between the logits' rows, when not the width
 
-    def init_device_feed(self, *, vocab: int, logits_dtype: Any = "float32", max_rows: int = 256) -> None:
+    def init_device_feed(self, *, vocab: int, logits_dtype: Any = "float32", max_rows: int = 256,
+                         shard: Any = None, row_stride: Optional[int] = None) -> None:
         """Allocate the feed cells and fix the logits' shape.
 
         Parameters
@@ -56,6 +59,12 @@ class RuntimeFeedMixin:
             ``numpy.float16``, ``torch.bfloat16``, ...
         max_rows : int, optional
             The most rows a step may have, 1 to ``metrale_feed.MAX_ROWS`` (4096). Default 256.
+        shard : VocabShard, optional
+            A vocabulary split across ranks (docs/tensor-parallel.md), passed to both feed
+            methods: the logits then hold the slice's ``shard.stop - shard.start`` columns, while
+            ``vocab`` stays the whole vocabulary (ids are global), equal to ``shard.vocab``.
+        row_stride : int, optional
+            Elements between the logits' rows when wider than their columns (padded heads).
 
         Raises
         ------
@@ -66,6 +75,13 @@ class RuntimeFeedMixin:
             raise ValueError(f"max_rows must be in [1, {_core.MAX_ROWS}], got {max_rows}")
         if not 1 <= vocab <= _core.MAX_VOCAB:
             raise ValueError(f"vocab must be in [1, 2**24], got {vocab}")
+        if shard is not None:
+            if shard.vocab != vocab:
+                raise ValueError(f"the shard's vocabulary is {shard.vocab}, not {vocab}")
+            if max_rows > shard.max_rows:
+                raise ValueError(f"max_rows {max_rows} is more than the shard's {shard.max_rows}")
+        self.feed_shard = shard
+        self.feed_row_stride = row_stride
         self.feed_vocab = vocab
         self.feed_logits_dtype = logits_dtypes(logits_dtype).name
         self.feed_max_rows = max_rows
@@ -86,16 +102,21 @@ class RuntimeFeedMixin:
         if self.feed_cells is None:
             raise FeedError("argmax_batch_to_feed: call init_device_feed first")
         # Rows come from the masks: pairs, a (rows, 2) buffer or a flat one of 2 * rows ids.
-        self.feed_prev_rows = _core.argmax_to_feed(logits, masks, self.feed_cells, dst, event, stream,
-                                                   vocab=self.feed_vocab, dtype=self.feed_logits_dtype)
+        shard = self.feed_shard
+        self.feed_prev_rows = _core.argmax_to_feed(
+            logits, masks, self.feed_cells, dst, event, stream,
+            vocab=self.feed_vocab if shard is None else shard.stop - shard.start,
+            dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride, shard=shard)
 
     def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
                              stream: Any) -> None:
         if self.feed_cells is None:
             raise FeedError("sample_batch_to_feed: call init_device_feed first")
-        self.feed_prev_rows = _core.sample_to_feed(logits, params, self.feed_cells, dst, event, stream,
-                                                   masks=masks, vocab=self.feed_vocab,
-                                                   dtype=self.feed_logits_dtype)
+        shard = self.feed_shard
+        self.feed_prev_rows = _core.sample_to_feed(
+            logits, params, self.feed_cells, dst, event, stream, masks=masks,
+            vocab=self.feed_vocab if shard is None else shard.stop - shard.start,
+            dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride, shard=shard)
 
     def create_event(self) -> int:
         return _core.event_create()

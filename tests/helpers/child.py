@@ -86,3 +86,44 @@ def run_python(code: str | None = None, *, argv: list[str] | None = None, timeou
     if check and result.returncode != 0:
         raise AssertionError(result.describe())
     return result
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_ranks(script: str, world: int, *args: str, timeout: float = 120,
+              backend: str | None = "host") -> list[ChildResult]:
+    """Run ``script RANK WORLD PORT *args`` as ``world`` children at once (the ranks of one
+    process group), each killed at ``timeout`` with everything it forked.
+
+    Returns
+    -------
+    list of ChildResult
+        One per rank, in rank order.
+    """
+    import time
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, script, str(r), str(world), port, *args],
+                              env=child_env(backend), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for r in range(world)]
+    deadline = time.monotonic() + timeout
+    results = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            results.append(ChildResult(proc.returncode, stdout, stderr))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            stdout, stderr = proc.communicate()
+            results.append(ChildResult(None, stdout or "", stderr or ""))
+    return results

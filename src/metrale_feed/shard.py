@@ -1,0 +1,325 @@
+"""A vocabulary split across the ranks of a ``torch.distributed`` process group (docs/tensor-parallel.md).
+
+Each rank reduces its own slice of every row into a fixed-size partial block (``_argmax_partial``
+or ``_sample_partial``), one all-gather of those blocks runs on the stream's worker in stream
+order, and the combine (``_combine_partials``) writes, on every rank, the cells, ids and logprobs
+the unsharded call gives on the whole rows. Only this module imports torch, and only when a shard
+is made.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import struct
+from typing import Any, Sequence
+
+from . import _core
+from .errors import FeedError
+
+_EXTRA = "pip install 'metrale-feed[torch]'"
+# A partial block: a 32-byte header (the fingerprint the combine checks) and 16 bytes a row.
+_HEADER_RECORDS = 2
+_RECORD_BYTES = 16
+
+
+def _torch() -> Any:
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:  # torch is an optional extra
+        raise ImportError(f"VocabShard needs torch.distributed: {_EXTRA}") from exc
+    return torch, dist
+
+
+def _default_offsets(vocab: int, world: int) -> list[int]:
+    step = -(-vocab // world)
+    return [min(vocab, r * step) for r in range(world + 1)]
+
+
+def _check_offsets(offsets: Sequence[int], vocab: int, world: int) -> list[int]:
+    offs = [int(o) for o in offsets]
+    if len(offs) != world + 1:
+        raise ValueError(f"offsets has {len(offs)} entries; a world of {world} needs {world + 1}")
+    if offs[0] != 0:
+        raise ValueError(f"offsets must start at 0, not {offs[0]}")
+    if offs[-1] != vocab:
+        raise ValueError(f"offsets must end at the vocabulary size {vocab}, not {offs[-1]}")
+    for a, b in zip(offs, offs[1:]):
+        if b < a:
+            raise ValueError(f"offsets must not decrease ({a} then {b})")
+    return offs
+
+
+def _host_view(torch: Any, ptr: int, nbytes: int) -> Any:
+    """A uint8 tensor over host-backend device memory (plain host memory there)."""
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+
+
+class VocabShard:
+    """This rank's slice of a vocabulary split across a process group, for the sharded feed calls.
+
+    Rank ``r`` holds the logits of the global ids ``[offsets[r], offsets[r + 1])``. Passed as
+    ``shard=`` to ``argmax_to_feed`` or ``sample_to_feed``, the call reduces the slice locally and
+    all-gathers ``16 * (max_rows + 2)`` bytes per rank (never the logits) in stream order, so every
+    rank gets the unsharded call's cells and ids without a host synchronisation. Every rank must
+    make its shard with the same arguments and issue the same sharded calls in the same order.
+
+    Parameters
+    ----------
+    group : torch.distributed.ProcessGroup or None
+        The group (None: the default group). On the host backend a gloo group; give the shard a
+        group of its own (``dist.new_group(backend="gloo")``) when other collectives may run on
+        another thread, since its collectives run on the streams' workers.
+    vocab : int
+        The whole vocabulary, 1 to ``MAX_VOCAB``.
+    offsets : sequence of int, optional
+        ``world + 1`` non-decreasing bounds from 0 to ``vocab`` (default: slices of
+        ``ceil(vocab / world)`` ids, the last ones shorter or empty).
+    max_rows : int
+        The most rows a call may have (1 to ``MAX_ROWS``); it sizes every message, so that no
+        per-call argument can make two ranks' messages differ.
+
+    Raises
+    ------
+    ImportError
+        torch is missing (the message names the extra).
+    ValueError
+        Bad ``vocab``, ``offsets`` or ``max_rows``; checked before any collective.
+    FeedError
+        The ranks disagree on ``vocab``, ``offsets`` or ``max_rows`` (on every rank); the cuda
+        backend with more than one rank (not built yet).
+
+    Examples
+    --------
+    >>> import torch.distributed as dist, metrale_feed as mf
+    >>> dist.init_process_group("gloo")                                # doctest: +SKIP
+    >>> shard = mf.VocabShard(None, 152064, max_rows=256)              # doctest: +SKIP
+    >>> shard.start, shard.stop                                        # doctest: +SKIP
+    (0, 76032)
+    """
+
+    def __init__(self, group: Any, vocab: int, *, offsets: Sequence[int] | None = None,
+                 max_rows: int = 256) -> None:
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or not 1 <= vocab <= _core.MAX_VOCAB:
+            raise ValueError(f"vocab must be an int in [1, {_core.MAX_VOCAB}], not {vocab!r}")
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= _core.MAX_ROWS:
+            raise ValueError(f"max_rows must be an int in [1, {_core.MAX_ROWS}], not {max_rows!r}")
+        torch, dist = _torch()
+        if not dist.is_available() or not dist.is_initialized():
+            raise FeedError("VocabShard needs an initialised torch.distributed process group")
+        world = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        offs = _check_offsets(_default_offsets(vocab, world) if offsets is None else offsets,
+                              vocab, world)
+        self._torch, self._dist, self._group = torch, dist, group
+        self.vocab, self.world, self.rank, self.max_rows = vocab, world, rank, max_rows
+        self.offsets = tuple(offs)
+        self.start, self.stop = offs[rank], offs[rank + 1]
+        self.stats = {"collectives": 0, "bytes_sent": 0}
+        self._calls = 0
+        self._fault: str | None = None
+        self._pending: list[tuple[Any, tuple[Any, ...]]] = []  # (done event, buffers it holds)
+        self._stream = 0  # the stream of the pending calls
+        self._block = (max_rows + _HEADER_RECORDS) * _RECORD_BYTES
+        # The agreement: every rank sends the same-sized record, so a disagreement is an error on
+        # every rank instead of mismatched collectives later.
+        digest = hashlib.blake2b(struct.pack(f"<{len(offs)}q", *offs), digest_size=7).digest()
+        mine = torch.tensor([vocab, int.from_bytes(digest, "little"), max_rows, world], dtype=torch.int64)
+        if world > 1:
+            got = [torch.zeros_like(mine) for _ in range(world)]
+            dist.all_gather(got, mine, group=group)
+            self._count(mine.numel() * 8)
+            for r, theirs in enumerate(got):
+                if not torch.equal(theirs, mine):
+                    a, b = mine.tolist(), theirs.tolist()
+                    raise FeedError(
+                        f"VocabShard: rank {r} disagrees with rank {rank} (vocab {b[0]} vs {a[0]}, "
+                        f"offsets {'differ' if a[1] != b[1] else 'agree'}, max_rows {b[2]} vs {a[2]})")
+            if _core.backend() != "host":
+                raise FeedError("VocabShard: the sharded call over several ranks runs on the host "
+                                "backend only in this build (the cuda collective is not built yet)")
+
+    def close(self) -> None:
+        """Wait for this rank's pending sharded calls and free their buffers; the shard then
+        refuses further calls. Idempotent.
+
+        Raises
+        ------
+        FeedError
+            A pending call failed (its event's error).
+
+        Examples
+        --------
+        >>> shard.close()  # doctest: +SKIP
+        """
+        pending, self._pending = self._pending, []
+        if self._fault is None:
+            self._fault = "the shard is closed"
+        for done, held in pending:
+            try:
+                done.synchronize()
+            except FeedError:
+                pass  # reported by the caller's own event
+            done.close()
+            for buf in held[:3]:
+                buf.close()
+
+    def _count(self, nbytes: int) -> None:
+        self.stats["collectives"] += 1
+        self.stats["bytes_sent"] += nbytes
+
+    def __repr__(self) -> str:
+        return (f"VocabShard(rank={self.rank}, world={self.world}, start={self.start}, "
+                f"stop={self.stop}, vocab={self.vocab}, max_rows={self.max_rows})")
+
+    # ---- the calls (argmax_to_feed / sample_to_feed with shard=self dispatch here) ----
+
+    def _rows_of(self, logits: Any, masks: Any, params: Any, rows: Any) -> int:
+        if rows is None:
+            if masks is not None:
+                try:  # a buffer holds two uint32 per row; a sequence one pair per row
+                    with memoryview(masks) as view:
+                        rows = view.nbytes // 8
+                except TypeError:
+                    rows = len(masks)
+            elif params is not None:
+                rows = len(params)
+            elif hasattr(logits, "shape"):
+                rows = int(logits.shape[0])
+            else:
+                raise ValueError("a sharded call on raw memory needs rows=")
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= self.max_rows:
+            raise ValueError(f"rows must be in [1, max_rows={self.max_rows}], not {rows!r}")
+        return rows
+
+    def _reap(self) -> None:
+        self._pending = [p for p in self._pending if not _core.event_query(p[0])]
+
+    def _call(self, op: str, logits: Any, masks: Any, params: Any, cells: Any, dst: Any,
+              event: Any, stream: Any, rows: Any, vocab: Any, dtype: Any, row_stride: Any,
+              bitmask: Any, logprobs: Any, logprobs_dst: Any) -> int:
+        if self._fault is not None:
+            raise FeedError(f"VocabShard refuses further calls after a fault: {self._fault}")
+        width = self.stop - self.start
+        if vocab is not None and vocab != width:
+            raise ValueError(f"with a shard, vocab is the slice's width {width}, not {vocab}")
+        if params is not None:
+            _check_temperature_only(params)
+        if self.world == 1:  # the unsharded call
+            kw = dict(rows=rows, vocab=self.vocab, dtype=dtype, row_stride=row_stride,
+                      bitmask=bitmask, logprobs=logprobs, logprobs_dst=logprobs_dst)
+            if op == "argmax":
+                return int(_core.argmax_to_feed(logits, masks, cells, dst, event, stream, **kw))
+            return int(_core.sample_to_feed(logits, params, cells, dst, event, stream, masks=masks, **kw))
+        n = self._rows_of(logits, masks, params, rows)
+        _precheck_host(dst, n, "dst", "I")
+        _precheck_host(logprobs_dst, n, "logprobs_dst", "f")
+        for buf, what in ((cells, "cells"), (logprobs, "logprobs")):
+            if type(buf) is _core.DeviceBuffer and buf.nbytes < n * 4:
+                raise ValueError(f"{what} holds {buf.nbytes} bytes; {n} rows need {n * 4}")
+        handle = _stream_key(stream)
+        self._reap()
+        if self._pending and handle != self._stream:
+            # Two streams' workers would issue this group's collectives in either order.
+            raise ValueError("a shard's calls go on one stream while earlier ones are pending "
+                             f"(stream {self._stream:#x}, now {handle:#x})")
+        if (logprobs is None) != (logprobs_dst is None) and logprobs_dst is not None:
+            raise ValueError("logprobs_dst needs logprobs (the device buffer it is copied from)")
+        if self.stop == self.start or (hasattr(logits, "shape") and len(logits.shape) == 2
+                                       and int(logits.shape[1]) == 0):
+            logits = None  # an empty slice takes part with no candidate
+        torch = self._torch
+        block = _core.DeviceBuffer(self._block)
+        gathered = _core.DeviceBuffer(self._block * self.world)
+        fault = _core.PinnedBuffer(4)
+        call = self._calls + 1
+        kw = dict(start=self.start, stop=self.stop, vocab=self.vocab, dtype=dtype, call=call,
+                  rows=n, row_stride=row_stride, bitmask=bitmask)
+        try:
+            if op == "argmax":
+                _core._argmax_partial(logits, masks, block, None, stream, **kw)
+            else:
+                _core._sample_partial(logits, params, block, None, stream, masks=masks, **kw)
+        except BaseException:
+            block.close(), gathered.close(), fault.close()
+            raise
+        # Queued: from here every rank's collective sequence includes this call.
+        self._calls = call
+        self._stream = handle
+        self._count(self._block)
+        src = _host_view(torch, block.ptr, self._block)
+        outs = [_host_view(torch, gathered.ptr + w * self._block, self._block) for w in range(self.world)]
+        _core.launch_host_func(stream, self._gather, src, outs)
+        try:
+            _core._combine_partials(gathered, self.world, cells, dst, None, stream, rows=n,
+                                    vocab=self.vocab, call=call, fault_dst=fault,
+                                    params=params if op == "sample" else None, logprobs=logprobs,
+                                    logprobs_dst=logprobs_dst, slice_stride=self._block // _RECORD_BYTES)
+        except BaseException as exc:
+            # The collective is queued and the peers go on: this rank cannot follow them.
+            self._fault = f"the combine was refused on rank {self.rank}: {exc}"
+            raise
+        _core.launch_host_func(stream, self._check, fault)
+        done = _core.Event()
+        _core.event_record(done, stream)
+        self._pending.append((done, (block, gathered, fault, src, outs)))
+        if event is not None:
+            _core.event_record(event, stream)
+        return n
+
+    def _gather(self, src: Any, outs: list[Any]) -> None:
+        """On the stream's worker: the one all-gather of this call's fixed-size blocks."""
+        try:
+            self._dist.all_gather(outs, src, group=self._group)
+        except BaseException as exc:
+            for o in outs:  # zero headers: the combine then refuses the blocks (NO_TOKEN rows)
+                o.zero_()
+            self._fault = f"the all-gather failed on rank {self.rank}: {exc}"
+            raise FeedError(self._fault) from exc
+
+    def _check(self, fault: Any) -> None:
+        """On the stream's worker, after the combine: its fault word as an error of the event."""
+        try:
+            _core._check_partials_fault(fault)
+        except FeedError as exc:
+            if self._fault is None:
+                self._fault = str(exc)
+            raise
+
+
+def _stream_key(stream: Any) -> int:
+    if stream is None:
+        return 0
+    if isinstance(stream, _core.Stream):
+        return int(stream.handle)
+    if isinstance(stream, int):
+        return int(stream)
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    return int(getattr(stream, "cuda_stream", getattr(stream, "ptr", 0)))
+
+
+def _check_temperature_only(params: Any) -> None:
+    import numpy as np
+
+    if not isinstance(params, np.ndarray) or params.dtype.names is None:
+        raise ValueError("a sharded sample_to_feed takes host SAMPLING_PARAMS_DTYPE records")
+    if (np.any(params["top_k"] != 0) or np.any(params["top_p"] != 1.0)
+            or np.any(params["min_p"] != 0.0)):
+        raise ValueError("sharded sampling takes temperature-only rows (top_k=0, top_p=1, "
+                         "min_p=0): sharded top-k, top-p and min-p filters are not supported yet")
+
+
+def _precheck_host(buf: Any, rows: int, what: str, fmt: str) -> None:
+    """The size (and type) of a host destination, before anything is queued."""
+    if buf is None or isinstance(buf, int):
+        return
+    try:
+        view = memoryview(buf)
+    except TypeError as exc:
+        raise TypeError(f"{what} must be a writable buffer") from exc
+    if view.nbytes < rows * 4:
+        raise ValueError(f"{what} holds {view.nbytes} bytes; {rows} rows need {rows * 4}")
+    if fmt == "f" and view.format not in ("f", "<f", "=f", "B"):
+        raise TypeError(f"{what} must be float32, not format {view.format!r}")

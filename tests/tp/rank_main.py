@@ -1,0 +1,310 @@
+"""One rank of a tests/tp scenario: ``python rank_main.py RANK WORLD PORT SCENARIO``.
+
+Every rank checks its own results (against the unsharded call on the whole rows, computed in the
+same process, and the float64 numpy oracle) and prints ``OK <scenario>`` last; any failure is an
+exception, so a non-zero exit. test_tp.py starts the ranks and reads their output.
+"""
+
+import datetime
+import zlib
+import sys
+import time
+
+import numpy as np
+import torch.distributed as dist
+
+RANK, WORLD, PORT = (int(a) for a in sys.argv[1:4])
+SCENARIO = sys.argv[4]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
+                        world_size=WORLD, timeout=datetime.timedelta(seconds=8))
+
+import metrale_feed as mf  # noqa: E402
+from metrale_feed.errors import FeedError  # noqa: E402
+from metrale_feed.oracle import reference_argmax, reference_logprobs  # noqa: E402
+
+import ml_dtypes  # noqa: E402
+
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def upload(array):
+    raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    buf = mf.DeviceBuffer(max(1, raw.nbytes))
+    if raw.nbytes:
+        mf.copy_h2d_async(buf, raw)
+        mf.stream_synchronize(0)
+    return buf
+
+
+def assert_close(got, ref):
+    """Within 2e-5 absolute or 2 float32 ulps of ref; NaN and +-inf exactly."""
+    got = np.asarray(got, np.float64)
+    special = ~np.isfinite(ref)
+    assert np.array_equal(np.isnan(got), np.isnan(ref)), (got, ref)
+    assert np.array_equal(got[special & ~np.isnan(ref)], ref[special & ~np.isnan(ref)])
+    fin = ~special
+    tol = np.maximum(2e-5, 2 * np.spacing(np.abs(ref[fin]).astype(np.float32)).astype(np.float64))
+    assert (np.abs(got[fin] - ref[fin]) <= tol).all(), (got, ref)
+
+
+def whole(logits, masks=None, bitmask=None, params=None):
+    """The unsharded call on the whole rows: (ids, logprobs)."""
+    rows, vocab = logits.shape
+    buf, cells, lp_dev = upload(logits), mf.DeviceBuffer(rows * 4), mf.DeviceBuffer(rows * 4)
+    bm = upload(bitmask) if bitmask is not None else None
+    ids, lp = np.zeros(rows, np.uint32), np.full(rows, 7.0, np.float32)
+    kw = dict(bitmask=bm, rows=rows, vocab=vocab, dtype=np.dtype(logits.dtype).name,
+              logprobs=lp_dev, logprobs_dst=lp)
+    with mf.Event() as done:
+        if params is None:
+            mf.argmax_to_feed(buf, masks, cells, ids, done, **kw)
+        else:
+            mf.sample_to_feed(buf, params, cells, ids, done, masks=masks, **kw)
+        done.synchronize()
+    return ids, lp
+
+
+def sharded(shard, logits, masks=None, bitmask=None, params=None, pad=0, rows=None, wait=True,
+            stream=0):
+    """This rank's slice through the sharded call: (ids, logprobs, event, cells, seconds to return)."""
+    lo, hi = shard.start, shard.stop
+    n = logits.shape[0]
+    part = np.zeros((n, hi - lo + pad), logits.dtype)
+    part[:, : hi - lo] = logits[:, lo:hi]
+    sl = upload(part) if hi > lo else None
+    bm = upload(bitmask) if bitmask is not None else None
+    cells, lp_dev = mf.DeviceBuffer(n * 4), mf.DeviceBuffer(n * 4)
+    ids, lp = np.zeros(n, np.uint32), np.full(n, 7.0, np.float32)
+    done = mf.Event()
+    kw = dict(bitmask=bm, rows=n if rows is None else rows, dtype=np.dtype(logits.dtype).name,
+              row_stride=hi - lo + pad if pad and hi > lo else None, logprobs=lp_dev,
+              logprobs_dst=lp, shard=shard)
+    t0 = time.monotonic()
+    if params is None:
+        got = mf.argmax_to_feed(sl, masks, cells, ids, done, stream, **kw)
+    else:
+        got = mf.sample_to_feed(sl, params, cells, ids, done, stream, masks=masks, **kw)
+    took = time.monotonic() - t0
+    assert got == kw["rows"], got
+    if wait:
+        done.synchronize()
+    return ids, lp, done, (sl, bm, cells, lp_dev), took
+
+
+def splits(vocab):
+    """(name, offsets) of the splits this world can have; None is the default (even) split."""
+    out = [("even", None)]
+    if WORLD > 1:
+        cuts = [0, 7, 333, 517][:WORLD] + [vocab]
+        out.append(("uneven", cuts))
+        empty = [0] + [100] * (WORLD - 1) + [vocab]  # every middle slice empty, rank 0 short
+        if WORLD == 2:
+            empty = [0, 0, vocab]  # rank 0 empty
+        out.append(("custom-empty", empty))
+    return out
+
+
+def boundary(offsets, vocab):
+    return next((o for o in offsets[1:-1] if 0 < o < vocab), vocab // 2)
+
+
+def nasty(rng, rows, vocab, dtype, offsets):
+    x = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    x[rng.random((rows, vocab)) < 0.01] = np.nan
+    x[rng.random((rows, vocab)) < 0.01] = -np.inf
+    b = boundary(offsets, vocab)
+    x[0, :] = 0.0
+    x[0, [b - 1, b]] = 9.0     # a tie across a slice boundary: the lower global id wins
+    x[1, :] = np.nan           # all NaN: the lowest id
+    x[2, :] = -np.inf          # all -inf
+    x[3, b:] = 50.0            # the winner sits past the boundary
+    return x.astype(dtype)
+
+
+def scenario_exact():
+    vocab, rows = 1000, 9
+    for dtype in DTYPES:
+        for name, offsets in splits(vocab):
+            shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=16)
+            rng = np.random.default_rng(zlib.crc32(f"{dtype}{name}".encode()))  # same on every rank
+            logits = nasty(rng, rows, vocab, DTYPES[dtype], shard.offsets)
+            masks = rng.integers(0, vocab, (rows, 2)).astype(np.uint32)  # ids in every slice
+            masks[::3] = mf.NO_TOKEN
+            masks[3] = [shard.offsets[-2], vocab - 1]  # ids of the last rank's slice
+            bitmask = rng.integers(-2**31, 2**31, (rows, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+            bitmask[0] = bitmask[1] = bitmask[3] = -1  # the full bitmask, its last word partial
+            bitmask[4] = 0                              # nothing allowed: NO_TOKEN on every rank
+            for pad in (0, 3):
+                want, want_lp = whole(logits, masks, bitmask)
+                ids, lp, *_ = sharded(shard, logits, masks, bitmask, pad=pad)
+                assert np.array_equal(ids, want), (dtype, name, pad, ids, want)
+                assert np.array_equal(ids, reference_argmax(logits, masks, bitmask)), (dtype, name)
+                assert ids[4] == mf.NO_TOKEN and np.isnan(lp[4])
+                assert ids[0] == boundary(shard.offsets, vocab) - 1, ids[0]  # the tie's lower id
+                assert_close(lp, reference_logprobs(logits, ids))
+            # Temperature-only sampling: the unsharded draw, whatever the split.
+            params = mf.sampling_params(rows, temperature=rng.uniform(0.3, 2.0, rows),
+                                        seed=rng.integers(0, 2**63, rows), position=rng.integers(0, 10**6, rows))
+            params["temperature"][5] = 0.0
+            want, _ = whole(logits, masks, bitmask, params)
+            ids, lp, *_ = sharded(shard, logits, masks, bitmask, params)
+            assert np.array_equal(ids, want), (dtype, name, ids, want)
+            assert_close(lp, reference_logprobs(logits, ids))
+            assert shard.stats["bytes_sent"] >= 2 * 16 * (16 + 2) * (WORLD > 1)
+    # Filters are refused before anything is queued, on every rank alike.
+    shard = mf.VocabShard(None, vocab, max_rows=16)
+    try:
+        sharded(shard, logits, params=mf.sampling_params(rows, temperature=1.0, top_k=5))
+    except ValueError as exc:
+        assert "not supported yet" in str(exc)
+    else:
+        raise AssertionError("a sharded top_k was accepted")
+    ids, *_ = sharded(shard, logits)  # and the shard still works
+    assert np.array_equal(ids, whole(logits)[0])
+
+
+def scenario_late():
+    vocab, rows = 1000, 6
+    shard = mf.VocabShard(None, vocab, max_rows=8)
+    logits = nasty(np.random.default_rng(5), rows, vocab, np.float32, shard.offsets)
+    want, _ = whole(logits)
+    if RANK == WORLD - 1:
+        time.sleep(1.5)
+    ids, lp, done, held, took = sharded(shard, logits, wait=False)
+    if RANK != WORLD - 1:
+        assert took < 0.5, f"the call waited for the late peer: {took:.3f} s"
+        assert not done.query(), "the event completed before the late peer called"
+        # Another stream's worker could reorder the collectives. (No upload here: it would wait
+        # for stream 0, so for the late peer.)
+        with mf.Stream() as other, mf.DeviceBuffer(rows * 4) as cells2, mf.Event() as done2:
+            try:
+                mf.argmax_to_feed(held[0], None, cells2, np.zeros(rows, np.uint32), done2, other,
+                                  rows=rows, dtype="float32", shard=shard)
+            except ValueError as exc:
+                assert "one stream" in str(exc), exc
+            else:
+                raise AssertionError("a second stream was accepted while a call was pending")
+    done.synchronize()
+    assert np.array_equal(ids, want), (ids, want)
+    assert_close(lp, reference_logprobs(logits, ids))
+    shard.close()
+    try:
+        sharded(shard, logits)
+    except FeedError:
+        pass
+    else:
+        raise AssertionError("a closed shard took a call")
+
+
+def scenario_rows_mismatch():
+    vocab = 1000
+    shard = mf.VocabShard(None, vocab, max_rows=8)
+    logits = nasty(np.random.default_rng(6), 5, vocab, np.float32, shard.offsets)
+    ids, lp, done, held, took = sharded(shard, logits, rows=4 if RANK == 0 else 5, wait=False)
+    try:
+        done.synchronize()
+    except FeedError as exc:
+        assert "row count" in str(exc.__cause__ or exc), exc
+    else:
+        raise AssertionError(f"mismatched rows gave no error: {ids}")
+    assert (ids[:4] == mf.NO_TOKEN).all(), ids
+    try:
+        sharded(shard, logits)
+    except FeedError as exc:
+        assert "refuses" in str(exc)
+    else:
+        raise AssertionError("the shard took a call after a fault")
+
+
+def scenario_vocab_mismatch():
+    try:
+        mf.VocabShard(None, 1000 + (RANK == 0), max_rows=8)
+    except FeedError as exc:
+        assert "disagrees" in str(exc), exc
+    else:
+        raise AssertionError("ranks disagreeing on vocab made a shard")
+    try:
+        mf.VocabShard(None, 1000, max_rows=8 + (RANK == WORLD - 1))
+    except FeedError:
+        pass
+    else:
+        raise AssertionError("ranks disagreeing on max_rows made a shard")
+
+
+def scenario_bad_offsets():
+    for bad in ([1] * WORLD + [1000],            # not starting at 0
+                [0, 1200] + [1000] * (WORLD - 1),  # decreasing
+                [0] * WORLD + [999],               # not ending at the vocabulary
+                [0] * (WORLD + 1) + [1000]):       # a world that does not match
+
+        try:
+            mf.VocabShard(None, 1000, offsets=bad, max_rows=8)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"offsets {bad} accepted")
+    # No collective was issued by the refusals: a good shard after them still agrees.
+    shard = mf.VocabShard(None, 1000, max_rows=8)
+    assert shard.stats["collectives"] == 1
+
+
+def scenario_dead():
+    shard = mf.VocabShard(None, 1000, max_rows=8)
+    logits = nasty(np.random.default_rng(7), 4, 1000, np.float32, shard.offsets)
+    if RANK == WORLD - 1:
+        import os
+        print("OK dead", flush=True)
+        os._exit(0)  # dies without calling
+    t0 = time.monotonic()
+    ids, lp, done, held, took = sharded(shard, logits, wait=False)
+    try:
+        done.synchronize()
+    except FeedError:
+        pass
+    else:
+        raise AssertionError(f"a dead peer gave no error: {ids}")
+    assert time.monotonic() - t0 < 30
+    assert (ids == mf.NO_TOKEN).all(), ids
+
+
+def scenario_pipeline():
+    from metrale_feed.reference import ReferenceModel, host_next_token
+
+    vocab = 1000
+    # An uneven split whose last slice is empty on 3 ranks: the model feeds whatever its slice is.
+    offsets = {1: None, 2: [0, 333, vocab], 3: [0, 600, vocab, vocab]}.get(WORLD)
+    shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=8)
+
+    def decode(depth, sharded):
+        model = ReferenceModel(vocab, max_rows=8, shard=shard if sharded else None)
+        with mf.DecodePipeline(model, 8, depth=depth, shard=shard if sharded else None) as pipe:
+            reqs = [pipe.submit([3, 1, 4 + i], max_new_tokens=6 + i,
+                                ban=(7, 500) if i == 2 else None,
+                                temperature=0.8 if i % 2 else 0.0, seed=11 + i) for i in range(10)]
+            pipe.run()
+        model.close()
+        return [r.tokens for r in reqs]
+
+    for depth in (1, 2):
+        want = decode(depth, False)
+        before = shard.stats["collectives"]
+        got = decode(depth, True)
+        assert WORLD == 1 or shard.stats["collectives"] - before >= 6, shard.stats  # a call a step
+        assert got == want, (depth, got, want)
+        # The greedy rows are the host prediction too.
+        hist = [3, 1, 4]
+        for t in want[0]:
+            assert t == host_next_token(hist, vocab), (hist, t)
+            hist.append(t)
+        every = [None] * WORLD
+        dist.all_gather_object(every, got)
+        assert all(e == got for e in every), "the ranks' tokens differ"
+
+
+{"exact": scenario_exact, "pipeline": scenario_pipeline, "late": scenario_late, "rows-mismatch": scenario_rows_mismatch,
+ "vocab-mismatch": scenario_vocab_mismatch, "bad-offsets": scenario_bad_offsets,
+ "dead": scenario_dead}[SCENARIO]()
+print("OK", SCENARIO, flush=True)
+import os  # noqa: E402
+
+os._exit(0)  # skip the process group's teardown: a dead peer would make it wait

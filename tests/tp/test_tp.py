@@ -1,0 +1,90 @@
+"""The sharded feed calls over 1 to 4 ranks, each a separate process in one gloo group on
+127.0.0.1 (tests/tp/rank_main.py holds what every rank runs and checks; docs/tensor-parallel.md)."""
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+pytest.importorskip("ml_dtypes")
+
+if os.path.dirname(os.path.dirname(os.path.abspath(__file__))) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for helpers
+from helpers.child import run_ranks  # noqa: E402
+
+RANK_MAIN = os.path.join(os.path.dirname(__file__), "rank_main.py")
+
+
+def ranks(world, scenario, timeout=240):
+    results = run_ranks(RANK_MAIN, world, scenario, timeout=timeout)
+    for rank, result in enumerate(results):
+        assert result.returncode == 0 and f"OK {scenario}" in result.stdout, \
+            f"rank {rank} of {world}: {result.describe()}"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_sharded_calls_equal_the_unsharded_call_and_the_oracle(world):
+    ranks(world, "exact")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_the_pipeline_spmd_gives_the_unsharded_tokens_on_every_rank(world):
+    ranks(world, "pipeline")
+
+
+def test_a_late_peer_leaves_the_others_pending_then_right():
+    ranks(2, "late")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mismatched_rows_are_a_feed_error_on_every_rank(world):
+    ranks(world, "rows-mismatch")
+
+
+def test_ranks_that_disagree_on_the_shard_get_feed_error():
+    ranks(3, "vocab-mismatch")
+
+
+def test_bad_offsets_are_refused_before_any_collective():
+    ranks(2, "bad-offsets")
+
+
+def test_a_dead_peer_is_a_feed_error_not_a_hang():
+    ranks(2, "dead")
+
+
+def test_bench_tp_checks_ids_and_counts_bytes(tmp_path):
+    from helpers.child import run_python
+
+    out = tmp_path / "tp.json"
+    run_python(argv=["-m", "metrale_feed.cli", "bench", "--tp", "2", "--quick", "--json", str(out)],
+               timeout=300)
+    import json
+
+    sizes = json.loads(out.read_text())["tp"]["sizes"]
+    assert [e["rows"] for e in sizes] == [64, 256]
+    for e in sizes:
+        assert e["checked"], e
+        assert e["sharded_bytes_per_step"] == 16 * (e["rows"] + 2)
+        # The shard's own count: its agreement at construction (4 int64), then one block for each
+        # of --quick's 3 timed calls.
+        assert e["shard_stats"] == {"collectives": 1 + 3,
+                                    "bytes_sent": 32 + 3 * e["sharded_bytes_per_step"]}, e
+
+
+@pytest.mark.parametrize("extra", [[], ["--temperature", "0.7"]])
+def test_demo_tp_tokens_equal_the_single_rank_run(extra):
+    from helpers.child import run_python
+
+    done = run_python(argv=["-m", "metrale_feed.cli", "demo", "--tp", "2", "--rows", "6",
+                            "--tokens", "12", "--vocab", "5000", "--quiet", *extra], timeout=300)
+    assert "tokens equal the single-rank run on all 2 ranks: yes" in done.stdout, done.describe()
+
+
+def test_demo_tp_refuses_sharded_filters():
+    from helpers.child import run_python
+
+    done = run_python(argv=["-m", "metrale_feed.cli", "demo", "--tp", "2", "--temperature", "1",
+                            "--top-k", "3"], timeout=120, check=False)
+    assert done.returncode == 2 and "not supported yet" in done.stderr, done.describe()
