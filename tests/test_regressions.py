@@ -124,3 +124,14 @@ def test_a_copy_into_a_foreign_buffer_lets_it_go_at_synchronize(host, no_leaks, 
     target.extend(b"x")  # no export left behind: a resize is allowed
     assert bytes(target[:16]) == np.arange(4, dtype=np.uint32).tobytes()
     source.close()
+
+
+def test_a_zero_byte_copy_at_one_past_the_end_of_an_allocation_is_accepted():
+    # Found by the runtime state machine: copy_d2d_async(dst.ptr + len, src.ptr, 0) was refused
+    # as "not a live device allocation" although it touches nothing (memcpy's end pointer).
+    with mf.DeviceBuffer(1) as a, mf.DeviceBuffer(1) as b:
+        mf.copy_d2d_async(b.ptr + 1, a.ptr, 0)
+        mf.copy_d2d_async(b.ptr, a.ptr + 1, 0)
+        mf.stream_synchronize()
+        with pytest.raises(mf.FeedError, match="not a live device allocation"):
+            mf.copy_d2d_async(b.ptr + 1, a.ptr, 1)  # one byte there is past the end

@@ -37,6 +37,12 @@ mf_status check_device_range(const void *ptr, size_t nbytes, const char *what) {
     }
     if (kind == MF_MEM_PINNED)
         return fail(MF_ERROR_INVALID_VALUE, "%s is page-locked host memory, not device memory", what);
+    if (nbytes == 0 && kind == MF_MEM_UNKNOWN) {
+        // Zero bytes at one past the end of an allocation touch nothing (as memcpy's end pointer).
+        size_t last = 0;
+        if (alloc_lookup(static_cast<const char *>(ptr) - 1, &last) == MF_MEM_DEVICE && last == 1)
+            return MF_SUCCESS;
+    }
     if (active_kind() == MF_BACKEND_CUDA) return MF_SUCCESS;  // foreign device memory, as is
     if (borrowed(ptr, nbytes)) return MF_SUCCESS;            // a CPU tensor the binding holds
     return fail(MF_ERROR_INVALID_HANDLE,
