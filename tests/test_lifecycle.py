@@ -120,9 +120,10 @@ def test_a_forked_child_of_a_cuda_process_gets_a_clear_error():
 
 CTRL_C = """
     import os, signal, threading, time, metrale_feed as mf
-    mf.configure_host(lag_us=3_000_000)  # each op takes 3 s
+    mf.configure_host(lag_us=10_000_000)  # each op takes 10 s: far past any scheduling delay
     stream, event = mf.Stream(), mf.Event()
-    mf.DeviceBuffer(8).memset_async(0, stream)
+    buf = mf.DeviceBuffer(8)  # kept: freeing it would wait for the memset before the waits start
+    buf.memset_async(0, stream)
     event.record(stream)
     waits = {"Event.synchronize": event.synchronize,
              "event_synchronize": lambda: mf.event_synchronize(event.handle),
