@@ -120,6 +120,9 @@ def test_a_forked_child_of_a_cuda_process_gets_a_clear_error():
 
 CTRL_C = """
     import os, signal, threading, time, metrale_feed as mf
+    # A child of a background job inherits SIGINT ignored (POSIX shells do that without job
+    # control), and Python then installs no handler: restore the default one.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     mf.configure_host(lag_us=10_000_000)  # each op takes 10 s: far past any scheduling delay
     stream, event = mf.Stream(), mf.Event()
     buf = mf.DeviceBuffer(8)  # kept: freeing it would wait for the memset before the waits start
