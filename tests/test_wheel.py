@@ -124,6 +124,7 @@ def test_fresh_venv_without_compilers(wheel, tmp_path):
     # The runtime suite, copied out of the checkout so that nothing of the source tree is seen.
     for name in ("conftest.py", "test_runtime.py"):
         shutil.copy(REPO / "tests" / name, work / name)
+    shutil.copytree(REPO / "tests" / "helpers", work / "helpers")  # the one child-process runner
     result = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              "test_runtime.py"], cwd=work, env=env, capture_output=True, text=True,
                             timeout=1200)
