@@ -30,6 +30,11 @@ mf_status forked() {
                 "use the spawn or forkserver start method");
 }
 constexpr auto kForked = [](auto...) { return forked(); };
+// Designated initialisers leave a field that is not named null, so a new Ops entry missing here
+// would crash a forked child instead of failing. The host and cuda tables name theirs too, but
+// this one is easy to forget: adding a field to Ops must come here and change this count.
+static_assert(sizeof(Ops) == 36 * sizeof(void *),
+              "Ops changed: give forked_cuda_ops the new entry (kForked), then update this count");
 const Ops forked_cuda_ops = {
     .name = "cuda (forked)",
     .init = kForked,

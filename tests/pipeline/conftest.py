@@ -5,7 +5,22 @@ from __future__ import annotations
 import pytest
 
 from metrale_feed.feed import NO_TOKEN
-from metrale_feed.reference import host_next_token
+from metrale_feed.reference import ReferenceModel, host_next_token
+
+VOCAB = 211  # the pipeline tests' vocabulary: prime, so no row width is a vector multiple
+
+
+def model_for(rows=4, num_blocks=200, block_size=4, **kw):
+    """The reference model the pipeline tests drive: ``rows`` rows over ``VOCAB`` ids."""
+    return ReferenceModel(VOCAB, block_size=block_size, num_blocks=num_blocks, max_rows=rows, **kw)
+
+
+def prompts(n, seed=0, lo=1, hi=20):
+    """``n`` random prompts of ``lo`` to ``hi`` ids below ``VOCAB``, the same for a seed."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def greedy_tokens(prompt, max_new, vocab, dtype="float32", stops=(), ban=None, switch=None):

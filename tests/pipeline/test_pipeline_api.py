@@ -12,18 +12,7 @@ from metrale_feed import DecodePipeline, FeedError, Request
 from metrale_feed.feed import NO_TOKEN
 from metrale_feed.reference import ReferenceModel
 
-VOCAB = 211
-
-
-def model_for(rows=4, num_blocks=200, block_size=4, **kw):
-    return ReferenceModel(VOCAB, block_size=block_size, num_blocks=num_blocks, max_rows=rows, **kw)
-
-
-def prompts(n, seed=0, lo=1, hi=20):
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+from conftest import VOCAB, model_for, prompts
 
 
 @pytest.mark.parametrize("depth", [1, 2])

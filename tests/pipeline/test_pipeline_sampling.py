@@ -17,21 +17,9 @@ from metrale_feed.feed import NO_TOKEN
 from metrale_feed.reference import ReferenceModel
 from metrale_feed.trait import ModelDeviceFeed
 
-from conftest import sampled_tokens
+from conftest import VOCAB, model_for, prompts, sampled_tokens
 
-VOCAB = 211
 HOT = dict(temperature=0.9, top_p=0.9, seed=12345)  # a sampled request's parameters
-
-
-def model_for(rows=4, num_blocks=200, block_size=4, **kw):
-    return ReferenceModel(VOCAB, block_size=block_size, num_blocks=num_blocks, max_rows=rows, **kw)
-
-
-def prompts(n, seed=0, lo=1, hi=20):
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 @pytest.mark.parametrize("depth", [1, 2])
