@@ -126,18 +126,57 @@ C_SOURCE = textwrap.dedent(
         return result;
     }
 
-    /* The masked argmax of float32 rows through the table: the ids copied into pinned memory. */
+    static int host_func_runs;
+    static void count_run(void *data) { (void)data; ++host_func_runs; }
+
+    /* A captured argmax (its masks moved to device memory: a graph reads no host inputs), the
+     * graph launched twice on a new stream, then a host function after it. */
+    static mf_status argmax_graph(const mf_argmax_args *host_args, mf_event_t event) {
+        mf_stream_t stream = 0;
+        mf_graph_t graph = 0;
+        void *masks = NULL;
+        mf_argmax_args a = *host_args;
+        mf_status st;
+        host_func_runs = 0;
+        if ((st = feed->stream_create(MF_STREAM_NON_BLOCKING, &stream))) return st;
+        if (!(st = feed->device_alloc(a.rows * 8u, &masks)) &&
+            !(st = feed->copy_h2d_async(masks, a.masks, a.rows * 8u, stream)) &&
+            !(st = feed->stream_synchronize(stream)) && !(st = feed->graph_begin(stream))) {
+            a.masks = (const uint32_t *)masks;
+            a.flags |= MF_ARGS_MASKS_DEVICE;
+            mf_status queued = feed->argmax_to_feed(&a, stream);
+            st = feed->graph_end(stream, queued ? NULL : &graph);
+            if (queued) st = queued;
+        }
+        if (!st) st = feed->graph_launch(graph, stream);
+        if (!st) st = feed->graph_launch(graph, stream);
+        if (!st) st = feed->launch_host_func(stream, count_run, NULL);
+        if (!st) st = feed->event_record(event, stream);
+        if (!st) st = feed->event_synchronize(event);
+        if (graph) feed->graph_destroy(graph);
+        feed->stream_synchronize(stream);
+        if (masks) feed->device_free(masks);
+        feed->stream_destroy(stream);
+        return st;
+    }
+
+    /* The masked argmax of float32 rows through the table: the ids copied into pinned memory.
+     * entry 2: version 2's argmax_to_feed; 1: version 1's, given a version 1 descriptor followed
+     * by junk (what an extension built against version 1 passes: the fields after its end are
+     * whatever the caller's memory holds); 3: version 2's inside a graph launched twice. */
     static PyObject *argmax(PyObject *self, PyObject *args) {
         const char *logits;
         Py_ssize_t nbytes;
-        unsigned int rows, vocab, mask0;
+        unsigned int rows, vocab, mask0, entry;
         mf_argmax_args a;
+        union { mf_argmax_args_v1 v1; unsigned char room[sizeof(mf_argmax_args)]; } old;
         uint32_t masks[2 * 16];
         void *dev_logits = NULL, *cells = NULL, *dst = NULL;
         mf_event_t event = 0;
         PyObject *result = NULL;
         mf_status st;
-        if (!PyArg_ParseTuple(args, "y#III", &logits, &nbytes, &rows, &vocab, &mask0)) return NULL;
+        if (!PyArg_ParseTuple(args, "y#IIII", &logits, &nbytes, &rows, &vocab, &mask0, &entry))
+            return NULL;
         if (rows < 1 || rows > 16 || (size_t)nbytes != (size_t)rows * vocab * 4) {
             PyErr_SetString(PyExc_ValueError, "rows in [1, 16] of vocab float32 logits");
             return NULL;
@@ -162,9 +201,17 @@ C_SOURCE = textwrap.dedent(
         a.host_dst = dst;
         a.event = event;
         feed->nvtx_push("capi-test argmax");
-        st = feed->argmax_to_feed(&a, 0);
+        if (entry == 1) {
+            memset(&old, 0xA5, sizeof old);
+            memcpy(&old.v1, &a, sizeof old.v1);  /* the leading fields are version 1's */
+            st = feed->argmax_to_feed_v1(&old.v1, 0);
+        } else if (entry == 3) {
+            st = argmax_graph(&a, event);
+        } else {
+            st = feed->argmax_to_feed(&a, 0);
+        }
         feed->nvtx_pop();
-        if (st || (st = feed->event_synchronize(event))) goto fail;
+        if (st || (entry != 3 && (st = feed->event_synchronize(event)))) goto fail;
         result = PyList_New(rows);
         for (unsigned r = 0; result && r < rows; r++)
             PyList_SET_ITEM(result, r, PyLong_FromUnsignedLong(((uint32_t *)dst)[r]));
@@ -180,6 +227,10 @@ C_SOURCE = textwrap.dedent(
         return result;
     }
 
+    static PyObject *host_func_runs_of(PyObject *self, PyObject *args) {
+        return PyLong_FromLong(host_func_runs);
+    }
+
     static PyMethodDef methods[] = {
         {"table_info", table_info, METH_NOARGS, NULL},
         {"active_backend", active_backend, METH_NOARGS, NULL},
@@ -193,6 +244,7 @@ C_SOURCE = textwrap.dedent(
         {"host_free", host_free, METH_VARARGS, NULL},
         {"roundtrip", roundtrip, METH_VARARGS, NULL},
         {"argmax", argmax, METH_VARARGS, NULL},
+        {"host_func_runs", host_func_runs_of, METH_NOARGS, NULL},
         {NULL, NULL, 0, NULL}};
 
     static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "mf_capi_user", NULL, -1, methods};
@@ -294,14 +346,32 @@ def test_copies_through_capsule(host, no_leaks, capi):
     assert capi.roundtrip(payload[:100]) == payload[:100]
 
 
-def test_argmax_through_capsule(host, no_leaks, capi):
+ENTRY_V1, ENTRY_V2, ENTRY_GRAPH = 1, 2, 3
+
+
+@pytest.mark.parametrize("entry", [ENTRY_V2, ENTRY_V1, ENTRY_GRAPH], ids=["v2", "v1", "graph"])
+def test_argmax_through_capsule(host, no_leaks, capi, entry):
     from array import array
 
     rows, vocab = 3, 8
     values = [[(7 * r + 3 * v) % 11 / 10 for v in range(vocab)] for r in range(rows)]
     logits = array("f", [x for row in values for x in row]).tobytes()
-    assert capi.argmax(logits, rows, vocab, mf.NO_TOKEN) == [row.index(max(row)) for row in values]
-    masked = capi.argmax(logits, rows, vocab, 1)
+    assert capi.argmax(logits, rows, vocab, mf.NO_TOKEN, entry) == \
+        [row.index(max(row)) for row in values]
+    masked = capi.argmax(logits, rows, vocab, 1, entry)
     for row, got in zip(values, masked):
         candidates = [v for v in range(vocab) if v != 1]
         assert got == max(candidates, key=lambda v: (row[v], -v))
+    if entry == ENTRY_GRAPH:
+        assert capi.host_func_runs() == 1  # the host function queued after both launches ran
+
+
+def test_version_one_descriptor_reads_no_further_than_its_end(capi):
+    """An extension built against version 1 passes the shorter descriptor: through its own entry
+    the junk after it is never read as a bitmask, params or logprobs pointer (through the whole
+    descriptor's entry the same bytes are refused)."""
+    from array import array
+
+    logits = array("f", [0.0, 1.0, 0.5, 0.25]).tobytes()
+    assert capi.argmax(logits, 1, 4, mf.NO_TOKEN, ENTRY_V1) == [1]
+    assert capi.table_info()[0] >= 2

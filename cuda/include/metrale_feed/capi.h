@@ -6,14 +6,33 @@
  *
  * The table comes from the `metrale_feed._C_API` capsule, so an extension reaches the same backend,
  * handles and allocations as the Python package without linking the C layer. Functions are only
- * ever appended; check `version` (or `size`) before using a newer entry. */
+ * ever appended; check `version` (or `size`) before using a newer entry.
+ *
+ * Version 2 appended the full descriptor's entry: `mf_argmax_args` grew (bitmask, sampling,
+ * logprobs, partial slices) after version 1, so an extension built against version 1 passes the
+ * shorter `mf_argmax_args_v1`. Its slot keeps that meaning (renamed `argmax_to_feed_v1`, reading
+ * exactly the old fields), and `argmax_to_feed` is now a new slot that reads the whole descriptor. */
 #ifndef METRALE_FEED_CAPI_H
 #define METRALE_FEED_CAPI_H
 
 #include "metrale_feed/feed.h"
 
-#define MF_CAPI_VERSION 1
+#define MF_CAPI_VERSION 2
 #define MF_CAPI_CAPSULE "metrale_feed._C_API"
+
+/* Version 1's descriptor: the leading fields of mf_argmax_args, in the same places. */
+typedef struct mf_argmax_args_v1 {
+    const void *logits;
+    mf_dtype dtype;
+    uint32_t rows;
+    uint32_t vocab;
+    uint64_t row_stride;
+    const uint32_t *masks;
+    uint32_t *cells;
+    uint32_t cell_capacity;
+    void *host_dst;
+    mf_event_t event;
+} mf_argmax_args_v1;
 
 typedef struct mf_capi {
     uint32_t version;
@@ -35,14 +54,49 @@ typedef struct mf_capi {
     mf_status (*device_free)(void *ptr);
     mf_status (*copy_d2h_async)(void *host_dst, const void *dev_src, size_t nbytes, mf_stream_t stream);
     mf_status (*copy_h2d_async)(void *dev_dst, const void *host_src, size_t nbytes, mf_stream_t stream);
-    mf_status (*argmax_to_feed)(const mf_argmax_args *args, mf_stream_t stream);
+    /* Version 1's entry: reads an mf_argmax_args_v1 (masks and no other option). */
+    mf_status (*argmax_to_feed_v1)(const mf_argmax_args_v1 *args, mf_stream_t stream);
     mf_status (*resolve_feed)(const uint32_t *sources, uint32_t n, const uint32_t *cells,
                               uint32_t prev_rows, uint32_t *out, mf_stream_t stream);
     void (*nvtx_push)(const char *name);
     void (*nvtx_pop)(void);
+    /* ---- version 2 ---- */
+    mf_status (*argmax_to_feed)(const mf_argmax_args *args, mf_stream_t stream); /* the whole one */
+    mf_status (*stream_wait_event)(mf_stream_t stream, mf_event_t event);
+    mf_status (*copy_d2d_async)(void *dev_dst, const void *dev_src, size_t nbytes, mf_stream_t stream);
+    mf_status (*memset_async)(void *dev, int value, size_t nbytes, mf_stream_t stream);
+    mf_status (*launch_host_func)(mf_stream_t stream, mf_host_fn fn, void *data);
+    mf_status (*combine_partials)(const mf_combine_args *args, mf_stream_t stream);
+    mf_status (*graph_begin)(mf_stream_t stream);
+    mf_status (*graph_end)(mf_stream_t stream, mf_graph_t *out);
+    mf_status (*graph_launch)(mf_graph_t graph, mf_stream_t stream);
+    mf_status (*graph_destroy)(mf_graph_t graph);
 } mf_capi;
 
 #ifdef MF_CAPI_IMPLEMENTATION
+#include <stddef.h>
+#include <string.h>
+
+#ifdef __cplusplus
+#define MF_CAPI_ASSERT(c, m) static_assert(c, m)
+#else
+#define MF_CAPI_ASSERT(c, m) _Static_assert(c, m)
+#endif
+MF_CAPI_ASSERT(offsetof(mf_argmax_args, event) == offsetof(mf_argmax_args_v1, event) &&
+                   offsetof(mf_argmax_args, host_dst) == offsetof(mf_argmax_args_v1, host_dst) &&
+                   offsetof(mf_argmax_args, cells) == offsetof(mf_argmax_args_v1, cells) &&
+                   offsetof(mf_argmax_args, row_stride) == offsetof(mf_argmax_args_v1, row_stride) &&
+                   sizeof(mf_argmax_args_v1) <= offsetof(mf_argmax_args, bitmask),
+               "mf_argmax_args_v1 must stay the leading fields of mf_argmax_args");
+
+/* Version 1's descriptor, read to its end and no further; every later field zero (off). */
+static mf_status mf_capi_argmax_v1(const mf_argmax_args_v1 *old, mf_stream_t stream) {
+    mf_argmax_args a;
+    memset(&a, 0, sizeof a);
+    if (old) memcpy(&a, old, sizeof *old);
+    return mf_argmax_to_feed(old ? &a : NULL, stream);
+}
+
 /* Used once, by the extension that owns the C layer. */
 static inline void mf_capi_fill(mf_capi *t) {
     t->version = MF_CAPI_VERSION;
@@ -64,10 +118,20 @@ static inline void mf_capi_fill(mf_capi *t) {
     t->device_free = mf_device_free;
     t->copy_d2h_async = mf_copy_d2h_async;
     t->copy_h2d_async = mf_copy_h2d_async;
-    t->argmax_to_feed = mf_argmax_to_feed;
+    t->argmax_to_feed_v1 = mf_capi_argmax_v1;
     t->resolve_feed = mf_resolve_feed;
     t->nvtx_push = mf_nvtx_push;
     t->nvtx_pop = mf_nvtx_pop;
+    t->argmax_to_feed = mf_argmax_to_feed;
+    t->stream_wait_event = mf_stream_wait_event;
+    t->copy_d2d_async = mf_copy_d2d_async;
+    t->memset_async = mf_memset_async;
+    t->launch_host_func = mf_launch_host_func;
+    t->combine_partials = mf_combine_partials;
+    t->graph_begin = mf_graph_begin;
+    t->graph_end = mf_graph_end;
+    t->graph_launch = mf_graph_launch;
+    t->graph_destroy = mf_graph_destroy;
 }
 #elif defined(Py_PYTHON_H)
 /* The table, or NULL with a Python exception set. Include Python.h first to get this helper. */
