@@ -118,6 +118,9 @@ class VocabShard:
         self.start, self.stop = offs[rank], offs[rank + 1]
         self.stats = {"collectives": 0, "bytes_sent": 0}
         self._calls = 0
+        # Tests set it: a world of one then runs the partial, the exchange and the combine instead
+        # of the unsharded call (the path of every world, testable on one device).
+        self._force_exchange = False
         self._fault: str | None = None
         self._pending: list[tuple[Any, tuple[Any, ...]]] = []  # (done event, buffers it holds)
         self._stream = 0  # the stream of the pending calls
@@ -206,7 +209,7 @@ class VocabShard:
             raise ValueError(f"with a shard, vocab is the slice's width {width}, not {vocab}")
         if params is not None:
             _check_temperature_only(params)
-        if self.world == 1:  # the unsharded call
+        if self.world == 1 and not self._force_exchange:  # the unsharded call
             kw = dict(rows=rows, vocab=self.vocab, dtype=dtype, row_stride=row_stride,
                       bitmask=bitmask, logprobs=logprobs, logprobs_dst=logprobs_dst)
             if op == "argmax":
@@ -229,7 +232,6 @@ class VocabShard:
         if self.stop == self.start or (hasattr(logits, "shape") and len(logits.shape) == 2
                                        and int(logits.shape[1]) == 0):
             logits = None  # an empty slice takes part with no candidate
-        torch = self._torch
         block = _core.DeviceBuffer(self._block)
         gathered = _core.DeviceBuffer(self._block * self.world)
         fault = _core.PinnedBuffer(4)
@@ -247,10 +249,7 @@ class VocabShard:
         # Queued: from here every rank's collective sequence includes this call.
         self._calls = call
         self._stream = handle
-        self._count(self._block)
-        src = _host_view(torch, block.ptr, self._block)
-        outs = [_host_view(torch, gathered.ptr + w * self._block, self._block) for w in range(self.world)]
-        _core.launch_host_func(stream, self._gather, src, outs)
+        self._exchange(stream, block, gathered)
         try:
             _core._combine_partials(gathered, self.world, cells, dst, None, stream, rows=n,
                                     vocab=self.vocab, call=call, fault_dst=fault,
@@ -263,15 +262,32 @@ class VocabShard:
         _core.launch_host_func(stream, self._check, fault)
         done = _core.Event()
         _core.event_record(done, stream)
-        self._pending.append((done, (block, gathered, fault, src, outs)))
+        self._pending.append((done, (block, gathered, fault)))
         if event is not None:
             _core.event_record(event, stream)
         return n
 
-    def _gather(self, src: Any, outs: list[Any]) -> None:
-        """On the stream's worker: the one all-gather of this call's fixed-size blocks."""
+    def _exchange(self, stream: Any, src: Any, dst: Any) -> None:
+        """Queue on ``stream`` the all-gather of this rank's block ``src`` into ``dst``.
+
+        ``src`` and ``dst`` are DeviceBuffers; ``dst`` holds ``world`` blocks of ``src.nbytes``
+        bytes, rank ``r``'s at byte ``r * src.nbytes``. Every collective of a sharded call goes
+        through here, in stream order, and is counted in ``stats`` when it is issued (so a graph's
+        replays count too). Every rank must issue the same exchanges, with the same sizes, in the
+        same order.
+        """
+        if dst.nbytes < src.nbytes * self.world:
+            raise ValueError(f"the gathered buffer holds {dst.nbytes} bytes; {self.world} blocks "
+                             f"of {src.nbytes} need {src.nbytes * self.world}")
+        _core.launch_host_func(stream, self._gather, src, dst)
+
+    def _gather(self, src: Any, dst: Any) -> None:
+        """On the stream's worker (host backend): the all-gather ``_exchange`` queued."""
+        torch, n = self._torch, src.nbytes
+        outs = [_host_view(torch, dst.ptr + w * n, n) for w in range(self.world)]
+        self._count(n)
         try:
-            self._dist.all_gather(outs, src, group=self._group)
+            self._dist.all_gather(outs, _host_view(torch, src.ptr, n), group=self._group)
         except BaseException as exc:
             for o in outs:  # zero headers: the combine then refuses the blocks (NO_TOKEN rows)
                 o.zero_()
