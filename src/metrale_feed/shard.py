@@ -222,8 +222,9 @@ class VocabShard:
             if type(buf) is _core.DeviceBuffer and buf.nbytes < n * 4:
                 raise ValueError(f"{what} holds {buf.nbytes} bytes; {n} rows need {n * 4}")
         handle = _stream_key(stream)
+        capturing = _core.stream_capturing(stream)  # a graph's call: see the end of this method
         self._reap()
-        if self._pending and handle != self._stream:
+        if self._pending and handle != self._stream and not capturing:
             # Two streams' workers would issue this group's collectives in either order.
             raise ValueError("a shard's calls go on one stream while earlier ones are pending "
                              f"(stream {self._stream:#x}, now {handle:#x})")
@@ -248,7 +249,8 @@ class VocabShard:
             raise
         # Queued: from here every rank's collective sequence includes this call.
         self._calls = call
-        self._stream = handle
+        if not capturing:
+            self._stream = handle
         self._exchange(stream, block, gathered)
         try:
             _core._combine_partials(gathered, self.world, cells, dst, None, stream, rows=n,
@@ -260,6 +262,14 @@ class VocabShard:
             self._fault = f"the combine was refused on rank {self.rank}: {exc}"
             raise
         _core.launch_host_func(stream, self._check, fault)
+        if capturing:
+            # Captured (docs/graphs.md): the graph's operations name the buffers, so the graph
+            # keeps them, and its replays reuse them, with this call's counter (every rank replays
+            # the same graphs in the same order, so the counters still agree); the shard's reaper
+            # must not free them.
+            if event is not None:
+                _core.event_record(event, stream)
+            return n
         done = _core.Event()
         _core.event_record(done, stream)
         self._pending.append((done, (block, gathered, fault)))
