@@ -42,9 +42,9 @@ def test_launches_queued_back_to_back_run_the_node_once_each(backend, no_leaks):
             mf.launch_host_func(s, order.append, "b")
         for _ in range(5):
             graph.launch(s)
+        s.synchronize()  # a graph runs on one stream at a time
         graph.launch(other)  # any stream: run in that stream's order
         other.synchronize()
-        s.synchronize()
         assert order == ["a", "b"] * 6
         graph.close()
 
