@@ -14,13 +14,20 @@ import numpy as np
 import torch.distributed as dist
 
 RANK, WORLD, PORT = (int(a) for a in sys.argv[1:4])
-SCENARIO = sys.argv[4]
-# "<scenario>+exchange": a world of one through the partial, the exchange and the combine
-# (VocabShard's private switch) instead of the unsharded call.
-FORCE_EXCHANGE = SCENARIO.endswith("+exchange")
-SCENARIO = SCENARIO.removesuffix("+exchange")
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
-                        world_size=WORLD, timeout=datetime.timedelta(seconds=8))
+# "<scenario>[+exchange][+nccl]": "+exchange" runs a world of one through the partial, the
+# exchange and the combine (VocabShard's private switch) instead of the unsharded call; "+nccl"
+# makes the group NCCL, one GPU per rank (the cuda backend's exchange).
+SCENARIO, *FLAGS = sys.argv[4].split("+")
+FORCE_EXCHANGE = "exchange" in FLAGS
+if "nccl" in FLAGS:
+    import torch
+
+    torch.cuda.set_device(RANK)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=30))
+else:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=8))
 
 import metrale_feed as mf  # noqa: E402
 from metrale_feed.errors import FeedError  # noqa: E402
