@@ -177,3 +177,30 @@ def test_exit_with_graph_host_functions_queued_is_clean():
         print("exiting")
     """, timeout=30)
     assert "exiting" in out
+
+
+@pytest.mark.gpu
+def test_a_host_function_in_a_foreign_capture_runs_at_each_replay():
+    # torch's own capture API: no Graph of ours counts the launches, so the node is kept for the
+    # process's life and its runs take no reference (a child: a refcount error would crash).
+    pytest.importorskip("torch")
+    from helpers.child import run_python
+
+    done = run_python("""
+        import torch, metrale_feed as mf
+        assert mf.backend() == "cuda"
+        side, got = torch.cuda.Stream(), []
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            x = torch.zeros(4, device="cuda")
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, stream=side):
+                x += 1
+                mf.launch_host_func(torch.cuda.current_stream(), got.append, "node")
+        for _ in range(4):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert got == ["node"] * 4, got
+        print("OK foreign", x.tolist())
+    """, backend="cuda", timeout=120)
+    assert "OK foreign [4.0, 4.0, 4.0, 4.0]" in done.stdout, done.describe()

@@ -70,8 +70,8 @@ cdef void _graph_host_func_trampoline(void *data) noexcept nogil:
         return
     if Py_IsInitialized():
         with gil:
-            _graph_host_func_run(<_GraphHostFunc>data)
-            Py_XDECREF(<PyObject *>data)
+            if _graph_host_func_run(<_GraphHostFunc>data):
+                Py_XDECREF(<PyObject *>data)
     mf_hf_leave()
 
 
@@ -88,15 +88,18 @@ cdef class _GraphHostFunc:
     cdef object runs
 
 
-cdef void _graph_host_func_run(_GraphHostFunc node) noexcept:
+cdef bint _graph_host_func_run(_GraphHostFunc node) noexcept:
+    """Run the node once; True when a launch of ours queued this run (and holds a reference)."""
+    cdef bint ours = True
     try:
         stream, seq = node.runs.popleft()
     except IndexError:  # a capture not made by graph_capture (CUDA's own API): no bookkeeping
-        stream, seq = node.stream, 0
+        stream, seq, ours = node.stream, 0, False
     try:
         node.fn(*node.args)
     except BaseException as exc:  # never into the C layer: it is reported at the next wait
         _host_func_errors.setdefault(stream, []).append((seq, exc))
+    return ours
 
 
 cdef int launch_graph_host_func(uint64_t s, object fn, tuple args) except -1:
@@ -104,12 +107,13 @@ cdef int launch_graph_host_func(uint64_t s, object fn, tuple args) except -1:
     cdef _GraphHostFunc node = _GraphHostFunc.__new__(_GraphHostFunc)
     node.fn, node.args, node.stream, node.runs = fn, args, s, _deque()
     graph = _capturing.get(s)
+    check(mf_launch_host_func(s, _graph_host_func_trampoline, <void *>node))
     if graph is None:
         # A capture this package did not begin (the cuda backend, CUDA's or torch's capture API):
-        # nothing tells when its graph dies, so the node is kept for the process's life.
+        # nothing tells when its graph dies, so the node is kept for the process's life (its
+        # runs take no reference: no launch of ours counts them).
         Py_INCREF(node)
-    check(mf_launch_host_func(s, _graph_host_func_trampoline, <void *>node))
-    if graph is not None:
+    else:
         (<Graph>graph)._keep.append((node,))
         (<Graph>graph)._order.append(node)
     return 0
