@@ -356,6 +356,16 @@ def scenario_graph():
         assert np.array_equal(got, reference_argmax(logits, masks_host)), got
         assert_close(np.frombuffer(lp, np.float32).copy(), reference_logprobs(logits, got))
 
+    # The exchange checks its buffers before anything is queued (on every rank alike).
+    before = dict(shard.stats)
+    with mf.DeviceBuffer(16) as small, mf.DeviceBuffer(16 * WORLD - 1) as short:
+        try:
+            shard._exchange(stream, small, short)
+        except ValueError as exc:
+            assert "gathered buffer" in str(exc), exc
+        else:
+            raise AssertionError("a gathered buffer too small was accepted")
+    assert shard.stats == before, shard.stats
     fill(1)
     step()  # once eagerly
     done.synchronize()
