@@ -237,7 +237,19 @@ mf_status mf_combine_partials(const mf_combine_args *a, mf_stream_t stream) {
     if (status == MF_SUCCESS && a->event) status = resolve_event(a->event, &event);
     void *raw;
     if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+    // In a capture (a sharded call in a graph): host params are read once, at the call, on cuda
+    // (kernel arguments); the copies at each launch need page-locked destinations.
+    if (status == MF_SUCCESS && a->params)
+        status = refuse_in_capture(raw, "a sampled combine_partials (host-resident params)", true);
+    if (status == MF_SUCCESS && a->host_dst)
+        status = capture_host_check(raw, a->host_dst, "combine_partials destination");
+    if (status == MF_SUCCESS && a->logprobs_dst)
+        status = capture_host_check(raw, a->logprobs_dst, "combine_partials logprobs destination");
+    if (status == MF_SUCCESS && a->fault_dst)
+        status = capture_host_check(raw, a->fault_dst, "combine_partials fault destination");
     if (status != MF_SUCCESS) return status;
+    if (kept_for_graph(raw, [copy = *a](mf_stream_t s) { return mf_combine_partials(&copy, s); }))
+        return MF_SUCCESS;
     status = ops().combine(a, raw);
     if (status == MF_SUCCESS && a->host_dst)
         status = ops().copy_async(a->host_dst, a->cells, (size_t)a->rows * 4, kD2H, raw);

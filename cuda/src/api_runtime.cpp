@@ -338,9 +338,13 @@ mf_status mf_launch_host_func(mf_stream_t stream, mf_host_fn fn, void *data) {
     if (!fn) return fail(MF_ERROR_INVALID_VALUE, "launch_host_func: fn is a null function");
     void *raw;
     mf_status status = resolve_stream(stream, &raw);
-    // A host function is Python state the graph could not re-issue faithfully: refused in a capture.
-    if (status == MF_SUCCESS) status = refuse_in_capture(raw, "launch_host_func", false);
-    return status != MF_SUCCESS ? status : ops().launch_host_func(fn, data, raw);
+    if (status != MF_SUCCESS) return status;
+    // In a capture, a host function is an operation of the graph that runs at each launch with
+    // the same data, as CUDA's host node (which the cuda backend's cudaLaunchHostFunc becomes):
+    // the caller keeps `data` alive as long as the graph and its queued launches.
+    if (kept_for_graph(raw, [fn, data](mf_stream_t s) { return mf_launch_host_func(s, fn, data); }))
+        return MF_SUCCESS;
+    return ops().launch_host_func(fn, data, raw);
 }
 
 mf_status mf_stream_destroy(mf_stream_t stream) {

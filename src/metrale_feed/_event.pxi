@@ -124,7 +124,7 @@ cdef class Event:
     cdef int _record(self, uint64_t stream) except -1:
         self._check_open()
         check(mf_event_record(self._handle, stream))
-        if _host_func_seq:
+        if _host_func_seq or _capturing:
             note_record(self._handle, stream)
         note_capture(stream, (self,))
         return 0
@@ -499,7 +499,7 @@ def event_record(event, stream=0):
     event_of(event, &e, False)
     stream_of(stream, &s)
     check(mf_event_record(e, s))
-    if _host_func_seq:
+    if _host_func_seq or _capturing:
         note_record(e, s)
     note_capture(s, (event,))
 

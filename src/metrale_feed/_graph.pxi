@@ -30,6 +30,7 @@ cdef class Graph:
     cdef uint64_t _handle
     cdef object _stream   # the capturing stream, while the capture is open
     cdef list _keep       # the objects its operations name: alive as long as the graph
+    cdef list _order      # its host functions (_GraphHostFunc) and event records (handles), in order
     cdef uint64_t _capturing
     cdef bint _began
     cdef bint _closed
@@ -37,6 +38,7 @@ cdef class Graph:
     def __cinit__(self):
         self._handle = 0
         self._keep = []
+        self._order = []
         self._capturing = 0
         self._began = False
         self._closed = False
@@ -62,11 +64,13 @@ cdef class Graph:
             mf_graph_end(s, NULL)
             self._closed = True
             self._keep = []
+            self._order = []
             return False
         status = mf_graph_end(s, &self._handle)
         if status != MF_SUCCESS:
             self._closed = True
             self._keep = []
+            self._order = []
             raise_status(status)
         return False
 
@@ -108,7 +112,44 @@ cdef class Graph:
         cdef uint64_t s
         self._check_ready()
         stream_of(stream, &s)
-        check(mf_graph_launch(self._handle, s))
+        if not self._order:
+            check(mf_graph_launch(self._handle, s))
+            return
+        # Host functions and event records: the bookkeeping an eager launch_host_func and record
+        # on `s` would do, made before the launch (a node may run as soon as it is queued) and
+        # undone if nothing was queued.
+        seq0 = _host_func_seq.get(s)
+        marks = {}
+        seq = seq0
+        for op in self._order:
+            if type(op) is _GraphHostFunc:
+                seq = (seq or 0) + 1
+                (<_GraphHostFunc>op).runs.append((s, seq))
+                Py_INCREF(op)  # this launch's reference, dropped once the node has run
+            else:
+                marks.setdefault(op, _event_marks.get(op))
+                if seq is None:
+                    _event_marks.pop(op, None)
+                else:
+                    _event_marks[op] = (s, seq)
+        if seq is not None:
+            _host_func_seq[s] = seq
+        status = mf_graph_launch(self._handle, s)
+        if status != MF_SUCCESS:
+            for op in reversed(self._order):
+                if type(op) is _GraphHostFunc:
+                    (<_GraphHostFunc>op).runs.pop()
+                    Py_DECREF(op)
+            for op, old in marks.items():
+                if old is None:
+                    _event_marks.pop(op, None)
+                else:
+                    _event_marks[op] = old
+            if seq0 is None:
+                _host_func_seq.pop(s, None)
+            else:
+                _host_func_seq[s] = seq0
+            raise_status(status)
 
     def close(self):
         """Destroy the graph; launches already queued still run. Closing twice is a no-op.
@@ -130,6 +171,7 @@ cdef class Graph:
             handle, self._handle = self._handle, 0
             status = mf_graph_destroy(handle)
             self._keep = []  # after the destroy: a launch already queued still runs (see docs)
+            self._order = []  # its host functions are kept by the launches queued (Graph.launch)
             check(status)
 
     def __dealloc__(self):

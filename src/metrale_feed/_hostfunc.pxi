@@ -62,6 +62,63 @@ cdef void _host_func_trampoline(void *data) noexcept nogil:
     mf_hf_leave()
 
 
+cdef void _graph_host_func_trampoline(void *data) noexcept nogil:
+    # A host node of a graph: runs at each launch with the same data. Each launch took a
+    # reference for each of its host nodes (Graph.launch), dropped here once the node has run, so
+    # a node outlives a graph closed while its launches are queued.
+    if not mf_hf_enter():
+        return
+    if Py_IsInitialized():
+        with gil:
+            if _graph_host_func_run(<_GraphHostFunc>data):
+                Py_XDECREF(<PyObject *>data)
+    mf_hf_leave()
+
+
+@cython.final
+cdef class _GraphHostFunc:
+    """A host function captured into a graph: ``fn(*args)`` at each launch.
+
+    ``runs`` holds one (stream, sequence) per queued launch, in launch order (a graph runs on one
+    stream at a time, so its nodes run in that order): where an exception of that run is reported,
+    as for a host function launched eagerly on the launch stream at that point."""
+    cdef object fn
+    cdef tuple args
+    cdef uint64_t stream   # the capturing stream: where a run with no launch of ours reports
+    cdef object runs
+
+
+cdef bint _graph_host_func_run(_GraphHostFunc node) noexcept:
+    """Run the node once; True when a launch of ours queued this run (and holds a reference)."""
+    cdef bint ours = True
+    try:
+        stream, seq = node.runs.popleft()
+    except IndexError:  # a capture not made by graph_capture (CUDA's own API): no bookkeeping
+        stream, seq, ours = node.stream, 0, False
+    try:
+        node.fn(*node.args)
+    except BaseException as exc:  # never into the C layer: it is reported at the next wait
+        _host_func_errors.setdefault(stream, []).append((seq, exc))
+    return ours
+
+
+cdef int launch_graph_host_func(uint64_t s, object fn, tuple args) except -1:
+    """``launch_host_func`` on a capturing stream: a host node, kept with the graph."""
+    cdef _GraphHostFunc node = _GraphHostFunc.__new__(_GraphHostFunc)
+    node.fn, node.args, node.stream, node.runs = fn, args, s, _deque()
+    graph = _capturing.get(s)
+    check(mf_launch_host_func(s, _graph_host_func_trampoline, <void *>node))
+    if graph is None:
+        # A capture this package did not begin (the cuda backend, CUDA's or torch's capture API):
+        # nothing tells when its graph dies, so the node is kept for the process's life (its
+        # runs take no reference: no launch of ours counts them).
+        Py_INCREF(node)
+    else:
+        (<Graph>graph)._keep.append((node,))
+        (<Graph>graph)._order.append(node)
+    return 0
+
+
 cdef void _host_func_run(tuple payload) noexcept:
     fn, args, stream, seq = payload
     try:
@@ -79,6 +136,11 @@ def launch_host_func(stream, fn, *args):
     stream. An exception in ``fn`` never crashes the process: the next ``query``/``synchronize``
     of the stream, or of an event recorded on it afterwards, raises a ``FeedError`` with the
     exception as ``__cause__``.
+
+    On a stream capturing a graph (``graph_capture``) the call is an operation of the graph: each
+    ``Graph.launch`` runs ``fn(*args)`` again, with the same arguments, in the launch's stream
+    order, and its exception is reported on the launch stream as above. The graph keeps ``fn``
+    and ``args`` alive (and each queued launch does, after the graph is closed).
 
     Parameters
     ----------
@@ -105,9 +167,14 @@ def launch_host_func(stream, fn, *args):
     [1]
     """
     cdef uint64_t s
+    cdef int on = 0
     if not callable(fn):
         raise TypeError(f"fn must be callable, not {type(fn).__name__}")
     stream_of(stream, &s)
+    check(mf_stream_capturing(s, &on))
+    if on:
+        launch_graph_host_func(s, fn, args)
+        return
     seq = _host_func_seq.get(s, 0) + 1
     payload = (fn, args, s, seq)
     Py_INCREF(payload)  # dropped by the trampoline once fn has run
@@ -119,7 +186,13 @@ def launch_host_func(stream, fn, *args):
 
 
 cdef int note_record(uint64_t event, uint64_t stream) except -1:
-    """An event recorded on ``stream``: it reports the host functions queued there before it."""
+    """An event recorded on ``stream``: it reports the host functions queued there before it.
+    On a capturing stream the record is an operation of the graph: each launch marks it."""
+    if _capturing:
+        graph = _capturing.get(stream)
+        if graph is not None:
+            (<Graph>graph)._order.append(event)
+            return 0
     seq = _host_func_seq.get(stream)
     if seq is not None:
         _event_marks[event] = (stream, seq)

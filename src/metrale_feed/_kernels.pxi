@@ -236,7 +236,7 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
         call.close()
     if partial is None:
         _cell_rows[<size_t>a.cells] = a.rows
-    if a.event and _host_func_seq:
+    if a.event and (_host_func_seq or _capturing):
         note_record(a.event, s)
     return a.rows
 

@@ -223,6 +223,9 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
     stream_of(stream, &s)
     events = reserve_holds(held)
     commit_holds(held, events, s, mf_combine_partials(&c, s))
+    note_capture(s, (partials, cells, dst, logprobs, logprobs_dst, fault_dst, event))
+    if c.event and (_host_func_seq or _capturing):
+        note_record(c.event, s)
     _cell_rows[<size_t>c.cells] = c.rows
 
 

@@ -1,8 +1,9 @@
 """A vocabulary split across the ranks of a ``torch.distributed`` process group (docs/tensor-parallel.md).
 
 Each rank reduces its own slice of every row into a fixed-size partial block (``_argmax_partial``
-or ``_sample_partial``), one all-gather of those blocks runs on the stream's worker in stream
-order, and the combine (``_combine_partials``) writes, on every rank, the cells, ids and logprobs
+or ``_sample_partial``), one all-gather of those blocks runs in stream order (``_exchange``: gloo
+on the stream's worker on the host backend, NCCL on the caller's stream on the cuda backend),
+and the combine (``_combine_partials``) writes, on every rank, the cells, ids and logprobs
 the unsharded call gives on the whole rows. Only this module imports torch, and only when a shard
 is made.
 """
@@ -68,9 +69,10 @@ class VocabShard:
     Parameters
     ----------
     group : torch.distributed.ProcessGroup or None
-        The group (None: the default group). On the host backend a gloo group; give the shard a
-        group of its own (``dist.new_group(backend="gloo")``) when other collectives may run on
-        another thread, since its collectives run on the streams' workers.
+        The group (None: the default group). On the cuda backend an NCCL group (the collective
+        runs on the caller's stream, capturable in a graph); on the host backend a gloo group:
+        give the shard a group of its own (``dist.new_group(backend="gloo")``) when other
+        collectives may run on another thread, since its collectives run on the streams' workers.
     vocab : int
         The whole vocabulary, 1 to ``MAX_VOCAB``.
     offsets : sequence of int, optional
@@ -87,8 +89,9 @@ class VocabShard:
     ValueError
         Bad ``vocab``, ``offsets`` or ``max_rows``; checked before any collective.
     FeedError
-        The ranks disagree on ``vocab``, ``offsets`` or ``max_rows`` (on every rank); the cuda
-        backend with more than one rank (not built yet).
+        The ranks disagree on ``vocab``, ``offsets`` or ``max_rows`` (on every rank); a group
+        whose backend does not match the package's (NCCL on the cuda backend, gloo on the host
+        backend).
 
     Examples
     --------
@@ -108,6 +111,15 @@ class VocabShard:
         torch, dist = _torch()
         if not dist.is_available() or not dist.is_initialized():
             raise FeedError("VocabShard needs an initialised torch.distributed process group")
+        # The cuda backend's blocks are device memory: NCCL, from the calling thread on the
+        # caller's stream. The host backend's are host memory: gloo, on the stream's worker.
+        self._nccl = "nccl" in str(dist.get_backend(group)).lower()
+        if _core.backend() == "cuda" and not self._nccl:
+            raise FeedError("VocabShard on the cuda backend exchanges through NCCL: give it a "
+                            "process group whose backend is nccl")
+        if _core.backend() != "cuda" and "gloo" not in str(dist.get_backend(group)).lower():
+            raise FeedError("VocabShard on the host backend exchanges through gloo: give it a "
+                            "process group whose backend is gloo")
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)
         offs = _check_offsets(_default_offsets(vocab, world) if offsets is None else offsets,
@@ -118,6 +130,9 @@ class VocabShard:
         self.start, self.stop = offs[rank], offs[rank + 1]
         self.stats = {"collectives": 0, "bytes_sent": 0}
         self._calls = 0
+        # Tests set it: a world of one then runs the partial, the exchange and the combine instead
+        # of the unsharded call (the path of every world, testable on one device).
+        self._force_exchange = False
         self._fault: str | None = None
         self._pending: list[tuple[Any, tuple[Any, ...]]] = []  # (done event, buffers it holds)
         self._stream = 0  # the stream of the pending calls
@@ -125,7 +140,9 @@ class VocabShard:
         # The agreement: every rank sends the same-sized record, so a disagreement is an error on
         # every rank instead of mismatched collectives later.
         digest = hashlib.blake2b(struct.pack(f"<{len(offs)}q", *offs), digest_size=7).digest()
-        mine = torch.tensor([vocab, int.from_bytes(digest, "little"), max_rows, world], dtype=torch.int64)
+        mine = torch.tensor([vocab, int.from_bytes(digest, "little"), max_rows, world], dtype=torch.int64,
+                            device=f"cuda:{torch.cuda.current_device()}" if self._nccl else "cpu")
+        self._streams: dict[int, Any] = {}  # torch's wrappers of the caller's streams (NCCL)
         if world > 1:
             got = [torch.zeros_like(mine) for _ in range(world)]
             dist.all_gather(got, mine, group=group)
@@ -136,9 +153,6 @@ class VocabShard:
                     raise FeedError(
                         f"VocabShard: rank {r} disagrees with rank {rank} (vocab {b[0]} vs {a[0]}, "
                         f"offsets {'differ' if a[1] != b[1] else 'agree'}, max_rows {b[2]} vs {a[2]})")
-            if _core.backend() != "host":
-                raise FeedError("VocabShard: the sharded call over several ranks runs on the host "
-                                "backend only in this build (the cuda collective is not built yet)")
 
     def close(self) -> None:
         """Wait for this rank's pending sharded calls and free their buffers; the shard then
@@ -206,7 +220,7 @@ class VocabShard:
             raise ValueError(f"with a shard, vocab is the slice's width {width}, not {vocab}")
         if params is not None:
             _check_temperature_only(params)
-        if self.world == 1:  # the unsharded call
+        if self.world == 1 and not self._force_exchange:  # the unsharded call
             kw = dict(rows=rows, vocab=self.vocab, dtype=dtype, row_stride=row_stride,
                       bitmask=bitmask, logprobs=logprobs, logprobs_dst=logprobs_dst)
             if op == "argmax":
@@ -219,8 +233,9 @@ class VocabShard:
             if type(buf) is _core.DeviceBuffer and buf.nbytes < n * 4:
                 raise ValueError(f"{what} holds {buf.nbytes} bytes; {n} rows need {n * 4}")
         handle = _stream_key(stream)
+        capturing = _core.stream_capturing(stream)  # a graph's call: see the end of this method
         self._reap()
-        if self._pending and handle != self._stream:
+        if self._pending and handle != self._stream and not capturing:
             # Two streams' workers would issue this group's collectives in either order.
             raise ValueError("a shard's calls go on one stream while earlier ones are pending "
                              f"(stream {self._stream:#x}, now {handle:#x})")
@@ -229,7 +244,6 @@ class VocabShard:
         if self.stop == self.start or (hasattr(logits, "shape") and len(logits.shape) == 2
                                        and int(logits.shape[1]) == 0):
             logits = None  # an empty slice takes part with no candidate
-        torch = self._torch
         block = _core.DeviceBuffer(self._block)
         gathered = _core.DeviceBuffer(self._block * self.world)
         fault = _core.PinnedBuffer(4)
@@ -246,11 +260,9 @@ class VocabShard:
             raise
         # Queued: from here every rank's collective sequence includes this call.
         self._calls = call
-        self._stream = handle
-        self._count(self._block)
-        src = _host_view(torch, block.ptr, self._block)
-        outs = [_host_view(torch, gathered.ptr + w * self._block, self._block) for w in range(self.world)]
-        _core.launch_host_func(stream, self._gather, src, outs)
+        if not capturing:
+            self._stream = handle
+        self._exchange(stream, block, gathered)
         try:
             _core._combine_partials(gathered, self.world, cells, dst, None, stream, rows=n,
                                     vocab=self.vocab, call=call, fault_dst=fault,
@@ -261,17 +273,74 @@ class VocabShard:
             self._fault = f"the combine was refused on rank {self.rank}: {exc}"
             raise
         _core.launch_host_func(stream, self._check, fault)
+        if capturing:
+            # Captured (docs/graphs.md): the graph's operations name the buffers, so the graph
+            # keeps them, and its replays reuse them, with this call's counter (every rank replays
+            # the same graphs in the same order, so the counters still agree); the shard's reaper
+            # must not free them.
+            if event is not None:
+                _core.event_record(event, stream)
+            return n
         done = _core.Event()
         _core.event_record(done, stream)
-        self._pending.append((done, (block, gathered, fault, src, outs)))
+        self._pending.append((done, (block, gathered, fault)))
         if event is not None:
             _core.event_record(event, stream)
         return n
 
-    def _gather(self, src: Any, outs: list[Any]) -> None:
-        """On the stream's worker: the one all-gather of this call's fixed-size blocks."""
+    def _exchange(self, stream: Any, src: Any, dst: Any) -> None:
+        """Queue on ``stream`` the all-gather of this rank's block ``src`` into ``dst``.
+
+        ``src`` and ``dst`` are DeviceBuffers; ``dst`` holds ``world`` blocks of ``src.nbytes``
+        bytes, rank ``r``'s at byte ``r * src.nbytes``. Every collective of a sharded call goes
+        through here, in stream order, and is counted in ``stats`` when it is issued (so a graph's
+        replays count too). Every rank must issue the same exchanges, with the same sizes, in the
+        same order.
+        """
+        if dst.nbytes < src.nbytes * self.world:
+            raise ValueError(f"the gathered buffer holds {dst.nbytes} bytes; {self.world} blocks "
+                             f"of {src.nbytes} need {src.nbytes * self.world}")
+        if not self._nccl:
+            _core.launch_host_func(stream, self._gather, src, dst)
+            return
+        # NCCL: issued now, from this thread, on `stream` (torch's current stream for the call).
+        # With async_op=False, torch >= 2.8 launches the kernel on the current stream itself;
+        # older versions order their own stream after it and it after theirs; neither waits on
+        # the host (unless TORCH_NCCL_BLOCKING_WAIT is set). In a capture the kernel becomes a
+        # node of the graph (NCCL >= 2.9), so replays re-issue it without Python.
+        torch, n = self._torch, src.nbytes
+        handle = _stream_key(stream)
+        ext = self._streams.get(handle)
+        if ext is None:  # handle 0: the legacy default stream, torch's default stream too
+            ext = self._streams[handle] = (torch.cuda.ExternalStream(handle) if handle
+                                           else torch.cuda.default_stream())
+        inp = torch.from_dlpack(src)  # 1-D uint8 CUDA tensors over the buffers; no copy, no sync
+        out = torch.from_dlpack(dst)[: n * self.world]
         try:
-            self._dist.all_gather(outs, src, group=self._group)
+            with torch.cuda.stream(ext):
+                self._dist.all_gather_into_tensor(out, inp, group=self._group)
+        except BaseException as exc:
+            # The partial call is queued and the peers go on: this rank cannot follow them.
+            self._fault = f"the all-gather could not be issued on rank {self.rank}: {exc}"
+            raise FeedError(self._fault) from exc
+        if _core.stream_capturing(stream):
+            # A host node: counts each replay's collective, and keeps the blocks with the graph
+            # (no other operation of the graph names this rank's block).
+            _core.launch_host_func(stream, self._issued, src, dst)
+        else:
+            self._count(n)
+
+    def _issued(self, src: Any, dst: Any) -> None:
+        """A graph's NCCL exchange, at each replay: counted in ``stats``."""
+        self._count(src.nbytes)
+
+    def _gather(self, src: Any, dst: Any) -> None:
+        """On the stream's worker (host backend): the all-gather ``_exchange`` queued."""
+        torch, n = self._torch, src.nbytes
+        outs = [_host_view(torch, dst.ptr + w * n, n) for w in range(self.world)]
+        self._count(n)
+        try:
+            self._dist.all_gather(outs, _host_view(torch, src.ptr, n), group=self._group)
         except BaseException as exc:
             for o in outs:  # zero headers: the combine then refuses the blocks (NO_TOKEN rows)
                 o.zero_()

@@ -14,15 +14,35 @@ import numpy as np
 import torch.distributed as dist
 
 RANK, WORLD, PORT = (int(a) for a in sys.argv[1:4])
-SCENARIO = sys.argv[4]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
-                        world_size=WORLD, timeout=datetime.timedelta(seconds=8))
+# "<scenario>[+exchange][+nccl]": "+exchange" runs a world of one through the partial, the
+# exchange and the combine (VocabShard's private switch) instead of the unsharded call; "+nccl"
+# makes the group NCCL, one GPU per rank (the cuda backend's exchange).
+SCENARIO, *FLAGS = sys.argv[4].split("+")
+FORCE_EXCHANGE = "exchange" in FLAGS
+if "nccl" in FLAGS:
+    import torch
+
+    torch.cuda.set_device(RANK)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=30))
+else:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=8))
 
 import metrale_feed as mf  # noqa: E402
 from metrale_feed.errors import FeedError  # noqa: E402
 from metrale_feed.oracle import reference_argmax, reference_logprobs  # noqa: E402
 
 import ml_dtypes  # noqa: E402
+
+if FORCE_EXCHANGE:
+    _made = mf.VocabShard.__init__
+
+    def _forced(self, *args, **kwargs):
+        _made(self, *args, **kwargs)
+        self._force_exchange = True
+
+    mf.VocabShard.__init__ = _forced
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -301,10 +321,117 @@ def scenario_pipeline():
         assert all(e == got for e in every), "the ranks' tokens differ"
 
 
-{"exact": scenario_exact, "pipeline": scenario_pipeline, "late": scenario_late, "rows-mismatch": scenario_rows_mismatch,
+def scenario_graph():
+    """Every rank captures the sharded argmax into a graph, then replays it on new logits written
+    into the captured input buffer: the unsharded ids and logprobs each time, a collective each."""
+    vocab, rows = 1000, 6
+    offsets = {2: [0, 333, vocab], 3: [0, 600, vocab, vocab]}.get(WORLD)  # 3: an empty slice
+    shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=8)
+    lo, hi = shard.start, shard.stop
+    width = max(1, hi - lo)
+    sl = mf.DeviceBuffer(rows * width * 4)
+    staged = mf.PinnedBuffer(rows * width * 4)
+    masks_host = np.full((rows, 2), mf.NO_TOKEN, np.uint32)
+    masks_host[2] = [min(shard.offsets[-2], vocab - 2), vocab - 1]  # ids of the last slice
+    masks = upload(masks_host)
+    cells, lp_dev = mf.DeviceBuffer(rows * 4), mf.DeviceBuffer(rows * 4)
+    ids, lp = mf.PinnedBuffer(rows * 4), mf.PinnedBuffer(rows * 4)
+    done = mf.Event()
+    stream = mf.Stream()
+
+    def step():
+        mf.copy_h2d_async(sl, staged, stream)  # pinned: read at each launch
+        mf.argmax_to_feed(sl if hi > lo else None, masks, cells, ids, done, stream, rows=rows,
+                          dtype="float32", logprobs=lp_dev, logprobs_dst=lp, shard=shard)
+
+    def fill(seed):
+        logits = nasty(np.random.default_rng(seed), rows, vocab, np.float32, shard.offsets)
+        np.frombuffer(staged, np.float32)[: rows * (hi - lo)] = logits[:, lo:hi].ravel()
+        return logits
+
+    def check(logits):
+        got = np.frombuffer(ids, np.uint32).copy()
+        want, _ = whole(logits, masks_host)
+        assert np.array_equal(got, want), (got, want)
+        assert np.array_equal(got, reference_argmax(logits, masks_host)), got
+        assert_close(np.frombuffer(lp, np.float32).copy(), reference_logprobs(logits, got))
+
+    # The exchange checks its buffers before anything is queued (on every rank alike).
+    before = dict(shard.stats)
+    with mf.DeviceBuffer(16) as small, mf.DeviceBuffer(16 * WORLD - 1) as short:
+        try:
+            shard._exchange(stream, small, short)
+        except ValueError as exc:
+            assert "gathered buffer" in str(exc), exc
+        else:
+            raise AssertionError("a gathered buffer too small was accepted")
+    assert shard.stats == before, shard.stats
+    fill(1)
+    step()  # once eagerly
+    done.synchronize()
+    before = dict(shard.stats)
+    with mf.graph_capture(stream) as graph:
+        step()
+    assert shard.stats == before, (shard.stats, before)  # a capture issues no collective
+    for k in range(4):
+        logits = fill(100 + k)
+        graph.launch(stream)
+        done.synchronize()
+        check(logits)
+        assert shard.stats["collectives"] == before["collectives"] + (k + 1), shard.stats
+        assert shard.stats["bytes_sent"] == before["bytes_sent"] + (k + 1) * 16 * (8 + 2)
+    # Eager calls and replays interleave: the call counters agree on every rank.
+    logits = fill(200)
+    step()
+    done.synchronize()
+    check(logits)
+    logits = fill(201)
+    graph.launch(stream)
+    graph.launch(stream)  # back to back: the second's result stands
+    done.synchronize()
+    check(logits)
+    # Sampling with host params cannot be captured (a replay would draw with the capture's
+    # seeds and positions): refused before anything is queued, on every rank alike.
+    with mf.graph_capture(stream) as refused:
+        try:
+            mf.sample_to_feed(sl if hi > lo else None, mf.sampling_params(rows, temperature=0.7),
+                              cells, ids, done, stream, rows=rows, dtype="float32", shard=shard)
+        except mf.FeedError as exc:
+            assert "capturing a graph" in str(exc), exc
+        else:
+            raise AssertionError("a sharded sample with host params was captured")
+    refused.close()
+    logits = fill(202)
+    graph.launch(stream)
+    done.synchronize()
+    check(logits)
+    graph.close()
+    # Ranks whose graphs disagree on rows: a FeedError on every rank at the replay.
+    with mf.graph_capture(stream) as bad:
+        mf.argmax_to_feed(sl if hi > lo else None, None, cells, ids, done, stream,
+                          rows=4 if RANK == 0 else 5, dtype="float32", shard=shard)
+    if WORLD > 1:
+        bad.launch(stream)
+        try:
+            done.synchronize()
+        except FeedError as exc:
+            assert "row count" in str(exc.__cause__ or exc), exc
+        else:
+            raise AssertionError("mismatched graphs gave no error")
+        try:
+            step()
+        except FeedError as exc:
+            assert "refuses" in str(exc)
+        else:
+            raise AssertionError("the shard took a call after a fault in a replay")
+    bad.close()
+    stream.close()
+
+
+{"graph": scenario_graph, "exact": scenario_exact, "pipeline": scenario_pipeline, "late": scenario_late, "rows-mismatch": scenario_rows_mismatch,
  "vocab-mismatch": scenario_vocab_mismatch, "bad-offsets": scenario_bad_offsets,
  "dead": scenario_dead}[SCENARIO]()
-print("OK", SCENARIO, flush=True)
+print("OK", sys.argv[4], flush=True)
 import os  # noqa: E402
 
 os._exit(0)  # skip the process group's teardown: a dead peer would make it wait

@@ -33,6 +33,17 @@ def test_the_pipeline_spmd_gives_the_unsharded_tokens_on_every_rank(world):
     ranks(world, "pipeline")
 
 
+@pytest.mark.parametrize("scenario", ["exact+exchange", "pipeline+exchange", "graph+exchange"])
+def test_a_world_of_one_through_the_exchange_equals_the_unsharded_call(scenario):
+    # The path of every world (partial, gloo all-gather, combine), on one rank.
+    ranks(1, scenario)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_captured_sharded_call_replays_on_new_logits_on_every_rank(world):
+    ranks(world, "graph")
+
+
 def test_a_late_peer_leaves_the_others_pending_then_right():
     ranks(2, "late")
 

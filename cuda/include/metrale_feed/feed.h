@@ -250,7 +250,9 @@ MF_EXPORT mf_status mf_reference_forward(const mf_reference_args *args, mf_strea
 /* ---- host functions in stream order ----
  * fn(data) runs once the work queued before it on `stream` has run, and work queued after it waits
  * for it to return (cuda: cudaLaunchHostFunc, so fn must make no CUDA call; host: the stream's
- * worker thread). fn reports nothing back: a binding that needs errors keeps them itself. */
+ * worker thread). fn reports nothing back: a binding that needs errors keeps them itself.
+ * On a capturing stream it becomes an operation of the graph (cuda: a host node), run at each
+ * launch with the same data, which must then live as long as the graph and its queued launches. */
 typedef void (*mf_host_fn)(void *data);
 MF_EXPORT mf_status mf_launch_host_func(mf_stream_t stream, mf_host_fn fn, void *data);
 
