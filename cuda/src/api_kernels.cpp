@@ -95,8 +95,11 @@ mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
     if (a->row_stride < a->vocab)
         return fail(MF_ERROR_INVALID_VALUE, "row_stride %llu is less than vocab %u",
                     (unsigned long long)a->row_stride, a->vocab);
-    if (a->flags & ~(uint32_t)(MF_ARGS_MASKS_DEVICE | MF_ARGS_PARAMS_DEVICE | MF_ARGS_PARTIAL))
+    if (a->flags & ~(uint32_t)(MF_ARGS_MASKS_DEVICE | MF_ARGS_PARAMS_DEVICE | MF_ARGS_PARTIAL |
+                               MF_ARGS_PARTIAL_LOGPROBS))
         return fail(MF_ERROR_INVALID_VALUE, "unknown argmax flags 0x%x", a->flags);
+    if ((a->flags & MF_ARGS_PARTIAL_LOGPROBS) && !partial)  // an unsplit call asks by `logprobs`
+        return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_PARTIAL_LOGPROBS needs MF_ARGS_PARTIAL");
     if (!a->masks && (a->flags & MF_ARGS_MASKS_DEVICE))
         return fail(MF_ERROR_INVALID_VALUE, "device-resident masks is a null pointer");
     if (!a->masks) {

@@ -134,6 +134,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         MF_ARGS_MASKS_DEVICE
         MF_ARGS_PARAMS_DEVICE
         MF_ARGS_PARTIAL
+        MF_ARGS_PARTIAL_LOGPROBS
         MF_SOURCES_DEVICE
     mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream)
     const uint32_t MF_MAX_SLICES

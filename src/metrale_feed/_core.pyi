@@ -235,13 +235,13 @@ def _argmax_partial(logits: _DeviceLike | None, masks: _MasksLike | _DeviceLike 
                     partials: _DeviceLike, event: _EventLike | None = None,
                     stream: _StreamLike = 0, *, start: int, stop: int, vocab: int, dtype: _DType,
                     call: int, rows: int | None = None, row_stride: int | None = None,
-                    bitmask: _DeviceLike | None = None) -> int: ...
+                    bitmask: _DeviceLike | None = None, logprobs: bool = False) -> int: ...
 def _sample_partial(logits: _DeviceLike | None, params: Buffer, partials: _DeviceLike,
                     event: _EventLike | None = None, stream: _StreamLike = 0, *, start: int,
                     stop: int, vocab: int, dtype: _DType, call: int,
                     masks: _MasksLike | _DeviceLike | None = None, rows: int | None = None,
                     row_stride: int | None = None,
-                    bitmask: _DeviceLike | None = None) -> int: ...
+                    bitmask: _DeviceLike | None = None, logprobs: bool = False) -> int: ...
 def _combine_partials(partials: _DeviceLike, world: int, cells: _DeviceLike,
                       dst: Buffer | int | None, event: _EventLike | None,
                       stream: _StreamLike = 0, *, rows: int, vocab: int, call: int,

@@ -234,8 +234,10 @@ class VocabShard:
         gathered = _core.DeviceBuffer(self._block * self.world)
         fault = _core.PinnedBuffer(4)
         call = self._calls + 1
+        # logprobs: the records carry (m, s) only when asked for; the header says which, so ranks
+        # that disagree get the combine's fault rather than a logprob from another's zero sum.
         kw = dict(start=self.start, stop=self.stop, vocab=self.vocab, dtype=dtype, call=call,
-                  rows=n, row_stride=row_stride, bitmask=bitmask)
+                  rows=n, row_stride=row_stride, bitmask=bitmask, logprobs=logprobs is not None)
         try:
             if op == "argmax":
                 _core._argmax_partial(logits, masks, block, None, stream, **kw)

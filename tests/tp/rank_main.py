@@ -65,16 +65,17 @@ def whole(logits, masks=None, bitmask=None, params=None):
 
 
 def sharded(shard, logits, masks=None, bitmask=None, params=None, pad=0, rows=None, wait=True,
-            stream=0):
-    """This rank's slice through the sharded call: (ids, logprobs, event, cells, seconds to return)."""
+            stream=0, logprobs=True):
+    """This rank's slice through the sharded call: (ids, logprobs or None, event, cells, seconds to
+    return)."""
     lo, hi = shard.start, shard.stop
     n = logits.shape[0]
     part = np.zeros((n, hi - lo + pad), logits.dtype)
     part[:, : hi - lo] = logits[:, lo:hi]
     sl = upload(part) if hi > lo else None
     bm = upload(bitmask) if bitmask is not None else None
-    cells, lp_dev = mf.DeviceBuffer(n * 4), mf.DeviceBuffer(n * 4)
-    ids, lp = np.zeros(n, np.uint32), np.full(n, 7.0, np.float32)
+    cells, lp_dev = mf.DeviceBuffer(n * 4), mf.DeviceBuffer(n * 4) if logprobs else None
+    ids, lp = np.zeros(n, np.uint32), np.full(n, 7.0, np.float32) if logprobs else None
     done = mf.Event()
     kw = dict(bitmask=bm, rows=n if rows is None else rows, dtype=np.dtype(logits.dtype).name,
               row_stride=hi - lo + pad if pad and hi > lo else None, logprobs=lp_dev,
@@ -216,6 +217,35 @@ def scenario_rows_mismatch():
         raise AssertionError("the shard took a call after a fault")
 
 
+def scenario_logprobs_mismatch():
+    vocab, rows = 1000, 5
+    rng = np.random.default_rng(8)
+    shard = mf.VocabShard(None, vocab, max_rows=8)
+    logits = nasty(rng, rows, vocab, np.float32, shard.offsets)
+    params = mf.sampling_params(rows, temperature=0.8, seed=9, position=np.arange(rows))
+    # Every rank without logprobs: the records skip the sum, the ids are the unsharded ones.
+    for p in (None, params):
+        ids, lp, *_ = sharded(shard, logits, params=p, logprobs=False)
+        assert lp is None and np.array_equal(ids, whole(logits, params=p)[0]), (p, ids)
+    # Rank 0 alone asks for logprobs: the fingerprint fault on every rank, never a logprob
+    # combined from the other ranks' zero sums, never a wrong id.
+    ids, lp, done, held, took = sharded(shard, logits, params=params, logprobs=RANK == 0, wait=False)
+    try:
+        done.synchronize()
+    except FeedError as exc:
+        assert "logprobs setting" in str(exc.__cause__ or exc), exc
+    else:
+        raise AssertionError(f"mismatched logprobs gave no error: {ids} {lp}")
+    assert (ids == mf.NO_TOKEN).all(), ids
+    assert lp is None or np.isnan(lp).all(), lp
+    try:
+        sharded(shard, logits)
+    except FeedError as exc:
+        assert "refuses" in str(exc)
+    else:
+        raise AssertionError("the shard took a call after a fault")
+
+
 def scenario_vocab_mismatch():
     try:
         mf.VocabShard(None, 1000 + (RANK == 0), max_rows=8)
@@ -302,6 +332,7 @@ def scenario_pipeline():
 
 
 {"exact": scenario_exact, "pipeline": scenario_pipeline, "late": scenario_late, "rows-mismatch": scenario_rows_mismatch,
+ "logprobs-mismatch": scenario_logprobs_mismatch,
  "vocab-mismatch": scenario_vocab_mismatch, "bad-offsets": scenario_bad_offsets,
  "dead": scenario_dead}[SCENARIO]()
 print("OK", SCENARIO, flush=True)
