@@ -21,6 +21,9 @@ _EXTRA = "pip install 'metrale-feed[torch]'"
 # A partial block: a 32-byte header (the fingerprint the combine checks) and 16 bytes a row.
 _HEADER_RECORDS = 2
 _RECORD_BYTES = 16
+# Completed calls' buffers kept for reuse: pending calls beyond this many get fresh ones, so a
+# depth-2 pipeline allocates nothing per step (on the cuda backend a free synchronises the device).
+_RING = 4
 
 
 def _torch() -> Any:
@@ -120,6 +123,8 @@ class VocabShard:
         self._calls = 0
         self._fault: str | None = None
         self._pending: list[tuple[Any, tuple[Any, ...]]] = []  # (done event, buffers it holds)
+        self._ring: list[tuple[Any, tuple[Any, ...]]] = []  # completed calls' (done, buffers)
+        self._graph_held: list[Any] = []  # a captured call's: a replay reuses them, never the ring
         self._stream = 0  # the stream of the pending calls
         self._block = (max_rows + _HEADER_RECORDS) * _RECORD_BYTES
         # The agreement: every rank sends the same-sized record, so a disagreement is an error on
@@ -153,7 +158,8 @@ class VocabShard:
         --------
         >>> shard.close()  # doctest: +SKIP
         """
-        pending, self._pending = self._pending, []
+        pending, self._pending = self._pending + self._ring, []
+        self._ring = []
         if self._fault is None:
             self._fault = "the shard is closed"
         for done, held in pending:
@@ -194,7 +200,35 @@ class VocabShard:
         return rows
 
     def _reap(self) -> None:
-        self._pending = [p for p in self._pending if not _core.event_query(p[0])]
+        """Move completed calls' buffers to the ring: their done event is recorded after the
+        combine and the fault check, the last readers of the block, the gathered blocks and the
+        fault word, so nothing queued still uses them."""
+        pending = []
+        for p in self._pending:
+            if not _core.event_query(p[0]):
+                pending.append(p)
+            elif len(self._ring) < _RING:
+                self._ring.append(p)
+            else:
+                _close_slot(p)
+        self._pending = pending
+
+    def _slot(self) -> tuple[Any, tuple[Any, ...]]:
+        """A call's (done event, (block, gathered, fault, block view, gathered views)): a completed
+        call's from the ring, or new ones sized by max_rows (so any call fits any slot)."""
+        if self._ring:
+            return self._ring.pop()
+        torch = self._torch
+        block = _core.DeviceBuffer(self._block)
+        try:
+            gathered = _core.DeviceBuffer(self._block * self.world)
+            fault = _core.PinnedBuffer(4)
+        except BaseException:
+            block.close()
+            raise
+        src = _host_view(torch, block.ptr, self._block)
+        outs = [_host_view(torch, gathered.ptr + w * self._block, self._block) for w in range(self.world)]
+        return _core.Event(), (block, gathered, fault, src, outs)
 
     def _call(self, op: str, logits: Any, masks: Any, params: Any, cells: Any, dst: Any,
               event: Any, stream: Any, rows: Any, vocab: Any, dtype: Any, row_stride: Any,
@@ -229,10 +263,8 @@ class VocabShard:
         if self.stop == self.start or (hasattr(logits, "shape") and len(logits.shape) == 2
                                        and int(logits.shape[1]) == 0):
             logits = None  # an empty slice takes part with no candidate
-        torch = self._torch
-        block = _core.DeviceBuffer(self._block)
-        gathered = _core.DeviceBuffer(self._block * self.world)
-        fault = _core.PinnedBuffer(4)
+        slot = self._slot()
+        done, (block, gathered, fault, src, outs) = slot
         call = self._calls + 1
         # logprobs: the records carry (m, s) only when asked for; the header says which, so ranks
         # that disagree get the combine's fault rather than a logprob from another's zero sum.
@@ -244,14 +276,12 @@ class VocabShard:
             else:
                 _core._sample_partial(logits, params, block, None, stream, masks=masks, **kw)
         except BaseException:
-            block.close(), gathered.close(), fault.close()
+            self._ring.append(slot)  # refused before anything was queued: still free
             raise
         # Queued: from here every rank's collective sequence includes this call.
         self._calls = call
         self._stream = handle
         self._count(self._block)
-        src = _host_view(torch, block.ptr, self._block)
-        outs = [_host_view(torch, gathered.ptr + w * self._block, self._block) for w in range(self.world)]
         _core.launch_host_func(stream, self._gather, src, outs)
         try:
             _core._combine_partials(gathered, self.world, cells, dst, None, stream, rows=n,
@@ -261,11 +291,15 @@ class VocabShard:
         except BaseException as exc:
             # The collective is queued and the peers go on: this rank cannot follow them.
             self._fault = f"the combine was refused on rank {self.rank}: {exc}"
+            _core.event_record(done, stream)  # the gather still writes the slot: close() waits
+            self._pending.append(slot)
             raise
         _core.launch_host_func(stream, self._check, fault)
-        done = _core.Event()
         _core.event_record(done, stream)
-        self._pending.append((done, (block, gathered, fault, src, outs)))
+        if _core.stream_capturing(stream):
+            self._graph_held.append(slot)
+        else:
+            self._pending.append(slot)
         if event is not None:
             _core.event_record(event, stream)
         return n
@@ -288,6 +322,13 @@ class VocabShard:
             if self._fault is None:
                 self._fault = str(exc)
             raise
+
+
+def _close_slot(slot: tuple[Any, tuple[Any, ...]]) -> None:
+    done, held = slot
+    done.close()
+    for buf in held[:3]:
+        buf.close()
 
 
 def _stream_key(stream: Any) -> int:

@@ -246,6 +246,60 @@ def scenario_logprobs_mismatch():
         raise AssertionError("the shard took a call after a fault")
 
 
+def scenario_ring():
+    vocab, rows = 1000, 6
+    rng = np.random.default_rng(10)
+    base = mf.live_objects()
+    shard = mf.VocabShard(None, vocab, max_rows=8)
+    lo, hi = shard.start, shard.stop
+    batches = [nasty(rng, rows, vocab, np.float32, shard.offsets) for _ in range(7)]
+    wants = [whole(x) for x in batches]
+    slices = [upload(np.ascontiguousarray(x[:, lo:hi])) for x in batches]
+    cells, lp_dev = mf.DeviceBuffer(rows * 4), mf.DeviceBuffer(rows * 4)
+
+    def issue(i):
+        ids, lp, done = np.zeros(rows, np.uint32), np.full(rows, 7.0, np.float32), mf.Event()
+        mf.argmax_to_feed(slices[i], None, cells, ids, done, rows=rows, dtype="float32",
+                          logprobs=lp_dev, logprobs_dst=lp, shard=shard)
+        return ids, lp, done
+
+    def check(i, ids, lp, done):
+        done.synchronize()
+        assert np.array_equal(ids, wants[i][0]), (i, ids, wants[i][0])
+        assert_close(lp, reference_logprobs(batches[i], ids))
+        done.close()
+
+    check(0, *issue(0))
+    steady = mf.live_objects()
+    made, real = [], mf._core.DeviceBuffer
+    mf._core.DeviceBuffer = lambda *a, **k: made.append(a) or real(*a, **k)  # counts the shard's
+    try:
+        for i in range(7):  # one call at a time: its buffers come back, nothing is allocated
+            check(i, *issue(i))
+    finally:
+        mf._core.DeviceBuffer = real
+    assert made == [], made
+    now = mf.live_objects()
+    assert (now["device_bytes"], now["pinned_bytes"], now["events"]) == \
+        (steady["device_bytes"], steady["pinned_bytes"], steady["events"]), (steady, now)
+    # Back to back while the last rank is late: every call is pending on the others, each on
+    # buffers of its own, then all are right.
+    if RANK == WORLD - 1:
+        time.sleep(0.5)
+    calls = [issue(i) for i in range(7)]
+    if RANK != WORLD - 1:
+        assert not calls[0][2].query(), "the first call completed before the late peer called"
+    for i, c in enumerate(calls):
+        check(i, *c)
+    check(3, *issue(3))  # and a call after them reuses one
+    shard.close()
+    for b in slices + [cells, lp_dev]:
+        b.close()
+    end = mf.live_objects()
+    assert (end["device_bytes"], end["pinned_bytes"]) == (base["device_bytes"], base["pinned_bytes"]), \
+        (base, end)
+
+
 def scenario_vocab_mismatch():
     try:
         mf.VocabShard(None, 1000 + (RANK == 0), max_rows=8)
@@ -332,7 +386,7 @@ def scenario_pipeline():
 
 
 {"exact": scenario_exact, "pipeline": scenario_pipeline, "late": scenario_late, "rows-mismatch": scenario_rows_mismatch,
- "logprobs-mismatch": scenario_logprobs_mismatch,
+ "logprobs-mismatch": scenario_logprobs_mismatch, "ring": scenario_ring,
  "vocab-mismatch": scenario_vocab_mismatch, "bad-offsets": scenario_bad_offsets,
  "dead": scenario_dead}[SCENARIO]()
 print("OK", SCENARIO, flush=True)
