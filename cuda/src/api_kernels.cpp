@@ -296,6 +296,9 @@ mf_status mf_reference_forward(const mf_reference_args *a, mf_stream_t stream) {
     if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "unknown logits dtype %d", (int)a->dtype);
     if (a->rows == 0 || a->rows > kMaxRows || a->vocab == 0 || a->vocab > kMaxVocab || a->block_size == 0)
         return fail(MF_ERROR_INVALID_VALUE, "reference forward: bad rows, vocab or block size");
+    if (a->start > kMaxVocab - a->vocab)
+        return fail(MF_ERROR_INVALID_VALUE, "reference forward: columns [%u, %llu) pass the largest vocabulary",
+                    a->start, (unsigned long long)a->start + a->vocab);
     mf_status status = check_device_range(a->input_ids, (size_t)a->rows * 4, "input ids");
     if (status == MF_SUCCESS) status = check_device_range(a->meta, (size_t)a->rows * 8, "row meta");
     if (status == MF_SUCCESS && a->table_words == 0)

@@ -174,6 +174,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint32_t vocab
         mf_dtype dtype
         void *logits
+        uint32_t start
     mf_status mf_reference_forward(const mf_reference_args *args, mf_stream_t stream)
 
     ctypedef void (*mf_host_fn)(void *data) noexcept

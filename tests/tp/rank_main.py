@@ -361,6 +361,9 @@ def scenario_pipeline():
 
     def decode(depth, sharded):
         model = ReferenceModel(vocab, max_rows=8, shard=shard if sharded else None)
+        # As a column-parallel LM head: this rank's logits are its slice's columns only.
+        width = shard.stop - shard.start if sharded else vocab
+        assert model.logits.nbytes == max(1, 8 * width * 4), (model.logits.nbytes, width)
         with mf.DecodePipeline(model, 8, depth=depth, shard=shard if sharded else None) as pipe:
             reqs = [pipe.submit([3, 1, 4 + i], max_new_tokens=6 + i,
                                 ban=(7, 500) if i == 2 else None,
@@ -369,6 +372,19 @@ def scenario_pipeline():
         model.close()
         return [r.tokens for r in reqs]
 
+    # One forward: the rank's logits buffer holds the slice's columns, each its global id's logit.
+    from metrale_feed.reference import host_logits
+
+    with ReferenceModel(vocab, max_rows=8, shard=shard) as model:
+        seq = mf.SequenceState(0)
+        model.prefill(seq, [3, 1, 4])
+        model.decode_batch([1], [seq])
+        width = shard.stop - shard.start
+        got = np.zeros(width, np.float32)
+        if width:
+            mf.copy_d2h_async(model.logits, got.view(np.uint8))
+        mf.stream_synchronize(0)
+        assert np.array_equal(got, host_logits([3, 1, 4, 1], vocab)[shard.start:shard.stop])
     for depth in (1, 2):
         want = decode(depth, False)
         before = shard.stats["collectives"]

@@ -241,7 +241,9 @@ MF_EXPORT mf_status mf_resolve_feed_flags(const uint32_t *sources, uint32_t n,
 
 /* The reference model's forward. Per row r (device arrays): meta[2r] = seq_len (the position
  * written), meta[2r+1] = offset of the row's block table in tables; input_ids[r] is written into
- * kv at that position, then logits row r (rows x vocab, dtype) is computed from the history.
+ * kv at that position, then logits row r (rows x vocab, dtype) is computed from the history:
+ * column j holds the logit of id start + j, so a rank of a split vocabulary computes only its
+ * slice, as a column-parallel LM head does (start 0: the whole row; start + vocab <= 2**24).
  * logits NULL: only the KV writes (a prefill, one row per position). */
 typedef struct mf_reference_args {
     const uint32_t *input_ids;
@@ -255,6 +257,7 @@ typedef struct mf_reference_args {
     uint32_t vocab;
     mf_dtype dtype;
     void *logits;
+    uint32_t start; /* the id of column 0 */
 } mf_reference_args;
 MF_EXPORT mf_status mf_reference_forward(const mf_reference_args *args, mf_stream_t stream);
 
