@@ -39,19 +39,23 @@ struct AddD {
 };
 
 // ids: the argmax/sampler's output, row r at ids[r * id_stride] (a local id in a partial call).
+// stats false (a partial call without MF_ARGS_PARTIAL_LOGPROBS, launched with one warp): the
+// record alone, its (m, s) left 0, so no pass over the row.
 __global__ void __launch_bounds__(kThreads)
     mf_logprob_stats_kernel(const char *logits, int dtype, uint64_t row_bytes, uint32_t width,
                             const uint32_t *ids, uint32_t id_stride, float *logprobs,
-                            mf_partial_record *records, mf_partial_header header) {
+                            mf_partial_record *records, mf_partial_header header, bool stats) {
     __shared__ float fslots[kThreads / 32];
     __shared__ double dslots[kThreads / 32];
     const uint32_t r = blockIdx.x;
     const void *row = logits + r * row_bytes;
-    float m = mf_neg_inf();
-    for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) m = MaxF()(m, mf_from_bits(mf_logit_bits(row, dtype, i)));
-    m = block_fold(m, MaxF(), fslots);
+    float m = stats ? mf_neg_inf() : 0.0f;
     double s = 0.0;
-    if (m > mf_neg_inf() && mf_finite_bits(mf_to_bits(m))) {
+    if (stats) {  // uniform across the grid: every thread takes the folds or none does
+        for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) m = MaxF()(m, mf_from_bits(mf_logit_bits(row, dtype, i)));
+        m = block_fold(m, MaxF(), fslots);
+    }
+    if (stats && m > mf_neg_inf() && mf_finite_bits(mf_to_bits(m))) {
         for (uint32_t i = threadIdx.x; i < width; i += blockDim.x)
             s += (double)mf_exp_neg(mf_fsub(mf_from_bits(mf_logit_bits(row, dtype, i)), m));
         s = block_fold(s, AddD(), dslots);
@@ -74,7 +78,8 @@ __global__ void mf_combine_kernel(const mf_partial_record *first, const mf_parti
                                   const __grid_constant__ CombineParams in) {
     const uint32_t r = blockIdx.x * blockDim.x + threadIdx.x;  // within this launch
     if (row0 + r >= rows || r >= kCombineRowsPerLaunch) return;
-    const uint32_t f = mf_check_headers(headers, world, stride, op, rows, call, vocab);
+    const uint32_t f = mf_check_headers(headers, world, stride, mf_partial_op(op == MF_PARTIAL_SAMPLE, logprobs != nullptr),
+                                        rows, call, vocab);
     if (row0 + r == 0) *fault = f;
     uint32_t id = MF_NO_TOKEN, bits = 0;
     float m = mf_neg_inf();
@@ -86,7 +91,7 @@ __global__ void mf_combine_kernel(const mf_partial_record *first, const mf_parti
         id = mf_combine_pick(rec, world, stride, sampled ? &plan : nullptr);
         for (uint32_t w = 0; w < world; ++w)
             if (id != MF_NO_TOKEN && rec[(uint64_t)w * stride].id == id) bits = rec[(uint64_t)w * stride].logit_bits;
-        mf_combine_stats(rec, world, stride, &m, &s);
+        if (logprobs) mf_combine_stats(rec, world, stride, &m, &s);
     }
     cells[row0 + r] = id;
     if (logprobs) logprobs[row0 + r] = mf_logprob_finish(id, bits, m, s);
@@ -98,16 +103,17 @@ cudaError_t launch_logprob_stats(const mf_argmax_args &a, cudaStream_t stream) {
     const uint64_t esize = a.dtype == MF_DTYPE_F32 ? 4u : 2u;
     const bool partial = a.flags & MF_ARGS_PARTIAL;
     const IdSink sink = id_sink(a);
+    const bool stats = !partial || (a.flags & MF_ARGS_PARTIAL_LOGPROBS);
     mf_partial_header h{};
     mf_partial_record *records = nullptr;
     if (partial) {
-        h = mf_partial_header{MF_PARTIAL_TAG ^ (a.params ? MF_PARTIAL_SAMPLE : MF_PARTIAL_ARGMAX), a.rows,
+        h = mf_partial_header{MF_PARTIAL_TAG ^ mf_partial_op(a.params != nullptr, stats), a.rows,
                               a.call, a.vocab_total, a.start, a.start + a.vocab, 0u};
         records = static_cast<mf_partial_record *>(a.partials) + MF_PARTIAL_HEADER_RECORDS;
     }
-    mf_logprob_stats_kernel<<<a.rows, kThreads, 0, stream>>>(
+    mf_logprob_stats_kernel<<<a.rows, stats ? kThreads : 32, 0, stream>>>(
         static_cast<const char *>(a.logits), (int)a.dtype, a.row_stride * esize, a.vocab, sink.ids,
-        sink.stride, a.logprobs, records, h);
+        sink.stride, a.logprobs, records, h, stats);
     return cudaGetLastError();
 }
 

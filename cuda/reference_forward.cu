@@ -40,7 +40,7 @@ template <class O>
 __global__ void __launch_bounds__(kThreads)
     mf_reference_kernel(const uint32_t *input_ids, const uint32_t *meta, const uint32_t *tables,
                         uint32_t table_words, uint32_t *kv, uint32_t kv_slots, uint32_t bs,
-                        uint32_t vocab, typename O::T *logits) {
+                        uint32_t vocab, uint32_t start, typename O::T *logits) {
     __shared__ uint32_t row_hash;
     const uint32_t r = blockIdx.x, pos = meta[2 * r], offset = meta[2 * r + 1];
     if (threadIdx.x == 0) {
@@ -72,14 +72,14 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t h = row_hash;
     typename O::T *out = logits + (uint64_t)r * vocab;
     for (uint32_t v = threadIdx.x; v < vocab; v += blockDim.x)
-        out[v] = O::conv(mf_reference_logit(h, v));
+        out[v] = O::conv(mf_reference_logit(h, start + v));
 }
 
 template <class O>
 cudaError_t launch(const mf_reference_args &a, cudaStream_t stream) {
     mf_reference_kernel<O><<<a.rows, kThreads, 0, stream>>>(
         a.input_ids, a.meta, a.tables, a.table_words, a.kv, a.kv_slots, a.block_size, a.vocab,
-        static_cast<typename O::T *>(a.logits));
+        a.start, static_cast<typename O::T *>(a.logits));
     return cudaGetLastError();
 }
 

@@ -59,10 +59,11 @@ def pick(dev, logits, masks=None, bitmask=None, params=None, with_logprobs=True,
 
 
 def split(dev, logits, offsets, masks=None, bitmask=None, params=None, pad=0, call=11,
-          tamper=None):
+          tamper=None, logprobs=True):
     """The partial calls over the slices [offsets[w], offsets[w+1]) and their combine: (ids,
-    logprobs, fault word). ``pad`` widens each slice's rows (a padded row stride); ``tamper(w)``
-    returns overrides for slice w's call."""
+    logprobs or None, fault word). ``pad`` widens each slice's rows (a padded row stride);
+    ``tamper(w)`` returns overrides for slice w's call; ``logprobs`` is asked of every partial call
+    and of the combine."""
     rows, vocab = logits.shape
     world = len(offsets) - 1
     block = _core._partial_bytes(rows)
@@ -80,18 +81,19 @@ def split(dev, logits, offsets, masks=None, bitmask=None, params=None, pad=0, ca
         if sl is not None:
             held.append(sl)
         kw = dict(rows=rows, start=lo, stop=hi, vocab=vocab, dtype=dtype, call=call, bitmask=bitmask,
-                  row_stride=hi - lo + pad if pad else None)
+                  row_stride=hi - lo + pad if pad else None, logprobs=logprobs)
         if tamper:
             kw.update(tamper(w))
         if params is None:
             _core._argmax_partial(sl, masks, parts.ptr + w * block, **kw)
         else:
             _core._sample_partial(sl, params, parts.ptr + w * block, masks=masks, **kw)
-    ids, lp = np.zeros(rows, np.uint32), np.full(rows, 7.0, np.float32)
+    ids, lp = np.zeros(rows, np.uint32), np.full(rows, 7.0, np.float32) if logprobs else None
     fault = mf.PinnedBuffer(4)
     with mf.Event() as done:
         _core._combine_partials(parts, world, cells, ids, done, rows=rows, vocab=vocab, call=call,
-                                fault_dst=fault, params=params, logprobs=lp_dev, logprobs_dst=lp)
+                                fault_dst=fault, params=params, logprobs=lp_dev if logprobs else None,
+                                logprobs_dst=lp)
         done.synchronize()
     for b in held:
         b.close()
@@ -239,6 +241,8 @@ def test_partial_refusals(host, dev):
     with pytest.raises(ValueError, match="temperature only"):
         _core._sample_partial(sl, mf.sampling_params(rows, temperature=1.0, top_k=3), parts, start=0,
                               stop=5, **kw)
+    with pytest.raises(TypeError, match="logprobs"):
+        _core._argmax_partial(sl, None, parts, start=0, stop=5, logprobs=1, **kw)
     tiny = mf.DeviceBuffer(16)
     with pytest.raises((ValueError, FeedError)):
         _core._argmax_partial(sl, None, tiny, start=0, stop=5, **kw)
@@ -397,6 +401,83 @@ def test_slices_that_do_not_tile_and_another_operation(host, dev):
             _core._check_partials_fault(f)
     for b in (parts, cells, sl, sl2):
         b.close()
+
+
+def test_a_slice_with_the_other_logprobs_setting_is_a_feed_error(host, dev):
+    # One slice asked for logprobs while the combine did not, or the reverse: the fault, on the
+    # combine's side, never a logprob from a zero sum nor a wrong id.
+    logits = np.random.default_rng(17).standard_normal((3, 1000)).astype(np.float32)
+    for combine_logprobs in (True, False):
+        ids, lp, fault = split(dev, logits, [0, 333, 667, 1000], logprobs=combine_logprobs,
+                               tamper=lambda w: {"logprobs": not combine_logprobs} if w == 1 else {})
+        with pytest.raises(FeedError, match="slice 1 has the other logprobs setting"):
+            _core._check_partials_fault(fault)
+        assert (ids == mf.NO_TOKEN).all()
+        assert lp is None or np.isnan(lp).all()
+
+
+def read_block(dev, parts, rows):
+    """A partial block's header words (tag, rows, call lo, call hi, vocab, start, stop, fault) and
+    its records (id, logit bits, max, sum)."""
+    raw = dev.download(parts, count=_core._partial_bytes(rows))
+    header = raw[:32].view(np.uint32)
+    rec = raw[32:].view(np.dtype([("id", "<u4"), ("bits", "<u4"), ("max", "<f4"), ("sum", "<f4")]))
+    return header, rec
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_partial_records_carry_max_and_sum_only_when_logprobs_are_asked(path, no_leaks, dev, dtype):
+    rng = np.random.default_rng(18 + len(dtype))
+    rows, vocab, lo, hi = 5, 1000, 400, 1000
+    logits = nasty(rng, rows, vocab, DTYPES[dtype])
+    logits[4] = np.nan  # no finite logit in the slice
+    part = np.ascontiguousarray(logits[:, lo:hi])
+    wide = part.astype(np.float64)
+    sl, parts = dev.upload(part), mf.DeviceBuffer(_core._partial_bytes(rows))
+    params = mf.sampling_params(rows, temperature=0.9, seed=5, position=np.arange(rows))
+    local = reference_argmax(part)
+    for sampled in (False, True):
+        for logprobs in (False, True):
+            kw = dict(rows=rows, start=lo, stop=hi, vocab=vocab, dtype=dtype, call=3, logprobs=logprobs)
+            if sampled:
+                _core._sample_partial(sl, params, parts, **kw)
+            else:
+                _core._argmax_partial(sl, None, parts, **kw)
+            header, rec = read_block(dev, parts, rows)
+            op = (2 if sampled else 1) | (4 if logprobs else 0)
+            assert header[0] == 0x3150464D ^ op and header[1] == rows and header[2] == 3
+            assert header[4:7].tolist() == [vocab, lo, hi]
+            if not sampled:  # the slice's argmax as a global id, its logit's bits
+                assert np.array_equal(rec["id"], local + lo)
+                chosen = part.astype(np.float32)[np.arange(rows), local]
+                assert np.array_equal(rec["bits"].view(np.float32), chosen, equal_nan=True)
+            if not logprobs:  # not computed: both 0, whatever the logits
+                assert (rec["max"] == 0).all() and (rec["sum"] == 0).all(), rec
+                continue
+            finite = np.where(np.isnan(wide), -np.inf, wide)
+            m = finite.max(axis=1)
+            assert np.array_equal(rec["max"][:4], m[:4].astype(np.float32))
+            s = np.exp(finite[:4] - m[:4, None]).sum(axis=1)
+            assert np.allclose(rec["sum"][:4], s, rtol=1e-6), (rec["sum"], s)
+            assert rec["max"][4] == -np.inf and rec["sum"][4] == 0
+    for b in (sl, parts):
+        b.close()
+
+
+@pytest.mark.parametrize("how", ["even", "uneven", "custom-empty"])
+def test_split_without_logprobs_equals_unsharded(path, dev, how):
+    rng = np.random.default_rng(19)
+    rows, vocab = 9, 1000
+    logits = nasty(rng, rows, vocab)
+    masks = rng.integers(0, vocab, (rows, 2)).astype(np.uint32)
+    bitmask = rng.integers(-2**31, 2**31, (rows, 32), dtype=np.int64).astype(np.int32)
+    bitmask[2] = 0
+    params = mf.sampling_params(rows, temperature=rng.uniform(0.3, 2.0, rows), seed=7, position=np.arange(rows))
+    for p in (None, params):
+        want, _ = pick(dev, logits, masks, bitmask, params=p, with_logprobs=False)
+        ids, lp, fault = split(dev, logits, SPLITS[how](vocab), masks, bitmask, params=p, logprobs=False)
+        _core._check_partials_fault(fault)
+        assert lp is None and np.array_equal(ids, want) and ids[2] == mf.NO_TOKEN
 
 
 @pytest.mark.gpu

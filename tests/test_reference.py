@@ -33,9 +33,9 @@ def test_host_logits_match_the_formula():
     assert np.array_equal(host_logits(history, 300), fnv_fmix_logits_python(history, 300))
 
 
-def read_logits(model, rows, dtype):
+def read_logits(model, rows, dtype, width=None):
     itemsize = 4 if dtype == "float32" else 2
-    raw = bytearray(rows * model.feed_vocab * itemsize)
+    raw = bytearray(rows * (model.feed_vocab if width is None else width) * itemsize)
     metrale_feed.copy_d2h_async(model.logits.ptr, raw, 0)
     metrale_feed.stream_synchronize(0)
     if dtype == "float32":
@@ -84,6 +84,61 @@ def test_kv_is_read_back_through_the_block_table(host, no_leaks):
         assert np.array_equal(got[1], host_logits([7, 8, 9, 10], vocab))
         model.release_sequence(a)
         model.release_sequence(b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("start, stop", [(300, 555), (0, 1), (776, 777), (0, 777)])
+def test_a_sharded_model_computes_only_its_slice(host, no_leaks, dtype, start, stop):
+    """As a column-parallel LM head: the logits a rank allocates and fills are its slice's
+    columns, each the logit of its global id. (The shard's calls need a process group; the
+    forward only reads the slice, so a stand-in suffices here; tests/tp runs the real one.)"""
+    from types import SimpleNamespace
+
+    vocab, width = 777, stop - start
+    shard = SimpleNamespace(vocab=vocab, max_rows=8, start=start, stop=stop)
+    with ReferenceModel(vocab, block_size=4, num_blocks=64, max_rows=8, logits_dtype=dtype,
+                        shard=shard) as model:
+        assert model.logits.nbytes == 8 * width * (4 if dtype == "float32" else 2)
+        seqs = [SequenceState(i) for i in range(3)]
+        prompts = [[5], [1, 2, 3, 4, 5, 6], [9] * 11]
+        for seq, prompt in zip(seqs, prompts):
+            model.prefill(seq, prompt[:-1])
+        assert model.decode_batch([p[-1] for p in prompts], seqs) == model.logits.ptr
+        got = read_logits(model, 3, dtype, width)
+        for row, prompt in enumerate(prompts):
+            expected = host_logits(prompt, vocab, dtype)[start:stop]
+            assert np.array_equal(got[row].view(np.uint8), expected.view(np.uint8)), row
+
+
+def test_an_empty_slice_writes_the_kv_cache_only(host, no_leaks):
+    from types import SimpleNamespace
+
+    shard = SimpleNamespace(vocab=50, max_rows=2, start=50, stop=50)
+    with ReferenceModel(50, block_size=2, num_blocks=8, max_rows=2, shard=shard) as model, \
+            ReferenceModel(50, block_size=2, num_blocks=8, max_rows=2) as whole:
+        for m in (model, whole):
+            seq = SequenceState(0)
+            m.prefill(seq, [4, 2])
+            m.decode_batch([7], [seq])
+        assert model.logits.nbytes == 1
+        kv = [bytearray(8 * 2 * 4) for _ in range(2)]
+        for m, raw in zip((model, whole), kv):
+            metrale_feed.copy_d2h_async(m.kv, raw, 0)
+        metrale_feed.stream_synchronize(0)
+        assert kv[0] == kv[1] and np.frombuffer(kv[0], np.uint32)[:3].tolist() == [4, 2, 7]
+
+
+def test_forward_columns_past_the_largest_vocabulary_are_refused(host, no_leaks):
+    bufs = [metrale_feed.DeviceBuffer(n) for n in (4, 8, 4, 64, 16 * 4)]
+    ids, meta, tables, kv, logits = bufs
+    with pytest.raises(ValueError, match="start"):
+        metrale_feed._core.reference_forward(ids, meta, tables, kv, 16, 4, 1, 16, "float32", logits,
+                                             start=metrale_feed.MAX_VOCAB - 15)
+    metrale_feed._core.reference_forward(ids, meta, tables, kv, 16, 4, 1, 16, "float32", logits,
+                                         start=metrale_feed.MAX_VOCAB - 16)  # the last columns
+    metrale_feed.stream_synchronize(0)
+    for b in bufs:
+        b.close()
 
 
 def test_reserve_and_release_follow_design():

@@ -95,8 +95,11 @@ mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
     if (a->row_stride < a->vocab)
         return fail(MF_ERROR_INVALID_VALUE, "row_stride %llu is less than vocab %u",
                     (unsigned long long)a->row_stride, a->vocab);
-    if (a->flags & ~(uint32_t)(MF_ARGS_MASKS_DEVICE | MF_ARGS_PARAMS_DEVICE | MF_ARGS_PARTIAL))
+    if (a->flags & ~(uint32_t)(MF_ARGS_MASKS_DEVICE | MF_ARGS_PARAMS_DEVICE | MF_ARGS_PARTIAL |
+                               MF_ARGS_PARTIAL_LOGPROBS))
         return fail(MF_ERROR_INVALID_VALUE, "unknown argmax flags 0x%x", a->flags);
+    if ((a->flags & MF_ARGS_PARTIAL_LOGPROBS) && !partial)  // an unsplit call asks by `logprobs`
+        return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_PARTIAL_LOGPROBS needs MF_ARGS_PARTIAL");
     if (!a->masks && (a->flags & MF_ARGS_MASKS_DEVICE))
         return fail(MF_ERROR_INVALID_VALUE, "device-resident masks is a null pointer");
     if (!a->masks) {
@@ -305,6 +308,9 @@ mf_status mf_reference_forward(const mf_reference_args *a, mf_stream_t stream) {
     if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "unknown logits dtype %d", (int)a->dtype);
     if (a->rows == 0 || a->rows > kMaxRows || a->vocab == 0 || a->vocab > kMaxVocab || a->block_size == 0)
         return fail(MF_ERROR_INVALID_VALUE, "reference forward: bad rows, vocab or block size");
+    if (a->start > kMaxVocab - a->vocab)
+        return fail(MF_ERROR_INVALID_VALUE, "reference forward: columns [%u, %llu) pass the largest vocabulary",
+                    a->start, (unsigned long long)a->start + a->vocab);
     mf_status status = check_device_range(a->input_ids, (size_t)a->rows * 4, "input ids");
     if (status == MF_SUCCESS) status = check_device_range(a->meta, (size_t)a->rows * 8, "row meta");
     if (status == MF_SUCCESS && a->table_words == 0)

@@ -134,6 +134,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         MF_ARGS_MASKS_DEVICE
         MF_ARGS_PARAMS_DEVICE
         MF_ARGS_PARTIAL
+        MF_ARGS_PARTIAL_LOGPROBS
         MF_SOURCES_DEVICE
     mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream)
     const uint32_t MF_MAX_SLICES
@@ -173,6 +174,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint32_t vocab
         mf_dtype dtype
         void *logits
+        uint32_t start
     mf_status mf_reference_forward(const mf_reference_args *args, mf_stream_t stream)
 
     ctypedef void (*mf_host_fn)(void *data) noexcept

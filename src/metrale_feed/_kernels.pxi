@@ -584,9 +584,10 @@ cdef object device_words(object obj, void *ptr, size_t have):
 
 
 def reference_forward(input_ids, meta, tables, kv, kv_slots, block_size, rows, vocab, dtype,
-                      logits, stream=0):
+                      logits, stream=0, *, start=0):
     """The reference model's forward kernel (device arrays; see feed.h). For ReferenceModel.
-    ``logits=None`` only writes the KV cache (prefill)."""
+    ``logits=None`` only writes the KV cache (prefill). The logits hold ``vocab`` columns, the ids
+    ``start`` to ``start + vocab`` (a rank's slice of a split vocabulary)."""
     cdef mf_reference_args a
     cdef uint64_t s
     cdef void *ptr
@@ -611,6 +612,7 @@ def reference_forward(input_ids, meta, tables, kv, kv_slots, block_size, rows, v
         a.block_size = <uint32_t>int_of(block_size, "block_size", 1, 0xFFFFFFFF)
         a.rows = <uint32_t>int_of(rows, "rows", 1, MF_MAX_ROWS)
         a.vocab = <uint32_t>int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
+        a.start = <uint32_t>int_of(start, "start", 0, MF_MAX_VOCAB - a.vocab)
         a.dtype = dtype_of(dtype)
         check(mf_reference_forward(&a, s))
         note_capture(s, (input_ids, meta, tables, kv, logits))

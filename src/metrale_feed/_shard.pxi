@@ -8,14 +8,17 @@ PARTIAL_HEADER_BYTES = MF_PARTIAL_HEADER_RECORDS * 16     # the fingerprint befo
 
 _FAULTS = {1: "another operation or not a partial block", 2: "another row count",
            3: "another call counter", 4: "another vocabulary",
-           5: "slices that do not tile the vocabulary in order"}
+           5: "slices that do not tile the vocabulary in order",
+           6: "the other logprobs setting (logprobs asked for on some slices only)"}
 
 
 cdef int fill_partial(mf_argmax_args *a, object partial) except -1:
-    """The slice of a partial call: ``partial`` is (partials, start, stop, vocab, call)."""
+    """The slice of a partial call: ``partial`` is (partials, start, stop, vocab, call, logprobs)."""
     cdef void *ptr
     cdef uint64_t call
-    partials, start, stop, vocab, call_obj = partial
+    partials, start, stop, vocab, call_obj, logprobs = partial
+    if logprobs is not True and logprobs is not False:
+        raise TypeError(f"logprobs must be True or False, not {logprobs!r}")
     total = int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
     lo = int_of(start, "start", 0, total)
     hi = int_of(stop, "stop", lo, total)
@@ -26,7 +29,7 @@ cdef int fill_partial(mf_argmax_args *a, object partial) except -1:
     a.vocab_total = <uint32_t>total
     a.start = <uint32_t>lo
     a.call = call
-    a.flags |= MF_ARGS_PARTIAL
+    a.flags |= MF_ARGS_PARTIAL | (MF_ARGS_PARTIAL_LOGPROBS if logprobs else 0)
     return 0
 
 
@@ -36,13 +39,13 @@ def _partial_bytes(rows):
 
 
 def _argmax_partial(logits, masks, partials, event=None, stream=0, *, start, stop, vocab, dtype,
-                    call, rows=None, row_stride=None, bitmask=None):
+                    call, rows=None, row_stride=None, bitmask=None, logprobs=False):
     """The masked argmax of the slice ``[start, stop)`` of each row, as a partial block.
 
     Writes ``partials`` (device, ``_partial_bytes(rows)`` bytes) in stream order: a 32-byte header
     (operation, rows, ``call``, ``vocab``, ``start``, ``stop``), then one 16-byte record per row
-    (the slice's best candidate as a global id and its logit, and the slice's greatest logit and
-    sum of exponentials), then records ``event``. ``_combine_partials`` turns the blocks of every
+    (the slice's best candidate as a global id and its logit, and, with ``logprobs``, the slice's
+    greatest logit and sum of exponentials, else 0 and 0), then records ``event``. ``_combine_partials`` turns the blocks of every
     slice into what ``argmax_to_feed`` gives on the whole rows.
 
     Parameters
@@ -67,6 +70,10 @@ def _argmax_partial(logits, masks, partials, event=None, stream=0, *, start, sto
         As for ``argmax_to_feed`` (``row_stride`` in elements of the slice's rows).
     bitmask : device memory, optional
         The *whole* rows' bitmask, ``[rows, ceil(vocab / 32)]`` int32 words.
+    logprobs : bool
+        Whether the combine will write logprobs: the records then carry the slice's max and sum
+        of exponentials (one more pass over the slice), and the header says so, so that a combine
+        with the other setting refuses the block (a fault, never a logprob from a zero sum).
 
     Returns
     -------
@@ -86,11 +93,11 @@ def _argmax_partial(logits, masks, partials, event=None, stream=0, *, start, sto
     4
     """
     return launch_pick(logits, masks, None, None, event, stream, bitmask, None, rows, vocab, dtype,
-                       row_stride, None, None, (partials, start, stop, vocab, call))
+                       row_stride, None, None, (partials, start, stop, vocab, call, logprobs))
 
 
 def _sample_partial(logits, params, partials, event=None, stream=0, *, start, stop, vocab, dtype,
-                    call, masks=None, rows=None, row_stride=None, bitmask=None):
+                    call, masks=None, rows=None, row_stride=None, bitmask=None, logprobs=False):
     """``_argmax_partial`` with each row's race winner over the slice (``sample_to_feed``'s rule).
 
     The race draws by global id, so the combine gives the very id ``sample_to_feed`` draws on the
@@ -101,7 +108,7 @@ def _sample_partial(logits, params, partials, event=None, stream=0, *, start, st
     ----------
     params : SAMPLING_PARAMS_DTYPE array
         One record per row, the same on every slice.
-    logits, partials, event, stream, start, stop, vocab, dtype, call, masks, rows, row_stride, bitmask
+    logits, partials, event, stream, start, stop, vocab, dtype, call, masks, rows, row_stride, bitmask, logprobs
         As for ``_argmax_partial``.
 
     Returns
@@ -123,7 +130,7 @@ def _sample_partial(logits, params, partials, event=None, stream=0, *, start, st
     if rows is None and masks is None:
         rows = len(params)
     return launch_pick(logits, masks, None, None, event, stream, bitmask, params, rows, vocab, dtype,
-                       row_stride, None, None, (partials, start, stop, vocab, call))
+                       row_stride, None, None, (partials, start, stop, vocab, call, logprobs))
 
 
 def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, vocab, call, fault_dst,
@@ -133,7 +140,8 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
     ``partials`` holds ``world`` blocks, block ``w`` at byte ``w * slice_stride * 16``, slices in
     id order (what an all-gather of each slice's block gives). In stream order: every header is
     checked against (operation, ``rows``, ``call``, ``vocab``) and the slices against
-    ``[0, vocab)``; then ``cells``, ``dst``, ``logprobs`` and ``logprobs_dst`` get what
+    ``[0, vocab)``, and the blocks' logprobs setting against whether ``logprobs`` is given; then
+    ``cells``, ``dst``, ``logprobs`` and ``logprobs_dst`` get what
     ``argmax_to_feed`` (``params`` None) or ``sample_to_feed`` gives on the whole rows; then the
     fault word is copied into ``fault_dst`` and ``event`` recorded. A mismatch writes ``NO_TOKEN``
     and NaN to every row and a nonzero fault: ``_check_partials_fault(fault_dst)`` raises it as a

@@ -85,9 +85,11 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         With ``graphs``, how many graphs ``fed_step_settled`` keeps (least recently used evicted
         first, once their last launch has completed). Default 16.
     shard : VocabShard, optional
-        A vocabulary split across ranks (docs/tensor-parallel.md): the feed reads only the
-        slice's columns of each row and goes through the sharded call, so every rank gets the
-        same tokens as the unsharded model. (The forward still writes whole rows.)
+        A vocabulary split across ranks (docs/tensor-parallel.md): as a column-parallel LM head,
+        the forward computes only the slice's ``shard.stop - shard.start`` columns of each row
+        (``logits`` holds ``max_rows`` rows of that width), and the feed goes through the
+        sharded call, so every rank gets the same tokens as the unsharded model. A rank whose
+        slice is empty writes the KV cache only.
 
     Raises
     ------
@@ -120,15 +122,16 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
             raise ValueError("graphs=True and shard= cannot be combined yet")
         if num_blocks * block_size > 0xFFFFFFFF:  # KV slots are addressed with uint32
             raise ValueError(f"num_blocks x block_size must be below 2**32, got {num_blocks * block_size}")
-        self.init_device_feed(vocab=vocab, logits_dtype=logits_dtype, max_rows=max_rows,
-                              shard=shard, row_stride=None if shard is None else vocab)
+        self.init_device_feed(vocab=vocab, logits_dtype=logits_dtype, max_rows=max_rows, shard=shard)
+        # The logits' columns: the ids [start, start + width), the whole row without a shard.
+        self._start, self._width = (0, vocab) if shard is None else (shard.start, shard.stop - shard.start)
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.stream = stream
         self.settled_steps = 0
         self.host_syncs = 0  # times the host waited for the device (a full staging ring)
         self.kv = _core.DeviceBuffer(num_blocks * block_size * 4)
-        self.logits = _core.DeviceBuffer(max_rows * vocab * _ITEMSIZE[self.feed_logits_dtype])
+        self.logits = _core.DeviceBuffer(max(1, max_rows * self._width * _ITEMSIZE[self.feed_logits_dtype]))
         self._staging: List[Optional[_Staging]] = [None] * _STAGING_SLOTS
         self._next_staging = 0
         self._closed = False
@@ -225,14 +228,13 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         _core.copy_h2d_async(slot.dev[1], slot.host[1], stream)
         _core.copy_h2d_async(slot.dev[2], slot.host[2], stream)
         slot.event.record(stream)
+        logits = logits and self._width > 0  # an empty slice has no column to compute
         _core.reference_forward(slot.dev[0], slot.dev[1], slot.dev[2], self.kv,
                                 self.pool.num_blocks * self.block_size, self.block_size, rows,
-                                self.feed_vocab, self.feed_logits_dtype,
-                                self.logits if logits else None, stream)
-        if self.feed_shard is None:
-            return self.logits.ptr
-        # The slice's columns of each row: rows `vocab` elements apart (feed_row_stride).
-        return self.logits.ptr + self.feed_shard.start * _ITEMSIZE[self.feed_logits_dtype]
+                                max(self._width, 1), self.feed_logits_dtype,
+                                self.logits if logits else None, stream,
+                                start=self._start if logits else 0)
+        return self.logits.ptr
 
     def decode_batch(self, tokens: Sequence[int], seqs: Sequence[SequenceState],
                      stream: Any = None) -> int:

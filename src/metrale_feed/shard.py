@@ -22,6 +22,9 @@ _EXTRA = "pip install 'metrale-feed[torch]'"
 # A partial block: a 32-byte header (the fingerprint the combine checks) and 16 bytes a row.
 _HEADER_RECORDS = 2
 _RECORD_BYTES = 16
+# Completed calls' buffers kept for reuse: pending calls beyond this many get fresh ones, so a
+# depth-2 pipeline allocates nothing per step (on the cuda backend a free synchronises the device).
+_RING = 4
 
 
 def _torch() -> Any:
@@ -135,6 +138,7 @@ class VocabShard:
         self._force_exchange = False
         self._fault: str | None = None
         self._pending: list[tuple[Any, tuple[Any, ...]]] = []  # (done event, buffers it holds)
+        self._ring: list[tuple[Any, tuple[Any, ...]]] = []  # completed calls' (done, buffers)
         self._stream = 0  # the stream of the pending calls
         self._block = (max_rows + _HEADER_RECORDS) * _RECORD_BYTES
         # The agreement: every rank sends the same-sized record, so a disagreement is an error on
@@ -167,7 +171,8 @@ class VocabShard:
         --------
         >>> shard.close()  # doctest: +SKIP
         """
-        pending, self._pending = self._pending, []
+        pending, self._pending = self._pending + self._ring, []
+        self._ring = []
         if self._fault is None:
             self._fault = "the shard is closed"
         for done, held in pending:
@@ -208,7 +213,32 @@ class VocabShard:
         return rows
 
     def _reap(self) -> None:
-        self._pending = [p for p in self._pending if not _core.event_query(p[0])]
+        """Move completed calls' buffers to the ring: their done event is recorded after the
+        combine and the fault check, the last readers of the block, the gathered blocks and the
+        fault word, so nothing queued still uses them."""
+        pending = []
+        for p in self._pending:
+            if not _core.event_query(p[0]):
+                pending.append(p)
+            elif len(self._ring) < _RING:
+                self._ring.append(p)
+            else:
+                _close_slot(p)
+        self._pending = pending
+
+    def _slot(self) -> tuple[Any, tuple[Any, ...]]:
+        """A call's (done event, (block, gathered, fault)): a completed call's from the ring, or
+        new ones sized by max_rows (so any call fits any slot)."""
+        if self._ring:
+            return self._ring.pop()
+        block = _core.DeviceBuffer(self._block)
+        try:
+            gathered = _core.DeviceBuffer(self._block * self.world)
+            fault = _core.PinnedBuffer(4)
+        except BaseException:
+            block.close()
+            raise
+        return _core.Event(), (block, gathered, fault)
 
     def _call(self, op: str, logits: Any, masks: Any, params: Any, cells: Any, dst: Any,
               event: Any, stream: Any, rows: Any, vocab: Any, dtype: Any, row_stride: Any,
@@ -244,19 +274,20 @@ class VocabShard:
         if self.stop == self.start or (hasattr(logits, "shape") and len(logits.shape) == 2
                                        and int(logits.shape[1]) == 0):
             logits = None  # an empty slice takes part with no candidate
-        block = _core.DeviceBuffer(self._block)
-        gathered = _core.DeviceBuffer(self._block * self.world)
-        fault = _core.PinnedBuffer(4)
+        slot = self._slot()
+        done, (block, gathered, fault) = slot
         call = self._calls + 1
+        # logprobs: the records carry (m, s) only when asked for; the header says which, so ranks
+        # that disagree get the combine's fault rather than a logprob from another's zero sum.
         kw = dict(start=self.start, stop=self.stop, vocab=self.vocab, dtype=dtype, call=call,
-                  rows=n, row_stride=row_stride, bitmask=bitmask)
+                  rows=n, row_stride=row_stride, bitmask=bitmask, logprobs=logprobs is not None)
         try:
             if op == "argmax":
                 _core._argmax_partial(logits, masks, block, None, stream, **kw)
             else:
                 _core._sample_partial(logits, params, block, None, stream, masks=masks, **kw)
         except BaseException:
-            block.close(), gathered.close(), fault.close()
+            self._ring.append(slot)  # refused before anything was queued: still free
             raise
         # Queued: from here every rank's collective sequence includes this call.
         self._calls = call
@@ -271,19 +302,21 @@ class VocabShard:
         except BaseException as exc:
             # The collective is queued and the peers go on: this rank cannot follow them.
             self._fault = f"the combine was refused on rank {self.rank}: {exc}"
+            if not capturing:  # (a capture's graph holds what its exchange names)
+                _core.event_record(done, stream)  # the gather still writes the slot: close() waits
+                self._pending.append(slot)
             raise
         _core.launch_host_func(stream, self._check, fault)
         if capturing:
             # Captured (docs/graphs.md): the graph's operations name the buffers, so the graph
             # keeps them, and its replays reuse them, with this call's counter (every rank replays
-            # the same graphs in the same order, so the counters still agree); the shard's reaper
-            # must not free them.
+            # the same graphs in the same order, so the counters still agree). The slot leaves the
+            # ring for good: neither the reaper nor close() may free or reuse what a replay writes.
             if event is not None:
                 _core.event_record(event, stream)
             return n
-        done = _core.Event()
         _core.event_record(done, stream)
-        self._pending.append((done, (block, gathered, fault)))
+        self._pending.append(slot)
         if event is not None:
             _core.event_record(event, stream)
         return n
@@ -355,6 +388,13 @@ class VocabShard:
             if self._fault is None:
                 self._fault = str(exc)
             raise
+
+
+def _close_slot(slot: tuple[Any, tuple[Any, ...]]) -> None:
+    done, held = slot
+    done.close()
+    for buf in held[:3]:
+        buf.close()
 
 
 def _stream_key(stream: Any) -> int:

@@ -229,6 +229,9 @@ static void test_argmax_and_resolve(void) {
     b.logits = (const char *)dlogits + 2; /* misaligned */
     FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_VALUE);
     b = a;
+    b.flags = MF_ARGS_PARTIAL_LOGPROBS; /* a partial call's flag on an unsplit call */
+    FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_VALUE);
+    b = a;
     b.event = 0xDEAD00000001ull;
     FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_HANDLE);
     b = a;

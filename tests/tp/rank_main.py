@@ -85,16 +85,17 @@ def whole(logits, masks=None, bitmask=None, params=None):
 
 
 def sharded(shard, logits, masks=None, bitmask=None, params=None, pad=0, rows=None, wait=True,
-            stream=0):
-    """This rank's slice through the sharded call: (ids, logprobs, event, cells, seconds to return)."""
+            stream=0, logprobs=True):
+    """This rank's slice through the sharded call: (ids, logprobs or None, event, cells, seconds to
+    return)."""
     lo, hi = shard.start, shard.stop
     n = logits.shape[0]
     part = np.zeros((n, hi - lo + pad), logits.dtype)
     part[:, : hi - lo] = logits[:, lo:hi]
     sl = upload(part) if hi > lo else None
     bm = upload(bitmask) if bitmask is not None else None
-    cells, lp_dev = mf.DeviceBuffer(n * 4), mf.DeviceBuffer(n * 4)
-    ids, lp = np.zeros(n, np.uint32), np.full(n, 7.0, np.float32)
+    cells, lp_dev = mf.DeviceBuffer(n * 4), mf.DeviceBuffer(n * 4) if logprobs else None
+    ids, lp = np.zeros(n, np.uint32), np.full(n, 7.0, np.float32) if logprobs else None
     done = mf.Event()
     kw = dict(bitmask=bm, rows=n if rows is None else rows, dtype=np.dtype(logits.dtype).name,
               row_stride=hi - lo + pad if pad and hi > lo else None, logprobs=lp_dev,
@@ -236,6 +237,89 @@ def scenario_rows_mismatch():
         raise AssertionError("the shard took a call after a fault")
 
 
+def scenario_logprobs_mismatch():
+    vocab, rows = 1000, 5
+    rng = np.random.default_rng(8)
+    shard = mf.VocabShard(None, vocab, max_rows=8)
+    logits = nasty(rng, rows, vocab, np.float32, shard.offsets)
+    params = mf.sampling_params(rows, temperature=0.8, seed=9, position=np.arange(rows))
+    # Every rank without logprobs: the records skip the sum, the ids are the unsharded ones.
+    for p in (None, params):
+        ids, lp, *_ = sharded(shard, logits, params=p, logprobs=False)
+        assert lp is None and np.array_equal(ids, whole(logits, params=p)[0]), (p, ids)
+    # Rank 0 alone asks for logprobs: the fingerprint fault on every rank, never a logprob
+    # combined from the other ranks' zero sums, never a wrong id.
+    ids, lp, done, held, took = sharded(shard, logits, params=params, logprobs=RANK == 0, wait=False)
+    try:
+        done.synchronize()
+    except FeedError as exc:
+        assert "logprobs setting" in str(exc.__cause__ or exc), exc
+    else:
+        raise AssertionError(f"mismatched logprobs gave no error: {ids} {lp}")
+    assert (ids == mf.NO_TOKEN).all(), ids
+    assert lp is None or np.isnan(lp).all(), lp
+    try:
+        sharded(shard, logits)
+    except FeedError as exc:
+        assert "refuses" in str(exc)
+    else:
+        raise AssertionError("the shard took a call after a fault")
+
+
+def scenario_ring():
+    vocab, rows = 1000, 6
+    rng = np.random.default_rng(10)
+    base = mf.live_objects()
+    shard = mf.VocabShard(None, vocab, max_rows=8)
+    lo, hi = shard.start, shard.stop
+    batches = [nasty(rng, rows, vocab, np.float32, shard.offsets) for _ in range(7)]
+    wants = [whole(x) for x in batches]
+    slices = [upload(np.ascontiguousarray(x[:, lo:hi])) for x in batches]
+    cells, lp_dev = mf.DeviceBuffer(rows * 4), mf.DeviceBuffer(rows * 4)
+
+    def issue(i):
+        ids, lp, done = np.zeros(rows, np.uint32), np.full(rows, 7.0, np.float32), mf.Event()
+        mf.argmax_to_feed(slices[i], None, cells, ids, done, rows=rows, dtype="float32",
+                          logprobs=lp_dev, logprobs_dst=lp, shard=shard)
+        return ids, lp, done
+
+    def check(i, ids, lp, done):
+        done.synchronize()
+        assert np.array_equal(ids, wants[i][0]), (i, ids, wants[i][0])
+        assert_close(lp, reference_logprobs(batches[i], ids))
+        done.close()
+
+    check(0, *issue(0))
+    steady = mf.live_objects()
+    made, real = [], mf._core.DeviceBuffer
+    mf._core.DeviceBuffer = lambda *a, **k: made.append(a) or real(*a, **k)  # counts the shard's
+    try:
+        for i in range(7):  # one call at a time: its buffers come back, nothing is allocated
+            check(i, *issue(i))
+    finally:
+        mf._core.DeviceBuffer = real
+    assert made == [], made
+    now = mf.live_objects()
+    assert (now["device_bytes"], now["pinned_bytes"], now["events"]) == \
+        (steady["device_bytes"], steady["pinned_bytes"], steady["events"]), (steady, now)
+    # Back to back while the last rank is late: every call is pending on the others, each on
+    # buffers of its own, then all are right.
+    if RANK == WORLD - 1:
+        time.sleep(0.5)
+    calls = [issue(i) for i in range(7)]
+    if RANK != WORLD - 1:
+        assert not calls[0][2].query(), "the first call completed before the late peer called"
+    for i, c in enumerate(calls):
+        check(i, *c)
+    check(3, *issue(3))  # and a call after them reuses one
+    shard.close()
+    for b in slices + [cells, lp_dev]:
+        b.close()
+    end = mf.live_objects()
+    assert (end["device_bytes"], end["pinned_bytes"]) == (base["device_bytes"], base["pinned_bytes"]), \
+        (base, end)
+
+
 def scenario_vocab_mismatch():
     try:
         mf.VocabShard(None, 1000 + (RANK == 0), max_rows=8)
@@ -297,6 +381,9 @@ def scenario_pipeline():
 
     def decode(depth, sharded):
         model = ReferenceModel(vocab, max_rows=8, shard=shard if sharded else None)
+        # As a column-parallel LM head: this rank's logits are its slice's columns only.
+        width = shard.stop - shard.start if sharded else vocab
+        assert model.logits.nbytes == max(1, 8 * width * 4), (model.logits.nbytes, width)
         with mf.DecodePipeline(model, 8, depth=depth, shard=shard if sharded else None) as pipe:
             reqs = [pipe.submit([3, 1, 4 + i], max_new_tokens=6 + i,
                                 ban=(7, 500) if i == 2 else None,
@@ -305,6 +392,19 @@ def scenario_pipeline():
         model.close()
         return [r.tokens for r in reqs]
 
+    # One forward: the rank's logits buffer holds the slice's columns, each its global id's logit.
+    from metrale_feed.reference import host_logits
+
+    with ReferenceModel(vocab, max_rows=8, shard=shard) as model:
+        seq = mf.SequenceState(0)
+        model.prefill(seq, [3, 1, 4])
+        model.decode_batch([1], [seq])
+        width = shard.stop - shard.start
+        got = np.zeros(width, np.float32)
+        if width:
+            mf.copy_d2h_async(model.logits, got.view(np.uint8))
+        mf.stream_synchronize(0)
+        assert np.array_equal(got, host_logits([3, 1, 4, 1], vocab)[shard.start:shard.stop])
     for depth in (1, 2):
         want = decode(depth, False)
         before = shard.stats["collectives"]
@@ -429,6 +529,7 @@ def scenario_graph():
 
 
 {"graph": scenario_graph, "exact": scenario_exact, "pipeline": scenario_pipeline, "late": scenario_late, "rows-mismatch": scenario_rows_mismatch,
+ "logprobs-mismatch": scenario_logprobs_mismatch, "ring": scenario_ring,
  "vocab-mismatch": scenario_vocab_mismatch, "bad-offsets": scenario_bad_offsets,
  "dead": scenario_dead}[SCENARIO]()
 print("OK", sys.argv[4], flush=True)

@@ -53,6 +53,16 @@ def test_mismatched_rows_are_a_feed_error_on_every_rank(world):
     ranks(world, "rows-mismatch")
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_logprobs_asked_on_some_ranks_only_is_a_feed_error_on_every_rank(world):
+    ranks(world, "logprobs-mismatch")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_calls_reuse_completed_buffers_and_pending_ones_keep_theirs(world):
+    ranks(world, "ring")
+
+
 def test_ranks_that_disagree_on_the_shard_get_feed_error():
     ranks(3, "vocab-mismatch")
 

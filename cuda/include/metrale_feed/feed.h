@@ -152,8 +152,17 @@ MF_EXPORT mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t
  *   (masks hold global ids, the bitmask is the whole row's ceil(vocab_total/32) words, vocab may be
  *   0); instead of cells, a partial block (a header, then one record per row: logprob_rule.h) is
  *   written to `partials`, for mf_combine_partials. cells, host_dst and logprobs must be NULL, and
- *   params (host only) temperature-only: top_k, top_p and min_p need global thresholds. */
-enum { MF_ARGS_MASKS_DEVICE = 1u, MF_ARGS_PARAMS_DEVICE = 2u, MF_ARGS_PARTIAL = 4u };
+ *   params (host only) temperature-only: top_k, top_p and min_p need global thresholds;
+ * - MF_ARGS_PARTIAL_LOGPROBS (with MF_ARGS_PARTIAL only): the records also carry the slice's max
+ *   and sum of exponentials, for a combine that writes logprobs; without it they hold 0 and the
+ *   partial call costs what the argmax over the slice costs. The header records the choice, so a
+ *   combine whose logprobs setting differs from a slice's refuses it (MF_FAULT_LOGPROBS). */
+enum {
+    MF_ARGS_MASKS_DEVICE = 1u,
+    MF_ARGS_PARAMS_DEVICE = 2u,
+    MF_ARGS_PARTIAL = 4u,
+    MF_ARGS_PARTIAL_LOGPROBS = 8u
+};
 
 /* One row's sampling parameters (32 bytes; Python's SAMPLING_PARAMS_DTYPE has this layout). */
 typedef struct mf_sampling_params {
@@ -192,7 +201,9 @@ MF_EXPORT mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t st
 /* The partial blocks of one row split: what each slice's MF_ARGS_PARTIAL call wrote, gathered.
  * Block w starts at record w * slice_stride (records of 16 bytes; slice_stride >= rows + 2) and
  * holds a header (2 records) then rows records, slices in id order. The combine checks every
- * header against (op, rows, call, vocab) and the slices' coverage of [0, vocab), then writes cells,
+ * header against (op, rows, call, vocab, and whether logprobs is set: the slices must have been
+ * called with MF_ARGS_PARTIAL_LOGPROBS exactly when it is) and the slices' coverage of [0, vocab),
+ * then writes cells,
  * host_dst, logprobs and logprobs_dst exactly as the unsharded call would, then records event.
  * A mismatch writes NO_TOKEN and NaN to every row and the fault (MF_FAULT_* | slice << 8) to
  * `fault` (device word, required; 0 when the headers agree), copied to fault_dst (host) if set. */
@@ -230,7 +241,9 @@ MF_EXPORT mf_status mf_resolve_feed_flags(const uint32_t *sources, uint32_t n,
 
 /* The reference model's forward. Per row r (device arrays): meta[2r] = seq_len (the position
  * written), meta[2r+1] = offset of the row's block table in tables; input_ids[r] is written into
- * kv at that position, then logits row r (rows x vocab, dtype) is computed from the history.
+ * kv at that position, then logits row r (rows x vocab, dtype) is computed from the history:
+ * column j holds the logit of id start + j, so a rank of a split vocabulary computes only its
+ * slice, as a column-parallel LM head does (start 0: the whole row; start + vocab <= 2**24).
  * logits NULL: only the KV writes (a prefill, one row per position). */
 typedef struct mf_reference_args {
     const uint32_t *input_ids;
@@ -244,6 +257,7 @@ typedef struct mf_reference_args {
     uint32_t vocab;
     mf_dtype dtype;
     void *logits;
+    uint32_t start; /* the id of column 0 */
 } mf_reference_args;
 MF_EXPORT mf_status mf_reference_forward(const mf_reference_args *args, mf_stream_t stream);
 

@@ -19,6 +19,10 @@
 #define MF_PARTIAL_TAG 0x3150464Du /* "MFP1" */
 #define MF_PARTIAL_HEADER_RECORDS 2u
 enum { MF_PARTIAL_ARGMAX = 1u, MF_PARTIAL_SAMPLE = 2u };
+/* Or'ed into a header's operation when its records carry (m, s) (MF_ARGS_PARTIAL_LOGPROBS): a
+ * combine that writes logprobs expects it in every header and one that does not expects it in
+ * none, so ranks that disagree on logprobs get a fault, never a logprob from a zero sum. */
+#define MF_PARTIAL_LOGPROBS 4u
 /* Why a combine refused its partials (the low byte of the fault word; the slice is in bits 8+). */
 enum {
     MF_FAULT_NONE = 0u,
@@ -26,12 +30,13 @@ enum {
     MF_FAULT_ROWS = 2u,  /* another row count */
     MF_FAULT_CALL = 3u,  /* another call: a slice from an earlier or later step */
     MF_FAULT_VOCAB = 4u, /* another vocabulary */
-    MF_FAULT_SPLIT = 5u  /* the slices do not tile [0, vocab) in order */
+    MF_FAULT_SPLIT = 5u, /* the slices do not tile [0, vocab) in order */
+    MF_FAULT_LOGPROBS = 6u /* the same operation with the other logprobs setting */
 };
 
 /* The first 32 bytes of a slice's partial block: what the combine checks before trusting it. */
 typedef struct mf_partial_header {
-    uint32_t tag; /* MF_PARTIAL_TAG ^ op */
+    uint32_t tag; /* MF_PARTIAL_TAG ^ mf_partial_op(...) */
     uint32_t rows;
     uint64_t call;
     uint32_t vocab; /* the whole vocabulary */
@@ -43,7 +48,9 @@ typedef struct mf_partial_header {
  * winner of a sampled row) as a global id and its logit widened exactly to float32 bits (the
  * combine rebuilds the packed key from them, and a sampled row's race score too, so a sampled
  * record still carries the chosen logit for its logprob); MF_NO_TOKEN when the slice has none.
- * max/sum: the slice's (m, s) over all its ids, masks and bitmask ignored. */
+ * max/sum: the slice's (m, s) over all its ids, masks and bitmask ignored, when the call asked for
+ * them (MF_ARGS_PARTIAL_LOGPROBS); both 0 otherwise, so that the partial argmax costs what the
+ * plain argmax over the slice costs. */
 typedef struct mf_partial_record {
     uint32_t id;
     uint32_t logit_bits;
@@ -117,14 +124,21 @@ MF_HD void mf_combine_stats(const mf_partial_record *rec, uint32_t world, uint32
     *s = sum;
 }
 
-/* The fault of a set of headers (hdr[w * stride] in records), 0 when they agree. */
+/* The operation word of a partial block's header (its tag is MF_PARTIAL_TAG ^ it). */
+MF_HD uint32_t mf_partial_op(int sampled, int logprobs) {
+    return (sampled ? MF_PARTIAL_SAMPLE : MF_PARTIAL_ARGMAX) | (logprobs ? MF_PARTIAL_LOGPROBS : 0u);
+}
+
+/* The fault of a set of headers (hdr[w * stride] in records), 0 when they agree. `op` is the
+ * combine's own mf_partial_op: a header with the other logprobs bit is MF_FAULT_LOGPROBS. */
 MF_HD uint32_t mf_check_headers(const mf_partial_header *first, uint32_t world, uint32_t stride_records,
                                 uint32_t op, uint32_t rows, uint64_t call, uint32_t vocab) {
     uint32_t expect_start = 0;
     for (uint32_t w = 0; w < world; ++w) {
         const mf_partial_header *h =
             (const mf_partial_header *)((const char *)first + (uint64_t)w * stride_records * 16u);
-        uint32_t code = h->tag != (MF_PARTIAL_TAG ^ op) ? MF_FAULT_TAG
+        uint32_t code = h->tag == (MF_PARTIAL_TAG ^ op ^ MF_PARTIAL_LOGPROBS) ? MF_FAULT_LOGPROBS
+                        : h->tag != (MF_PARTIAL_TAG ^ op) ? MF_FAULT_TAG
                         : h->rows != rows              ? MF_FAULT_ROWS
                         : h->call != call              ? MF_FAULT_CALL
                         : h->vocab != vocab            ? MF_FAULT_VOCAB

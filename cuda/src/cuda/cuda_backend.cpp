@@ -320,7 +320,8 @@ mf_status copy_async(void *dst, const void *src, size_t nbytes, CopyKind kind, v
 
 mf_status pick(const mf_argmax_args *a, void *stream);
 
-// The id of each row, then (logprobs, or a partial call's records) each row's (m, s) after it.
+// The id of each row, then (logprobs, or a partial call's records) each row's (m, s) after it; a
+// partial call without MF_ARGS_PARTIAL_LOGPROBS gets its records and header there, without (m, s).
 mf_status argmax(const mf_argmax_args *a, void *stream) {
     if (a->rows == 0) return MF_SUCCESS;
     mf_status st = pick(a, stream);

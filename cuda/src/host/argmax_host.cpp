@@ -289,6 +289,7 @@ void run_argmax(const ArgmaxJob &job) {
     const mf_argmax_args &a = job.args;
     const size_t row_bytes = (size_t)a.row_stride * (a.dtype == MF_DTYPE_F32 ? 4 : 2);
     const bool partial = a.flags & MF_ARGS_PARTIAL;
+    const bool partial_stats = a.flags & MF_ARGS_PARTIAL_LOGPROBS;  // else the records' (m, s) are 0
     const uint32_t start = partial ? a.start : 0u, total = partial ? a.vocab_total : a.vocab;
     const size_t words = mf_bitmask_words(total);
     const uint32_t *masks = job.mask_words();
@@ -297,7 +298,7 @@ void run_argmax(const ArgmaxJob &job) {
     const bool vector = row_fn != argmax_row_portable;
     mf_partial_record *records = nullptr;
     if (partial) {  // the block's header first: what the combine checks
-        mf_partial_header h{MF_PARTIAL_TAG ^ (params ? MF_PARTIAL_SAMPLE : MF_PARTIAL_ARGMAX), a.rows,
+        mf_partial_header h{MF_PARTIAL_TAG ^ mf_partial_op(params != nullptr, partial_stats), a.rows,
                             a.call, a.vocab_total, a.start, a.start + a.vocab, 0u};
         std::memcpy(a.partials, &h, sizeof h);
         records = (mf_partial_record *)a.partials + MF_PARTIAL_HEADER_RECORDS;
@@ -325,7 +326,7 @@ void run_argmax(const ArgmaxJob &job) {
                 }
                 continue;
             }
-            const RowStats st = row_stats(row, a.dtype, a.vocab, vector);
+            const RowStats st = partial_stats ? row_stats(row, a.dtype, a.vocab, vector) : RowStats{0.0f, 0.0};
             records[r] = mf_partial_record{id == MF_NO_TOKEN ? MF_NO_TOKEN : start + id,
                                            id == MF_NO_TOKEN ? 0u : mf_logit_bits(row, (int)a.dtype, id),
                                            st.m, (float)st.s};

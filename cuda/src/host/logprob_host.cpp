@@ -153,7 +153,8 @@ void run_combine(const CombineJob &job) {
     const mf_combine_args &a = job.args;
     IeeeFpGuard ieee;
     const uint32_t fault = mf_check_headers((const mf_partial_header *)a.partials, a.world, a.slice_stride,
-                                            a.op, a.rows, a.call, a.vocab);
+                                            mf_partial_op(a.op == MF_PARTIAL_SAMPLE, a.logprobs != nullptr),
+                                            a.rows, a.call, a.vocab);
     *a.fault = fault;
     for (uint32_t r = 0; r < a.rows; ++r) {
         const mf_partial_record *rec = records_of(a, r);
@@ -167,7 +168,7 @@ void run_combine(const CombineJob &job) {
             for (uint32_t w = 0; w < a.world; ++w)
                 if (id != MF_NO_TOKEN && rec[(uint64_t)w * a.slice_stride].id == id)
                     bits = rec[(uint64_t)w * a.slice_stride].logit_bits;
-            mf_combine_stats(rec, a.world, a.slice_stride, &m, &s);
+            if (a.logprobs) mf_combine_stats(rec, a.world, a.slice_stride, &m, &s);
         }
         a.cells[r] = id;
         if (a.logprobs) a.logprobs[r] = mf_logprob_finish(id, bits, m, s);

@@ -35,7 +35,7 @@ void run_reference_forward(const mf_reference_args &a) {
                 h = mf_fnv_step(h, inside ? a.kv[slot] : MF_NO_TOKEN);
             }
             for (uint32_t v = 0; v < a.vocab; ++v) {
-                float logit = mf_reference_logit(h, v);
+                float logit = mf_reference_logit(h, a.start + v);
                 uint32_t bits;
                 std::memcpy(&bits, &logit, 4);
                 size_t at = (size_t)r * a.vocab + v;
