@@ -11,11 +11,30 @@ _FAULTS = {1: "another operation or not a partial block", 2: "another row count"
            5: "slices that do not tile the vocabulary in order"}
 
 
+SELECT_ROW_BYTES = sizeof(mf_select_row)              # one row's state between filter stages
+SELECT_HIST_BYTES = MF_SELECT_BINS * 8                  # one row's digit histogram
+SELECT_STAGES = {"top": MF_SELECT_TOP, "hist": MF_SELECT_HIST, "race": MF_SELECT_RACE}
+SELECT_ROW_FLAGS = {"top": MF_SELECT_ROW_TOP, "hist": MF_SELECT_ROW_HIST, "mass": MF_SELECT_ROW_MASS,
+                    "cut": MF_SELECT_ROW_CUT, "cut_mass": MF_SELECT_ROW_CUT_MASS}
+PARTIAL_OPS = {"argmax": MF_PARTIAL_ARGMAX, "sample": MF_PARTIAL_SAMPLE, "filtered": MF_PARTIAL_FILTERED,
+               "top": MF_PARTIAL_TOP, "hist": MF_PARTIAL_HIST}
+PARTIAL_TAG = MF_PARTIAL_TAG
+
+
 cdef int fill_partial(mf_argmax_args *a, object partial) except -1:
-    """The slice of a partial call: ``partial`` is (partials, start, stop, vocab, call)."""
+    """The slice of a partial call: ``partial`` is (partials, start, stop, vocab, call) and, for a
+    stage of the split filters, (select, stage) after them."""
     cdef void *ptr
     cdef uint64_t call
-    partials, start, stop, vocab, call_obj = partial
+    partials, start, stop, vocab, call_obj = partial[:5]
+    if len(partial) == 7:
+        select, stage = partial[5:]
+        if stage not in SELECT_STAGES:
+            raise ValueError(f"stage must be one of {sorted(SELECT_STAGES)}, not {stage!r}")
+        device_ptr_of(select, &ptr)
+        a.select = <mf_select_row *>ptr
+        a.select_stage = SELECT_STAGES[stage]
+        a.flags |= MF_ARGS_SELECT
     total = int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
     lo = int_of(start, "start", 0, total)
     hi = int_of(stop, "stop", lo, total)
@@ -126,8 +145,51 @@ def _sample_partial(logits, params, partials, event=None, stream=0, *, start, st
                        row_stride, None, None, (partials, start, stop, vocab, call))
 
 
+def _select_partial(logits, params, partials, select, stage, stream=0, *, start, stop, vocab, dtype,
+                    call, masks=None, rows=None, row_stride=None, bitmask=None):
+    """One stage of sampling with filters over the slice ``[start, stop)`` of each row.
+
+    The filters need thresholds over the whole row (docs/kernels.md, "Filters need global
+    thresholds"): each stage writes a block the slices exchange, and the caller writes ``select``
+    between stages from the gathered blocks. ``"top"`` writes each row's greatest finite candidate
+    (a partial record), ``"hist"`` the weights of one 4-bit digit of the logit key (16 uint64 a
+    row after the 32-byte header), ``"race"`` the race winner over the survivors (a partial record,
+    combined by ``_combine_partials(..., filtered=True)``).
+
+    Parameters
+    ----------
+    select : device memory
+        ``rows * SELECT_ROW_BYTES`` bytes of per-row state (``mf_select_row``, feed.h).
+    stage : {"top", "hist", "race"}
+    logits, params, partials, stream, start, stop, vocab, dtype, call, masks, rows, row_stride, bitmask
+        As for ``_sample_partial`` (filters allowed; host params).
+
+    Returns
+    -------
+    int
+        The rows launched.
+
+    Raises
+    ------
+    ValueError
+        A bad stage, buffers too small, device-resident params, and the errors of
+        ``_sample_partial``; before anything is queued. FeedError on the cuda backend (not built).
+
+    Examples
+    --------
+    >>> _select_partial(dev, p, part, state, "top", rows=4, start=0, stop=50, vocab=100,
+    ...                 dtype="float32", call=7)  # doctest: +SKIP
+    4
+    """
+    if rows is None and masks is None:
+        rows = len(params)
+    return launch_pick(logits, masks, None, None, None, stream, bitmask, params, rows, vocab, dtype,
+                       row_stride, None, None, (partials, start, stop, vocab, call, select, stage))
+
+
 def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, vocab, call, fault_dst,
-                      params=None, logprobs=None, logprobs_dst=None, slice_stride=None):
+                      params=None, logprobs=None, logprobs_dst=None, slice_stride=None,
+                      filtered=False):
     """The feed cells (and logprobs) of whole rows from the partial blocks of their slices.
 
     ``partials`` holds ``world`` blocks, block ``w`` at byte ``w * slice_stride * 16``, slices in
@@ -159,6 +221,8 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
         The sampled combine's host records (temperature-only), the partial calls' own.
     slice_stride : int, optional
         16-byte records between blocks, at least ``rows + 2`` (default ``rows + 2``).
+    filtered : bool
+        The blocks are ``_select_partial``'s ``"race"`` stage: ``params`` may hold filters.
 
     Raises
     ------
@@ -196,7 +260,7 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
         if view.flags & MF_ARGS_PARAMS_DEVICE:
             raise ValueError("_combine_partials takes host params (checked now)")
         c.params = view.params
-        c.op = MF_PARTIAL_SAMPLE
+        c.op = MF_PARTIAL_FILTERED if filtered else MF_PARTIAL_SAMPLE
     device_ptr_of(partials, &ptr)
     c.partials = ptr
     c.fault = <uint32_t *>(<char *>ptr + 28)  # slice 0's header, its reserved word

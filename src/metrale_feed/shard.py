@@ -162,7 +162,7 @@ class VocabShard:
             except FeedError:
                 pass  # reported by the caller's own event
             done.close()
-            for buf in held[:3]:
+            for buf in held:
                 buf.close()
 
     def _count(self, nbytes: int) -> None:
@@ -204,8 +204,7 @@ class VocabShard:
         width = self.stop - self.start
         if vocab is not None and vocab != width:
             raise ValueError(f"with a shard, vocab is the slice's width {width}, not {vocab}")
-        if params is not None:
-            _check_temperature_only(params)
+        filtered = params is not None and _check_host_params(params)
         if self.world == 1:  # the unsharded call
             kw = dict(rows=rows, vocab=self.vocab, dtype=dtype, row_stride=row_stride,
                       bitmask=bitmask, logprobs=logprobs, logprobs_dst=logprobs_dst)
@@ -229,7 +228,9 @@ class VocabShard:
         if self.stop == self.start or (hasattr(logits, "shape") and len(logits.shape) == 2
                                        and int(logits.shape[1]) == 0):
             logits = None  # an empty slice takes part with no candidate
-        torch = self._torch
+        if filtered:
+            return self._call_filtered(logits, masks, params, cells, dst, event, stream, n, dtype,
+                                       row_stride, bitmask, logprobs, logprobs_dst, handle)
         block = _core.DeviceBuffer(self._block)
         gathered = _core.DeviceBuffer(self._block * self.world)
         fault = _core.PinnedBuffer(4)
@@ -247,10 +248,7 @@ class VocabShard:
         # Queued: from here every rank's collective sequence includes this call.
         self._calls = call
         self._stream = handle
-        self._count(self._block)
-        src = _host_view(torch, block.ptr, self._block)
-        outs = [_host_view(torch, gathered.ptr + w * self._block, self._block) for w in range(self.world)]
-        _core.launch_host_func(stream, self._gather, src, outs)
+        self._exchange(stream, block, gathered)
         try:
             _core._combine_partials(gathered, self.world, cells, dst, None, stream, rows=n,
                                     vocab=self.vocab, call=call, fault_dst=fault,
@@ -263,13 +261,73 @@ class VocabShard:
         _core.launch_host_func(stream, self._check, fault)
         done = _core.Event()
         _core.event_record(done, stream)
-        self._pending.append((done, (block, gathered, fault, src, outs)))
+        self._pending.append((done, (block, gathered, fault)))
         if event is not None:
             _core.event_record(event, stream)
         return n
 
-    def _gather(self, src: Any, outs: list[Any]) -> None:
-        """On the stream's worker: the one all-gather of this call's fixed-size blocks."""
+    def _call_filtered(self, logits: Any, masks: Any, params: Any, cells: Any, dst: Any, event: Any,
+                       stream: Any, n: int, dtype: Any, row_stride: Any, bitmask: Any,
+                       logprobs: Any, logprobs_dst: Any, handle: int) -> int:
+        """A sampled call with top_k, top_p or min_p: the rounds of _shard_select, then the
+        ordinary combine of the race winners."""
+        from . import _shard_select
+
+        if _core.backend() != "host":
+            raise FeedError("sharded top_k, top_p and min_p are not built on the cuda backend yet")
+        call = _shard_select.call_word(self._calls + 1, params[:n])
+        rounds = _shard_select.FilteredCall(self, params, n, call)
+        kw = dict(start=self.start, stop=self.stop, vocab=self.vocab, dtype=dtype, call=call,
+                  rows=n, row_stride=row_stride, bitmask=bitmask, masks=masks)
+        queued = False
+
+        def launch(stage: str, partials: Any) -> None:
+            nonlocal queued
+            _core._select_partial(logits, params, partials, rounds.state_buf, stage, stream, **kw)
+            if not queued:  # the first stage checked every argument: the call is on
+                queued = True
+                self._calls += 1
+                self._stream = handle
+
+        try:
+            rounds.queue(stream, launch)
+            _core._combine_partials(rounds.gathered, self.world, cells, dst, None, stream, rows=n,
+                                    vocab=self.vocab, call=call, fault_dst=rounds.fault_word,
+                                    params=params, logprobs=logprobs, logprobs_dst=logprobs_dst,
+                                    slice_stride=self._block // _RECORD_BYTES, filtered=True)
+        except BaseException as exc:
+            if not queued:
+                rounds.close()
+                raise
+            # Some exchanges are queued and the peers go on: this rank cannot follow them.
+            self._fault = f"a sharded sampling call failed on rank {self.rank}: {exc}"
+            raise
+        _core.launch_host_func(stream, self._check, rounds.fault_word, rounds)
+        done = _core.Event()
+        _core.event_record(done, stream)
+        self._pending.append((done, tuple(rounds.buffers)))
+        if event is not None:
+            _core.event_record(event, stream)
+        return n
+
+    def _exchange(self, stream: Any, src: Any, dst: Any, call: Any = None) -> None:
+        """Queue on ``stream`` the all-gather of ``src`` (one rank's block) into ``dst`` (the
+        world's blocks, in rank order): the one collective every sharded call is made of. Host
+        backend: gloo on the stream's worker. ``call``: a call whose ``fault`` set by then (the
+        ranks disagreed) skips the collective on every rank alike and zeroes ``dst``."""
+        size = src.nbytes
+        torch = self._torch
+        view = _host_view(torch, src.ptr, size)
+        outs = [_host_view(torch, dst.ptr + w * size, size) for w in range(self.world)]
+        self._count(size)
+        _core.launch_host_func(stream, self._gather, view, outs, call)
+
+    def _gather(self, src: Any, outs: list[Any], call: Any = None) -> None:
+        """On the stream's worker: one all-gather of fixed-size blocks."""
+        if call is not None and call.fault is not None:
+            for o in outs:
+                o.zero_()
+            return
         try:
             self._dist.all_gather(outs, src, group=self._group)
         except BaseException as exc:
@@ -278,8 +336,11 @@ class VocabShard:
             self._fault = f"the all-gather failed on rank {self.rank}: {exc}"
             raise FeedError(self._fault) from exc
 
-    def _check(self, fault: Any) -> None:
-        """On the stream's worker, after the combine: its fault word as an error of the event."""
+    def _check(self, fault: Any, call: Any = None) -> None:
+        """On the stream's worker, after the combine: its fault word as an error of the event
+        (once: a call whose rounds were refused has reported it already)."""
+        if call is not None and call.fault is not None:
+            return
         try:
             _core._check_partials_fault(fault)
         except FeedError as exc:
@@ -300,15 +361,14 @@ def _stream_key(stream: Any) -> int:
     return int(getattr(stream, "cuda_stream", getattr(stream, "ptr", 0)))
 
 
-def _check_temperature_only(params: Any) -> None:
+def _check_host_params(params: Any) -> bool:
+    """Host records (the filters' rounds read them on the worker); whether a filter is on."""
     import numpy as np
 
     if not isinstance(params, np.ndarray) or params.dtype.names is None:
         raise ValueError("a sharded sample_to_feed takes host SAMPLING_PARAMS_DTYPE records")
-    if (np.any(params["top_k"] != 0) or np.any(params["top_p"] != 1.0)
-            or np.any(params["min_p"] != 0.0)):
-        raise ValueError("sharded sampling takes temperature-only rows (top_k=0, top_p=1, "
-                         "min_p=0): sharded top-k, top-p and min-p filters are not supported yet")
+    return bool(np.any(params["top_k"] != 0) or np.any(params["top_p"] != 1.0)
+                or np.any(params["min_p"] != 0.0))
 
 
 def _precheck_host(buf: Any, rows: int, what: str, fmt: str) -> None:

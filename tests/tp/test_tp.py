@@ -28,6 +28,16 @@ def test_sharded_calls_equal_the_unsharded_call_and_the_oracle(world):
     ranks(world, "exact")
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_sharded_filters_draw_the_unsharded_ids_within_the_oracle_survivors(world):
+    ranks(world, "filters", timeout=400)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mismatched_filters_are_a_feed_error_on_every_rank(world):
+    ranks(world, "params-mismatch")
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_the_pipeline_spmd_gives_the_unsharded_tokens_on_every_rank(world):
     ranks(world, "pipeline")

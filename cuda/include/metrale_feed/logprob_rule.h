@@ -18,7 +18,10 @@
 
 #define MF_PARTIAL_TAG 0x3150464Du /* "MFP1" */
 #define MF_PARTIAL_HEADER_RECORDS 2u
-enum { MF_PARTIAL_ARGMAX = 1u, MF_PARTIAL_SAMPLE = 2u };
+/* FILTERED: race winners over global thresholds (MF_ARGS_SELECT's RACE stage); TOP and HIST: its
+ * other stages' blocks (feed.h). */
+enum { MF_PARTIAL_ARGMAX = 1u, MF_PARTIAL_SAMPLE = 2u, MF_PARTIAL_FILTERED = 3u, MF_PARTIAL_TOP = 4u,
+       MF_PARTIAL_HIST = 5u };
 /* Why a combine refused its partials (the low byte of the fault word; the slice is in bits 8+). */
 enum {
     MF_FAULT_NONE = 0u,

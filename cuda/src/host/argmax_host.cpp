@@ -296,9 +296,14 @@ void run_argmax(const ArgmaxJob &job) {
     RowFn row_fn = g_row_fn.load(std::memory_order_relaxed);
     const bool vector = row_fn != argmax_row_portable;
     mf_partial_record *records = nullptr;
+    const uint32_t stage = (a.flags & MF_ARGS_SELECT) ? a.select_stage : 0u;
     if (partial) {  // the block's header first: what the combine checks
-        mf_partial_header h{MF_PARTIAL_TAG ^ (params ? MF_PARTIAL_SAMPLE : MF_PARTIAL_ARGMAX), a.rows,
-                            a.call, a.vocab_total, a.start, a.start + a.vocab, 0u};
+        const uint32_t op = stage == MF_SELECT_TOP    ? MF_PARTIAL_TOP
+                            : stage == MF_SELECT_HIST ? MF_PARTIAL_HIST
+                            : stage == MF_SELECT_RACE ? MF_PARTIAL_FILTERED
+                            : params                  ? MF_PARTIAL_SAMPLE
+                                                      : MF_PARTIAL_ARGMAX;
+        mf_partial_header h{MF_PARTIAL_TAG ^ op, a.rows, a.call, a.vocab_total, a.start, a.start + a.vocab, 0u};
         std::memcpy(a.partials, &h, sizeof h);
         records = (mf_partial_record *)a.partials + MF_PARTIAL_HEADER_RECORDS;
     }
@@ -313,9 +318,24 @@ void run_argmax(const ArgmaxJob &job) {
             // A temperature that is not finite and > 0 (only device-resident params can hold
             // one) is greedy, as 0 is.
             const bool sampled = params && params[r].temperature > 0.0f && params[r].temperature <= 3.4e38f;
+            if (stage == MF_SELECT_HIST) {  // 16 weights a row instead of a record
+                uint64_t *bins = (uint64_t *)records + (size_t)r * MF_SELECT_BINS;
+                for (uint32_t d = 0; d < MF_SELECT_BINS; ++d) bins[d] = 0;
+                if (sampled && a.vocab)
+                    select_row(row, a.dtype, a.vocab, &rule, params[r], vector, start, stage, a.select[r], bins);
+                continue;
+            }
             uint32_t id = a.vocab == 0 ? MF_NO_TOKEN
-                          : sampled    ? sample_row(row, a.dtype, a.vocab, &rule, params[r], vector, start)
-                                       : row_fn(row, a.dtype, a.vocab, &rule);
+                          : !sampled   ? (stage == MF_SELECT_TOP ? MF_NO_TOKEN : row_fn(row, a.dtype, a.vocab, &rule))
+                          : stage      ? select_row(row, a.dtype, a.vocab, &rule, params[r], vector, start, stage,
+                                                    a.select[r], nullptr)
+                                       : sample_row(row, a.dtype, a.vocab, &rule, params[r], vector, start);
+            if (stage == MF_SELECT_TOP) {  // the candidate only: (m, s) come with the race's records
+                records[r] = mf_partial_record{id == MF_NO_TOKEN ? MF_NO_TOKEN : start + id,
+                                               id == MF_NO_TOKEN ? 0u : mf_logit_bits(row, (int)a.dtype, id),
+                                               0.0f, 0.0f};
+                continue;
+            }
             if (!partial) {
                 a.cells[r] = id;
                 if (a.logprobs) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels.hpp"
+#include "metrale_feed/logprob_rule.h"
 #include "metrale_feed/sample_rule.h"
 #include "vec_exp.hpp"
 
@@ -361,57 +362,135 @@ uint64_t select_threshold(const RowView &v, bool use_mass, float zmax, uint64_t 
     return radix_finish(cand, target, above, (uint64_t)digit << 52, 44);
 }
 
+// The greatest finite candidate of a row, packed (0: none). The argmax rule's winner is it when
+// finite (+inf ranks above it, NaN and -inf below); otherwise a scalar pass.
+uint64_t top_candidate(const RowView &v) {
+    const uint32_t top_id = argmax_row(v.row, (mf_dtype)v.dt, v.vocab, v.rule);
+    if (top_id != MF_NO_TOKEN && mf_finite_bits(mf_logit_bits(v.row, v.dt, top_id)))
+        return mf_pack(mf_key_f32(mf_logit_bits(v.row, v.dt, top_id)), top_id);
+    uint64_t top = 0;
+    for (uint32_t i = 0; i < v.vocab; ++i) {
+        uint32_t bits;
+        if (v.candidate(i, &bits)) top = mf_pack_max(top, mf_pack(mf_key_f32(bits), i));
+    }
+    return top;
+}
+
+// The race over the survivors (packed >= threshold, and e >= min_p against zmax), the row's top
+// candidate `top` first: its score bounds which others can still win. The top is the greatest
+// packed word and the greatest z, so when it is filtered out nothing survives.
+uint32_t race_row(const RowView &v, const mf_sample_plan &p, uint64_t top, float zmax, uint64_t threshold,
+                  bool vector) {
+    const uint32_t top_id = mf_unpack_id(top);
+    const float ztop = v.z(mf_logit_bits(v.row, v.dt, top_id));
+    if (top < threshold || (p.use_min_p && !(mf_exp_neg(mf_fsub(ztop, zmax)) >= p.min_p))) return MF_NO_TOKEN;
+    const float s0 = mf_fadd(ztop, mf_gumbel(p.seed, p.position, v.base + top_id));
+    Race race{v, p, zmax, threshold, mf_pack(mf_key_f32(mf_to_bits(s0)), top_id), s0};
+#ifdef MF_X86
+    if (vector && v.base % 4u == 0u) {  // the vector Philox draws whole blocks of four ids
+        race_f32(race, top_id);
+        return mf_unpack_id(race.best);
+    }
+#else
+    (void)vector;
+#endif
+    for (uint32_t i = 0; i < v.vocab; ++i)
+        if (i != top_id) race.offer(i);
+    return mf_unpack_id(race.best);
+}
+
+// A 16-bit row widened to float32 once (exactly: mf_logit_bits), so the vector helpers serve
+// every dtype; the rule reads the same values either way.
+const void *widened(const void *row, mf_dtype *dtype, uint32_t vocab, bool *vector) {
+#ifdef MF_X86
+    thread_local std::vector<uint32_t> wide;
+    if (*vector && *dtype != MF_DTYPE_F32) {
+        wide.resize(vocab);
+        for (uint32_t i = 0; i < vocab; ++i) wide[i] = mf_logit_bits(row, (int)*dtype, i);
+        *dtype = MF_DTYPE_F32;
+        return wide.data();
+    }
+#else
+    *vector = false;
+#endif
+    return row;
+}
+
+// One digit's histogram over the candidates at or above `floor` whose key bits above the digit
+// are `prefix`'s (a split select's round; sample_rule.h).
+void select_histogram(const RowView &v, bool use_mass, float zmax, uint64_t floor, uint32_t prefix,
+                      uint32_t shift, bool vector, uint64_t *bins) {
+    // Once the digit is below the key's top 12 bits, the prefix fixes them: for_weighted tests
+    // them per lane.
+    const int digit = shift + 4u <= 20u ? (int)(prefix >> 20) : -1;
+    for_weighted(v, use_mass, zmax, floor, digit, vector, [&](uint32_t, uint64_t packed, uint64_t w) {
+        const uint32_t key = (uint32_t)(packed >> 32);
+        if (mf_select_in_prefix(key, prefix, shift)) bins[mf_select_digit4(key, shift)] += w;
+    });
+}
+
+// The cut at `key`: the lowest-id candidates at `key` (at or above `floor`) while the weight taken
+// before each is below `need`; the packed threshold that keeps them (and everything above `key`).
+uint64_t select_cut(const RowView &v, bool use_mass, float zmax, uint64_t floor, uint32_t key, uint64_t need,
+                    bool vector) {
+    uint64_t cut = mf_cut_none(key);
+    if (need) {
+        uint64_t taken = 0, found = 0;
+        for_weighted(v, use_mass, zmax, floor, (int)(key >> 20), vector, [&](uint32_t, uint64_t packed, uint64_t w) {
+            if ((uint32_t)(packed >> 32) != key || found) return;
+            taken += w;
+            if (taken >= need) found = packed;  // ids ascend: the last one kept
+        });
+        cut = found ? found : mf_cut_all(key);
+    }
+    return cut > floor ? cut : floor;
+}
+
 }  // namespace
 
 uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
                     const mf_sampling_params &params, bool vector, uint32_t base) {
     const mf_sample_plan p = mf_plan_sampling(&params);
-#ifdef MF_X86
-    // A 16-bit row is widened to float32 once (exactly: mf_logit_bits), so the vector helpers
-    // serve every dtype; the rule reads the same values either way.
-    thread_local std::vector<uint32_t> wide;
-    if (vector && dtype != MF_DTYPE_F32) {
-        wide.resize(vocab);
-        for (uint32_t i = 0; i < vocab; ++i) wide[i] = mf_logit_bits(row, (int)dtype, i);
-        row = wide.data();
-        dtype = MF_DTYPE_F32;
-    }
-#else
-    vector = false;
-#endif
+    row = widened(row, &dtype, vocab, &vector);
     const RowView v{row, (int)dtype, vocab, rule, p.inv_t, base};
-    // The greatest finite candidate. The argmax rule's winner is it when finite (+inf ranks
-    // above it, NaN and -inf below); otherwise a scalar pass.
-    uint64_t top = 0;
-    uint32_t top_id = argmax_row(row, dtype, vocab, rule);
-    if (top_id != MF_NO_TOKEN && mf_finite_bits(mf_logit_bits(row, v.dt, top_id))) {
-        top = mf_pack(mf_key_f32(mf_logit_bits(row, v.dt, top_id)), top_id);
-    } else {
-        for (uint32_t i = 0; i < vocab; ++i) {
-            uint32_t bits;
-            if (v.candidate(i, &bits)) top = mf_pack_max(top, mf_pack(mf_key_f32(bits), i));
-        }
-        if (!top) return MF_NO_TOKEN;
-        top_id = mf_unpack_id(top);
-    }
+    const uint64_t top = top_candidate(v);
+    if (!top) return MF_NO_TOKEN;
+    const uint32_t top_id = mf_unpack_id(top);
     const float zmax = v.z(mf_logit_bits(row, v.dt, top_id));
     if (!mf_finite_bits(mf_to_bits(zmax))) return top_id;  // temperature too small to matter
 
     uint64_t threshold = 0;  // survivors: packed >= threshold
     if (p.top_k) threshold = select_threshold(v, false, zmax, 0, p.top_k, 1.0f, vector);
     if (p.use_top_p) threshold = select_threshold(v, true, zmax, threshold, 0, p.top_p, vector);
-    // The race, the greatest logit first: its score bounds which others can still win.
-    const float s0 = mf_fadd(zmax, mf_gumbel(p.seed, p.position, base + top_id));
-    Race race{v, p, zmax, threshold, mf_pack(mf_key_f32(mf_to_bits(s0)), top_id), s0};
-#ifdef MF_X86
-    if (vector && base % 4u == 0u) {  // the vector Philox draws whole blocks of four ids
-        race_f32(race, top_id);
-        return mf_unpack_id(race.best);
+    return race_row(v, p, top, zmax, threshold, vector);
+}
+
+uint32_t select_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
+                    const mf_sampling_params &params, bool vector, uint32_t base, uint32_t stage,
+                    mf_select_row &st, uint64_t *bins) {
+    const mf_sample_plan p = mf_plan_sampling(&params);
+    row = widened(row, &dtype, vocab, &vector);
+    const RowView v{row, (int)dtype, vocab, rule, p.inv_t, base};
+    if (stage == MF_SELECT_TOP) return mf_unpack_id(top_candidate(v));
+    // The whole row's zmax: from its greatest finite candidate, whichever slice holds it.
+    const float zmax = (st.flags & MF_SELECT_ROW_TOP) ? v.z(st.top_bits) : mf_neg_inf();
+    if (st.flags & MF_SELECT_ROW_CUT) {
+        st.floor = select_cut(v, st.flags & MF_SELECT_ROW_CUT_MASS, zmax, st.floor, st.cut_key, st.cut_need, vector);
+        st.flags &= ~(uint32_t)MF_SELECT_ROW_CUT;
     }
-#endif
-    for (uint32_t i = 0; i < vocab; ++i)
-        if (i != top_id) race.offer(i);
-    return mf_unpack_id(race.best);
+    if (stage == MF_SELECT_HIST) {
+        if (st.flags & MF_SELECT_ROW_HIST)
+            select_histogram(v, st.flags & MF_SELECT_ROW_MASS, zmax, st.floor, st.prefix, st.shift, vector, bins);
+        return MF_NO_TOKEN;
+    }
+    const uint64_t top = top_candidate(v);
+    if (!top) return MF_NO_TOKEN;
+    const uint32_t top_id = mf_unpack_id(top);
+    // As sample_row: a z that is not finite (here or in another slice) makes the top the draw;
+    // the combine sees it from the records (mf_combine_pick).
+    if (!mf_finite_bits(mf_to_bits(v.z(mf_logit_bits(row, v.dt, top_id)))) || !mf_finite_bits(mf_to_bits(zmax)))
+        return top_id;
+    return race_row(v, p, top, zmax, st.floor, vector);
 }
 
 }  // namespace mf::host
