@@ -1,6 +1,7 @@
 # The building blocks of a vocabulary split across slices (docs/kernels.md, "Partial records and
 # the combine"): a partial argmax or temperature-only sample over one slice of each row, writing a
-# partial block, and the combine of the gathered blocks into the feed cells, exactly as the
+# partial block, the stages of sampling with filters over a slice ("Filters need global
+# thresholds"), and the combine of the gathered blocks into the feed cells, exactly as the
 # unsharded call. Private: the tensor-parallel shard is built on them.
 
 PARTIAL_RECORD_BYTES = 16                                 # one row of one slice
@@ -218,7 +219,8 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
     fault_dst : PinnedBuffer or writable buffer of at least 4 bytes
         Where the fault word is copied (0: the blocks agreed).
     params : SAMPLING_PARAMS_DTYPE array, optional
-        The sampled combine's host records (temperature-only), the partial calls' own.
+        The sampled combine's host records (temperature-only unless ``filtered``), the partial
+        calls' own.
     slice_stride : int, optional
         16-byte records between blocks, at least ``rows + 2`` (default ``rows + 2``).
     filtered : bool
