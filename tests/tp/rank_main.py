@@ -169,9 +169,10 @@ def filter_rows(rng, vocab, dtype, offsets):
     x = x.astype(dtype)
     params = mf.sampling_params(rows, temperature=rng.uniform(0.3, 2.0, rows),
                                 seed=rng.integers(0, 2**63, rows), position=rng.integers(0, 10**6, rows))
-    params["top_k"] = [5, 3, 1, 7, 40, 4, 0, 500, 1, 2000, 0, 0, 50, 10, 0, 3]
-    params["top_p"] = [1, 0.9, 1, 0.5, 0.9, 1, 0.5, 0.3, 1, 1, 0.999, 1e-6, 0.9, 0.95, 1, 0.7]
-    params["min_p"] = [0, 0, 0, 0.1, 0, 0, 0, 0, 0.5, 0, 0, 0, 0.05, 0, 0.2, 0.01]
+    # k = 1, k above the candidates, p tiny and just below 1, ties at the boundary key.
+    params["top_k"] = [0, 3, 1, 7, 40, 4, 0, 500, 1, 2000, 0, 0, 50, 10, 5000, 3]
+    params["top_p"] = [1e-6, 0.9, 1, 0.5, 0.9, 1, 0.5, 0.3, 1, 1, 0.5, 0.99999, 0.9, 0.95, 1, 0.7]
+    params["min_p"] = [0, 0, 0, 0.1, 0, 0, 0, 0, 0, 0, 0, 0, 0.05, 0, 0.2, 0.01]
     params["temperature"][10] = 0.0          # greedy among filtered rows
     params["temperature"][9] = 1e-30          # z overflows: the top, whatever the filters
     return x, params
@@ -228,7 +229,11 @@ def scenario_filters():
                 bm = bitmask if trial != 2 else None
                 want, _ = whole(logits, masks, bm, params)
                 before = dict(shard.stats)
-                ids, lp, *_ = sharded(shard, logits, masks, bm, params, pad=pad)
+                mf.host_argmax_path(trial == 2)  # the portable sweeps too (the vector ones skip)
+                try:
+                    ids, lp, *_ = sharded(shard, logits, masks, bm, params, pad=pad)
+                finally:
+                    mf.host_argmax_path(False)
                 assert np.array_equal(ids, want), (dtype, name, trial, ids, want)
                 assert_close(lp, reference_logprobs(logits, ids))
                 sent = shard.stats["bytes_sent"] - before["bytes_sent"]
@@ -239,9 +244,13 @@ def scenario_filters():
                         assert ids[r] in survivors_oracle(logits, masks, bm, params, r), (dtype, name, r, ids[r])
                 if bm is not None:
                     assert ids[15] == mf.NO_TOKEN and np.isnan(lp[15])
-            assert ids[2] == want[2] and ids[1] == want[1]
-            # top_k 1: the greatest candidate; ties at the boundary: the lower ids.
+                # top_k 1 and greedy: the argmax; no candidate: NO_TOKEN.
+                best = reference_argmax(logits, masks, bm)
+                assert ids[8] == best[8] and ids[10] == best[10], (ids, best)
+                assert ids[1] == ids[2] == mf.NO_TOKEN
+            # A tiny top_p keeps one of the two tied across the boundary: the lower id.
             b = boundary(shard.offsets, vocab)
+            assert ids[0] == b - 1, (ids[0], b)
             assert b - 3 <= ids[5] <= b, (ids[5], b)
             assert b - 3 <= ids[6] <= b, (ids[6], b)
             # min_p alone (no rounds): the first and last exchanges only.

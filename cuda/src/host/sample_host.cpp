@@ -43,6 +43,15 @@ uint64_t radix_finish(std::vector<Cand> &c, uint64_t target, uint64_t above, uin
     }
 }
 
+// Which logit keys a sweep takes: (key & mask) == value (mask 0: every key).
+struct KeyMask {
+    uint32_t mask, value;
+    static KeyMask top12(int digit) {  // the key's top 12 bits are `digit` (any when digit < 0)
+        return digit < 0 ? KeyMask{0u, 0u} : KeyMask{0xFFF00000u, (uint32_t)digit << 20};
+    }
+    bool takes(uint32_t key) const { return (key & mask) == value; }
+};
+
 struct RowView {
     const void *row;
     int dt;
@@ -196,17 +205,23 @@ MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
 }
 
 // Calls f(id, packed, weight) for each candidate of a float32 row at or above `floor` with a
-// weight > 0 (1, or the mass: mass 0 moves no threshold) whose key's top 12 bits are `digit`
-// (any when digit < 0). The lane tests (finite, masks, bitmask, weight, digit) are vector; exp is
-// exp_neg8, which repeats the rule's operations, and the mass the rule's conversion.
+// weight > 0 (1, or the mass: mass 0 moves no threshold) whose key `keys` takes. The lane tests
+// (finite, masks, bitmask, key, weight) are vector, the weight's only for lanes the others left
+// (a narrow select skips most exponentials); exp is exp_neg8, which repeats the rule's operations,
+// and the mass the rule's conversion.
 template <class F>
-MF_AVX2 void for_weighted_f32(const RowView &v, bool use_mass, float zmax, uint64_t floor, int digit, F &&f) {
+MF_AVX2 void for_weighted_f32(const RowView &v, bool use_mass, float zmax, uint64_t floor, KeyMask keys_in,
+                              F &&f) {
     const float *p = (const float *)v.row;
     const __m256 t = _mm256_set1_ps(v.inv_t), zm = _mm256_set1_ps(zmax);
     const __m256 scale = _mm256_set1_ps(549755813888.0f), one = _mm256_set1_ps(1.0f);
     const __m256i exp_mask = _mm256_set1_epi32(0x7F800000), mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
     const __m256i m0 = _mm256_set1_epi32((int)v.rule->m0), m1 = _mm256_set1_epi32((int)v.rule->m1);
-    const __m256i bias = _mm256_set1_epi32(INT32_MIN), want = _mm256_set1_epi32(digit);
+    const __m256i bias = _mm256_set1_epi32(INT32_MIN), want = _mm256_set1_epi32((int)keys_in.value);
+    const __m256i kmask = _mm256_set1_epi32((int)keys_in.mask);
+    // The floor's key as a signed key (mf_key_f32 minus 2**31): lanes below it are out; those at
+    // it are left to the packed compare.
+    const __m256i floor_key = _mm256_set1_epi32((int)((uint32_t)(floor >> 32) ^ 0x80000000u));
     const __m256i pick = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128), zero = _mm256_setzero_si256();
     const uint32_t words = mf_bitmask_words(v.vocab);
     uint32_t i = 0;
@@ -223,16 +238,21 @@ MF_AVX2 void for_weighted_f32(const RowView &v, bool use_mass, float zmax, uint6
             bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(allowed, pick), zero));
         }
         const __m256i m = _mm256_and_si256(b, mag_mask);
-        const __m256i key = _mm256_add_epi32(_mm256_sign_epi32(m, b), bias);  // mf_key_f32, finite
-        if (digit >= 0) bad = _mm256_or_si256(bad, _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_srli_epi32(key, 20), want),
-                                                                     _mm256_set1_epi32(-1)));
+        const __m256i signed_key = _mm256_sign_epi32(m, b);
+        const __m256i key = _mm256_add_epi32(signed_key, bias);  // mf_key_f32, finite
+        if (floor) bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(floor_key, signed_key));
+        if (keys_in.mask)
+            bad = _mm256_or_si256(bad, _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_and_si256(key, kmask), want),
+                                                        _mm256_set1_epi32(-1)));
+        unsigned some = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(bad)) ^ 0xFFu;
+        if (!some) continue;
         __m256 wv = one;
         if (use_mass) {
             wv = _mm256_mul_ps(exp_neg8(_mm256_sub_ps(_mm256_mul_ps(l, t), zm)), scale);
             bad = _mm256_or_si256(bad, _mm256_castps_si256(_mm256_cmp_ps(wv, one, _CMP_NGE_UQ)));
+            some = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(bad)) ^ 0xFFu;
+            if (!some) continue;
         }
-        unsigned some = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(bad)) ^ 0xFFu;
-        if (!some) continue;
         _mm256_store_ps(w, wv);
         _mm256_store_si256((__m256i *)keys, key);
         while (some) {
@@ -247,7 +267,7 @@ MF_AVX2 void for_weighted_f32(const RowView &v, bool use_mass, float zmax, uint6
         if (!v.candidate(i, &bits)) continue;
         const uint64_t packed = mf_pack(mf_key_f32(bits), i);
         const uint64_t wt = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
-        if (packed >= floor && wt && (digit < 0 || (int)(packed >> 52) == digit)) f(i, packed, wt);
+        if (packed >= floor && wt && keys_in.takes(mf_key_f32(bits))) f(i, packed, wt);
     }
 }
 
@@ -309,10 +329,10 @@ MF_AVX2 void histogram_f32(const RowView &v, bool use_mass, float zmax, uint64_t
 // Calls f(id, packed, weight) for each candidate at or above `floor` with a weight > 0: 1 for
 // top_k, the mass for top_p.
 template <class F>
-void for_weighted(const RowView &v, bool use_mass, float zmax, uint64_t floor, int digit, bool vector,
+void for_weighted(const RowView &v, bool use_mass, float zmax, uint64_t floor, KeyMask keys_in, bool vector,
                   F &&f) {
 #ifdef MF_X86
-    if (vector) return for_weighted_f32(v, use_mass, zmax, floor, digit, f);
+    if (vector) return for_weighted_f32(v, use_mass, zmax, floor, keys_in, f);
 #else
     (void)vector;
 #endif
@@ -320,7 +340,7 @@ void for_weighted(const RowView &v, bool use_mass, float zmax, uint64_t floor, i
         uint32_t bits;
         if (!v.candidate(i, &bits)) continue;
         const uint64_t packed = mf_pack(mf_key_f32(bits), i);
-        if (packed < floor || (digit >= 0 && (int)(packed >> 52) != digit)) continue;
+        if (packed < floor || !keys_in.takes(mf_key_f32(bits))) continue;
         const uint64_t w = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
         if (w) f(i, packed, w);
     }
@@ -342,7 +362,7 @@ uint64_t select_threshold(const RowView &v, bool use_mass, float zmax, uint64_t 
         histogram_f32(v, use_mass, zmax, hist);
     else
 #endif
-        for_weighted(v, use_mass, zmax, floor, -1, vector, [hist](uint32_t id, uint64_t packed, uint64_t w) {
+        for_weighted(v, use_mass, zmax, floor, KeyMask::top12(-1), vector, [hist](uint32_t id, uint64_t packed, uint64_t w) {
             hist[((packed >> 52) << 2) | (id & 3u)] += w;
         });
     uint64_t total = 0;  // summed here, not per element: a running sum would alias the stores
@@ -357,7 +377,7 @@ uint64_t select_threshold(const RowView &v, bool use_mass, float zmax, uint64_t 
     for (; digit > 0 && above + bins[digit] < target; --digit) above += bins[digit];
     thread_local std::vector<Cand> cand;
     cand.clear();
-    for_weighted(v, use_mass, zmax, floor, (int)digit, vector,
+    for_weighted(v, use_mass, zmax, floor, KeyMask::top12((int)digit), vector,
                  [](uint32_t, uint64_t packed, uint64_t w) { cand.push_back(Cand{packed, w}); });
     return radix_finish(cand, target, above, (uint64_t)digit << 52, 44);
 }
@@ -420,10 +440,17 @@ const void *widened(const void *row, mf_dtype *dtype, uint32_t vocab, bool *vect
 // are `prefix`'s (a split select's round; sample_rule.h).
 void select_histogram(const RowView &v, bool use_mass, float zmax, uint64_t floor, uint32_t prefix,
                       uint32_t shift, bool vector, uint64_t *bins) {
-    // Once the digit is below the key's top 12 bits, the prefix fixes them: for_weighted tests
-    // them per lane.
-    const int digit = shift + 4u <= 20u ? (int)(prefix >> 20) : -1;
-    for_weighted(v, use_mass, zmax, floor, digit, vector, [&](uint32_t, uint64_t packed, uint64_t w) {
+#ifdef MF_X86
+    if (vector && floor == 0 && shift == 28u) {  // the first round: the 12-bit sweep, folded
+        thread_local std::vector<uint64_t> wide;
+        wide.assign(4 * 4096, 0);
+        histogram_f32(v, use_mass, zmax, wide.data());
+        for (uint32_t d = 0; d < 4 * 4096; ++d) bins[d >> 10] += wide[d];  // (key >> 20) * 4 + id % 4
+        return;
+    }
+#endif
+    const KeyMask in = shift >= 28u ? KeyMask{0u, 0u} : KeyMask{~0u << (shift + 4u), prefix & (~0u << (shift + 4u))};
+    for_weighted(v, use_mass, zmax, floor, in, vector, [&](uint32_t, uint64_t packed, uint64_t w) {
         const uint32_t key = (uint32_t)(packed >> 32);
         if (mf_select_in_prefix(key, prefix, shift)) bins[mf_select_digit4(key, shift)] += w;
     });
@@ -436,7 +463,7 @@ uint64_t select_cut(const RowView &v, bool use_mass, float zmax, uint64_t floor,
     uint64_t cut = mf_cut_none(key);
     if (need) {
         uint64_t taken = 0, found = 0;
-        for_weighted(v, use_mass, zmax, floor, (int)(key >> 20), vector, [&](uint32_t, uint64_t packed, uint64_t w) {
+        for_weighted(v, use_mass, zmax, floor, KeyMask{~0u, key}, vector, [&](uint32_t, uint64_t packed, uint64_t w) {
             if ((uint32_t)(packed >> 32) != key || found) return;
             taken += w;
             if (taken >= need) found = packed;  // ids ascend: the last one kept
