@@ -1,8 +1,8 @@
 """A vocabulary split across the ranks of a ``torch.distributed`` process group (docs/tensor-parallel.md).
 
 Each rank reduces its own slice of every row into a fixed-size partial block (``_argmax_partial``
-or ``_sample_partial``), one all-gather of those blocks runs on the stream's worker in stream
-order, and the combine (``_combine_partials``) writes, on every rank, the cells, ids and logprobs
+or ``_sample_partial``; sampling filters add the rounds of ``_shard_select``), one all-gather of
+those blocks runs on the stream's worker in stream order (``VocabShard._exchange``), and the combine (``_combine_partials``) writes, on every rank, the cells, ids and logprobs
 the unsharded call gives on the whole rows. Only this module imports torch, and only when a shard
 is made.
 """
@@ -62,8 +62,10 @@ class VocabShard:
     Rank ``r`` holds the logits of the global ids ``[offsets[r], offsets[r + 1])``. Passed as
     ``shard=`` to ``argmax_to_feed`` or ``sample_to_feed``, the call reduces the slice locally and
     all-gathers ``16 * (max_rows + 2)`` bytes per rank (never the logits) in stream order, so every
-    rank gets the unsharded call's cells and ids without a host synchronisation. Every rank must
-    make its shard with the same arguments and issue the same sharded calls in the same order.
+    rank gets the unsharded call's cells and ids without a host synchronisation. Sampled rows with
+    ``top_k``, ``top_p`` or ``min_p`` take up to 17 more all-gathers of per-row records (at most
+    ~2.1 KiB a row in all: docs/tensor-parallel.md). Every rank must make its shard with the same
+    arguments and issue the same sharded calls, with the same params, in the same order.
 
     Parameters
     ----------
