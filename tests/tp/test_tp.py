@@ -81,6 +81,9 @@ def test_bench_tp_checks_ids_and_counts_bytes(tmp_path):
         # of --quick's 3 timed calls.
         assert e["shard_stats"] == {"collectives": 1 + 3,
                                     "bytes_sent": 32 + 3 * e["sharded_bytes_per_step"]}, e
+        # Sampling with top_k and top_p: the unsharded ids, 18 exchanges within 4 KiB a row.
+        assert e["filtered_checked"], e
+        assert e["filtered_bytes_per_call"] == 2080 * e["rows"] + 576 <= 4096 * e["rows"], e
 
 
 @pytest.mark.parametrize("extra", [[], ["--temperature", "0.7"],
