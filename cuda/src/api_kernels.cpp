@@ -82,6 +82,12 @@ mf_status check_partial(const mf_argmax_args *a) {
             return fail(MF_ERROR_INVALID_VALUE, "select is a null or misaligned pointer");
         mf_status st = check_device_range(a->select, (size_t)a->rows * sizeof(mf_select_row), "select state");
         if (st != MF_SUCCESS) return st;
+        if (a->select_list) {
+            if (!aligned(a->select_list, 4) || a->select_list_cap == 0)
+                return fail(MF_ERROR_INVALID_VALUE, "select_list is misaligned or has no capacity");
+            st = check_device_range(a->select_list, (size_t)a->rows * a->select_list_cap * 4, "select list");
+            if (st != MF_SUCCESS) return st;
+        }
         if (a->select_stage == MF_SELECT_HIST)
             return check_device_range(a->partials, MF_PARTIAL_HEADER_RECORDS * 16 +
                                       (size_t)a->rows * MF_SELECT_BINS * 8, "partials");

@@ -118,6 +118,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint32_t prefix
         uint32_t shift
         uint32_t flags
+        uint32_t list_len
     ctypedef struct mf_argmax_args:
         const void *logits
         mf_dtype dtype
@@ -140,6 +141,8 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint64_t call
         mf_select_row *select
         uint32_t select_stage
+        uint32_t select_list_cap
+        uint32_t *select_list
     enum:
         MF_ARGS_MASKS_DEVICE
         MF_ARGS_PARAMS_DEVICE

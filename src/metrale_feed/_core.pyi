@@ -252,8 +252,8 @@ def _select_partial(logits: _DeviceLike | None, params: Buffer, partials: _Devic
                     select: _DeviceLike, stage: str, stream: _StreamLike = 0, *, start: int,
                     stop: int, vocab: int, dtype: _DType, call: int,
                     masks: _MasksLike | _DeviceLike | None = None, rows: int | None = None,
-                    row_stride: int | None = None,
-                    bitmask: _DeviceLike | None = None) -> int: ...
+                    row_stride: int | None = None, bitmask: _DeviceLike | None = None,
+                    id_list: _DeviceLike | None = None, list_cap: int = 0) -> int: ...
 def _combine_partials(partials: _DeviceLike, world: int, cells: _DeviceLike,
                       dst: Buffer | int | None, event: _EventLike | None,
                       stream: _StreamLike = 0, *, rows: int, vocab: int, call: int,

@@ -28,14 +28,18 @@ cdef int fill_partial(mf_argmax_args *a, object partial) except -1:
     cdef void *ptr
     cdef uint64_t call
     partials, start, stop, vocab, call_obj = partial[:5]
-    if len(partial) == 7:
-        select, stage = partial[5:]
+    if len(partial) == 9:
+        select, stage, id_list, list_cap = partial[5:]
         if stage not in SELECT_STAGES:
             raise ValueError(f"stage must be one of {sorted(SELECT_STAGES)}, not {stage!r}")
         device_ptr_of(select, &ptr)
         a.select = <mf_select_row *>ptr
         a.select_stage = SELECT_STAGES[stage]
         a.flags |= MF_ARGS_SELECT
+        if id_list is not None:
+            a.select_list_cap = <uint32_t>int_of(list_cap, "list_cap", 1, 0xFFFFFFFF)
+            device_ptr_of(id_list, &ptr)
+            a.select_list = <uint32_t *>ptr
     total = int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
     lo = int_of(start, "start", 0, total)
     hi = int_of(stop, "stop", lo, total)
@@ -147,7 +151,8 @@ def _sample_partial(logits, params, partials, event=None, stream=0, *, start, st
 
 
 def _select_partial(logits, params, partials, select, stage, stream=0, *, start, stop, vocab, dtype,
-                    call, masks=None, rows=None, row_stride=None, bitmask=None):
+                    call, masks=None, rows=None, row_stride=None, bitmask=None, id_list=None,
+                    list_cap=0):
     """One stage of sampling with filters over the slice ``[start, stop)`` of each row.
 
     The filters need thresholds over the whole row (docs/kernels.md, "Filters need global
@@ -162,6 +167,11 @@ def _select_partial(logits, params, partials, select, stage, stream=0, *, start,
     select : device memory
         ``rows * SELECT_ROW_BYTES`` bytes of per-row state (``mf_select_row``, feed.h).
     stage : {"top", "hist", "race"}
+    id_list : device memory, optional
+        ``rows * list_cap`` uint32 of scratch: the ids a select's later rounds read instead of
+        the whole slice (a row whose ids in range do not fit scans the slice).
+    list_cap : int
+        Ids a row's list holds, with ``id_list``.
     logits, params, partials, stream, start, stop, vocab, dtype, call, masks, rows, row_stride, bitmask
         As for ``_sample_partial`` (filters allowed; host params).
 
@@ -185,7 +195,8 @@ def _select_partial(logits, params, partials, select, stage, stream=0, *, start,
     if rows is None and masks is None:
         rows = len(params)
     return launch_pick(logits, masks, None, None, None, stream, bitmask, params, rows, vocab, dtype,
-                       row_stride, None, None, (partials, start, stop, vocab, call, select, stage))
+                       row_stride, None, None,
+                       (partials, start, stop, vocab, call, select, stage, id_list, list_cap))
 
 
 def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, vocab, call, fault_dst,

@@ -38,7 +38,10 @@ _HEADER = _core.PARTIAL_HEADER_BYTES
 _NO_TOKEN = 0xFFFFFFFF
 _F = _core.SELECT_ROW_FLAGS
 _STATE = np.dtype([("floor", "<u8"), ("cut_need", "<u8"), ("top_bits", "<u4"), ("cut_key", "<u4"),
-                   ("prefix", "<u4"), ("shift", "<u4"), ("flags", "<u4"), ("pad", "<u4")])
+                   ("prefix", "<u4"), ("shift", "<u4"), ("flags", "<u4"), ("list_len", "<u4")])
+# Ids a row's list holds (the candidates left once the key's top 8 bits are fixed): 8 KiB a row of
+# scratch; a row whose ids do not fit rescans its slice in the later rounds.
+LIST_CAP = 2048
 assert _STATE.itemsize == _core.SELECT_ROW_BYTES
 _HEADER_DTYPE = np.dtype([("tag", "<u4"), ("rows", "<u4"), ("call", "<u8"), ("vocab", "<u4"),
                           ("start", "<u4"), ("stop", "<u4"), ("reserved", "<u4")])
@@ -100,12 +103,13 @@ class FilteredCall:
         self.buffers = []
         try:
             for size in (rows * _STATE.itemsize, self.block, self.block * world, self.hblock,
-                         self.hblock * world, 4):
+                         self.hblock * world, 4, rows * LIST_CAP * 4):
                 self.buffers.append(_core.DeviceBuffer(size) if size != 4 else _core.PinnedBuffer(4))
         except BaseException:
             self.close()
             raise
-        self.state_buf, self.top, self.gathered, self.hist, self.hgathered, self.fault_word = self.buffers
+        (self.state_buf, self.top, self.gathered, self.hist, self.hgathered, self.fault_word,
+         self.id_list) = self.buffers
         self.state = _view(self.state_buf, _STATE)
 
     def close(self) -> None:
@@ -169,6 +173,7 @@ class FilteredCall:
         st = self.state
         st["floor"] = 0
         st["cut_need"] = 0
+        st["list_len"] = 0xFFFFFFFF  # MF_SELECT_NO_LIST
         st["top_bits"] = top_bits
         st["flags"] = np.where(has, _F["top"], 0)
         # Rows whose zmax is not finite draw their top whatever the filters (sample_rule.h):

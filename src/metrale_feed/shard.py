@@ -285,7 +285,8 @@ class VocabShard:
 
         def launch(stage: str, partials: Any) -> None:
             nonlocal queued
-            _core._select_partial(logits, params, partials, rounds.state_buf, stage, stream, **kw)
+            _core._select_partial(logits, params, partials, rounds.state_buf, stage, stream,
+                                  id_list=rounds.id_list, list_cap=_shard_select.LIST_CAP, **kw)
             if not queued:  # the first stage checked every argument: the call is on
                 queued = True
                 self._calls += 1

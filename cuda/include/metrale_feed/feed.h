@@ -184,8 +184,9 @@ typedef struct mf_select_row {
     uint32_t prefix;   /* HIST: the key bits above the digit, already selected */
     uint32_t shift;    /* HIST: the digit's lowest bit, 28, 24, ..., 0 */
     uint32_t flags;    /* MF_SELECT_ROW_* */
-    uint32_t pad_;
+    uint32_t list_len; /* the row's list of candidates (see select_list); MF_SELECT_NO_LIST: none */
 } mf_select_row;
+#define MF_SELECT_NO_LIST 0xFFFFFFFFu
 
 /* One row's sampling parameters (32 bytes; Python's SAMPLING_PARAMS_DTYPE has this layout). */
 typedef struct mf_sampling_params {
@@ -220,6 +221,11 @@ typedef struct mf_argmax_args {
     uint64_t call;                     /* MF_ARGS_PARTIAL: the caller's call counter (header) */
     mf_select_row *select;             /* MF_ARGS_SELECT: device, rows records */
     uint32_t select_stage;             /* MF_ARGS_SELECT: MF_SELECT_* */
+    /* MF_ARGS_SELECT, optional (NULL): device scratch of rows * select_list_cap ids. A round whose
+     * key prefix fixes the top 8 bits lists the ids still in range there (when they fit), so the
+     * select's later rounds and its cut read the list instead of the whole slice. */
+    uint32_t select_list_cap;
+    uint32_t *select_list;
 } mf_argmax_args;
 MF_EXPORT mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream);
 

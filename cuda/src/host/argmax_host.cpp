@@ -285,6 +285,11 @@ static mf_row_rule slice_rule(uint32_t m0, uint32_t m1, const uint32_t *row_bits
     return rule;
 }
 
+// Row r's list scratch of a select stage (NULL: none).
+static uint32_t *list_of(const mf_argmax_args &a, uint32_t r) {
+    return a.select_list ? a.select_list + (size_t)r * a.select_list_cap : nullptr;
+}
+
 void run_argmax(const ArgmaxJob &job) {
     const mf_argmax_args &a = job.args;
     const size_t row_bytes = (size_t)a.row_stride * (a.dtype == MF_DTYPE_F32 ? 4 : 2);
@@ -322,13 +327,14 @@ void run_argmax(const ArgmaxJob &job) {
                 uint64_t *bins = (uint64_t *)records + (size_t)r * MF_SELECT_BINS;
                 for (uint32_t d = 0; d < MF_SELECT_BINS; ++d) bins[d] = 0;
                 if (sampled && a.vocab)
-                    select_row(row, a.dtype, a.vocab, &rule, params[r], vector, start, stage, a.select[r], bins);
+                    select_row(row, a.dtype, a.vocab, &rule, params[r], vector, start, stage, a.select[r], bins,
+                               list_of(a, r), a.select_list_cap);
                 continue;
             }
             uint32_t id = a.vocab == 0 ? MF_NO_TOKEN
                           : !sampled   ? (stage == MF_SELECT_TOP ? MF_NO_TOKEN : row_fn(row, a.dtype, a.vocab, &rule))
                           : stage      ? select_row(row, a.dtype, a.vocab, &rule, params[r], vector, start, stage,
-                                                    a.select[r], nullptr)
+                                                    a.select[r], nullptr, list_of(a, r), a.select_list_cap)
                                        : sample_row(row, a.dtype, a.vocab, &rule, params[r], vector, start);
             if (stage == MF_SELECT_TOP) {  // the candidate only: (m, s) come with the race's records
                 records[r] = mf_partial_record{id == MF_NO_TOKEN ? MF_NO_TOKEN : start + id,

@@ -54,7 +54,7 @@ uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_ro
 // returns the race winner over the survivors (local id); a pending cut in `st` is applied first.
 uint32_t select_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
                     const mf_sampling_params &p, bool vector, uint32_t base, uint32_t stage,
-                    mf_select_row &st, uint64_t *bins);
+                    mf_select_row &st, uint64_t *bins, uint32_t *list, uint32_t list_cap);
 
 // A row's (m, s) for logprobs (logprob_rule.h), over n elements: vector or portable, both
 // deterministic (a fixed order of float64 adds).

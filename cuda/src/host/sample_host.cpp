@@ -158,7 +158,10 @@ MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
     const float *p = (const float *)race.v.row;
     const uint32_t vocab = race.v.vocab;
     const __m256 t = _mm256_set1_ps(race.v.inv_t), bound = _mm256_set1_ps(MF_GUMBEL_BOUND);
-    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000);
+    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000), mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    // The threshold's key, signed (mf_key_f32 minus 2**31): an id whose key is below it is
+    // filtered out, so it is skipped before its Philox block (those at it go to offer()).
+    const __m256i floor_key = _mm256_set1_epi32((int)((uint32_t)(race.threshold >> 32) ^ 0x80000000u));
     const PhiloxKeys keys = philox_keys(race.p.seed);
     uint32_t i = 0;
     for (; i + 32 <= vocab; i += 32) {
@@ -167,9 +170,14 @@ MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
         unsigned near = 0;
         for (int j = 0; j < 4; ++j) {
             const __m256 l = _mm256_loadu_ps(p + i + 8 * j);
-            const __m256i finite = _mm256_xor_si256(
+            __m256i finite = _mm256_xor_si256(
                 _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(l), exp_mask), exp_mask),
                 _mm256_set1_epi32(-1));
+            if (race.threshold) {
+                const __m256i b = _mm256_castps_si256(l);
+                const __m256i signed_key = _mm256_sign_epi32(_mm256_and_si256(b, mag_mask), b);
+                finite = _mm256_andnot_si256(_mm256_cmpgt_epi32(floor_key, signed_key), finite);
+            }
             z[j] = _mm256_mul_ps(l, t);
             const __m256 close = _mm256_cmp_ps(_mm256_add_ps(z[j], bound), s, _CMP_GE_OQ);
             near |= (unsigned)_mm256_movemask_ps(_mm256_and_ps(close, _mm256_castsi256_ps(finite))) << (8 * j);
@@ -436,10 +444,51 @@ const void *widened(const void *row, mf_dtype *dtype, uint32_t vocab, bool *vect
     return row;
 }
 
+// for_weighted over a list of ids (ascending) instead of the whole row: the scalar rule, so the
+// same candidates and weights.
+template <class F>
+void for_listed(const RowView &v, bool use_mass, float zmax, uint64_t floor, KeyMask keys_in,
+                const uint32_t *list, uint32_t len, F &&f) {
+    for (uint32_t k = 0; k < len; ++k) {
+        const uint32_t i = list[k];
+        uint32_t bits;
+        if (i >= v.vocab || !v.candidate(i, &bits)) continue;
+        const uint32_t key = mf_key_f32(bits);
+        const uint64_t packed = mf_pack(key, i);
+        if (packed < floor || !keys_in.takes(key)) continue;
+        const uint64_t w = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
+        if (w) f(i, packed, w);
+    }
+}
+
+// A row's list scratch (feed.h's select_list): the ids in range once the key's top 8 bits are
+// fixed, so that a select's later rounds and its cut skip the rest of the slice.
+struct IdList {
+    uint32_t *ids;
+    uint32_t cap;
+    uint32_t &len;  // the row state's list_len
+    bool usable() const { return ids && len <= cap; }
+};
+
 // One digit's histogram over the candidates at or above `floor` whose key bits above the digit
 // are `prefix`'s (a split select's round; sample_rule.h).
 void select_histogram(const RowView &v, bool use_mass, float zmax, uint64_t floor, uint32_t prefix,
-                      uint32_t shift, bool vector, uint64_t *bins) {
+                      uint32_t shift, bool vector, uint64_t *bins, IdList list) {
+    const KeyMask in = shift >= 28u ? KeyMask{0u, 0u} : KeyMask{~0u << (shift + 4u), prefix & (~0u << (shift + 4u))};
+    auto add = [&](uint32_t, uint64_t packed, uint64_t w) {
+        bins[mf_select_digit4((uint32_t)(packed >> 32), shift)] += w;
+    };
+    if (shift < 20u && list.usable()) return for_listed(v, use_mass, zmax, floor, in, list.ids, list.len, add);
+    if (shift == 20u && list.ids) {  // list what this round takes, while it fits
+        uint32_t n = 0;
+        for_weighted(v, use_mass, zmax, floor, in, vector, [&](uint32_t id, uint64_t packed, uint64_t w) {
+            add(id, packed, w);
+            if (n < list.cap) list.ids[n] = id;
+            ++n;
+        });
+        list.len = n <= list.cap ? n : MF_SELECT_NO_LIST;
+        return;
+    }
 #ifdef MF_X86
     if (vector && floor == 0 && shift == 28u) {  // the first round: the 12-bit sweep, folded
         thread_local std::vector<uint64_t> wide;
@@ -449,27 +498,29 @@ void select_histogram(const RowView &v, bool use_mass, float zmax, uint64_t floo
         return;
     }
 #endif
-    const KeyMask in = shift >= 28u ? KeyMask{0u, 0u} : KeyMask{~0u << (shift + 4u), prefix & (~0u << (shift + 4u))};
-    for_weighted(v, use_mass, zmax, floor, in, vector, [&](uint32_t, uint64_t packed, uint64_t w) {
-        const uint32_t key = (uint32_t)(packed >> 32);
-        if (mf_select_in_prefix(key, prefix, shift)) bins[mf_select_digit4(key, shift)] += w;
-    });
+    for_weighted(v, use_mass, zmax, floor, in, vector, add);
 }
 
 // The cut at `key`: the lowest-id candidates at `key` (at or above `floor`) while the weight taken
 // before each is below `need`; the packed threshold that keeps them (and everything above `key`).
+// It ends its select: the list is dropped.
 uint64_t select_cut(const RowView &v, bool use_mass, float zmax, uint64_t floor, uint32_t key, uint64_t need,
-                    bool vector) {
+                    bool vector, IdList list) {
     uint64_t cut = mf_cut_none(key);
     if (need) {
         uint64_t taken = 0, found = 0;
-        for_weighted(v, use_mass, zmax, floor, KeyMask{~0u, key}, vector, [&](uint32_t, uint64_t packed, uint64_t w) {
-            if ((uint32_t)(packed >> 32) != key || found) return;
+        auto walk = [&](uint32_t, uint64_t packed, uint64_t w) {
+            if (found) return;
             taken += w;
             if (taken >= need) found = packed;  // ids ascend: the last one kept
-        });
+        };
+        if (list.usable())
+            for_listed(v, use_mass, zmax, floor, KeyMask{~0u, key}, list.ids, list.len, walk);
+        else
+            for_weighted(v, use_mass, zmax, floor, KeyMask{~0u, key}, vector, walk);
         cut = found ? found : mf_cut_all(key);
     }
+    list.len = MF_SELECT_NO_LIST;
     return cut > floor ? cut : floor;
 }
 
@@ -494,20 +545,23 @@ uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_ro
 
 uint32_t select_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
                     const mf_sampling_params &params, bool vector, uint32_t base, uint32_t stage,
-                    mf_select_row &st, uint64_t *bins) {
+                    mf_select_row &st, uint64_t *bins, uint32_t *list_ids, uint32_t list_cap) {
     const mf_sample_plan p = mf_plan_sampling(&params);
     row = widened(row, &dtype, vocab, &vector);
     const RowView v{row, (int)dtype, vocab, rule, p.inv_t, base};
     if (stage == MF_SELECT_TOP) return mf_unpack_id(top_candidate(v));
     // The whole row's zmax: from its greatest finite candidate, whichever slice holds it.
     const float zmax = (st.flags & MF_SELECT_ROW_TOP) ? v.z(st.top_bits) : mf_neg_inf();
+    const IdList list{list_ids, list_cap, st.list_len};
     if (st.flags & MF_SELECT_ROW_CUT) {
-        st.floor = select_cut(v, st.flags & MF_SELECT_ROW_CUT_MASS, zmax, st.floor, st.cut_key, st.cut_need, vector);
+        st.floor = select_cut(v, st.flags & MF_SELECT_ROW_CUT_MASS, zmax, st.floor, st.cut_key, st.cut_need, vector,
+                              list);
         st.flags &= ~(uint32_t)MF_SELECT_ROW_CUT;
     }
     if (stage == MF_SELECT_HIST) {
         if (st.flags & MF_SELECT_ROW_HIST)
-            select_histogram(v, st.flags & MF_SELECT_ROW_MASS, zmax, st.floor, st.prefix, st.shift, vector, bins);
+            select_histogram(v, st.flags & MF_SELECT_ROW_MASS, zmax, st.floor, st.prefix, st.shift, vector, bins,
+                             list);
         return MF_NO_TOKEN;
     }
     const uint64_t top = top_candidate(v);
