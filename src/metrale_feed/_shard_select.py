@@ -129,16 +129,29 @@ class FilteredCall:
         shard = self.shard
         launch("top", self.top)
         shard._exchange(stream, self.top, self.gathered, self)
-        _core.launch_host_func(stream, self._after_top)
+        _core.launch_host_func(stream, self._decide, self._after_top)
         for sel in self.selects:
             for j in range(ROUNDS):
                 launch("hist", self.hist)
                 shard._exchange(stream, self.hist, self.hgathered, self)
-                _core.launch_host_func(stream, self._after_round, sel, j)
+                _core.launch_host_func(stream, self._decide, self._after_round, sel, j)
         launch("race", self.top)
         shard._exchange(stream, self.top, self.gathered, self)
 
     # ---- on the stream's worker ----
+
+    def _decide(self, step: Any, *args: Any) -> None:
+        """One decision between exchanges. Every rank runs the same code on the same gathered
+        data, so an error here is every rank's: it refuses the call alike (never a half-done
+        select feeding the race)."""
+        if self.fault is not None:
+            return
+        try:
+            step(*args)
+        except FeedError:
+            raise
+        except BaseException as exc:
+            self._refuse(f"sharded sampling with filters failed between rounds: {exc!r}")
 
     def _refuse(self, why: str) -> None:
         self.fault = why
