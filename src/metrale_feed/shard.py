@@ -2,8 +2,9 @@
 
 Each rank reduces its own slice of every row into a fixed-size partial block (``_argmax_partial``
 or ``_sample_partial``; sampling filters add the rounds of ``_shard_select``), one all-gather of
-those blocks runs on the stream's worker in stream order (``VocabShard._exchange``), and the combine (``_combine_partials``) writes, on every rank, the cells, ids and logprobs
-the unsharded call gives on the whole rows. Only this module imports torch, and only when a shard
+those blocks runs on the stream's worker in stream order (``VocabShard._exchange``), and the
+combine (``_combine_partials``) writes, on every rank, the cells, ids and logprobs the unsharded
+call gives on the whole rows. Only this module imports torch, and only when a shard
 is made.
 """
 
