@@ -78,7 +78,7 @@ __global__ void mf_combine_kernel(const mf_partial_record *first, const mf_parti
                                   const __grid_constant__ CombineParams in) {
     const uint32_t r = blockIdx.x * blockDim.x + threadIdx.x;  // within this launch
     if (row0 + r >= rows || r >= kCombineRowsPerLaunch) return;
-    const uint32_t f = mf_check_headers(headers, world, stride, mf_partial_op(op == MF_PARTIAL_SAMPLE, logprobs != nullptr),
+    const uint32_t f = mf_check_headers(headers, world, stride, mf_partial_op(op, logprobs != nullptr),
                                         rows, call, vocab);
     if (row0 + r == 0) *fault = f;
     uint32_t id = MF_NO_TOKEN, bits = 0;
@@ -107,7 +107,7 @@ cudaError_t launch_logprob_stats(const mf_argmax_args &a, cudaStream_t stream) {
     mf_partial_header h{};
     mf_partial_record *records = nullptr;
     if (partial) {
-        h = mf_partial_header{MF_PARTIAL_TAG ^ mf_partial_op(a.params != nullptr, stats), a.rows,
+        h = mf_partial_header{MF_PARTIAL_TAG ^ mf_partial_op(a.params ? MF_PARTIAL_SAMPLE : MF_PARTIAL_ARGMAX, stats), a.rows,
                               a.call, a.vocab_total, a.start, a.start + a.vocab, 0u};
         records = static_cast<mf_partial_record *>(a.partials) + MF_PARTIAL_HEADER_RECORDS;
     }

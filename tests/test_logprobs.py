@@ -230,6 +230,108 @@ def test_bad_logprobs_buffers_raise_before_queueing(host, dev):
         b.close()
 
 
+def _select_state(rows, **fields):
+    from metrale_feed._shard_select import _STATE
+
+    state = np.zeros(rows, _STATE)
+    for k, v in fields.items():
+        state[k] = v
+    return state
+
+
+def _keys_of(x):
+    """mf_key_f32 of float32 values, as int64 (NaN 0)."""
+    b = x.astype(np.float32).view(np.uint32).astype(np.int64)
+    mag = b & 0x7FFFFFFF
+    key = np.where(b >> 31, 0x80000000 - mag, 0x80000000 + mag)
+    return np.where(mag > 0x7F800000, 0, np.where(mag == 0, 0x80000000, key))
+
+
+def test_select_stages_on_a_slice_match_numpy(host, dev):
+    """The split filters' stages on one slice [start, stop) of a row: TOP is the greatest finite
+    candidate by global id, HIST the digit's counts or masses under the prefix, and a cut keeps the
+    lowest ids at the boundary key (checked through the RACE's survivors with top_k-like cuts)."""
+    rng = np.random.default_rng(3)
+    rows, vocab, start, stop = 4, 300, 37, 260
+    x = (rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
+    x[0, [50, 51]] = np.inf                       # +inf is no candidate: the finite top is found
+    x[1, 40:200] = np.nan
+    x[2, :] = 1.5                                 # all tied
+    masks = np.array([[60, mf.NO_TOKEN], [mf.NO_TOKEN] * 2, [38, 5], [mf.NO_TOKEN] * 2], np.uint32)
+    sl = dev.upload(np.ascontiguousarray(x[:, start:stop]))
+    params = mf.sampling_params(rows, temperature=1.0, top_k=5, seed=np.arange(rows))
+    kw = dict(start=start, stop=stop, vocab=vocab, dtype="float32", call=9, rows=rows, masks=masks)
+    cand = np.isfinite(x)
+    cand[np.arange(rows)[:, None], np.where(masks < vocab, masks, 0)] &= masks >= vocab
+    cand[:, :start] = cand[:, stop:] = False
+    keys = np.where(cand, _keys_of(x), -1)
+    state = dev.upload(_select_state(rows))
+    top = mf.DeviceBuffer(_core._partial_bytes(rows))
+    _core._select_partial(sl, params, top, state, "top", **kw)
+    mf.stream_synchronize(0)
+    rec = dev.download(top, np.uint32)[_core.PARTIAL_HEADER_BYTES // 4:].reshape(rows, 4)
+    want = [int(np.flatnonzero(keys[r] == keys[r].max())[0]) for r in range(rows)]
+    assert rec[:, 0].tolist() == want
+    # HIST: round 0 counts (top nibble), then a later round's masses under a prefix.
+    hist = mf.DeviceBuffer(_core.PARTIAL_HEADER_BYTES + rows * _core.SELECT_HIST_BYTES)
+    f = _core.SELECT_ROW_FLAGS
+    for shift, prefix, mass in ((28, 0, False), (20, None, False), (24, None, True)):
+        pre = [int(keys[r].max()) if prefix is None else prefix for r in range(rows)]
+        st = _select_state(rows, top_bits=x[np.arange(rows), want].view(np.uint32), prefix=pre,
+                           shift=shift, flags=f["top"] | f["hist"] | (f["mass"] if mass else 0))
+        state = dev.upload(st)
+        _core._select_partial(sl, params, hist, state, "hist", **kw)
+        mf.stream_synchronize(0)
+        got = dev.download(hist, np.uint64)[_core.PARTIAL_HEADER_BYTES // 8:].reshape(rows, 16)
+        for r in range(rows):
+            k = keys[r][keys[r] >= 0]
+            inside = k if shift == 28 else k[(k >> (shift + 4)) == (pre[r] >> (shift + 4))]
+            if mass:  # every mass is positive here and <= 2**39; their sum by digit
+                assert got[r].sum() > 0 and (got[r][np.bincount((inside >> shift) & 15, minlength=16) == 0] == 0).all()
+                assert got[r].max() <= 2**39 * inside.size
+            else:
+                assert got[r].tolist() == np.bincount((inside >> shift) & 15, minlength=16).tolist(), (r, shift)
+    # A cut at the all-tied row's key keeping 3 (counts): the race then draws among the 3 lowest ids.
+    k2 = int(keys[2].max())
+    seen = set()
+    for seed in range(40):
+        p = params.copy()
+        p["seed"] = seed
+        st = _select_state(rows, top_bits=x[np.arange(rows), want].view(np.uint32), cut_key=k2,
+                           cut_need=3, flags=f["top"] | f["cut"])
+        state = dev.upload(st)
+        _core._select_partial(sl, p, top, state, "race", **kw)
+        mf.stream_synchronize(0)
+        rec = dev.download(top, np.uint32)[_core.PARTIAL_HEADER_BYTES // 4:].reshape(rows, 4)
+        seen.add(int(rec[2, 0]))
+    ids = np.flatnonzero(keys[2] >= 0)[:3] + 0
+    assert seen <= set(ids.tolist()) and len(seen) > 1, (seen, ids)
+
+
+def test_select_stage_refusals(host, dev):
+    rows = 2
+    sl = dev.upload(np.ones((rows, 5), np.float32))
+    params = mf.sampling_params(rows, temperature=1.0, top_k=3)
+    kw = dict(rows=rows, vocab=10, dtype="float32", call=1, start=0, stop=5)
+    parts, state = mf.DeviceBuffer(_core._partial_bytes(rows)), mf.DeviceBuffer(rows * _core.SELECT_ROW_BYTES)
+    with pytest.raises(ValueError, match="stage"):
+        _core._select_partial(sl, params, parts, state, "sort", **kw)
+    with pytest.raises((ValueError, FeedError)):  # the state of one row for two
+        _core._select_partial(sl, params, parts, mf.DeviceBuffer(_core.SELECT_ROW_BYTES), "top", **kw)
+    with pytest.raises((ValueError, FeedError)):  # a histogram needs 128 bytes a row
+        _core._select_partial(sl, params, parts, state, "hist", **kw)
+    with pytest.raises((ValueError, TypeError)):
+        _core._select_partial(sl, None, parts, state, "top", **kw)
+    # The combine takes filters only for blocks raced over the global thresholds.
+    cells, fault = mf.DeviceBuffer(8), mf.PinnedBuffer(4)
+    with pytest.raises(ValueError, match="temperature only"):
+        _core._combine_partials(parts, 1, cells, None, None, rows=rows, vocab=10, call=1, fault_dst=fault,
+                                params=params)
+    _core._combine_partials(parts, 1, cells, None, None, rows=rows, vocab=10, call=1, fault_dst=fault,
+                            params=params, filtered=True)
+    mf.stream_synchronize(0)
+
+
 def test_partial_refusals(host, dev):
     rows = 2
     parts, sl = mf.DeviceBuffer(_core._partial_bytes(rows)), dev.upload(np.ones((rows, 5), np.float32))
@@ -444,7 +546,7 @@ def test_partial_records_carry_max_and_sum_only_when_logprobs_are_asked(path, no
             else:
                 _core._argmax_partial(sl, None, parts, **kw)
             header, rec = read_block(dev, parts, rows)
-            op = (2 if sampled else 1) | (4 if logprobs else 0)
+            op = (2 if sampled else 1) | (128 if logprobs else 0)  # docs/kernels.md: the logprobs bit
             assert header[0] == 0x3150464D ^ op and header[1] == rows and header[2] == 3
             assert header[4:7].tolist() == [vocab, lo, hi]
             if not sampled:  # the slice's argmax as a global id, its logit's bits

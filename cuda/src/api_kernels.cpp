@@ -73,7 +73,25 @@ mf_status check_partial(const mf_argmax_args *a) {
         return fail(MF_ERROR_INVALID_VALUE, "partials is a null or misaligned pointer");
     if (a->params && (a->flags & MF_ARGS_PARAMS_DEVICE))
         return fail(MF_ERROR_INVALID_VALUE, "a partial sampling call takes host params (checked now)");
-    if (a->params) {
+    if (a->flags & MF_ARGS_SELECT) {
+        // One stage of the split filters: the filters are applied through the select state.
+        if (!a->params) return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_SELECT needs sampling params");
+        if (a->select_stage < MF_SELECT_TOP || a->select_stage > MF_SELECT_RACE)
+            return fail(MF_ERROR_INVALID_VALUE, "unknown select stage %u", a->select_stage);
+        if (!a->select || !aligned(a->select, 8))
+            return fail(MF_ERROR_INVALID_VALUE, "select is a null or misaligned pointer");
+        mf_status st = check_device_range(a->select, (size_t)a->rows * sizeof(mf_select_row), "select state");
+        if (st != MF_SUCCESS) return st;
+        if (a->select_list) {
+            if (!aligned(a->select_list, 4) || a->select_list_cap == 0)
+                return fail(MF_ERROR_INVALID_VALUE, "select_list is misaligned or has no capacity");
+            st = check_device_range(a->select_list, (size_t)a->rows * a->select_list_cap * 4, "select list");
+            if (st != MF_SUCCESS) return st;
+        }
+        if (a->select_stage == MF_SELECT_HIST)
+            return check_device_range(a->partials, MF_PARTIAL_HEADER_RECORDS * 16 +
+                                      (size_t)a->rows * MF_SELECT_BINS * 8, "partials");
+    } else if (a->params) {
         mf_status st = check_temperature_only(a->params, a->rows);
         if (st != MF_SUCCESS) return st;
     }
@@ -96,10 +114,12 @@ mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
         return fail(MF_ERROR_INVALID_VALUE, "row_stride %llu is less than vocab %u",
                     (unsigned long long)a->row_stride, a->vocab);
     if (a->flags & ~(uint32_t)(MF_ARGS_MASKS_DEVICE | MF_ARGS_PARAMS_DEVICE | MF_ARGS_PARTIAL |
-                               MF_ARGS_PARTIAL_LOGPROBS))
+                               MF_ARGS_PARTIAL_LOGPROBS | MF_ARGS_SELECT))
         return fail(MF_ERROR_INVALID_VALUE, "unknown argmax flags 0x%x", a->flags);
     if ((a->flags & MF_ARGS_PARTIAL_LOGPROBS) && !partial)  // an unsplit call asks by `logprobs`
         return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_PARTIAL_LOGPROBS needs MF_ARGS_PARTIAL");
+    if ((a->flags & MF_ARGS_SELECT) && !partial)
+        return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_SELECT is a stage of a partial call (MF_ARGS_PARTIAL)");
     if (!a->masks && (a->flags & MF_ARGS_MASKS_DEVICE))
         return fail(MF_ERROR_INVALID_VALUE, "device-resident masks is a null pointer");
     if (!a->masks) {
@@ -205,12 +225,12 @@ mf_status mf_combine_partials(const mf_combine_args *a, mf_stream_t stream) {
                     a->cell_capacity);
     if (a->vocab == 0 || a->vocab > kMaxVocab)
         return fail(MF_ERROR_INVALID_VALUE, "vocab must be in [1, 2**24], got %u", a->vocab);
-    if (a->op != MF_PARTIAL_ARGMAX && a->op != MF_PARTIAL_SAMPLE)
+    if (a->op != MF_PARTIAL_ARGMAX && a->op != MF_PARTIAL_SAMPLE && a->op != MF_PARTIAL_FILTERED)
         return fail(MF_ERROR_INVALID_VALUE, "unknown partial operation %u", a->op);
     if ((uint64_t)a->slice_stride < (uint64_t)a->rows + MF_PARTIAL_HEADER_RECORDS)
         return fail(MF_ERROR_INVALID_VALUE, "slice_stride %u records is less than rows + %u", a->slice_stride,
                     MF_PARTIAL_HEADER_RECORDS);
-    if ((a->op == MF_PARTIAL_SAMPLE) != (a->params != nullptr))
+    if ((a->op != MF_PARTIAL_ARGMAX) != (a->params != nullptr))
         return fail(MF_ERROR_INVALID_VALUE, "params are required for a sampled combine, and only there");
     if (!a->partials || !aligned(a->partials, 8) || !a->cells || !aligned(a->cells, 4) || !a->fault ||
         !aligned(a->fault, 4) || (a->logprobs && !aligned(a->logprobs, 4)))
@@ -223,7 +243,8 @@ mf_status mf_combine_partials(const mf_combine_args *a, mf_stream_t stream) {
         view.rows = a->rows;
         view.params = a->params;
         status = check_sampling(&view);
-        if (status == MF_SUCCESS) status = check_temperature_only(a->params, a->rows);
+        // FILTERED blocks were raced over the filters' global thresholds (MF_ARGS_SELECT).
+        if (status == MF_SUCCESS && a->op == MF_PARTIAL_SAMPLE) status = check_temperature_only(a->params, a->rows);
     }
     // world <= MF_MAX_SLICES and slice_stride < 2**32: the product fits 64 bits.
     if (status == MF_SUCCESS)

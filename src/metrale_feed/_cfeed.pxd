@@ -110,6 +110,15 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint64_t seed
         uint32_t position
         uint32_t pad_
+    ctypedef struct mf_select_row:
+        uint64_t floor
+        uint64_t cut_need
+        uint32_t top_bits
+        uint32_t cut_key
+        uint32_t prefix
+        uint32_t shift
+        uint32_t flags
+        uint32_t list_len
     ctypedef struct mf_argmax_args:
         const void *logits
         mf_dtype dtype
@@ -130,12 +139,26 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint32_t vocab_total
         uint32_t start
         uint64_t call
+        mf_select_row *select
+        uint32_t select_stage
+        uint32_t select_list_cap
+        uint32_t *select_list
     enum:
         MF_ARGS_MASKS_DEVICE
         MF_ARGS_PARAMS_DEVICE
         MF_ARGS_PARTIAL
         MF_ARGS_PARTIAL_LOGPROBS
+        MF_ARGS_SELECT
+        MF_SELECT_TOP
+        MF_SELECT_HIST
+        MF_SELECT_RACE
+        MF_SELECT_ROW_TOP
+        MF_SELECT_ROW_HIST
+        MF_SELECT_ROW_MASS
+        MF_SELECT_ROW_CUT
+        MF_SELECT_ROW_CUT_MASS
         MF_SOURCES_DEVICE
+    const uint32_t MF_SELECT_BINS
     mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream)
     const uint32_t MF_MAX_SLICES
     ctypedef struct mf_combine_args:
@@ -207,6 +230,10 @@ cdef extern from "metrale_feed/feed.h" nogil:
 
 cdef extern from "metrale_feed/logprob_rule.h" nogil:
     const uint32_t MF_PARTIAL_HEADER_RECORDS
+    const uint32_t MF_PARTIAL_TAG
     enum:
         MF_PARTIAL_ARGMAX
         MF_PARTIAL_SAMPLE
+        MF_PARTIAL_FILTERED
+        MF_PARTIAL_TOP
+        MF_PARTIAL_HIST

@@ -229,6 +229,12 @@ def resolve_feed(sources: _WordsLike | _DeviceLike, cells: _DeviceLike, out: _De
 
 PARTIAL_RECORD_BYTES: int
 PARTIAL_HEADER_BYTES: int
+PARTIAL_TAG: int
+PARTIAL_OPS: dict[str, int]
+SELECT_ROW_BYTES: int
+SELECT_HIST_BYTES: int
+SELECT_STAGES: dict[str, int]
+SELECT_ROW_FLAGS: dict[str, int]
 
 def _partial_bytes(rows: int) -> int: ...
 def _argmax_partial(logits: _DeviceLike | None, masks: _MasksLike | _DeviceLike | None,
@@ -242,12 +248,19 @@ def _sample_partial(logits: _DeviceLike | None, params: Buffer, partials: _Devic
                     masks: _MasksLike | _DeviceLike | None = None, rows: int | None = None,
                     row_stride: int | None = None,
                     bitmask: _DeviceLike | None = None, logprobs: bool = False) -> int: ...
+def _select_partial(logits: _DeviceLike | None, params: Buffer, partials: _DeviceLike,
+                    select: _DeviceLike, stage: str, stream: _StreamLike = 0, *, start: int,
+                    stop: int, vocab: int, dtype: _DType, call: int,
+                    masks: _MasksLike | _DeviceLike | None = None, rows: int | None = None,
+                    row_stride: int | None = None, bitmask: _DeviceLike | None = None,
+                    id_list: _DeviceLike | None = None, list_cap: int = 0,
+                    logprobs: bool = False) -> int: ...
 def _combine_partials(partials: _DeviceLike, world: int, cells: _DeviceLike,
                       dst: Buffer | int | None, event: _EventLike | None,
                       stream: _StreamLike = 0, *, rows: int, vocab: int, call: int,
                       fault_dst: Buffer, params: Buffer | None = None,
                       logprobs: _DeviceLike | None = None, logprobs_dst: Buffer | int | None = None,
-                      slice_stride: int | None = None) -> None: ...
+                      slice_stride: int | None = None, filtered: bool = False) -> None: ...
 def _check_partials_fault(fault_dst: Buffer) -> None: ...
 
 def reference_forward(input_ids: _DeviceLike, meta: _DeviceLike, tables: _DeviceLike,

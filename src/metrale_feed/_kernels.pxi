@@ -452,8 +452,9 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
         As for ``argmax_to_feed``; the logprob is the sampled id's under the raw distribution
         (temperature 1, before top_k, top_p and min_p).
     shard : VocabShard, optional
-        As for ``argmax_to_feed``; sharded rows must be temperature-only (``top_k`` 0, ``top_p``
-        1, ``min_p`` 0, host params): sharded filters are not supported yet (ValueError).
+        As for ``argmax_to_feed``, with host params: the same survivors and draw as the unsharded
+        call, filters included (their thresholds take a few more exchanges of per-row records:
+        docs/tensor-parallel.md); device-resident params are refused (ValueError).
 
     Returns
     -------
@@ -474,7 +475,7 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
     >>> sample_to_feed(logits, p, cells, dst, ev, vocab=32000, dtype="f32")  # doctest: +SKIP
     2
     """
-    if shard is not None:  # temperature-only rows (shard.py says why)
+    if shard is not None:  # host params (the filters' rounds read them: shard.py)
         return shard._call("sample", logits, masks, params, cells, dst, event, stream, rows, vocab,
                            dtype, row_stride, bitmask, logprobs, logprobs_dst)
     if rows is None and masks is None and not (is_foreign(logits) and not isinstance(logits, (list, tuple))):

@@ -1,6 +1,7 @@
 # The building blocks of a vocabulary split across slices (docs/kernels.md, "Partial records and
 # the combine"): a partial argmax or temperature-only sample over one slice of each row, writing a
-# partial block, and the combine of the gathered blocks into the feed cells, exactly as the
+# partial block, the stages of sampling with filters over a slice ("Filters need global
+# thresholds"), and the combine of the gathered blocks into the feed cells, exactly as the
 # unsharded call. Private: the tensor-parallel shard is built on them.
 
 PARTIAL_RECORD_BYTES = 16                                 # one row of one slice
@@ -12,13 +13,36 @@ _FAULTS = {1: "another operation or not a partial block", 2: "another row count"
            6: "the other logprobs setting (logprobs asked for on some slices only)"}
 
 
+SELECT_ROW_BYTES = sizeof(mf_select_row)              # one row's state between filter stages
+SELECT_HIST_BYTES = MF_SELECT_BINS * 8                  # one row's digit histogram
+SELECT_STAGES = {"top": MF_SELECT_TOP, "hist": MF_SELECT_HIST, "race": MF_SELECT_RACE}
+SELECT_ROW_FLAGS = {"top": MF_SELECT_ROW_TOP, "hist": MF_SELECT_ROW_HIST, "mass": MF_SELECT_ROW_MASS,
+                    "cut": MF_SELECT_ROW_CUT, "cut_mass": MF_SELECT_ROW_CUT_MASS}
+PARTIAL_OPS = {"argmax": MF_PARTIAL_ARGMAX, "sample": MF_PARTIAL_SAMPLE, "filtered": MF_PARTIAL_FILTERED,
+               "top": MF_PARTIAL_TOP, "hist": MF_PARTIAL_HIST}
+PARTIAL_TAG = MF_PARTIAL_TAG
+
+
 cdef int fill_partial(mf_argmax_args *a, object partial) except -1:
-    """The slice of a partial call: ``partial`` is (partials, start, stop, vocab, call, logprobs)."""
+    """The slice of a partial call: ``partial`` is (partials, start, stop, vocab, call, logprobs)
+    and, for a stage of the split filters, (select, stage, id_list, list_cap) after them."""
     cdef void *ptr
     cdef uint64_t call
-    partials, start, stop, vocab, call_obj, logprobs = partial
+    partials, start, stop, vocab, call_obj, logprobs = partial[:6]
     if logprobs is not True and logprobs is not False:
         raise TypeError(f"logprobs must be True or False, not {logprobs!r}")
+    if len(partial) == 10:
+        select, stage, id_list, list_cap = partial[6:]
+        if stage not in SELECT_STAGES:
+            raise ValueError(f"stage must be one of {sorted(SELECT_STAGES)}, not {stage!r}")
+        device_ptr_of(select, &ptr)
+        a.select = <mf_select_row *>ptr
+        a.select_stage = SELECT_STAGES[stage]
+        a.flags |= MF_ARGS_SELECT
+        if id_list is not None:
+            a.select_list_cap = <uint32_t>int_of(list_cap, "list_cap", 1, 0xFFFFFFFF)
+            device_ptr_of(id_list, &ptr)
+            a.select_list = <uint32_t *>ptr
     total = int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
     lo = int_of(start, "start", 0, total)
     hi = int_of(stop, "stop", lo, total)
@@ -133,8 +157,61 @@ def _sample_partial(logits, params, partials, event=None, stream=0, *, start, st
                        row_stride, None, None, (partials, start, stop, vocab, call, logprobs))
 
 
+def _select_partial(logits, params, partials, select, stage, stream=0, *, start, stop, vocab, dtype,
+                    call, masks=None, rows=None, row_stride=None, bitmask=None, id_list=None,
+                    list_cap=0, logprobs=False):
+    """One stage of sampling with filters over the slice ``[start, stop)`` of each row.
+
+    The filters need thresholds over the whole row (docs/kernels.md, "Filters need global
+    thresholds"): each stage writes a block the slices exchange, and the caller writes ``select``
+    between stages from the gathered blocks. ``"top"`` writes each row's greatest finite candidate
+    (a partial record), ``"hist"`` the weights of one 4-bit digit of the logit key (16 uint64 a
+    row after the 32-byte header), ``"race"`` the race winner over the survivors (a partial record,
+    combined by ``_combine_partials(..., filtered=True)``).
+
+    Parameters
+    ----------
+    select : device memory
+        ``rows * SELECT_ROW_BYTES`` bytes of per-row state (``mf_select_row``, feed.h).
+    stage : {"top", "hist", "race"}
+    id_list : device memory, optional
+        ``rows * list_cap`` uint32 of scratch: the ids a select's later rounds read instead of
+        the whole slice (a row whose ids in range do not fit scans the slice).
+    list_cap : int
+        Ids a row's list holds, with ``id_list``.
+    logprobs : bool
+        ``"race"``: whether the combine will write logprobs (the records then carry the slice's
+        max and sum of exponentials, and the header says so); the other stages take False.
+    logits, params, partials, stream, start, stop, vocab, dtype, call, masks, rows, row_stride, bitmask
+        As for ``_sample_partial`` (filters allowed; host params).
+
+    Returns
+    -------
+    int
+        The rows launched.
+
+    Raises
+    ------
+    ValueError
+        A bad stage, buffers too small, device-resident params, and the errors of
+        ``_sample_partial``; before anything is queued. FeedError on the cuda backend (not built).
+
+    Examples
+    --------
+    >>> _select_partial(dev, p, part, state, "top", rows=4, start=0, stop=50, vocab=100,
+    ...                 dtype="float32", call=7)  # doctest: +SKIP
+    4
+    """
+    if rows is None and masks is None:
+        rows = len(params)
+    return launch_pick(logits, masks, None, None, None, stream, bitmask, params, rows, vocab, dtype,
+                       row_stride, None, None,
+                       (partials, start, stop, vocab, call, logprobs, select, stage, id_list, list_cap))
+
+
 def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, vocab, call, fault_dst,
-                      params=None, logprobs=None, logprobs_dst=None, slice_stride=None):
+                      params=None, logprobs=None, logprobs_dst=None, slice_stride=None,
+                      filtered=False):
     """The feed cells (and logprobs) of whole rows from the partial blocks of their slices.
 
     ``partials`` holds ``world`` blocks, block ``w`` at byte ``w * slice_stride * 16``, slices in
@@ -164,9 +241,12 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
     fault_dst : PinnedBuffer or writable buffer of at least 4 bytes
         Where the fault word is copied (0: the blocks agreed).
     params : SAMPLING_PARAMS_DTYPE array, optional
-        The sampled combine's host records (temperature-only), the partial calls' own.
+        The sampled combine's host records (temperature-only unless ``filtered``), the partial
+        calls' own.
     slice_stride : int, optional
         16-byte records between blocks, at least ``rows + 2`` (default ``rows + 2``).
+    filtered : bool
+        The blocks are ``_select_partial``'s ``"race"`` stage: ``params`` may hold filters.
 
     Raises
     ------
@@ -204,7 +284,7 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
         if view.flags & MF_ARGS_PARAMS_DEVICE:
             raise ValueError("_combine_partials takes host params (checked now)")
         c.params = view.params
-        c.op = MF_PARTIAL_SAMPLE
+        c.op = MF_PARTIAL_FILTERED if filtered else MF_PARTIAL_SAMPLE
     device_ptr_of(partials, &ptr)
     c.partials = ptr
     c.fault = <uint32_t *>(<char *>ptr + 28)  # slice 0's header, its reserved word

@@ -4,7 +4,9 @@ N local ranks (separate processes, one gloo group on 127.0.0.1) each hold a slic
 ``rows x 152064`` float32 logits. Measured side by side, the same ranks and group, one run:
 the sharded ``argmax_to_feed`` (16 bytes a row), (a) all-gathering the logits then the argmax,
 (b) the same sharded reduction by hand with torch ops (local max, all-gather of (value, id),
-pick). Needs torch and numpy.
+pick). Then sampling with ``top_k=50, top_p=0.9``: the sharded call (its rounds of per-row
+histograms) beside the unsharded ``sample_to_feed`` on the whole rows on one rank. Needs torch and
+numpy.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def _rank(rank: int, world: int, port: int, sizes: List[int], repeats: int) -> N
                 times[name].append(time.perf_counter() - t0)
                 checked = checked and bool(np.array_equal(got, want))
         sent = dict(shard.stats)
+        filtered = _filtered(rank, group, full, rows, repeats)
         out["sizes"].append({
             "rows": rows, "vocab": VOCAB, "world": world, "checked": checked,
             "sharded_ms": statistics.median(times["sharded"]) * 1e3,
@@ -89,12 +92,57 @@ def _rank(rank: int, world: int, port: int, sizes: List[int], repeats: int) -> N
             "gather_bytes_per_step": rows * width * 4,
             "hand_bytes_per_step": rows * 16,
             "shard_stats": sent,
+            **filtered,
         })
         done.close(), cells.close(), buf.close()
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     sys.stdout.flush()
     os._exit(0)
+
+
+def _filtered(rank: int, group: Any, full: Any, rows: int, repeats: int) -> Dict[str, Any]:
+    """Sampling with top_k 50 and top_p 0.9: the sharded call on every rank, then the unsharded
+    call on rank 0 alone (the others wait at a barrier), the same ids."""
+    import numpy as np
+    import torch.distributed as dist
+
+    import metrale_feed as mf
+
+    shard = mf.VocabShard(group, VOCAB, max_rows=rows)
+    part = np.ascontiguousarray(full[:, shard.start:shard.stop])
+    params = mf.sampling_params(rows, temperature=1.0, top_k=50, top_p=0.9, seed=np.arange(rows),
+                                position=np.arange(rows))
+    bufs = [mf.DeviceBuffer(max(1, a.nbytes)) for a in (part, full if rank == 0 else part[:0])]
+    for b, a in zip(bufs, (part, full)):
+        if a.nbytes and b.nbytes == a.nbytes:
+            mf.copy_h2d_async(b, a)
+    mf.stream_synchronize(0)
+    cells, ids, whole_ids = mf.DeviceBuffer(rows * 4), np.zeros(rows, np.uint32), np.zeros(rows, np.uint32)
+    sharded_s: List[float] = []
+    whole_s: List[float] = []
+    sent = 0
+    with mf.Event() as done:
+        for _ in range(repeats):
+            dist.barrier()
+            before = shard.stats["bytes_sent"]
+            t0 = time.perf_counter()
+            mf.sample_to_feed(bufs[0], params, cells, ids, done, rows=rows, dtype="float32", shard=shard)
+            done.synchronize()
+            sharded_s.append(time.perf_counter() - t0)
+            sent = shard.stats["bytes_sent"] - before
+            dist.barrier()
+            if rank == 0:
+                t0 = time.perf_counter()
+                mf.sample_to_feed(bufs[1], params, cells, whole_ids, done, rows=rows, vocab=VOCAB,
+                                  dtype="float32")
+                done.synchronize()
+                whole_s.append(time.perf_counter() - t0)
+    shard.close()
+    cells.close(), bufs[0].close(), bufs[1].close()
+    return {"filtered_sharded_ms": statistics.median(sharded_s) * 1e3,
+            "filtered_unsharded_ms": statistics.median(whole_s) * 1e3 if whole_s else None,
+            "filtered_bytes_per_call": sent, "filtered_checked": rank != 0 or bool(np.array_equal(ids, whole_ids))}
 
 
 def run(world: int, quick: bool) -> Dict[str, Any]:

@@ -232,9 +232,6 @@ def check_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if importlib.util.find_spec("torch") is None:
             parser.error("argument --tp: needs torch.distributed, which is not installed: "
                          "pip install 'metrale-feed[torch]'")
-        if args.top_k or args.top_p < 1.0 or args.min_p > 0.0:
-            parser.error("argument --tp: sharded sampling takes the temperature alone (top_k, "
-                         "top_p and min_p over a split vocabulary are not supported yet)")
         if args.trace or args.plot:
             parser.error("argument --tp: --trace and --plot are for the single-rank demo")
     itemsize = 4 if args.dtype == "float32" else 2

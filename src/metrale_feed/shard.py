@@ -1,10 +1,11 @@
 """A vocabulary split across the ranks of a ``torch.distributed`` process group (docs/tensor-parallel.md).
 
 Each rank reduces its own slice of every row into a fixed-size partial block (``_argmax_partial``
-or ``_sample_partial``), one all-gather of those blocks runs in stream order (``_exchange``: gloo
-on the stream's worker on the host backend, NCCL on the caller's stream on the cuda backend),
-and the combine (``_combine_partials``) writes, on every rank, the cells, ids and logprobs
-the unsharded call gives on the whole rows. Only this module imports torch, and only when a shard
+or ``_sample_partial``; sampling filters add the rounds of ``_shard_select``), one all-gather of
+those blocks runs in stream order (``_exchange``: gloo on the stream's worker on the host backend,
+NCCL on the caller's stream on the cuda backend), and the combine (``_combine_partials``) writes,
+on every rank, the cells, ids and logprobs the unsharded call gives on the whole rows. Only this
+module imports torch, and only when a shard
 is made.
 """
 
@@ -25,6 +26,7 @@ _RECORD_BYTES = 16
 # Completed calls' buffers kept for reuse: pending calls beyond this many get fresh ones, so a
 # depth-2 pipeline allocates nothing per step (on the cuda backend a free synchronises the device).
 _RING = 4
+_SLOT_BUFFERS = 3  # a ring slot holds (block, gathered, fault); a filtered call's are never reused
 
 
 def _torch() -> Any:
@@ -66,8 +68,10 @@ class VocabShard:
     Rank ``r`` holds the logits of the global ids ``[offsets[r], offsets[r + 1])``. Passed as
     ``shard=`` to ``argmax_to_feed`` or ``sample_to_feed``, the call reduces the slice locally and
     all-gathers ``16 * (max_rows + 2)`` bytes per rank (never the logits) in stream order, so every
-    rank gets the unsharded call's cells and ids without a host synchronisation. Every rank must
-    make its shard with the same arguments and issue the same sharded calls in the same order.
+    rank gets the unsharded call's cells and ids without a host synchronisation. Sampled rows with
+    ``top_k``, ``top_p`` or ``min_p`` take up to 17 more all-gathers of per-row records (at most
+    ~2.1 KiB a row in all: docs/tensor-parallel.md). Every rank must make its shard with the same
+    arguments and issue the same sharded calls, with the same params, in the same order.
 
     Parameters
     ----------
@@ -181,7 +185,7 @@ class VocabShard:
             except FeedError:
                 pass  # reported by the caller's own event
             done.close()
-            for buf in held[:3]:
+            for buf in held:
                 buf.close()
 
     def _count(self, nbytes: int) -> None:
@@ -215,12 +219,12 @@ class VocabShard:
     def _reap(self) -> None:
         """Move completed calls' buffers to the ring: their done event is recorded after the
         combine and the fault check, the last readers of the block, the gathered blocks and the
-        fault word, so nothing queued still uses them."""
+        fault word, so nothing queued still uses them. A filtered call's own buffers are freed."""
         pending = []
         for p in self._pending:
             if not _core.event_query(p[0]):
                 pending.append(p)
-            elif len(self._ring) < _RING:
+            elif len(p[1]) == _SLOT_BUFFERS and len(self._ring) < _RING:
                 self._ring.append(p)
             else:
                 _close_slot(p)
@@ -248,8 +252,7 @@ class VocabShard:
         width = self.stop - self.start
         if vocab is not None and vocab != width:
             raise ValueError(f"with a shard, vocab is the slice's width {width}, not {vocab}")
-        if params is not None:
-            _check_temperature_only(params)
+        filtered = params is not None and _check_host_params(params)
         if self.world == 1 and not self._force_exchange:  # the unsharded call
             kw = dict(rows=rows, vocab=self.vocab, dtype=dtype, row_stride=row_stride,
                       bitmask=bitmask, logprobs=logprobs, logprobs_dst=logprobs_dst)
@@ -274,6 +277,9 @@ class VocabShard:
         if self.stop == self.start or (hasattr(logits, "shape") and len(logits.shape) == 2
                                        and int(logits.shape[1]) == 0):
             logits = None  # an empty slice takes part with no candidate
+        if filtered:
+            return self._call_filtered(logits, masks, params, cells, dst, event, stream, n, dtype,
+                                       row_stride, bitmask, logprobs, logprobs_dst, handle)
         slot = self._slot()
         done, (block, gathered, fault) = slot
         call = self._calls + 1
@@ -321,20 +327,69 @@ class VocabShard:
             _core.event_record(event, stream)
         return n
 
-    def _exchange(self, stream: Any, src: Any, dst: Any) -> None:
+    def _call_filtered(self, logits: Any, masks: Any, params: Any, cells: Any, dst: Any, event: Any,
+                       stream: Any, n: int, dtype: Any, row_stride: Any, bitmask: Any,
+                       logprobs: Any, logprobs_dst: Any, handle: int) -> int:
+        """A sampled call with top_k, top_p or min_p: the rounds of _shard_select, then the
+        ordinary combine of the race winners."""
+        from . import _shard_select
+
+        if _core.backend() != "host":
+            raise FeedError("sharded top_k, top_p and min_p are not built on the cuda backend yet")
+        call = _shard_select.call_word(self._calls + 1, params[:n])
+        rounds = _shard_select.FilteredCall(self, params, n, call)
+        kw = dict(start=self.start, stop=self.stop, vocab=self.vocab, dtype=dtype, call=call,
+                  rows=n, row_stride=row_stride, bitmask=bitmask, masks=masks)
+        queued = False
+
+        def launch(stage: str, partials: Any) -> None:
+            nonlocal queued
+            # The race's records carry (m, s) when logprobs are asked for (its header says so).
+            _core._select_partial(logits, params, partials, rounds.state_buf, stage, stream,
+                                  id_list=rounds.id_list, list_cap=_shard_select.LIST_CAP,
+                                  logprobs=stage == "race" and logprobs is not None, **kw)
+            if not queued:  # the first stage checked every argument: the call is on
+                queued = True
+                self._calls += 1
+                self._stream = handle
+
+        try:
+            rounds.queue(stream, launch)
+            _core._combine_partials(rounds.gathered, self.world, cells, dst, None, stream, rows=n,
+                                    vocab=self.vocab, call=call, fault_dst=rounds.fault_word,
+                                    params=params, logprobs=logprobs, logprobs_dst=logprobs_dst,
+                                    slice_stride=self._block // _RECORD_BYTES, filtered=True)
+        except BaseException as exc:
+            if not queued:
+                rounds.close()
+                raise
+            # Some exchanges are queued and the peers go on: this rank cannot follow them.
+            self._fault = f"a sharded sampling call failed on rank {self.rank}: {exc}"
+            raise
+        _core.launch_host_func(stream, self._check, rounds.fault_word, rounds)
+        done = _core.Event()
+        _core.event_record(done, stream)
+        self._pending.append((done, tuple(rounds.buffers)))
+        if event is not None:
+            _core.event_record(event, stream)
+        return n
+
+    def _exchange(self, stream: Any, src: Any, dst: Any, call: Any = None) -> None:
         """Queue on ``stream`` the all-gather of this rank's block ``src`` into ``dst``.
 
         ``src`` and ``dst`` are DeviceBuffers; ``dst`` holds ``world`` blocks of ``src.nbytes``
         bytes, rank ``r``'s at byte ``r * src.nbytes``. Every collective of a sharded call goes
         through here, in stream order, and is counted in ``stats`` when it is issued (so a graph's
         replays count too). Every rank must issue the same exchanges, with the same sizes, in the
-        same order.
+        same order. ``call``: a filtered call (``_shard_select``) whose ``fault`` is set by the
+        time the exchange runs (the ranks disagreed) skips the collective on every rank alike and
+        zeroes ``dst`` (host backend; the cuda backend has no filtered calls).
         """
         if dst.nbytes < src.nbytes * self.world:
             raise ValueError(f"the gathered buffer holds {dst.nbytes} bytes; {self.world} blocks "
                              f"of {src.nbytes} need {src.nbytes * self.world}")
         if not self._nccl:
-            _core.launch_host_func(stream, self._gather, src, dst)
+            _core.launch_host_func(stream, self._gather, src, dst, call)
             return
         # NCCL: issued now, from this thread, on `stream` (torch's current stream for the call).
         # With async_op=False, torch >= 2.8 launches the kernel on the current stream itself;
@@ -367,10 +422,14 @@ class VocabShard:
         """A graph's NCCL exchange, at each replay: counted in ``stats``."""
         self._count(src.nbytes)
 
-    def _gather(self, src: Any, dst: Any) -> None:
+    def _gather(self, src: Any, dst: Any, call: Any = None) -> None:
         """On the stream's worker (host backend): the all-gather ``_exchange`` queued."""
         torch, n = self._torch, src.nbytes
         outs = [_host_view(torch, dst.ptr + w * n, n) for w in range(self.world)]
+        if call is not None and call.fault is not None:  # refused on every rank alike: no collective
+            for o in outs:
+                o.zero_()
+            return
         self._count(n)
         try:
             self._dist.all_gather(outs, _host_view(torch, src.ptr, n), group=self._group)
@@ -380,8 +439,11 @@ class VocabShard:
             self._fault = f"the all-gather failed on rank {self.rank}: {exc}"
             raise FeedError(self._fault) from exc
 
-    def _check(self, fault: Any) -> None:
-        """On the stream's worker, after the combine: its fault word as an error of the event."""
+    def _check(self, fault: Any, call: Any = None) -> None:
+        """On the stream's worker, after the combine: its fault word as an error of the event
+        (once: a call whose rounds were refused has reported it already)."""
+        if call is not None and call.fault is not None:
+            return
         try:
             _core._check_partials_fault(fault)
         except FeedError as exc:
@@ -393,7 +455,7 @@ class VocabShard:
 def _close_slot(slot: tuple[Any, tuple[Any, ...]]) -> None:
     done, held = slot
     done.close()
-    for buf in held[:3]:
+    for buf in held:
         buf.close()
 
 
@@ -409,15 +471,14 @@ def _stream_key(stream: Any) -> int:
     return int(getattr(stream, "cuda_stream", getattr(stream, "ptr", 0)))
 
 
-def _check_temperature_only(params: Any) -> None:
+def _check_host_params(params: Any) -> bool:
+    """Host records (the filters' rounds read them on the worker); whether a filter is on."""
     import numpy as np
 
     if not isinstance(params, np.ndarray) or params.dtype.names is None:
         raise ValueError("a sharded sample_to_feed takes host SAMPLING_PARAMS_DTYPE records")
-    if (np.any(params["top_k"] != 0) or np.any(params["top_p"] != 1.0)
-            or np.any(params["min_p"] != 0.0)):
-        raise ValueError("sharded sampling takes temperature-only rows (top_k=0, top_p=1, "
-                         "min_p=0): sharded top-k, top-p and min-p filters are not supported yet")
+    return bool(np.any(params["top_k"] != 0) or np.any(params["top_p"] != 1.0)
+                or np.any(params["min_p"] != 0.0))
 
 
 def _precheck_host(buf: Any, rows: int, what: str, fmt: str) -> None:

@@ -172,16 +172,164 @@ def scenario_exact():
             assert np.array_equal(ids, want), (dtype, name, ids, want)
             assert_close(lp, reference_logprobs(logits, ids))
             assert shard.stats["bytes_sent"] >= 2 * 16 * (16 + 2) * (WORLD > 1)
-    # Filters are refused before anything is queued, on every rank alike.
-    shard = mf.VocabShard(None, vocab, max_rows=16)
+
+
+def filter_rows(rng, vocab, dtype, offsets):
+    """Rows for the sharded filters (16 rows) and their params: ties at the boundary key across a
+    slice boundary, NaN and -inf, a row with no candidate, a greedy row, and each filter alone and
+    together."""
+    rows = 16
+    x = nasty(rng, rows, vocab, np.float32, offsets)
+    b = boundary(offsets, vocab)
+    x[4, :] = rng.standard_normal(vocab) * 0.5
+    x[5, :] = -5.0
+    x[5, b - 3:b + 3] = 4.0        # six tied across the boundary: top_k 4 cuts them
+    x[6, :] = -30.0
+    x[6, b - 3:b + 3] = 4.0        # top_p 0.5 cuts the same ties by mass
+    x[7, :] = 1.0                  # the whole row tied
+    x = x.astype(dtype)
+    params = mf.sampling_params(rows, temperature=rng.uniform(0.3, 2.0, rows),
+                                seed=rng.integers(0, 2**63, rows), position=rng.integers(0, 10**6, rows))
+    # k = 1, k above the candidates, p tiny and just below 1, ties at the boundary key.
+    params["top_k"] = [0, 3, 1, 7, 40, 4, 0, 500, 1, 2000, 0, 0, 50, 10, 5000, 3]
+    params["top_p"] = [1e-6, 0.9, 1, 0.5, 0.9, 1, 0.5, 0.3, 1, 1, 0.5, 0.99999, 0.9, 0.95, 1, 0.7]
+    params["min_p"] = [0, 0, 0, 0.1, 0, 0, 0, 0, 0, 0, 0, 0, 0.05, 0, 0.2, 0.01]
+    params["temperature"][10] = 0.0          # greedy among filtered rows
+    params["temperature"][9] = 1e-30          # z overflows: the top, whatever the filters
+    return x, params
+
+
+def survivors_oracle(logits, masks, bitmask, params, r):
+    """A float64 numpy reading of row r's survivors (top_k exact by rank; top_p and min_p with a
+    little slack for the rule's float32 masses): the set every draw must fall in."""
+    row = np.asarray(logits[r], np.float64)
+    vocab = row.size
+    ok = np.isfinite(row)
+    for m in masks[r]:
+        if m != mf.NO_TOKEN:
+            ok[m] = False
+    if bitmask is not None:
+        bits = np.unpackbits(bitmask[r].view(np.uint8), bitorder="little")[:vocab].astype(bool)
+        ok &= bits
+    ids = np.flatnonzero(ok)
+    order = ids[np.lexsort((ids, -row[ids]))]  # logit descending, lower id first
+    p = params[r]
+    if p["top_k"]:
+        order = order[: p["top_k"]]
+    z = row[order] / float(p["temperature"])
+    e = np.exp(z - z.max())
+    keep = np.ones(order.size, bool)
+    if 0 < p["top_p"] < 1:
+        cum = np.cumsum(e) / e.sum()
+        n = int(np.searchsorted(cum, float(p["top_p"]) * (1 - 1e-6))) + 1
+        keep[n + 1:] = False  # one of slack for rounding at the boundary
+    if p["min_p"] > 0:
+        keep &= e >= float(p["min_p"]) * (1 - 1e-5)
+    return set(order[keep].tolist())
+
+
+def scenario_filters():
+    """Sharded top_k, top_p and min_p: the unsharded draw on every rank, inside the oracle's
+    survivors, with masks, a bitmask, padding and logprobs; a few KiB a row."""
+    vocab = 1000
+    for dtype in DTYPES:
+        for name, offsets in splits(vocab):
+            shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=16)
+            rng = np.random.default_rng(zlib.crc32(f"filters{dtype}{name}".encode()))
+            logits, params = filter_rows(rng, vocab, DTYPES[dtype], shard.offsets)
+            rows = logits.shape[0]
+            masks = rng.integers(0, vocab, (rows, 2)).astype(np.uint32)
+            masks[::4] = mf.NO_TOKEN
+            masks[12] = [shard.offsets[-2], vocab - 1]  # ids of the last rank's slice
+            bitmask = np.full((rows, (vocab + 31) // 32), -1, np.int32)  # full, last word partial
+            bitmask[13] = rng.integers(-2**31, 2**31, bitmask.shape[1], dtype=np.int64).astype(np.int32)
+            bitmask[15] = 0                                                # nothing allowed
+            for trial in range(3):
+                params["seed"] = rng.integers(0, 2**63, rows)
+                pad = 3 if trial == 1 else 0
+                bm = bitmask if trial != 2 else None
+                want, _ = whole(logits, masks, bm, params)
+                before = dict(shard.stats)
+                mf.host_argmax_path(trial == 2)  # the portable sweeps too (the vector ones skip)
+                try:
+                    ids, lp, *_ = sharded(shard, logits, masks, bm, params, pad=pad)
+                finally:
+                    mf.host_argmax_path(False)
+                assert np.array_equal(ids, want), (dtype, name, trial, ids, want)
+                assert_close(lp, reference_logprobs(logits, ids))
+                sent = shard.stats["bytes_sent"] - before["bytes_sent"]
+                assert sent <= 4096 * shard.max_rows, sent
+                assert WORLD == 1 or shard.stats["collectives"] - before["collectives"] == 2 + 16, shard.stats
+                for r in range(rows):
+                    if params["temperature"][r] > 1e-20 and ids[r] != mf.NO_TOKEN:
+                        assert ids[r] in survivors_oracle(logits, masks, bm, params, r), (dtype, name, r, ids[r])
+                if bm is not None:
+                    assert ids[15] == mf.NO_TOKEN and np.isnan(lp[15])
+                # top_k 1 and greedy: the argmax; no candidate: NO_TOKEN.
+                best = reference_argmax(logits, masks, bm)
+                assert ids[8] == best[8] and ids[10] == best[10], (ids, best)
+                assert ids[1] == ids[2] == mf.NO_TOKEN
+            # A tiny top_p keeps one of the two tied across the boundary: the lower id.
+            b = boundary(shard.offsets, vocab)
+            assert ids[0] == b - 1, (ids[0], b)
+            assert b - 3 <= ids[5] <= b, (ids[5], b)
+            assert b - 3 <= ids[6] <= b, (ids[6], b)
+            # min_p alone (no rounds): the first and last exchanges only.
+            mp = mf.sampling_params(rows, temperature=1.0, min_p=0.3, seed=np.arange(rows))
+            before = shard.stats["collectives"]
+            ids, _lp, *_ = sharded(shard, logits, masks, bitmask, mp)
+            assert np.array_equal(ids, whole(logits, masks, bitmask, mp)[0])
+            assert WORLD == 1 or shard.stats["collectives"] - before == 2
+            shard.close()
+    # Many draws of one row against the oracle's survivors: a wrong threshold shows up.
+    shard = mf.VocabShard(None, vocab, max_rows=64)
+    rng = np.random.default_rng(99)
+    row = (rng.standard_normal(vocab) * 2).astype(np.float32)
+    row[[boundary(shard.offsets, vocab) - 1, boundary(shard.offsets, vocab)]] = row.max() + 0.25
+    logits = np.repeat(row[None], 64, 0)
+    for k, tp, mp in ((7, 1.0, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.2), (30, 0.6, 0.02)):
+        params = mf.sampling_params(64, temperature=1.3, top_k=k, top_p=tp, min_p=mp,
+                                    seed=np.arange(64) + 1000, position=np.arange(64))
+        ids, *_ = sharded(shard, logits, params=params)
+        assert np.array_equal(ids, whole(logits, params=params)[0])
+        allowed = survivors_oracle(logits, np.full((64, 2), mf.NO_TOKEN, np.uint32), None, params, 0)
+        assert set(ids.tolist()) <= allowed, (k, tp, mp, set(ids.tolist()) - allowed)
+        assert len(set(ids.tolist())) > 1 or len(allowed) == 1  # the draws spread over the survivors
+
+
+def scenario_params_mismatch():
+    """Ranks with other filters: FeedError from the event on every rank, NO_TOKEN rows, no crash or
+    hang, and the shard refuses further calls."""
+    vocab = 1000
+    shard = mf.VocabShard(None, vocab, max_rows=8)
+    logits = nasty(np.random.default_rng(8), 5, vocab, np.float32, shard.offsets)
+    k = 3 if RANK == 0 else 0  # rank 0 runs the top_k rounds, the others would not
+    params = mf.sampling_params(5, temperature=1.0, top_k=k, top_p=0.9 if RANK == WORLD - 1 else 1.0)
+    ids, lp, done, held, took = sharded(shard, logits, params=params, wait=False)
     try:
-        sharded(shard, logits, params=mf.sampling_params(rows, temperature=1.0, top_k=5))
-    except ValueError as exc:
-        assert "not supported yet" in str(exc)
+        done.synchronize()
+    except FeedError as exc:
+        assert "refused" in str(exc.__cause__ or exc), exc
     else:
-        raise AssertionError("a sharded top_k was accepted")
-    ids, *_ = sharded(shard, logits)  # and the shard still works
-    assert np.array_equal(ids, whole(logits)[0])
+        raise AssertionError(f"mismatched params gave no error: {ids}")
+    assert (ids == mf.NO_TOKEN).all(), ids
+    try:
+        sharded(shard, logits)
+    except FeedError as exc:
+        assert "refuses" in str(exc)
+    else:
+        raise AssertionError("the shard took a call after a fault")
+    # Filtered on one rank, temperature-only on the other: the same.
+    shard = mf.VocabShard(None, vocab, max_rows=8)
+    params = mf.sampling_params(5, temperature=1.0, top_k=3 if RANK == 0 else 0)
+    ids, lp, done, held, took = sharded(shard, logits, params=params, wait=False)
+    try:
+        done.synchronize()
+    except FeedError:
+        pass
+    else:
+        raise AssertionError(f"filtered against unfiltered gave no error: {ids}")
+    assert (ids == mf.NO_TOKEN).all(), ids
 
 
 def scenario_late():
@@ -528,7 +676,8 @@ def scenario_graph():
     stream.close()
 
 
-{"graph": scenario_graph, "exact": scenario_exact, "pipeline": scenario_pipeline, "late": scenario_late, "rows-mismatch": scenario_rows_mismatch,
+{"graph": scenario_graph, "filters": scenario_filters, "params-mismatch": scenario_params_mismatch,
+ "exact": scenario_exact, "pipeline": scenario_pipeline, "late": scenario_late, "rows-mismatch": scenario_rows_mismatch,
  "logprobs-mismatch": scenario_logprobs_mismatch, "ring": scenario_ring,
  "vocab-mismatch": scenario_vocab_mismatch, "bad-offsets": scenario_bad_offsets,
  "dead": scenario_dead}[SCENARIO]()

@@ -28,6 +28,16 @@ def test_sharded_calls_equal_the_unsharded_call_and_the_oracle(world):
     ranks(world, "exact")
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_sharded_filters_draw_the_unsharded_ids_within_the_oracle_survivors(world):
+    ranks(world, "filters", timeout=400)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mismatched_filters_are_a_feed_error_on_every_rank(world):
+    ranks(world, "params-mismatch")
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_the_pipeline_spmd_gives_the_unsharded_tokens_on_every_rank(world):
     ranks(world, "pipeline")
@@ -92,20 +102,16 @@ def test_bench_tp_checks_ids_and_counts_bytes(tmp_path):
         # of --quick's 3 timed calls.
         assert e["shard_stats"] == {"collectives": 1 + 3,
                                     "bytes_sent": 32 + 3 * e["sharded_bytes_per_step"]}, e
+        # Sampling with top_k and top_p: the unsharded ids, 18 exchanges within 4 KiB a row.
+        assert e["filtered_checked"], e
+        assert e["filtered_bytes_per_call"] == 2080 * e["rows"] + 576 <= 4096 * e["rows"], e
 
 
-@pytest.mark.parametrize("extra", [[], ["--temperature", "0.7"]])
+@pytest.mark.parametrize("extra", [[], ["--temperature", "0.7"],
+                                   ["--temperature", "1", "--top-k", "3", "--top-p", "0.9", "--min-p", "0.05"]])
 def test_demo_tp_tokens_equal_the_single_rank_run(extra):
     from helpers.child import run_python
 
     done = run_python(argv=["-m", "metrale_feed.cli", "demo", "--tp", "2", "--rows", "6",
                             "--tokens", "12", "--vocab", "5000", "--quiet", *extra], timeout=300)
     assert "tokens equal the single-rank run on all 2 ranks: yes" in done.stdout, done.describe()
-
-
-def test_demo_tp_refuses_sharded_filters():
-    from helpers.child import run_python
-
-    done = run_python(argv=["-m", "metrale_feed.cli", "demo", "--tp", "2", "--temperature", "1",
-                            "--top-k", "3"], timeout=120, check=False)
-    assert done.returncode == 2 and "not supported yet" in done.stderr, done.describe()

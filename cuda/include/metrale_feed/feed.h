@@ -156,13 +156,47 @@ MF_EXPORT mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t
  * - MF_ARGS_PARTIAL_LOGPROBS (with MF_ARGS_PARTIAL only): the records also carry the slice's max
  *   and sum of exponentials, for a combine that writes logprobs; without it they hold 0 and the
  *   partial call costs what the argmax over the slice costs. The header records the choice, so a
- *   combine whose logprobs setting differs from a slice's refuses it (MF_FAULT_LOGPROBS). */
+ *   combine whose logprobs setting differs from a slice's refuses it (MF_FAULT_LOGPROBS).
+ * - MF_ARGS_SELECT (with MF_ARGS_PARTIAL and host params, filters allowed): one stage of the split
+ *   filters (docs/kernels.md, "Filters need global thresholds"): `select` holds rows
+ *   mf_select_row, `select_stage` says what the block gets (MF_SELECT_*). Host backend only. */
 enum {
     MF_ARGS_MASKS_DEVICE = 1u,
     MF_ARGS_PARAMS_DEVICE = 2u,
     MF_ARGS_PARTIAL = 4u,
-    MF_ARGS_PARTIAL_LOGPROBS = 8u
+    MF_ARGS_PARTIAL_LOGPROBS = 8u,
+    MF_ARGS_SELECT = 16u
 };
+
+/* The stages of a split row's filters, each writing a partial block (a header, then per row):
+ * TOP the slice's greatest finite candidate and (m, s) (a partial record), HIST a histogram of
+ * one 4-bit digit of the logit key (16 uint64 weights), RACE the race winner over the survivors
+ * (a partial record, for mf_combine_partials with MF_PARTIAL_FILTERED). */
+enum { MF_SELECT_TOP = 1u, MF_SELECT_HIST = 2u, MF_SELECT_RACE = 3u };
+#define MF_SELECT_BINS 16u
+/* Per-row flags of mf_select_row. */
+enum {
+    MF_SELECT_ROW_TOP = 1u,      /* top_bits holds the whole row's greatest finite candidate */
+    MF_SELECT_ROW_HIST = 2u,     /* HIST: histogram this row (else its bins are 0) */
+    MF_SELECT_ROW_MASS = 4u,     /* HIST: weights are masses (top_p), else counts (top_k) */
+    MF_SELECT_ROW_CUT = 8u,      /* first raise `floor` by the cut at cut_key (then cleared) */
+    MF_SELECT_ROW_CUT_MASS = 16u /* the cut's weights are masses */
+};
+/* One row's state between the stages of a split row's filters: written by the caller between
+ * stages, except `floor`, which a cut writes. The weight of a candidate is 1 or its mass; a cut
+ * keeps the candidates with key > cut_key, and those at cut_key in id order while the weight
+ * taken before each is below cut_need (0: none of them). */
+typedef struct mf_select_row {
+    uint64_t floor;    /* this slice's packed threshold: candidates below it are out (0: none out) */
+    uint64_t cut_need; /* the weight still needed from this slice's candidates at cut_key */
+    uint32_t top_bits; /* the whole row's greatest finite candidate logit (float32 bits): zmax */
+    uint32_t cut_key;
+    uint32_t prefix;   /* HIST: the key bits above the digit, already selected */
+    uint32_t shift;    /* HIST: the digit's lowest bit, 28, 24, ..., 0 */
+    uint32_t flags;    /* MF_SELECT_ROW_* */
+    uint32_t list_len; /* the row's list of candidates (see select_list); MF_SELECT_NO_LIST: none */
+} mf_select_row;
+#define MF_SELECT_NO_LIST 0xFFFFFFFFu
 
 /* One row's sampling parameters (32 bytes; Python's SAMPLING_PARAMS_DTYPE has this layout). */
 typedef struct mf_sampling_params {
@@ -195,6 +229,13 @@ typedef struct mf_argmax_args {
     uint32_t vocab_total;              /* MF_ARGS_PARTIAL: the whole vocabulary */
     uint32_t start;                    /* MF_ARGS_PARTIAL: the slice's first global id */
     uint64_t call;                     /* MF_ARGS_PARTIAL: the caller's call counter (header) */
+    mf_select_row *select;             /* MF_ARGS_SELECT: device, rows records */
+    uint32_t select_stage;             /* MF_ARGS_SELECT: MF_SELECT_* */
+    /* MF_ARGS_SELECT, optional (NULL): device scratch of rows * select_list_cap ids. A round whose
+     * key prefix fixes the top 8 bits lists the ids still in range there (when they fit), so the
+     * select's later rounds and its cut read the list instead of the whole slice. */
+    uint32_t select_list_cap;
+    uint32_t *select_list;
 } mf_argmax_args;
 MF_EXPORT mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream);
 
@@ -213,7 +254,7 @@ typedef struct mf_combine_args {
     uint32_t slice_stride;            /* records between blocks */
     uint32_t rows;
     uint32_t vocab;                   /* the whole vocabulary */
-    uint32_t op;                      /* MF_PARTIAL_ARGMAX or MF_PARTIAL_SAMPLE */
+    uint32_t op;                      /* MF_PARTIAL_ARGMAX, _SAMPLE or _FILTERED (filters allowed) */
     uint32_t pad_;
     uint64_t call;
     const mf_sampling_params *params; /* MF_PARTIAL_SAMPLE: host, rows records */

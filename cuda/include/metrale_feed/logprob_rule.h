@@ -18,11 +18,15 @@
 
 #define MF_PARTIAL_TAG 0x3150464Du /* "MFP1" */
 #define MF_PARTIAL_HEADER_RECORDS 2u
-enum { MF_PARTIAL_ARGMAX = 1u, MF_PARTIAL_SAMPLE = 2u };
+/* FILTERED: race winners over global thresholds (MF_ARGS_SELECT's RACE stage); TOP and HIST: its
+ * other stages' blocks (feed.h). */
+enum { MF_PARTIAL_ARGMAX = 1u, MF_PARTIAL_SAMPLE = 2u, MF_PARTIAL_FILTERED = 3u, MF_PARTIAL_TOP = 4u,
+       MF_PARTIAL_HIST = 5u };
 /* Or'ed into a header's operation when its records carry (m, s) (MF_ARGS_PARTIAL_LOGPROBS): a
  * combine that writes logprobs expects it in every header and one that does not expects it in
- * none, so ranks that disagree on logprobs get a fault, never a logprob from a zero sum. */
-#define MF_PARTIAL_LOGPROBS 4u
+ * none, so ranks that disagree on logprobs get a fault, never a logprob from a zero sum. A bit
+ * above every operation's code. */
+#define MF_PARTIAL_LOGPROBS 0x80u
 /* Why a combine refused its partials (the low byte of the fault word; the slice is in bits 8+). */
 enum {
     MF_FAULT_NONE = 0u,
@@ -124,10 +128,9 @@ MF_HD void mf_combine_stats(const mf_partial_record *rec, uint32_t world, uint32
     *s = sum;
 }
 
-/* The operation word of a partial block's header (its tag is MF_PARTIAL_TAG ^ it). */
-MF_HD uint32_t mf_partial_op(int sampled, int logprobs) {
-    return (sampled ? MF_PARTIAL_SAMPLE : MF_PARTIAL_ARGMAX) | (logprobs ? MF_PARTIAL_LOGPROBS : 0u);
-}
+/* The operation word of a partial block's header (its tag is MF_PARTIAL_TAG ^ it): the operation
+ * (MF_PARTIAL_*) and whether its records carry (m, s). */
+MF_HD uint32_t mf_partial_op(uint32_t op, int logprobs) { return op | (logprobs ? MF_PARTIAL_LOGPROBS : 0u); }
 
 /* The fault of a set of headers (hdr[w * stride] in records), 0 when they agree. `op` is the
  * combine's own mf_partial_op: a header with the other logprobs bit is MF_FAULT_LOGPROBS. */

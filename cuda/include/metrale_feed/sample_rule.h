@@ -186,4 +186,18 @@ MF_HD uint32_t mf_select_digit(const uint64_t *bins, uint64_t *above, uint64_t t
     return 0u;
 }
 
+/* ---- a split row's thresholds (feed.h's MF_ARGS_SELECT; docs/kernels.md) ----
+ * A threshold over the whole row is selected 4 bits of the logit key at a time: each slice
+ * histograms the next digit of its candidates whose higher key bits equal the digits selected so
+ * far, the slices' histograms are summed (integer sums) and mf_select_digit's rule picks the
+ * digit. The 32-bit key K so found is cut by id: ids in id order, so a slice takes its own
+ * candidates at K, lowest id first, while the weight taken before them is short of the target. */
+MF_HD int mf_select_in_prefix(uint32_t key, uint32_t prefix, uint32_t shift) {
+    return shift >= 28u || (key >> (shift + 4u)) == (prefix >> (shift + 4u));
+}
+MF_HD uint32_t mf_select_digit4(uint32_t key, uint32_t shift) { return (key >> shift) & 15u; }
+/* The packed threshold that keeps every candidate at key K, or none of them. */
+MF_HD uint64_t mf_cut_all(uint32_t key) { return (uint64_t)key << 32; }
+MF_HD uint64_t mf_cut_none(uint32_t key) { return ((uint64_t)key + 1u) << 32; }
+
 #endif

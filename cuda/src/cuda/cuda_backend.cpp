@@ -18,6 +18,7 @@
 #include "cuda/graph.hpp"
 #include "cuda/kernels.hpp"
 #include "metrale_feed/argmax_rule.h"
+#include "metrale_feed/logprob_rule.h"
 
 namespace mf {
 namespace {
@@ -323,6 +324,9 @@ mf_status pick(const mf_argmax_args *a, void *stream);
 // The id of each row, then (logprobs, or a partial call's records) each row's (m, s) after it; a
 // partial call without MF_ARGS_PARTIAL_LOGPROBS gets its records and header there, without (m, s).
 mf_status argmax(const mf_argmax_args *a, void *stream) {
+    if (a->flags & MF_ARGS_SELECT)
+        return fail(MF_ERROR_UNAVAILABLE, "split sampling filters (MF_ARGS_SELECT) are not built on the "
+                    "cuda backend yet");
     if (a->rows == 0) return MF_SUCCESS;
     mf_status st = pick(a, stream);
     if (st == MF_SUCCESS && (a->logprobs || (a->flags & MF_ARGS_PARTIAL)))
@@ -331,6 +335,8 @@ mf_status argmax(const mf_argmax_args *a, void *stream) {
 }
 
 mf_status combine(const mf_combine_args *a, void *stream) {
+    if (a->op == MF_PARTIAL_FILTERED)
+        return fail(MF_ERROR_UNAVAILABLE, "split sampling filters are not built on the cuda backend yet");
     MF_CUDA_TRY(cudak::launch_combine(*a, as_stream(stream)), "launching mf_combine_kernel");
     return MF_SUCCESS;
 }

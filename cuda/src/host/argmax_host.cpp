@@ -285,6 +285,11 @@ static mf_row_rule slice_rule(uint32_t m0, uint32_t m1, const uint32_t *row_bits
     return rule;
 }
 
+// Row r's list scratch of a select stage (NULL: none).
+static uint32_t *list_of(const mf_argmax_args &a, uint32_t r) {
+    return a.select_list ? a.select_list + (size_t)r * a.select_list_cap : nullptr;
+}
+
 void run_argmax(const ArgmaxJob &job) {
     const mf_argmax_args &a = job.args;
     const size_t row_bytes = (size_t)a.row_stride * (a.dtype == MF_DTYPE_F32 ? 4 : 2);
@@ -297,9 +302,15 @@ void run_argmax(const ArgmaxJob &job) {
     RowFn row_fn = g_row_fn.load(std::memory_order_relaxed);
     const bool vector = row_fn != argmax_row_portable;
     mf_partial_record *records = nullptr;
+    const uint32_t stage = (a.flags & MF_ARGS_SELECT) ? a.select_stage : 0u;
     if (partial) {  // the block's header first: what the combine checks
-        mf_partial_header h{MF_PARTIAL_TAG ^ mf_partial_op(params != nullptr, partial_stats), a.rows,
-                            a.call, a.vocab_total, a.start, a.start + a.vocab, 0u};
+        const uint32_t op = stage == MF_SELECT_TOP    ? MF_PARTIAL_TOP
+                            : stage == MF_SELECT_HIST ? MF_PARTIAL_HIST
+                            : stage == MF_SELECT_RACE ? MF_PARTIAL_FILTERED
+                            : params                  ? MF_PARTIAL_SAMPLE
+                                                      : MF_PARTIAL_ARGMAX;
+        mf_partial_header h{MF_PARTIAL_TAG ^ mf_partial_op(op, partial_stats), a.rows, a.call, a.vocab_total,
+                            a.start, a.start + a.vocab, 0u};
         std::memcpy(a.partials, &h, sizeof h);
         records = (mf_partial_record *)a.partials + MF_PARTIAL_HEADER_RECORDS;
     }
@@ -314,9 +325,25 @@ void run_argmax(const ArgmaxJob &job) {
             // A temperature that is not finite and > 0 (only device-resident params can hold
             // one) is greedy, as 0 is.
             const bool sampled = params && params[r].temperature > 0.0f && params[r].temperature <= 3.4e38f;
+            if (stage == MF_SELECT_HIST) {  // 16 weights a row instead of a record
+                uint64_t *bins = (uint64_t *)records + (size_t)r * MF_SELECT_BINS;
+                for (uint32_t d = 0; d < MF_SELECT_BINS; ++d) bins[d] = 0;
+                if (sampled && a.vocab)
+                    select_row(row, a.dtype, a.vocab, &rule, params[r], vector, start, stage, a.select[r], bins,
+                               list_of(a, r), a.select_list_cap);
+                continue;
+            }
             uint32_t id = a.vocab == 0 ? MF_NO_TOKEN
-                          : sampled    ? sample_row(row, a.dtype, a.vocab, &rule, params[r], vector, start)
-                                       : row_fn(row, a.dtype, a.vocab, &rule);
+                          : !sampled   ? (stage == MF_SELECT_TOP ? MF_NO_TOKEN : row_fn(row, a.dtype, a.vocab, &rule))
+                          : stage      ? select_row(row, a.dtype, a.vocab, &rule, params[r], vector, start, stage,
+                                                    a.select[r], nullptr, list_of(a, r), a.select_list_cap)
+                                       : sample_row(row, a.dtype, a.vocab, &rule, params[r], vector, start);
+            if (stage == MF_SELECT_TOP) {  // the candidate only: (m, s) come with the race's records
+                records[r] = mf_partial_record{id == MF_NO_TOKEN ? MF_NO_TOKEN : start + id,
+                                               id == MF_NO_TOKEN ? 0u : mf_logit_bits(row, (int)a.dtype, id),
+                                               0.0f, 0.0f};
+                continue;
+            }
             if (!partial) {
                 a.cells[r] = id;
                 if (a.logprobs) {

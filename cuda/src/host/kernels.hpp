@@ -49,6 +49,13 @@ bool use_portable_argmax(bool portable);  // for tests of both paths; false: no 
 uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
                     const mf_sampling_params &p, bool vector, uint32_t base = 0);
 
+// One stage of a split row's filters on a slice (feed.h's MF_ARGS_SELECT): TOP returns the
+// slice's greatest finite candidate (local id), HIST adds the digit's weights to bins[16], RACE
+// returns the race winner over the survivors (local id); a pending cut in `st` is applied first.
+uint32_t select_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
+                    const mf_sampling_params &p, bool vector, uint32_t base, uint32_t stage,
+                    mf_select_row &st, uint64_t *bins, uint32_t *list, uint32_t list_cap);
+
 // A row's (m, s) for logprobs (logprob_rule.h), over n elements: vector or portable, both
 // deterministic (a fixed order of float64 adds).
 struct RowStats {

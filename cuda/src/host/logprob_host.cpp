@@ -153,7 +153,7 @@ void run_combine(const CombineJob &job) {
     const mf_combine_args &a = job.args;
     IeeeFpGuard ieee;
     const uint32_t fault = mf_check_headers((const mf_partial_header *)a.partials, a.world, a.slice_stride,
-                                            mf_partial_op(a.op == MF_PARTIAL_SAMPLE, a.logprobs != nullptr),
+                                            mf_partial_op(a.op, a.logprobs != nullptr),
                                             a.rows, a.call, a.vocab);
     *a.fault = fault;
     for (uint32_t r = 0; r < a.rows; ++r) {

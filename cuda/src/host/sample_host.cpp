@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels.hpp"
+#include "metrale_feed/logprob_rule.h"
 #include "metrale_feed/sample_rule.h"
 #include "vec_exp.hpp"
 
@@ -41,6 +42,15 @@ uint64_t radix_finish(std::vector<Cand> &c, uint64_t target, uint64_t above, uin
         if (shift == 0) return prefix;
     }
 }
+
+// Which logit keys a sweep takes: (key & mask) == value (mask 0: every key).
+struct KeyMask {
+    uint32_t mask, value;
+    static KeyMask top12(int digit) {  // the key's top 12 bits are `digit` (any when digit < 0)
+        return digit < 0 ? KeyMask{0u, 0u} : KeyMask{0xFFF00000u, (uint32_t)digit << 20};
+    }
+    bool takes(uint32_t key) const { return (key & mask) == value; }
+};
 
 struct RowView {
     const void *row;
@@ -148,7 +158,10 @@ MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
     const float *p = (const float *)race.v.row;
     const uint32_t vocab = race.v.vocab;
     const __m256 t = _mm256_set1_ps(race.v.inv_t), bound = _mm256_set1_ps(MF_GUMBEL_BOUND);
-    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000);
+    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000), mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    // The threshold's key, signed (mf_key_f32 minus 2**31): an id whose key is below it is
+    // filtered out, so it is skipped before its Philox block (those at it go to offer()).
+    const __m256i floor_key = _mm256_set1_epi32((int)((uint32_t)(race.threshold >> 32) ^ 0x80000000u));
     const PhiloxKeys keys = philox_keys(race.p.seed);
     uint32_t i = 0;
     for (; i + 32 <= vocab; i += 32) {
@@ -157,9 +170,14 @@ MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
         unsigned near = 0;
         for (int j = 0; j < 4; ++j) {
             const __m256 l = _mm256_loadu_ps(p + i + 8 * j);
-            const __m256i finite = _mm256_xor_si256(
+            __m256i finite = _mm256_xor_si256(
                 _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(l), exp_mask), exp_mask),
                 _mm256_set1_epi32(-1));
+            if (race.threshold) {
+                const __m256i b = _mm256_castps_si256(l);
+                const __m256i signed_key = _mm256_sign_epi32(_mm256_and_si256(b, mag_mask), b);
+                finite = _mm256_andnot_si256(_mm256_cmpgt_epi32(floor_key, signed_key), finite);
+            }
             z[j] = _mm256_mul_ps(l, t);
             const __m256 close = _mm256_cmp_ps(_mm256_add_ps(z[j], bound), s, _CMP_GE_OQ);
             near |= (unsigned)_mm256_movemask_ps(_mm256_and_ps(close, _mm256_castsi256_ps(finite))) << (8 * j);
@@ -195,17 +213,23 @@ MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
 }
 
 // Calls f(id, packed, weight) for each candidate of a float32 row at or above `floor` with a
-// weight > 0 (1, or the mass: mass 0 moves no threshold) whose key's top 12 bits are `digit`
-// (any when digit < 0). The lane tests (finite, masks, bitmask, weight, digit) are vector; exp is
-// exp_neg8, which repeats the rule's operations, and the mass the rule's conversion.
+// weight > 0 (1, or the mass: mass 0 moves no threshold) whose key `keys` takes. The lane tests
+// (finite, masks, bitmask, key, weight) are vector, the weight's only for lanes the others left
+// (a narrow select skips most exponentials); exp is exp_neg8, which repeats the rule's operations,
+// and the mass the rule's conversion.
 template <class F>
-MF_AVX2 void for_weighted_f32(const RowView &v, bool use_mass, float zmax, uint64_t floor, int digit, F &&f) {
+MF_AVX2 void for_weighted_f32(const RowView &v, bool use_mass, float zmax, uint64_t floor, KeyMask keys_in,
+                              F &&f) {
     const float *p = (const float *)v.row;
     const __m256 t = _mm256_set1_ps(v.inv_t), zm = _mm256_set1_ps(zmax);
     const __m256 scale = _mm256_set1_ps(549755813888.0f), one = _mm256_set1_ps(1.0f);
     const __m256i exp_mask = _mm256_set1_epi32(0x7F800000), mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
     const __m256i m0 = _mm256_set1_epi32((int)v.rule->m0), m1 = _mm256_set1_epi32((int)v.rule->m1);
-    const __m256i bias = _mm256_set1_epi32(INT32_MIN), want = _mm256_set1_epi32(digit);
+    const __m256i bias = _mm256_set1_epi32(INT32_MIN), want = _mm256_set1_epi32((int)keys_in.value);
+    const __m256i kmask = _mm256_set1_epi32((int)keys_in.mask);
+    // The floor's key as a signed key (mf_key_f32 minus 2**31): lanes below it are out; those at
+    // it are left to the packed compare.
+    const __m256i floor_key = _mm256_set1_epi32((int)((uint32_t)(floor >> 32) ^ 0x80000000u));
     const __m256i pick = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128), zero = _mm256_setzero_si256();
     const uint32_t words = mf_bitmask_words(v.vocab);
     uint32_t i = 0;
@@ -222,16 +246,21 @@ MF_AVX2 void for_weighted_f32(const RowView &v, bool use_mass, float zmax, uint6
             bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(allowed, pick), zero));
         }
         const __m256i m = _mm256_and_si256(b, mag_mask);
-        const __m256i key = _mm256_add_epi32(_mm256_sign_epi32(m, b), bias);  // mf_key_f32, finite
-        if (digit >= 0) bad = _mm256_or_si256(bad, _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_srli_epi32(key, 20), want),
-                                                                     _mm256_set1_epi32(-1)));
+        const __m256i signed_key = _mm256_sign_epi32(m, b);
+        const __m256i key = _mm256_add_epi32(signed_key, bias);  // mf_key_f32, finite
+        if (floor) bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(floor_key, signed_key));
+        if (keys_in.mask)
+            bad = _mm256_or_si256(bad, _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_and_si256(key, kmask), want),
+                                                        _mm256_set1_epi32(-1)));
+        unsigned some = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(bad)) ^ 0xFFu;
+        if (!some) continue;
         __m256 wv = one;
         if (use_mass) {
             wv = _mm256_mul_ps(exp_neg8(_mm256_sub_ps(_mm256_mul_ps(l, t), zm)), scale);
             bad = _mm256_or_si256(bad, _mm256_castps_si256(_mm256_cmp_ps(wv, one, _CMP_NGE_UQ)));
+            some = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(bad)) ^ 0xFFu;
+            if (!some) continue;
         }
-        unsigned some = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(bad)) ^ 0xFFu;
-        if (!some) continue;
         _mm256_store_ps(w, wv);
         _mm256_store_si256((__m256i *)keys, key);
         while (some) {
@@ -246,7 +275,7 @@ MF_AVX2 void for_weighted_f32(const RowView &v, bool use_mass, float zmax, uint6
         if (!v.candidate(i, &bits)) continue;
         const uint64_t packed = mf_pack(mf_key_f32(bits), i);
         const uint64_t wt = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
-        if (packed >= floor && wt && (digit < 0 || (int)(packed >> 52) == digit)) f(i, packed, wt);
+        if (packed >= floor && wt && keys_in.takes(mf_key_f32(bits))) f(i, packed, wt);
     }
 }
 
@@ -308,10 +337,10 @@ MF_AVX2 void histogram_f32(const RowView &v, bool use_mass, float zmax, uint64_t
 // Calls f(id, packed, weight) for each candidate at or above `floor` with a weight > 0: 1 for
 // top_k, the mass for top_p.
 template <class F>
-void for_weighted(const RowView &v, bool use_mass, float zmax, uint64_t floor, int digit, bool vector,
+void for_weighted(const RowView &v, bool use_mass, float zmax, uint64_t floor, KeyMask keys_in, bool vector,
                   F &&f) {
 #ifdef MF_X86
-    if (vector) return for_weighted_f32(v, use_mass, zmax, floor, digit, f);
+    if (vector) return for_weighted_f32(v, use_mass, zmax, floor, keys_in, f);
 #else
     (void)vector;
 #endif
@@ -319,7 +348,7 @@ void for_weighted(const RowView &v, bool use_mass, float zmax, uint64_t floor, i
         uint32_t bits;
         if (!v.candidate(i, &bits)) continue;
         const uint64_t packed = mf_pack(mf_key_f32(bits), i);
-        if (packed < floor || (digit >= 0 && (int)(packed >> 52) != digit)) continue;
+        if (packed < floor || !keys_in.takes(mf_key_f32(bits))) continue;
         const uint64_t w = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
         if (w) f(i, packed, w);
     }
@@ -341,7 +370,7 @@ uint64_t select_threshold(const RowView &v, bool use_mass, float zmax, uint64_t 
         histogram_f32(v, use_mass, zmax, hist);
     else
 #endif
-        for_weighted(v, use_mass, zmax, floor, -1, vector, [hist](uint32_t id, uint64_t packed, uint64_t w) {
+        for_weighted(v, use_mass, zmax, floor, KeyMask::top12(-1), vector, [hist](uint32_t id, uint64_t packed, uint64_t w) {
             hist[((packed >> 52) << 2) | (id & 3u)] += w;
         });
     uint64_t total = 0;  // summed here, not per element: a running sum would alias the stores
@@ -356,9 +385,143 @@ uint64_t select_threshold(const RowView &v, bool use_mass, float zmax, uint64_t 
     for (; digit > 0 && above + bins[digit] < target; --digit) above += bins[digit];
     thread_local std::vector<Cand> cand;
     cand.clear();
-    for_weighted(v, use_mass, zmax, floor, (int)digit, vector,
+    for_weighted(v, use_mass, zmax, floor, KeyMask::top12((int)digit), vector,
                  [](uint32_t, uint64_t packed, uint64_t w) { cand.push_back(Cand{packed, w}); });
     return radix_finish(cand, target, above, (uint64_t)digit << 52, 44);
+}
+
+// The greatest finite candidate of a row, packed (0: none). The argmax rule's winner is it when
+// finite (+inf ranks above it, NaN and -inf below); otherwise a scalar pass.
+uint64_t top_candidate(const RowView &v) {
+    const uint32_t top_id = argmax_row(v.row, (mf_dtype)v.dt, v.vocab, v.rule);
+    if (top_id != MF_NO_TOKEN && mf_finite_bits(mf_logit_bits(v.row, v.dt, top_id)))
+        return mf_pack(mf_key_f32(mf_logit_bits(v.row, v.dt, top_id)), top_id);
+    uint64_t top = 0;
+    for (uint32_t i = 0; i < v.vocab; ++i) {
+        uint32_t bits;
+        if (v.candidate(i, &bits)) top = mf_pack_max(top, mf_pack(mf_key_f32(bits), i));
+    }
+    return top;
+}
+
+// The race over the survivors (packed >= threshold, and e >= min_p against zmax), the row's top
+// candidate `top` first: its score bounds which others can still win. The top is the greatest
+// packed word and the greatest z, so when it is filtered out nothing survives.
+uint32_t race_row(const RowView &v, const mf_sample_plan &p, uint64_t top, float zmax, uint64_t threshold,
+                  bool vector) {
+    const uint32_t top_id = mf_unpack_id(top);
+    const float ztop = v.z(mf_logit_bits(v.row, v.dt, top_id));
+    if (top < threshold || (p.use_min_p && !(mf_exp_neg(mf_fsub(ztop, zmax)) >= p.min_p))) return MF_NO_TOKEN;
+    const float s0 = mf_fadd(ztop, mf_gumbel(p.seed, p.position, v.base + top_id));
+    Race race{v, p, zmax, threshold, mf_pack(mf_key_f32(mf_to_bits(s0)), top_id), s0};
+#ifdef MF_X86
+    if (vector && v.base % 4u == 0u) {  // the vector Philox draws whole blocks of four ids
+        race_f32(race, top_id);
+        return mf_unpack_id(race.best);
+    }
+#else
+    (void)vector;
+#endif
+    for (uint32_t i = 0; i < v.vocab; ++i)
+        if (i != top_id) race.offer(i);
+    return mf_unpack_id(race.best);
+}
+
+// A 16-bit row widened to float32 once (exactly: mf_logit_bits), so the vector helpers serve
+// every dtype; the rule reads the same values either way.
+const void *widened(const void *row, mf_dtype *dtype, uint32_t vocab, bool *vector) {
+#ifdef MF_X86
+    thread_local std::vector<uint32_t> wide;
+    if (*vector && *dtype != MF_DTYPE_F32) {
+        wide.resize(vocab);
+        for (uint32_t i = 0; i < vocab; ++i) wide[i] = mf_logit_bits(row, (int)*dtype, i);
+        *dtype = MF_DTYPE_F32;
+        return wide.data();
+    }
+#else
+    *vector = false;
+#endif
+    return row;
+}
+
+// for_weighted over a list of ids (ascending) instead of the whole row: the scalar rule, so the
+// same candidates and weights.
+template <class F>
+void for_listed(const RowView &v, bool use_mass, float zmax, uint64_t floor, KeyMask keys_in,
+                const uint32_t *list, uint32_t len, F &&f) {
+    for (uint32_t k = 0; k < len; ++k) {
+        const uint32_t i = list[k];
+        uint32_t bits;
+        if (i >= v.vocab || !v.candidate(i, &bits)) continue;
+        const uint32_t key = mf_key_f32(bits);
+        const uint64_t packed = mf_pack(key, i);
+        if (packed < floor || !keys_in.takes(key)) continue;
+        const uint64_t w = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
+        if (w) f(i, packed, w);
+    }
+}
+
+// A row's list scratch (feed.h's select_list): the ids in range once the key's top 8 bits are
+// fixed, so that a select's later rounds and its cut skip the rest of the slice.
+struct IdList {
+    uint32_t *ids;
+    uint32_t cap;
+    uint32_t &len;  // the row state's list_len
+    bool usable() const { return ids && len <= cap; }
+};
+
+// One digit's histogram over the candidates at or above `floor` whose key bits above the digit
+// are `prefix`'s (a split select's round; sample_rule.h).
+void select_histogram(const RowView &v, bool use_mass, float zmax, uint64_t floor, uint32_t prefix,
+                      uint32_t shift, bool vector, uint64_t *bins, IdList list) {
+    const KeyMask in = shift >= 28u ? KeyMask{0u, 0u} : KeyMask{~0u << (shift + 4u), prefix & (~0u << (shift + 4u))};
+    auto add = [&](uint32_t, uint64_t packed, uint64_t w) {
+        bins[mf_select_digit4((uint32_t)(packed >> 32), shift)] += w;
+    };
+    if (shift < 20u && list.usable()) return for_listed(v, use_mass, zmax, floor, in, list.ids, list.len, add);
+    if (shift == 20u && list.ids) {  // list what this round takes, while it fits
+        uint32_t n = 0;
+        for_weighted(v, use_mass, zmax, floor, in, vector, [&](uint32_t id, uint64_t packed, uint64_t w) {
+            add(id, packed, w);
+            if (n < list.cap) list.ids[n] = id;
+            ++n;
+        });
+        list.len = n <= list.cap ? n : MF_SELECT_NO_LIST;
+        return;
+    }
+#ifdef MF_X86
+    if (vector && floor == 0 && shift == 28u) {  // the first round: the 12-bit sweep, folded
+        thread_local std::vector<uint64_t> wide;
+        wide.assign(4 * 4096, 0);
+        histogram_f32(v, use_mass, zmax, wide.data());
+        for (uint32_t d = 0; d < 4 * 4096; ++d) bins[d >> 10] += wide[d];  // (key >> 20) * 4 + id % 4
+        return;
+    }
+#endif
+    for_weighted(v, use_mass, zmax, floor, in, vector, add);
+}
+
+// The cut at `key`: the lowest-id candidates at `key` (at or above `floor`) while the weight taken
+// before each is below `need`; the packed threshold that keeps them (and everything above `key`).
+// It ends its select: the list is dropped.
+uint64_t select_cut(const RowView &v, bool use_mass, float zmax, uint64_t floor, uint32_t key, uint64_t need,
+                    bool vector, IdList list) {
+    uint64_t cut = mf_cut_none(key);
+    if (need) {
+        uint64_t taken = 0, found = 0;
+        auto walk = [&](uint32_t, uint64_t packed, uint64_t w) {
+            if (found) return;
+            taken += w;
+            if (taken >= need) found = packed;  // ids ascend: the last one kept
+        };
+        if (list.usable())
+            for_listed(v, use_mass, zmax, floor, KeyMask{~0u, key}, list.ids, list.len, walk);
+        else
+            for_weighted(v, use_mass, zmax, floor, KeyMask{~0u, key}, vector, walk);
+        cut = found ? found : mf_cut_all(key);
+    }
+    list.len = MF_SELECT_NO_LIST;
+    return cut > floor ? cut : floor;
 }
 
 }  // namespace
@@ -366,52 +529,49 @@ uint64_t select_threshold(const RowView &v, bool use_mass, float zmax, uint64_t 
 uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
                     const mf_sampling_params &params, bool vector, uint32_t base) {
     const mf_sample_plan p = mf_plan_sampling(&params);
-#ifdef MF_X86
-    // A 16-bit row is widened to float32 once (exactly: mf_logit_bits), so the vector helpers
-    // serve every dtype; the rule reads the same values either way.
-    thread_local std::vector<uint32_t> wide;
-    if (vector && dtype != MF_DTYPE_F32) {
-        wide.resize(vocab);
-        for (uint32_t i = 0; i < vocab; ++i) wide[i] = mf_logit_bits(row, (int)dtype, i);
-        row = wide.data();
-        dtype = MF_DTYPE_F32;
-    }
-#else
-    vector = false;
-#endif
+    row = widened(row, &dtype, vocab, &vector);
     const RowView v{row, (int)dtype, vocab, rule, p.inv_t, base};
-    // The greatest finite candidate. The argmax rule's winner is it when finite (+inf ranks
-    // above it, NaN and -inf below); otherwise a scalar pass.
-    uint64_t top = 0;
-    uint32_t top_id = argmax_row(row, dtype, vocab, rule);
-    if (top_id != MF_NO_TOKEN && mf_finite_bits(mf_logit_bits(row, v.dt, top_id))) {
-        top = mf_pack(mf_key_f32(mf_logit_bits(row, v.dt, top_id)), top_id);
-    } else {
-        for (uint32_t i = 0; i < vocab; ++i) {
-            uint32_t bits;
-            if (v.candidate(i, &bits)) top = mf_pack_max(top, mf_pack(mf_key_f32(bits), i));
-        }
-        if (!top) return MF_NO_TOKEN;
-        top_id = mf_unpack_id(top);
-    }
+    const uint64_t top = top_candidate(v);
+    if (!top) return MF_NO_TOKEN;
+    const uint32_t top_id = mf_unpack_id(top);
     const float zmax = v.z(mf_logit_bits(row, v.dt, top_id));
     if (!mf_finite_bits(mf_to_bits(zmax))) return top_id;  // temperature too small to matter
 
     uint64_t threshold = 0;  // survivors: packed >= threshold
     if (p.top_k) threshold = select_threshold(v, false, zmax, 0, p.top_k, 1.0f, vector);
     if (p.use_top_p) threshold = select_threshold(v, true, zmax, threshold, 0, p.top_p, vector);
-    // The race, the greatest logit first: its score bounds which others can still win.
-    const float s0 = mf_fadd(zmax, mf_gumbel(p.seed, p.position, base + top_id));
-    Race race{v, p, zmax, threshold, mf_pack(mf_key_f32(mf_to_bits(s0)), top_id), s0};
-#ifdef MF_X86
-    if (vector && base % 4u == 0u) {  // the vector Philox draws whole blocks of four ids
-        race_f32(race, top_id);
-        return mf_unpack_id(race.best);
+    return race_row(v, p, top, zmax, threshold, vector);
+}
+
+uint32_t select_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
+                    const mf_sampling_params &params, bool vector, uint32_t base, uint32_t stage,
+                    mf_select_row &st, uint64_t *bins, uint32_t *list_ids, uint32_t list_cap) {
+    const mf_sample_plan p = mf_plan_sampling(&params);
+    row = widened(row, &dtype, vocab, &vector);
+    const RowView v{row, (int)dtype, vocab, rule, p.inv_t, base};
+    if (stage == MF_SELECT_TOP) return mf_unpack_id(top_candidate(v));
+    // The whole row's zmax: from its greatest finite candidate, whichever slice holds it.
+    const float zmax = (st.flags & MF_SELECT_ROW_TOP) ? v.z(st.top_bits) : mf_neg_inf();
+    const IdList list{list_ids, list_cap, st.list_len};
+    if (st.flags & MF_SELECT_ROW_CUT) {
+        st.floor = select_cut(v, st.flags & MF_SELECT_ROW_CUT_MASS, zmax, st.floor, st.cut_key, st.cut_need, vector,
+                              list);
+        st.flags &= ~(uint32_t)MF_SELECT_ROW_CUT;
     }
-#endif
-    for (uint32_t i = 0; i < vocab; ++i)
-        if (i != top_id) race.offer(i);
-    return mf_unpack_id(race.best);
+    if (stage == MF_SELECT_HIST) {
+        if (st.flags & MF_SELECT_ROW_HIST)
+            select_histogram(v, st.flags & MF_SELECT_ROW_MASS, zmax, st.floor, st.prefix, st.shift, vector, bins,
+                             list);
+        return MF_NO_TOKEN;
+    }
+    const uint64_t top = top_candidate(v);
+    if (!top) return MF_NO_TOKEN;
+    const uint32_t top_id = mf_unpack_id(top);
+    // As sample_row: a z that is not finite (here or in another slice) makes the top the draw;
+    // the combine sees it from the records (mf_combine_pick).
+    if (!mf_finite_bits(mf_to_bits(v.z(mf_logit_bits(row, v.dt, top_id)))) || !mf_finite_bits(mf_to_bits(zmax)))
+        return top_id;
+    return race_row(v, p, top, zmax, st.floor, vector);
 }
 
 }  // namespace mf::host

@@ -1,0 +1,268 @@
+"""Sampling filters over a vocabulary split across ranks: the rounds of one sharded call
+(docs/kernels.md, "Filters need global thresholds"; docs/tensor-parallel.md).
+
+top_k and top_p are thresholds on the packed word (logit key, ~id) of the whole row, found by a
+radix select, and a select splits across slices as a maximum does: per round each slice
+histograms the next 4-bit digit of the logit key among its candidates still in range (counts for
+top_k, integer masses for top_p), every rank sums the all-gathered histograms (integer sums, so
+the order does not matter) and picks the same digit as ``mf_select_digit`` would on the whole
+row. Eight rounds fix the boundary key K and the weight above it; the ids at K are cut without a
+round, since slices are in id order: every rank knows each slice's weight at K from the last
+round and takes its own candidates at K while the weight before them is short of the target.
+min_p and the masses need the row's zmax: the first exchange carries each slice's greatest finite
+candidate. The last exchange is the race winners over the survivors, which the ordinary combine
+joins into the feed cells.
+
+Every exchange has a size fixed by the shard (``max_rows``), and the number of rounds follows
+from the params, which every rank must share: the first exchange carries a digest of them in its
+call word, so ranks that disagree all see it there and all skip the rest of the call (its rows get
+``NO_TOKEN`` and its event a ``FeedError``) instead of issuing mismatched collectives. The
+decisions between rounds run on the stream's worker (host functions), in stream order; the
+per-slice work is the host kernels' (``_core._select_partial``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from . import _core
+from .errors import FeedError
+
+DIGIT_BITS = 4
+ROUNDS = 32 // DIGIT_BITS  # rounds of one select: the 32-bit logit key, 4 bits at a time
+_HEADER = _core.PARTIAL_HEADER_BYTES
+_NO_TOKEN = 0xFFFFFFFF
+_F = _core.SELECT_ROW_FLAGS
+_STATE = np.dtype([("floor", "<u8"), ("cut_need", "<u8"), ("top_bits", "<u4"), ("cut_key", "<u4"),
+                   ("prefix", "<u4"), ("shift", "<u4"), ("flags", "<u4"), ("list_len", "<u4")])
+# Ids a row's list holds (the candidates left once the key's top 8 bits are fixed): 8 KiB a row of
+# scratch; a row whose ids do not fit rescans its slice in the later rounds.
+LIST_CAP = 2048
+assert _STATE.itemsize == _core.SELECT_ROW_BYTES
+_HEADER_DTYPE = np.dtype([("tag", "<u4"), ("rows", "<u4"), ("call", "<u8"), ("vocab", "<u4"),
+                          ("start", "<u4"), ("stop", "<u4"), ("reserved", "<u4")])
+
+
+def hist_block_bytes(max_rows: int) -> int:
+    """Bytes of one round's block: the header, then 16 uint64 weights a row, for ``max_rows``."""
+    return _HEADER + max_rows * _core.SELECT_HIST_BYTES
+
+
+def filters_of(params: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row: sampled with top_k, with top_p, with min_p (``mf_plan_sampling``'s reading)."""
+    t = params["temperature"]
+    sampled = (t > 0) & (t <= np.float32(3.4e38))
+    return (sampled & (params["top_k"] != 0), sampled & (params["top_p"] > 0) & (params["top_p"] < 1),
+            sampled & (params["min_p"] > 0) & (params["min_p"] < 1))
+
+
+def call_word(counter: int, params: np.ndarray) -> int:
+    """The call counter with a digest of the params above it: what the first exchange's header
+    carries, so that ranks with other params (so other rounds) see the difference there."""
+    digest = int.from_bytes(hashlib.blake2b(params.tobytes(), digest_size=4).digest(), "little")
+    return (counter & 0xFFFFFFFF) | ((digest | 0x80000000) << 32)
+
+
+def _view(buf: Any, dtype: Any, offset: int = 0, count: int = -1) -> np.ndarray:
+    """A numpy view over host-backend device memory (plain host memory there)."""
+    raw = (ctypes.c_uint8 * buf.nbytes).from_address(buf.ptr)
+    return np.frombuffer(raw, dtype=dtype, count=count, offset=offset)
+
+
+def _keys(bits: np.ndarray) -> np.ndarray:
+    """``mf_key_f32`` of finite float32 bits (uint32 -> uint64, so 0 can mean no candidate)."""
+    mag = (bits & 0x7FFFFFFF).astype(np.uint64)
+    neg = (bits >> 31).astype(bool)
+    return np.where(mag == 0, 0x80000000, np.where(neg, 0x80000000 - mag, 0x80000000 + mag)).astype(np.uint64)
+
+
+def _top_p_target(total: int, top_p: np.float32) -> int:
+    """``mf_top_p_target``: ceil(total * top_p) with top_p as a 32-bit binary fraction, at least 1."""
+    frac = 1 << 32 if top_p >= 1 else int(float(top_p) * 4294967296.0)
+    return max(1, -(-total * frac >> 32))
+
+
+class FilteredCall:
+    """One sharded ``sample_to_feed`` with filters: its buffers, the rounds it queues, and the
+    decisions between them (run on the stream's worker)."""
+
+    def __init__(self, shard: Any, params: np.ndarray, rows: int, call: int) -> None:
+        self.shard, self.rows, self.call = shard, rows, call
+        self.params = params[:rows].copy()  # the decisions read them on the worker
+        top_k, top_p, _ = filters_of(self.params)
+        # The selects this call runs, the same on every rank whose params agree (the digest).
+        self.selects = [s for s, on in (("k", top_k.any()), ("p", top_p.any())) if on]
+        self.fault: str | None = None
+        self.block = shard._block
+        self.hblock = hist_block_bytes(shard.max_rows)
+        world = shard.world
+        self.buffers = []
+        try:
+            for size in (rows * _STATE.itemsize, self.block, self.block * world, self.hblock,
+                         self.hblock * world, 4, rows * LIST_CAP * 4):
+                self.buffers.append(_core.DeviceBuffer(size) if size != 4 else _core.PinnedBuffer(4))
+        except BaseException:
+            self.close()
+            raise
+        (self.state_buf, self.top, self.gathered, self.hist, self.hgathered, self.fault_word,
+         self.id_list) = self.buffers
+        self.state = _view(self.state_buf, _STATE)
+
+    def close(self) -> None:
+        for buf in self.buffers:
+            buf.close()
+
+    def exchanges(self) -> int:
+        return 2 + ROUNDS * len(self.selects)
+
+    def bytes_per_call(self) -> int:
+        return 2 * self.block + ROUNDS * len(self.selects) * self.hblock
+
+    def queue(self, stream: Any, launch: Any) -> None:
+        """Queue every stage and exchange on ``stream``; ``launch(stage, partials)`` queues one
+        stage's kernel. The first launch checks every argument; a later failure leaves the peers
+        ahead of this rank, so the caller treats it as a fault of the shard."""
+        shard = self.shard
+        launch("top", self.top)
+        shard._exchange(stream, self.top, self.gathered, self)
+        _core.launch_host_func(stream, self._decide, self._after_top)
+        for sel in self.selects:
+            for j in range(ROUNDS):
+                launch("hist", self.hist)
+                shard._exchange(stream, self.hist, self.hgathered, self)
+                _core.launch_host_func(stream, self._decide, self._after_round, sel, j)
+        launch("race", self.top)
+        shard._exchange(stream, self.top, self.gathered, self)
+
+    # ---- on the stream's worker ----
+
+    def _decide(self, step: Any, *args: Any) -> None:
+        """One decision between exchanges. Every rank runs the same code on the same gathered
+        data, so an error here is every rank's: it refuses the call alike (never a half-done
+        select feeding the race)."""
+        if self.fault is not None:
+            return
+        try:
+            step(*args)
+        except FeedError:
+            raise
+        except BaseException as exc:
+            self._refuse(f"sharded sampling with filters failed between rounds: {exc!r}")
+
+    def _refuse(self, why: str) -> None:
+        self.fault = why
+        self.state["flags"] = 0  # the stages left do nothing that matters: the call is refused
+        if self.shard._fault is None:
+            self.shard._fault = why
+        raise FeedError(why)
+
+    def _after_top(self) -> None:
+        """The first exchange: agree on the call (or refuse it everywhere), then each row's zmax
+        candidate and the first round's state."""
+        if self.fault is not None:
+            return
+        shard, n = self.shard, self.rows
+        heads = np.stack([_view(self.gathered, _HEADER_DTYPE, w * self.block, 1)[0] for w in range(shard.world)])
+        expect = _core.PARTIAL_TAG ^ _core.PARTIAL_OPS["top"]
+        for w, h in enumerate(heads):
+            why = ("another operation" if h["tag"] != expect else "another row count" if h["rows"] != n
+                   else "other sampling parameters or another call" if h["call"] != self.call
+                   else "another vocabulary" if h["vocab"] != shard.vocab
+                   else "another split" if (h["start"], h["stop"]) != shard.offsets[w:w + 2] else None)
+            if why:
+                self._refuse(f"sharded sampling with filters refused: rank {w} has {why}; every row "
+                             "got NO_TOKEN")
+        rec = np.stack([_view(self.gathered, "<u4", w * self.block + _HEADER, 4 * n).reshape(n, 4)
+                        for w in range(shard.world)])
+        ids, bits = rec[:, :, 0], rec[:, :, 1]
+        keys = np.where(ids != _NO_TOKEN, _keys(bits), 0)
+        best = keys.argmax(0)
+        has = keys.max(0) > 0
+        top_bits = bits[best, np.arange(n)]
+        st = self.state
+        st["floor"] = 0
+        st["cut_need"] = 0
+        st["list_len"] = 0xFFFFFFFF  # MF_SELECT_NO_LIST
+        st["top_bits"] = top_bits
+        st["flags"] = np.where(has, _F["top"], 0)
+        # Rows whose zmax is not finite draw their top whatever the filters (sample_rule.h):
+        # no rounds for them, nor for rows with no candidate.
+        t = self.params["temperature"]
+        with np.errstate(all="ignore"):
+            inv_t = np.float32(1) / np.where(t > 0, t, np.float32(1)).astype(np.float32)
+            zmax = top_bits.view(np.float32) * inv_t
+        self.live = has & np.isfinite(zmax)
+        top_k, top_p, _ = filters_of(self.params)
+        self.want = {"k": top_k & self.live, "p": top_p & self.live}
+        if self.selects:
+            self._start(self.selects[0])
+
+    def _start(self, sel: str) -> None:
+        """The state of a select's first round."""
+        self.sel_rows = self.want[sel].copy()
+        n = self.rows
+        self.target = np.zeros(n, np.uint64)
+        self.above = np.zeros(n, np.uint64)
+        self.prefix = np.zeros(n, np.uint64)
+        self._round_state(sel, 0)
+
+    def _round_state(self, sel: str, j: int) -> None:
+        st = self.state
+        flags = st["flags"] & ~np.uint32(_F["hist"] | _F["mass"])
+        on = np.uint32(_F["hist"] | (_F["mass"] if sel == "p" else 0))
+        st["flags"] = np.where(self.sel_rows, flags | on, flags)
+        st["prefix"] = self.prefix.astype(np.uint32)
+        st["shift"] = 32 - DIGIT_BITS * (j + 1)
+
+    def _after_round(self, sel: str, j: int) -> None:
+        """One round's histograms: every rank picks the same digit for every row in the select."""
+        if self.fault is not None:
+            return
+        n, world = self.rows, self.shard.world
+        bins = np.stack([_view(self.hgathered, "<u8", w * self.hblock + _HEADER, 16 * n).reshape(n, 16)
+                         for w in range(world)])
+        total = bins.sum(0, dtype=np.uint64)  # integer sums: the same whatever the order
+        rows = self.sel_rows
+        if j == 0:
+            whole = total.sum(1, dtype=np.uint64)
+            if sel == "k":
+                k = self.params["top_k"].astype(np.uint64)
+                rows &= whole > k  # all of them fit: no top_k filter (the rule's `floor`)
+                self.target = k
+            else:
+                tp = self.params["top_p"]
+                self.target = np.array([_top_p_target(int(whole[r]), tp[r]) if rows[r] else 0
+                                        for r in range(n)], np.uint64)
+        # mf_select_digit: from the greatest digit down, the first where the weight reaches target.
+        rev = total[:, ::-1]
+        cum = self.above[:, None] + np.cumsum(rev, axis=1, dtype=np.uint64)
+        reach = cum >= self.target[:, None]
+        idx = np.where(reach.any(1), reach.argmax(1), 15)
+        excl = cum - rev  # the weight of the greater digits
+        digit = (15 - idx).astype(np.uint64)
+        shift = 32 - DIGIT_BITS * (j + 1)
+        self.above = np.where(rows, excl[np.arange(n), idx], self.above)
+        self.prefix = np.where(rows, self.prefix | (digit << np.uint64(shift)), self.prefix)
+        if j + 1 < ROUNDS:
+            self._round_state(sel, j + 1)
+            return
+        # The boundary key K is found: each rank cuts its own candidates at K by id. The slices
+        # are in id order, so the weight at K before this rank's is the lower ranks' bins.
+        st, me = self.state, self.shard.rank
+        at_k = bins[:, np.arange(n), 15 - idx]  # [world, n]: each slice's weight at K
+        before = at_k[:me].sum(0, dtype=np.uint64) if me else np.zeros(n, np.uint64)
+        need = np.zeros(n, np.uint64)
+        for r in np.flatnonzero(rows):  # Python ints: target - above - before may be negative
+            need[r] = max(0, int(self.target[r]) - int(self.above[r]) - int(before[r]))
+        cut = np.uint32(_F["cut"] | (_F["cut_mass"] if sel == "p" else 0))
+        flags = st["flags"] & ~np.uint32(_F["hist"] | _F["mass"] | _F["cut_mass"])
+        st["flags"] = np.where(rows, flags | cut, flags)
+        st["cut_key"] = np.where(rows, self.prefix, st["cut_key"]).astype(np.uint32)
+        st["cut_need"] = np.where(rows, need, st["cut_need"])
+        nxt = self.selects.index(sel) + 1
+        if nxt < len(self.selects):
+            self._start(self.selects[nxt])
