@@ -212,6 +212,23 @@ MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
         if (i != top_id) race.offer(i);
 }
 
+// Which of ids [i, i + 8) of a float32 row (logit bits `b`) are not candidates: a non-finite
+// logit, a masked id, a bitmask bit clear. RowView::candidate, eight lanes at a time.
+MF_AVX2 inline __m256i not_candidates8(const RowView &v, __m256i b, uint32_t i, uint32_t words) {
+    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000);
+    const __m256i ids = _mm256_add_epi32(_mm256_set1_epi32((int)i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i bad = _mm256_or_si256(
+        _mm256_cmpeq_epi32(_mm256_and_si256(b, exp_mask), exp_mask),
+        _mm256_or_si256(_mm256_cmpeq_epi32(ids, _mm256_set1_epi32((int)v.rule->m0)),
+                        _mm256_cmpeq_epi32(ids, _mm256_set1_epi32((int)v.rule->m1))));
+    if (v.rule->bits) {
+        const __m256i allowed = _mm256_set1_epi32((int)(bits_word(v.rule->bits, words, i) & 0xFFu));
+        const __m256i pick = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(allowed, pick), _mm256_setzero_si256()));
+    }
+    return bad;
+}
+
 // Calls f(id, packed, weight) for each candidate of a float32 row at or above `floor` with a
 // weight > 0 (1, or the mass: mass 0 moves no threshold) whose key `keys` takes. The lane tests
 // (finite, masks, bitmask, key, weight) are vector, the weight's only for lanes the others left
@@ -223,14 +240,12 @@ MF_AVX2 void for_weighted_f32(const RowView &v, bool use_mass, float zmax, uint6
     const float *p = (const float *)v.row;
     const __m256 t = _mm256_set1_ps(v.inv_t), zm = _mm256_set1_ps(zmax);
     const __m256 scale = _mm256_set1_ps(549755813888.0f), one = _mm256_set1_ps(1.0f);
-    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000), mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
-    const __m256i m0 = _mm256_set1_epi32((int)v.rule->m0), m1 = _mm256_set1_epi32((int)v.rule->m1);
+    const __m256i mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
     const __m256i bias = _mm256_set1_epi32(INT32_MIN), want = _mm256_set1_epi32((int)keys_in.value);
     const __m256i kmask = _mm256_set1_epi32((int)keys_in.mask);
     // The floor's key as a signed key (mf_key_f32 minus 2**31): lanes below it are out; those at
     // it are left to the packed compare.
     const __m256i floor_key = _mm256_set1_epi32((int)((uint32_t)(floor >> 32) ^ 0x80000000u));
-    const __m256i pick = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128), zero = _mm256_setzero_si256();
     const uint32_t words = mf_bitmask_words(v.vocab);
     uint32_t i = 0;
     alignas(32) float w[8];
@@ -238,13 +253,7 @@ MF_AVX2 void for_weighted_f32(const RowView &v, bool use_mass, float zmax, uint6
     for (; i + 8 <= v.vocab; i += 8) {
         const __m256 l = _mm256_loadu_ps(p + i);
         const __m256i b = _mm256_castps_si256(l);
-        const __m256i ids = _mm256_add_epi32(_mm256_set1_epi32((int)i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256i bad = _mm256_or_si256(_mm256_cmpeq_epi32(_mm256_and_si256(b, exp_mask), exp_mask),
-                                      _mm256_or_si256(_mm256_cmpeq_epi32(ids, m0), _mm256_cmpeq_epi32(ids, m1)));
-        if (v.rule->bits) {
-            const __m256i allowed = _mm256_set1_epi32((int)(bits_word(v.rule->bits, words, i) & 0xFFu));
-            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(allowed, pick), zero));
-        }
+        __m256i bad = not_candidates8(v, b, i, words);
         const __m256i m = _mm256_and_si256(b, mag_mask);
         const __m256i signed_key = _mm256_sign_epi32(m, b);
         const __m256i key = _mm256_add_epi32(signed_key, bias);  // mf_key_f32, finite
@@ -286,10 +295,8 @@ MF_AVX2 void histogram_f32(const RowView &v, bool use_mass, float zmax, uint64_t
     const float *p = (const float *)v.row;
     const __m256 t = _mm256_set1_ps(v.inv_t), zm = _mm256_set1_ps(zmax);
     const __m256 scale = _mm256_set1_ps(549755813888.0f), one = _mm256_set1_ps(1.0f);
-    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000), mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
-    const __m256i m0 = _mm256_set1_epi32((int)v.rule->m0), m1 = _mm256_set1_epi32((int)v.rule->m1);
+    const __m256i mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
     const __m256i bias = _mm256_set1_epi32(INT32_MIN), lane4 = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3);
-    const __m256i pick = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128), zero = _mm256_setzero_si256();
     const uint32_t words = mf_bitmask_words(v.vocab);
     alignas(32) float w[8];
     alignas(32) uint32_t slot[8];
@@ -297,13 +304,7 @@ MF_AVX2 void histogram_f32(const RowView &v, bool use_mass, float zmax, uint64_t
     for (; i + 8 <= v.vocab; i += 8) {
         const __m256 l = _mm256_loadu_ps(p + i);
         const __m256i b = _mm256_castps_si256(l);
-        const __m256i ids = _mm256_add_epi32(_mm256_set1_epi32((int)i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256i bad = _mm256_or_si256(_mm256_cmpeq_epi32(_mm256_and_si256(b, exp_mask), exp_mask),
-                                      _mm256_or_si256(_mm256_cmpeq_epi32(ids, m0), _mm256_cmpeq_epi32(ids, m1)));
-        if (v.rule->bits) {
-            const __m256i allowed = _mm256_set1_epi32((int)(bits_word(v.rule->bits, words, i) & 0xFFu));
-            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(allowed, pick), zero));
-        }
+        __m256i bad = not_candidates8(v, b, i, words);
         const __m256i key = _mm256_add_epi32(_mm256_sign_epi32(_mm256_and_si256(b, mag_mask), b), bias);
         __m256 wv = one;
         if (use_mass) {
