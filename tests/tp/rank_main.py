@@ -297,6 +297,27 @@ def scenario_filters():
         assert len(set(ids.tolist())) > 1 or len(allowed) == 1  # the draws spread over the survivors
 
 
+def expect_fault(done, needle, what):
+    """The event ``done`` raises FeedError (whose message, or its cause's, holds ``needle``);
+    ``what``: the failure's description when it does not."""
+    try:
+        done.synchronize()
+    except FeedError as exc:
+        assert needle in str(exc.__cause__ or exc), exc
+    else:
+        raise AssertionError(what)
+
+
+def expect_refused(call, what):
+    """After a fault the shard refuses ``call()`` with FeedError."""
+    try:
+        call()
+    except FeedError as exc:
+        assert "refuses" in str(exc), exc
+    else:
+        raise AssertionError(what)
+
+
 def scenario_params_mismatch():
     """Ranks with other filters: FeedError from the event on every rank, NO_TOKEN rows, no crash or
     hang, and the shard refuses further calls."""
@@ -306,29 +327,14 @@ def scenario_params_mismatch():
     k = 3 if RANK == 0 else 0  # rank 0 runs the top_k rounds, the others would not
     params = mf.sampling_params(5, temperature=1.0, top_k=k, top_p=0.9 if RANK == WORLD - 1 else 1.0)
     ids, lp, done, held, took = sharded(shard, logits, params=params, wait=False)
-    try:
-        done.synchronize()
-    except FeedError as exc:
-        assert "refused" in str(exc.__cause__ or exc), exc
-    else:
-        raise AssertionError(f"mismatched params gave no error: {ids}")
+    expect_fault(done, "refused", f"mismatched params gave no error: {ids}")
     assert (ids == mf.NO_TOKEN).all(), ids
-    try:
-        sharded(shard, logits)
-    except FeedError as exc:
-        assert "refuses" in str(exc)
-    else:
-        raise AssertionError("the shard took a call after a fault")
+    expect_refused(lambda: sharded(shard, logits), "the shard took a call after a fault")
     # Filtered on one rank, temperature-only on the other: the same.
     shard = mf.VocabShard(None, vocab, max_rows=8)
     params = mf.sampling_params(5, temperature=1.0, top_k=3 if RANK == 0 else 0)
     ids, lp, done, held, took = sharded(shard, logits, params=params, wait=False)
-    try:
-        done.synchronize()
-    except FeedError:
-        pass
-    else:
-        raise AssertionError(f"filtered against unfiltered gave no error: {ids}")
+    expect_fault(done, "", f"filtered against unfiltered gave no error: {ids}")
     assert (ids == mf.NO_TOKEN).all(), ids
 
 
@@ -370,19 +376,9 @@ def scenario_rows_mismatch():
     shard = mf.VocabShard(None, vocab, max_rows=8)
     logits = nasty(np.random.default_rng(6), 5, vocab, np.float32, shard.offsets)
     ids, lp, done, held, took = sharded(shard, logits, rows=4 if RANK == 0 else 5, wait=False)
-    try:
-        done.synchronize()
-    except FeedError as exc:
-        assert "row count" in str(exc.__cause__ or exc), exc
-    else:
-        raise AssertionError(f"mismatched rows gave no error: {ids}")
+    expect_fault(done, "row count", f"mismatched rows gave no error: {ids}")
     assert (ids[:4] == mf.NO_TOKEN).all(), ids
-    try:
-        sharded(shard, logits)
-    except FeedError as exc:
-        assert "refuses" in str(exc)
-    else:
-        raise AssertionError("the shard took a call after a fault")
+    expect_refused(lambda: sharded(shard, logits), "the shard took a call after a fault")
 
 
 def scenario_logprobs_mismatch():
@@ -398,20 +394,10 @@ def scenario_logprobs_mismatch():
     # Rank 0 alone asks for logprobs: the fingerprint fault on every rank, never a logprob
     # combined from the other ranks' zero sums, never a wrong id.
     ids, lp, done, held, took = sharded(shard, logits, params=params, logprobs=RANK == 0, wait=False)
-    try:
-        done.synchronize()
-    except FeedError as exc:
-        assert "logprobs setting" in str(exc.__cause__ or exc), exc
-    else:
-        raise AssertionError(f"mismatched logprobs gave no error: {ids} {lp}")
+    expect_fault(done, "logprobs setting", f"mismatched logprobs gave no error: {ids} {lp}")
     assert (ids == mf.NO_TOKEN).all(), ids
     assert lp is None or np.isnan(lp).all(), lp
-    try:
-        sharded(shard, logits)
-    except FeedError as exc:
-        assert "refuses" in str(exc)
-    else:
-        raise AssertionError("the shard took a call after a fault")
+    expect_refused(lambda: sharded(shard, logits), "the shard took a call after a fault")
 
 
 def scenario_ring():
@@ -509,12 +495,7 @@ def scenario_dead():
         os._exit(0)  # dies without calling
     t0 = time.monotonic()
     ids, lp, done, held, took = sharded(shard, logits, wait=False)
-    try:
-        done.synchronize()
-    except FeedError:
-        pass
-    else:
-        raise AssertionError(f"a dead peer gave no error: {ids}")
+    expect_fault(done, "", f"a dead peer gave no error: {ids}")
     assert time.monotonic() - t0 < 30
     assert (ids == mf.NO_TOKEN).all(), ids
 
@@ -660,18 +641,8 @@ def scenario_graph():
                           rows=4 if RANK == 0 else 5, dtype="float32", shard=shard)
     if WORLD > 1:
         bad.launch(stream)
-        try:
-            done.synchronize()
-        except FeedError as exc:
-            assert "row count" in str(exc.__cause__ or exc), exc
-        else:
-            raise AssertionError("mismatched graphs gave no error")
-        try:
-            step()
-        except FeedError as exc:
-            assert "refuses" in str(exc)
-        else:
-            raise AssertionError("the shard took a call after a fault in a replay")
+        expect_fault(done, "row count", "mismatched graphs gave no error")
+        expect_refused(step, "the shard took a call after a fault in a replay")
     bad.close()
     stream.close()
 
