@@ -514,9 +514,12 @@ def scenario_pipeline():
         width = shard.stop - shard.start if sharded else vocab
         assert model.logits.nbytes == max(1, 8 * width * 4), (model.logits.nbytes, width)
         with mf.DecodePipeline(model, 8, depth=depth, shard=shard if sharded else None) as pipe:
+            # Greedy, temperature alone, and every filter: the sharded rounds in a pipeline.
+            hot = [dict(temperature=0.0), dict(temperature=0.8),
+                   dict(temperature=1.0, top_p=0.9), dict(temperature=1.2, top_k=5, min_p=0.05)]
             reqs = [pipe.submit([3, 1, 4 + i], max_new_tokens=6 + i,
-                                ban=(7, 500) if i == 2 else None,
-                                temperature=0.8 if i % 2 else 0.0, seed=11 + i) for i in range(10)]
+                                ban=(7, 500) if i == 2 else None, seed=11 + i, **hot[i % 4])
+                    for i in range(10)]
             pipe.run()
         model.close()
         return [r.tokens for r in reqs]
