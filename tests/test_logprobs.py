@@ -467,6 +467,12 @@ def test_split_sampling_with_device_params_equals_host_params_and_unsharded(path
     assert np.array_equal(ids, host_ids)
     assert np.array_equal(lp.view(np.uint32), host_lp.view(np.uint32))
     assert len(set(ids[1:].tolist())) > 3  # sampled rows, not all one argmax
+    torch = pytest.importorskip("torch")
+    # A tensor that is not a host buffer is device memory to the host backend: lent per call.
+    tensor = torch.from_numpy(params.view(np.uint8).copy())
+    ids, _, fault = split(dev, logits, SPLITS[how](vocab), masks, params=tensor)
+    _core._check_partials_fault(fault)
+    assert np.array_equal(ids, host_ids)
     odd = params.copy()
     odd["temperature"][[2, 3, 4]] = [np.nan, -1.0, np.inf]  # out of range on the device: greedy
     with dev.upload(odd) as dparams:

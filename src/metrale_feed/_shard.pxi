@@ -275,7 +275,7 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
     cdef void *ptr
     cdef size_t n = 0
     cdef list held = [None, None, None]
-    cdef _Call dcall = None
+    cdef _Call pcall
     memset(&c, 0, sizeof(c))
     memset(&view, 0, sizeof(view))
     stream_of(stream, &s)
@@ -287,49 +287,49 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
                                       else slice_stride, "slice_stride",
                                       c.rows + MF_PARTIAL_HEADER_RECORDS, 0xFFFFFFFF)
     c.op = MF_PARTIAL_ARGMAX
-    if params is not None:
-        view.rows = c.rows
-        if device_resident(params, "params"):
-            if filtered:
-                raise ValueError("_combine_partials(filtered=True) takes host params (the filters' "
-                                 "thresholds came from them)")
-            dcall = call_on(s)  # a foreign array is lent for this call and kept until it has run
-        fill_params(dcall if dcall is not None else call_on(s), &view, params, keep)
-        c.params = view.params
-        if view.flags & MF_ARGS_PARAMS_DEVICE:
-            c.flags |= MF_COMBINE_PARAMS_DEVICE
-        c.op = MF_PARTIAL_FILTERED if filtered else MF_PARTIAL_SAMPLE
-    device_ptr_of(partials, &ptr)
-    c.partials = ptr
-    c.fault = <uint32_t *>(<char *>ptr + 28)  # slice 0's header, its reserved word
-    device_ptr_of(cells, &ptr)
-    c.cells = <uint32_t *>ptr
-    c.cell_capacity = cells_capacity(
-        cells, ptr, (<DeviceBuffer>cells)._nbytes if type(cells) is DeviceBuffer else <size_t>-1, c.rows)
-    if dst is not None:
-        if isinstance(dst, int):
-            u64_of(dst, &e, "dst pointer")
-            pinned_range(e, c.rows * 4)
-            c.host_dst = <void *><size_t>e
-        else:
-            held[0] = host_ptr_of(dst, True, &c.host_dst, &n)
-            if n < c.rows * 4:
-                raise ValueError(f"dst holds {n} bytes; {c.rows} ids need {c.rows * 4}")
-    held[1] = fill_logprobs(&c.logprobs, &c.logprobs_dst, logprobs, logprobs_dst, c.rows)
-    if isinstance(fault_dst, int):
-        raise TypeError("fault_dst must be a buffer of at least 4 bytes, not an int")
-    held[2] = host_ptr_of(fault_dst, True, &c.fault_dst, &n)
-    if n < 4:
-        raise ValueError(f"fault_dst holds {n} bytes, fewer than the fault word's 4")
-    event_of(event, &c.event, True)
+    # A foreign params array is lent to the C layer for this call (host backend) and kept until
+    # the work has run; the lending ends whatever happens (close()).
+    pcall = call_on(s)
     try:
+        if params is not None:
+            view.rows = c.rows
+            if device_resident(params, "params"):
+                if filtered:
+                    raise ValueError("_combine_partials(filtered=True) takes host params (the filters' "
+                                     "thresholds came from them)")
+            fill_params(pcall, &view, params, keep)
+            c.params = view.params
+            if view.flags & MF_ARGS_PARAMS_DEVICE:
+                c.flags |= MF_COMBINE_PARAMS_DEVICE
+            c.op = MF_PARTIAL_FILTERED if filtered else MF_PARTIAL_SAMPLE
+        device_ptr_of(partials, &ptr)
+        c.partials = ptr
+        c.fault = <uint32_t *>(<char *>ptr + 28)  # slice 0's header, its reserved word
+        device_ptr_of(cells, &ptr)
+        c.cells = <uint32_t *>ptr
+        c.cell_capacity = cells_capacity(
+            cells, ptr, (<DeviceBuffer>cells)._nbytes if type(cells) is DeviceBuffer else <size_t>-1, c.rows)
+        if dst is not None:
+            if isinstance(dst, int):
+                u64_of(dst, &e, "dst pointer")
+                pinned_range(e, c.rows * 4)
+                c.host_dst = <void *><size_t>e
+            else:
+                held[0] = host_ptr_of(dst, True, &c.host_dst, &n)
+                if n < c.rows * 4:
+                    raise ValueError(f"dst holds {n} bytes; {c.rows} ids need {c.rows * 4}")
+        held[1] = fill_logprobs(&c.logprobs, &c.logprobs_dst, logprobs, logprobs_dst, c.rows)
+        if isinstance(fault_dst, int):
+            raise TypeError("fault_dst must be a buffer of at least 4 bytes, not an int")
+        held[2] = host_ptr_of(fault_dst, True, &c.fault_dst, &n)
+        if n < 4:
+            raise ValueError(f"fault_dst holds {n} bytes, fewer than the fault word's 4")
+        event_of(event, &c.event, True)
         events = reserve_holds(held)
         commit_holds(held, events, s, mf_combine_partials(&c, s))
-        if dcall is not None:
-            dcall.done()
+        pcall.done()
     finally:
-        if dcall is not None:
-            dcall.close()
+        pcall.close()
     note_capture(s, (partials, cells, dst, logprobs, logprobs_dst, fault_dst, event, params))
     if c.event and (_host_func_seq or _capturing):
         note_record(c.event, s)
