@@ -75,19 +75,26 @@ __global__ void mf_combine_kernel(const mf_partial_record *first, const mf_parti
                                   uint32_t world, uint32_t stride, uint32_t rows, uint32_t op,
                                   uint64_t call, uint32_t vocab, uint32_t *cells, float *logprobs,
                                   uint32_t *fault, uint32_t row0,
+                                  const mf_sampling_params *device_params,
                                   const __grid_constant__ CombineParams in) {
     const uint32_t r = blockIdx.x * blockDim.x + threadIdx.x;  // within this launch
     if (row0 + r >= rows || r >= kCombineRowsPerLaunch) return;
     const uint32_t f = mf_check_headers(headers, world, stride, mf_partial_op(op, logprobs != nullptr),
                                         rows, call, vocab);
-    if (row0 + r == 0) *fault = f;
+    // With device params the word was zeroed before the launches and a filtered row may set it
+    // from any block: row 0 then writes only a header fault (which no row overrides).
+    if (row0 + r == 0 && (f || !device_params)) *fault = f;
     uint32_t id = MF_NO_TOKEN, bits = 0;
     float m = mf_neg_inf();
     double s = 0.0;
-    if (!f) {
+    mf_sample_plan plan;
+    const bool sampled =
+        !f && op == MF_PARTIAL_SAMPLE &&
+        !(plan = mf_plan_sampling(device_params ? &device_params[row0 + r] : &in.params[r])).greedy;
+    if (sampled && mf_plan_filtered(&plan)) {  // a filter the slices could not apply
+        atomicCAS(fault, 0u, MF_FAULT_FILTERS | ((row0 + r) << 8));
+    } else if (!f) {
         const mf_partial_record *rec = first + row0 + r;
-        mf_sample_plan plan;
-        const bool sampled = op == MF_PARTIAL_SAMPLE && !(plan = mf_plan_sampling(&in.params[r])).greedy;
         id = mf_combine_pick(rec, world, stride, sampled ? &plan : nullptr);
         for (uint32_t w = 0; w < world; ++w)
             if (id != MF_NO_TOKEN && rec[(uint64_t)w * stride].id == id) bits = rec[(uint64_t)w * stride].logit_bits;
@@ -120,13 +127,19 @@ cudaError_t launch_logprob_stats(const mf_argmax_args &a, cudaStream_t stream) {
 cudaError_t launch_combine(const mf_combine_args &a, cudaStream_t stream) {
     const auto *headers = static_cast<const mf_partial_header *>(a.partials);
     const auto *first = static_cast<const mf_partial_record *>(a.partials) + MF_PARTIAL_HEADER_RECORDS;
+    // Device params are read by the kernel when it runs (a graph's replay sees their new values).
+    const mf_sampling_params *dparams = (a.flags & MF_COMBINE_PARAMS_DEVICE) ? a.params : nullptr;
+    if (dparams) {
+        cudaError_t e = cudaMemsetAsync(a.fault, 0, 4, stream);
+        if (e != cudaSuccess) return e;
+    }
     for (uint32_t row0 = 0; row0 < a.rows; row0 += kCombineRowsPerLaunch) {
         const uint32_t n = std::min(a.rows - row0, kCombineRowsPerLaunch);
         CombineParams in;
-        if (a.params) std::copy(a.params + row0, a.params + row0 + n, in.params);
+        if (a.params && !dparams) std::copy(a.params + row0, a.params + row0 + n, in.params);
         mf_combine_kernel<<<(n + 127) / 128, 128, 0, stream>>>(first, headers, a.world, a.slice_stride,
                                                               a.rows, a.op, a.call, a.vocab, a.cells,
-                                                              a.logprobs, a.fault, row0, in);
+                                                              a.logprobs, a.fault, row0, dparams, in);
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
     }

@@ -447,6 +447,83 @@ def test_split_temperature_sampling_equals_unsharded(path, dev, how):
     assert_close(lp, reference_logprobs(logits, ids))
 
 
+@pytest.mark.parametrize("how", ["uneven", "custom-empty"])
+def test_split_sampling_with_device_params_equals_host_params_and_unsharded(path, dev, how):
+    # Device-resident params, read when the partial calls and the combine run: the same draws as
+    # host params, and as the unsharded call with the same device records (whose out-of-range
+    # temperatures are greedy: host params could not hold them).
+    rng = np.random.default_rng(21)
+    rows, vocab = 12, 1000
+    logits = nasty(rng, rows, vocab)
+    params = mf.sampling_params(rows, temperature=rng.uniform(0.3, 2.0, rows), seed=rng.integers(0, 2**63, rows),
+                                position=rng.integers(0, 10**6, rows))
+    params["temperature"][0] = 0.0
+    masks = rng.integers(0, vocab, (rows, 2)).astype(np.uint32)
+    host_ids, host_lp, fault = split(dev, logits, SPLITS[how](vocab), masks, params=params)
+    _core._check_partials_fault(fault)
+    with dev.upload(params) as dparams:
+        ids, lp, fault = split(dev, logits, SPLITS[how](vocab), masks, params=dparams)
+    _core._check_partials_fault(fault)
+    assert np.array_equal(ids, host_ids)
+    assert np.array_equal(lp.view(np.uint32), host_lp.view(np.uint32))
+    assert len(set(ids[1:].tolist())) > 3  # sampled rows, not all one argmax
+    torch = pytest.importorskip("torch")
+    # A tensor that is not a host buffer is device memory to the host backend: lent per call.
+    tensor = torch.from_numpy(params.view(np.uint8).copy())
+    ids, _, fault = split(dev, logits, SPLITS[how](vocab), masks, params=tensor)
+    _core._check_partials_fault(fault)
+    assert np.array_equal(ids, host_ids)
+    odd = params.copy()
+    odd["temperature"][[2, 3, 4]] = [np.nan, -1.0, np.inf]  # out of range on the device: greedy
+    with dev.upload(odd) as dparams:
+        want, _ = pick(dev, logits, masks, params=dparams)
+        ids, lp, fault = split(dev, logits, SPLITS[how](vocab), masks, params=dparams)
+    _core._check_partials_fault(fault)
+    assert np.array_equal(ids, want)
+    assert np.array_equal(ids[2:5], reference_argmax(logits[2:5], masks[2:5]))
+    assert np.array_equal(ids[5:], host_ids[5:])
+    assert_close(lp, reference_logprobs(logits, ids))
+
+
+def test_a_filter_in_device_params_of_a_split_row_is_a_fault(host, dev):
+    # The slices cannot apply top_k/top_p/min_p found at run time: that row gets NO_TOKEN and the
+    # combine reports the row; rows without a filter (or greedy ones) still get their draws.
+    rng = np.random.default_rng(22)
+    rows, vocab = 6, 300
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    params = mf.sampling_params(rows, temperature=0.8, seed=rng.integers(0, 2**63, rows), position=5)
+    want, _ = pick(dev, logits, params=params)
+    for row, field, value in [(3, "top_k", 5), (1, "top_p", 0.5), (4, "min_p", 0.1)]:
+        bad = params.copy()
+        bad[field][row] = value
+        bad["top_k"][0] = 7  # with temperature 0 the row is the argmax: no filter applies
+        bad["temperature"][0] = 0.0
+        with dev.upload(bad) as dparams:
+            ids, lp, fault = split(dev, logits, [0, 100, vocab], params=dparams)
+        word = int(np.frombuffer(fault, np.uint32)[0])
+        assert word == 7 | (row << 8), hex(word)
+        with pytest.raises(FeedError, match=f"row {row} of the device-resident params"):
+            _core._check_partials_fault(fault)
+        assert ids[row] == mf.NO_TOKEN and np.isnan(lp[row])
+        others = [r for r in range(1, rows) if r != row]
+        assert np.array_equal(ids[others], want[others])
+        assert ids[0] == reference_argmax(logits[:1])[0]
+
+
+def test_device_params_refused_where_host_decisions_are_needed(host, dev):
+    rows = 2
+    parts, cells, fault = mf.DeviceBuffer(_core._partial_bytes(rows)), mf.DeviceBuffer(8), mf.PinnedBuffer(4)
+    with dev.upload(mf.sampling_params(rows, temperature=1.0)) as dparams:
+        with pytest.raises(ValueError, match="filtered=True"):
+            _core._combine_partials(parts, 1, cells, None, None, rows=rows, vocab=10, call=1,
+                                    fault_dst=fault, params=dparams, filtered=True)
+        with pytest.raises(ValueError, match="params holds 64 bytes; 96"):
+            _core._combine_partials(parts, 1, cells, None, None, rows=3, vocab=10, call=1,
+                                    fault_dst=fault, params=dparams, slice_stride=rows + 2 + 1)
+    for b in (parts, cells, fault):
+        b.close()
+
+
 def test_sampled_race_is_split_invariant_over_many_seeds(path, dev):
     # Many draws of one row: any split gives the unsharded draw, seed by seed.
     rng = np.random.default_rng(14)

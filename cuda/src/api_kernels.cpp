@@ -71,11 +71,12 @@ mf_status check_partial(const mf_argmax_args *a) {
                     "host_dst and logprobs belong to the combine");
     if (!a->partials || !aligned(a->partials, 8))
         return fail(MF_ERROR_INVALID_VALUE, "partials is a null or misaligned pointer");
-    if (a->params && (a->flags & MF_ARGS_PARAMS_DEVICE))
-        return fail(MF_ERROR_INVALID_VALUE, "a partial sampling call takes host params (checked now)");
     if (a->flags & MF_ARGS_SELECT) {
-        // One stage of the split filters: the filters are applied through the select state.
+        // One stage of the split filters: the filters are applied through the select state, which
+        // the caller writes between stages from host decisions on host params.
         if (!a->params) return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_SELECT needs sampling params");
+        if (a->flags & MF_ARGS_PARAMS_DEVICE)
+            return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_SELECT takes host params (checked now)");
         if (a->select_stage < MF_SELECT_TOP || a->select_stage > MF_SELECT_RACE)
             return fail(MF_ERROR_INVALID_VALUE, "unknown select stage %u", a->select_stage);
         if (!a->select || !aligned(a->select, 8))
@@ -91,7 +92,8 @@ mf_status check_partial(const mf_argmax_args *a) {
         if (a->select_stage == MF_SELECT_HIST)
             return check_device_range(a->partials, MF_PARTIAL_HEADER_RECORDS * 16 +
                                       (size_t)a->rows * MF_SELECT_BINS * 8, "partials");
-    } else if (a->params) {
+    } else if (a->params && !(a->flags & MF_ARGS_PARAMS_DEVICE)) {
+        // Device params are read when the kernel runs: a filter there is the combine's fault.
         mf_status st = check_temperature_only(a->params, a->rows);
         if (st != MF_SUCCESS) return st;
     }
@@ -232,6 +234,11 @@ mf_status mf_combine_partials(const mf_combine_args *a, mf_stream_t stream) {
                     MF_PARTIAL_HEADER_RECORDS);
     if ((a->op != MF_PARTIAL_ARGMAX) != (a->params != nullptr))
         return fail(MF_ERROR_INVALID_VALUE, "params are required for a sampled combine, and only there");
+    if (a->flags & ~(uint32_t)MF_COMBINE_PARAMS_DEVICE)
+        return fail(MF_ERROR_INVALID_VALUE, "unknown combine flags 0x%x", a->flags);
+    const bool device_params = a->flags & MF_COMBINE_PARAMS_DEVICE;
+    if (device_params && a->op != MF_PARTIAL_SAMPLE)  // FILTERED's thresholds came from host params
+        return fail(MF_ERROR_INVALID_VALUE, "MF_COMBINE_PARAMS_DEVICE needs a temperature-only sampled combine");
     if (!a->partials || !aligned(a->partials, 8) || !a->cells || !aligned(a->cells, 4) || !a->fault ||
         !aligned(a->fault, 4) || (a->logprobs && !aligned(a->logprobs, 4)))
         return fail(MF_ERROR_INVALID_VALUE, "partials, cells, fault or logprobs is a null or misaligned pointer");
@@ -242,9 +249,11 @@ mf_status mf_combine_partials(const mf_combine_args *a, mf_stream_t stream) {
         mf_argmax_args view{};
         view.rows = a->rows;
         view.params = a->params;
+        view.flags = device_params ? MF_ARGS_PARAMS_DEVICE : 0u;  // device: its extent only
         status = check_sampling(&view);
         // FILTERED blocks were raced over the filters' global thresholds (MF_ARGS_SELECT).
-        if (status == MF_SUCCESS && a->op == MF_PARTIAL_SAMPLE) status = check_temperature_only(a->params, a->rows);
+        if (status == MF_SUCCESS && a->op == MF_PARTIAL_SAMPLE && !device_params)
+            status = check_temperature_only(a->params, a->rows);
     }
     // world <= MF_MAX_SLICES and slice_stride < 2**32: the product fits 64 bits.
     if (status == MF_SUCCESS)
@@ -263,7 +272,7 @@ mf_status mf_combine_partials(const mf_combine_args *a, mf_stream_t stream) {
     if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
     // In a capture (a sharded call in a graph): host params are read once, at the call, on cuda
     // (kernel arguments); the copies at each launch need page-locked destinations.
-    if (status == MF_SUCCESS && a->params)
+    if (status == MF_SUCCESS && a->params && !device_params)
         status = refuse_in_capture(raw, "a sampled combine_partials (host-resident params)", true);
     if (status == MF_SUCCESS && a->host_dst)
         status = capture_host_check(raw, a->host_dst, "combine_partials destination");

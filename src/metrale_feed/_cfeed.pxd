@@ -168,6 +168,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint32_t rows
         uint32_t vocab
         uint32_t op
+        uint32_t flags
         uint64_t call
         const mf_sampling_params *params
         uint32_t *cells
@@ -178,6 +179,8 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint32_t *fault
         void *fault_dst
         mf_event_t event
+    enum:
+        MF_COMBINE_PARAMS_DEVICE
     mf_status mf_combine_partials(const mf_combine_args *args, mf_stream_t stream)
     mf_status mf_resolve_feed(const uint32_t *sources, uint32_t n, const uint32_t *cells,
                               uint32_t prev_rows, uint32_t *out, mf_stream_t stream)

@@ -242,7 +242,7 @@ def _argmax_partial(logits: _DeviceLike | None, masks: _MasksLike | _DeviceLike 
                     stream: _StreamLike = 0, *, start: int, stop: int, vocab: int, dtype: _DType,
                     call: int, rows: int | None = None, row_stride: int | None = None,
                     bitmask: _DeviceLike | None = None, logprobs: bool = False) -> int: ...
-def _sample_partial(logits: _DeviceLike | None, params: Buffer, partials: _DeviceLike,
+def _sample_partial(logits: _DeviceLike | None, params: Buffer | _DeviceLike, partials: _DeviceLike,
                     event: _EventLike | None = None, stream: _StreamLike = 0, *, start: int,
                     stop: int, vocab: int, dtype: _DType, call: int,
                     masks: _MasksLike | _DeviceLike | None = None, rows: int | None = None,
@@ -258,7 +258,7 @@ def _select_partial(logits: _DeviceLike | None, params: Buffer, partials: _Devic
 def _combine_partials(partials: _DeviceLike, world: int, cells: _DeviceLike,
                       dst: Buffer | int | None, event: _EventLike | None,
                       stream: _StreamLike = 0, *, rows: int, vocab: int, call: int,
-                      fault_dst: Buffer, params: Buffer | None = None,
+                      fault_dst: Buffer, params: Buffer | _DeviceLike | None = None,
                       logprobs: _DeviceLike | None = None, logprobs_dst: Buffer | int | None = None,
                       slice_stride: int | None = None, filtered: bool = False) -> None: ...
 def _check_partials_fault(fault_dst: Buffer) -> None: ...

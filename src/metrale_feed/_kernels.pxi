@@ -452,9 +452,11 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
         As for ``argmax_to_feed``; the logprob is the sampled id's under the raw distribution
         (temperature 1, before top_k, top_p and min_p).
     shard : VocabShard, optional
-        As for ``argmax_to_feed``, with host params: the same survivors and draw as the unsharded
-        call, filters included (their thresholds take a few more exchanges of per-row records:
-        docs/tensor-parallel.md); device-resident params are refused (ValueError).
+        As for ``argmax_to_feed``: the same survivors and draw as the unsharded call. Host params
+        may set filters (their thresholds take a few more exchanges of per-row records:
+        docs/tensor-parallel.md). Device-resident params are read when the kernels run, so the
+        call can be captured in a graph, and must be temperature-only: a sampled row with a filter
+        there gets ``NO_TOKEN`` and a ``FeedError`` from the event on every rank.
 
     Returns
     -------
@@ -475,7 +477,7 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
     >>> sample_to_feed(logits, p, cells, dst, ev, vocab=32000, dtype="f32")  # doctest: +SKIP
     2
     """
-    if shard is not None:  # host params (the filters' rounds read them: shard.py)
+    if shard is not None:  # host params, or temperature-only device params (shard.py)
         return shard._call("sample", logits, masks, params, cells, dst, event, stream, rows, vocab,
                            dtype, row_stride, bitmask, logprobs, logprobs_dst)
     if rows is None and masks is None and not (is_foreign(logits) and not isinstance(logits, (list, tuple))):

@@ -11,6 +11,7 @@ _FAULTS = {1: "another operation or not a partial block", 2: "another row count"
            3: "another call counter", 4: "another vocabulary",
            5: "slices that do not tile the vocabulary in order",
            6: "the other logprobs setting (logprobs asked for on some slices only)"}
+_FAULT_FILTERS = 7  # bits 8+ hold a row, not a slice (feed.h, mf_combine_args)
 
 
 SELECT_ROW_BYTES = sizeof(mf_select_row)              # one row's state between filter stages
@@ -126,12 +127,14 @@ def _sample_partial(logits, params, partials, event=None, stream=0, *, start, st
 
     The race draws by global id, so the combine gives the very id ``sample_to_feed`` draws on the
     whole row. Rows must be temperature-only (``top_k`` 0, ``top_p`` 1, ``min_p`` 0): the filters
-    need thresholds over the whole row (docs/kernels.md). ``params`` must be host records.
+    need thresholds over the whole row (docs/kernels.md).
 
     Parameters
     ----------
-    params : SAMPLING_PARAMS_DTYPE array
-        One record per row, the same on every slice.
+    params : SAMPLING_PARAMS_DTYPE array, or device memory holding such records
+        One record per row, the same on every slice. Host records are read and checked now;
+        device-resident ones when the kernel runs (capturable in a graph), where a sampled row
+        with a filter set is the combine's fault (``_combine_partials``), never a token.
     logits, partials, event, stream, start, stop, vocab, dtype, call, masks, rows, row_stride, bitmask, logprobs
         As for ``_argmax_partial``.
 
@@ -143,7 +146,7 @@ def _sample_partial(logits, params, partials, event=None, stream=0, *, start, st
     Raises
     ------
     ValueError
-        A filter set on some row, device-resident params, and the errors of ``_argmax_partial``.
+        A filter set on some host row, and the errors of ``_argmax_partial``.
 
     Examples
     --------
@@ -240,9 +243,13 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
         The call counter every block must carry.
     fault_dst : PinnedBuffer or writable buffer of at least 4 bytes
         Where the fault word is copied (0: the blocks agreed).
-    params : SAMPLING_PARAMS_DTYPE array, optional
-        The sampled combine's host records (temperature-only unless ``filtered``), the partial
-        calls' own.
+    params : SAMPLING_PARAMS_DTYPE array, or device memory holding such records, optional
+        The sampled combine's records (temperature-only unless ``filtered``), the partial calls'
+        own. Host records are read and checked now. Device-resident ones (not with ``filtered``)
+        are read when the combine runs, so the call is capturable and a graph's replay draws with
+        what they hold then; a temperature out of range there is 0 (as in ``sample_to_feed``),
+        and a sampled row with a filter set gets ``NO_TOKEN`` and NaN and the fault ("a filter
+        the slices cannot apply"), the other rows their draws.
     slice_stride : int, optional
         16-byte records between blocks, at least ``rows + 2`` (default ``rows + 2``).
     filtered : bool
@@ -252,7 +259,7 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
     ------
     ValueError
         A bad ``world``, ``rows``, ``vocab`` or ``slice_stride``, buffers too small, filters set in
-        ``params``; before anything is queued.
+        host ``params``, device ``params`` with ``filtered``; before anything is queued.
     TypeError
         ``logprobs`` or ``logprobs_dst`` typed other than float32; a non-buffer ``fault_dst``.
 
@@ -268,8 +275,10 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
     cdef void *ptr
     cdef size_t n = 0
     cdef list held = [None, None, None]
+    cdef _Call pcall
     memset(&c, 0, sizeof(c))
     memset(&view, 0, sizeof(view))
+    stream_of(stream, &s)
     c.world = <uint32_t>int_of(world, "world", 1, MF_MAX_SLICES)
     c.rows = <uint32_t>int_of(rows, "rows", 1, MF_MAX_ROWS)
     c.vocab = <uint32_t>int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
@@ -278,40 +287,50 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
                                       else slice_stride, "slice_stride",
                                       c.rows + MF_PARTIAL_HEADER_RECORDS, 0xFFFFFFFF)
     c.op = MF_PARTIAL_ARGMAX
-    if params is not None:
-        view.rows = c.rows
-        fill_params(call_on(0), &view, params, keep)  # host params: no foreign array to lend
-        if view.flags & MF_ARGS_PARAMS_DEVICE:
-            raise ValueError("_combine_partials takes host params (checked now)")
-        c.params = view.params
-        c.op = MF_PARTIAL_FILTERED if filtered else MF_PARTIAL_SAMPLE
-    device_ptr_of(partials, &ptr)
-    c.partials = ptr
-    c.fault = <uint32_t *>(<char *>ptr + 28)  # slice 0's header, its reserved word
-    device_ptr_of(cells, &ptr)
-    c.cells = <uint32_t *>ptr
-    c.cell_capacity = cells_capacity(
-        cells, ptr, (<DeviceBuffer>cells)._nbytes if type(cells) is DeviceBuffer else <size_t>-1, c.rows)
-    if dst is not None:
-        if isinstance(dst, int):
-            u64_of(dst, &e, "dst pointer")
-            pinned_range(e, c.rows * 4)
-            c.host_dst = <void *><size_t>e
-        else:
-            held[0] = host_ptr_of(dst, True, &c.host_dst, &n)
-            if n < c.rows * 4:
-                raise ValueError(f"dst holds {n} bytes; {c.rows} ids need {c.rows * 4}")
-    held[1] = fill_logprobs(&c.logprobs, &c.logprobs_dst, logprobs, logprobs_dst, c.rows)
-    if isinstance(fault_dst, int):
-        raise TypeError("fault_dst must be a buffer of at least 4 bytes, not an int")
-    held[2] = host_ptr_of(fault_dst, True, &c.fault_dst, &n)
-    if n < 4:
-        raise ValueError(f"fault_dst holds {n} bytes, fewer than the fault word's 4")
-    event_of(event, &c.event, True)
-    stream_of(stream, &s)
-    events = reserve_holds(held)
-    commit_holds(held, events, s, mf_combine_partials(&c, s))
-    note_capture(s, (partials, cells, dst, logprobs, logprobs_dst, fault_dst, event))
+    # A foreign params array is lent to the C layer for this call (host backend) and kept until
+    # the work has run; the lending ends whatever happens (close()).
+    pcall = call_on(s)
+    try:
+        if params is not None:
+            view.rows = c.rows
+            if device_resident(params, "params"):
+                if filtered:
+                    raise ValueError("_combine_partials(filtered=True) takes host params (the filters' "
+                                     "thresholds came from them)")
+            fill_params(pcall, &view, params, keep)
+            c.params = view.params
+            if view.flags & MF_ARGS_PARAMS_DEVICE:
+                c.flags |= MF_COMBINE_PARAMS_DEVICE
+            c.op = MF_PARTIAL_FILTERED if filtered else MF_PARTIAL_SAMPLE
+        device_ptr_of(partials, &ptr)
+        c.partials = ptr
+        c.fault = <uint32_t *>(<char *>ptr + 28)  # slice 0's header, its reserved word
+        device_ptr_of(cells, &ptr)
+        c.cells = <uint32_t *>ptr
+        c.cell_capacity = cells_capacity(
+            cells, ptr, (<DeviceBuffer>cells)._nbytes if type(cells) is DeviceBuffer else <size_t>-1, c.rows)
+        if dst is not None:
+            if isinstance(dst, int):
+                u64_of(dst, &e, "dst pointer")
+                pinned_range(e, c.rows * 4)
+                c.host_dst = <void *><size_t>e
+            else:
+                held[0] = host_ptr_of(dst, True, &c.host_dst, &n)
+                if n < c.rows * 4:
+                    raise ValueError(f"dst holds {n} bytes; {c.rows} ids need {c.rows * 4}")
+        held[1] = fill_logprobs(&c.logprobs, &c.logprobs_dst, logprobs, logprobs_dst, c.rows)
+        if isinstance(fault_dst, int):
+            raise TypeError("fault_dst must be a buffer of at least 4 bytes, not an int")
+        held[2] = host_ptr_of(fault_dst, True, &c.fault_dst, &n)
+        if n < 4:
+            raise ValueError(f"fault_dst holds {n} bytes, fewer than the fault word's 4")
+        event_of(event, &c.event, True)
+        events = reserve_holds(held)
+        commit_holds(held, events, s, mf_combine_partials(&c, s))
+        pcall.done()
+    finally:
+        pcall.close()
+    note_capture(s, (partials, cells, dst, logprobs, logprobs_dst, fault_dst, event, params))
     if c.event and (_host_func_seq or _capturing):
         note_record(c.event, s)
     _cell_rows[<size_t>c.cells] = c.rows
@@ -361,6 +380,10 @@ def _check_partials_fault(fault_dst):
     >>> _check_partials_fault(fault)  # doctest: +SKIP
     """
     word = memoryview(fault_dst).cast("B")[:4].cast("I")[0]
+    if word & 0xFF == _FAULT_FILTERS:
+        raise FeedError(f"partial blocks refused: row {word >> 8} of the device-resident params "
+                        "sets top_k, top_p or min_p, which a split row cannot apply (sharded "
+                        "sampling with device params is temperature-only); it got NO_TOKEN")
     if word:
         reason = _FAULTS.get(word & 0xFF, f"fault {word & 0xFF}")
         raise FeedError(f"partial blocks refused: slice {word >> 8} has {reason}; every row got "

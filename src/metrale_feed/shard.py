@@ -206,7 +206,7 @@ class VocabShard:
                         rows = view.nbytes // 8
                 except TypeError:
                     rows = len(masks)
-            elif params is not None:
+            elif params is not None and not _device_params(params):
                 rows = len(params)
             elif hasattr(logits, "shape"):
                 rows = int(logits.shape[0])
@@ -252,7 +252,8 @@ class VocabShard:
         width = self.stop - self.start
         if vocab is not None and vocab != width:
             raise ValueError(f"with a shard, vocab is the slice's width {width}, not {vocab}")
-        filtered = params is not None and _check_host_params(params)
+        device_params = params is not None and _device_params(params)
+        filtered = params is not None and not device_params and _check_host_params(params)
         if self.world == 1 and not self._force_exchange:  # the unsharded call
             kw = dict(rows=rows, vocab=self.vocab, dtype=dtype, row_stride=row_stride,
                       bitmask=bitmask, logprobs=logprobs, logprobs_dst=logprobs_dst)
@@ -471,12 +472,28 @@ def _stream_key(stream: Any) -> int:
     return int(getattr(stream, "cuda_stream", getattr(stream, "ptr", 0)))
 
 
+def _device_params(params: Any) -> bool:
+    """Whether params are device memory (read when the kernels run), by the rule sample_to_feed
+    uses: a DeviceBuffer, an int pointer, or a tensor that is not a host buffer."""
+    if type(params) is _core.DeviceBuffer or hasattr(params, "__cuda_array_interface__"):
+        return True
+    if isinstance(params, int) and not isinstance(params, bool):
+        return True
+    if hasattr(params, "__dlpack__"):
+        try:
+            memoryview(params).release()
+        except TypeError:
+            return True
+    return False
+
+
 def _check_host_params(params: Any) -> bool:
     """Host records (the filters' rounds read them on the worker); whether a filter is on."""
     import numpy as np
 
     if not isinstance(params, np.ndarray) or params.dtype.names is None:
-        raise ValueError("a sharded sample_to_feed takes host SAMPLING_PARAMS_DTYPE records")
+        raise ValueError("a sharded sample_to_feed takes SAMPLING_PARAMS_DTYPE records: host ones "
+                         "(any filters), or device memory holding them (temperature-only)")
     return bool(np.any(params["top_k"] != 0) or np.any(params["top_p"] != 1.0)
                 or np.any(params["min_p"] != 0.0))
 

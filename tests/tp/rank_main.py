@@ -622,8 +622,9 @@ def scenario_graph():
     graph.launch(stream)  # back to back: the second's result stands
     done.synchronize()
     check(logits)
-    # Sampling with host params cannot be captured (a replay would draw with the capture's
-    # seeds and positions): refused before anything is queued, on every rank alike.
+    # Sampling with host params still cannot be captured (a replay would draw with the capture's
+    # seeds and positions): refused before anything is queued, on every rank alike. Device params
+    # can (scenario_graph_sample).
     with mf.graph_capture(stream) as refused:
         try:
             mf.sample_to_feed(sl if hi > lo else None, mf.sampling_params(rows, temperature=0.7),
@@ -650,7 +651,118 @@ def scenario_graph():
     stream.close()
 
 
-{"graph": scenario_graph, "filters": scenario_filters, "params-mismatch": scenario_params_mismatch,
+def scenario_graph_sample():
+    """Every rank captures a sharded temperature-only sample_to_feed whose params are device memory,
+    then replays it with new logits and new params (seed, position, temperature) written into the
+    captured buffers: each replay draws exactly what the unsharded sample_to_feed draws on the
+    whole rows with those params. Eager sharded calls with device params equal host params; a
+    filter found in device params is a fault on every rank."""
+    vocab, rows = 1000, 6
+    offsets = {2: [0, 333, vocab], 3: [0, 600, vocab, vocab]}.get(WORLD)  # 3: an empty slice
+    shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=8)
+    lo, hi = shard.start, shard.stop
+    width = max(1, hi - lo)
+    sl, staged = mf.DeviceBuffer(rows * width * 4), mf.PinnedBuffer(rows * width * 4)
+    pdev, pstaged = mf.DeviceBuffer(rows * 32), mf.PinnedBuffer(rows * 32)
+    masks_host = np.full((rows, 2), mf.NO_TOKEN, np.uint32)
+    masks_host[4] = [min(shard.offsets[-2], vocab - 2), vocab - 1]  # ids of the last slice
+    masks = upload(masks_host)
+    cells, lp_dev = mf.DeviceBuffer(rows * 4), mf.DeviceBuffer(rows * 4)
+    ids, lp = mf.PinnedBuffer(rows * 4), mf.PinnedBuffer(rows * 4)
+    done = mf.Event()
+    stream = mf.Stream()
+
+    def launch(params):
+        mf.sample_to_feed(sl if hi > lo else None, params, cells, ids, done, stream, masks=masks,
+                          rows=rows, dtype="float32", logprobs=lp_dev, logprobs_dst=lp, shard=shard)
+
+    def step():
+        mf.copy_h2d_async(sl, staged, stream)  # pinned: read at each launch
+        mf.copy_h2d_async(pdev, pstaged, stream)
+        launch(pdev)
+
+    def fill(seed):
+        """New logits and params (the same on every rank: one seed), staged for the next step."""
+        rng = np.random.default_rng(seed)
+        logits = nasty(rng, rows, vocab, np.float32, shard.offsets)
+        params = mf.sampling_params(rows, temperature=rng.uniform(0.5, 2.0, rows),
+                                    seed=rng.integers(0, 2**63, rows),
+                                    position=rng.integers(0, 10**6, rows))
+        params["temperature"][1] = 0.0         # greedy
+        params["temperature"][2] = np.nan      # out of range on the device: greedy as 0 is
+        np.frombuffer(staged, np.float32)[: rows * (hi - lo)] = logits[:, lo:hi].ravel()
+        np.frombuffer(pstaged, params.dtype)[:] = params
+        return logits, params
+
+    def unsharded(logits, params):
+        with upload(params) as dparams:
+            return whole(logits, masks_host, params=dparams)
+
+    def check(logits, params):
+        got = np.frombuffer(ids, np.uint32).copy()
+        want, _ = unsharded(logits, params)
+        assert np.array_equal(got, want), (got, want)
+        assert np.array_equal(got[1:3], reference_argmax(logits[1:3], masks_host[1:3])), got
+        assert_close(np.frombuffer(lp, np.float32).copy(), reference_logprobs(logits, got))
+        return got
+
+    logits, params = fill(1)
+    step()  # once eagerly
+    done.synchronize()
+    check(logits, params)
+    capture_params = params
+    before = dict(shard.stats)
+    with mf.graph_capture(stream) as graph:
+        step()
+    assert shard.stats == before, (shard.stats, before)  # a capture issues no collective
+    stale = 0
+    for k in range(4):
+        logits, params = fill(100 + k)
+        graph.launch(stream)
+        done.synchronize()
+        got = check(logits, params)
+        # What a replay that kept the capture's params would have drawn: the test can tell.
+        stale += not np.array_equal(got, unsharded(logits, capture_params)[0])
+        assert shard.stats["collectives"] == before["collectives"] + (k + 1), shard.stats
+    assert stale >= 3, stale
+    # Eager calls with device params and with host params interleave with replays: the same draws.
+    logits, params = fill(200)
+    host = params.copy()
+    host["temperature"][2] = 0.0  # host params are checked: NaN is refused there, 0 is the same
+    step()
+    done.synchronize()
+    check(logits, params)
+    mf.copy_h2d_async(sl, staged, stream)
+    launch(host)
+    done.synchronize()
+    check(logits, params)
+    logits, params = fill(201)
+    graph.launch(stream)
+    done.synchronize()
+    check(logits, params)
+    graph.close()
+    # Host params in a capture are still refused, before anything is queued.
+    with mf.graph_capture(stream) as refused:
+        try:
+            launch(host)
+        except mf.FeedError as exc:
+            assert "capturing a graph" in str(exc), exc
+        else:
+            raise AssertionError("a sharded sample with host params was captured")
+    refused.close()
+    # A filter in device params: the slices cannot apply it, so a fault on every rank (never a
+    # token), and the shard refuses further calls.
+    logits, params = fill(300)
+    params["top_k"][3] = 5
+    np.frombuffer(pstaged, params.dtype)[:] = params
+    step()
+    expect_fault(done, "row 3 of the device-resident params", "a filter in device params was sampled")
+    assert np.frombuffer(ids, np.uint32)[3] == mf.NO_TOKEN
+    expect_refused(step, "the shard took a call after a filter fault")
+    stream.close()
+
+
+{"graph": scenario_graph, "graph-sample": scenario_graph_sample, "filters": scenario_filters, "params-mismatch": scenario_params_mismatch,
  "exact": scenario_exact, "pipeline": scenario_pipeline, "late": scenario_late, "rows-mismatch": scenario_rows_mismatch,
  "logprobs-mismatch": scenario_logprobs_mismatch, "ring": scenario_ring,
  "vocab-mismatch": scenario_vocab_mismatch, "bad-offsets": scenario_bad_offsets,

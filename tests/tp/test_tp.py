@@ -43,7 +43,8 @@ def test_the_pipeline_spmd_gives_the_unsharded_tokens_on_every_rank(world):
     ranks(world, "pipeline")
 
 
-@pytest.mark.parametrize("scenario", ["exact+exchange", "pipeline+exchange", "graph+exchange"])
+@pytest.mark.parametrize("scenario", ["exact+exchange", "pipeline+exchange", "graph+exchange",
+                                      "graph-sample+exchange"])
 def test_a_world_of_one_through_the_exchange_equals_the_unsharded_call(scenario):
     # The path of every world (partial, gloo all-gather, combine), on one rank.
     ranks(1, scenario)
@@ -52,6 +53,11 @@ def test_a_world_of_one_through_the_exchange_equals_the_unsharded_call(scenario)
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_captured_sharded_call_replays_on_new_logits_on_every_rank(world):
     ranks(world, "graph")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_captured_sharded_sample_replays_with_new_device_params_on_every_rank(world):
+    ranks(world, "graph-sample")
 
 
 def test_a_late_peer_leaves_the_others_pending_then_right():

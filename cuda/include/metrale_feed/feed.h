@@ -152,7 +152,9 @@ MF_EXPORT mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t
  *   (masks hold global ids, the bitmask is the whole row's ceil(vocab_total/32) words, vocab may be
  *   0); instead of cells, a partial block (a header, then one record per row: logprob_rule.h) is
  *   written to `partials`, for mf_combine_partials. cells, host_dst and logprobs must be NULL, and
- *   params (host only) temperature-only: top_k, top_p and min_p need global thresholds;
+ *   params temperature-only: top_k, top_p and min_p need global thresholds. Host params are
+ *   checked now; device params (MF_ARGS_PARAMS_DEVICE) are read when the kernel runs, and a
+ *   sampled row with a filter there is the combine's fault (MF_FAULT_FILTERS), never a token;
  * - MF_ARGS_PARTIAL_LOGPROBS (with MF_ARGS_PARTIAL only): the records also carry the slice's max
  *   and sum of exponentials, for a combine that writes logprobs; without it they hold 0 and the
  *   partial call costs what the argmax over the slice costs. The header records the choice, so a
@@ -247,7 +249,15 @@ MF_EXPORT mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t st
  * then writes cells,
  * host_dst, logprobs and logprobs_dst exactly as the unsharded call would, then records event.
  * A mismatch writes NO_TOKEN and NaN to every row and the fault (MF_FAULT_* | slice << 8) to
- * `fault` (device word, required; 0 when the headers agree), copied to fault_dst (host) if set. */
+ * `fault` (device word, required; 0 when the headers agree), copied to fault_dst (host) if set.
+ * params: host records, read (and checked) before the call returns, or with
+ * MF_COMBINE_PARAMS_DEVICE in `flags` device records, read when the combine runs (so a graph's
+ * replay uses what they hold then; MF_PARTIAL_SAMPLE only). There a temperature out of range is
+ * 0, as in mf_argmax_to_feed, and a sampled row with a filter (top_k, top_p < 1 or min_p > 0,
+ * the values the unsplit call would apply) gets NO_TOKEN and NaN and the fault
+ * MF_FAULT_FILTERS | row << 8 (on the host backend the first such row, on cuda any), while the
+ * other rows get their draws. */
+enum { MF_COMBINE_PARAMS_DEVICE = 1u };
 typedef struct mf_combine_args {
     const void *partials;             /* device */
     uint32_t world;                   /* slices, >= 1 */
@@ -255,9 +265,9 @@ typedef struct mf_combine_args {
     uint32_t rows;
     uint32_t vocab;                   /* the whole vocabulary */
     uint32_t op;                      /* MF_PARTIAL_ARGMAX, _SAMPLE or _FILTERED (filters allowed) */
-    uint32_t pad_;
+    uint32_t flags;                   /* MF_COMBINE_* (0: none) */
     uint64_t call;
-    const mf_sampling_params *params; /* MF_PARTIAL_SAMPLE: host, rows records */
+    const mf_sampling_params *params; /* sampled ops: rows records, host unless MF_COMBINE_PARAMS_DEVICE */
     uint32_t *cells;                  /* device */
     uint32_t cell_capacity;
     void *host_dst;                   /* host, or NULL */

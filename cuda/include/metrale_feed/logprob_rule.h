@@ -35,8 +35,16 @@ enum {
     MF_FAULT_CALL = 3u,  /* another call: a slice from an earlier or later step */
     MF_FAULT_VOCAB = 4u, /* another vocabulary */
     MF_FAULT_SPLIT = 5u, /* the slices do not tile [0, vocab) in order */
-    MF_FAULT_LOGPROBS = 6u /* the same operation with the other logprobs setting */
+    MF_FAULT_LOGPROBS = 6u, /* the same operation with the other logprobs setting */
+    MF_FAULT_FILTERS = 7u   /* device params set a filter on a sampled split row (bits 8+: the row) */
 };
+
+/* Whether a sampled row of a MF_PARTIAL_SAMPLE combine has a filter its slices could not apply:
+ * only device-resident params can get here (host ones are refused before launch), and the values
+ * count as the unsplit call would read them (mf_plan_sampling: out of range is off). */
+MF_HD int mf_plan_filtered(const mf_sample_plan *p) {
+    return !p->greedy && (p->top_k != 0u || p->use_top_p || p->use_min_p);
+}
 
 /* The first 32 bytes of a slice's partial block: what the combine checks before trusting it. */
 typedef struct mf_partial_header {

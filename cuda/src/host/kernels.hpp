@@ -66,9 +66,15 @@ RowStats row_stats(const void *row, mf_dtype dtype, uint32_t n, bool vector);
 
 // What one combine needs when the worker runs it (host params copied now).
 struct CombineJob {
+    // Host params are copied (the caller may reuse them); device ones are read when the job runs.
     explicit CombineJob(const mf_combine_args &a) : args(a) {
-        if (a.params) params.assign(a.params, a.params + a.rows);
-        args.params = nullptr;
+        if (a.params && !(a.flags & MF_COMBINE_PARAMS_DEVICE)) {
+            params.assign(a.params, a.params + a.rows);
+            args.params = nullptr;
+        }
+    }
+    const mf_sampling_params *row_params() const {
+        return args.params ? args.params : (params.empty() ? nullptr : params.data());
     }
     mf_combine_args args;
     std::vector<mf_sampling_params> params;

@@ -156,14 +156,18 @@ void run_combine(const CombineJob &job) {
                                             mf_partial_op(a.op, a.logprobs != nullptr),
                                             a.rows, a.call, a.vocab);
     *a.fault = fault;
+    const mf_sampling_params *params = job.row_params();  // device ones: read now, at run time
     for (uint32_t r = 0; r < a.rows; ++r) {
         const mf_partial_record *rec = records_of(a, r);
         uint32_t id = MF_NO_TOKEN, bits = 0;
         float m = mf_neg_inf();
         double s = 0.0;
-        if (!fault) {
-            mf_sample_plan plan;
-            const bool sampled = !job.params.empty() && !(plan = mf_plan_sampling(&job.params[r])).greedy;
+        mf_sample_plan plan;
+        const bool sampled = !fault && params && !(plan = mf_plan_sampling(&params[r])).greedy;
+        if (sampled && a.op == MF_PARTIAL_SAMPLE && mf_plan_filtered(&plan)) {
+            // A filter the slices could not apply (device params): this row's draw is refused.
+            if (!*a.fault) *a.fault = MF_FAULT_FILTERS | (r << 8);
+        } else if (!fault) {
             id = mf_combine_pick(rec, a.world, a.slice_stride, sampled ? &plan : nullptr);
             for (uint32_t w = 0; w < a.world; ++w)
                 if (id != MF_NO_TOKEN && rec[(uint64_t)w * a.slice_stride].id == id)
