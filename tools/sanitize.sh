@@ -145,7 +145,7 @@ run_tsan() {
     set +e
     (cd "$work" && \
         LD_PRELOAD="$tsan_lib" \
-        TSAN_OPTIONS="halt_on_error=1:exitcode=66:report_signal_unsafe=0:second_deadlock_stack=1" \
+        TSAN_OPTIONS="halt_on_error=1:exitcode=66:report_signal_unsafe=0:second_deadlock_stack=1:suppressions=$root/tools/tsan.supp" \
         METRALE_FEED_BACKEND=host PYTHONFAULTHANDLER=1 \
         "$py" -m pytest -q -s -p no:cacheprovider "${files[@]}") > "$log" 2>&1
     local rc=$?
