@@ -438,6 +438,10 @@ class VocabShard:
             for o in outs:  # zero headers: the combine then refuses the blocks (NO_TOKEN rows)
                 o.zero_()
             self._fault = f"the all-gather failed on rank {self.rank}: {exc}"
+            if call is not None and call.fault is None:
+                # A filtered call's later exchanges skip their collectives: against a peer that
+                # hangs, each would wait out the group's timeout again.
+                call.fault = self._fault
             raise FeedError(self._fault) from exc
 
     def _check(self, fault: Any, call: Any = None) -> None:

@@ -500,6 +500,26 @@ def scenario_dead():
     assert (ids == mf.NO_TOKEN).all(), ids
 
 
+def scenario_hung_filtered():
+    """A peer that hangs through a filtered call's many exchanges: the first one's timeout faults
+    the call on the others (FeedError, NO_TOKEN), its later exchanges do not wait again."""
+    shard = mf.VocabShard(None, 1000, max_rows=8)
+    logits = nasty(np.random.default_rng(7), 4, 1000, np.float32, shard.offsets)
+    if RANK == WORLD - 1:
+        import os
+        print("OK hung-filtered", flush=True)
+        time.sleep(25)  # never calls; then leaves
+        os._exit(0)
+    params = mf.sampling_params(4, temperature=0.9, top_k=20, top_p=0.9, seed=3)
+    t0 = time.monotonic()
+    ids, lp, done, held, took = sharded(shard, logits, params=params, wait=False)
+    assert took < 5, took  # queued, not waited for
+    expect_fault(done, "", f"a hung peer gave no error: {ids}")
+    # One group timeout (8 s), not one per exchange (18 of them).
+    assert time.monotonic() - t0 < 20, time.monotonic() - t0
+    assert (ids == mf.NO_TOKEN).all(), ids
+
+
 def scenario_pipeline():
     from metrale_feed.reference import ReferenceModel, host_next_token
 
@@ -766,7 +786,7 @@ def scenario_graph_sample():
  "exact": scenario_exact, "pipeline": scenario_pipeline, "late": scenario_late, "rows-mismatch": scenario_rows_mismatch,
  "logprobs-mismatch": scenario_logprobs_mismatch, "ring": scenario_ring,
  "vocab-mismatch": scenario_vocab_mismatch, "bad-offsets": scenario_bad_offsets,
- "dead": scenario_dead}[SCENARIO]()
+ "dead": scenario_dead, "hung-filtered": scenario_hung_filtered}[SCENARIO]()
 print("OK", sys.argv[4], flush=True)
 import os  # noqa: E402
 

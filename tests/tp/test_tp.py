@@ -91,6 +91,10 @@ def test_a_dead_peer_is_a_feed_error_not_a_hang():
     ranks(2, "dead")
 
 
+def test_a_hung_peer_faults_a_filtered_call_within_one_timeout():
+    ranks(2, "hung-filtered")
+
+
 def test_bench_tp_checks_ids_and_counts_bytes(tmp_path):
     from helpers.child import run_python
 
