@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Dict, List
+
+from ._local_ranks import result_of, run_local_ranks
 
 VOCAB = 152064
 
@@ -147,25 +147,14 @@ def _filtered(rank: int, group: Any, full: Any, rows: int, repeats: int) -> Dict
 
 def run(world: int, quick: bool) -> Dict[str, Any]:
     """Start ``world`` ranks and return rank 0's figures."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    repeats = "3" if quick else "7"
-    procs = [subprocess.Popen([sys.executable, "-m", "metrale_feed.bench_tp", str(r), str(world),
-                               str(port), repeats], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True) for r in range(world)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=600))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            outs.append(p.communicate())
-    for p, (stdout, stderr) in zip(procs, outs):
-        if p.returncode != 0:
-            raise RuntimeError(f"a bench rank failed (exit {p.returncode}):\n{stderr[-2000:]}")
-    line = next(ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT "))
-    return dict(json.loads(line[len("RESULT "):]))
+    ranks = run_local_ranks("metrale_feed.bench_tp", world, ["3" if quick else "7"])
+    for returncode, _, stderr in ranks:
+        if returncode != 0:
+            raise RuntimeError(f"a bench rank failed (exit {returncode}):\n{stderr[-2000:]}")
+    result = result_of(ranks[0][1])
+    if result is None:
+        raise RuntimeError("bench rank 0 printed no RESULT line")
+    return result
 
 
 if __name__ == "__main__":

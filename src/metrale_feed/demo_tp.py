@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, Dict, List
 
+from ._local_ranks import result_of, run_local_ranks
 from .feed import NO_TOKEN
 
 
@@ -71,31 +70,18 @@ def run(world: int, requests: List[Dict[str, Any]], max_new: int, vocab: int, dt
     single = _decode(requests, max_new, vocab, dtype, block_size, None)
     spec = {"requests": requests, "max_new": max_new, "vocab": vocab, "dtype": dtype,
             "block_size": block_size}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "spec.json")
         with open(path, "w") as f:
             json.dump(spec, f)
-        procs = [subprocess.Popen([sys.executable, "-m", "metrale_feed.demo_tp", str(r), str(world),
-                                   str(port), path], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
-                 for r in range(world)]
-        outs = []
-        for p in procs:
-            try:
-                outs.append(p.communicate(timeout=600))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                outs.append(p.communicate())
+        ranks = run_local_ranks("metrale_feed.demo_tp", world, [path])
     results = []
-    for p, (out, err) in zip(procs, outs):
-        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
-        if p.returncode != 0 or line is None:
-            print(f"a rank failed (exit {p.returncode}):\n{err[-2000:]}", file=sys.stderr)
+    for returncode, out, err in ranks:
+        res = result_of(out)
+        if returncode != 0 or res is None:
+            print(f"a rank failed (exit {returncode}):\n{err[-2000:]}", file=sys.stderr)
             return 1
-        results.append(json.loads(line[len("RESULT "):]))
+        results.append(res)
     for r, res in enumerate(results):
         print(f"rank {r}: ids [{res['slice'][0]}, {res['slice'][1]}), "
               f"{sum(len(t) for t in res['tokens'])} tokens in {res['seconds']:.2f} s, "
