@@ -10,20 +10,10 @@ from metrale_feed import _core
 from metrale_feed.errors import FeedError
 from metrale_feed.oracle import reference_argmax, reference_logprobs
 
+from helpers.accuracy import assert_close
+
 ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-
-
-def assert_close(got, ref):
-    """Within 2e-5 absolute or 2 float32 ulps of ref, whichever is larger; NaN and +-inf exactly."""
-    got = np.asarray(got, np.float64)
-    special = ~np.isfinite(ref)
-    assert np.array_equal(np.isnan(got), np.isnan(ref)), (got, ref)
-    assert np.array_equal(got[special & ~np.isnan(ref)], ref[special & ~np.isnan(ref)])
-    fin = ~special
-    tol = np.maximum(2e-5, 2 * np.spacing(np.abs(ref[fin]).astype(np.float32)).astype(np.float64))
-    err = np.abs(got[fin] - ref[fin])
-    assert (err <= tol).all(), (err.max(), got[fin][err > tol][:5], ref[fin][err > tol][:5])
 
 
 @pytest.fixture(params=["portable", "best"])

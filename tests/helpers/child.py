@@ -73,19 +73,25 @@ def run_python(code: str | None = None, *, argv: list[str] | None = None, timeou
     # A session of its own, so that a hung child is killed with everything it forked.
     proc = subprocess.Popen(args, env=child_env(backend, env), cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    result = _wait(proc, timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(result.describe())
+    return result
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> ChildResult:
+    """A child's result; after ``timeout`` seconds it is killed with its whole session (what it
+    forked too) and its exit status is None."""
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
-        result = ChildResult(proc.returncode, stdout, stderr)
+        return ChildResult(proc.returncode, stdout, stderr)
     except subprocess.TimeoutExpired:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         stdout, stderr = proc.communicate()
-        result = ChildResult(None, stdout or "", stderr or "")
-    if check and result.returncode != 0:
-        raise AssertionError(result.describe())
-    return result
+        return ChildResult(None, stdout or "", stderr or "")
 
 
 def free_port() -> int:
@@ -114,16 +120,4 @@ def run_ranks(script: str, world: int, *args: str, timeout: float = 120,
                               env=child_env(backend), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, start_new_session=True) for r in range(world)]
     deadline = time.monotonic() + timeout
-    results = []
-    for proc in procs:
-        try:
-            stdout, stderr = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            results.append(ChildResult(proc.returncode, stdout, stderr))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            stdout, stderr = proc.communicate()
-            results.append(ChildResult(None, stdout or "", stderr or ""))
-    return results
+    return [_wait(proc, max(0.1, deadline - time.monotonic())) for proc in procs]

@@ -29,7 +29,11 @@ else:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=8))
 
+import os  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 import metrale_feed as mf  # noqa: E402
+from helpers.accuracy import assert_close  # noqa: E402
 from metrale_feed.errors import FeedError  # noqa: E402
 from metrale_feed.oracle import reference_argmax, reference_logprobs  # noqa: E402
 
@@ -54,17 +58,6 @@ def upload(array):
         mf.copy_h2d_async(buf, raw)
         mf.stream_synchronize(0)
     return buf
-
-
-def assert_close(got, ref):
-    """Within 2e-5 absolute or 2 float32 ulps of ref; NaN and +-inf exactly."""
-    got = np.asarray(got, np.float64)
-    special = ~np.isfinite(ref)
-    assert np.array_equal(np.isnan(got), np.isnan(ref)), (got, ref)
-    assert np.array_equal(got[special & ~np.isnan(ref)], ref[special & ~np.isnan(ref)])
-    fin = ~special
-    tol = np.maximum(2e-5, 2 * np.spacing(np.abs(ref[fin]).astype(np.float32)).astype(np.float64))
-    assert (np.abs(got[fin] - ref[fin]) <= tol).all(), (got, ref)
 
 
 def whole(logits, masks=None, bitmask=None, params=None):
@@ -490,7 +483,6 @@ def scenario_dead():
     shard = mf.VocabShard(None, 1000, max_rows=8)
     logits = nasty(np.random.default_rng(7), 4, 1000, np.float32, shard.offsets)
     if RANK == WORLD - 1:
-        import os
         print("OK dead", flush=True)
         os._exit(0)  # dies without calling
     t0 = time.monotonic()
@@ -506,7 +498,6 @@ def scenario_hung_filtered():
     shard = mf.VocabShard(None, 1000, max_rows=8)
     logits = nasty(np.random.default_rng(7), 4, 1000, np.float32, shard.offsets)
     if RANK == WORLD - 1:
-        import os
         print("OK hung-filtered", flush=True)
         time.sleep(25)  # never calls; then leaves
         os._exit(0)
@@ -788,6 +779,5 @@ def scenario_graph_sample():
  "vocab-mismatch": scenario_vocab_mismatch, "bad-offsets": scenario_bad_offsets,
  "dead": scenario_dead, "hung-filtered": scenario_hung_filtered}[SCENARIO]()
 print("OK", sys.argv[4], flush=True)
-import os  # noqa: E402
 
 os._exit(0)  # skip the process group's teardown: a dead peer would make it wait
