@@ -57,6 +57,15 @@ def wait_for_counts(expected, timeout=5.0):
         time.sleep(0.005)
 
 
+@pytest.fixture(params=["portable", "best"])
+def path(request, host):
+    """The host backend with each of its argmax paths in turn (portable C++, then the best the
+    CPU has); yields the path's name and restores the best path after."""
+    host.host_argmax_path(request.param == "portable")
+    yield host.host_argmax_path()
+    host.host_argmax_path(False)
+
+
 @pytest.fixture
 def host():
     """The host backend, active for this test; fault knobs off before and after."""

@@ -17,13 +17,6 @@ def nasty_rows(rng, rows, vocab, dtype):
     return values.astype(DTYPES[dtype])
 
 
-@pytest.fixture(params=["portable", "best"])
-def path(request, host):
-    mf.host_argmax_path(request.param == "portable")
-    yield mf.host_argmax_path()
-    mf.host_argmax_path(False)
-
-
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("vocab", [1, 2, 3, 15, 16, 17, 33, 1000])
 def test_both_paths_match_the_oracle(path, no_leaks, dev, dtype, vocab):

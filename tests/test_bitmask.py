@@ -11,13 +11,6 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
-@pytest.fixture(params=["portable", "best"])
-def path(request, host):
-    mf.host_argmax_path(request.param == "portable")
-    yield mf.host_argmax_path()
-    mf.host_argmax_path(False)
-
-
 def run_argmax(dev, logits, masks=None, bitmask=None, device_masks=False):
     rows, vocab = logits.shape
     buf = dev.upload(logits)

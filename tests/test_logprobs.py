@@ -16,13 +16,6 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
-@pytest.fixture(params=["portable", "best"])
-def path(request, host):
-    mf.host_argmax_path(request.param == "portable")
-    yield mf.host_argmax_path()
-    mf.host_argmax_path(False)
-
-
 def pick(dev, logits, masks=None, bitmask=None, params=None, with_logprobs=True, row_stride=None):
     """argmax_to_feed (params None) or sample_to_feed over whole rows: (ids, logprobs or None)."""
     rows = logits.shape[0]
