@@ -11,7 +11,7 @@
 #include "metrale_feed/argmax_rule.h"
 
 namespace mf {
-namespace cudak {
+namespace MF_KERNELS {
 namespace {
 
 constexpr int kMaxThreads = 512;
@@ -178,7 +178,7 @@ cudaError_t launch_tier(const mf_argmax_args &a, const ArgmaxPlan &p, const Argm
     const IdSink sink = id_sink(a);
     const uint32_t words = mf_bitmask_words(sink.total);
     const uint32_t *bits = a.bitmask ? a.bitmask + (uint64_t)row0 * words : nullptr;
-    mf_argmax_kernel<E, MaxRows><<<dim3(p.splits, n), p.threads, 0, stream>>>(
+    MF_LAUNCH(dim3(p.splits, n), p.threads, 0, stream, mf_argmax_kernel<E, MaxRows>)(
         logits, a.row_stride, a.vocab, p.chunk, sink.ids + (uint64_t)row0 * sink.stride, s.partials,
         s.counters, dmasks, bits, sink.base, sink.stride, words, m);
     return cudaGetLastError();
@@ -231,5 +231,5 @@ cudaError_t launch_argmax(const mf_argmax_args &a, const ArgmaxPlan &p, const Ar
     return cudaErrorInvalidValue;
 }
 
-}  // namespace cudak
+}  // namespace MF_KERNELS
 }  // namespace mf

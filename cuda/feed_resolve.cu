@@ -7,7 +7,7 @@
 #include "cuda/kernels.hpp"
 
 namespace mf {
-namespace cudak {
+namespace MF_KERNELS {
 namespace {
 
 constexpr int kThreads = 256;
@@ -33,7 +33,7 @@ cudaError_t launch_chunk(const uint32_t *sources, uint32_t n, const uint32_t *ce
     Sources<N> src;
     if (!on_device) std::copy(sources, sources + n, src.words);
     const unsigned blocks = (n + kThreads - 1) / kThreads;
-    mf_resolve_kernel<N><<<blocks, kThreads, 0, stream>>>(cells, prev_rows, out, n,
+    MF_LAUNCH(blocks, kThreads, 0, stream, mf_resolve_kernel<N>)(cells, prev_rows, out, n,
                                                           on_device ? sources : nullptr, src);
     return cudaGetLastError();
 }
@@ -60,5 +60,5 @@ cudaError_t kernels_loadable() {
     return cudaFuncGetAttributes(&attr, mf_resolve_kernel<256>);
 }
 
-}  // namespace cudak
+}  // namespace MF_KERNELS
 }  // namespace mf

@@ -8,7 +8,7 @@
 #include "metrale_feed/logprob_rule.h"
 
 namespace mf {
-namespace cudak {
+namespace MF_KERNELS {
 namespace {
 
 constexpr int kThreads = 256;
@@ -118,7 +118,7 @@ cudaError_t launch_logprob_stats(const mf_argmax_args &a, cudaStream_t stream) {
                               a.call, a.vocab_total, a.start, a.start + a.vocab, 0u};
         records = static_cast<mf_partial_record *>(a.partials) + MF_PARTIAL_HEADER_RECORDS;
     }
-    mf_logprob_stats_kernel<<<a.rows, stats ? kThreads : 32, 0, stream>>>(
+    MF_LAUNCH(a.rows, stats ? kThreads : 32, 0, stream, mf_logprob_stats_kernel)(
         static_cast<const char *>(a.logits), (int)a.dtype, a.row_stride * esize, a.vocab, sink.ids,
         sink.stride, a.logprobs, records, h, stats);
     return cudaGetLastError();
@@ -137,7 +137,7 @@ cudaError_t launch_combine(const mf_combine_args &a, cudaStream_t stream) {
         const uint32_t n = std::min(a.rows - row0, kCombineRowsPerLaunch);
         CombineParams in;
         if (a.params && !dparams) std::copy(a.params + row0, a.params + row0 + n, in.params);
-        mf_combine_kernel<<<(n + 127) / 128, 128, 0, stream>>>(first, headers, a.world, a.slice_stride,
+        MF_LAUNCH((n + 127) / 128, 128, 0, stream, mf_combine_kernel)(first, headers, a.world, a.slice_stride,
                                                               a.rows, a.op, a.call, a.vocab, a.cells,
                                                               a.logprobs, a.fault, row0, dparams, in);
         cudaError_t e = cudaGetLastError();
@@ -146,5 +146,5 @@ cudaError_t launch_combine(const mf_combine_args &a, cudaStream_t stream) {
     return cudaSuccess;
 }
 
-}  // namespace cudak
+}  // namespace MF_KERNELS
 }  // namespace mf

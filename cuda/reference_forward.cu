@@ -4,7 +4,7 @@
 #include "metrale_feed/argmax_rule.h"
 
 namespace mf {
-namespace cudak {
+namespace MF_KERNELS {
 namespace {
 
 constexpr int kThreads = 256;
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <class O>
 cudaError_t launch(const mf_reference_args &a, cudaStream_t stream) {
-    mf_reference_kernel<O><<<a.rows, kThreads, 0, stream>>>(
+    MF_LAUNCH(a.rows, kThreads, 0, stream, mf_reference_kernel<O>)(
         a.input_ids, a.meta, a.tables, a.table_words, a.kv, a.kv_slots, a.block_size, a.vocab,
         a.start, static_cast<typename O::T *>(a.logits));
     return cudaGetLastError();
@@ -94,5 +94,5 @@ cudaError_t launch_reference(const mf_reference_args &a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
 }
 
-}  // namespace cudak
+}  // namespace MF_KERNELS
 }  // namespace mf

@@ -9,7 +9,7 @@
 #include "metrale_feed/sample_rule.h"
 
 namespace mf {
-namespace cudak {
+namespace MF_KERNELS {
 namespace {
 
 constexpr int kThreads = 256;
@@ -170,7 +170,7 @@ cudaError_t launch_sample(const mf_argmax_args &a, cudaStream_t stream) {
         if (!dmasks) std::copy(a.masks + 2 * (uint64_t)row0, a.masks + 2 * (uint64_t)(row0 + n), in.masks);
         const IdSink sink = id_sink(a);
         const uint32_t words = mf_bitmask_words(sink.total);
-        mf_sample_kernel<<<n, kThreads, 0, stream>>>(
+        MF_LAUNCH(n, kThreads, 0, stream, mf_sample_kernel)(
             static_cast<const char *>(a.logits) + row0 * a.row_stride * esize, (int)a.dtype,
             a.row_stride * esize, a.vocab, sink.ids + (uint64_t)row0 * sink.stride,
             dmasks ? a.masks + 2 * (uint64_t)row0 : nullptr, dparams ? a.params + row0 : nullptr,
@@ -181,5 +181,5 @@ cudaError_t launch_sample(const mf_argmax_args &a, cudaStream_t stream) {
     return cudaSuccess;
 }
 
-}  // namespace cudak
+}  // namespace MF_KERNELS
 }  // namespace mf

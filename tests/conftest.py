@@ -4,8 +4,11 @@
   its fault knobs are reset afterwards.
 - ``no_leaks``: the test ends with the live event, stream, pinned and device counts it began with.
 - ``dev``: helpers that move numpy arrays into and out of ``DeviceBuffer`` s.
-- ``backend``: the test runs once per backend, host and cuda (cuda skipped, with the reason,
-  where no device is usable): write a test once, check both.
+- ``backend``: the test runs once per backend, host, simt and cuda (cuda skipped, with the
+  reason, where no device is usable): write a test once, check all three.
+- A session started with ``METRALE_FEED_BACKEND=simt`` runs the whole suite on the simt backend:
+  ``host`` then keeps simt active (simt is the host backend's runtime, fault knobs included, with
+  the CUDA kernels run on the CPU).
 - ``@pytest.mark.gpu``: skipped unless the cuda backend is active, with the reason why.
 """
 
@@ -26,6 +29,8 @@ def pytest_configure(config):
 
 # The backend the import chose (METRALE_FEED_BACKEND, default auto).
 IMPORT_BACKEND = metrale_feed.backend()
+# What the ``host`` fixture makes active: the host runtime, with the simt kernels in a simt session.
+HOST_RUNTIME = "simt" if IMPORT_BACKEND == "simt" else "host"
 
 
 def _gpu_skip_reason():
@@ -68,14 +73,19 @@ def path(request, host):
 
 @pytest.fixture
 def host():
-    """The host backend, active for this test; fault knobs off before and after."""
+    """The host backend (simt in a simt session), active for this test; fault knobs off before
+    and after."""
+    yield from _host_runtime(HOST_RUNTIME)
+
+
+def _host_runtime(name):
     previous = metrale_feed.backend()
-    if previous != "host":
+    if previous != name:
         gc.collect()
         try:
-            metrale_feed.set_backend("host")
+            metrale_feed.set_backend(name)
         except (metrale_feed.FeedError, ValueError) as error:
-            pytest.skip(f"cannot switch to the host backend: {error}")
+            pytest.skip(f"cannot switch to the {name} backend: {error}")
     metrale_feed.configure_host()
     threads = getattr(metrale_feed, "host_kernel_threads", None)
     kernel_threads = threads() if threads else None
@@ -83,10 +93,11 @@ def host():
         yield metrale_feed
     finally:
         metrale_feed.configure_host()
+        metrale_feed.configure_simt()
         metrale_feed.stream_synchronize(0)
         if threads:
             threads(kernel_threads)
-        if previous != "host":
+        if previous != name:
             gc.collect()
             try:
                 metrale_feed.set_backend(previous)
@@ -95,11 +106,11 @@ def host():
                             f"(objects still live: {metrale_feed.live_objects()}): {error}")
 
 
-@pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(params=["host", "simt", pytest.param("cuda", marks=pytest.mark.gpu)])
 def backend(request):
-    """The package with ``request.param`` ("host" or "cuda") active for this test."""
-    if request.param == "host":
-        yield request.getfixturevalue("host")
+    """The package with ``request.param`` ("host", "simt" or "cuda") active for this test."""
+    if request.param in ("host", "simt"):
+        yield from _host_runtime(request.param)
         return
     # The gpu mark has skipped this unless the cuda backend is the active one.
     assert metrale_feed.backend() == "cuda"

@@ -114,6 +114,8 @@ mf_status mf_select_backend(mf_backend which) {
     const Ops *next = nullptr;
     if (which == MF_BACKEND_HOST) {
         next = &host_ops;
+    } else if (which == MF_BACKEND_SIMT) {
+        next = &simt_ops();
     } else if (which == MF_BACKEND_CUDA) {
 #ifdef MF_HAVE_CUDA
         next = &cuda_ops;

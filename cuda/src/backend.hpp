@@ -74,6 +74,7 @@ struct Ops {
 };
 
 extern const Ops host_ops;
+const Ops &simt_ops();  // the host table with the simt executor's kernels (simt_backend.cpp)
 #ifdef MF_HAVE_CUDA
 extern const Ops cuda_ops;
 #endif

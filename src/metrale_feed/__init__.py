@@ -32,6 +32,7 @@ from ._core import (
     backend as backend,
     build_info as build_info,
     configure_host as configure_host,
+    configure_simt as configure_simt,
     copy_d2d_async as copy_d2d_async,
     copy_d2h_async as copy_d2h_async,
     copy_h2d_async as copy_h2d_async,
@@ -53,6 +54,7 @@ from ._core import (
     read_pinned_u32 as read_pinned_u32,
     resolve_feed as resolve_feed,
     sample_to_feed as sample_to_feed,
+    simt_config as simt_config,
     stream_capturing as stream_capturing,
     stream_synchronize as stream_synchronize,
     write_pinned_u32 as write_pinned_u32,
@@ -77,9 +79,12 @@ def _select_from_env() -> None:
     global _env_refused
     wanted = _os.environ.get("METRALE_FEED_BACKEND", "auto").strip().lower() or "auto"
     try:
-        if wanted not in ("auto", "cuda", "host"):
-            raise ValueError(f"METRALE_FEED_BACKEND must be auto, cuda or host, not {wanted!r}")
+        if wanted not in ("auto", "cuda", "host", "simt"):
+            raise ValueError(f"METRALE_FEED_BACKEND must be auto, cuda, host or simt, not {wanted!r}")
         if wanted == "host":
+            return
+        if wanted == "simt":  # asked for by name only: auto never selects it
+            _core.select_backend("simt")
             return
         try:
             _core.select_backend("cuda")
@@ -103,7 +108,7 @@ def set_backend(name: str) -> None:
 
     Parameters
     ----------
-    name : {"host", "cuda"}
+    name : {"host", "cuda", "simt"}
 
     Raises
     ------

@@ -5,7 +5,8 @@ def select_backend(str name):
 
     Parameters
     ----------
-    name : {"host", "cuda"}
+    name : {"host", "cuda", "simt"}
+        ``simt`` is the host backend's runtime with the CUDA kernels run on the CPU.
 
     Raises
     ------
@@ -17,7 +18,7 @@ def select_backend(str name):
         This build has no CUDA backend, or events, streams or memory are still live.
     """
     if name not in _BACKENDS:
-        raise ValueError(f"unknown backend {name!r}: use 'host' or 'cuda'")
+        raise ValueError(f"unknown backend {name!r}: use 'host', 'cuda' or 'simt'")
     check(mf_select_backend(<mf_backend>_BACKENDS[name]))
 
 
@@ -26,15 +27,88 @@ def backend():
 
     Returns
     -------
-    {"cuda", "host"}
+    {"cuda", "host", "simt"}
 
     Examples
     --------
     >>> import metrale_feed as mf
-    >>> mf.backend() in ("cuda", "host")
+    >>> mf.backend() in ("cuda", "host", "simt")
     True
     """
-    return "cuda" if mf_active_backend() == MF_BACKEND_CUDA else "host"
+    return _BACKEND_NAMES[mf_active_backend()]
+
+
+_SIMT_ORDERS = ("in-order", "reversed", "random")
+
+
+def configure_simt(*, sm_count=132, order="in-order", seed=0, threads=1):
+    """Set the simt executor's settings; each call sets every one (the defaults restore them).
+
+    Parameters
+    ----------
+    sm_count : int
+        The SM count the launch planning sees (1 to 1024; 132, an H200's, by default). With few SMs
+        a few-row argmax already splits its rows, so the split path and its last-block combine run
+        at small shapes.
+    order : {"in-order", "reversed", "random"}
+        The order in which a launch's blocks run.
+    seed : int
+        The seed of the random order.
+    threads : int
+        OS threads that run a launch's blocks at once (1 to 64; 1 runs them on the stream's worker):
+        more than one makes blocks meet in atomics and the last-block combine for real.
+
+    Raises
+    ------
+    ValueError
+        A setting out of range.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> mf.configure_simt(sm_count=4, order="random", seed=7)
+    >>> mf.simt_config()["sm_count"]
+    4
+    >>> mf.configure_simt()
+    """
+    cdef mf_simt_config c
+    if order not in _SIMT_ORDERS:
+        raise ValueError(f"order must be one of {_SIMT_ORDERS}, not {order!r}")
+    for name, value, low, high in (("sm_count", sm_count, 1, 1024), ("threads", threads, 1, 64),
+                                   ("seed", seed, 0, 2**64 - 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{name} must be an int from {low} to {high}, not {value!r}")
+    c.sm_count = sm_count
+    c.order = _SIMT_ORDERS.index(order)
+    c.seed = seed
+    c.threads = threads
+    check(mf_simt_configure(&c))
+
+
+def simt_config():
+    """The simt executor's settings in force (see ``configure_simt``), with its counters.
+
+    Returns
+    -------
+    dict
+        ``sm_count``, ``order``, ``seed``, ``threads``, and ``counters``: launches, blocks, threads,
+        fiber switches, barriers and shuffles run since the process started.
+    """
+    cdef mf_simt_config c
+    cdef uint64_t n[6]
+    mf_simt_config_get(&c)
+    mf_simt_counters(n)
+    return {"sm_count": c.sm_count, "order": _SIMT_ORDERS[c.order], "seed": c.seed, "threads": c.threads,
+            "counters": dict(zip(("launches", "blocks", "threads", "switches", "barriers", "shuffles"),
+                                 [n[i] for i in range(6)]))}
+
+
+def _simt_selftest(str which):
+    """Run a test-only kernel that breaks a CUDA rule: (caught, message); "" lists the kernels."""
+    cdef char message[1024]
+    cdef bytes name = which.encode()
+    caught = mf_simt_selftest(name, message, sizeof(message))
+    return caught, message.decode(errors="replace")
 
 
 def build_info():

@@ -23,6 +23,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
     ctypedef enum mf_backend:
         MF_BACKEND_HOST
         MF_BACKEND_CUDA
+        MF_BACKEND_SIMT
 
     ctypedef enum mf_dtype:
         MF_DTYPE_F32
@@ -70,6 +71,16 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint64_t fail_event_create_at
     void mf_host_configure(const mf_host_faults *faults)
     void mf_host_faults_get(mf_host_faults *out)
+
+    ctypedef struct mf_simt_config:
+        int sm_count
+        int order
+        uint64_t seed
+        int threads
+    mf_status mf_simt_configure(const mf_simt_config *config)
+    void mf_simt_config_get(mf_simt_config *out)
+    void mf_simt_counters(uint64_t *out)
+    int mf_simt_selftest(const char *which, char *message, size_t capacity)
     void mf_host_set_kernel_threads(unsigned threads)
     unsigned mf_host_kernel_threads()
     const char *mf_host_argmax_isa(int force_portable)

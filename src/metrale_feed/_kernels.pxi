@@ -90,7 +90,7 @@ cdef bint device_resident(object obj, str what) except -1:
     if type(obj) is DeviceBuffer:
         return True
     if isinstance(obj, int) and not isinstance(obj, bool):
-        if mf_active_backend() == MF_BACKEND_HOST and (obj <= 0 or obj > <object>UINT64_MAX or mf_mem_lookup(
+        if mf_active_backend() != MF_BACKEND_CUDA and (obj <= 0 or obj > <object>UINT64_MAX or mf_mem_lookup(
                 <void *><size_t>obj, &left) != MF_MEM_DEVICE):
             raise TypeError(f"{what} must be a uint32 buffer or a sequence, or device memory: the int "
                             f"{obj:#x} is not a device allocation of this package")

@@ -2,7 +2,8 @@
 # touched only with the GIL held.
 
 # Backend names to the C enum (select_backend).
-cdef dict _BACKENDS = {"host": MF_BACKEND_HOST, "cuda": MF_BACKEND_CUDA}
+cdef dict _BACKENDS = {"host": MF_BACKEND_HOST, "cuda": MF_BACKEND_CUDA, "simt": MF_BACKEND_SIMT}
+cdef dict _BACKEND_NAMES = {v: k for k, v in _BACKENDS.items()}
 
 # Pinned memory owned by a PinnedBuffer: free_host_pinned refuses it, since the object still
 # hands out views of it (its close() is the one way to free it).

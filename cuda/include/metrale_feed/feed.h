@@ -41,7 +41,8 @@ typedef enum mf_status {
     MF_ERROR_CAPTURE = 8         /* not allowed on a stream that is capturing a graph (graphs) */
 } mf_status;
 
-typedef enum mf_backend { MF_BACKEND_HOST = 0, MF_BACKEND_CUDA = 1 } mf_backend;
+/* MF_BACKEND_SIMT: the host backend's runtime with the CUDA kernels run on the CPU (simt executor). */
+typedef enum mf_backend { MF_BACKEND_HOST = 0, MF_BACKEND_CUDA = 1, MF_BACKEND_SIMT = 2 } mf_backend;
 typedef enum mf_dtype { MF_DTYPE_F32 = 0, MF_DTYPE_F16 = 1, MF_DTYPE_BF16 = 2 } mf_dtype;
 typedef enum mf_mem_kind { MF_MEM_UNKNOWN = 0, MF_MEM_PINNED = 1, MF_MEM_DEVICE = 2 } mf_mem_kind;
 
@@ -89,6 +90,24 @@ MF_EXPORT unsigned mf_host_kernel_threads(void);
  * portable one lets tests check both; returns the path now in force. */
 MF_EXPORT const char *mf_host_argmax_isa(int force_portable);
 MF_EXPORT void mf_host_faults_get(mf_host_faults *out);
+
+/* ---- the simt backend's executor (any build) ----
+ * sm_count: what the launch planning sees (default 132, an H200's; small counts make few-row
+ * calls split); order: blocks in order (0), reversed (1) or in a random order from `seed` (2);
+ * threads: OS threads that run blocks at once (1: the stream's worker alone). */
+typedef struct mf_simt_config {
+    int sm_count;
+    int order;
+    uint64_t seed;
+    int threads;
+} mf_simt_config;
+MF_EXPORT mf_status mf_simt_configure(const mf_simt_config *config);
+MF_EXPORT void mf_simt_config_get(mf_simt_config *out);
+/* launches, blocks, threads, fiber switches, barriers, shuffles: since the process started. */
+MF_EXPORT void mf_simt_counters(uint64_t out[6]);
+/* Runs a test-only kernel that breaks a rule of CUDA (`which` names it; "" lists them into
+ * `message`): 1 with the executor's message when it caught the break, 0 when it did not. */
+MF_EXPORT int mf_simt_selftest(const char *which, char *message, size_t capacity);
 
 /* ---- events ---- */
 MF_EXPORT mf_status mf_event_create(unsigned flags, mf_event_t *out);

@@ -1,15 +1,27 @@
 // Launchers of the CUDA kernels (cuda/*.cu), called by the cuda backend. Plain C++ so g++ can
 // include it; every launcher returns the first launch error (cudaGetLastError) or cudaSuccess.
+//
+// The same sources build twice: by nvcc for the cuda backend (namespace cudak), and by the host
+// compiler with MF_SIMT for the simt backend (namespace simtk), whose executor runs them on the CPU.
+// Every launch is written MF_LAUNCH(grid, block, shared_bytes, stream, kernel)(args...), which is
+// kernel<<<grid, block, shared_bytes, stream>>>(args...) under nvcc.
 #pragma once
 
+#ifdef MF_SIMT
+#include "simt/simt.cuh"
+#define MF_KERNELS simtk
+#else
 #include <cuda_runtime.h>
+#define MF_KERNELS cudak
+#define MF_LAUNCH(grid, block, shared, stream, ...) __VA_ARGS__<<<grid, block, shared, stream>>>
+#endif
 #include <stddef.h>
 #include <stdint.h>
 
 #include "metrale_feed/feed.h"
 
 namespace mf {
-namespace cudak {
+namespace MF_KERNELS {
 
 // Rows per argmax launch: their masks travel as a kernel parameter (2048 * 8 = 16 KiB).
 constexpr uint32_t kArgmaxRowsPerLaunch = 2048;
@@ -75,5 +87,5 @@ cudaError_t launch_reference(const mf_reference_args &args, cudaStream_t stream)
 // Whether this build has a kernel image (SASS or PTX) the current device can load.
 cudaError_t kernels_loadable();
 
-}  // namespace cudak
+}  // namespace MF_KERNELS
 }  // namespace mf
