@@ -11,7 +11,7 @@ namespace mf {
 namespace MF_KERNELS {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = MF_STATS_LANES;  // the lanes of the fixed order of a row's sum
 constexpr uint32_t kCombineRowsPerLaunch = 256;  // 256 * 32 bytes of params by value
 
 struct CombineParams {

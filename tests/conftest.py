@@ -78,6 +78,12 @@ def host():
     yield from _host_runtime(HOST_RUNTIME)
 
 
+@pytest.fixture
+def simt():
+    """The simt backend, active for this test; its executor's settings reset after."""
+    yield from _host_runtime("simt")
+
+
 def _host_runtime(name):
     previous = metrale_feed.backend()
     if previous != name:

@@ -193,6 +193,13 @@ def info(_: argparse.Namespace) -> int:
         return 0
     host = ("the host backend runs everything, asynchronously (a worker thread per stream keeps "
             "CUDA's semantics)")
+    active = mf.backend()
+    if active == "simt":
+        simt = mf.simt_config()
+        host = ("the simt backend: the host backend's runtime, with the CUDA kernels themselves (the "
+                ".cu sources, built by the host compiler) run on the CPU by a fiber executor that "
+                "checks every barrier and shuffle; launch planning for "
+                f"{simt['sm_count']} SMs, blocks {simt['order']} on {simt['threads']} thread(s)")
     if not build["cuda"]:
         print(f"cuda backend: none: {explain_cuda(RuntimeError(), build)}")
         print(host)
@@ -203,8 +210,8 @@ def info(_: argparse.Namespace) -> int:
         print(f"cuda backend: unusable: {explain_cuda(error, build)}")
         print(host)
     else:
-        print(f"devices: {', '.join(mf.devices())} (the cuda backend is usable; active: host)")
-        mf.set_backend("host")
+        print(f"devices: {', '.join(mf.devices())} (the cuda backend is usable; active: {active})")
+        mf.set_backend(active)
     return 0
 
 
@@ -311,8 +318,8 @@ def parser() -> argparse.ArgumentParser:
                       help="seed of the random prompts and masks")
     demo.add_argument("--block-size", type=_int_in(1, MAX_BLOCK_SIZE), default=16,
                       help=f"KV cache block size, in tokens (1 to {MAX_BLOCK_SIZE})")
-    demo.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"],
-                      help="auto: cuda when usable, else host")
+    demo.add_argument("--backend", default="auto", choices=["auto", "host", "cuda", "simt"],
+                      help="auto: cuda when usable, else host (simt: the CUDA kernels on the CPU)")
     demo.add_argument("--host-work-us", type=_host_work, default=None, metavar="{step,US}",
                       help="the scheduler's own work per step, in microseconds; 'step' (the "
                       "default) measures one device step first and uses that; 0 for none")

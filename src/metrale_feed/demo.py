@@ -309,7 +309,7 @@ def main(args: Any) -> int:
     if args.backend != "auto":
         metrale_feed.set_backend(args.backend)
     device = "a GPU"
-    if metrale_feed.backend() == "host":
+    if metrale_feed.backend() != "cuda":
         threads = metrale_feed.host_kernel_threads(args.device_threads)
         device = (f"a simulated device of {threads} core(s); the other cores are the scheduler's, "
                   f"as beside a GPU")

@@ -75,6 +75,24 @@ MF_HD float mf_nan(void) { return mf_from_bits(0x7FC00000u); }
 
 /* The logprob of a chosen id with logit `bits` under a row (or gathered slices) of (M, S); NaN
  * for NO_TOKEN, a +inf anywhere and a row with no finite logit; -inf for a -inf or NaN choice. */
+/* The order of a row's sum of exponentials, fixed so every backend gets the same bits: lane t of
+ * MF_STATS_LANES sums the terms of ids t, t + MF_STATS_LANES, ... in id order (float64); the 32
+ * lanes of each warp then meet in a butterfly (round o = 16, 8, 4, 2, 1: each lane adds the lane
+ * o away), and the warps' totals are added in warp order. The GPU kernel does this with threads
+ * and shuffles (logprob_feed.cu), the host backend with arrays (logprob_host.cpp). */
+#define MF_STATS_LANES 256u
+MF_HD double mf_stats_fold(double *lanes) {
+    for (uint32_t w = 0; w < MF_STATS_LANES; w += 32u)
+        for (uint32_t o = 16u; o > 0u; o >>= 1) {
+            double next[32];
+            for (uint32_t l = 0; l < 32u; ++l) next[l] = lanes[w + l] + lanes[w + (l ^ o)];
+            for (uint32_t l = 0; l < 32u; ++l) lanes[w + l] = next[l];
+        }
+    double s = lanes[0];
+    for (uint32_t w = 32u; w < MF_STATS_LANES; w += 32u) s = s + lanes[w];
+    return s;
+}
+
 MF_HD float mf_logprob_finish(uint32_t id, uint32_t bits, float m, double s) {
     if (id == MF_NO_TOKEN || !(m > mf_neg_inf()) || !mf_finite_bits(mf_to_bits(m))) return mf_nan();
     if (!mf_finite_bits(bits)) return mf_neg_inf(); /* +inf would have made m +inf */

@@ -1,0 +1,74 @@
+"""One feed call over whole rows (``pick``) and the partial calls of a row split with their
+combine (``split``), shared by the logprobs tests and the simt tests that compare backends."""
+
+import numpy as np
+
+import metrale_feed as mf
+from metrale_feed import _core
+
+
+def pick(dev, logits, masks=None, bitmask=None, params=None, with_logprobs=True, row_stride=None):
+    """argmax_to_feed (params None) or sample_to_feed over whole rows: (ids, logprobs or None)."""
+    rows = logits.shape[0]
+    vocab = logits.shape[1] if row_stride is None else row_stride[1]
+    buf, cells = dev.upload(logits), mf.DeviceBuffer(rows * 4)
+    held = [buf, cells]
+    if bitmask is not None:
+        bitmask = dev.upload(bitmask)
+        held.append(bitmask)
+    lp_dev = mf.DeviceBuffer(rows * 4) if with_logprobs else None
+    lp = np.full(rows, 7.0, np.float32) if with_logprobs else None
+    ids = np.zeros(rows, np.uint32)
+    kw = dict(masks=masks, bitmask=bitmask, rows=rows, vocab=vocab, dtype=np.dtype(logits.dtype).name,
+              row_stride=None if row_stride is None else row_stride[0], logprobs=lp_dev, logprobs_dst=lp)
+    with mf.Event() as done:
+        if params is None:
+            mf.argmax_to_feed(buf, kw.pop("masks"), cells, ids, done, **kw)
+        else:
+            mf.sample_to_feed(buf, params, cells, ids, done, **kw)
+        done.synchronize()
+    for b in held + ([lp_dev] if lp_dev else []):
+        b.close()
+    return ids, lp
+
+
+def split(dev, logits, offsets, masks=None, bitmask=None, params=None, pad=0, call=11,
+          tamper=None, logprobs=True):
+    """The partial calls over the slices [offsets[w], offsets[w+1]) and their combine: (ids,
+    logprobs or None, fault word). ``pad`` widens each slice's rows (a padded row stride);
+    ``tamper(w)`` returns overrides for slice w's call; ``logprobs`` is asked of every partial call
+    and of the combine."""
+    rows, vocab = logits.shape
+    world = len(offsets) - 1
+    block = _core._partial_bytes(rows)
+    parts, cells, lp_dev = mf.DeviceBuffer(block * world), mf.DeviceBuffer(rows * 4), mf.DeviceBuffer(rows * 4)
+    held = [parts, cells, lp_dev]
+    if bitmask is not None:
+        bitmask = dev.upload(bitmask)
+        held.append(bitmask)
+    dtype = np.dtype(logits.dtype).name
+    for w in range(world):
+        lo, hi = offsets[w], offsets[w + 1]
+        part = np.zeros((rows, hi - lo + pad), logits.dtype)
+        part[:, : hi - lo] = logits[:, lo:hi]
+        sl = dev.upload(part) if hi > lo else None
+        if sl is not None:
+            held.append(sl)
+        kw = dict(rows=rows, start=lo, stop=hi, vocab=vocab, dtype=dtype, call=call, bitmask=bitmask,
+                  row_stride=hi - lo + pad if pad else None, logprobs=logprobs)
+        if tamper:
+            kw.update(tamper(w))
+        if params is None:
+            _core._argmax_partial(sl, masks, parts.ptr + w * block, **kw)
+        else:
+            _core._sample_partial(sl, params, parts.ptr + w * block, masks=masks, **kw)
+    ids, lp = np.zeros(rows, np.uint32), np.full(rows, 7.0, np.float32) if logprobs else None
+    fault = mf.PinnedBuffer(4)
+    with mf.Event() as done:
+        _core._combine_partials(parts, world, cells, ids, done, rows=rows, vocab=vocab, call=call,
+                                fault_dst=fault, params=params, logprobs=lp_dev if logprobs else None,
+                                logprobs_dst=lp)
+        done.synchronize()
+    for b in held:
+        b.close()
+    return ids, lp, fault

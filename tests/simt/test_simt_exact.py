@@ -1,0 +1,185 @@
+"""The simt backend gives, bit for bit, what the host backend gives: ids, draws, logprobs and
+partial blocks, for the same inputs. The host backend computes with its own C++ twins of the
+kernels; simt runs the CUDA sources. Few SMs in the launch planning make few-row calls split their
+rows, so the split path and its last-block combine run too, in every block order and with blocks
+on several threads at once."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import metrale_feed as mf
+from metrale_feed.oracle import reference_argmax
+
+from helpers.calls import pick, split
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+N = mf.NO_TOKEN
+
+# The executor's settings a case runs under: the default plan, a 2-SM plan (few rows split), and
+# the split plan with blocks in reverse, in a random order, and on four threads at once.
+SETTINGS = {
+    "default": {},
+    "split": dict(sm_count=2),
+    "split-reversed": dict(sm_count=2, order="reversed"),
+    "split-random": dict(sm_count=3, order="random", seed=11),
+    "split-parallel": dict(sm_count=2, threads=4, order="random", seed=5),
+}
+
+
+def on(name, fn, **settings):
+    """fn() with backend ``name`` active (simt under ``settings``), then the previous one back."""
+    previous = mf.backend()
+    gc.collect()
+    mf.set_backend(name)
+    mf.configure_simt(**settings)
+    try:
+        return fn()
+    finally:
+        mf.configure_simt()
+        mf.stream_synchronize(0)
+        gc.collect()
+        mf.set_backend(previous)
+
+
+def same_bits(a, b):
+    if a is None or b is None:
+        return a is b
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def both(fn, settings="default"):
+    """(host result, simt result) of fn(), each a tuple of arrays; asserts they are equal bytes."""
+    h = on("host", fn)
+    s = on("simt", fn, **SETTINGS[settings])
+    for i, (x, y) in enumerate(zip(h, s)):
+        if not same_bits(x, y):
+            x, y = np.asarray(x), np.asarray(y)
+            bad = np.flatnonzero(x.reshape(-1).view(np.uint8) != y.reshape(-1).view(np.uint8))
+            raise AssertionError(f"output {i} differs between host and simt ({settings}) at bytes "
+                                 f"{bad[:8].tolist()}: host {x.reshape(-1)[:8]} simt {y.reshape(-1)[:8]}")
+    return h
+
+
+def logits_for(rng, rows, vocab, dtype, special=True):
+    x = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    if special and vocab > 4:
+        x[0, rng.integers(0, vocab, 3)] = -np.inf
+        if rows > 1:
+            x[1, rng.integers(0, vocab, 2)] = np.nan
+        if rows > 2:
+            x[2, :] = x[2, 0]  # a row of ties: the lowest id wins
+    return x.astype(DTYPES[dtype])
+
+
+def masks_for(rng, rows, vocab):
+    m = rng.integers(0, vocab, (rows, 2)).astype(np.uint32)
+    m[::3] = N
+    return m
+
+
+def bitmask_for(rng, rows, vocab):
+    words = (vocab + 31) // 32
+    b = rng.integers(-2**31, 2**31, (rows, words), dtype=np.int64).astype(np.int32)
+    b[0] = -1
+    return b
+
+
+@pytest.mark.parametrize("settings", sorted(SETTINGS))
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 17), (7, 1000), (2, 20000), (5, 40000)])
+def test_argmax_and_its_logprobs(host, dev, settings, dtype, rows, vocab):
+    rng = np.random.default_rng(rows * 1000 + vocab + len(dtype))
+    logits = logits_for(rng, rows, vocab, dtype)
+    masks = masks_for(rng, rows, vocab)
+    ids, lp = both(lambda: pick(dev, logits, masks), settings)
+    assert np.array_equal(ids, reference_argmax(logits, masks))
+
+
+@pytest.mark.parametrize("settings", ["default", "split-parallel"])
+@pytest.mark.parametrize("pad", [0, 3])
+def test_argmax_with_a_bitmask_and_a_padded_stride(host, dev, settings, pad):
+    rng = np.random.default_rng(pad)
+    rows, vocab = 4, 9000
+    logits = logits_for(rng, rows, vocab + pad, "float32")
+    masks, bits = masks_for(rng, rows, vocab), bitmask_for(rng, rows, vocab)
+    ids, lp = both(lambda: pick(dev, logits, masks, bits, row_stride=(vocab + pad, vocab)), settings)
+    assert np.array_equal(ids, reference_argmax(logits[:, :vocab], masks, bits))
+
+
+FILTERS = {
+    "temperature": dict(temperature=[0.0, 0.5, 1.0, 2.0, 1e-3, 1.3]),
+    "top_k": dict(temperature=0.9, top_k=[1, 5, 50, 0, 2, 1000]),
+    "top_p": dict(temperature=1.1, top_p=[0.9, 0.3, 1.0, 1e-6, 0.999, 0.5]),
+    "min_p": dict(temperature=0.7, min_p=[0.1, 0.0, 0.5, 0.01, 0.9, 0.2]),
+    "all": dict(temperature=0.8, top_k=[40, 3, 0, 7, 100, 1], top_p=0.9, min_p=0.05),
+}
+
+
+@pytest.mark.parametrize("filters", sorted(FILTERS))
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("vocab", [50, 3000])
+def test_sampling_draws_and_logprobs(host, dev, filters, dtype, vocab):
+    rng = np.random.default_rng(vocab + len(filters) + len(dtype))
+    rows = 6
+    logits = logits_for(rng, rows, vocab, dtype)
+    masks, bits = masks_for(rng, rows, vocab), bitmask_for(rng, rows, vocab)
+    params = mf.sampling_params(rows, seed=list(range(7, 7 + rows)), position=[3, 1, 4, 1, 5, 9],
+                                **FILTERS[filters])
+    draws = []
+    for seed in range(4):  # other seeds, other draws: the comparison is not of a constant
+        params["seed"] += 101 * seed
+        ids, _ = both(lambda: pick(dev, logits, masks, bits, params=params))
+        draws.append(ids)
+    if filters != "temperature" or vocab > 100:
+        assert len({d.tobytes() for d in draws}) > 1
+
+
+@pytest.mark.parametrize("settings", ["default", "split"])
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("offsets", [(0, 1000, 2000, 3001), (0, 0, 3001), (0, 1500, 3001)])
+def test_partial_blocks_and_their_combine(host, dev, settings, sampled, offsets):
+    rng = np.random.default_rng(len(offsets) + sampled)
+    rows, vocab = 5, offsets[-1]
+    logits = logits_for(rng, rows, vocab, "float32")
+    masks = masks_for(rng, rows, vocab)
+    params = mf.sampling_params(rows, temperature=[0.0, 0.7, 1.0, 1.5, 0.2], seed=3, position=2) if sampled else None
+
+    def run():
+        ids, lp, fault = split(dev, logits, list(offsets), masks=masks, params=params)
+        word = np.frombuffer(bytes(fault), np.uint32).copy()
+        fault.close()
+        return ids, lp, word
+
+    ids, lp, word = both(run, settings)
+    assert word[0] == 0
+    if not sampled:
+        assert np.array_equal(ids, reference_argmax(logits, masks))
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_resolve_feed(host, dev, on_device):
+    rng = np.random.default_rng(4)
+    n, prev_rows = 3000, 300
+    prev = rng.integers(0, 5000, prev_rows).astype(np.uint32)
+    # Device-resident sources are bounded by the kernel: a from_row past prev_rows gives NO_TOKEN.
+    rows_from = rng.integers(0, prev_rows + (100 if on_device else 0), n)
+    sources = np.where(rng.random(n) < 0.5, rows_from, rng.integers(0, 9000, n) | (1 << 31)).astype(np.uint32)
+
+    def run():
+        cells, out = dev.upload(prev), mf.DeviceBuffer(4 * n)
+        src = dev.upload(sources) if on_device else sources
+        mf.resolve_feed(src, cells, out, prev_rows=prev_rows, rows=n)
+        mf.stream_synchronize(0)
+        got = dev.download(out, "uint32")
+        for b in (cells, out) + ((src,) if on_device else ()):
+            b.close()
+        return (got,)
+
+    (got,) = both(run)
+    from_prev = prev[np.minimum(sources, prev_rows - 1)]
+    want = np.where(sources >> 31, sources & 0x7FFFFFFF, np.where(sources < prev_rows, from_prev, N))
+    assert np.array_equal(got, want.astype(np.uint32))
