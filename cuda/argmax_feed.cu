@@ -7,6 +7,7 @@
 // device-resident masks and the bitmask are read by the kernel when it runs.
 #include <algorithm>
 
+#include "cuda/block.cuh"
 #include "cuda/kernels.hpp"
 #include "metrale_feed/argmax_rule.h"
 
@@ -101,21 +102,10 @@ __device__ void scan_range(const typename E::T *__restrict__ row, uint32_t lo, u
     if (tail + t < hi && mf_bit_allowed(bits, bit0 + tail + t)) b.offer(E::key(__ldg(row + tail + t)), tail + t);
 }
 
-// Max of the packed words of the block; the result is valid in thread 0. Callers that reduce
-// twice must __syncthreads() in between (the warp slots are reused).
+// The greatest packed word of the block (every thread gets it).
 __device__ unsigned long long block_max(unsigned long long v) {
     __shared__ unsigned long long warp_best[kMaxThreads / 32];
-    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = mf_pack_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
-    if (lane == 0) warp_best[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < (blockDim.x >> 5) ? warp_best[lane] : 0ull;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v = mf_pack_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
-    }
-    return v;
+    return block_fold(v, MaxPacked(), warp_best);
 }
 
 // grid = (splits, rows of this launch). Block x scans ids [x * chunk, (x + 1) * chunk). A slice

@@ -4,6 +4,7 @@
 // tree, so the same inputs give the same bits (no atomics). The combine is one thread per row.
 #include <algorithm>
 
+#include "cuda/block.cuh"
 #include "cuda/kernels.hpp"
 #include "metrale_feed/logprob_rule.h"
 
@@ -18,24 +19,8 @@ struct CombineParams {
     mf_sampling_params params[kCombineRowsPerLaunch];
 };
 
-// A fixed-order block reduction (every thread gets the result).
-template <class T, class Op>
-__device__ T block_fold(T v, Op op, T *slots) {
-    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
-    __syncthreads();  // slots may still be read by a previous fold
-    if (lane == 0) slots[warp] = v;
-    __syncthreads();
-    v = slots[0];
-    for (unsigned w = 1; w < blockDim.x / 32; ++w) v = op(v, slots[w]);
-    return v;
-}
-
 struct MaxF {
     __device__ float operator()(float a, float b) const { return b > a ? b : a; }  // NaN never wins
-};
-struct AddD {
-    __device__ double operator()(double a, double b) const { return a + b; }
 };
 
 // ids: the argmax/sampler's output, row r at ids[r * id_stride] (a local id in a partial call).
@@ -58,7 +43,7 @@ __global__ void __launch_bounds__(kThreads)
     if (stats && m > mf_neg_inf() && mf_finite_bits(mf_to_bits(m))) {
         for (uint32_t i = threadIdx.x; i < width; i += blockDim.x)
             s += (double)mf_exp_neg(mf_fsub(mf_from_bits(mf_logit_bits(row, dtype, i)), m));
-        s = block_fold(s, AddD(), dslots);
+        s = block_fold(s, Sum(), dslots);
     }
     if (threadIdx.x != 0) return;
     const uint32_t id = ids[(uint64_t)r * id_stride];

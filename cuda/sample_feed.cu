@@ -5,6 +5,7 @@
 // order threads add in, so it is bit for bit the host kernel's (sample_host.cpp).
 #include <algorithm>
 
+#include "cuda/block.cuh"
 #include "cuda/kernels.hpp"
 #include "metrale_feed/sample_rule.h"
 
@@ -20,19 +21,11 @@ struct SampleInputs {
     uint32_t masks[2 * kSampleRowsPerLaunch];
 };
 
+// The block's greatest packed word, or its sum (every thread gets it). The sums are of integers
+// (counts, masses in fixed point), so their order cannot change a bit.
 __device__ unsigned long long block_reduce(unsigned long long v, bool is_max) {
     __shared__ unsigned long long slots[kThreads / 32];
-    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) {
-        unsigned long long other = __shfl_xor_sync(0xFFFFFFFFu, v, o);
-        v = is_max ? mf_pack_max(v, other) : v + other;
-    }
-    __syncthreads();  // slots may still be read by a previous reduction
-    if (lane == 0) slots[warp] = v;
-    __syncthreads();
-    v = is_max ? 0ull : 0ull;
-    for (unsigned w = 0; w < blockDim.x / 32; ++w) v = is_max ? mf_pack_max(v, slots[w]) : v + slots[w];
-    return v;  // every thread has it
+    return is_max ? block_fold(v, MaxPacked(), slots) : block_fold(v, Sum(), slots);
 }
 
 // A row, or a slice of a split row: local ids, global mask ids (shifted into local ones), bitmask

@@ -233,7 +233,7 @@ def test_info_with_cuda_asked_for_explains_instead_of_a_traceback():
 def test_a_bogus_backend_name_is_explained_by_info():
     done = command("info", env_extra={"METRALE_FEED_BACKEND": "tpu"})
     assert done.returncode == 0 and "Traceback" not in done.stderr
-    assert "must be auto, cuda or host, not 'tpu'" in done.stdout
+    assert "must be auto, cuda, host or simt, not 'tpu'" in done.stdout
 
 
 def test_demo_with_an_unusable_cuda_backend_is_one_line():

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Sanitizers for the host backend:
+# Sanitizers for the host and simt backends:
 #  1. the C layer and the _core extension built with AddressSanitizer and UBSan into a venv of
-#     their own, and a subset of the host-backend tests run under them;
-#  2. the C layer alone (cmake, no Python) linked into tests/c/feed_smoke.c, run under valgrind;
-#  3. the extension rebuilt with ThreadSanitizer, and the thread tests run under it.
+#     their own, and a subset of the host-backend tests run under them, then the kernels' tests on
+#     the simt backend (the CUDA kernels themselves: any out-of-bounds access of theirs is caught);
+#  2. the C layer alone (cmake, no Python) linked into tests/c/feed_smoke.c (host, then simt), run
+#     under valgrind;
+#  3. the extension rebuilt with ThreadSanitizer, and the thread tests run under it, then the simt
+#     tests whose blocks run on several threads at once (arrival counters, the last-block combine).
 # Exits non-zero on any sanitizer or valgrind report, or any failing test.
 #
 #   tools/sanitize.sh            # all three
@@ -28,6 +31,11 @@ tests/test_bitmask.py tests/test_sampling.py tests/test_logprobs.py"
 tests=${METRALE_FEED_SANITIZE_TESTS:-$default_tests}
 # The tests with threads racing on handles, streams and copies (a few minutes under TSan).
 tsan_tests=${METRALE_FEED_TSAN_TESTS:-"tests/test_threads.py"}
+# The kernels on the simt backend: under ASan (scaled to the executor's speed under ASan), and
+# the parallel block mode under TSan.
+simt_asan_tests=${METRALE_FEED_SIMT_ASAN_TESTS:-"tests/simt tests/test_reference.py tests/test_bitmask.py"}
+simt_asan_select=${METRALE_FEED_SIMT_ASAN_SELECT:-"not 40000 and not 20000"}
+simt_tsan_select=${METRALE_FEED_SIMT_TSAN_SELECT:-"parallel"}
 
 venv="$work/venv"
 if [ ! -x "$venv/bin/python" ]; then
@@ -79,6 +87,17 @@ run_asan() {
         PYTHONFAULTHANDLER=1 \
         "$py" -m pytest -q -s -p no:cacheprovider "${files[@]}") > "$log" 2>&1
     local rc=$?
+    local simt_files=()
+    for t in $simt_asan_tests; do simt_files+=("$root/$t"); done
+    echo "sanitize: the kernels' tests on the simt backend under ASan + UBSan" >> "$log"
+    (cd "$work" && \
+        LD_PRELOAD="$asan_lib" \
+        ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:halt_on_error=1:print_stacktrace=1" \
+        UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
+        METRALE_FEED_BACKEND=simt PYTHONFAULTHANDLER=1 \
+        "$py" -m pytest -q -s -p no:cacheprovider -k "$simt_asan_select" "${simt_files[@]}") >> "$log" 2>&1
+    local simt_rc=$?
+    [ "$rc" -ne 0 ] || rc=$simt_rc
     set -e
     tail -n 15 "$log"
     echo "sanitize: tests ran in $((SECONDS - start)) s (pytest exit $rc); log: $log"
@@ -149,6 +168,13 @@ run_tsan() {
         METRALE_FEED_BACKEND=host PYTHONFAULTHANDLER=1 \
         "$py" -m pytest -q -s -p no:cacheprovider "${files[@]}") > "$log" 2>&1
     local rc=$?
+    (cd "$work" && \
+        LD_PRELOAD="$tsan_lib" \
+        TSAN_OPTIONS="halt_on_error=1:exitcode=66:report_signal_unsafe=0:second_deadlock_stack=1:suppressions=$root/tools/tsan.supp" \
+        METRALE_FEED_BACKEND=host PYTHONFAULTHANDLER=1 \
+        "$py" -m pytest -q -s -p no:cacheprovider -k "$simt_tsan_select" "$root/tests/simt/test_simt_exact.py") >> "$log" 2>&1
+    local simt_rc=$?
+    [ "$rc" -ne 0 ] || rc=$simt_rc
     set -e
     tail -n 15 "$log"
     echo "sanitize: tests ran in $((SECONDS - start)) s (pytest exit $rc); log: $log"

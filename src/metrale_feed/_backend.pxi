@@ -93,6 +93,12 @@ def simt_config():
     dict
         ``sm_count``, ``order``, ``seed``, ``threads``, and ``counters``: launches, blocks, threads,
         fiber switches, barriers and shuffles run since the process started.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> sorted(mf.simt_config()["counters"])
+    ['barriers', 'blocks', 'launches', 'shuffles', 'switches', 'threads']
     """
     cdef mf_simt_config c
     cdef uint64_t n[6]

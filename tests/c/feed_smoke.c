@@ -340,6 +340,21 @@ int main(void) {
     test_argmax_and_resolve();
     test_graphs();
     OK(mf_stream_synchronize(0));
+    /* The same argmax, resolve and graphs with the CUDA kernels run by the simt executor, once
+     * with the launch planning of 2 SMs, so few rows split and the last block combines. */
+    OK(mf_select_backend(MF_BACKEND_SIMT));
+    CHECK(mf_active_backend() == MF_BACKEND_SIMT);
+    for (int sms = 132; sms >= 2; sms -= 130) {
+        const mf_simt_config c = {sms, 2, 7u, 3};
+        OK(mf_simt_configure(&c));
+        test_argmax_and_resolve();
+        test_graphs();
+    }
+    uint64_t counters[6];
+    mf_simt_counters(counters);
+    CHECK(counters[0] > 0 && counters[5] > 0); /* the kernels ran, with their shuffles */
+    OK(mf_stream_synchronize(0));
+    OK(mf_select_backend(MF_BACKEND_HOST));
     mf_live_counts(&events, &streams, &pinned, &device);
     CHECK(events == 0 && streams == 0 && pinned == 0 && device == 0); /* nothing leaked */
     if (failures) {
