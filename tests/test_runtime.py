@@ -876,7 +876,7 @@ def test_backend_env_selection(tmp_path):
     assert auto_backend in ("host", "cuda")
     default = run_python(code, backend="auto", cwd=tmp_path, check=False)
     assert default.stdout.strip() == auto_backend
-    forced_host = run_python(code, cwd=tmp_path, check=False)
+    forced_host = run_python(code, backend="host", cwd=tmp_path, check=False)
     assert forced_host.returncode == 0 and forced_host.stdout.strip() == "host"
     simt = run_python(code, backend="simt", cwd=tmp_path, check=False)
     assert simt.returncode == 0 and simt.stdout.strip() == "simt", simt.stderr

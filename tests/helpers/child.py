@@ -29,7 +29,12 @@ class ChildResult:
         return f"child {how}\n--- stdout ---\n{self.stdout[-3000:]}\n--- stderr ---\n{self.stderr[-3000:]}"
 
 
-def child_env(backend: str | None = "host", extra: dict[str, str] | None = None) -> dict[str, str]:
+# A child's backend unless a test names one: the host runtime of this session (simt in a session
+# started with METRALE_FEED_BACKEND=simt, so the children of the suite's simt pass run simt too).
+HOST_RUNTIME = "simt" if os.environ.get("METRALE_FEED_BACKEND", "").strip().lower() == "simt" else "host"
+
+
+def child_env(backend: str | None = HOST_RUNTIME, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a child: METRALE_FEED_* cleared, then ``backend`` (None: the package
     chooses) and ``extra`` set; faulthandler on, so a crash prints its stack."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("METRALE_FEED_")}
@@ -41,7 +46,7 @@ def child_env(backend: str | None = "host", extra: dict[str, str] | None = None)
 
 
 def run_python(code: str | None = None, *, argv: list[str] | None = None, timeout: float = 60,
-               backend: str | None = "host", env: dict[str, str] | None = None,
+               backend: str | None = HOST_RUNTIME, env: dict[str, str] | None = None,
                cwd: str | None = None, check: bool = True) -> ChildResult:
     """Run ``code`` (dedented) or the script ``argv`` in a fresh interpreter.
 
@@ -104,7 +109,7 @@ def free_port() -> int:
 
 
 def run_ranks(script: str, world: int, *args: str, timeout: float = 120,
-              backend: str | None = "host") -> list[ChildResult]:
+              backend: str | None = HOST_RUNTIME) -> list[ChildResult]:
     """Run ``script RANK WORLD PORT *args`` as ``world`` children at once (the ranks of one
     process group), each killed at ``timeout`` with everything it forked.
 
