@@ -50,6 +50,27 @@ def pytest_runtest_setup(item):
             pytest.skip(reason)
 
 
+# Kernel name -> the test cases (in this process) that launched it on the simt backend, printed
+# at the end of the session: how much of the suite ran each CUDA kernel for real.
+_SIMT_CASES: dict = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = metrale_feed.simt_config()["kernels"]
+    yield
+    for name, n in metrale_feed.simt_config()["kernels"].items():
+        if n > before.get(name, 0):
+            _SIMT_CASES[name] = _SIMT_CASES.get(name, 0) + 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _SIMT_CASES:
+        terminalreporter.write_sep("-", "simt: test cases that ran each CUDA kernel")
+        for name in sorted(_SIMT_CASES):
+            terminalreporter.write_line(f"{_SIMT_CASES[name]:6d}  {name}")
+
+
 def wait_for_counts(expected, timeout=5.0):
     """live_objects() once it equals ``expected`` (polled: work on other streams may still be
     draining), else the last counts seen."""

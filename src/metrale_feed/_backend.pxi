@@ -91,8 +91,9 @@ def simt_config():
     Returns
     -------
     dict
-        ``sm_count``, ``order``, ``seed``, ``threads``, and ``counters``: launches, blocks, threads,
-        fiber switches, barriers and shuffles run since the process started.
+        ``sm_count``, ``order``, ``seed``, ``threads``; ``counters``: launches, blocks, threads,
+        fiber switches, barriers and shuffles run since the process started; ``kernels``: launches
+        per kernel (its name as the launch site wrote it).
 
     Examples
     --------
@@ -104,9 +105,17 @@ def simt_config():
     cdef uint64_t n[6]
     mf_simt_config_get(&c)
     mf_simt_counters(n)
+    need = mf_simt_kernel_launches(NULL, 0)
+    text = bytearray(need + 1)
+    mf_simt_kernel_launches(text, need + 1)
+    kernels = {}
+    for line in text[:need].decode().splitlines():
+        name, _, count = line.rpartition("=")
+        kernels[name] = int(count)
     return {"sm_count": c.sm_count, "order": _SIMT_ORDERS[c.order], "seed": c.seed, "threads": c.threads,
             "counters": dict(zip(("launches", "blocks", "threads", "switches", "barriers", "shuffles"),
-                                 [n[i] for i in range(6)]))}
+                                 [n[i] for i in range(6)])),
+            "kernels": kernels}
 
 
 def _simt_selftest(str which):

@@ -80,6 +80,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
     mf_status mf_simt_configure(const mf_simt_config *config)
     void mf_simt_config_get(mf_simt_config *out)
     void mf_simt_counters(uint64_t *out)
+    size_t mf_simt_kernel_launches(char *buf, size_t capacity)
     int mf_simt_selftest(const char *which, char *message, size_t capacity)
     void mf_host_set_kernel_threads(unsigned threads)
     unsigned mf_host_kernel_threads()

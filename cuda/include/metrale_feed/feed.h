@@ -105,6 +105,9 @@ MF_EXPORT mf_status mf_simt_configure(const mf_simt_config *config);
 MF_EXPORT void mf_simt_config_get(mf_simt_config *out);
 /* launches, blocks, threads, fiber switches, barriers, shuffles: since the process started. */
 MF_EXPORT void mf_simt_counters(uint64_t out[6]);
+/* Launches per kernel since the process started, as "name=count\n" lines into `buf` (truncated
+ * to `capacity`); returns the length the whole text needs. */
+MF_EXPORT size_t mf_simt_kernel_launches(char *buf, size_t capacity);
 /* Runs a test-only kernel that breaks a rule of CUDA (`which` names it; "" lists them into
  * `message`): 1 with the executor's message when it caught the break, 0 when it did not. */
 MF_EXPORT int mf_simt_selftest(const char *which, char *message, size_t capacity);

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <map>
 #include <new>
 #include <random>
 #include <thread>
@@ -81,6 +82,8 @@ namespace {
 
 std::mutex g_config_mu;
 Config g_config;
+std::mutex g_names_mu;
+std::map<std::string, uint64_t> *g_names = new std::map<std::string, uint64_t>;  // never freed: exit
 std::atomic<uint64_t> g_launches{0}, g_blocks{0}, g_threads{0}, g_switches{0}, g_barriers{0}, g_shuffles{0};
 
 constexpr size_t kStackBytes = 256 * 1024;  // kernel parameters are copied onto it (up to 16 KiB)
@@ -442,6 +445,10 @@ uint64_t shuffle(ShuffleKind kind, uint32_t mask, uint64_t bits, int arg, int wi
 int run_grid(const Launch &launch, void (*body)(void *), void *ctx) {
     tl_fault.clear();
     g_launches.fetch_add(1, std::memory_order_relaxed);
+    {
+        std::lock_guard<std::mutex> lock(g_names_mu);
+        ++(*g_names)[launch.kernel];
+    }
     const uint64_t lanes = (uint64_t)launch.block.x * launch.block.y * launch.block.z;
     const uint64_t blocks = (uint64_t)launch.grid.x * launch.grid.y * launch.grid.z;
     if (lanes == 0 || lanes > kMaxThreadsPerBlock || blocks == 0 || blocks > UINT32_MAX) {
@@ -478,6 +485,13 @@ int run_grid(const Launch &launch, void (*body)(void *), void *ctx) {
     tl_where = saved;
     tl_fault = first_fault;
     return first_fault.empty() ? 0 : 1;
+}
+
+std::string kernel_launches() {
+    std::lock_guard<std::mutex> lock(g_names_mu);
+    std::string out;
+    for (const auto &[name, n] : *g_names) out += name + "=" + std::to_string(n) + "\n";
+    return out;
 }
 
 std::string take_fault() {

@@ -39,6 +39,9 @@ struct Counters {
     uint64_t launches, blocks, threads, switches, barriers, shuffles;
 };
 Counters counters();
+// Launches per kernel (its name as the launch wrote it, e.g. "mf_argmax_kernel<E, MaxRows>"),
+// as "name=count" lines.
+std::string kernel_launches();
 
 // The thread and block the calling fiber is; valid only inside a kernel.
 struct Where {

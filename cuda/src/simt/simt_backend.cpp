@@ -198,6 +198,12 @@ void mf_simt_counters(uint64_t out[6]) {
     std::memcpy(out, v, sizeof v);
 }
 
+size_t mf_simt_kernel_launches(char *buf, size_t capacity) {
+    const std::string text = mf::simt::kernel_launches();
+    if (capacity) std::snprintf(buf, capacity, "%s", text.c_str());
+    return text.size();
+}
+
 int mf_simt_selftest(const char *which, char *message, size_t capacity) {
     std::string text;
     const int caught = mf::simt::selftest(which ? which : "", &text);
