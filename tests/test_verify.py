@@ -439,3 +439,50 @@ def test_bad_input_raises_before_anything_is_queued(host, dev, no_leaks, case):
     assert (dst == 0xABCD).all(), "a copy ran"
     for b in held:
         b.close()
+
+
+def test_host_paths_agree(path, dev):
+    """The portable and the vector host paths verify to the same cells (the exact oracle's)."""
+    rng = np.random.default_rng(21)
+    k, rows, vocab = 3, 16, 700
+    lrows = rows * (k + 1)
+    logits = (rng.standard_normal((lrows, vocab)) * 2).astype(np.float32)
+    params = filtered_params(rng, rows)
+    best = reference_argmax(logits).reshape(rows, k + 1)
+    drafts = drafts_near(rng, best, k, vocab, hit=0.8)
+    got = verify(dev, logits, drafts, k, params=params)
+    assert np.array_equal(got, so.verify_rows(logits, np.ones((lrows, vocab), bool), drafts, k, params)), path
+
+
+def test_graph_replays_read_new_device_drafts_and_params(backend, dev, no_leaks):
+    """Captured with device drafts, params and masks: each replay verifies what they hold then."""
+    rng = np.random.default_rng(22)
+    k, rows, vocab = 2, 8, 60
+    lrows = rows * (k + 1)
+    logits = (rng.standard_normal((lrows, vocab)) * 2).astype(np.float32)
+    masks, _ = random_rule(rng, lrows, vocab, True, False)
+    allowed = reference_allowed(masks, None, lrows, vocab)
+    best = reference_argmax(logits, masks).reshape(rows, k + 1)
+    with dev.upload(logits) as buf, dev.upload(masks) as dmasks, mf.DeviceBuffer(rows * k * 4) as ddrafts, \
+            mf.DeviceBuffer(rows * 32) as dparams, mf.DeviceBuffer(rows * (k + 2) * 4) as cells, \
+            mf.PinnedBuffer(rows * (k + 2) * 4) as out, mf.Stream() as stream, mf.Event() as done:
+        def queue():
+            mf.verify_to_feed(buf, ddrafts, cells, out, done, stream, k=k, masks=dmasks, params=dparams,
+                              rows=rows, vocab=vocab, dtype="float32")
+        dev.write(ddrafts, best[:, :k].astype(np.uint32))
+        dev.write(dparams, mf.sampling_params(rows))
+        queue()  # a warm-up launch outside the capture
+        done.synchronize()
+        with mf.graph_capture(stream) as graph:
+            queue()
+        for step in range(4):
+            drafts = drafts_near(rng, best, k, vocab, hit=0.8)
+            params = filtered_params(rng, rows)
+            dev.write(ddrafts, drafts)
+            dev.write(dparams, params)
+            graph.launch(stream)
+            done.synchronize()
+            got = np.frombuffer(out, np.uint32).reshape(rows, k + 2).copy()
+            assert np.array_equal(got, so.verify_rows(logits, allowed, drafts, k, params)), step
+        graph.close()
+        stream.synchronize()

@@ -1,6 +1,7 @@
 // Speculative verification on the CPU (verify_rule.h): each row's positions in order, each under
 // the machinery of one argmax or sample row (argmax_row, sample_row, sample_target), until the
 // first position that emits an id of its own.
+#include <string_view>
 #include <vector>
 
 #include "kernels.hpp"
