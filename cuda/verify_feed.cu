@@ -71,9 +71,27 @@ __device__ uint32_t block_race(const Row &row, const mf_sample_plan &p, uint32_t
     return mf_unpack_id(block_reduce(best, true));
 }
 
-// One sampled position with draft x (MF_NO_TOKEN: the bonus position): whether x is accepted;
-// else *emit is the position's own id. The filters are the sampling kernel's, step for step.
-__device__ bool sampled_position(const Row &row, const mf_sampling_params &params, uint32_t x, uint32_t *emit) {
+// The draw from max(0, p - q) after a rejection under a general draft distribution q
+// (verify_rule.h); none positive: the race over p (sample_to_feed's draw).
+__device__ uint32_t block_residual_race(const Row &row, const mf_sample_plan &p, uint32_t top_id, float zmax,
+                                        uint64_t threshold, uint64_t total, const float *q) {
+    uint64_t best = 0;
+    for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {
+        uint32_t bits;
+        if (!row.candidate(i, &bits) || !mf_verify_survives(bits, i, threshold, &p, zmax)) continue;
+        const float w = mf_verify_residual(mf_verify_p(mf_verify_mass(bits, p.inv_t, zmax), total), mf_verify_q(q[i]));
+        if (w == 0.0f) continue;
+        best = mf_pack_max(best, mf_pack(mf_key_f32(mf_to_bits(mf_verify_residual_score(w, p.seed, p.position, i))), i));
+    }
+    best = block_reduce(best, true);
+    return best ? mf_unpack_id(best) : block_race(row, p, top_id, zmax, threshold, MF_NO_TOKEN);
+}
+
+// One sampled position with draft x (MF_NO_TOKEN: the bonus position) and the drafter's
+// distribution q there (NULL: one-hot at x): whether x is accepted; else *emit is the position's
+// own id. The filters are the sampling kernel's, step for step.
+__device__ bool sampled_position(const Row &row, const mf_sampling_params &params, uint32_t x, const float *q,
+                                 uint32_t *emit) {
     const mf_sample_plan p = mf_plan_sampling(&params);
     uint64_t top = 0, count = 0;
     for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {
@@ -118,7 +136,14 @@ __device__ bool sampled_position(const Row &row, const mf_sampling_params &param
         const uint64_t mass_x = x < row.vocab && row.candidate(x, &bits) && mf_verify_survives(bits, x, threshold, &p, zmax)
                                     ? mf_verify_mass(bits, p.inv_t, zmax)
                                     : 0u;
-        if (mf_verify_accepts(0, top_id, x, p.seed, p.position, mass_x, total)) return true;
+        if (!q) {
+            if (mf_verify_accepts(0, top_id, x, p.seed, p.position, mass_x, total)) return true;
+        } else {
+            const double qx = mf_verify_q(x < row.vocab ? q[x] : 0.0f);
+            if (mf_verify_accepts_q(p.seed, p.position, mf_verify_p(mass_x, total), qx)) return true;
+            *emit = block_residual_race(row, p, top_id, zmax, threshold, total, q);
+            return false;
+        }
     }
     *emit = block_race(row, p, top_id, zmax, threshold, x);
     return false;
@@ -128,7 +153,7 @@ __global__ void __launch_bounds__(kThreads)
     mf_verify_kernel(const char *logits, int dtype, uint64_t row_bytes, uint32_t vocab, uint32_t k,
                      uint32_t *cells, float *logprobs, const uint32_t *device_drafts,
                      const uint32_t *device_masks, const mf_sampling_params *device_params,
-                     bool has_params, const uint32_t *bitmask, uint32_t bit_words,
+                     bool has_params, const uint32_t *bitmask, uint32_t bit_words, const float *draft_probs,
                      const __grid_constant__ VerifyInputs in) {
     __shared__ uint32_t ids[MF_MAX_DRAFTS + 1];
     __shared__ float fslots[kThreads / 32];
@@ -149,7 +174,8 @@ __global__ void __launch_bounds__(kThreads)
         uint32_t emit = MF_NO_TOKEN;
         bool accepted;
         if (sampled) {
-            accepted = sampled_position(row, mf_verify_params_at(&params, j), draft, &emit);
+            const float *q = draft_probs && j < d ? draft_probs + ((uint64_t)r * k + j) * vocab : nullptr;
+            accepted = sampled_position(row, mf_verify_params_at(&params, j), draft, q, &emit);
         } else {
             emit = block_argmax(row);
             accepted = mf_verify_accepts(1, emit, draft, 0u, 0u, 0u, 0u);
@@ -212,7 +238,7 @@ cudaError_t launch_verify(const mf_verify_args &a, cudaStream_t stream) {
             a.vocab, a.k, a.cells + (uint64_t)row0 * (a.k + 2), a.logprobs ? a.logprobs + lr0 : nullptr,
             ddrafts ? a.drafts + (uint64_t)row0 * a.k : nullptr, dmasks ? a.masks + 2 * lr0 : nullptr,
             dparams ? a.params + row0 : nullptr, a.params != nullptr, a.bitmask ? a.bitmask + lr0 * words : nullptr,
-            words, in);
+            words, a.draft_probs ? a.draft_probs + (uint64_t)row0 * a.k * a.vocab : nullptr, in);
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
     }

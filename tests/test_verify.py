@@ -25,7 +25,7 @@ def np_dtype(name):
 
 
 def verify(dev, logits, drafts, k, *, params=None, masks=None, bitmask=None, vocab=None, stride=None,
-           logprobs=False, device_drafts=False, device_params=False, device_masks=False):
+           logprobs=False, device_drafts=False, device_params=False, device_masks=False, draft_probs=None):
     """Runs verify_to_feed on copies of the inputs; returns the (rows, k + 2) cells read back
     through dst (and the logprobs)."""
     drafts = np.ascontiguousarray(drafts, np.uint32).reshape(-1, k)
@@ -51,6 +51,9 @@ def verify(dev, logits, drafts, k, *, params=None, masks=None, bitmask=None, voc
     if device_drafts:
         held.append(dev.upload(drafts))
         drafts = held[-1]
+    if draft_probs is not None:
+        held.append(dev.upload(np.ascontiguousarray(draft_probs, np.float32)))
+        kw["draft_probs"] = held[-1]
     lp_host = None
     if logprobs:
         held.append(mf.DeviceBuffer(rows * (k + 1) * 4))
@@ -399,7 +402,8 @@ BAD = {
     "logprobs too small": (dict(logprobs=4), ValueError, "fewer than"),
     "bad temperature": (dict(params="nan"), ValueError, "temperature"),
     "too many logit rows": (dict(k=64, rows=64), ValueError, "logit rows"),
-    "draft_probs": (dict(draft_probs=1), mf.FeedError, "draft_probs"),
+    "draft_probs too small": (dict(draft_probs=8), ValueError, "draft_probs holds"),
+    "draft_probs on the host": (dict(draft_probs=np.zeros(6 * 20, np.float32)), TypeError, "device memory"),
     "shard": (dict(shard=object()), mf.FeedError, "shard"),
     "drafts as floats": (dict(drafts=np.zeros(6, np.float32)), TypeError, "uint32"),
 }
@@ -418,9 +422,14 @@ def test_bad_input_raises_before_anything_is_queued(host, dev, no_leaks, case):
     dev.write(cells, sentinel)
     dst = np.full(change.get("dst", rows * (k + 2) * 4) // 4, 0xABCD, np.uint32)
     kw = dict(k=change.get("k", k), vocab=vocab, dtype="float32", rows=change.get("rows", rows))
-    for name in ("masks", "draft_probs", "shard"):
+    for name in ("masks", "shard"):
         if name in change:
             kw[name] = change[name]
+    if isinstance(change.get("draft_probs"), int):
+        held.append(mf.DeviceBuffer(change["draft_probs"]))
+        kw["draft_probs"] = held[-1]
+    elif "draft_probs" in change:
+        kw["draft_probs"] = change["draft_probs"]
     if "logprobs" in change:
         held.append(mf.DeviceBuffer(change["logprobs"] * 4))
         kw["logprobs"] = held[-1]
@@ -486,3 +495,74 @@ def test_graph_replays_read_new_device_drafts_and_params(backend, dev, no_leaks)
             assert np.array_equal(got, so.verify_rows(logits, allowed, drafts, k, params)), step
         graph.close()
         stream.synchronize()
+
+
+def draft_distributions(rng, n, vocab):
+    """n drafter distributions over vocab: peaked, with zeros, and now and then a NaN or a negative
+    value (both count as 0)."""
+    q = rng.gamma(0.3, size=(n, vocab)).astype(np.float32)
+    q[rng.random((n, vocab)) < 0.2] = 0.0
+    q /= np.maximum(q.sum(axis=1, keepdims=True), 1e-30)
+    q[rng.random((n, vocab)) < 0.01] = np.nan
+    q[rng.random((n, vocab)) < 0.01] = -0.5
+    return q.astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_draft_probs_match_the_exact_oracle(backend, dev, dtype):
+    rng = np.random.default_rng(23)
+    accepted = 0
+    for trial in range(8):
+        k, rows, vocab = int(rng.integers(1, 7)), int(rng.integers(1, 12)), int(rng.integers(2, 150))
+        lrows = rows * (k + 1)
+        logits = (rng.standard_normal((lrows, vocab)) * 2).astype(np_dtype(dtype))
+        masks, bitmask = random_rule(rng, lrows, vocab, trial % 2 == 1, trial % 3 == 0)
+        allowed = reference_allowed(masks, bitmask, lrows, vocab)
+        params = filtered_params(rng, rows)
+        q = draft_distributions(rng, rows * k, vocab)
+        best = np.array([so.masked_argmax(logits[i], allowed[i]) for i in range(lrows)]).reshape(rows, k + 1)
+        drafts = drafts_near(rng, best, k, vocab, hit=0.8)
+        got = verify(dev, logits, drafts, k, params=params, masks=masks, bitmask=bitmask, draft_probs=q)
+        want = so.verify_rows(logits, allowed, drafts, k, params, draft_probs=q)
+        assert np.array_equal(got, want), f"trial {trial}"
+        accepted += int(got[:, 0].sum()) - rows
+        # Greedy rows ignore draft_probs.
+        zero = mf.sampling_params(rows, temperature=0.0)
+        assert np.array_equal(verify(dev, logits, drafts, k, params=zero, masks=masks, bitmask=bitmask, draft_probs=q),
+                              verify(dev, logits, drafts, k, masks=masks, bitmask=bitmask))
+    assert accepted > 30
+
+
+def test_drafts_from_q_emit_the_target_distribution(backend, dev):
+    """Drafts drawn from the drafter's q: position 0's emitted id, and position 1's after draft 0
+    was accepted, follow p whatever q is (chi-square); draft 0 is accepted with probability
+    sum(min(p, q))."""
+    rng = np.random.default_rng(24)
+    k, vocab, temperature = 2, 6, 1.1
+    base = np.array([[1.0, 0.6, 0.2, -0.4, 0.9, -1.0], [0.3, 1.2, -0.5, 0.8, 0.0, 0.4],
+                     [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]], np.float32)
+    q = np.array([[0.05, 0.05, 0.4, 0.3, 0.1, 0.1], [0.5, 0.1, 0.0, 0.1, 0.2, 0.1]], np.float32)
+    rows = mf.MAX_ROWS // (k + 1)
+    logits = np.tile(base, (rows, 1))
+    probs = []
+    for j in range(2):
+        ids, p = reference_survivors(base[j], np.ones(vocab, bool), temperature)
+        full = np.zeros(vocab)
+        full[ids] = p
+        probs.append(full)
+    counts = [np.zeros(vocab, np.int64), np.zeros(vocab, np.int64)]
+    accepted = 0
+    for call in range(3):
+        drafts = np.stack([rng.choice(vocab, rows, p=q[j] / q[j].sum()) for j in range(k)], axis=1)
+        params = mf.sampling_params(rows, temperature=temperature, seed=rng.integers(0, 2**63, rows),
+                                    position=rng.integers(0, 2**32, rows))
+        got = verify(dev, logits, drafts.astype(np.uint32), k, params=params, draft_probs=np.tile(q, (rows, 1)))
+        np.add.at(counts[0], got[:, 1], 1)
+        second = got[got[:, 0] >= 2]
+        accepted += len(second)
+        np.add.at(counts[1], second[:, 2], 1)
+    for j in range(2):
+        stat, df = chi2(counts[j], probs[j])
+        assert stat < chi2_critical(max(df, 1)), f"position {j}: chi2 {stat:.1f} on {df} df, {counts[j]}"
+    n, rate = 3 * rows, float(np.minimum(probs[0], q[0]).sum())
+    assert abs(accepted - n * rate) < 4 * math.sqrt(n * rate * (1 - rate)) + 1

@@ -200,8 +200,11 @@ mf_status check_verify(const mf_verify_args *a, Slot **event) {
                     (unsigned long long)a->row_stride, a->vocab);
     if (a->flags & ~(uint32_t)(MF_ARGS_MASKS_DEVICE | MF_ARGS_PARAMS_DEVICE | MF_VERIFY_DRAFTS_DEVICE))
         return fail(MF_ERROR_INVALID_VALUE, "unknown verify flags 0x%x", a->flags);
-    if (a->draft_probs)
-        return fail(MF_ERROR_UNAVAILABLE, "verify_to_feed does not take draft_probs yet (drafts are one-hot)");
+    if (a->draft_probs) {  // read when the kernel runs, like every device input
+        if (!aligned(a->draft_probs, 4)) return fail(MF_ERROR_INVALID_VALUE, "draft_probs pointer is misaligned");
+        mf_status st = check_device_range(a->draft_probs, (size_t)a->rows * a->k * a->vocab * 4, "draft_probs");
+        if (st != MF_SUCCESS) return st;
+    }
     if (cell_words > a->cell_capacity)
         return fail(MF_ERROR_INVALID_VALUE, "%u rows of k + 2 = %u words exceed the feed cells' capacity of %u words",
                     a->rows, a->k + 2, a->cell_capacity);

@@ -230,7 +230,7 @@ def verify_to_feed(logits: _DeviceLike, drafts: _WordsLike | _DeviceLike, cells:
                    dst: Buffer | int | None, event: _EventLike | None, stream: _StreamLike = 0, *,
                    k: int, masks: _MasksLike | _DeviceLike | None = None,
                    bitmask: _DeviceLike | None = None, params: Buffer | _DeviceLike | None = None,
-                   draft_probs: None = None, logprobs: _DeviceLike | None = None,
+                   draft_probs: _DeviceLike | None = None, logprobs: _DeviceLike | None = None,
                    logprobs_dst: Buffer | int | None = None, rows: int | None = None,
                    vocab: int | None = None, dtype: _DType | None = None,
                    row_stride: int | None = None, shard: None = None) -> int: ...

@@ -660,9 +660,10 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
       after the last draft, emits the rule's id;
     - sampled rows: the speculative sampling rule over the distribution ``sample_to_feed`` draws
       from at that position (the row's params at ``position + j``: temperature, top_k, top_p,
-      min_p, masks and bitmask). A draft ``x`` is accepted with probability ``p(x)``; the first
-      rejection emits a draw from ``p`` without ``x``, renormalised; after the last accepted
-      draft, the bonus is ``sample_to_feed``'s own id at that position. Every uniform comes from
+      min_p, masks and bitmask). A draft ``x`` is accepted with probability ``p(x)`` (one-hot
+      drafts; ``min(1, p(x) / q(x))`` with ``draft_probs``); the first rejection emits a draw from
+      ``p`` without ``x`` (``max(0, p - q)``), renormalised; after the last accepted draft, the
+      bonus is ``sample_to_feed``'s own id at that position. Every uniform comes from
       the counter-based generator (the same ids on every backend and in any batch).
 
     In stream order and with no host synchronisation: the kernel, an async copy of
@@ -694,9 +695,12 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
         ``[rows * (k + 1), ceil(vocab / 32)]`` int32 words, one row per logit row.
     params : SAMPLING_PARAMS_DTYPE array, or device memory holding such records, optional
         One record per row (not per logit row); its ``position`` is position 0's.
-    draft_probs : None
-        General draft distributions are not built yet: drafts are one-hot (a ``FeedError``
-        otherwise).
+    draft_probs : device memory, optional
+        The drafter's distributions, float32 ``[rows * k, vocab]`` (row ``r * k + j`` for draft
+        ``j`` of row ``r``), read when the kernel runs: a sampled row accepts draft ``x`` with
+        probability ``min(1, p(x) / q(x))`` and after a rejection draws from
+        ``max(0, p - q)``, renormalised; a value that is not finite and positive counts as 0.
+        None: one-hot drafts (a deterministic drafter), ``q(x) = 1``. Greedy rows ignore it.
     logprobs : device memory, optional
         ``rows * (k + 1)`` float32: the log-probability of each emitted id under its logit row's
         raw distribution (as ``argmax_to_feed``'s logprobs), NaN past ``n``.
@@ -725,7 +729,7 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
     TypeError
         An argument of the wrong kind.
     FeedError
-        ``draft_probs`` or ``shard`` given; a closed or unknown buffer, event or stream.
+        ``shard`` given; a closed or unknown buffer, event or stream.
 
     Examples
     --------
@@ -751,9 +755,6 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
     cdef _VerifyInputs keep = _VerifyInputs.__new__(_VerifyInputs)
     if shard is not None:
         raise FeedError("verify_to_feed does not take shard= yet")
-    if draft_probs is not None:
-        raise FeedError("verify_to_feed does not take draft_probs yet: drafts are one-hot (deterministic "
-                        "drafters); pass draft_probs=None")
     k = int_of(k, "k", 1, MF_MAX_DRAFTS)
     memset(&a, 0, sizeof(a))
     memset(&view, 0, sizeof(view))
@@ -809,6 +810,15 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
                                 f"tensor) of int32 words, not {type(bitmask).__name__}")
             a.bitmask = <const uint32_t *>device_input(
                 call, bitmask, <size_t>logit_rows * ((a.vocab + 31) // 32) * 4, "bitmask")
+        if draft_probs is not None:
+            if not device_resident(draft_probs, "draft_probs"):
+                raise TypeError("draft_probs must be device memory (a DeviceBuffer, a device pointer or a "
+                                f"tensor) of float32, not {type(draft_probs).__name__}")
+            # dtype, and the count up to what a uint32 says (device_input checks the bytes)
+            check_float_rows(draft_probs, <uint32_t>min(<uint64_t>a.rows * a.k * a.vocab, 0xFFFFFFFF),
+                             "draft_probs", True)
+            a.draft_probs = <const float *>device_input(call, draft_probs, <size_t>a.rows * a.k * a.vocab * 4,
+                                                        "draft_probs", False)
         if params is not None:
             view.rows = a.rows  # one record per row
             fill_params(call, &view, params, keep.pick)

@@ -180,6 +180,33 @@ class Target:
         return m != 0 and (2 * u + 1) * total < m * (1 << 25)
 
 
+    def accepts_q(self, x: int, qx: float) -> bool:
+        """min(1, p(x) / q(x)): U * q(x) < p(x) in float64 (q sanitised: not finite and > 0 is 0)."""
+        px = self.p_of(x)
+        u = float(((accept_bits(self.seed, self.position) >> 8) + 0.5) * 2.0**-24)
+        return px > 0.0 and u * sane_q(qx) < px
+
+    def p_of(self, v: int) -> float:
+        return float(np.float64(self.mass.get(v, 0)) / np.float64(sum(self.mass.values())))
+
+    def residual_race(self, q) -> int:
+        """The race over the positive float32 weights max(0, p - q), else the race over p."""
+        ids = self.surv
+        total = np.float64(sum(self.mass.values()))
+        w = np.array([np.float64(self.mass[v]) / total - sane_q(q[v]) for v in ids.tolist()]).astype(F)
+        keep = w >= F(1.17549435e-38)
+        if not keep.any():
+            return self.race()
+        ids, w = ids[keep], w[keep]
+        score = (log_pos(w) + gumbel(self.seed, self.position, ids)).astype(F)
+        return int(ids[np.argmax(packed(key_f32(score), ids))])
+
+
+def sane_q(q) -> float:
+    q = np.float32(q)
+    return float(q) if F(0.0) < q <= F(3.4e38) else 0.0
+
+
 def at_position(p, j: int):
     q = p.copy()
     q["position"] = (int(p["position"]) + j) & U32
@@ -210,10 +237,11 @@ def masked_argmax(row, allowed) -> int:
     return int(ids[np.argmax(packed(key_f32(v[ids]), ids))])
 
 
-def verify_rows(logits, allowed, drafts, k: int, params=None) -> np.ndarray:
+def verify_rows(logits, allowed, drafts, k: int, params=None, draft_probs=None) -> np.ndarray:
     """verify_to_feed's cells, (rows, k + 2): n, the emitted ids, NO_TOKEN padding.
 
-    logits: (rows * (k + 1), vocab); allowed: (rows * (k + 1), vocab) bool; drafts (rows, k)."""
+    logits: (rows * (k + 1), vocab); allowed: (rows * (k + 1), vocab) bool; drafts (rows, k);
+    draft_probs: None (one-hot drafts) or (rows * k, vocab) float32."""
     drafts = np.asarray(drafts, np.int64).reshape(-1, k)
     rows = drafts.shape[0]
     cells = np.full((rows, k + 2), NO_TOKEN, np.uint32)
@@ -236,10 +264,17 @@ def verify_rows(logits, allowed, drafts, k: int, params=None) -> np.ndarray:
             if draft is None or target.top is None:
                 ids.append(target.draw())
                 break
-            if target.accepts(draft):
+            if draft_probs is None or target.hot:
+                if target.accepts(draft):
+                    ids.append(draft)
+                    continue
+                ids.append(target.top if target.hot else target.race(skip=draft))
+                break
+            q = draft_probs[r * k + j]
+            if target.accepts_q(draft, q[draft]):
                 ids.append(draft)
                 continue
-            ids.append(target.top if target.hot else target.race(skip=draft))
+            ids.append(target.residual_race(q))
             break
         cells[r, 0] = len(ids)
         cells[r, 1 : 1 + len(ids)] = ids

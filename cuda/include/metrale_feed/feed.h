@@ -297,8 +297,9 @@ MF_EXPORT mf_status mf_resolve_feed_flags(const uint32_t *sources, uint32_t n,
  * 1 <= n <= k + 1: greedy rows (no params, or temperature 0) accept a draft equal to the argmax
  * rule at its position and emit the rule's id at the first mismatch (or after the last draft);
  * sampled rows follow the speculative sampling rule over sample_to_feed's distribution at
- * position + j, with one-hot draft distributions (draft_probs must be NULL: general ones are not
- * built yet). cells[r*(k+2)] = n, then the n ids, then MF_NO_TOKEN; host_dst gets the same
+ * position + j, against the drafter's distributions draft_probs (device float32, rows*k rows of
+ * vocab, row r*k + j for draft j of row r; read when the kernel runs), or one-hot drafts when it
+ * is NULL. cells[r*(k+2)] = n, then the n ids, then MF_NO_TOKEN; host_dst gets the same
  * rows*(k+2) words, logprobs (rows*(k+1) floats) one logprob per emitted id and NaN past n.
  * masks (rows*(k+1)*2 ids) and bitmask (rows*(k+1) rows of words) are per logit row; params one
  * record per row (position is position 0's). Host drafts are read and checked before the call
@@ -317,7 +318,7 @@ typedef struct mf_verify_args {
     const uint32_t *masks;   /* rows*(k+1)*2, host unless MF_ARGS_MASKS_DEVICE; NULL: none */
     const uint32_t *bitmask; /* device, rows*(k+1)*ceil(vocab/32) words, or NULL */
     const mf_sampling_params *params; /* rows records, NULL: greedy; host unless MF_ARGS_PARAMS_DEVICE */
-    const float *draft_probs;         /* reserved: must be NULL (one-hot drafts) */
+    const float *draft_probs;         /* device, rows*k*vocab, or NULL: one-hot drafts */
     uint32_t flags;
     uint32_t *cells;         /* device */
     uint32_t cell_capacity;  /* in words, >= rows*(k+2) */

@@ -83,6 +83,42 @@ MF_HD int mf_verify_accepts(int exact, uint32_t t, uint32_t x, uint64_t seed, ui
     return mass_x != 0u && mf_verify_accept(mf_verify_uniform_bits(seed, position), mass_x, total);
 }
 
+/* ---- general draft distributions (draft_probs) ----
+ * q(v) is the drafter's probability of v at the position, a float32 read as given (a value that is
+ * not finite and > 0 counts as 0); p(v) = mass(v) / total over the survivors, in float64. Draft x
+ * is accepted with probability min(1, p(x) / q(x)): when U * q(x) < p(x) (U the accept uniform;
+ * q(x) = 0 with p(x) > 0 accepts). A rejection draws from max(0, p - q), renormalised, by the
+ * same exponential race over the weights w(v) = p(v) - q(v) that are positive in float32: the
+ * score of v is log w(v) + g(v), with g(v) sample_rule.h's Gumbel of v. Every step is one IEEE
+ * operation in round-to-nearest (the _rn intrinsics on the device), so both backends agree. */
+#if defined(__CUDA_ARCH__)
+MF_HD double mf_dsub(double a, double b) { return __dsub_rn(a, b); }
+MF_HD double mf_dmul(double a, double b) { return __dmul_rn(a, b); }
+MF_HD double mf_ddiv(double a, double b) { return __ddiv_rn(a, b); }
+#else
+MF_HD double mf_dsub(double a, double b) { return a - b; }
+MF_HD double mf_dmul(double a, double b) { return a * b; }
+MF_HD double mf_ddiv(double a, double b) { return a / b; }
+#endif
+
+MF_HD double mf_verify_q(float q) { return q > 0.0f && q <= 3.4e38f ? (double)q : 0.0; } /* NaN: 0 */
+
+MF_HD double mf_verify_p(uint64_t mass, uint64_t total) { return mf_ddiv((double)mass, (double)total); }
+
+MF_HD int mf_verify_accepts_q(uint64_t seed, uint32_t position, double px, double qx) {
+    return px > 0.0 && mf_dmul((double)mf_uniform(mf_verify_uniform_bits(seed, position)), qx) < px;
+}
+
+/* The residual weight of v as a positive normal float32, or 0 (v does not race). */
+MF_HD float mf_verify_residual(double pv, double qv) {
+    const float w = (float)mf_dsub(pv, qv);
+    return w >= 1.17549435e-38f ? w : 0.0f; /* FLT_MIN: mf_log_pos takes normal numbers */
+}
+
+MF_HD float mf_verify_residual_score(float w, uint64_t seed, uint32_t position, uint32_t v) {
+    return mf_fadd(mf_log_pos(w), mf_gumbel(seed, position, v));
+}
+
 /* Row r's cells: n, the n ids, then MF_NO_TOKEN up to k + 2 words. */
 MF_HD void mf_verify_write_cells(uint32_t *row_cells, uint32_t k, const uint32_t *ids, uint32_t n) {
     row_cells[0] = n;

@@ -50,10 +50,29 @@ uint32_t residual_draw(const Position &at, const mf_sampling_params &params, con
     return mf_unpack_id(best);  // NO_TOKEN when x was the only survivor (then x was accepted)
 }
 
-// One sampled position with draft x (x == NO_TOKEN: the bonus position, no draft). Returns
-// whether x is accepted; else *emit is the position's own id.
-bool sampled_position(const Position &at, const mf_sampling_params &params, uint32_t x, bool vector,
-                      uint32_t *emit) {
+// The draw from max(0, p - q), renormalised, after a rejection under a general draft
+// distribution q (verify_rule.h): the race over the survivors' positive residual weights. None
+// positive (q covers p everywhere, which a rejection all but rules out): sample_to_feed's draw.
+uint32_t residual_draw_q(const Position &at, const mf_sampling_params &params, const SampleTarget &t,
+                         uint64_t total, const float *q, bool vector) {
+    const mf_sample_plan p = mf_plan_sampling(&params);
+    uint64_t best = 0;
+    for (uint32_t i = 0; i < at.vocab; ++i) {
+        uint32_t bits;
+        if (!candidate(at, i, &bits) || !mf_verify_survives(bits, i, t.threshold, &p, t.zmax)) continue;
+        const float w = mf_verify_residual(mf_verify_p(mf_verify_mass(bits, p.inv_t, t.zmax), total), mf_verify_q(q[i]));
+        if (w == 0.0f) continue;
+        const float score = mf_verify_residual_score(w, p.seed, p.position, i);
+        best = mf_pack_max(best, mf_pack(mf_key_f32(mf_to_bits(score)), i));
+    }
+    return best ? mf_unpack_id(best) : sample_row(at.row, at.dtype, at.vocab, at.rule, params, vector);
+}
+
+// One sampled position with draft x (x == NO_TOKEN: the bonus position, no draft) and the
+// drafter's distribution q there (NULL: one-hot at x). Returns whether x is accepted; else *emit
+// is the position's own id.
+bool sampled_position(const Position &at, const mf_sampling_params &params, uint32_t x, const float *q,
+                      bool vector, uint32_t *emit) {
     if (x == MF_NO_TOKEN) {
         *emit = sample_row(at.row, at.dtype, at.vocab, at.rule, params, vector);
         return false;
@@ -64,7 +83,7 @@ bool sampled_position(const Position &at, const mf_sampling_params &params, uint
         return false;
     }
     const mf_sample_plan p = mf_plan_sampling(&params);
-    const bool exact = !mf_finite_bits(mf_to_bits(t.zmax));
+    const bool exact = !mf_finite_bits(mf_to_bits(t.zmax));  // p is one-hot at the top, whatever q is
     uint64_t mass_x = 0, total = 0;
     if (!exact) {
         uint32_t bits;
@@ -75,8 +94,14 @@ bool sampled_position(const Position &at, const mf_sampling_params &params, uint
             mass_x = mf_verify_mass(bits, p.inv_t, t.zmax);
     }
     const uint32_t top_id = mf_unpack_id(t.top);
-    if (mf_verify_accepts(exact, top_id, x, p.seed, p.position, mass_x, total)) return true;
-    *emit = exact ? top_id : residual_draw(at, params, t, x, vector);
+    if (exact || !q) {
+        if (mf_verify_accepts(exact, top_id, x, p.seed, p.position, mass_x, total)) return true;
+        *emit = exact ? top_id : residual_draw(at, params, t, x, vector);
+        return false;
+    }
+    if (mf_verify_accepts_q(p.seed, p.position, mf_verify_p(mass_x, total), mf_verify_q(x < at.vocab ? q[x] : 0.0f)))
+        return true;
+    *emit = residual_draw_q(at, params, t, total, q, vector);
     return false;
 }
 
@@ -106,7 +131,8 @@ void run_verify(const VerifyJob &job) {
                 uint32_t emit;
                 bool accepted;
                 if (sampled) {
-                    accepted = sampled_position(at, mf_verify_params_at(&params[r], j), draft, vector, &emit);
+                    const float *q = a.draft_probs && j < d ? a.draft_probs + ((size_t)r * k + j) * a.vocab : nullptr;
+                    accepted = sampled_position(at, mf_verify_params_at(&params[r], j), draft, q, vector, &emit);
                 } else {
                     emit = argmax_row(at.row, a.dtype, a.vocab, &rule);
                     accepted = mf_verify_accepts(1, emit, draft, 0u, 0u, 0u, 0u);
