@@ -59,6 +59,9 @@ struct SampleTarget {
 };
 SampleTarget sample_target(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
                            const mf_sampling_params &p, bool vector);
+// The total mass of the survivors of t, min_p included (verify_rule.h's p(x) = mass / total).
+uint64_t survivor_mass(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
+                       const mf_sampling_params &p, const SampleTarget &t, bool vector);
 
 // One stage of a split row's filters on a slice (feed.h's MF_ARGS_SELECT): TOP returns the
 // slice's greatest finite candidate (local id), HIST adds the digit's weights to bins[16], RACE

@@ -592,4 +592,19 @@ SampleTarget sample_target(const void *row, mf_dtype dtype, uint32_t vocab, cons
     return t;
 }
 
+// The survivors' total mass under t (sample_target's), min_p included: for_weighted's masses, which
+// are the rule's (mf_mass of mf_exp_neg), on the vector path where the row allows.
+uint64_t survivor_mass(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
+                       const mf_sampling_params &params, const SampleTarget &t, bool vector) {
+    const mf_sample_plan p = mf_plan_sampling(&params);
+    row = widened(row, &dtype, vocab, &vector);
+    const RowView v{row, (int)dtype, vocab, rule, p.inv_t, 0u};
+    uint64_t total = 0;
+    for_weighted(v, true, t.zmax, t.threshold, KeyMask::top12(-1), vector, [&](uint32_t id, uint64_t, uint64_t w) {
+        if (p.use_min_p && !(mf_exp_neg(mf_fsub(v.z(mf_logit_bits(v.row, v.dt, id)), t.zmax)) >= p.min_p)) return;
+        total += w;
+    });
+    return total;
+}
+
 }  // namespace mf::host

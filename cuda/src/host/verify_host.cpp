@@ -87,11 +87,10 @@ bool sampled_position(const Position &at, const mf_sampling_params &params, uint
     uint64_t mass_x = 0, total = 0;
     if (!exact) {
         uint32_t bits;
-        for (uint32_t i = 0; i < at.vocab; ++i)
-            if (candidate(at, i, &bits) && mf_verify_survives(bits, i, t.threshold, &p, t.zmax))
-                total += mf_verify_mass(bits, p.inv_t, t.zmax);
         if (candidate(at, x, &bits) && mf_verify_survives(bits, x, t.threshold, &p, t.zmax))
             mass_x = mf_verify_mass(bits, p.inv_t, t.zmax);
+        // A one-hot draft that is no survivor is rejected whatever the total: skip the pass.
+        if (mass_x || q) total = survivor_mass(at.row, at.dtype, at.vocab, at.rule, params, t, vector);
     }
     const uint32_t top_id = mf_unpack_id(t.top);
     if (exact || !q) {
