@@ -246,8 +246,12 @@ mf_status combine(const mf_combine_args *args, void *stream) {
 }
 
 mf_status verify(const mf_verify_args *args, void *stream) {
-    VerifyJob job(*args);  // host drafts, masks and params are copied here: the caller may reuse them
-    stream_of(stream)->enqueue("verify", [job = std::move(job)] { run_verify(job); });
+    try {  // no C++ exception crosses the C ABI: copying the host inputs may run out of memory
+        VerifyJob job(*args);  // host drafts, masks and params are copied here: the caller may reuse them
+        stream_of(stream)->enqueue("verify", [job = std::move(job)] { run_verify(job); });
+    } catch (const std::bad_alloc &) {
+        return fail(MF_ERROR_OUT_OF_MEMORY, "verify_to_feed: out of host memory for its inputs");
+    }
     return MF_SUCCESS;
 }
 

@@ -2,7 +2,6 @@
 // the machinery of one argmax or sample row (argmax_row, sample_row, sample_target), until the
 // first position that emits an id of its own.
 #include <string_view>
-#include <vector>
 
 #include "kernels.hpp"
 #include "metrale_feed/logprob_rule.h"
@@ -116,7 +115,7 @@ void run_verify(const VerifyJob &job) {
     const bool vector = std::string_view(argmax_isa()) != "portable";
     parallel_rows(a.rows, [&](uint32_t begin, uint32_t end) {
         IeeeFpGuard ieee;  // the sampler's arithmetic needs subnormals on every pool thread
-        std::vector<uint32_t> ids(k + 1);
+        uint32_t ids[MF_MAX_DRAFTS + 1];  // no allocation on the worker
         for (uint32_t r = begin; r < end; ++r) {
             const uint32_t *x = drafts + (size_t)r * k;
             const uint32_t d = mf_verify_drafts(x, k);
@@ -139,7 +138,7 @@ void run_verify(const VerifyJob &job) {
                 ids[n++] = accepted ? draft : emit;
                 if (!accepted) break;
             }
-            mf_verify_write_cells(a.cells + (size_t)r * (k + 2), k, ids.data(), n);
+            mf_verify_write_cells(a.cells + (size_t)r * (k + 2), k, ids, n);
             if (!a.logprobs) continue;
             for (uint32_t i = 0; i < k + 1; ++i) {
                 float lp = mf_nan();
