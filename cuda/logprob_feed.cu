@@ -19,9 +19,6 @@ struct CombineParams {
     mf_sampling_params params[kCombineRowsPerLaunch];
 };
 
-struct MaxF {
-    __device__ float operator()(float a, float b) const { return b > a ? b : a; }  // NaN never wins
-};
 
 // ids: the argmax/sampler's output, row r at ids[r * id_stride] (a local id in a partial call).
 // stats false (a partial call without MF_ARGS_PARTIAL_LOGPROBS, launched with one warp): the
@@ -37,8 +34,8 @@ __global__ void __launch_bounds__(kThreads)
     float m = stats ? mf_neg_inf() : 0.0f;
     double s = 0.0;
     if (stats) {  // uniform across the grid: every thread takes the folds or none does
-        for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) m = MaxF()(m, mf_from_bits(mf_logit_bits(row, dtype, i)));
-        m = block_fold(m, MaxF(), fslots);
+        for (uint32_t i = threadIdx.x; i < width; i += blockDim.x) m = MaxFloat()(m, mf_from_bits(mf_logit_bits(row, dtype, i)));
+        m = block_fold(m, MaxFloat(), fslots);
     }
     if (stats && m > mf_neg_inf() && mf_finite_bits(mf_to_bits(m))) {
         for (uint32_t i = threadIdx.x; i < width; i += blockDim.x)

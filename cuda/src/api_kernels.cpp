@@ -5,6 +5,7 @@
 #include "api.hpp"
 #include "metrale_feed/argmax_rule.h"
 #include "metrale_feed/logprob_rule.h"
+#include "metrale_feed/verify_rule.h"
 
 using namespace mf;
 
@@ -182,6 +183,96 @@ mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
     if (status == MF_SUCCESS && a->event) status = resolve_event(a->event, event);
     return status;
 }
+
+// verify_to_feed's arguments, all before anything is queued (feed.h, "verify_to_feed").
+mf_status check_verify(const mf_verify_args *a, Slot **event) {
+    if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "unknown logits dtype %d", (int)a->dtype);
+    if (a->k == 0 || a->k > MF_MAX_DRAFTS)
+        return fail(MF_ERROR_INVALID_VALUE, "k must be in [1, %u], got %u", MF_MAX_DRAFTS, a->k);
+    if (a->rows == 0 || (uint64_t)a->rows * (a->k + 1) > kMaxRows)
+        return fail(MF_ERROR_INVALID_VALUE, "rows * (k + 1) logit rows must be in [1, %u], got %u * %u", kMaxRows,
+                    a->rows, a->k + 1);
+    const uint32_t logit_rows = a->rows * (a->k + 1), cell_words = a->rows * (a->k + 2);
+    if (a->vocab == 0 || a->vocab > kMaxVocab)
+        return fail(MF_ERROR_INVALID_VALUE, "vocab must be in [1, 2**24], got %u", a->vocab);
+    if (a->row_stride < a->vocab)
+        return fail(MF_ERROR_INVALID_VALUE, "row_stride %llu is less than vocab %u",
+                    (unsigned long long)a->row_stride, a->vocab);
+    if (a->flags & ~(uint32_t)(MF_ARGS_MASKS_DEVICE | MF_ARGS_PARAMS_DEVICE | MF_VERIFY_DRAFTS_DEVICE))
+        return fail(MF_ERROR_INVALID_VALUE, "unknown verify flags 0x%x", a->flags);
+    if (a->draft_probs) {  // read when the kernel runs, like every device input
+        if (!aligned(a->draft_probs, 4)) return fail(MF_ERROR_INVALID_VALUE, "draft_probs pointer is misaligned");
+        mf_status st = check_device_range(a->draft_probs, (size_t)a->rows * a->k * a->vocab * 4, "draft_probs");
+        if (st != MF_SUCCESS) return st;
+    }
+    if (cell_words > a->cell_capacity)
+        return fail(MF_ERROR_INVALID_VALUE, "%u rows of k + 2 = %u words exceed the feed cells' capacity of %u words",
+                    a->rows, a->k + 2, a->cell_capacity);
+    if (!a->drafts || !aligned(a->drafts, 4))
+        return fail(MF_ERROR_INVALID_VALUE, "drafts is a null or misaligned pointer");
+    mf_status st = MF_SUCCESS;
+    if (a->flags & MF_VERIFY_DRAFTS_DEVICE) {  // read when the kernel runs: an id >= vocab never matches
+        st = check_device_range(a->drafts, (size_t)a->rows * a->k * 4, "device-resident drafts");
+        if (st != MF_SUCCESS) return st;
+    } else {
+        for (uint32_t r = 0; r < a->rows; ++r) {
+            const uint32_t *x = a->drafts + (size_t)r * a->k;
+            for (uint32_t j = 0, d = mf_verify_drafts(x, a->k); j < d; ++j)
+                if (x[j] >= a->vocab)
+                    return fail(MF_ERROR_INVALID_VALUE, "draft %u of row %u is id %u, not below vocab %u", j, r, x[j],
+                                a->vocab);
+        }
+    }
+    if (!a->masks && (a->flags & MF_ARGS_MASKS_DEVICE))
+        return fail(MF_ERROR_INVALID_VALUE, "device-resident masks is a null pointer");
+    if (a->masks && (a->flags & MF_ARGS_MASKS_DEVICE)) {
+        if (!aligned(a->masks, 4)) return fail(MF_ERROR_INVALID_VALUE, "device masks pointer is misaligned");
+        st = check_device_range(a->masks, (size_t)logit_rows * 8, "device-resident masks");
+        if (st != MF_SUCCESS) return st;
+    } else if (a->masks) {
+        for (uint32_t i = 0; i < 2 * logit_rows; ++i)
+            if (a->masks[i] != MF_NO_TOKEN && a->masks[i] >= a->vocab)
+                return fail(MF_ERROR_INVALID_VALUE, "mask id %u of logit row %u is not below vocab %u", a->masks[i],
+                            i / 2, a->vocab);
+    }
+    if (a->bitmask) {
+        if (!aligned(a->bitmask, 4)) return fail(MF_ERROR_INVALID_VALUE, "bitmask pointer is misaligned");
+        st = check_device_range(a->bitmask, (size_t)logit_rows * mf_bitmask_words(a->vocab) * 4, "bitmask");
+        if (st != MF_SUCCESS) return st;
+    }
+    if (a->params) {
+        mf_argmax_args view{};  // check_sampling's view: one record per row
+        view.rows = a->rows;
+        view.params = a->params;
+        view.flags = a->flags & MF_ARGS_PARAMS_DEVICE;
+        st = check_sampling(&view);
+        if (st != MF_SUCCESS) return st;
+    } else if (a->flags & MF_ARGS_PARAMS_DEVICE) {
+        return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_PARAMS_DEVICE without params");
+    }
+    if (a->logprobs_dst && !a->logprobs)
+        return fail(MF_ERROR_INVALID_VALUE, "logprobs_dst needs logprobs (the device floats it copies)");
+    if (a->logprobs) {
+        if (!aligned(a->logprobs, 4)) return fail(MF_ERROR_INVALID_VALUE, "logprobs pointer is misaligned");
+        st = check_device_range(a->logprobs, (size_t)logit_rows * 4, "logprobs");
+        if (st == MF_SUCCESS && a->logprobs_dst)
+            st = check_host_range(a->logprobs_dst, (size_t)logit_rows * 4, "logprobs destination");
+        if (st != MF_SUCCESS) return st;
+    }
+    const size_t esize = dtype_size(a->dtype);
+    if (!aligned(a->logits, esize) || !aligned(a->cells, 4))
+        return fail(MF_ERROR_INVALID_VALUE, "logits or cells pointer is misaligned");
+    const unsigned __int128 wide = ((unsigned __int128)(logit_rows - 1) * a->row_stride + a->vocab) * esize;
+    if (wide > (unsigned __int128)(SIZE_MAX / 2))
+        return fail(MF_ERROR_INVALID_VALUE, "logit rows x row_stride (%u x %llu) spans more memory than exists",
+                    logit_rows, (unsigned long long)a->row_stride);
+    st = check_device_range(a->logits, (size_t)wide, "logits");
+    if (st == MF_SUCCESS) st = check_device_range(a->cells, (size_t)a->cell_capacity * 4, "feed cells");
+    if (st == MF_SUCCESS && a->host_dst) st = check_host_range(a->host_dst, (size_t)cell_words * 4, "verify destination");
+    *event = nullptr;
+    if (st == MF_SUCCESS && a->event) st = resolve_event(a->event, event);
+    return st;
+}
 }  // namespace
 
 extern "C" {
@@ -356,6 +447,58 @@ mf_status mf_reference_forward(const mf_reference_args *a, mf_stream_t stream) {
     if (kept_for_graph(raw, [copy = *a](mf_stream_t s) { return mf_reference_forward(&copy, s); }))
         return MF_SUCCESS;
     return ops().reference_forward(a, raw);
+}
+
+
+mf_status mf_verify_to_feed(const mf_verify_args *args, mf_stream_t stream) {
+    MF_RANGE("verify_to_feed");
+    void *raw;
+    Slot *event;
+    mf_status status = check_verify(args, &event);
+    if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+    if (status == MF_SUCCESS && !(args->flags & MF_VERIFY_DRAFTS_DEVICE))
+        status = refuse_in_capture(raw, "verify_to_feed with host-resident drafts", true);
+    if (status == MF_SUCCESS && args->masks && !(args->flags & MF_ARGS_MASKS_DEVICE))
+        status = refuse_in_capture(raw, "verify_to_feed with host-resident masks", true);
+    if (status == MF_SUCCESS && args->params && !(args->flags & MF_ARGS_PARAMS_DEVICE))
+        status = refuse_in_capture(raw, "verify_to_feed with host-resident params", true);
+    if (status == MF_SUCCESS && args->host_dst)
+        status = capture_host_check(raw, args->host_dst, "verify_to_feed destination");
+    if (status == MF_SUCCESS && args->logprobs_dst)
+        status = capture_host_check(raw, args->logprobs_dst, "verify_to_feed logprobs destination");
+    if (status != MF_SUCCESS) return status;
+    if (kept_for_graph(raw, [copy = *args](mf_stream_t s) { return mf_verify_to_feed(&copy, s); }))
+        return MF_SUCCESS;
+    mf_verify_args local = *args;
+    if (!local.masks) local.masks = no_masks();  // rows * (k + 1) <= MF_MAX_ROWS unmasked rows
+    const size_t cell_bytes = (size_t)args->rows * (args->k + 2) * 4, lp_bytes = (size_t)args->rows * (args->k + 1) * 4;
+    status = ops().verify(&local, raw);
+    if (status == MF_SUCCESS && args->host_dst)
+        status = ops().copy_async(args->host_dst, args->cells, cell_bytes, kD2H, raw);
+    if (status == MF_SUCCESS && args->logprobs_dst)
+        status = ops().copy_async(args->logprobs_dst, args->logprobs, lp_bytes, kD2H, raw);
+    if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, (mf_stream_t)(uintptr_t)raw);
+    return status;
+}
+
+mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
+                              uint32_t *out_advance, mf_stream_t stream) {
+    MF_RANGE("resolve_verified");
+    if (k == 0 || k > MF_MAX_DRAFTS) return fail(MF_ERROR_INVALID_VALUE, "k must be in [1, %u], got %u", MF_MAX_DRAFTS, k);
+    if (rows == 0 || (uint64_t)rows * (k + 1) > kMaxRows)
+        return fail(MF_ERROR_INVALID_VALUE, "rows * (k + 1) must be in [1, %u], got %u * %u", kMaxRows, rows, k + 1);
+    if (!out_ids && !out_advance) return fail(MF_ERROR_INVALID_VALUE, "resolve_verified needs out_ids or out_advance");
+    if (!cells || !aligned(cells, 4) || !aligned(out_ids, 4) || !aligned(out_advance, 4))
+        return fail(MF_ERROR_INVALID_VALUE, "cells, out_ids or out_advance is a null or misaligned pointer");
+    mf_status status = check_device_range(cells, (size_t)rows * (k + 2) * 4, "verify cells");
+    if (status == MF_SUCCESS && out_ids) status = check_device_range(out_ids, (size_t)rows * 4, "out_ids");
+    if (status == MF_SUCCESS && out_advance) status = check_device_range(out_advance, (size_t)rows * 4, "out_advance");
+    void *raw;
+    if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+    if (status != MF_SUCCESS) return status;
+    if (kept_for_graph(raw, [=](mf_stream_t s) { return mf_resolve_verified(cells, rows, k, out_ids, out_advance, s); }))
+        return MF_SUCCESS;
+    return ops().resolve_verified(cells, rows, k, out_ids, out_advance, raw);
 }
 
 }  // extern "C"

@@ -61,6 +61,13 @@ struct Ops {
     // and the record are composed by api_kernels.cpp.
     mf_status (*combine)(const mf_combine_args *args, void *stream);
 
+    // Speculative verification (verify_rule.h): cells and logprobs; copies and the record are
+    // composed by api_kernels.cpp. Host drafts, masks and params are consumed before return.
+    mf_status (*verify)(const mf_verify_args *args, void *stream);
+    // Each row's last emitted id and advance from verify cells, read when the kernel runs.
+    mf_status (*resolve_verified)(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
+                                  uint32_t *out_advance, void *stream);
+
     // Graphs (api_graph.cpp checks the arguments). `graph` is the backend's own object (cuda: a
     // cudaGraphExec_t); capture_end with graph NULL discards the capture.
     mf_status (*capture_begin)(void *stream);

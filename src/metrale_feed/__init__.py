@@ -59,6 +59,9 @@ from ._core import (
     stream_synchronize as stream_synchronize,
     write_pinned_u32 as write_pinned_u32,
 )
+from ._core import MAX_DRAFTS as MAX_DRAFTS
+from ._core import resolve_verified as resolve_verified
+from ._core import verify_to_feed as verify_to_feed
 from .dtypes import dtype as dtype
 from .errors import CudaError as CudaError
 from .errors import FeedError as FeedError

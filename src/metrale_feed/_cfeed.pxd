@@ -200,6 +200,32 @@ cdef extern from "metrale_feed/feed.h" nogil:
                                     uint32_t prev_rows, uint32_t *out, unsigned flags,
                                     mf_stream_t stream)
 
+    const uint32_t MF_MAX_DRAFTS
+    enum:
+        MF_VERIFY_DRAFTS_DEVICE
+    ctypedef struct mf_verify_args:
+        const void *logits
+        mf_dtype dtype
+        uint32_t rows
+        uint32_t k
+        uint32_t vocab
+        uint64_t row_stride
+        const uint32_t *drafts
+        const uint32_t *masks
+        const uint32_t *bitmask
+        const mf_sampling_params *params
+        const float *draft_probs
+        uint32_t flags
+        uint32_t *cells
+        uint32_t cell_capacity
+        void *host_dst
+        float *logprobs
+        void *logprobs_dst
+        mf_event_t event
+    mf_status mf_verify_to_feed(const mf_verify_args *args, mf_stream_t stream)
+    mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
+                                  uint32_t *out_advance, mf_stream_t stream)
+
     ctypedef struct mf_reference_args:
         const uint32_t *input_ids
         const uint32_t *meta

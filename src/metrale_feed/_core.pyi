@@ -10,6 +10,7 @@ from metrale_feed.errors import FeedError as FeedError
 
 NO_TOKEN: Final[int]
 MAX_ROWS: Final[int]
+MAX_DRAFTS: Final[int]
 MAX_VOCAB: Final[int]
 # The C API capsule ("metrale_feed._C_API") that metrale_feed/capi.h's mf_import_capi() reads.
 _C_API: object
@@ -224,6 +225,17 @@ def sample_to_feed(logits: _DeviceLike, params: Buffer | _DeviceLike, cells: _De
 def resolve_feed(sources: _WordsLike | _DeviceLike, cells: _DeviceLike, out: _DeviceLike,
                  stream: _StreamLike = 0, *, prev_rows: int | None = None,
                  rows: int | None = None) -> None: ...
+
+def verify_to_feed(logits: _DeviceLike, drafts: _WordsLike | _DeviceLike, cells: _DeviceLike,
+                   dst: Buffer | int | None, event: _EventLike | None, stream: _StreamLike = 0, *,
+                   k: int, masks: _MasksLike | _DeviceLike | None = None,
+                   bitmask: _DeviceLike | None = None, params: Buffer | _DeviceLike | None = None,
+                   draft_probs: _DeviceLike | None = None, logprobs: _DeviceLike | None = None,
+                   logprobs_dst: Buffer | int | None = None, rows: int | None = None,
+                   vocab: int | None = None, dtype: _DType | None = None,
+                   row_stride: int | None = None, shard: None = None) -> int: ...
+def resolve_verified(cells: _DeviceLike, out_ids: _DeviceLike | None, out_advance: _DeviceLike | None,
+                     stream: _StreamLike = 0, *, rows: int | None = None, k: int | None = None) -> None: ...
 
 # ---- partial blocks of a row split, and their combine (docs/kernels.md) ----
 

@@ -26,6 +26,7 @@ from metrale_feed.errors import CudaError, FeedError
 NO_TOKEN = MF_NO_TOKEN
 MAX_ROWS = MF_MAX_ROWS    # rows one kernel launch takes (feed.h)
 MAX_VOCAB = MF_MAX_VOCAB  # the largest vocabulary (feed.h): ids fit a float32 mantissa
+MAX_DRAFTS = MF_MAX_DRAFTS  # drafts per row verify_to_feed takes (feed.h)
 
 include "_state.pxi"
 include "_errors.pxi"

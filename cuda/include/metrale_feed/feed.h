@@ -312,6 +312,49 @@ MF_EXPORT mf_status mf_resolve_feed_flags(const uint32_t *sources, uint32_t n,
                                           const uint32_t *cells, uint32_t prev_rows,
                                           uint32_t *out, unsigned flags, mf_stream_t stream);
 
+/* verify_to_feed: speculative decoding's verification (docs/kernels.md, "Verify"; verify_rule.h).
+ * Row r has k drafts (drafts[r*k ..], MF_NO_TOKEN ends them early) and k + 1 logit rows: position
+ * j of row r is logit row r*(k+1) + j, its input then its first j drafts. The row accepts drafts
+ * in order while the rule agrees and then emits one id of its own, so it emits n ids,
+ * 1 <= n <= k + 1: greedy rows (no params, or temperature 0) accept a draft equal to the argmax
+ * rule at its position and emit the rule's id at the first mismatch (or after the last draft);
+ * sampled rows follow the speculative sampling rule over sample_to_feed's distribution at
+ * position + j, against the drafter's distributions draft_probs (device float32, rows*k rows of
+ * vocab, row r*k + j for draft j of row r; read when the kernel runs), or one-hot drafts when it
+ * is NULL. cells[r*(k+2)] = n, then the n ids, then MF_NO_TOKEN; host_dst gets the same
+ * rows*(k+2) words, logprobs (rows*(k+1) floats) one logprob per emitted id and NaN past n.
+ * masks (rows*(k+1)*2 ids) and bitmask (rows*(k+1) rows of words) are per logit row; params one
+ * record per row (position is position 0's). Host drafts are read and checked before the call
+ * returns; with MF_VERIFY_DRAFTS_DEVICE they are device memory read when the kernel runs, where an
+ * id >= vocab is never accepted. flags take MF_ARGS_MASKS_DEVICE and MF_ARGS_PARAMS_DEVICE too. */
+#define MF_MAX_DRAFTS 64u
+enum { MF_VERIFY_DRAFTS_DEVICE = 0x10000u }; /* apart from the MF_ARGS_* bits it shares flags with */
+typedef struct mf_verify_args {
+    const void *logits;
+    mf_dtype dtype;
+    uint32_t rows;           /* rows of drafts; rows * (k + 1) <= MF_MAX_ROWS logit rows */
+    uint32_t k;              /* drafts per row, 1..MF_MAX_DRAFTS */
+    uint32_t vocab;
+    uint64_t row_stride;     /* elements between logit rows, >= vocab */
+    const uint32_t *drafts;  /* rows*k ids, host unless MF_VERIFY_DRAFTS_DEVICE */
+    const uint32_t *masks;   /* rows*(k+1)*2, host unless MF_ARGS_MASKS_DEVICE; NULL: none */
+    const uint32_t *bitmask; /* device, rows*(k+1)*ceil(vocab/32) words, or NULL */
+    const mf_sampling_params *params; /* rows records, NULL: greedy; host unless MF_ARGS_PARAMS_DEVICE */
+    const float *draft_probs;         /* device, rows*k*vocab, or NULL: one-hot drafts */
+    uint32_t flags;
+    uint32_t *cells;         /* device */
+    uint32_t cell_capacity;  /* in words, >= rows*(k+2) */
+    void *host_dst;          /* host, rows*(k+2)*4 bytes, or NULL */
+    float *logprobs;         /* device, rows*(k+1) floats, or NULL */
+    void *logprobs_dst;      /* host, rows*(k+1)*4 bytes, or NULL (needs logprobs) */
+    mf_event_t event;        /* 0: none */
+} mf_verify_args;
+MF_EXPORT mf_status mf_verify_to_feed(const mf_verify_args *args, mf_stream_t stream);
+/* The next step's inputs from verify cells: out_ids[r] = row r's last emitted id, out_advance[r]
+ * = its n (either may be NULL), read from cells (rows*(k+2) words) when the kernel runs. */
+MF_EXPORT mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k,
+                                        uint32_t *out_ids, uint32_t *out_advance, mf_stream_t stream);
+
 /* The reference model's forward. Per row r (device arrays): meta[2r] = seq_len (the position
  * written), meta[2r+1] = offset of the row's block table in tables; input_ids[r] is written into
  * kv at that position, then logits row r (rows x vocab, dtype) is computed from the history:

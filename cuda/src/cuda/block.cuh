@@ -31,6 +31,10 @@ struct MaxPacked {
         return mf_pack_max(a, b);
     }
 };
+// The greater float; a NaN never wins (it is never greater), so a row's NaNs count as -inf.
+struct MaxFloat {
+    __device__ float operator()(float a, float b) const { return b > a ? b : a; }
+};
 struct Sum {
     template <class T>
     __device__ T operator()(T a, T b) const { return a + b; }

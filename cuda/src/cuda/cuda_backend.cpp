@@ -384,6 +384,18 @@ mf_status reference_forward(const mf_reference_args *a, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status verify(const mf_verify_args *a, void *stream) {
+    MF_CUDA_TRY(cudak::launch_verify(*a, as_stream(stream)), "launching mf_verify_kernel");
+    return MF_SUCCESS;
+}
+
+mf_status resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
+                           uint32_t *out_advance, void *stream) {
+    MF_CUDA_TRY(cudak::launch_resolve_verified(cells, rows, k, out_ids, out_advance, as_stream(stream)),
+                "launching mf_resolve_verified_kernel");
+    return MF_SUCCESS;
+}
+
 mf_status stream_wait(void *raw, uint32_t timeout_us, uint64_t *mark, int *done) {
     *mark = 1;  // cudaStreamQuery answers for all work queued so far
     return poll_for(timeout_us, done, [raw](int *d) { return stream_query(raw, d); });
@@ -434,6 +446,8 @@ const Ops cuda_ops = {
     .launch_host_func = launch_host_func,
     .current_device = current_device,
     .combine = combine,
+    .verify = verify,
+    .resolve_verified = resolve_verified,
     .capture_begin = cudag::capture_begin,
     .capture_status = cudag::capture_status,
     .capture_end = cudag::capture_end,

@@ -82,6 +82,12 @@ cudaError_t launch_logprob_stats(const mf_argmax_args &args, cudaStream_t stream
 // Cells, logprobs and the fault word from gathered partial blocks; params (host) by value.
 cudaError_t launch_combine(const mf_combine_args &args, cudaStream_t stream);
 
+// Speculative verification (verify_feed.cu): one block per row, its positions in order; host
+// drafts, masks and params travel by value, device ones are read when it runs.
+cudaError_t launch_verify(const mf_verify_args &args, cudaStream_t stream);
+cudaError_t launch_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
+                                    uint32_t *out_advance, cudaStream_t stream);
+
 cudaError_t launch_reference(const mf_reference_args &args, cudaStream_t stream);
 
 // Whether this build has a kernel image (SASS or PTX) the current device can load.

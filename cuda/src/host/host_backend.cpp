@@ -245,6 +245,22 @@ mf_status combine(const mf_combine_args *args, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status verify(const mf_verify_args *args, void *stream) {
+    try {  // no C++ exception crosses the C ABI: copying the host inputs may run out of memory
+        VerifyJob job(*args);  // host drafts, masks and params are copied here: the caller may reuse them
+        stream_of(stream)->enqueue("verify", [job = std::move(job)] { run_verify(job); });
+    } catch (const std::bad_alloc &) {
+        return fail(MF_ERROR_OUT_OF_MEMORY, "verify_to_feed: out of host memory for its inputs");
+    }
+    return MF_SUCCESS;
+}
+
+mf_status resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
+                           uint32_t *out_advance, void *stream) {
+    stream_of(stream)->enqueue("resolve_verified", [=] { run_resolve_verified(cells, rows, k, out_ids, out_advance); });
+    return MF_SUCCESS;
+}
+
 }  // namespace
 
 uint32_t lag_us() { return g_lag_us.load(std::memory_order_relaxed); }
@@ -284,6 +300,8 @@ const Ops host_ops = {
     .launch_host_func = launch_host_func,
     .current_device = current_device,
     .combine = combine,
+    .verify = verify,
+    .resolve_verified = resolve_verified,
     .capture_begin = capture_begin,
     .capture_status = capture_status,
     .capture_end = capture_end,

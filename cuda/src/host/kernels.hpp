@@ -49,6 +49,20 @@ bool use_portable_argmax(bool portable);  // for tests of both paths; false: no 
 uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
                     const mf_sampling_params &p, bool vector, uint32_t base = 0);
 
+// The survivors of a sampled row as sample_row filters them (sample_host.cpp): top is the
+// greatest finite candidate, packed (0: none); zmax its z (not finite: sample_row answers the top);
+// threshold the top_k/top_p packed threshold (0: none). For the verifier.
+struct SampleTarget {
+    uint64_t top;
+    float zmax;
+    uint64_t threshold;
+};
+SampleTarget sample_target(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
+                           const mf_sampling_params &p, bool vector);
+// The total mass of the survivors of t, min_p included (verify_rule.h's p(x) = mass / total).
+uint64_t survivor_mass(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
+                       const mf_sampling_params &p, const SampleTarget &t, bool vector);
+
 // One stage of a split row's filters on a slice (feed.h's MF_ARGS_SELECT): TOP returns the
 // slice's greatest finite candidate (local id), HIST adds the digit's weights to bins[16], RACE
 // returns the race winner over the survivors (local id); a pending cut in `st` is applied first.
@@ -80,6 +94,36 @@ struct CombineJob {
     std::vector<mf_sampling_params> params;
 };
 void run_combine(const CombineJob &job);
+
+// What one verify launch needs when the worker runs it: host drafts, masks and params copied now.
+struct VerifyJob {
+    explicit VerifyJob(const mf_verify_args &a) : args(a) {
+        const size_t logit_rows = (size_t)a.rows * (a.k + 1);
+        if (!(a.flags & MF_VERIFY_DRAFTS_DEVICE)) {
+            drafts.assign(a.drafts, a.drafts + (size_t)a.rows * a.k);
+            args.drafts = nullptr;
+        }
+        if (!(a.flags & MF_ARGS_MASKS_DEVICE)) {
+            masks.assign(a.masks, a.masks + 2 * logit_rows);
+            args.masks = nullptr;
+        }
+        if (a.params && !(a.flags & MF_ARGS_PARAMS_DEVICE)) {
+            params.assign(a.params, a.params + a.rows);
+            args.params = nullptr;
+        }
+    }
+    const uint32_t *draft_ids() const { return args.drafts ? args.drafts : drafts.data(); }
+    const uint32_t *mask_words() const { return args.masks ? args.masks : masks.data(); }
+    const mf_sampling_params *row_params() const {
+        return args.params ? args.params : (params.empty() ? nullptr : params.data());
+    }
+    mf_verify_args args;
+    std::vector<uint32_t> drafts, masks;
+    std::vector<mf_sampling_params> params;
+};
+void run_verify(const VerifyJob &job);
+void run_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
+                          uint32_t *out_advance);
 
 // Clears FTZ/DAZ for the lifetime of the guard: the rules are defined on IEEE arithmetic with
 // subnormals, whatever a library loaded into the process did to this thread's MXCSR.

@@ -575,4 +575,36 @@ uint32_t select_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_ro
     return race_row(v, p, top, zmax, st.floor, vector);
 }
 
+// The survivors of a sampled row under sample_row's filters, for the verifier (verify_host.cpp):
+// the greatest finite candidate (0: none), zmax (not finite: the draw is the top) and the top_k and
+// top_p threshold on the packed word; min_p is per id, against zmax (verify_rule.h).
+SampleTarget sample_target(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
+                           const mf_sampling_params &params, bool vector) {
+    const mf_sample_plan p = mf_plan_sampling(&params);
+    row = widened(row, &dtype, vocab, &vector);
+    const RowView v{row, (int)dtype, vocab, rule, p.inv_t, 0u};
+    SampleTarget t{top_candidate(v), 0.0f, 0u};
+    if (!t.top) return t;
+    t.zmax = v.z(mf_logit_bits(row, v.dt, mf_unpack_id(t.top)));
+    if (!mf_finite_bits(mf_to_bits(t.zmax))) return t;
+    if (p.top_k) t.threshold = select_threshold(v, false, t.zmax, 0, p.top_k, 1.0f, vector);
+    if (p.use_top_p) t.threshold = select_threshold(v, true, t.zmax, t.threshold, 0, p.top_p, vector);
+    return t;
+}
+
+// The survivors' total mass under t (sample_target's), min_p included: for_weighted's masses, which
+// are the rule's (mf_mass of mf_exp_neg), on the vector path where the row allows.
+uint64_t survivor_mass(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
+                       const mf_sampling_params &params, const SampleTarget &t, bool vector) {
+    const mf_sample_plan p = mf_plan_sampling(&params);
+    row = widened(row, &dtype, vocab, &vector);
+    const RowView v{row, (int)dtype, vocab, rule, p.inv_t, 0u};
+    uint64_t total = 0;
+    for_weighted(v, true, t.zmax, t.threshold, KeyMask::top12(-1), vector, [&](uint32_t id, uint64_t, uint64_t w) {
+        if (p.use_min_p && !(mf_exp_neg(mf_fsub(v.z(mf_logit_bits(v.row, v.dt, id)), t.zmax)) >= p.min_p)) return;
+        total += w;
+    });
+    return total;
+}
+
 }  // namespace mf::host

@@ -145,6 +145,35 @@ mf_status combine(const mf_combine_args *args, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status verify(const mf_verify_args *args, void *stream) {
+    try {
+        host::VerifyJob job(*args);  // host drafts, masks and params copied: the caller may reuse them
+        host::stream_of(stream)->enqueue("verify", [job = std::move(job)] {
+            mf_verify_args a = job.args;
+            a.drafts = job.draft_ids();
+            a.masks = job.mask_words();
+            a.params = job.row_params();
+            check(simtk::launch_verify(a, nullptr), "mf_verify_kernel");
+        });
+    } catch (const std::bad_alloc &) {
+        return fail(MF_ERROR_OUT_OF_MEMORY, "verify_to_feed: out of host memory for its inputs");
+    }
+    return MF_SUCCESS;
+}
+
+mf_status resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
+                           uint32_t *out_advance, void *stream) {
+    try {
+        host::stream_of(stream)->enqueue("resolve_verified", [=] {
+            check(simtk::launch_resolve_verified(cells, rows, k, out_ids, out_advance, nullptr),
+                  "mf_resolve_verified_kernel");
+        });
+    } catch (const std::bad_alloc &) {
+        return fail(MF_ERROR_OUT_OF_MEMORY, "resolve_verified: out of memory");
+    }
+    return MF_SUCCESS;
+}
+
 mf_status device_name(int, char *buf, size_t buflen) {
     if (buflen) std::snprintf(buf, buflen, "simt (CUDA kernels on the CPU, %d SMs planned)", config().sm_count);
     return MF_SUCCESS;
@@ -159,6 +188,8 @@ Ops make_ops() {
     o.resolve = resolve;
     o.reference_forward = reference_forward;
     o.combine = combine;
+    o.verify = verify;
+    o.resolve_verified = resolve_verified;
     return o;
 }
 

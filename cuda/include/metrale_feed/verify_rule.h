@@ -1,0 +1,137 @@
+/* Speculative verification (verify_to_feed, feed.h), shared verbatim by the CUDA kernel and the
+ * host kernel: what a position decides is these functions on both.
+ *
+ * Position j of a row is judged under the rule sample_to_feed would apply there: its params with
+ * position + j (the argmax rule when greedy). With one-hot draft distributions q_j (draft x_j
+ * has probability 1) the speculative sampling rule (Leviathan et al. 2023; Chen et al. 2023)
+ * becomes: accept x_j with probability p_j(x_j); at the first rejection emit a draw from p_j
+ * without x_j, renormalised; after the last accepted draft emit a draw from p_j itself. Each
+ * emitted id is then distributed as p_j, whatever the drafts were.
+ *
+ * p_j(x) is a survivor's mass over the survivors' total (sample_rule.h's integer masses, so the
+ * sum is the same in any order); the draw without x is sample_rule.h's exponential race over the
+ * survivors other than x, so a rejected position emits sample_to_feed's own id at position + j
+ * unless that id is x, in which case it emits the race's runner-up.
+ *
+ * Counter streams: the race's Gumbel of id v at position P uses Philox block (v / 4, P, 0, 0)
+ * (philox.h). The accept uniform of position P uses block (0, P, 1, 0), word 0: the third counter
+ * word is 1 in this stream and 0 in every race's, so no accept uniform is ever a race's draw and
+ * the accept decision is independent of the residual draw. */
+#ifndef METRALE_FEED_VERIFY_RULE_H
+#define METRALE_FEED_VERIFY_RULE_H
+
+#include "metrale_feed/feed.h"
+#include "metrale_feed/sample_rule.h"
+
+#define MF_VERIFY_STREAM 1u /* the third Philox counter word of the accept uniforms */
+
+/* The 32 random bits of the accept uniform at (seed, position). */
+MF_HD uint32_t mf_verify_uniform_bits(uint64_t seed, uint32_t position) {
+    mf_philox4 c;
+    c.v[0] = 0u;
+    c.v[1] = position;
+    c.v[2] = MF_VERIFY_STREAM;
+    c.v[3] = 0u;
+    return mf_philox4x32_10(c, (uint32_t)seed, (uint32_t)(seed >> 32)).v[0];
+}
+
+/* A row's drafts in use: those before the first MF_NO_TOKEN, at most k. */
+MF_HD uint32_t mf_verify_drafts(const uint32_t *drafts, uint32_t k) {
+    uint32_t d = 0u;
+    while (d < k && drafts[d] != MF_NO_TOKEN) ++d;
+    return d;
+}
+
+/* The params of position j of a row: the row's, at position + j (mod 2**32, as the counter is). */
+MF_HD mf_sampling_params mf_verify_params_at(const mf_sampling_params *p, uint32_t j) {
+    mf_sampling_params q = *p;
+    q.position = p->position + j;
+    return q;
+}
+
+/* Whether a candidate (finite logit `bits`, id) survives the filters: packed >= the top_k/top_p
+ * threshold, and min_p against zmax (sample_rule.h). */
+MF_HD int mf_verify_survives(uint32_t bits, uint32_t id, uint64_t threshold, const mf_sample_plan *p,
+                             float zmax) {
+    if (threshold && mf_pack(mf_key_f32(bits), id) < threshold) return 0;
+    return !p->use_min_p || mf_exp_neg(mf_fsub(mf_scaled(bits, p->inv_t), zmax)) >= p->min_p;
+}
+
+/* A survivor's mass: floor(exp(z - zmax) * 2**39), the weight top_p counts. */
+MF_HD uint64_t mf_verify_mass(uint32_t bits, float inv_t, float zmax) {
+    return mf_mass(mf_exp_neg(mf_fsub(mf_scaled(bits, inv_t), zmax)));
+}
+
+/* Whether the accept uniform U = (u24 + 1/2) / 2**24 (u24 its top 24 bits, sample_rule.h's
+ * mf_uniform) is below mass_x / total, in integers: (2 u24 + 1) * total < mass_x * 2**25. Both
+ * sides are below 2**89, compared as (high, low 32 bits) pairs; total < 2**63, mass_x <= 2**39. */
+MF_HD int mf_verify_accept(uint32_t bits, uint64_t mass_x, uint64_t total) {
+    const uint64_t a = 2u * (uint64_t)(bits >> 8) + 1u;
+    const uint64_t lo = (total & 0xFFFFFFFFull) * a, hi = (total >> 32) * a;
+    const uint64_t l_hi = hi + (lo >> 32), l_lo = lo & 0xFFFFFFFFull;
+    const uint64_t r_hi = mass_x >> 7, r_lo = (mass_x & 0x7Full) << 25;
+    return l_hi < r_hi || (l_hi == r_hi && l_lo < r_lo);
+}
+
+/* One position's verdict on draft x. `exact`: the position's id is fixed (greedy, or a sampled
+ * row whose zmax is not finite, where sample_to_feed answers its top candidate `t`), so x is
+ * accepted when it is t. Otherwise the accept uniform against x's mass (0 when x is not a
+ * survivor) over the survivors' total. */
+MF_HD int mf_verify_accepts(int exact, uint32_t t, uint32_t x, uint64_t seed, uint32_t position,
+                            uint64_t mass_x, uint64_t total) {
+    if (exact) return x == t && t != MF_NO_TOKEN;
+    return mass_x != 0u && mf_verify_accept(mf_verify_uniform_bits(seed, position), mass_x, total);
+}
+
+/* ---- general draft distributions (draft_probs) ----
+ * q(v) is the drafter's probability of v at the position, a float32 read as given (a value that is
+ * not finite and > 0 counts as 0); p(v) = mass(v) / total over the survivors, in float64. Draft x
+ * is accepted with probability min(1, p(x) / q(x)): when U * q(x) < p(x) (U the accept uniform;
+ * q(x) = 0 with p(x) > 0 accepts). A rejection draws from max(0, p - q), renormalised, by the
+ * same exponential race over the weights w(v) = p(v) - q(v) that are positive in float32: the
+ * score of v is log w(v) + g(v), with g(v) sample_rule.h's Gumbel of v. Every step is one IEEE
+ * operation in round-to-nearest (the _rn intrinsics on the device), so both backends agree. */
+#if defined(__CUDA_ARCH__)
+MF_HD double mf_dsub(double a, double b) { return __dsub_rn(a, b); }
+MF_HD double mf_dmul(double a, double b) { return __dmul_rn(a, b); }
+MF_HD double mf_ddiv(double a, double b) { return __ddiv_rn(a, b); }
+#else
+MF_HD double mf_dsub(double a, double b) { return a - b; }
+MF_HD double mf_dmul(double a, double b) { return a * b; }
+MF_HD double mf_ddiv(double a, double b) { return a / b; }
+#endif
+
+MF_HD double mf_verify_q(float q) { return q > 0.0f && q <= 3.4e38f ? (double)q : 0.0; } /* NaN: 0 */
+
+MF_HD double mf_verify_p(uint64_t mass, uint64_t total) { return mf_ddiv((double)mass, (double)total); }
+
+MF_HD int mf_verify_accepts_q(uint64_t seed, uint32_t position, double px, double qx) {
+    return px > 0.0 && mf_dmul((double)mf_uniform(mf_verify_uniform_bits(seed, position)), qx) < px;
+}
+
+/* The residual weight of v as a positive normal float32, or 0 (v does not race). */
+MF_HD float mf_verify_residual(double pv, double qv) {
+    const float w = (float)mf_dsub(pv, qv);
+    return w >= 1.17549435e-38f ? w : 0.0f; /* FLT_MIN: mf_log_pos takes normal numbers */
+}
+
+MF_HD float mf_verify_residual_score(float w, uint64_t seed, uint32_t position, uint32_t v) {
+    return mf_fadd(mf_log_pos(w), mf_gumbel(seed, position, v));
+}
+
+/* Row r's cells: n, the n ids, then MF_NO_TOKEN up to k + 2 words. */
+MF_HD void mf_verify_write_cells(uint32_t *row_cells, uint32_t k, const uint32_t *ids, uint32_t n) {
+    row_cells[0] = n;
+    for (uint32_t i = 0; i < k + 1u; ++i) row_cells[1u + i] = i < n ? ids[i] : MF_NO_TOKEN;
+}
+
+/* The next step's input id of a verified row (its last emitted id) and its advance n; a cell
+ * word n outside [1, k + 1] (cells another call wrote) gives MF_NO_TOKEN and 0. */
+MF_HD void mf_verify_resolve(const uint32_t *row_cells, uint32_t k, uint32_t *id, uint32_t *n) {
+    const uint32_t c = row_cells[0];
+    const int ok = c >= 1u && c <= k + 1u;
+    *id = ok ? row_cells[c] : MF_NO_TOKEN;
+    *n = ok ? c : 0u;
+}
+
+#endif
