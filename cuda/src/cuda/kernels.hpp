@@ -1,4 +1,4 @@
-// Launchers of the CUDA kernels (cuda/*.cu), called by the cuda backend. Plain C++ so g++ can
+// Launchers of the CUDA kernels (kernels/*.cu, beside this header), called by the cuda backend. Plain C++ so g++ can
 // include it; every launcher returns the first launch error (cudaGetLastError) or cudaSuccess.
 //
 // The same sources build twice: by nvcc for the cuda backend (namespace cudak), and by the host
