@@ -58,8 +58,15 @@ from ._core import (
     write_pinned_u32 as write_pinned_u32,
 )
 from .dtypes import dtype as dtype
+from .errors import BackendUnavailable as BackendUnavailable
+from .errors import CaptureError as CaptureError
 from .errors import CudaError as CudaError
+from .errors import DeviceError as DeviceError
 from .errors import FeedError as FeedError
+from .errors import FeedMemoryError as FeedMemoryError
+from .errors import InjectedFault as InjectedFault
+from .errors import InternalError as InternalError
+from .errors import InvalidHandleError as InvalidHandleError
 from .errors import KvPoolExhausted as KvPoolExhausted
 from .errors import NoDeviceTokenFeed as NoDeviceTokenFeed
 from .feed import FeedSource as FeedSource
