@@ -82,7 +82,7 @@ typedef struct mf_host_faults {
     /* Counts every event creation, the binding's own too: it stands in for a full event table. */
     uint64_t fail_event_create_at;
 } mf_host_faults;
-MF_EXPORT void mf_host_configure(const mf_host_faults *faults);
+MF_EXPORT void mf_host_configure(const mf_host_faults *faults); /* NULL: every knob off */
 /* Threads one host-backend kernel may use (the stream's worker included); 0 = every core. A
  * simulated device of fewer cores leaves the others to the scheduler, as a real GPU does. */
 MF_EXPORT void mf_host_set_kernel_threads(unsigned threads);

@@ -10,7 +10,7 @@
 
 #include "../registry.hpp"
 
-#include "../backend.hpp"
+#include "../api.hpp"
 #include "graph.hpp"
 #include "kernels.hpp"
 #include "queue.hpp"
@@ -321,6 +321,8 @@ const Ops host_ops = {
 extern "C" {
 void mf_host_configure(const mf_host_faults *faults) {
     using namespace mf::host;
+    static const mf_host_faults off{};
+    if (!faults) faults = &off;  // NULL: every knob off
     g_lag_us.store(faults->lag_us);
     g_fail_query.store(faults->fail_event_query_at);
     g_fail_alloc.store(faults->fail_alloc_at);
@@ -330,7 +332,9 @@ void mf_host_configure(const mf_host_faults *faults) {
 }
 
 void mf_host_set_kernel_threads(unsigned threads) { mf::host::set_kernel_threads(threads); }
-unsigned mf_host_kernel_threads(void) { return mf::host::kernel_threads(); }
+unsigned mf_host_kernel_threads(void) {  // the first use makes the pool, which may throw
+    return mf::guard_value(1u, [] { return mf::host::kernel_threads(); });
+}
 const char *mf_host_argmax_isa(int force_portable) {
     if (force_portable >= 0) mf::host::use_portable_argmax(force_portable != 0);
     return mf::host::argmax_isa();
@@ -338,6 +342,7 @@ const char *mf_host_argmax_isa(int force_portable) {
 
 void mf_host_faults_get(mf_host_faults *out) {
     using namespace mf::host;
+    if (!out) return;
     out->lag_us = g_lag_us.load();
     out->fail_event_query_at = g_fail_query.load();
     out->fail_alloc_at = g_fail_alloc.load();
