@@ -38,6 +38,7 @@ uint64_t Event::record(const Stream *on) {
     uint64_t ticket = recorded.load(std::memory_order_relaxed) + 1;
     outstanding.insert(ticket);
     recorded.store(ticket, std::memory_order_release);
+    previous_on = latest_on;
     latest_on = on;
     return ticket;
 }
@@ -50,6 +51,7 @@ void Event::unrecord(uint64_t ticket) {
         // saw a later ticket and left latest_done behind). Else a later record supersedes it.
         if (recorded.load(std::memory_order_relaxed) == ticket) {
             recorded.store(ticket - 1, std::memory_order_release);
+            latest_on = previous_on;
             if (!outstanding.count(ticket - 1)) latest_done.store(ticket - 1, std::memory_order_release);
         }
     }

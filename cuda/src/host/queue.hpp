@@ -47,6 +47,7 @@ struct Event {
     std::condition_variable changed;
     std::unordered_set<uint64_t> outstanding;  // tickets queued, not yet run (under mutex)
     const Stream *latest_on = nullptr;         // the stream of the latest ticket (under mutex)
+    const Stream *previous_on = nullptr;       // and of the one before it, for unrecord()
 };
 
 class Stream {
