@@ -189,7 +189,7 @@ C_SOURCE = textwrap.dedent(
             (st = feed->copy_h2d_async(dev_logits, logits, (size_t)nbytes, 0))) {
             goto fail;
         }
-        memset(&a, 0, sizeof a);
+        mf_argmax_args_init(&a);
         a.logits = dev_logits;
         a.dtype = MF_DTYPE_F32;
         a.rows = rows;
@@ -203,7 +203,16 @@ C_SOURCE = textwrap.dedent(
         feed->nvtx_push("capi-test argmax");
         if (entry == 1) {
             memset(&old, 0xA5, sizeof old);
-            memcpy(&old.v1, &a, sizeof old.v1);  /* the leading fields are version 1's */
+            old.v1.logits = a.logits;
+            old.v1.dtype = a.dtype;
+            old.v1.rows = a.rows;
+            old.v1.vocab = a.vocab;
+            old.v1.row_stride = a.row_stride;
+            old.v1.masks = a.masks;
+            old.v1.cells = a.cells;
+            old.v1.cell_capacity = a.cell_capacity;
+            old.v1.host_dst = a.host_dst;
+            old.v1.event = a.event;
             st = feed->argmax_to_feed_v1(&old.v1, 0);
         } else if (entry == 3) {
             st = argmax_graph(&a, event);

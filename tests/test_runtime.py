@@ -891,7 +891,8 @@ def test_backend_env_selection(tmp_path):
         assert cuda.returncode != 0
         last = cuda.stderr.strip().splitlines()[-1]
         assert last.startswith(("metrale_feed.errors.CudaError", "metrale_feed.errors.FeedError",
-                                "CudaError", "FeedError")), cuda.stderr
+                                "metrale_feed.errors.BackendUnavailable", "CudaError", "FeedError",
+                                "BackendUnavailable")), cuda.stderr
         message = last.split(":", 1)[1].strip()
         assert len(message) > 10, cuda.stderr
 

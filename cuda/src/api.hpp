@@ -6,6 +6,44 @@
 
 namespace mf {
 
+// No C++ exception may cross the C ABI (a C caller, or Python's, cannot catch one; it would end
+// the process in std::terminate). Every extern "C" entry point runs its body through guard(), so
+// the one mapping below decides what a throw becomes: out of memory (std::bad_alloc, a container's
+// length_error, the OS refusing a thread) is MF_ERROR_OUT_OF_MEMORY, anything else
+// MF_ERROR_INTERNAL, each with the last-error message set. try costs nothing until a throw.
+// Entry points must leave nothing half-done when a throw unwinds them: queue nothing, leak
+// nothing (the backends allocate before they publish, or roll back).
+mf_status exception_status() noexcept;  // error.cpp; only inside a catch handler
+template <class Body>
+mf_status guard(Body &&body) noexcept {
+    try {
+        return body();
+    } catch (...) {
+        return exception_status();
+    }
+}
+// For entry points without a status (counts, lookups, setters): `fallback` on a throw, the
+// last-error message says why.
+template <class R, class Body>
+R guard_value(R fallback, Body &&body) noexcept {
+    try {
+        return body();
+    } catch (...) {
+        exception_status();
+        return fallback;
+    }
+}
+template <class Body>
+void guard_void(Body &&body) noexcept {
+    try {
+        body();
+    } catch (...) {
+        exception_status();
+    }
+}
+// MF_ERROR_INVALID_VALUE unless `ptr` is set: for the pointers an entry point writes or reads.
+mf_status need(const void *ptr, const char *what);
+
 const Ops &ops();
 mf_backend active_kind();
 
@@ -17,6 +55,9 @@ mf_status resolve_stream(mf_stream_t stream, void **raw);
 // A live event's slot, or MF_ERROR_INVALID_HANDLE with the message set.
 mf_status resolve_event(mf_event_t event, Slot **slot);
 uint64_t live_stream_count();
+// A new handle for `raw` in `table`, or 0 with MF_ERROR_OUT_OF_MEMORY's message set (the table is
+// full, or could not grow): the caller then destroys `raw`, so a failed create leaks nothing.
+uint64_t insert_handle(SlotTable &table, void *raw, uint32_t flags, bool owned, const char *what) noexcept;
 
 // Device memory the active backend may touch: an allocation of ours with `nbytes` left, or, on
 // cuda only, a foreign pointer taken as is.
@@ -24,6 +65,23 @@ mf_status check_device_range(const void *ptr, size_t nbytes, const char *what);
 // Host memory a copy writes or reads: pinned memory of ours is range-checked, other host memory
 // is the caller's; a device allocation of ours is refused.
 mf_status check_host_range(const void *ptr, size_t nbytes, const char *what);
+
+// One byte range a call reads or writes, for refuse_overlaps.
+struct Span {
+    const void *ptr;
+    size_t nbytes;
+    const char *what;
+    bool written;
+};
+// MF_ERROR_INVALID_VALUE, naming both, when a span the call writes overlaps another of its spans:
+// two outputs would race, and an output over an input would be read back as something else (ids
+// as float bits). Null and empty spans take no part. Called after the range checks, before
+// anything is queued.
+mf_status refuse_overlaps(const Span *spans, size_t n);
+template <size_t N>
+mf_status refuse_overlaps(const Span (&spans)[N]) {
+    return refuse_overlaps(spans, N);
+}
 
 // Graph captures (api_graph.cpp). Each asks the backend whether `raw` (a resolved stream) is
 // capturing, which costs a lock-free check on the host and one runtime query on cuda, so callers

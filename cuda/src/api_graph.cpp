@@ -57,67 +57,78 @@ using namespace mf;
 extern "C" {
 
 mf_status mf_graph_begin(mf_stream_t stream) {
-    MF_RANGE("graph_begin");
-    if (stream == 0)
-        return fail(MF_ERROR_INVALID_VALUE,
-                    "the default stream cannot be captured (CUDA's legacy stream is not "
-                    "capturable): capture a stream of your own");
-    void *raw;
-    mf_status status = resolve_stream(stream, &raw);
-    int on;
-    if (status == MF_SUCCESS) status = capturing(raw, &on);
-    if (status != MF_SUCCESS) return status;
-    if (on) return fail(MF_ERROR_CAPTURE, "stream 0x%llx is already capturing a graph", (unsigned long long)stream);
-    return ops().capture_begin(raw);
+    return guard([&]() -> mf_status {
+        MF_RANGE("graph_begin");
+        if (stream == 0)
+            return fail(MF_ERROR_INVALID_VALUE,
+                        "the default stream cannot be captured (CUDA's legacy stream is not "
+                        "capturable): capture a stream of your own");
+        void *raw;
+        mf_status status = resolve_stream(stream, &raw);
+        int on;
+        if (status == MF_SUCCESS) status = capturing(raw, &on);
+        if (status != MF_SUCCESS) return status;
+        if (on) return fail(MF_ERROR_CAPTURE, "stream 0x%llx is already capturing a graph", (unsigned long long)stream);
+        return ops().capture_begin(raw);
+    });
 }
 
 mf_status mf_graph_end(mf_stream_t stream, mf_graph_t *out) {
-    MF_RANGE("graph_end");
-    if (out) *out = 0;
-    if (stream == 0) return fail(MF_ERROR_CAPTURE, "the default stream is never capturing");
-    void *raw;
-    mf_status status = resolve_stream(stream, &raw);
-    int on;
-    if (status == MF_SUCCESS) status = capturing(raw, &on);
-    if (status != MF_SUCCESS) return status;
-    if (!on) return fail(MF_ERROR_CAPTURE, "stream 0x%llx is not capturing a graph", (unsigned long long)stream);
-    void *graph = nullptr;
-    status = ops().capture_end(raw, out ? &graph : nullptr);
-    if (status != MF_SUCCESS || !out) return status;
-    *out = graph_table().insert(graph, 0, true);
-    if (*out == 0) {
-        ops().graph_destroy(graph);
-        return fail(MF_ERROR_OUT_OF_MEMORY, "too many live graphs");
-    }
-    return MF_SUCCESS;
+    return guard([&]() -> mf_status {
+        MF_RANGE("graph_end");
+        if (out) *out = 0;
+        if (stream == 0) return fail(MF_ERROR_CAPTURE, "the default stream is never capturing");
+        void *raw;
+        mf_status status = resolve_stream(stream, &raw);
+        int on;
+        if (status == MF_SUCCESS) status = capturing(raw, &on);
+        if (status != MF_SUCCESS) return status;
+        if (!on) return fail(MF_ERROR_CAPTURE, "stream 0x%llx is not capturing a graph", (unsigned long long)stream);
+        void *graph = nullptr;
+        status = ops().capture_end(raw, out ? &graph : nullptr);
+        if (status != MF_SUCCESS || !out) return status;
+        *out = insert_handle(graph_table(), graph, 0, true, "graph");
+        if (*out == 0) {
+            ops().graph_destroy(graph);
+            return MF_ERROR_OUT_OF_MEMORY;
+        }
+        return MF_SUCCESS;
+    });
 }
 
 mf_status mf_graph_launch(mf_graph_t graph, mf_stream_t stream) {
-    MF_RANGE("graph_launch");
-    Slot *slot;
-    void *raw;
-    mf_status status = graph_table().acquire(graph, &slot, "graph");
-    if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
-    int on;
-    if (status == MF_SUCCESS) status = capturing(raw, &on);
-    if (status != MF_SUCCESS) return status;
-    if (on) return fail(MF_ERROR_CAPTURE, "a graph cannot be launched on a stream that is capturing one");
-    return ops().graph_launch(slot->raw, raw, stream);
+    return guard([&]() -> mf_status {
+        MF_RANGE("graph_launch");
+        Slot *slot;
+        void *raw;
+        mf_status status = graph_table().acquire(graph, &slot, "graph");
+        if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+        int on;
+        if (status == MF_SUCCESS) status = capturing(raw, &on);
+        if (status != MF_SUCCESS) return status;
+        if (on) return fail(MF_ERROR_CAPTURE, "a graph cannot be launched on a stream that is capturing one");
+        return ops().graph_launch(slot->raw, raw, stream);
+    });
 }
 
 mf_status mf_graph_destroy(mf_graph_t graph) {
-    MF_RANGE("graph_destroy");
-    return graph_table().erase(graph, "graph");  // a launch using it meanwhile finishes first
+    return guard([&]() -> mf_status {
+        MF_RANGE("graph_destroy");
+        return graph_table().erase(graph, "graph");  // a launch using it meanwhile finishes first
+    });
 }
 
 mf_status mf_stream_capturing(mf_stream_t stream, int *out) {
-    PinScope pins;
-    void *raw;
-    *out = 0;
-    mf_status status = resolve_stream(stream, &raw);
-    return status != MF_SUCCESS ? status : capturing(raw, out);
+    return guard([&]() -> mf_status {
+        PinScope pins;
+        if (!out) return need(out, "out");
+        void *raw;
+        *out = 0;
+        mf_status status = resolve_stream(stream, &raw);
+        return status != MF_SUCCESS ? status : capturing(raw, out);
+    });
 }
 
-uint64_t mf_live_graphs(void) { return live_graph_count(); }
+uint64_t mf_live_graphs(void) { return live_graph_count(); }  // an atomic load: nothing throws
 
 }  // extern "C"

@@ -1,6 +1,7 @@
 // Public entry points: the two feed kernels and the reference forward. Every argument is checked
 // here, before anything is queued, so a bad call launches nothing.
 #include <cstdint>
+#include <cstring>
 
 #include "api.hpp"
 #include "metrale_feed/argmax_rule.h"
@@ -18,6 +19,32 @@ bool dtype_known(mf_dtype dtype) {
     return dtype == MF_DTYPE_F32 || dtype == MF_DTYPE_F16 || dtype == MF_DTYPE_BF16;
 }
 bool aligned(const void *ptr, size_t to) { return ((uintptr_t)ptr % to) == 0; }
+
+// A caller's descriptor, copied here before anything reads it (so another thread changing it
+// meanwhile cannot make what was checked differ from what runs). struct_size, its first field,
+// says which release of the descriptor the caller was built with (mf_*_args_init sets it): a size
+// this build knows is read to its end and the fields after it are zero (off); any other size, such
+// as the stack garbage of a caller that never called the init, is refused. Every size a release
+// shipped stays in `sizes` when fields are appended.
+template <class Args, size_t N>
+mf_status read_descriptor(const Args *in, Args *out, const char *name, const uint32_t (&sizes)[N]) {
+    if (!in) return fail(MF_ERROR_INVALID_VALUE, "the %s descriptor is a null pointer", name);
+    const uint32_t size = in->struct_size;
+    bool known = false;
+    for (uint32_t s : sizes) known |= s == size;
+    if (!known)
+        return fail(MF_ERROR_INVALID_VALUE,
+                    "%s.struct_size is %u, not a size of this build's descriptor (%zu bytes): set the "
+                    "descriptor up with %s_init(), which zero-fills it and sets the size",
+                    name, size, sizeof(Args), name);
+    std::memset(out, 0, sizeof *out);
+    std::memcpy(out, in, size);
+    return MF_SUCCESS;
+}
+constexpr uint32_t kArgmaxSizes[] = {sizeof(mf_argmax_args)};
+constexpr uint32_t kCombineSizes[] = {sizeof(mf_combine_args)};
+constexpr uint32_t kReferenceSizes[] = {sizeof(mf_reference_args)};
+constexpr uint32_t kVerifySizes[] = {sizeof(mf_verify_args)};
 
 // Host masks of MF_MAX_ROWS unmasked rows: what masks NULL means. A constant, so a graph that
 // captured it replays the same (no) masks.
@@ -101,6 +128,33 @@ mf_status check_partial(const mf_argmax_args *a) {
     return check_device_range(a->partials, ((size_t)a->rows + MF_PARTIAL_HEADER_RECORDS) * 16, "partials");
 }
 
+// What an argmax call writes must not overlap anything else it touches. Host-resident masks and
+// params are consumed before the call returns, so only device-resident inputs count.
+mf_status refuse_argmax_overlaps(const mf_argmax_args *a, size_t logits_bytes) {
+    const size_t rows = a->rows;
+    const bool partial = a->flags & MF_ARGS_PARTIAL;
+    const uint32_t total = partial ? a->vocab_total : a->vocab;
+    size_t block = (rows + MF_PARTIAL_HEADER_RECORDS) * 16;
+    if ((a->flags & MF_ARGS_SELECT) && a->select_stage == MF_SELECT_HIST)
+        block = MF_PARTIAL_HEADER_RECORDS * 16 + rows * MF_SELECT_BINS * 8;
+    const bool select = a->flags & MF_ARGS_SELECT;
+    const Span spans[] = {
+        {a->cells, partial ? 0 : rows * 4, "feed cells", true},
+        {a->host_dst, rows * 4, "argmax destination", true},
+        {a->logprobs, rows * 4, "logprobs", true},
+        {a->logprobs_dst, rows * 4, "logprobs destination", true},
+        {partial ? a->partials : nullptr, block, "partials", true},
+        {select ? a->select : nullptr, rows * sizeof(mf_select_row), "select state", true},
+        {select ? a->select_list : nullptr, rows * a->select_list_cap * 4, "select list", true},
+        {a->vocab ? a->logits : nullptr, logits_bytes, "logits", false},
+        {(a->flags & MF_ARGS_MASKS_DEVICE) ? a->masks : nullptr, rows * 8, "device-resident masks", false},
+        {a->bitmask, rows * mf_bitmask_words(total) * 4, "bitmask", false},
+        {(a->flags & MF_ARGS_PARAMS_DEVICE) ? a->params : nullptr, rows * sizeof(mf_sampling_params),
+         "device-resident sampling params", false},
+    };
+    return refuse_overlaps(spans);
+}
+
 mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
     if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "unknown logits dtype %d", (int)a->dtype);
     if (a->rows == 0 || a->rows > kMaxRows)
@@ -179,6 +233,7 @@ mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
         status = check_device_range(a->cells, (size_t)a->cell_capacity * 4, "feed cells");
     if (status == MF_SUCCESS && a->host_dst)
         status = check_host_range(a->host_dst, (size_t)a->rows * 4, "argmax destination");
+    if (status == MF_SUCCESS) status = refuse_argmax_overlaps(a, span);
     *event = nullptr;
     if (status == MF_SUCCESS && a->event) status = resolve_event(a->event, event);
     return status;
@@ -269,6 +324,20 @@ mf_status check_verify(const mf_verify_args *a, Slot **event) {
     st = check_device_range(a->logits, (size_t)wide, "logits");
     if (st == MF_SUCCESS) st = check_device_range(a->cells, (size_t)a->cell_capacity * 4, "feed cells");
     if (st == MF_SUCCESS && a->host_dst) st = check_host_range(a->host_dst, (size_t)cell_words * 4, "verify destination");
+    if (st == MF_SUCCESS) {  // what the call writes must not overlap anything else it touches
+        const Span spans[] = {
+            {a->cells, (size_t)cell_words * 4, "feed cells", true},
+            {a->host_dst, a->host_dst ? (size_t)cell_words * 4 : 0, "verify destination", true},
+            {a->logprobs, a->logprobs ? (size_t)logit_rows * 4 : 0, "logprobs", true},
+            {a->logprobs_dst, a->logprobs_dst ? (size_t)logit_rows * 4 : 0, "logprobs destination", true},
+            {a->logits, (size_t)wide, "logits", false},
+            {a->drafts, (size_t)a->rows * a->k * 4, "drafts", false},
+            {(a->flags & MF_ARGS_MASKS_DEVICE) ? a->masks : nullptr, (size_t)logit_rows * 8, "masks", false},
+            {a->bitmask, a->bitmask ? (size_t)logit_rows * mf_bitmask_words(a->vocab) * 4 : 0, "bitmask", false},
+            {a->draft_probs, a->draft_probs ? (size_t)a->rows * a->k * a->vocab * 4 : 0, "draft_probs", false},
+        };
+        st = refuse_overlaps(spans);
+    }
     *event = nullptr;
     if (st == MF_SUCCESS && a->event) st = resolve_event(a->event, event);
     return st;
@@ -277,228 +346,295 @@ mf_status check_verify(const mf_verify_args *a, Slot **event) {
 
 extern "C" {
 
-mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream) {
-    MF_RANGE("argmax_to_feed");
-    void *raw;
-    Slot *event;
-    mf_status status = check_argmax(args, &event);
-    if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
-    if (status == MF_SUCCESS && args->masks && !(args->flags & MF_ARGS_MASKS_DEVICE))
-        status = refuse_in_capture(raw, "argmax_to_feed with host-resident masks", true);
-    if (status == MF_SUCCESS && args->params && !(args->flags & MF_ARGS_PARAMS_DEVICE))
-        status = refuse_in_capture(raw, "sample_to_feed with host-resident params", true);
-    if (status == MF_SUCCESS && args->host_dst)
-        status = capture_host_check(raw, args->host_dst, "argmax_to_feed destination");
-    if (status != MF_SUCCESS) return status;
-    if (kept_for_graph(raw, [copy = *args](mf_stream_t s) { return mf_argmax_to_feed(&copy, s); }))
-        return MF_SUCCESS;
-    mf_argmax_args local;
-    if (!args->masks) {
-        local = *args;
-        local.masks = no_masks();
-        args = &local;
-    }
-    status = ops().argmax(args, raw);
-    if (status == MF_SUCCESS && args->host_dst)
-        status = ops().copy_async(args->host_dst, args->cells, (size_t)args->rows * 4, kD2H, raw);
-    if (status == MF_SUCCESS && args->logprobs_dst)
-        status = ops().copy_async(args->logprobs_dst, args->logprobs, (size_t)args->rows * 4, kD2H, raw);
-    if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, (mf_stream_t)(uintptr_t)raw);
-    return status;
+mf_status mf_argmax_to_feed(const mf_argmax_args *caller, mf_stream_t stream) {
+    return guard([&]() -> mf_status {
+        MF_RANGE("argmax_to_feed");
+        mf_argmax_args snapshot;
+        mf_status status = read_descriptor(caller, &snapshot, "mf_argmax_args", kArgmaxSizes);
+        if (status != MF_SUCCESS) return status;
+        const mf_argmax_args *args = &snapshot;
+        void *raw;
+        Slot *event;
+        status = check_argmax(args, &event);
+        if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+        if (status == MF_SUCCESS && args->masks && !(args->flags & MF_ARGS_MASKS_DEVICE))
+            status = refuse_in_capture(raw, "argmax_to_feed with host-resident masks", true);
+        if (status == MF_SUCCESS && args->params && !(args->flags & MF_ARGS_PARAMS_DEVICE))
+            status = refuse_in_capture(raw, "sample_to_feed with host-resident params", true);
+        if (status == MF_SUCCESS && args->host_dst)
+            status = capture_host_check(raw, args->host_dst, "argmax_to_feed destination");
+        if (status != MF_SUCCESS) return status;
+        if (kept_for_graph(raw, [copy = *args](mf_stream_t s) { return mf_argmax_to_feed(&copy, s); }))
+            return MF_SUCCESS;
+        mf_argmax_args local;
+        if (!args->masks) {
+            local = *args;
+            local.masks = no_masks();
+            args = &local;
+        }
+        status = ops().argmax(args, raw);
+        if (status == MF_SUCCESS && args->host_dst)
+            status = ops().copy_async(args->host_dst, args->cells, (size_t)args->rows * 4, kD2H, raw);
+        if (status == MF_SUCCESS && args->logprobs_dst)
+            status = ops().copy_async(args->logprobs_dst, args->logprobs, (size_t)args->rows * 4, kD2H, raw);
+        if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, (mf_stream_t)(uintptr_t)raw);
+        return status;
+    });
 }
 
-mf_status mf_combine_partials(const mf_combine_args *a, mf_stream_t stream) {
-    MF_RANGE("combine_partials");
-    if (a->world == 0 || a->world > MF_MAX_SLICES)
-        return fail(MF_ERROR_INVALID_VALUE, "world must be in [1, %u], got %u", MF_MAX_SLICES, a->world);
-    if (a->rows == 0 || a->rows > kMaxRows)
-        return fail(MF_ERROR_INVALID_VALUE, "rows must be in [1, %u], got %u", kMaxRows, a->rows);
-    if (a->rows > a->cell_capacity)
-        return fail(MF_ERROR_INVALID_VALUE, "%u rows exceed the feed cells' capacity of %u", a->rows,
-                    a->cell_capacity);
-    if (a->vocab == 0 || a->vocab > kMaxVocab)
-        return fail(MF_ERROR_INVALID_VALUE, "vocab must be in [1, 2**24], got %u", a->vocab);
-    if (a->op != MF_PARTIAL_ARGMAX && a->op != MF_PARTIAL_SAMPLE && a->op != MF_PARTIAL_FILTERED)
-        return fail(MF_ERROR_INVALID_VALUE, "unknown partial operation %u", a->op);
-    if ((uint64_t)a->slice_stride < (uint64_t)a->rows + MF_PARTIAL_HEADER_RECORDS)
-        return fail(MF_ERROR_INVALID_VALUE, "slice_stride %u records is less than rows + %u", a->slice_stride,
-                    MF_PARTIAL_HEADER_RECORDS);
-    if ((a->op != MF_PARTIAL_ARGMAX) != (a->params != nullptr))
-        return fail(MF_ERROR_INVALID_VALUE, "params are required for a sampled combine, and only there");
-    if (a->flags & ~(uint32_t)MF_COMBINE_PARAMS_DEVICE)
-        return fail(MF_ERROR_INVALID_VALUE, "unknown combine flags 0x%x", a->flags);
-    const bool device_params = a->flags & MF_COMBINE_PARAMS_DEVICE;
-    if (device_params && a->op != MF_PARTIAL_SAMPLE)  // FILTERED's thresholds came from host params
-        return fail(MF_ERROR_INVALID_VALUE, "MF_COMBINE_PARAMS_DEVICE needs a temperature-only sampled combine");
-    if (!a->partials || !aligned(a->partials, 8) || !a->cells || !aligned(a->cells, 4) || !a->fault ||
-        !aligned(a->fault, 4) || (a->logprobs && !aligned(a->logprobs, 4)))
-        return fail(MF_ERROR_INVALID_VALUE, "partials, cells, fault or logprobs is a null or misaligned pointer");
-    if (a->logprobs_dst && !a->logprobs)
-        return fail(MF_ERROR_INVALID_VALUE, "logprobs_dst needs logprobs (the device floats it copies)");
-    mf_status status = MF_SUCCESS;
-    if (a->params) {
-        mf_argmax_args view{};
-        view.rows = a->rows;
-        view.params = a->params;
-        view.flags = device_params ? MF_ARGS_PARAMS_DEVICE : 0u;  // device: its extent only
-        status = check_sampling(&view);
-        // FILTERED blocks were raced over the filters' global thresholds (MF_ARGS_SELECT).
-        if (status == MF_SUCCESS && a->op == MF_PARTIAL_SAMPLE && !device_params)
-            status = check_temperature_only(a->params, a->rows);
-    }
-    // world <= MF_MAX_SLICES and slice_stride < 2**32: the product fits 64 bits.
-    if (status == MF_SUCCESS)
-        status = check_device_range(a->partials, (size_t)a->world * a->slice_stride * 16, "partials");
-    if (status == MF_SUCCESS) status = check_device_range(a->cells, (size_t)a->cell_capacity * 4, "feed cells");
-    if (status == MF_SUCCESS) status = check_device_range(a->fault, 4, "fault word");
-    if (status == MF_SUCCESS && a->logprobs) status = check_device_range(a->logprobs, (size_t)a->rows * 4, "logprobs");
-    if (status == MF_SUCCESS && a->host_dst)
-        status = check_host_range(a->host_dst, (size_t)a->rows * 4, "combine destination");
-    if (status == MF_SUCCESS && a->logprobs_dst)
-        status = check_host_range(a->logprobs_dst, (size_t)a->rows * 4, "logprobs destination");
-    if (status == MF_SUCCESS && a->fault_dst) status = check_host_range(a->fault_dst, 4, "fault destination");
-    Slot *event = nullptr;
-    if (status == MF_SUCCESS && a->event) status = resolve_event(a->event, &event);
-    void *raw;
-    if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
-    // In a capture (a sharded call in a graph): host params are read once, at the call, on cuda
-    // (kernel arguments); the copies at each launch need page-locked destinations.
-    if (status == MF_SUCCESS && a->params && !device_params)
-        status = refuse_in_capture(raw, "a sampled combine_partials (host-resident params)", true);
-    if (status == MF_SUCCESS && a->host_dst)
-        status = capture_host_check(raw, a->host_dst, "combine_partials destination");
-    if (status == MF_SUCCESS && a->logprobs_dst)
-        status = capture_host_check(raw, a->logprobs_dst, "combine_partials logprobs destination");
-    if (status == MF_SUCCESS && a->fault_dst)
-        status = capture_host_check(raw, a->fault_dst, "combine_partials fault destination");
-    if (status != MF_SUCCESS) return status;
-    if (kept_for_graph(raw, [copy = *a](mf_stream_t s) { return mf_combine_partials(&copy, s); }))
-        return MF_SUCCESS;
-    status = ops().combine(a, raw);
-    if (status == MF_SUCCESS && a->host_dst)
-        status = ops().copy_async(a->host_dst, a->cells, (size_t)a->rows * 4, kD2H, raw);
-    if (status == MF_SUCCESS && a->logprobs_dst)
-        status = ops().copy_async(a->logprobs_dst, a->logprobs, (size_t)a->rows * 4, kD2H, raw);
-    if (status == MF_SUCCESS && a->fault_dst) status = ops().copy_async(a->fault_dst, a->fault, 4, kD2H, raw);
-    if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, (mf_stream_t)(uintptr_t)raw);
-    return status;
+mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream) {
+    return guard([&]() -> mf_status {
+        MF_RANGE("combine_partials");
+        mf_combine_args snapshot;
+        mf_status status = read_descriptor(caller, &snapshot, "mf_combine_args", kCombineSizes);
+        if (status != MF_SUCCESS) return status;
+        const mf_combine_args *a = &snapshot;
+        if (a->world == 0 || a->world > MF_MAX_SLICES)
+            return fail(MF_ERROR_INVALID_VALUE, "world must be in [1, %u], got %u", MF_MAX_SLICES, a->world);
+        if (a->rows == 0 || a->rows > kMaxRows)
+            return fail(MF_ERROR_INVALID_VALUE, "rows must be in [1, %u], got %u", kMaxRows, a->rows);
+        if (a->rows > a->cell_capacity)
+            return fail(MF_ERROR_INVALID_VALUE, "%u rows exceed the feed cells' capacity of %u", a->rows,
+                        a->cell_capacity);
+        if (a->vocab == 0 || a->vocab > kMaxVocab)
+            return fail(MF_ERROR_INVALID_VALUE, "vocab must be in [1, 2**24], got %u", a->vocab);
+        if (a->op != MF_PARTIAL_ARGMAX && a->op != MF_PARTIAL_SAMPLE && a->op != MF_PARTIAL_FILTERED)
+            return fail(MF_ERROR_INVALID_VALUE, "unknown partial operation %u", a->op);
+        if ((uint64_t)a->slice_stride < (uint64_t)a->rows + MF_PARTIAL_HEADER_RECORDS)
+            return fail(MF_ERROR_INVALID_VALUE, "slice_stride %u records is less than rows + %u", a->slice_stride,
+                        MF_PARTIAL_HEADER_RECORDS);
+        if ((a->op != MF_PARTIAL_ARGMAX) != (a->params != nullptr))
+            return fail(MF_ERROR_INVALID_VALUE, "params are required for a sampled combine, and only there");
+        if (a->flags & ~(uint32_t)MF_COMBINE_PARAMS_DEVICE)
+            return fail(MF_ERROR_INVALID_VALUE, "unknown combine flags 0x%x", a->flags);
+        const bool device_params = a->flags & MF_COMBINE_PARAMS_DEVICE;
+        if (device_params && a->op != MF_PARTIAL_SAMPLE)  // FILTERED's thresholds came from host params
+            return fail(MF_ERROR_INVALID_VALUE, "MF_COMBINE_PARAMS_DEVICE needs a temperature-only sampled combine");
+        if (!a->partials || !aligned(a->partials, 8) || !a->cells || !aligned(a->cells, 4) || !a->fault ||
+            !aligned(a->fault, 4) || (a->logprobs && !aligned(a->logprobs, 4)))
+            return fail(MF_ERROR_INVALID_VALUE, "partials, cells, fault or logprobs is a null or misaligned pointer");
+        if (a->logprobs_dst && !a->logprobs)
+            return fail(MF_ERROR_INVALID_VALUE, "logprobs_dst needs logprobs (the device floats it copies)");
+        if (a->params) {
+            mf_argmax_args view{};
+            view.rows = a->rows;
+            view.params = a->params;
+            view.flags = device_params ? MF_ARGS_PARAMS_DEVICE : 0u;  // device: its extent only
+            status = check_sampling(&view);
+            // FILTERED blocks were raced over the filters' global thresholds (MF_ARGS_SELECT).
+            if (status == MF_SUCCESS && a->op == MF_PARTIAL_SAMPLE && !device_params)
+                status = check_temperature_only(a->params, a->rows);
+        }
+        // world <= MF_MAX_SLICES and slice_stride < 2**32: the product fits 64 bits.
+        if (status == MF_SUCCESS)
+            status = check_device_range(a->partials, (size_t)a->world * a->slice_stride * 16, "partials");
+        if (status == MF_SUCCESS) status = check_device_range(a->cells, (size_t)a->cell_capacity * 4, "feed cells");
+        if (status == MF_SUCCESS) status = check_device_range(a->fault, 4, "fault word");
+        if (status == MF_SUCCESS && a->logprobs) status = check_device_range(a->logprobs, (size_t)a->rows * 4, "logprobs");
+        if (status == MF_SUCCESS && a->host_dst)
+            status = check_host_range(a->host_dst, (size_t)a->rows * 4, "combine destination");
+        if (status == MF_SUCCESS && a->logprobs_dst)
+            status = check_host_range(a->logprobs_dst, (size_t)a->rows * 4, "logprobs destination");
+        if (status == MF_SUCCESS && a->fault_dst) status = check_host_range(a->fault_dst, 4, "fault destination");
+        if (status == MF_SUCCESS) {
+            const size_t rows = a->rows;
+            const Span spans[] = {
+                {a->cells, rows * 4, "feed cells", true},
+                {a->host_dst, rows * 4, "combine destination", true},
+                {a->logprobs, rows * 4, "logprobs", true},
+                {a->logprobs_dst, rows * 4, "logprobs destination", true},
+                {device_params ? a->params : nullptr, rows * sizeof(mf_sampling_params),
+                 "device-resident sampling params", false},
+                {a->partials, (size_t)a->world * a->slice_stride * 16, "partials", false},
+                {a->fault, 4, "fault word", true},
+                {a->fault_dst, 4, "fault destination", true},
+            };
+            // The fault word may be a reserved word of the partials' first header (the binding puts
+            // it there): the combine checks every header before it writes the fault. So the last
+            // two spans are checked against all but the partials.
+            status = refuse_overlaps(spans, 6);
+            if (status == MF_SUCCESS) {
+                const Span faults[] = {spans[0], spans[1], spans[2], spans[3], spans[4], spans[6], spans[7]};
+                status = refuse_overlaps(faults);
+            }
+        }
+        Slot *event = nullptr;
+        if (status == MF_SUCCESS && a->event) status = resolve_event(a->event, &event);
+        void *raw;
+        if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+        // In a capture (a sharded call in a graph): host params are read once, at the call, on cuda
+        // (kernel arguments); the copies at each launch need page-locked destinations.
+        if (status == MF_SUCCESS && a->params && !device_params)
+            status = refuse_in_capture(raw, "a sampled combine_partials (host-resident params)", true);
+        if (status == MF_SUCCESS && a->host_dst)
+            status = capture_host_check(raw, a->host_dst, "combine_partials destination");
+        if (status == MF_SUCCESS && a->logprobs_dst)
+            status = capture_host_check(raw, a->logprobs_dst, "combine_partials logprobs destination");
+        if (status == MF_SUCCESS && a->fault_dst)
+            status = capture_host_check(raw, a->fault_dst, "combine_partials fault destination");
+        if (status != MF_SUCCESS) return status;
+        if (kept_for_graph(raw, [copy = *a](mf_stream_t s) { return mf_combine_partials(&copy, s); }))
+            return MF_SUCCESS;
+        status = ops().combine(a, raw);
+        if (status == MF_SUCCESS && a->host_dst)
+            status = ops().copy_async(a->host_dst, a->cells, (size_t)a->rows * 4, kD2H, raw);
+        if (status == MF_SUCCESS && a->logprobs_dst)
+            status = ops().copy_async(a->logprobs_dst, a->logprobs, (size_t)a->rows * 4, kD2H, raw);
+        if (status == MF_SUCCESS && a->fault_dst) status = ops().copy_async(a->fault_dst, a->fault, 4, kD2H, raw);
+        if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, (mf_stream_t)(uintptr_t)raw);
+        return status;
+    });
 }
 
 mf_status mf_resolve_feed(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t prev_rows,
                           uint32_t *out, mf_stream_t stream) {
-    return mf_resolve_feed_flags(sources, n, cells, prev_rows, out, 0u, stream);
+    return guard([&]() -> mf_status {
+        return mf_resolve_feed_flags(sources, n, cells, prev_rows, out, 0u, stream);
+    });
 }
 
 mf_status mf_resolve_feed_flags(const uint32_t *sources, uint32_t n, const uint32_t *cells,
                                 uint32_t prev_rows, uint32_t *out, unsigned flags, mf_stream_t stream) {
-    MF_RANGE("resolve_feed");
-    if (n == 0 || n > kMaxRows) return fail(MF_ERROR_INVALID_VALUE, "rows must be in [1, %u], got %u", kMaxRows, n);
-    if (flags & ~(unsigned)MF_SOURCES_DEVICE) return fail(MF_ERROR_INVALID_VALUE, "unknown resolve flags 0x%x", flags);
-    if (!sources) return fail(MF_ERROR_INVALID_VALUE, "sources is a null pointer");
-    const bool on_device = flags & MF_SOURCES_DEVICE;
-    mf_status status = MF_SUCCESS;
-    if (on_device) {  // read when the kernel runs, which bounds from_row by prev_rows itself
-        if (!aligned(sources, 4)) return fail(MF_ERROR_INVALID_VALUE, "sources pointer is misaligned");
-        status = check_device_range(sources, (size_t)n * 4, "device-resident sources");
-    } else {
-        for (uint32_t i = 0; i < n; ++i) {
-            uint32_t s = sources[i];
-            if (!(s & MF_FEED_HOST_BIT) && s >= prev_rows)
-                return fail(MF_ERROR_INVALID_VALUE,
-                            "source %u reads feed cell %u, beyond the previous step's %u rows", i, s, prev_rows);
+    return guard([&]() -> mf_status {
+        MF_RANGE("resolve_feed");
+        if (n == 0 || n > kMaxRows) return fail(MF_ERROR_INVALID_VALUE, "rows must be in [1, %u], got %u", kMaxRows, n);
+        if (flags & ~(unsigned)MF_SOURCES_DEVICE) return fail(MF_ERROR_INVALID_VALUE, "unknown resolve flags 0x%x", flags);
+        if (!sources) return fail(MF_ERROR_INVALID_VALUE, "sources is a null pointer");
+        const bool on_device = flags & MF_SOURCES_DEVICE;
+        mf_status status = MF_SUCCESS;
+        if (on_device) {  // read when the kernel runs, which bounds from_row by prev_rows itself
+            if (!aligned(sources, 4)) return fail(MF_ERROR_INVALID_VALUE, "sources pointer is misaligned");
+            status = check_device_range(sources, (size_t)n * 4, "device-resident sources");
+        } else {
+            for (uint32_t i = 0; i < n; ++i) {
+                uint32_t s = sources[i];
+                if (!(s & MF_FEED_HOST_BIT) && s >= prev_rows)
+                    return fail(MF_ERROR_INVALID_VALUE,
+                                "source %u reads feed cell %u, beyond the previous step's %u rows", i, s, prev_rows);
+            }
         }
-    }
-    if (!aligned(cells, 4) || !aligned(out, 4))
-        return fail(MF_ERROR_INVALID_VALUE, "cells or out pointer is misaligned");
-    if (status == MF_SUCCESS && prev_rows) status = check_device_range(cells, (size_t)prev_rows * 4, "feed cells");
-    if (status == MF_SUCCESS) status = check_device_range(out, (size_t)n * 4, "resolve output");
-    void *raw;
-    if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
-    if (status == MF_SUCCESS && !on_device)
-        status = refuse_in_capture(raw, "resolve_feed with host-resident sources", true);
-    if (status != MF_SUCCESS) return status;
-    if (kept_for_graph(raw, [=](mf_stream_t s) {
-            return mf_resolve_feed_flags(sources, n, cells, prev_rows, out, flags, s);
-        }))
-        return MF_SUCCESS;
-    return ops().resolve(sources, n, cells, prev_rows, out, on_device, raw);
+        if (!aligned(cells, 4) || !aligned(out, 4))
+            return fail(MF_ERROR_INVALID_VALUE, "cells or out pointer is misaligned");
+        if (status == MF_SUCCESS && prev_rows) status = check_device_range(cells, (size_t)prev_rows * 4, "feed cells");
+        if (status == MF_SUCCESS) status = check_device_range(out, (size_t)n * 4, "resolve output");
+        if (status == MF_SUCCESS) {
+            const Span spans[] = {{out, (size_t)n * 4, "resolve output", true},
+                                  {cells, (size_t)prev_rows * 4, "feed cells", false},
+                                  {on_device ? sources : nullptr, (size_t)n * 4, "device-resident sources", false}};
+            status = refuse_overlaps(spans);
+        }
+        void *raw;
+        if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+        if (status == MF_SUCCESS && !on_device)
+            status = refuse_in_capture(raw, "resolve_feed with host-resident sources", true);
+        if (status != MF_SUCCESS) return status;
+        if (kept_for_graph(raw, [=](mf_stream_t s) {
+                return mf_resolve_feed_flags(sources, n, cells, prev_rows, out, flags, s);
+            }))
+            return MF_SUCCESS;
+        return ops().resolve(sources, n, cells, prev_rows, out, on_device, raw);
+    });
 }
 
-mf_status mf_reference_forward(const mf_reference_args *a, mf_stream_t stream) {
-    MF_RANGE("reference_forward");
-    if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "unknown logits dtype %d", (int)a->dtype);
-    if (a->rows == 0 || a->rows > kMaxRows || a->vocab == 0 || a->vocab > kMaxVocab || a->block_size == 0)
-        return fail(MF_ERROR_INVALID_VALUE, "reference forward: bad rows, vocab or block size");
-    if (a->start > kMaxVocab - a->vocab)
-        return fail(MF_ERROR_INVALID_VALUE, "reference forward: columns [%u, %llu) pass the largest vocabulary",
-                    a->start, (unsigned long long)a->start + a->vocab);
-    mf_status status = check_device_range(a->input_ids, (size_t)a->rows * 4, "input ids");
-    if (status == MF_SUCCESS) status = check_device_range(a->meta, (size_t)a->rows * 8, "row meta");
-    if (status == MF_SUCCESS && a->table_words == 0)
-        status = fail(MF_ERROR_INVALID_VALUE, "block tables must hold at least one id");
-    if (status == MF_SUCCESS)
-        status = check_device_range(a->tables, (size_t)a->table_words * 4, "block tables");
-    if (status == MF_SUCCESS) status = check_device_range(a->kv, (size_t)a->kv_slots * 4, "kv cache");
-    if (status == MF_SUCCESS && a->logits)  // no logits: a prefill, KV writes only
-        status = check_device_range(a->logits, (size_t)a->rows * a->vocab * dtype_size(a->dtype), "logits");
-    void *raw;
-    if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
-    if (status != MF_SUCCESS) return status;
-    if (kept_for_graph(raw, [copy = *a](mf_stream_t s) { return mf_reference_forward(&copy, s); }))
-        return MF_SUCCESS;
-    return ops().reference_forward(a, raw);
+mf_status mf_reference_forward(const mf_reference_args *caller, mf_stream_t stream) {
+    return guard([&]() -> mf_status {
+        MF_RANGE("reference_forward");
+        mf_reference_args snapshot;
+        mf_status status = read_descriptor(caller, &snapshot, "mf_reference_args", kReferenceSizes);
+        if (status != MF_SUCCESS) return status;
+        const mf_reference_args *a = &snapshot;
+        if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "unknown logits dtype %d", (int)a->dtype);
+        if (a->rows == 0 || a->rows > kMaxRows || a->vocab == 0 || a->vocab > kMaxVocab || a->block_size == 0)
+            return fail(MF_ERROR_INVALID_VALUE, "reference forward: bad rows, vocab or block size");
+        if (a->start > kMaxVocab - a->vocab)
+            return fail(MF_ERROR_INVALID_VALUE, "reference forward: columns [%u, %llu) pass the largest vocabulary",
+                        a->start, (unsigned long long)a->start + a->vocab);
+        status = check_device_range(a->input_ids, (size_t)a->rows * 4, "input ids");
+        if (status == MF_SUCCESS) status = check_device_range(a->meta, (size_t)a->rows * 8, "row meta");
+        if (status == MF_SUCCESS && a->table_words == 0)
+            status = fail(MF_ERROR_INVALID_VALUE, "block tables must hold at least one id");
+        if (status == MF_SUCCESS)
+            status = check_device_range(a->tables, (size_t)a->table_words * 4, "block tables");
+        if (status == MF_SUCCESS) status = check_device_range(a->kv, (size_t)a->kv_slots * 4, "kv cache");
+        if (status == MF_SUCCESS && a->logits)  // no logits: a prefill, KV writes only
+            status = check_device_range(a->logits, (size_t)a->rows * a->vocab * dtype_size(a->dtype), "logits");
+        if (status == MF_SUCCESS) {
+            const Span spans[] = {
+                {a->kv, (size_t)a->kv_slots * 4, "kv cache", true},
+                {a->logits, (size_t)a->rows * a->vocab * dtype_size(a->dtype), "logits", true},
+                {a->input_ids, (size_t)a->rows * 4, "input ids", false},
+                {a->meta, (size_t)a->rows * 8, "row meta", false},
+                {a->tables, (size_t)a->table_words * 4, "block tables", false},
+            };
+            status = refuse_overlaps(spans);
+        }
+        void *raw;
+        if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+        if (status != MF_SUCCESS) return status;
+        if (kept_for_graph(raw, [copy = *a](mf_stream_t s) { return mf_reference_forward(&copy, s); }))
+            return MF_SUCCESS;
+        return ops().reference_forward(a, raw);
+    });
 }
 
 
-mf_status mf_verify_to_feed(const mf_verify_args *args, mf_stream_t stream) {
-    MF_RANGE("verify_to_feed");
-    void *raw;
-    Slot *event;
-    mf_status status = check_verify(args, &event);
-    if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
-    if (status == MF_SUCCESS && !(args->flags & MF_VERIFY_DRAFTS_DEVICE))
-        status = refuse_in_capture(raw, "verify_to_feed with host-resident drafts", true);
-    if (status == MF_SUCCESS && args->masks && !(args->flags & MF_ARGS_MASKS_DEVICE))
-        status = refuse_in_capture(raw, "verify_to_feed with host-resident masks", true);
-    if (status == MF_SUCCESS && args->params && !(args->flags & MF_ARGS_PARAMS_DEVICE))
-        status = refuse_in_capture(raw, "verify_to_feed with host-resident params", true);
-    if (status == MF_SUCCESS && args->host_dst)
-        status = capture_host_check(raw, args->host_dst, "verify_to_feed destination");
-    if (status == MF_SUCCESS && args->logprobs_dst)
-        status = capture_host_check(raw, args->logprobs_dst, "verify_to_feed logprobs destination");
-    if (status != MF_SUCCESS) return status;
-    if (kept_for_graph(raw, [copy = *args](mf_stream_t s) { return mf_verify_to_feed(&copy, s); }))
-        return MF_SUCCESS;
-    mf_verify_args local = *args;
-    if (!local.masks) local.masks = no_masks();  // rows * (k + 1) <= MF_MAX_ROWS unmasked rows
-    const size_t cell_bytes = (size_t)args->rows * (args->k + 2) * 4, lp_bytes = (size_t)args->rows * (args->k + 1) * 4;
-    status = ops().verify(&local, raw);
-    if (status == MF_SUCCESS && args->host_dst)
-        status = ops().copy_async(args->host_dst, args->cells, cell_bytes, kD2H, raw);
-    if (status == MF_SUCCESS && args->logprobs_dst)
-        status = ops().copy_async(args->logprobs_dst, args->logprobs, lp_bytes, kD2H, raw);
-    if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, (mf_stream_t)(uintptr_t)raw);
-    return status;
+mf_status mf_verify_to_feed(const mf_verify_args *caller, mf_stream_t stream) {
+    return guard([&]() -> mf_status {
+        MF_RANGE("verify_to_feed");
+        mf_verify_args copied;
+        mf_status status = read_descriptor(caller, &copied, "mf_verify_args", kVerifySizes);
+        if (status != MF_SUCCESS) return status;
+        const mf_verify_args *args = &copied;
+        void *raw;
+        Slot *event;
+        status = check_verify(args, &event);
+        if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+        if (status == MF_SUCCESS && !(args->flags & MF_VERIFY_DRAFTS_DEVICE))
+            status = refuse_in_capture(raw, "verify_to_feed with host-resident drafts", true);
+        if (status == MF_SUCCESS && args->masks && !(args->flags & MF_ARGS_MASKS_DEVICE))
+            status = refuse_in_capture(raw, "verify_to_feed with host-resident masks", true);
+        if (status == MF_SUCCESS && args->params && !(args->flags & MF_ARGS_PARAMS_DEVICE))
+            status = refuse_in_capture(raw, "verify_to_feed with host-resident params", true);
+        if (status == MF_SUCCESS && args->host_dst)
+            status = capture_host_check(raw, args->host_dst, "verify_to_feed destination");
+        if (status == MF_SUCCESS && args->logprobs_dst)
+            status = capture_host_check(raw, args->logprobs_dst, "verify_to_feed logprobs destination");
+        if (status != MF_SUCCESS) return status;
+        if (kept_for_graph(raw, [copy = *args](mf_stream_t s) { return mf_verify_to_feed(&copy, s); }))
+            return MF_SUCCESS;
+        mf_verify_args local = *args;
+        if (!local.masks) local.masks = no_masks();  // rows * (k + 1) <= MF_MAX_ROWS unmasked rows
+        const size_t cell_bytes = (size_t)args->rows * (args->k + 2) * 4, lp_bytes = (size_t)args->rows * (args->k + 1) * 4;
+        status = ops().verify(&local, raw);
+        if (status == MF_SUCCESS && args->host_dst)
+            status = ops().copy_async(args->host_dst, args->cells, cell_bytes, kD2H, raw);
+        if (status == MF_SUCCESS && args->logprobs_dst)
+            status = ops().copy_async(args->logprobs_dst, args->logprobs, lp_bytes, kD2H, raw);
+        if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, (mf_stream_t)(uintptr_t)raw);
+        return status;
+    });
 }
 
 mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                               uint32_t *out_advance, mf_stream_t stream) {
-    MF_RANGE("resolve_verified");
-    if (k == 0 || k > MF_MAX_DRAFTS) return fail(MF_ERROR_INVALID_VALUE, "k must be in [1, %u], got %u", MF_MAX_DRAFTS, k);
-    if (rows == 0 || (uint64_t)rows * (k + 1) > kMaxRows)
-        return fail(MF_ERROR_INVALID_VALUE, "rows * (k + 1) must be in [1, %u], got %u * %u", kMaxRows, rows, k + 1);
-    if (!out_ids && !out_advance) return fail(MF_ERROR_INVALID_VALUE, "resolve_verified needs out_ids or out_advance");
-    if (!cells || !aligned(cells, 4) || !aligned(out_ids, 4) || !aligned(out_advance, 4))
-        return fail(MF_ERROR_INVALID_VALUE, "cells, out_ids or out_advance is a null or misaligned pointer");
-    mf_status status = check_device_range(cells, (size_t)rows * (k + 2) * 4, "verify cells");
-    if (status == MF_SUCCESS && out_ids) status = check_device_range(out_ids, (size_t)rows * 4, "out_ids");
-    if (status == MF_SUCCESS && out_advance) status = check_device_range(out_advance, (size_t)rows * 4, "out_advance");
-    void *raw;
-    if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
-    if (status != MF_SUCCESS) return status;
-    if (kept_for_graph(raw, [=](mf_stream_t s) { return mf_resolve_verified(cells, rows, k, out_ids, out_advance, s); }))
-        return MF_SUCCESS;
-    return ops().resolve_verified(cells, rows, k, out_ids, out_advance, raw);
+    return guard([&]() -> mf_status {
+        MF_RANGE("resolve_verified");
+        if (k == 0 || k > MF_MAX_DRAFTS) return fail(MF_ERROR_INVALID_VALUE, "k must be in [1, %u], got %u", MF_MAX_DRAFTS, k);
+        if (rows == 0 || (uint64_t)rows * (k + 1) > kMaxRows)
+            return fail(MF_ERROR_INVALID_VALUE, "rows * (k + 1) must be in [1, %u], got %u * %u", kMaxRows, rows, k + 1);
+        if (!out_ids && !out_advance) return fail(MF_ERROR_INVALID_VALUE, "resolve_verified needs out_ids or out_advance");
+        if (!cells || !aligned(cells, 4) || !aligned(out_ids, 4) || !aligned(out_advance, 4))
+            return fail(MF_ERROR_INVALID_VALUE, "cells, out_ids or out_advance is a null or misaligned pointer");
+        mf_status status = check_device_range(cells, (size_t)rows * (k + 2) * 4, "verify cells");
+        if (status == MF_SUCCESS && out_ids) status = check_device_range(out_ids, (size_t)rows * 4, "out_ids");
+        if (status == MF_SUCCESS && out_advance) status = check_device_range(out_advance, (size_t)rows * 4, "out_advance");
+        void *raw;
+        if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+        if (status != MF_SUCCESS) return status;
+        if (kept_for_graph(raw, [=](mf_stream_t s) { return mf_resolve_verified(cells, rows, k, out_ids, out_advance, s); }))
+            return MF_SUCCESS;
+        return ops().resolve_verified(cells, rows, k, out_ids, out_advance, raw);
+    });
 }
 
 }  // extern "C"

@@ -1,5 +1,6 @@
 // Public entry points: page-locked and device memory, and the async copies.
 #include <cstdint>
+#include <new>
 
 #include "api.hpp"
 
@@ -51,6 +52,27 @@ mf_status check_device_range(const void *ptr, size_t nbytes, const char *what) {
                 what, (unsigned long long)(uintptr_t)ptr);
 }
 
+mf_status refuse_overlaps(const Span *spans, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+        const Span &a = spans[i];
+        if (!a.ptr || !a.nbytes) continue;
+        const uintptr_t a0 = (uintptr_t)a.ptr;
+        for (size_t j = 0; j < i; ++j) {
+            const Span &b = spans[j];
+            if (!b.ptr || !b.nbytes || !(a.written || b.written)) continue;
+            const uintptr_t b0 = (uintptr_t)b.ptr;
+            // Spans passed their range checks, so neither end wraps.
+            if (a0 < b0 + b.nbytes && b0 < a0 + a.nbytes)
+                return fail(MF_ERROR_INVALID_VALUE,
+                            "%s and %s overlap (%zu bytes at 0x%llx, %zu bytes at 0x%llx): the call "
+                            "would %s; give each output its own memory",
+                            b.what, a.what, b.nbytes, (unsigned long long)b0, a.nbytes, (unsigned long long)a0,
+                            a.written && b.written ? "write both into the same bytes" : "overwrite an input it reads");
+        }
+    }
+    return MF_SUCCESS;
+}
+
 mf_status check_host_range(const void *ptr, size_t nbytes, const char *what) {
     if (!ptr) return fail(MF_ERROR_INVALID_VALUE, "%s is a null pointer", what);
     size_t left = 0;
@@ -88,6 +110,11 @@ mf_status copy(void *dst, const void *src, size_t nbytes, CopyKind kind, mf_stre
     default:
         status = check_device_range(dst, nbytes, "copy destination");
         if (status == MF_SUCCESS) status = check_device_range(src, nbytes, "copy source");
+        // As for cudaMemcpyAsync, a copy's ranges may not overlap; a copy onto itself (a no-op) may.
+        if (status == MF_SUCCESS && dst != src) {
+            const Span spans[] = {{dst, nbytes, "copy destination", true}, {src, nbytes, "copy source", false}};
+            status = refuse_overlaps(spans);
+        }
         if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
     }
     if (status != MF_SUCCESS || nbytes == 0) return status;
@@ -95,76 +122,106 @@ mf_status copy(void *dst, const void *src, size_t nbytes, CopyKind kind, mf_stre
         return MF_SUCCESS;
     return ops().copy_async(dst, src, nbytes, kind, raw);
 }
+
+// The ledger's record of a new allocation. When the ledger cannot grow, the allocation is given
+// back, so a failed alloc leaves nothing behind.
+mf_status record_allocation(void *ptr, size_t nbytes, mf_mem_kind kind) {
+    try {
+        alloc_insert(ptr, nbytes, kind);
+        return MF_SUCCESS;
+    } catch (const std::bad_alloc &) {
+        (kind == MF_MEM_PINNED ? ops().host_free : ops().device_free)(ptr);
+        return fail(MF_ERROR_OUT_OF_MEMORY, "out of memory for the allocation ledger (nothing was allocated)");
+    }
+}
 }  // namespace
 
 extern "C" {
 
 mf_status mf_host_alloc(size_t nbytes, unsigned flags, void **out) {
-    MF_RANGE("host_alloc");
-    if (nbytes == 0) return fail(MF_ERROR_INVALID_VALUE, "a pinned allocation needs at least 1 byte");
-    if (flags & ~(unsigned)(MF_HOST_PORTABLE | MF_HOST_MAPPED | MF_HOST_WRITE_COMBINED))
-        return fail(MF_ERROR_INVALID_VALUE, "unknown pinned-memory flags 0x%x", flags);
-    mf_status status = ops().host_alloc(nbytes, flags, out);
-    if (status == MF_SUCCESS) alloc_insert(*out, nbytes, MF_MEM_PINNED);
-    return status;
+    return guard([&]() -> mf_status {
+        MF_RANGE("host_alloc");
+        if (nbytes == 0) return fail(MF_ERROR_INVALID_VALUE, "a pinned allocation needs at least 1 byte");
+        if (flags & ~(unsigned)(MF_HOST_PORTABLE | MF_HOST_MAPPED | MF_HOST_WRITE_COMBINED))
+            return fail(MF_ERROR_INVALID_VALUE, "unknown pinned-memory flags 0x%x", flags);
+        if (!out) return need(out, "out");
+        mf_status status = ops().host_alloc(nbytes, flags, out);
+        return status != MF_SUCCESS ? status : record_allocation(*out, nbytes, MF_MEM_PINNED);
+    });
 }
 
 mf_status mf_host_free(void *ptr, size_t nbytes) {
-    MF_RANGE("host_free");
-    size_t expected = nbytes;
-    if (!alloc_erase(ptr, MF_MEM_PINNED, &expected)) {
-        if (expected != nbytes)
-            return fail(MF_ERROR_INVALID_VALUE,
-                        "pinned allocation 0x%llx has %zu bytes, not %zu",
-                        (unsigned long long)(uintptr_t)ptr, expected, nbytes);
-        return fail(MF_ERROR_INVALID_HANDLE, "0x%llx is not a live pinned allocation (freed or foreign)",
-                    (unsigned long long)(uintptr_t)ptr);
-    }
-    return ops().host_free(ptr);
+    return guard([&]() -> mf_status {
+        MF_RANGE("host_free");
+        size_t expected = nbytes;
+        if (!alloc_erase(ptr, MF_MEM_PINNED, &expected)) {
+            if (expected != nbytes)
+                return fail(MF_ERROR_INVALID_VALUE,
+                            "pinned allocation 0x%llx has %zu bytes, not %zu",
+                            (unsigned long long)(uintptr_t)ptr, expected, nbytes);
+            return fail(MF_ERROR_INVALID_HANDLE, "0x%llx is not a live pinned allocation (freed or foreign)",
+                        (unsigned long long)(uintptr_t)ptr);
+        }
+        return ops().host_free(ptr);
+    });
 }
 
 mf_status mf_device_alloc(size_t nbytes, void **out) {
-    MF_RANGE("device_alloc");
-    if (nbytes == 0) return fail(MF_ERROR_INVALID_VALUE, "a device allocation needs at least 1 byte");
-    mf_status status = ops().device_alloc(nbytes, out);
-    if (status == MF_SUCCESS) alloc_insert(*out, nbytes, MF_MEM_DEVICE);
-    return status;
+    return guard([&]() -> mf_status {
+        MF_RANGE("device_alloc");
+        if (nbytes == 0) return fail(MF_ERROR_INVALID_VALUE, "a device allocation needs at least 1 byte");
+        if (!out) return need(out, "out");
+        mf_status status = ops().device_alloc(nbytes, out);
+        return status != MF_SUCCESS ? status : record_allocation(*out, nbytes, MF_MEM_DEVICE);
+    });
 }
 
 mf_status mf_device_free(void *ptr) {
-    MF_RANGE("device_free");
-    if (!alloc_erase(ptr, MF_MEM_DEVICE, nullptr))
-        return fail(MF_ERROR_INVALID_HANDLE, "0x%llx is not a live device allocation (freed or foreign)",
-                    (unsigned long long)(uintptr_t)ptr);
-    return ops().device_free(ptr);
+    return guard([&]() -> mf_status {
+        MF_RANGE("device_free");
+        if (!alloc_erase(ptr, MF_MEM_DEVICE, nullptr))
+            return fail(MF_ERROR_INVALID_HANDLE, "0x%llx is not a live device allocation (freed or foreign)",
+                        (unsigned long long)(uintptr_t)ptr);
+        return ops().device_free(ptr);
+    });
 }
 
-mf_mem_kind mf_mem_lookup(const void *ptr, size_t *bytes_left) { return alloc_lookup(ptr, bytes_left); }
+mf_mem_kind mf_mem_lookup(const void *ptr, size_t *bytes_left) {
+    return guard_value(MF_MEM_UNKNOWN, [&] { return alloc_lookup(ptr, bytes_left); });
+}
 
 mf_status mf_memset_async(void *dev, int value, size_t nbytes, mf_stream_t stream) {
-    MF_RANGE("memset_async");
-    mf_status status = check_device_range(dev, nbytes, "memset destination");
-    void *raw;
-    if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
-    if (status != MF_SUCCESS || nbytes == 0) return status;
-    if (kept_for_graph(raw, [=](mf_stream_t s) { return mf_memset_async(dev, value, nbytes, s); }))
-        return MF_SUCCESS;
-    return ops().memset_async(dev, value, nbytes, raw);
+    return guard([&]() -> mf_status {
+        MF_RANGE("memset_async");
+        mf_status status = check_device_range(dev, nbytes, "memset destination");
+        void *raw;
+        if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+        if (status != MF_SUCCESS || nbytes == 0) return status;
+        if (kept_for_graph(raw, [=](mf_stream_t s) { return mf_memset_async(dev, value, nbytes, s); }))
+            return MF_SUCCESS;
+        return ops().memset_async(dev, value, nbytes, raw);
+    });
 }
 
 mf_status mf_copy_d2h_async(void *host_dst, const void *dev_src, size_t nbytes, mf_stream_t stream) {
-    MF_RANGE("copy_d2h_async");
-    return copy(host_dst, dev_src, nbytes, kD2H, stream);
+    return guard([&]() -> mf_status {
+        MF_RANGE("copy_d2h_async");
+        return copy(host_dst, dev_src, nbytes, kD2H, stream);
+    });
 }
 
 mf_status mf_copy_h2d_async(void *dev_dst, const void *host_src, size_t nbytes, mf_stream_t stream) {
-    MF_RANGE("copy_h2d_async");
-    return copy(dev_dst, host_src, nbytes, kH2D, stream);
+    return guard([&]() -> mf_status {
+        MF_RANGE("copy_h2d_async");
+        return copy(dev_dst, host_src, nbytes, kH2D, stream);
+    });
 }
 
 mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t nbytes, mf_stream_t stream) {
-    MF_RANGE("copy_d2d_async");
-    return copy(dev_dst, dev_src, nbytes, kD2D, stream);
+    return guard([&]() -> mf_status {
+        MF_RANGE("copy_d2d_async");
+        return copy(dev_dst, dev_src, nbytes, kD2D, stream);
+    });
 }
 
 }  // extern "C"
@@ -172,13 +229,15 @@ mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t nbytes, m
 extern "C" {
 
 mf_status mf_device_borrow(const void *ptr, size_t nbytes) {
-    if (!ptr) return fail(MF_ERROR_INVALID_VALUE, "a borrowed range cannot start at a null pointer");
-    if (t_borrowed_count == MF_MAX_BORROWED)
-        return fail(MF_ERROR_INVALID_VALUE, "more than %d borrowed ranges at once", MF_MAX_BORROWED);
-    if (nbytes > SIZE_MAX - (uintptr_t)ptr)
-        return fail(MF_ERROR_INVALID_VALUE, "a borrowed range of %zu bytes wraps the address space", nbytes);
-    t_borrowed[t_borrowed_count++] = Borrowed{static_cast<const char *>(ptr), nbytes};
-    return MF_SUCCESS;
+    return guard([&]() -> mf_status {
+        if (!ptr) return fail(MF_ERROR_INVALID_VALUE, "a borrowed range cannot start at a null pointer");
+        if (t_borrowed_count == MF_MAX_BORROWED)
+            return fail(MF_ERROR_INVALID_VALUE, "more than %d borrowed ranges at once", MF_MAX_BORROWED);
+        if (nbytes > SIZE_MAX - (uintptr_t)ptr)
+            return fail(MF_ERROR_INVALID_VALUE, "a borrowed range of %zu bytes wraps the address space", nbytes);
+        t_borrowed[t_borrowed_count++] = Borrowed{static_cast<const char *>(ptr), nbytes};
+        return MF_SUCCESS;
+    });
 }
 
 void mf_device_borrow_clear(void) { t_borrowed_count = 0; }

@@ -1,6 +1,7 @@
 // Public entry points: backend selection, build facts, events and streams.
 #include <atomic>
 #include <mutex>
+#include <new>
 #include <unordered_map>
 
 #include "api.hpp"
@@ -86,6 +87,16 @@ void backend_after_fork_child() {
 
 uint64_t live_stream_count() { return stream_table().live_count(); }
 
+uint64_t insert_handle(SlotTable &table, void *raw, uint32_t flags, bool owned, const char *what) noexcept {
+    uint64_t handle = 0;
+    try {
+        handle = table.insert(raw, flags, owned);
+    } catch (const std::bad_alloc &) {  // a new chunk of slots: the table could not grow
+    }
+    if (handle == 0) fail(MF_ERROR_OUT_OF_MEMORY, "too many live %ss, or out of memory for their table", what);
+    return handle;
+}
+
 mf_status resolve_stream(mf_stream_t stream, void **raw) {
     *raw = (void *)(uintptr_t)stream;
     if (stream == 0) return MF_SUCCESS;
@@ -113,29 +124,31 @@ using namespace mf;
 extern "C" {
 
 mf_status mf_select_backend(mf_backend which) {
-    const Ops *next = nullptr;
-    if (which == MF_BACKEND_HOST) {
-        next = &host_ops;
-    } else if (which == MF_BACKEND_SIMT) {
-        next = &simt_ops();
-    } else if (which == MF_BACKEND_CUDA) {
+    return guard([&]() -> mf_status {
+        const Ops *next = nullptr;
+        if (which == MF_BACKEND_HOST) {
+            next = &host_ops;
+        } else if (which == MF_BACKEND_SIMT) {
+            next = &simt_ops();
+        } else if (which == MF_BACKEND_CUDA) {
 #ifdef MF_HAVE_CUDA
-        next = &cuda_ops;
+            next = &cuda_ops;
 #else
-        return fail(MF_ERROR_UNAVAILABLE, "this build of metrale_feed has no CUDA backend");
+            return fail(MF_ERROR_UNAVAILABLE, "this build of metrale_feed has no CUDA backend");
 #endif
-    } else {
-        return fail(MF_ERROR_INVALID_VALUE, "unknown backend %d", (int)which);
-    }
-    if (next == g_ops) return MF_SUCCESS;
-    if (event_table().live_count() || live_stream_count() || alloc_live_count() || live_graph_count())
-        return fail(MF_ERROR_INVALID_VALUE,
-                    "cannot switch backend while events, streams, graphs or memory are live");
-    mf_status status = next->init();
-    if (status != MF_SUCCESS) return status;
-    g_ops = next;
-    g_kind = which;
-    return MF_SUCCESS;
+        } else {
+            return fail(MF_ERROR_INVALID_VALUE, "unknown backend %d", (int)which);
+        }
+        if (next == g_ops) return MF_SUCCESS;
+        if (event_table().live_count() || live_stream_count() || alloc_live_count() || live_graph_count())
+            return fail(MF_ERROR_INVALID_VALUE,
+                        "cannot switch backend while events, streams, graphs or memory are live");
+        mf_status status = next->init();
+        if (status != MF_SUCCESS) return status;
+        g_ops = next;
+        g_kind = which;
+        return MF_SUCCESS;
+    });
 }
 
 mf_backend mf_active_backend(void) { return g_kind; }
@@ -164,221 +177,277 @@ const char *mf_build_cuda_archs(void) {
 #endif
 }
 
-mf_status mf_device_count(int *count) { return ops().device_count(count); }
-mf_status mf_current_device(int *device) { return ops().current_device(device); }
-mf_status mf_device_name(int device, char *buf, size_t buflen) {
-    return ops().device_name(device, buf, buflen);
+mf_status mf_device_count(int *count) {
+    return guard([&] { return count ? ops().device_count(count) : need(count, "count"); });
 }
-mf_status mf_driver_version(int *version) { return ops().driver_version(version); }
+mf_status mf_current_device(int *device) {
+    return guard([&] { return device ? ops().current_device(device) : need(device, "device"); });
+}
+mf_status mf_device_name(int device, char *buf, size_t buflen) {
+    return guard([&] { return buf || !buflen ? ops().device_name(device, buf, buflen) : need(buf, "buf"); });
+}
+mf_status mf_driver_version(int *version) {
+    return guard([&] { return version ? ops().driver_version(version) : need(version, "version"); });
+}
 
 void mf_live_counts(uint64_t *events, uint64_t *streams, uint64_t *pinned_bytes,
                     uint64_t *device_bytes) {
-    if (events) *events = event_table().live_count();
-    if (streams) *streams = live_stream_count();
-    if (pinned_bytes) *pinned_bytes = alloc_live_bytes(MF_MEM_PINNED);
-    if (device_bytes) *device_bytes = alloc_live_bytes(MF_MEM_DEVICE);
+    guard_void([&] {
+        if (events) *events = event_table().live_count();
+        if (streams) *streams = live_stream_count();
+        if (pinned_bytes) *pinned_bytes = alloc_live_bytes(MF_MEM_PINNED);
+        if (device_bytes) *device_bytes = alloc_live_bytes(MF_MEM_DEVICE);
+    });
 }
 
 /* ---- events ---- */
 
 mf_status mf_event_create(unsigned flags, mf_event_t *out) {
-    MF_RANGE("event_create");
-    if (flags & ~(unsigned)(MF_EVENT_TIMING | MF_EVENT_BLOCKING | MF_EVENT_UNCOUNTED))
-        return fail(MF_ERROR_INVALID_VALUE, "unknown event flags 0x%x", flags);
-    void *raw = nullptr;
-    mf_status status = ops().event_create(flags, &raw);
-    if (status != MF_SUCCESS) return status;
-    *out = event_table().insert(raw, flags, true);
-    if (*out == 0) {
-        ops().event_destroy(raw);
-        return fail(MF_ERROR_OUT_OF_MEMORY, "too many live events");
-    }
-    return MF_SUCCESS;
+    return guard([&]() -> mf_status {
+        MF_RANGE("event_create");
+        if (flags & ~(unsigned)(MF_EVENT_TIMING | MF_EVENT_BLOCKING | MF_EVENT_UNCOUNTED))
+            return fail(MF_ERROR_INVALID_VALUE, "unknown event flags 0x%x", flags);
+        if (!out) return need(out, "out");
+        void *raw = nullptr;
+        mf_status status = ops().event_create(flags, &raw);
+        if (status != MF_SUCCESS) return status;
+        *out = insert_handle(event_table(), raw, flags, true, "event");
+        if (*out == 0) {
+            ops().event_destroy(raw);
+            return MF_ERROR_OUT_OF_MEMORY;
+        }
+        return MF_SUCCESS;
+    });
 }
 
 mf_status mf_event_wrap(uint64_t foreign, mf_event_t *out) {
-    if (g_kind != MF_BACKEND_CUDA)
-        return fail(MF_ERROR_INVALID_VALUE, "a foreign event can only be wrapped on the cuda backend");
-    if (foreign == 0) return fail(MF_ERROR_INVALID_VALUE, "a foreign event handle cannot be 0");
-    *out = event_table().insert((void *)(uintptr_t)foreign, 0, false);
-    return *out ? MF_SUCCESS : fail(MF_ERROR_OUT_OF_MEMORY, "too many live events");
+    return guard([&]() -> mf_status {
+        if (g_kind != MF_BACKEND_CUDA)
+            return fail(MF_ERROR_INVALID_VALUE, "a foreign event can only be wrapped on the cuda backend");
+        if (foreign == 0) return fail(MF_ERROR_INVALID_VALUE, "a foreign event handle cannot be 0");
+        if (!out) return need(out, "out");
+        *out = insert_handle(event_table(), (void *)(uintptr_t)foreign, 0, false, "event");
+        return *out ? MF_SUCCESS : MF_ERROR_OUT_OF_MEMORY;
+    });
 }
 
 mf_status mf_event_record(mf_event_t event, mf_stream_t stream) {
-    MF_RANGE("event_record");
-    Slot *slot;
-    void *raw_stream;
-    mf_status status = resolve_event(event, &slot);
-    if (status == MF_SUCCESS) status = resolve_stream(stream, &raw_stream);
-    if (status != MF_SUCCESS) return status;
-    // In a capture, a record is an operation of the graph: it records the event at each launch.
-    if (kept_for_graph(raw_stream, [event](mf_stream_t s) { return mf_event_record(event, s); }))
-        return MF_SUCCESS;
-    return ops().event_record(slot->raw, (mf_stream_t)(uintptr_t)raw_stream);
+    return guard([&]() -> mf_status {
+        MF_RANGE("event_record");
+        Slot *slot;
+        void *raw_stream;
+        mf_status status = resolve_event(event, &slot);
+        if (status == MF_SUCCESS) status = resolve_stream(stream, &raw_stream);
+        if (status != MF_SUCCESS) return status;
+        // In a capture, a record is an operation of the graph: it records the event at each launch.
+        if (kept_for_graph(raw_stream, [event](mf_stream_t s) { return mf_event_record(event, s); }))
+            return MF_SUCCESS;
+        return ops().event_record(slot->raw, (mf_stream_t)(uintptr_t)raw_stream);
+    });
 }
 
 mf_status mf_event_query(mf_event_t event, int *done) {
-    MF_RANGE_ONLY("event_query");  // the hottest call: pinned and unpinned here, no PinScope
-    Slot *slot;
-    mf_status status = event_table().pin(event, &slot, "event");
-    if (status != MF_SUCCESS) return status;
-    status = ops().event_query(slot->raw, done);
-    event_table().unpin(slot);
-    return status;
+    return guard([&]() -> mf_status {
+        MF_RANGE_ONLY("event_query");  // the hottest call: pinned and unpinned here, no PinScope
+        if (!done) return need(done, "done");
+        Slot *slot;
+        mf_status status = event_table().pin(event, &slot, "event");
+        if (status != MF_SUCCESS) return status;
+        status = ops().event_query(slot->raw, done);
+        event_table().unpin(slot);
+        return status;
+    });
 }
 
 mf_status mf_event_synchronize(mf_event_t event) {
-    MF_RANGE("event_synchronize");
-    Slot *slot;
-    mf_status status = resolve_event(event, &slot);
-    if (status != MF_SUCCESS) return status;
-    return ops().event_synchronize(slot->raw);
+    return guard([&]() -> mf_status {
+        MF_RANGE("event_synchronize");
+        Slot *slot;
+        mf_status status = resolve_event(event, &slot);
+        if (status != MF_SUCCESS) return status;
+        return ops().event_synchronize(slot->raw);
+    });
 }
 
 mf_status mf_event_synchronize_for(mf_event_t event, uint32_t timeout_us, uint64_t *mark,
                                    int *done) {
-    PinScope pins;
-    Slot *slot;
-    mf_status status = resolve_event(event, &slot);
-    if (status != MF_SUCCESS) return status;
-    return ops().event_wait(slot->raw, timeout_us, mark, done);
+    return guard([&]() -> mf_status {
+        PinScope pins;
+        if (!mark || !done) return need(nullptr, "mark or done");
+        Slot *slot;
+        mf_status status = resolve_event(event, &slot);
+        if (status != MF_SUCCESS) return status;
+        return ops().event_wait(slot->raw, timeout_us, mark, done);
+    });
 }
 
 mf_status mf_event_elapsed_ms(mf_event_t start, mf_event_t end, float *ms) {
-    PinScope pins;
-    Slot *a, *b;
-    mf_status status = resolve_event(start, &a);
-    if (status == MF_SUCCESS) status = resolve_event(end, &b);
-    if (status != MF_SUCCESS) return status;
-    if (!(a->flags & MF_EVENT_TIMING) || !(b->flags & MF_EVENT_TIMING))
-        return fail(MF_ERROR_INVALID_VALUE, "elapsed time needs two events created with timing");
-    return ops().event_elapsed_ms(a->raw, b->raw, ms);
+    return guard([&]() -> mf_status {
+        PinScope pins;
+        if (!ms) return need(ms, "ms");
+        Slot *a, *b;
+        mf_status status = resolve_event(start, &a);
+        if (status == MF_SUCCESS) status = resolve_event(end, &b);
+        if (status != MF_SUCCESS) return status;
+        if (!(a->flags & MF_EVENT_TIMING) || !(b->flags & MF_EVENT_TIMING))
+            return fail(MF_ERROR_INVALID_VALUE, "elapsed time needs two events created with timing");
+        return ops().event_elapsed_ms(a->raw, b->raw, ms);
+    });
 }
 
 mf_status mf_event_destroy(mf_event_t event) {
-    MF_RANGE("event_destroy");
-    return event_table().erase(event, "event");  // a call using it meanwhile finishes first
+    return guard([&]() -> mf_status {
+        MF_RANGE("event_destroy");
+        return event_table().erase(event, "event");  // a call using it meanwhile finishes first
+    });
 }
 
 mf_status mf_event_raw(mf_event_t event, uint64_t *raw) {
-    PinScope pins;
-    Slot *slot;
-    mf_status status = resolve_event(event, &slot);
-    if (status != MF_SUCCESS) return status;
-    if (g_kind != MF_BACKEND_CUDA)
-        return fail(MF_ERROR_INVALID_VALUE, "the host backend has no cudaEvent_t");
-    *raw = (uint64_t)(uintptr_t)slot->raw;
-    return MF_SUCCESS;
+    return guard([&]() -> mf_status {
+        PinScope pins;
+        if (!raw) return need(raw, "raw");
+        Slot *slot;
+        mf_status status = resolve_event(event, &slot);
+        if (status != MF_SUCCESS) return status;
+        if (g_kind != MF_BACKEND_CUDA)
+            return fail(MF_ERROR_INVALID_VALUE, "the host backend has no cudaEvent_t");
+        *raw = (uint64_t)(uintptr_t)slot->raw;
+        return MF_SUCCESS;
+    });
 }
 
 /* ---- streams ---- */
 
 mf_status mf_stream_create(unsigned flags, mf_stream_t *out) {
-    MF_RANGE("stream_create");
-    if (flags & ~(unsigned)MF_STREAM_NON_BLOCKING)
-        return fail(MF_ERROR_INVALID_VALUE, "unknown stream flags 0x%x", flags);
-    void *raw = nullptr;
-    mf_status status = ops().stream_create(flags, &raw);
-    if (status != MF_SUCCESS) return status;
-    uint64_t handle = stream_table().insert(raw, flags, true);
-    if (handle == 0) {
-        ops().stream_destroy(raw);
-        return fail(MF_ERROR_OUT_OF_MEMORY, "too many live streams");
-    }
-    *out = handle;
-    if (g_kind == MF_BACKEND_CUDA) {
-        // A cudaStream_t is what other libraries take (__cuda_stream__), so it stays the handle.
-        std::lock_guard<std::mutex> lock(cuda_stream_mutex());
-        *out = (mf_stream_t)(uintptr_t)raw;
-        cuda_streams()[*out] = handle;
-    }
-    return MF_SUCCESS;
+    return guard([&]() -> mf_status {
+        MF_RANGE("stream_create");
+        if (flags & ~(unsigned)MF_STREAM_NON_BLOCKING)
+            return fail(MF_ERROR_INVALID_VALUE, "unknown stream flags 0x%x", flags);
+        if (!out) return need(out, "out");
+        void *raw = nullptr;
+        mf_status status = ops().stream_create(flags, &raw);
+        if (status != MF_SUCCESS) return status;
+        uint64_t handle = insert_handle(stream_table(), raw, flags, true, "stream");
+        if (handle == 0) {
+            ops().stream_destroy(raw);
+            return MF_ERROR_OUT_OF_MEMORY;
+        }
+        if (g_kind == MF_BACKEND_CUDA) {
+            // A cudaStream_t is what other libraries take (__cuda_stream__), so it stays the handle.
+            std::lock_guard<std::mutex> lock(cuda_stream_mutex());
+            try {
+                cuda_streams()[(mf_stream_t)(uintptr_t)raw] = handle;
+            } catch (...) {
+                stream_table().erase(handle, "stream");  // reclaimed there: a failed create leaks nothing
+                throw;
+            }
+            handle = (mf_stream_t)(uintptr_t)raw;
+        }
+        *out = handle;
+        return MF_SUCCESS;
+    });
 }
 
 mf_status mf_stream_check(mf_stream_t stream) {
-    PinScope pins;
-    void *raw;
-    return resolve_stream(stream, &raw);
+    return guard([&]() -> mf_status {
+        PinScope pins;
+        void *raw;
+        return resolve_stream(stream, &raw);
+    });
 }
 
 mf_status mf_stream_query(mf_stream_t stream, int *idle) {
-    PinScope pins;
-    void *raw;
-    mf_status status = resolve_stream(stream, &raw);
-    if (status == MF_SUCCESS) status = refuse_in_capture(raw, "stream_query", false);
-    return status != MF_SUCCESS ? status : ops().stream_query(raw, idle);
+    return guard([&]() -> mf_status {
+        PinScope pins;
+        if (!idle) return need(idle, "idle");
+        void *raw;
+        mf_status status = resolve_stream(stream, &raw);
+        if (status == MF_SUCCESS) status = refuse_in_capture(raw, "stream_query", false);
+        return status != MF_SUCCESS ? status : ops().stream_query(raw, idle);
+    });
 }
 
 mf_status mf_stream_synchronize(mf_stream_t stream) {
-    MF_RANGE("stream_synchronize");
-    void *raw;
-    mf_status status = resolve_stream(stream, &raw);
-    if (status == MF_SUCCESS) status = refuse_in_capture(raw, "stream_synchronize", false);
-    return status != MF_SUCCESS ? status : ops().stream_synchronize(raw);
+    return guard([&]() -> mf_status {
+        MF_RANGE("stream_synchronize");
+        void *raw;
+        mf_status status = resolve_stream(stream, &raw);
+        if (status == MF_SUCCESS) status = refuse_in_capture(raw, "stream_synchronize", false);
+        return status != MF_SUCCESS ? status : ops().stream_synchronize(raw);
+    });
 }
 
 mf_status mf_stream_synchronize_for(mf_stream_t stream, uint32_t timeout_us, uint64_t *mark,
                                     int *done) {
-    PinScope pins;
-    void *raw;
-    mf_status status = resolve_stream(stream, &raw);
-    if (status == MF_SUCCESS && *mark == 0) status = refuse_in_capture(raw, "stream_synchronize", false);
-    return status != MF_SUCCESS ? status : ops().stream_wait(raw, timeout_us, mark, done);
+    return guard([&]() -> mf_status {
+        PinScope pins;
+        if (!mark || !done) return need(nullptr, "mark or done");
+        void *raw;
+        mf_status status = resolve_stream(stream, &raw);
+        if (status == MF_SUCCESS && *mark == 0) status = refuse_in_capture(raw, "stream_synchronize", false);
+        return status != MF_SUCCESS ? status : ops().stream_wait(raw, timeout_us, mark, done);
+    });
 }
 
 mf_status mf_stream_wait_event(mf_stream_t stream, mf_event_t event) {
-    PinScope pins;
-    Slot *slot;
-    void *raw;
-    mf_status status = resolve_event(event, &slot);
-    if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
-    // Kept simple: a graph has no cross-stream waits (docs/graphs.md).
-    if (status == MF_SUCCESS) status = refuse_in_capture(raw, "stream_wait_event", false);
-    return status != MF_SUCCESS ? status : ops().stream_wait_event(raw, slot->raw);
+    return guard([&]() -> mf_status {
+        PinScope pins;
+        Slot *slot;
+        void *raw;
+        mf_status status = resolve_event(event, &slot);
+        if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+        // Kept simple: a graph has no cross-stream waits (docs/graphs.md).
+        if (status == MF_SUCCESS) status = refuse_in_capture(raw, "stream_wait_event", false);
+        return status != MF_SUCCESS ? status : ops().stream_wait_event(raw, slot->raw);
+    });
 }
 
 mf_status mf_launch_host_func(mf_stream_t stream, mf_host_fn fn, void *data) {
-    MF_RANGE("launch_host_func");
-    if (!fn) return fail(MF_ERROR_INVALID_VALUE, "launch_host_func: fn is a null function");
-    void *raw;
-    mf_status status = resolve_stream(stream, &raw);
-    if (status != MF_SUCCESS) return status;
-    // In a capture, a host function is an operation of the graph that runs at each launch with
-    // the same data, as CUDA's host node (which the cuda backend's cudaLaunchHostFunc becomes):
-    // the caller keeps `data` alive as long as the graph and its queued launches.
-    if (kept_for_graph(raw, [fn, data](mf_stream_t s) { return mf_launch_host_func(s, fn, data); }))
-        return MF_SUCCESS;
-    return ops().launch_host_func(fn, data, raw);
+    return guard([&]() -> mf_status {
+        MF_RANGE("launch_host_func");
+        if (!fn) return fail(MF_ERROR_INVALID_VALUE, "launch_host_func: fn is a null function");
+        void *raw;
+        mf_status status = resolve_stream(stream, &raw);
+        if (status != MF_SUCCESS) return status;
+        // In a capture, a host function is an operation of the graph that runs at each launch with
+        // the same data, as CUDA's host node (which the cuda backend's cudaLaunchHostFunc becomes):
+        // the caller keeps `data` alive as long as the graph and its queued launches.
+        if (kept_for_graph(raw, [fn, data](mf_stream_t s) { return mf_launch_host_func(s, fn, data); }))
+            return MF_SUCCESS;
+        return ops().launch_host_func(fn, data, raw);
+    });
 }
 
 mf_status mf_stream_destroy(mf_stream_t stream) {
-    MF_RANGE("stream_destroy");
-    if (stream == 0) return fail(MF_ERROR_INVALID_VALUE, "the default stream cannot be destroyed");
-    uint64_t handle = stream;
-    if (g_kind == MF_BACKEND_CUDA) {
-        // Only a stream of ours is asked about its capture: a stale cudaStream_t must not reach
-        // the runtime.
-        std::lock_guard<std::mutex> lock(cuda_stream_mutex());
-        if (!cuda_streams().count(stream))
-            return fail(MF_ERROR_INVALID_HANDLE, "unknown or destroyed stream 0x%llx",
-                        (unsigned long long)stream);
-    }
-    {
-        void *raw;  // a capturing stream is ended (mf_graph_end) before it goes
-        mf_status status = resolve_stream(stream, &raw);
-        if (status == MF_SUCCESS) status = refuse_in_capture(raw, "stream_destroy", false);
-        if (status != MF_SUCCESS) return status;
-    }
-    if (g_kind == MF_BACKEND_CUDA) {
-        std::lock_guard<std::mutex> lock(cuda_stream_mutex());
-        auto it = cuda_streams().find(stream);
-        if (it == cuda_streams().end())
-            return fail(MF_ERROR_INVALID_HANDLE, "unknown or destroyed stream 0x%llx",
-                        (unsigned long long)stream);
-        handle = it->second;
-        cuda_streams().erase(it);
-    }
-    return stream_table().erase(handle, "stream");  // a call using it meanwhile finishes first
+    return guard([&]() -> mf_status {
+        MF_RANGE("stream_destroy");
+        if (stream == 0) return fail(MF_ERROR_INVALID_VALUE, "the default stream cannot be destroyed");
+        uint64_t handle = stream;
+        if (g_kind == MF_BACKEND_CUDA) {
+            // Only a stream of ours is asked about its capture: a stale cudaStream_t must not reach
+            // the runtime.
+            std::lock_guard<std::mutex> lock(cuda_stream_mutex());
+            if (!cuda_streams().count(stream))
+                return fail(MF_ERROR_INVALID_HANDLE, "unknown or destroyed stream 0x%llx",
+                            (unsigned long long)stream);
+        }
+        {
+            void *raw;  // a capturing stream is ended (mf_graph_end) before it goes
+            mf_status status = resolve_stream(stream, &raw);
+            if (status == MF_SUCCESS) status = refuse_in_capture(raw, "stream_destroy", false);
+            if (status != MF_SUCCESS) return status;
+        }
+        if (g_kind == MF_BACKEND_CUDA) {
+            std::lock_guard<std::mutex> lock(cuda_stream_mutex());
+            auto it = cuda_streams().find(stream);
+            if (it == cuda_streams().end())
+                return fail(MF_ERROR_INVALID_HANDLE, "unknown or destroyed stream 0x%llx",
+                            (unsigned long long)stream);
+            handle = it->second;
+            cuda_streams().erase(it);
+        }
+        return stream_table().erase(handle, "stream");  // a call using it meanwhile finishes first
+    });
 }
 
 }  // extern "C"

@@ -1,12 +1,22 @@
 // Thread-local last error: the success path writes nothing, so it costs no lock and no GIL.
 #include <cstdarg>
 #include <cstdio>
+#include <exception>
+#include <new>
+#include <stdexcept>
+#include <system_error>
 
-#include "backend.hpp"
+#include "api.hpp"
 
 namespace {
 thread_local char t_message[512] = "";
 thread_local int t_cuda_code = 0;
+
+// The C++ runtime keeps each thread's exception state in thread-local storage, which a library
+// loaded with dlopen() (as this one is, inside the extension) gets lazily: the first throw in a
+// thread allocates it, and glibc ends the process when that allocation fails. Out of memory is
+// exactly when guard() (api.hpp) must catch a throw, so the importing thread sets it up now.
+const int g_exception_state_ready = std::uncaught_exceptions();
 }  // namespace
 
 namespace mf {
@@ -21,6 +31,30 @@ mf_status fail(mf_status status, const char *fmt, ...) {
 }
 
 void set_cuda_code(int code) { t_cuda_code = code; }
+
+mf_status need(const void *ptr, const char *what) {
+    return ptr ? MF_SUCCESS : fail(MF_ERROR_INVALID_VALUE, "%s is a null pointer", what);
+}
+
+mf_status exception_status() noexcept {
+    try {
+        throw;
+    } catch (const std::bad_alloc &) {
+        return fail(MF_ERROR_OUT_OF_MEMORY, "out of memory (the call had no effect)");
+    } catch (const std::length_error &error) {
+        return fail(MF_ERROR_OUT_OF_MEMORY, "out of memory: %s (the call had no effect)", error.what());
+    } catch (const std::system_error &error) {
+        // Threads and locks: the OS refusing a resource (EAGAIN, ENOMEM) is running out of it.
+        const int code = error.code().value();
+        if (code == (int)std::errc::resource_unavailable_try_again || code == (int)std::errc::not_enough_memory)
+            return fail(MF_ERROR_OUT_OF_MEMORY, "out of resources: %s (the call had no effect)", error.what());
+        return fail(MF_ERROR_INTERNAL, "internal error: %s", error.what());
+    } catch (const std::exception &error) {
+        return fail(MF_ERROR_INTERNAL, "internal error: %s", error.what());
+    } catch (...) {
+        return fail(MF_ERROR_INTERNAL, "internal error: an unknown C++ exception");
+    }
+}
 
 }  // namespace mf
 

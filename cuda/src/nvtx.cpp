@@ -71,6 +71,7 @@ void mf_nvtx_push(const char *name) {
 #ifdef MF_HAVE_NVTX
     mf::domain();
     if (!mf::g_nvtx_live) return;
+    if (!name) name = "";
     nvtxEventAttributes_t attributes;
     std::memset(&attributes, 0, sizeof attributes);
     attributes.version = NVTX_VERSION;

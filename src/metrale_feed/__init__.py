@@ -63,8 +63,15 @@ from ._core import MAX_DRAFTS as MAX_DRAFTS
 from ._core import resolve_verified as resolve_verified
 from ._core import verify_to_feed as verify_to_feed
 from .dtypes import dtype as dtype
+from .errors import BackendUnavailable as BackendUnavailable
+from .errors import CaptureError as CaptureError
 from .errors import CudaError as CudaError
+from .errors import DeviceError as DeviceError
 from .errors import FeedError as FeedError
+from .errors import FeedMemoryError as FeedMemoryError
+from .errors import InjectedFault as InjectedFault
+from .errors import InternalError as InternalError
+from .errors import InvalidHandleError as InvalidHandleError
 from .errors import KvPoolExhausted as KvPoolExhausted
 from .errors import NoDeviceTokenFeed as NoDeviceTokenFeed
 from .feed import FeedSource as FeedSource
@@ -163,7 +170,13 @@ def get_c_include() -> str:
     >>> os.path.isfile(os.path.join(mf.get_c_include(), "metrale_feed", "capi.h"))
     True
     """
-    return _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "include")
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    installed = _os.path.join(here, "include")
+    if not _os.path.isdir(installed):  # an editable install of a checkout: the headers' own folder
+        checkout = _os.path.join(_os.path.dirname(_os.path.dirname(here)), "cuda", "include")
+        if _os.path.isdir(checkout):
+            return checkout
+    return installed
 
 
 # The Python-level layers load on first use, so the hot import stays small: name -> (module, attr).

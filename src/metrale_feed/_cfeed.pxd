@@ -19,6 +19,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         MF_ERROR_UNAVAILABLE
         MF_ERROR_DEVICE
         MF_ERROR_CAPTURE
+        MF_ERROR_INTERNAL
 
     ctypedef enum mf_backend:
         MF_BACKEND_HOST
@@ -131,7 +132,9 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint32_t shift
         uint32_t flags
         uint32_t list_len
+    # Descriptors start with struct_size: set one up with its mf_*_args_init() (feed.h).
     ctypedef struct mf_argmax_args:
+        uint32_t struct_size
         const void *logits
         mf_dtype dtype
         uint32_t rows
@@ -171,9 +174,11 @@ cdef extern from "metrale_feed/feed.h" nogil:
         MF_SELECT_ROW_CUT_MASS
         MF_SOURCES_DEVICE
     const uint32_t MF_SELECT_BINS
+    void mf_argmax_args_init(mf_argmax_args *args)
     mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream)
     const uint32_t MF_MAX_SLICES
     ctypedef struct mf_combine_args:
+        uint32_t struct_size
         const void *partials
         uint32_t world
         uint32_t slice_stride
@@ -193,6 +198,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         mf_event_t event
     enum:
         MF_COMBINE_PARAMS_DEVICE
+    void mf_combine_args_init(mf_combine_args *args)
     mf_status mf_combine_partials(const mf_combine_args *args, mf_stream_t stream)
     mf_status mf_resolve_feed(const uint32_t *sources, uint32_t n, const uint32_t *cells,
                               uint32_t prev_rows, uint32_t *out, mf_stream_t stream)
@@ -204,6 +210,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
     enum:
         MF_VERIFY_DRAFTS_DEVICE
     ctypedef struct mf_verify_args:
+        uint32_t struct_size
         const void *logits
         mf_dtype dtype
         uint32_t rows
@@ -222,11 +229,13 @@ cdef extern from "metrale_feed/feed.h" nogil:
         float *logprobs
         void *logprobs_dst
         mf_event_t event
+    void mf_verify_args_init(mf_verify_args *args)
     mf_status mf_verify_to_feed(const mf_verify_args *args, mf_stream_t stream)
     mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                                   uint32_t *out_advance, mf_stream_t stream)
 
     ctypedef struct mf_reference_args:
+        uint32_t struct_size
         const uint32_t *input_ids
         const uint32_t *meta
         const uint32_t *tables
@@ -239,6 +248,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         mf_dtype dtype
         void *logits
         uint32_t start
+    void mf_reference_args_init(mf_reference_args *args)
     mf_status mf_reference_forward(const mf_reference_args *args, mf_stream_t stream)
 
     ctypedef void (*mf_host_fn)(void *data) noexcept

@@ -5,8 +5,15 @@ from typing import (Any, Callable, Final, Iterable, Literal, Protocol, Sequence,
 
 from typing_extensions import Buffer, TypeAlias
 
+from metrale_feed.errors import BackendUnavailable as BackendUnavailable
+from metrale_feed.errors import CaptureError as CaptureError
 from metrale_feed.errors import CudaError as CudaError
+from metrale_feed.errors import DeviceError as DeviceError
 from metrale_feed.errors import FeedError as FeedError
+from metrale_feed.errors import FeedMemoryError as FeedMemoryError
+from metrale_feed.errors import InjectedFault as InjectedFault
+from metrale_feed.errors import InternalError as InternalError
+from metrale_feed.errors import InvalidHandleError as InvalidHandleError
 
 NO_TOKEN: Final[int]
 MAX_ROWS: Final[int]

@@ -158,7 +158,7 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
     cdef _HeldBuffer held = None
     cdef _HeldBuffer held_lp = None
     cdef _PickInputs keep = _PickInputs.__new__(_PickInputs)
-    memset(&a, 0, sizeof(a))
+    mf_argmax_args_init(&a)  # every option off, struct_size set (feed.h, "descriptors")
     stream_of(stream, &s)
     cdef _Call call = call_on(s)
     try:
@@ -595,6 +595,7 @@ def reference_forward(input_ids, meta, tables, kv, kv_slots, block_size, rows, v
     cdef uint64_t s
     cdef void *ptr
     cdef size_t have
+    mf_reference_args_init(&a)
     stream_of(stream, &s)
     cdef _Call call = call_on(s)
     try:
@@ -756,7 +757,7 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
     if shard is not None:
         raise FeedError("verify_to_feed does not take shard= yet")
     k = int_of(k, "k", 1, MF_MAX_DRAFTS)
-    memset(&a, 0, sizeof(a))
+    mf_verify_args_init(&a)  # every option off, struct_size set (feed.h, "descriptors")
     memset(&view, 0, sizeof(view))
     keep.pick = _PickInputs.__new__(_PickInputs)
     stream_of(stream, &s)

@@ -276,8 +276,8 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
     cdef size_t n = 0
     cdef list held = [None, None, None]
     cdef _Call pcall
-    memset(&c, 0, sizeof(c))
-    memset(&view, 0, sizeof(view))
+    mf_combine_args_init(&c)
+    mf_argmax_args_init(&view)
     stream_of(stream, &s)
     c.world = <uint32_t>int_of(world, "world", 1, MF_MAX_SLICES)
     c.rows = <uint32_t>int_of(rows, "rows", 1, MF_MAX_ROWS)

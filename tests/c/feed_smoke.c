@@ -189,7 +189,7 @@ static void test_argmax_and_resolve(void) {
     OK(mf_copy_h2d_async(dlogits, logits, sizeof logits, stream));
 
     mf_argmax_args a;
-    memset(&a, 0, sizeof a);
+    mf_argmax_args_init(&a);
     a.logits = dlogits;
     a.dtype = MF_DTYPE_F32;
     a.rows = ROWS;
@@ -292,7 +292,7 @@ static void test_graphs(void) {
     OK(mf_copy_h2d_async(dev, pinned, 16, stream)); /* pinned: read at each launch */
     OK(mf_copy_d2h_async((char *)pinned + 8, (char *)dev + 4, 4, stream)); /* word 1 to word 2 */
     mf_argmax_args a;
-    memset(&a, 0, sizeof a);
+    mf_argmax_args_init(&a);
     a.logits = dev;
     a.dtype = MF_DTYPE_F32;
     a.rows = 1;

@@ -11,7 +11,12 @@
  * Version 2 appended the full descriptor's entry: `mf_argmax_args` grew (bitmask, sampling,
  * logprobs, partial slices) after version 1, so an extension built against version 1 passes the
  * shorter `mf_argmax_args_v1`. Its slot keeps that meaning (renamed `argmax_to_feed_v1`, reading
- * exactly the old fields), and `argmax_to_feed` is now a new slot that reads the whole descriptor. */
+ * exactly the old fields), and `argmax_to_feed` is now a new slot that reads the whole descriptor.
+ *
+ * Since version 2 every descriptor starts with `struct_size` (feed.h, "descriptors"): set one up
+ * with its mf_*_args_init() (header-only, nothing to link), so later growth never reads past what
+ * an extension built against an older header passes. A NULL descriptor is MF_ERROR_INVALID_VALUE
+ * in every slot. */
 #ifndef METRALE_FEED_CAPI_H
 #define METRALE_FEED_CAPI_H
 
@@ -20,7 +25,7 @@
 #define MF_CAPI_VERSION 2
 #define MF_CAPI_CAPSULE "metrale_feed._C_API"
 
-/* Version 1's descriptor: the leading fields of mf_argmax_args, in the same places. */
+/* Version 1's descriptor (before struct_size): its fields are the first of mf_argmax_args's. */
 typedef struct mf_argmax_args_v1 {
     const void *logits;
     mf_dtype dtype;
@@ -82,19 +87,25 @@ typedef struct mf_capi {
 #else
 #define MF_CAPI_ASSERT(c, m) _Static_assert(c, m)
 #endif
-MF_CAPI_ASSERT(offsetof(mf_argmax_args, event) == offsetof(mf_argmax_args_v1, event) &&
-                   offsetof(mf_argmax_args, host_dst) == offsetof(mf_argmax_args_v1, host_dst) &&
-                   offsetof(mf_argmax_args, cells) == offsetof(mf_argmax_args_v1, cells) &&
-                   offsetof(mf_argmax_args, row_stride) == offsetof(mf_argmax_args_v1, row_stride) &&
-                   sizeof(mf_argmax_args_v1) <= offsetof(mf_argmax_args, bitmask),
-               "mf_argmax_args_v1 must stay the leading fields of mf_argmax_args");
+MF_CAPI_ASSERT(sizeof(mf_argmax_args_v1) == 72, "mf_argmax_args_v1 is a shipped layout: never change it");
 
-/* Version 1's descriptor, read to its end and no further; every later field zero (off). */
+/* Version 1's descriptor, read to its end and no further, field by field; every later field
+ * zero (off). */
 static mf_status mf_capi_argmax_v1(const mf_argmax_args_v1 *old, mf_stream_t stream) {
     mf_argmax_args a;
-    memset(&a, 0, sizeof a);
-    if (old) memcpy(&a, old, sizeof *old);
-    return mf_argmax_to_feed(old ? &a : NULL, stream);
+    if (!old) return mf_argmax_to_feed(NULL, stream); /* refused there, with the message */
+    mf_argmax_args_init(&a);
+    a.logits = old->logits;
+    a.dtype = old->dtype;
+    a.rows = old->rows;
+    a.vocab = old->vocab;
+    a.row_stride = old->row_stride;
+    a.masks = old->masks;
+    a.cells = old->cells;
+    a.cell_capacity = old->cell_capacity;
+    a.host_dst = old->host_dst;
+    a.event = old->event;
+    return mf_argmax_to_feed(&a, stream);
 }
 
 /* Used once, by the extension that owns the C layer. */

@@ -8,6 +8,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -38,7 +39,8 @@ typedef enum mf_status {
     MF_ERROR_INJECTED = 5,       /* a host-backend fault knob fired */
     MF_ERROR_UNAVAILABLE = 6,    /* backend not compiled in, or no usable device */
     MF_ERROR_DEVICE = 7,         /* queued work failed (asynchronous error) */
-    MF_ERROR_CAPTURE = 8         /* not allowed on a stream that is capturing a graph (graphs) */
+    MF_ERROR_CAPTURE = 8,        /* not allowed on a stream that is capturing a graph (graphs) */
+    MF_ERROR_INTERNAL = 9        /* a defect of this layer (an unexpected C++ exception), caught */
 } mf_status;
 
 /* MF_BACKEND_SIMT: the host backend's runtime with the CUDA kernels run on the CPU (simt executor). */
@@ -81,7 +83,7 @@ typedef struct mf_host_faults {
     /* Counts every event creation, the binding's own too: it stands in for a full event table. */
     uint64_t fail_event_create_at;
 } mf_host_faults;
-MF_EXPORT void mf_host_configure(const mf_host_faults *faults);
+MF_EXPORT void mf_host_configure(const mf_host_faults *faults); /* NULL: every knob off */
 /* Threads one host-backend kernel may use (the stream's worker included); 0 = every core. A
  * simulated device of fewer cores leaves the others to the scheduler, as a real GPU does. */
 MF_EXPORT void mf_host_set_kernel_threads(unsigned threads);
@@ -153,7 +155,18 @@ MF_EXPORT mf_status mf_copy_h2d_async(void *dev_dst, const void *host_src, size_
 MF_EXPORT mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t nbytes,
                                       mf_stream_t stream);
 
-/* ---- kernels ----
+/* ---- descriptors ----
+ * The kernels take their arguments in descriptors (mf_argmax_args, mf_combine_args,
+ * mf_reference_args) that grow as options are added. Each starts with struct_size, which its
+ * mf_*_args_init() sets to the size the caller was compiled with, after zero-filling it (every
+ * option off): always set a descriptor up with its init, then set the fields you use. The layer
+ * reads a descriptor of a size it knows up to that size and takes every later field as zero, so a
+ * binary built against an older header keeps working when fields are appended; a size it does not
+ * know (a descriptor that skipped the init: stack garbage) is refused with MF_ERROR_INVALID_VALUE
+ * before anything is read or queued, as is a NULL descriptor. As in Vulkan's sType or CUDA's
+ * versioned structs, the size is the descriptor's version.
+ *
+ * ---- kernels ----
  * argmax_to_feed: cells[r] = the id chosen for row r, then an async copy of rows*4 bytes of cells
  * into host_dst, then a record of event (0: none). Capacity is the cells' length in ids.
  *
@@ -234,6 +247,7 @@ typedef struct mf_sampling_params {
 } mf_sampling_params;
 
 typedef struct mf_argmax_args {
+    uint32_t struct_size;  /* sizeof(mf_argmax_args) where the caller was built: mf_argmax_args_init */
     const void *logits;
     mf_dtype dtype;
     uint32_t rows;
@@ -261,6 +275,13 @@ typedef struct mf_argmax_args {
     uint32_t select_list_cap;
     uint32_t *select_list;
 } mf_argmax_args;
+/* Zero-fills *args (every option off) and sets its struct_size: call it first. */
+static inline void mf_argmax_args_init(mf_argmax_args *args) {
+    memset(args, 0, sizeof *args);
+    args->struct_size = (uint32_t)sizeof *args;
+}
+/* Also refuses outputs that overlap (cells, host_dst, logprobs, logprobs_dst, partials, select
+ * state and list) or overlap a device-resident input (logits, masks, bitmask, params). */
 MF_EXPORT mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream);
 
 /* The partial blocks of one row split: what each slice's MF_ARGS_PARTIAL call wrote, gathered.
@@ -281,6 +302,7 @@ MF_EXPORT mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t st
  * other rows get their draws. */
 enum { MF_COMBINE_PARAMS_DEVICE = 1u };
 typedef struct mf_combine_args {
+    uint32_t struct_size;             /* sizeof(mf_combine_args) where the caller was built: _init */
     const void *partials;             /* device */
     uint32_t world;                   /* slices, >= 1 */
     uint32_t slice_stride;            /* records between blocks */
@@ -299,6 +321,12 @@ typedef struct mf_combine_args {
     void *fault_dst;                  /* host, one word, or NULL */
     mf_event_t event;                 /* 0: none */
 } mf_combine_args;
+static inline void mf_combine_args_init(mf_combine_args *args) {
+    memset(args, 0, sizeof *args);
+    args->struct_size = (uint32_t)sizeof *args;
+}
+/* Outputs (cells, host_dst, logprobs, logprobs_dst, fault, fault_dst) must not overlap each other,
+ * the partials or device params. */
 MF_EXPORT mf_status mf_combine_partials(const mf_combine_args *args, mf_stream_t stream);
 
 /* resolve_feed: out[i] = sources[i] & 0x7FFFFFFF when bit 31 is set, else cells[sources[i]].
@@ -330,6 +358,7 @@ MF_EXPORT mf_status mf_resolve_feed_flags(const uint32_t *sources, uint32_t n,
 #define MF_MAX_DRAFTS 64u
 enum { MF_VERIFY_DRAFTS_DEVICE = 0x10000u }; /* apart from the MF_ARGS_* bits it shares flags with */
 typedef struct mf_verify_args {
+    uint32_t struct_size;    /* sizeof(mf_verify_args) where the caller was built: mf_verify_args_init */
     const void *logits;
     mf_dtype dtype;
     uint32_t rows;           /* rows of drafts; rows * (k + 1) <= MF_MAX_ROWS logit rows */
@@ -349,6 +378,11 @@ typedef struct mf_verify_args {
     void *logprobs_dst;      /* host, rows*(k+1)*4 bytes, or NULL (needs logprobs) */
     mf_event_t event;        /* 0: none */
 } mf_verify_args;
+/* Zero-fills *args (every option off) and sets its struct_size: call it first. */
+static inline void mf_verify_args_init(mf_verify_args *args) {
+    memset(args, 0, sizeof *args);
+    args->struct_size = (uint32_t)sizeof *args;
+}
 MF_EXPORT mf_status mf_verify_to_feed(const mf_verify_args *args, mf_stream_t stream);
 /* The next step's inputs from verify cells: out_ids[r] = row r's last emitted id, out_advance[r]
  * = its n (either may be NULL), read from cells (rows*(k+2) words) when the kernel runs. */
@@ -362,6 +396,7 @@ MF_EXPORT mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, ui
  * slice, as a column-parallel LM head does (start 0: the whole row; start + vocab <= 2**24).
  * logits NULL: only the KV writes (a prefill, one row per position). */
 typedef struct mf_reference_args {
+    uint32_t struct_size; /* sizeof(mf_reference_args) where the caller was built: _init */
     const uint32_t *input_ids;
     const uint32_t *meta;
     const uint32_t *tables;
@@ -375,6 +410,10 @@ typedef struct mf_reference_args {
     void *logits;
     uint32_t start; /* the id of column 0 */
 } mf_reference_args;
+static inline void mf_reference_args_init(mf_reference_args *args) {
+    memset(args, 0, sizeof *args);
+    args->struct_size = (uint32_t)sizeof *args;
+}
 MF_EXPORT mf_status mf_reference_forward(const mf_reference_args *args, mf_stream_t stream);
 
 /* ---- host functions in stream order ----

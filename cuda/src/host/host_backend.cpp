@@ -10,7 +10,7 @@
 
 #include "../registry.hpp"
 
-#include "../backend.hpp"
+#include "../api.hpp"
 #include "graph.hpp"
 #include "kernels.hpp"
 #include "queue.hpp"
@@ -38,6 +38,14 @@ bool fires(std::atomic<uint64_t> &knob) {
 
 mf_status injected(const char *what) {
     return fail(MF_ERROR_INJECTED, "%s: fault injected by the host backend", what);
+}
+
+// A host function waiting for work queued behind itself on its own stream would wait forever.
+mf_status waits_for_itself(const char *what) {
+    return fail(MF_ERROR_INVALID_VALUE,
+                "%s from a host function on the stream it waits for: that work is queued behind the "
+                "host function itself, so the wait could never end (CUDA forbids CUDA calls in a "
+                "host function; record an event and wait for it from another thread)", what);
 }
 
 Event *as_event(void *raw) { return static_cast<Event *>(raw); }
@@ -70,12 +78,19 @@ mf_status event_destroy(void *raw) {
 
 mf_status event_record(void *raw, mf_stream_t stream) {
     Event *event = as_event(raw);
-    uint64_t ticket = event->record();
+    Stream *on = stream_of((void *)(uintptr_t)stream);
+    uint64_t ticket = event->record(on);
     event->retain();
-    stream_of((void *)(uintptr_t)stream)->enqueue("event_record", [event, ticket] {
-        event->reach(ticket, now_ns());
+    try {
+        on->enqueue("event_record", [event, ticket] {
+            event->reach(ticket, now_ns());
+            event->release();
+        });
+    } catch (...) {  // out of memory: nothing queued, so the record is taken back (api.hpp, guard)
         event->release();
-    });
+        event->unrecord(ticket);
+        throw;
+    }
     return MF_SUCCESS;
 }
 
@@ -89,6 +104,7 @@ mf_status event_query(void *raw, int *done) {
 mf_status event_synchronize(void *raw) {
     if (fires(g_fail_sync)) return injected("event_synchronize");
     Event *event = as_event(raw);
+    if (event->latest_pending_on(current_stream())) return waits_for_itself("event_synchronize");
     event->retain();  // a destroy from another thread during the wait must not free it under us
     event->wait(event->recorded.load(std::memory_order_acquire));
     event->release();
@@ -99,6 +115,7 @@ mf_status event_wait(void *raw, uint32_t timeout_us, uint64_t *mark, int *done) 
     Event *event = as_event(raw);  // pinned by the caller's lookup: a destroy meanwhile waits for us
     if (*mark == 0) {
         if (fires(g_fail_sync)) return injected("event_synchronize");
+        if (event->latest_pending_on(current_stream())) return waits_for_itself("event_synchronize");
         *mark = event->recorded.load(std::memory_order_acquire) + 1;  // + 1: never 0 once taken
     }
     uint64_t ticket = *mark - 1;
@@ -137,6 +154,7 @@ mf_status stream_query(void *raw, int *idle) {
 mf_status stream_synchronize(void *raw) {
     if (fires(g_fail_sync)) return injected("stream_synchronize");
     Stream *stream = stream_of(raw);
+    if (stream == current_stream()) return waits_for_itself("stream_synchronize");
     stream->retain();  // as event_synchronize: a close meanwhile frees it only after we are done
     stream->synchronize();
     stream->release();
@@ -146,6 +164,7 @@ mf_status stream_wait(void *raw, uint32_t timeout_us, uint64_t *mark, int *done)
     Stream *stream = stream_of(raw);
     if (*mark == 0) {
         if (fires(g_fail_sync)) return injected("stream_synchronize");
+        if (stream == current_stream()) return waits_for_itself("stream_synchronize");
         *mark = stream->enqueued() + 1;  // the work queued when the wait began
     }
     *done = stream->wait_for(*mark - 1, timeout_us);
@@ -155,11 +174,17 @@ mf_status stream_wait(void *raw, uint32_t timeout_us, uint64_t *mark, int *done)
 mf_status stream_wait_event(void *raw, void *event_raw) {
     Event *event = as_event(event_raw);
     uint64_t ticket = event->recorded.load(std::memory_order_acquire);
+    Stream *stream = stream_of(raw);
     event->retain();
-    stream_of(raw)->enqueue("stream_wait_event", [event, ticket] {
-        event->wait(ticket);
+    try {
+        stream->enqueue("stream_wait_event", [event, ticket] {
+            event->wait(ticket);
+            event->release();
+        });
+    } catch (...) {  // out of memory: nothing queued
         event->release();
-    });
+        throw;
+    }
     return MF_SUCCESS;
 }
 
@@ -314,6 +339,8 @@ const Ops host_ops = {
 extern "C" {
 void mf_host_configure(const mf_host_faults *faults) {
     using namespace mf::host;
+    static const mf_host_faults off{};
+    if (!faults) faults = &off;  // NULL: every knob off
     g_lag_us.store(faults->lag_us);
     g_fail_query.store(faults->fail_event_query_at);
     g_fail_alloc.store(faults->fail_alloc_at);
@@ -323,7 +350,9 @@ void mf_host_configure(const mf_host_faults *faults) {
 }
 
 void mf_host_set_kernel_threads(unsigned threads) { mf::host::set_kernel_threads(threads); }
-unsigned mf_host_kernel_threads(void) { return mf::host::kernel_threads(); }
+unsigned mf_host_kernel_threads(void) {  // the first use makes the pool, which may throw
+    return mf::guard_value(1u, [] { return mf::host::kernel_threads(); });
+}
 const char *mf_host_argmax_isa(int force_portable) {
     if (force_portable >= 0) mf::host::use_portable_argmax(force_portable != 0);
     return mf::host::argmax_isa();
@@ -331,6 +360,7 @@ const char *mf_host_argmax_isa(int force_portable) {
 
 void mf_host_faults_get(mf_host_faults *out) {
     using namespace mf::host;
+    if (!out) return;
     out->lag_us = g_lag_us.load();
     out->fail_event_query_at = g_fail_query.load();
     out->fail_alloc_at = g_fail_alloc.load();

@@ -27,14 +27,42 @@ struct Shared {
 Shared *g_shared = new Shared;
 
 Shared &shared() { return *g_shared; }
+
+thread_local const Stream *t_current = nullptr;  // set by Stream::run around each op
 }  // namespace
 
-uint64_t Event::record() {
+const Stream *current_stream() { return t_current; }
+
+uint64_t Event::record(const Stream *on) {
     std::lock_guard<std::mutex> lock(mutex);
     uint64_t ticket = recorded.load(std::memory_order_relaxed) + 1;
     outstanding.insert(ticket);
     recorded.store(ticket, std::memory_order_release);
+    previous_on = latest_on;
+    latest_on = on;
     return ticket;
+}
+
+void Event::unrecord(uint64_t ticket) {
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        outstanding.erase(ticket);
+        // Still the latest: back to the record before it, done if that one has run (its reach()
+        // saw a later ticket and left latest_done behind). Else a later record supersedes it.
+        if (recorded.load(std::memory_order_relaxed) == ticket) {
+            recorded.store(ticket - 1, std::memory_order_release);
+            latest_on = previous_on;
+            if (!outstanding.count(ticket - 1)) latest_done.store(ticket - 1, std::memory_order_release);
+        }
+    }
+    changed.notify_all();
+}
+
+bool Event::latest_pending_on(const Stream *stream) {
+    if (!stream) return false;
+    std::lock_guard<std::mutex> lock(mutex);
+    // Queued on this stream and not yet run: behind the op now running, since a stream is FIFO.
+    return latest_on == stream && outstanding.count(recorded.load(std::memory_order_relaxed)) != 0;
 }
 
 void Event::reach(uint64_t ticket, int64_t stamp) {
@@ -61,17 +89,49 @@ bool Event::wait_for(uint64_t ticket, uint32_t timeout_us) {
 }
 
 Stream::Stream(bool blocking, bool is_default) : blocking_(blocking && !is_default), default_(is_default) {
-    std::thread worker(&Stream::run, this);  // throws std::system_error when the OS refuses
-    worker.detach();
+    // Registered before its worker starts, and unregistered when the OS refuses the thread, so a
+    // throw from here (out of memory) leaves no worker running on a freed Stream and no stale entry.
+    register_self();
+    try {
+        std::thread worker(&Stream::run, this);  // throws std::system_error when the OS refuses
+        worker.detach();
+    } catch (...) {
+        unregister_self();
+        throw;
+    }
+}
+
+void Stream::register_self() {
+    Shared &s = shared();
     {
-        std::lock_guard<std::mutex> lock(shared().streams_mutex);
-        shared().streams.insert(this);
+        std::lock_guard<std::mutex> lock(s.streams_mutex);
+        s.streams.insert(this);
     }
+    if (!blocking_) return;
+    try {
+        std::lock_guard<std::mutex> lock(s.legacy_mutex);
+        s.blocking.push_back(this);
+        s.blocking_count.store(s.blocking.size(), std::memory_order_release);
+    } catch (...) {
+        std::lock_guard<std::mutex> lock(s.streams_mutex);
+        s.streams.erase(this);
+        throw;
+    }
+}
+
+void Stream::unregister_self() {
+    Shared &s = shared();
     if (blocking_) {
-        std::lock_guard<std::mutex> lock(shared().legacy_mutex);
-        shared().blocking.push_back(this);
-        shared().blocking_count.store(shared().blocking.size(), std::memory_order_release);
+        std::lock_guard<std::mutex> legacy(s.legacy_mutex);
+        for (auto it = s.blocking.begin(); it != s.blocking.end(); ++it)
+            if (*it == this) {
+                s.blocking.erase(it);
+                break;
+            }
+        s.blocking_count.store(s.blocking.size(), std::memory_order_release);
     }
+    std::lock_guard<std::mutex> registry(s.streams_mutex);
+    s.streams.erase(this);
 }
 
 void Stream::push(const char *name, std::function<void()> op) {
@@ -91,7 +151,10 @@ void Stream::enqueue(const char *name, std::function<void()> op) {
     Shared &s = shared();
     if (default_ && s.blocking_count.load(std::memory_order_acquire) == 0) return push(name, std::move(op));
     std::lock_guard<std::mutex> legacy(s.legacy_mutex);
+    // Allocated before any stream is retained, and the retains given back if queueing throws
+    // (out of memory): a refused op leaves no reference behind.
     std::vector<std::pair<Stream *, uint64_t>> waits;
+    waits.reserve(default_ ? s.blocking.size() : 1);
     auto consider = [&](Stream *other) {
         if (other == this) return;
         std::lock_guard<std::mutex> lock(other->mutex_);
@@ -106,13 +169,18 @@ void Stream::enqueue(const char *name, std::function<void()> op) {
         consider(d);
     }
     if (waits.empty()) return push(name, std::move(op));
-    push(name, [waits = std::move(waits), op = std::move(op)] {
-        for (auto &[other, target] : waits) {
-            other->wait_until(target);
-            other->release();
-        }
-        op();
-    });
+    try {
+        push(name, [waits, op = std::move(op)] {
+            for (auto &[other, target] : waits) {
+                other->wait_until(target);
+                other->release();
+            }
+            op();
+        });
+    } catch (...) {
+        for (auto &wait : waits) wait.first->release();
+        throw;
+    }
 }
 
 bool Stream::idle() {
@@ -155,7 +223,9 @@ void Stream::run() {
         lock.unlock();
         if (uint32_t lag = lag_us()) std::this_thread::sleep_for(std::chrono::microseconds(lag));
         int64_t start = op.queued_ns ? now_ns() : 0;
+        t_current = this;
         op.run();
+        t_current = nullptr;
         op.run = nullptr;  // captured references go before the op counts as completed
         if (op.queued_ns) trace(op.name, default_ ? nullptr : this, op.queued_ns, start, now_ns());
         lock.lock();
@@ -163,21 +233,7 @@ void Stream::run() {
         idle_.notify_all();
     }
     lock.unlock();
-    Shared &s = shared();
-    if (blocking_) {
-        std::lock_guard<std::mutex> legacy(s.legacy_mutex);
-        for (auto it = s.blocking.begin(); it != s.blocking.end(); ++it)
-            if (*it == this) {
-                s.blocking.erase(it);
-                break;
-            }
-        s.blocking_count.store(s.blocking.size(), std::memory_order_release);
-    }
-    {
-        // Only now: a free that synchronizes every stream also waits for a closed one to drain.
-        std::lock_guard<std::mutex> registry(s.streams_mutex);
-        s.streams.erase(this);
-    }
+    unregister_self();  // only now: a free that synchronizes every stream waits for a closed one
     release();  // the worker's reference; a caller still in synchronize() holds its own
 }
 

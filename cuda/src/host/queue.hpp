@@ -17,6 +17,8 @@ namespace mf::host {
 // Each record is a ticket. A query asks whether the latest ticket has run (lock-free); a wait
 // (synchronize, stream_wait_event) waits for the ticket current when it was called, whatever
 // later records on other streams do: CUDA's semantics.
+class Stream;
+
 struct Event {
     explicit Event(unsigned flags) : flags(flags) {}
     void retain() { refs.fetch_add(1, std::memory_order_relaxed); }
@@ -26,7 +28,12 @@ struct Event {
     bool done() const {
         return latest_done.load(std::memory_order_acquire) == recorded.load(std::memory_order_acquire);
     }
-    uint64_t record();  // a new ticket, outstanding until reach()
+    uint64_t record(const Stream *on);  // a new ticket on stream `on`, outstanding until reach()
+    // Takes back a record whose op could not be queued (out of memory): the event is as before.
+    void unrecord(uint64_t ticket);
+    // True when the latest ticket is still queued on `stream`: a wait for it from that stream's
+    // own worker could never end (the worker would wait for work queued behind itself).
+    bool latest_pending_on(const Stream *stream);
     void reach(uint64_t ticket, int64_t stamp_ns);
     void wait(uint64_t ticket);
     bool wait_for(uint64_t ticket, uint32_t timeout_us);  // true once the ticket has run
@@ -39,6 +46,8 @@ struct Event {
     std::mutex mutex;
     std::condition_variable changed;
     std::unordered_set<uint64_t> outstanding;  // tickets queued, not yet run (under mutex)
+    const Stream *latest_on = nullptr;         // the stream of the latest ticket (under mutex)
+    const Stream *previous_on = nullptr;       // and of the one before it, for unrecord()
 };
 
 class Stream {
@@ -63,6 +72,8 @@ public:
 
 private:
     void run();
+    void register_self();    // in the registries; throws (registering nothing) when out of memory
+    void unregister_self();  // never throws
     void push(const char *name, std::function<void()> op);
     std::mutex mutex_;
     std::condition_variable work_, idle_;
@@ -79,6 +90,11 @@ private:
 };
 
 Stream *default_stream();
+// The stream whose worker is running the calling thread's current op (a host function, so far
+// the only op that runs caller code), or nullptr on any other thread. A wait on that stream's
+// later work from there would wait for itself: CUDA forbids it in a host function, and the host
+// backend refuses it instead of deadlocking.
+const Stream *current_stream();
 Stream *stream_of(void *raw);  // raw 0 is the default stream
 void synchronize_all();        // every live stream, as cudaFree implies
 int64_t now_ns();

@@ -74,6 +74,7 @@ size_t mf_trace_read(mf_trace_record *out, size_t max, uint64_t *dropped) {
     State &st = state();
     std::lock_guard<std::mutex> lock(st.mutex);
     auto &records = st.records;
+    if (!out) max = 0;  // nothing to read into: only the dropped count
     size_t n = records.size() < max ? records.size() : max;
     for (size_t i = 0; i < n; ++i) out[i] = records[i];
     records.erase(records.begin(), records.begin() + (ptrdiff_t)n);
