@@ -251,3 +251,41 @@ def test_sliced_rows_draw_by_global_id(vector, dev, offsets):
             for b in (parts, cells, *slices):
                 b.close()
         assert np.array_equal(ids, whole), portable
+
+
+def test_the_near_list_holds_every_possible_winner(vector, dev):
+    """3000 ids 9 below the top win about a third of the draws between them: the near list (ids
+    within 24 of the top in z) must hold them all, or the vector path's ids would differ."""
+    vocab, draws = 100000, 300
+    row = np.full(vocab, -100.0, np.float32)
+    rng = np.random.default_rng(13)
+    group = rng.choice(np.arange(1, vocab), 3000, replace=False)
+    row[group] = -9.0
+    row[0] = 0.0
+    params = mf.sampling_params(draws, temperature=1.0, seed=rng.integers(0, 2**63, draws),
+                                position=np.arange(draws))
+    fast, slow = both_paths(dev, np.tile(row, (draws, 1)), params)
+    assert np.array_equal(fast, slow)
+    assert 30 < np.isin(fast, group).sum() < 200  # the group does win: the test tests something
+
+
+def test_top_p_undecided_by_the_near_list(vector, dev):
+    """top_p between two targets: with the mass of 100000 ids far below the top (each under the
+    near list's bound of 32) the threshold takes the second id, without it only the top. The
+    vector path cannot decide it from the list and must weigh the whole row."""
+    vocab, draws = 100002, 300
+    row = np.full(vocab, -24.05, np.float32)
+    row[0], row[1] = 0.0, -1.0
+    far_mass = np.floor(np.exp(np.float64(np.float32(-24.05))) * 2.0**39) * (vocab - 2)
+    assert 1.5e6 < far_mass < 32 * (vocab - 2)
+    top, second = 2.0**39, np.floor(np.exp(-1.0) * 2.0**39)
+    # ceil(p * (top + second)) <= top < ceil(p * (top + second + far)): the middle of that range.
+    lo, hi = top / (top + second + far_mass), top / (top + second)
+    top_p = np.float32((lo + hi) / 2)
+    assert lo < top_p < hi
+    rng = np.random.default_rng(14)
+    params = mf.sampling_params(draws, temperature=1.0, top_p=top_p, seed=rng.integers(0, 2**63, draws),
+                                position=np.arange(draws))
+    fast, slow = both_paths(dev, np.tile(row, (draws, 1)), params)
+    assert np.array_equal(fast, slow)
+    assert set(fast.tolist()) == {0, 1}  # the second id survives top_p
