@@ -556,6 +556,12 @@ MF_AVX2 __m256i floor_key8(uint64_t floor) {
     return _mm256_set1_epi32((int)((uint32_t)(floor >> 32) ^ 0x80000000u));
 }
 
+// Keeps the k greatest of list[0, n) in list[0, k) (any order); returns the k-th greatest.
+uint64_t keep_greatest(uint64_t *list, size_t n, uint32_t k) {
+    std::nth_element(list, list + (k - 1), list + n, std::greater<uint64_t>());
+    return list[k - 1];
+}
+
 // Appends to `out` the packed word of every candidate of a float32 row above `floor`. One
 // signed-key compare per 8 ids rejects what cannot be above the floor (the candidate tests run
 // only for lanes it lets through). With k > 0 the list is a bounded selection: whenever it holds
@@ -567,19 +573,27 @@ MF_AVX2 bool collect_f32(const RowView &v, uint64_t floor, uint32_t k, size_t ca
     const uint32_t words = mf_bitmask_words(v.vocab);
     const __m256i mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
     __m256i fk = floor_key8(floor);
-    out.clear();
-    // (No vector in here: a lambda does not inherit the target, and a 256-bit value crossing
-    // between the two would take two ABIs. The caller refreshes fk after each block.)
-    auto take = [&](uint64_t packed) {
-        if (packed <= floor) return true;
-        out.push_back(packed);
-        if (out.size() < cap) return true;
-        if (!k) return false;
-        std::nth_element(out.begin(), out.begin() + (k - 1), out.end(), std::greater<uint64_t>());
-        out.resize(k);
-        floor = out[k - 1];  // new words must beat the k-th kept
-        return true;
-    };
+    out.resize(cap);
+    uint64_t *list = out.data();
+    size_t n = 0;
+    // Takes one word; false when a fixed floor's list is full. Inline, with no call in the
+    // common case: a function of another target would cost a call and a vzeroupper a word.
+#define MF_TAKE(packed)                                              \
+    do {                                                             \
+        const uint64_t word_ = (packed);                             \
+        if (word_ > floor) {                                         \
+            list[n++] = word_;                                       \
+            if (n == cap) {                                          \
+                if (!k) {                                            \
+                    out.resize(n);                                   \
+                    return false;                                    \
+                }                                                    \
+                floor = keep_greatest(list, n, k); /* the k-th kept */ \
+                n = k;                                               \
+                fk = floor_key8(floor);                              \
+            }                                                        \
+        }                                                            \
+    } while (0)
     uint32_t i = 0;
     for (; i + 32 <= v.vocab; i += 32) {
         __m256i b[4];
@@ -598,18 +612,52 @@ MF_AVX2 bool collect_f32(const RowView &v, uint64_t floor, uint32_t k, size_t ca
             alignas(32) uint32_t bits[8];
             _mm256_store_si256((__m256i *)bits, b[j]);
             while (lanes) {
-                const uint32_t lane = (uint32_t)__builtin_ctz(lanes), id = i + 8 * (uint32_t)j + lane;
+                const uint32_t lane = (uint32_t)__builtin_ctz(lanes);
                 lanes &= lanes - 1;
-                if (!take(mf_pack(mf_key_f32(bits[lane]), id))) return false;
+                MF_TAKE(mf_pack(mf_key_f32(bits[lane]), i + 8 * (uint32_t)j + lane));
             }
         }
-        fk = floor_key8(floor);
     }
     for (; i < v.vocab; ++i) {
         uint32_t bits;
-        if (v.candidate(i, &bits) && !take(mf_pack(mf_key_f32(bits), i))) return false;
+        if (v.candidate(i, &bits)) MF_TAKE(mf_pack(mf_key_f32(bits), i));
     }
+#undef MF_TAKE
+    out.resize(n);
     return true;
+}
+
+// A floor under the k-th greatest candidate of a float32 row, to start the bounded selection
+// high: the least of the greatest keys of k groups of ids (each group's greatest candidate is
+// a distinct candidate at or above it, so k of them are). The groups take about an eighth of
+// the row, once through the candidate tests; the selection's pass then reads them again from
+// cache, and lets through a few ids where it would let through every one until its list first
+// filled. 0 (no floor) for a short row or one whose groups lack candidates.
+MF_AVX2 uint64_t seed_floor(const RowView &v, uint32_t k) {
+    const uint32_t group = (v.vocab / (8 * k)) & ~7u;
+    if (group < 32) return 0;
+    const float *p = (const float *)v.row;
+    const uint32_t words = mf_bitmask_words(v.vocab);
+    const __m256i mag_mask = _mm256_set1_epi32(0x7FFFFFFF), none = _mm256_set1_epi32(INT32_MIN);
+    int32_t lowest = INT32_MAX;
+    uint32_t found = 0;
+    for (uint32_t start = 0; found < k && start + group <= v.vocab; start += group) {
+        __m256i best = none;
+        for (uint32_t i = start; i < start + group; i += 8) {
+            const __m256i b = _mm256_castps_si256(_mm256_loadu_ps(p + i));
+            const __m256i signed_key = _mm256_sign_epi32(_mm256_and_si256(b, mag_mask), b);
+            best = _mm256_max_epi32(best, _mm256_blendv_epi8(signed_key, none, not_candidates8(v, b, i, words)));
+        }
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256((__m256i *)lanes, best);
+        int32_t m = lanes[0];
+        for (int j = 1; j < 8; ++j) m = lanes[j] > m ? lanes[j] : m;
+        if (m == INT32_MIN) continue;  // no candidate (a finite key is never INT32_MIN)
+        lowest = m < lowest ? m : lowest;
+        ++found;
+    }
+    if (found < k) return 0;
+    return ((uint64_t)((uint32_t)lowest ^ 0x80000000u) << 32) - 1u;  // keeps that key's words
 }
 
 // The smallest logit key whose z is near zmax: fl(fl(x * inv_t) + kNearMargin) >= zmax, found by
@@ -681,7 +729,7 @@ size_t top_p_prefix(const RowView &v, const mf_sample_plan &p, const uint64_t *l
 // selection's one pass, and the rest over the k words it keeps.
 MF_AVX2 uint32_t sample_top_k(const RowView &v, const mf_sample_plan &p) {
     thread_local std::vector<uint64_t> list;
-    collect_f32(v, 0, p.top_k, std::max<size_t>(4 * (size_t)p.top_k, 256), list);
+    collect_f32(v, seed_floor(v, p.top_k), p.top_k, std::max<size_t>(4 * (size_t)p.top_k, 256), list);
     if (list.empty()) return MF_NO_TOKEN;
     if (list.size() > p.top_k) {
         std::nth_element(list.begin(), list.begin() + (p.top_k - 1), list.end(), std::greater<uint64_t>());
