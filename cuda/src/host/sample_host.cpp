@@ -677,10 +677,12 @@ uint32_t near_key(float inv_t, float zmax, uint32_t top_key) {
     return hi;
 }
 
-// The race over a list sorted descending whose first word is the row's top candidate (the
-// greatest z, zmax): every id not listed is either filtered out or cannot win. The same offers
-// as Race::offer, in descending z, so the first id whose z + bound trails the best score ends it.
-uint32_t race_list(const RowView &v, const mf_sample_plan &p, const uint64_t *list, size_t n, float zmax) {
+// The race over a list whose first word is the row's top candidate (the greatest z, zmax):
+// every id not listed is either filtered out or cannot win. The same offers as Race::offer; in a
+// list sorted descending (z non-increasing), the first id whose z + bound trails the best score
+// ends it.
+uint32_t race_list(const RowView &v, const mf_sample_plan &p, const uint64_t *list, size_t n, float zmax,
+                   bool sorted) {
     const uint32_t top_id = mf_unpack_id(list[0]);
     const float ztop = v.z(mf_logit_bits(v.row, v.dt, top_id));
     if (p.use_min_p && !(mf_exp_neg(mf_fsub(ztop, zmax)) >= p.min_p)) return MF_NO_TOKEN;
@@ -689,7 +691,10 @@ uint32_t race_list(const RowView &v, const mf_sample_plan &p, const uint64_t *li
     for (size_t j = 1; j < n; ++j) {
         const uint32_t i = mf_unpack_id(list[j]);
         const float z = v.z(mf_logit_bits(v.row, v.dt, i));
-        if (mf_fadd(z, MF_GUMBEL_BOUND) < best_score) break;  // and so every later one
+        if (mf_fadd(z, MF_GUMBEL_BOUND) < best_score) {
+            if (sorted) break;  // and so every later one
+            continue;
+        }
         if (p.use_min_p && !(mf_exp_neg(mf_fsub(z, zmax)) >= p.min_p)) continue;
         const float score = mf_fadd(z, mf_gumbel(p.seed, p.position, v.base + i));
         const uint64_t packed = mf_pack(mf_key_f32(mf_to_bits(score)), i);
@@ -741,7 +746,7 @@ MF_AVX2 uint32_t sample_top_k(const RowView &v, const mf_sample_plan &p) {
     if (!mf_finite_bits(mf_to_bits(zmax))) return top_id;  // as sample_row
     size_t n = list.size();
     if (p.use_top_p) n = top_p_prefix(v, p, list.data(), n, zmax, 0);  // exact: never 0
-    return race_list(v, p, list.data(), n, zmax);
+    return race_list(v, p, list.data(), n, zmax, true);
 }
 
 // Without top_k, given the row's top candidate: the candidates near zmax in one more pass over
@@ -758,14 +763,17 @@ MF_AVX2 bool sample_near(const RowView &v, const mf_sample_plan &p, uint64_t top
     thread_local std::vector<uint64_t> list;
     const uint32_t key = near_key(v.inv_t, zmax, (uint32_t)(top >> 32));
     if (!collect_f32(v, ((uint64_t)key << 32) - 1u, 0, kNearCap + v.vocab / 64, list)) return false;
-    std::sort(list.begin(), list.end(), std::greater<uint64_t>());  // list[0] is `top`
     size_t n = list.size();
     if (p.use_top_p) {
+        std::sort(list.begin(), list.end(), std::greater<uint64_t>());  // list[0] is `top`
         // Off the list, fl(z - zmax) <= -24: at most kFarMass each, and at most vocab - n ids.
         n = top_p_prefix(v, p, list.data(), n, zmax, (uint64_t)(v.vocab - list.size()) * kFarMass);
         if (!n) return false;
+        *id = race_list(v, p, list.data(), n, zmax, true);
+        return true;
     }
-    *id = race_list(v, p, list.data(), n, zmax);
+    std::swap(*std::find(list.begin(), list.end(), top), list[0]);  // the race needs no other order
+    *id = race_list(v, p, list.data(), n, zmax, false);
     return true;
 }
 #endif
