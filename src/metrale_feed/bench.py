@@ -503,6 +503,168 @@ def bench_pick_options(quick: bool) -> Dict[str, Any]:
     return result
 
 
+# ---- 3b. sampling against the argmax, flat and peaked logits ----
+
+SAMPLE_ROWS = (64, 256)  # x LARGE[1], float32
+SAMPLE_CASES = (  # (name, filters, target on flat logits, target on peaked logits)
+    ("temperature 1", {}, "", "<= 2.5x"),
+    ("top_k 50", {"top_k": 50}, "<= 2x", "<= 2x"),
+    ("top_k 50, top_p 0.9", {"top_k": 50, "top_p": 0.9}, "<= 2x", "<= 2x"),
+    ("top_p 0.9", {"top_p": 0.9}, "", "<= 4x"),
+)
+
+
+def peaked_logits(rows: int, vocab: int, np: Any, seed: int = 0) -> Any:
+    """LM-like logits: a bulk of ``N(0, 2)`` with, in each row, a head of 16 random ids at 30 and
+    below in steps of ``Exp(1.5)`` (the top id holds about half the mass at temperature 1, top_p
+    0.9 keeps a handful). Almost every bulk id trails the top by more than the race's reach
+    (18 + 2.86, docs/kernels.md), as in a trained model's distribution."""
+    rng = np.random.default_rng(seed)
+    out = rng.standard_normal((rows, vocab), dtype=np.float32) * np.float32(2.0)
+    head = min(16, vocab)
+    ids = np.argsort(rng.random((rows, vocab)), axis=1)[:, :head] if vocab <= 4096 else \
+        np.stack([rng.choice(vocab, head, replace=False) for _ in range(rows)])
+    steps = np.cumsum(rng.exponential(1.5, (rows, head)), axis=1)
+    np.put_along_axis(out, ids, (30.0 - (steps - steps[:, :1])).astype(np.float32), axis=1)
+    return out
+
+
+def torch_sampler(torch: Any, logits: Any, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Any:
+    """The usual torch CPU recipe (vLLM's CPU sampler): scale; top_k alone by ``topk``'s k-th
+    value, otherwise top_k and top_p by one ascending sort with a cumulative sum of the sorted
+    softmax; then the exponential race ``argmax(probs / Exp(1))``."""
+    x = logits / temperature
+    if top_k and top_p >= 1.0:  # top_k alone: torch.topk's k-th value, no sort
+        kth = x.topk(top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    elif top_k or top_p < 1.0:
+        srt, order = x.sort(dim=-1, descending=False)
+        if top_k:
+            kth = srt.gather(1, torch.full((x.shape[0], 1), x.shape[1] - top_k, dtype=torch.long))
+            srt = srt.masked_fill(srt < kth, float("-inf"))
+        if top_p < 1.0:
+            cum = srt.softmax(dim=-1).cumsum(dim=-1)
+            drop = cum <= 1.0 - top_p
+            drop[:, -1] = False
+            srt = srt.masked_fill(drop, float("-inf"))
+        x = srt.scatter(-1, order, srt)
+    probs = x.softmax(dim=-1)
+    return probs.div_(torch.empty_like(probs).exponential_()).argmax(dim=-1)
+
+
+def _sample_entries(arr: Any, kind: str, repeats: int, torch_repeats: int, np: Any,
+                    torch: Any) -> List[Dict[str, Any]]:
+    """One logits array: the masked argmax and each sampling case side by side (interleaved,
+    best of ``repeats``; the torch recipe, far slower, in the first ``torch_repeats``), one kernel
+    thread; the sampled ids checked against the portable path
+    (the radix selects and the whole-row race) and temperature 0 against the argmax."""
+    rows, vocab = arr.shape
+    dev, cells, dst, ev = (mf.DeviceBuffer(arr.nbytes), mf.DeviceBuffer(rows * 4),
+                           mf.PinnedBuffer(rows * 4), mf.Event())
+    mf.copy_h2d_async(dev, arr)
+    masks = np.random.default_rng(vocab).integers(0, vocab, (rows, 2), dtype=np.uint32)
+    seeds = np.random.default_rng(rows).integers(0, 2**63, rows, dtype=np.uint64)
+    params = {name: mf.sampling_params(rows, temperature=1.0, seed=seeds, position=np.arange(rows), **kw)
+              for name, kw, _, _ in SAMPLE_CASES}
+
+    def argmax() -> List[int]:
+        mf.argmax_to_feed(dev, masks, cells, dst, ev, 0, vocab=vocab, dtype="float32")
+        ev.synchronize()
+        return mf.read_pinned_u32(dst.ptr, rows)
+
+    def sample(p: Any) -> List[int]:
+        mf.sample_to_feed(dev, p, cells, dst, ev, 0, masks=masks, vocab=vocab, dtype="float32")
+        ev.synchronize()
+        return mf.read_pinned_u32(dst.ptr, rows)
+
+    runs: Dict[str, Callable[[], Any]] = {"argmax": argmax}
+    runs.update({name: (lambda p=p: sample(p)) for name, p in params.items()})
+    if torch is not None:
+        t = torch.from_numpy(arr)
+        for name, kw, _, _ in SAMPLE_CASES:
+            runs[f"torch/{name}"] = lambda kw=kw: torch_sampler(torch, t, 1.0, **kw)
+    threads = torch.get_num_threads() if torch is not None else None
+    try:
+        mf.host_kernel_threads(1)
+        if torch is not None:
+            torch.set_num_threads(1)
+        plain = argmax()
+        checked = sample(mf.sampling_params(rows, temperature=0.0)) == plain
+        fast = {name: sample(p) for name, p in params.items()}
+        mf.host_argmax_path(True)
+        try:
+            checked = checked and all(sample(p) == fast[name] for name, p in params.items())
+        finally:
+            mf.host_argmax_path(False)
+        times: Dict[str, List[float]] = {k: [] for k in runs}
+        for rep in range(repeats):
+            for k, run in runs.items():
+                if rep < torch_repeats or not k.startswith("torch/"):  # the peer is slow: fewer
+                    times[k].append(_timed(run))
+    finally:
+        mf.host_kernel_threads(0)
+        if torch is not None:
+            torch.set_num_threads(threads)
+        for b in (dev, cells, dst, ev):
+            b.close()
+    best = {k: min(v) for k, v in times.items()}
+    entries = []
+    for name, kw, flat_target, peaked_target in SAMPLE_CASES:
+        # Each repeat's ratio is of two calls made back to back; on a loaded machine their median
+        # moves far less than the ratio of two minima taken at different moments.
+        per_repeat = [t / a for t, a in zip(times[name], times["argmax"])]
+        e = {"logits": kind, "rows": rows, "vocab": vocab, "case": name, "filters": dict(kw),
+             "checked": checked, "ms": best[name], "argmax_ms": best["argmax"],
+             "ratio": statistics.median(per_repeat), "ratio_of_minima": best[name] / best["argmax"],
+             "target": peaked_target if kind == "peaked" else flat_target,
+             "torch_ms": best.get(f"torch/{name}")}
+        e["torch_ratio"] = None if e["torch_ms"] is None else e["torch_ms"] / best["argmax"]
+        entries.append(e)
+    return entries
+
+
+def bench_sampling(quick: bool, peaked: bool, rows_list: Any = SAMPLE_ROWS, vocab: int = LARGE[1],
+                   repeats: Optional[int] = None) -> Dict[str, Any]:
+    """``sample_to_feed`` beside the masked argmax over the same float32 logits, one kernel
+    thread: temperature alone, top_k 50, top_k 50 with top_p 0.9, and top_p 0.9, on standard
+    normal ("flat") logits and, with ``peaked``, on ``peaked_logits``; the torch recipe
+    (``torch_sampler``, one torch thread) beside each when torch is importable."""
+    import numpy as np
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    repeats = repeats or (3 if quick else 15)
+    rows_list = rows_list[:1] if quick else rows_list
+    kinds = ("flat", "peaked") if peaked else ("flat",)
+    _section(f"sample_to_feed against the masked argmax over the same float32 logits, host backend, "
+             f"1 kernel thread (best of {repeats}); ratio = the median over the repeats of time / the "
+             "argmax's time in the same repeat")
+    if torch is None:
+        print("  (torch is not importable: the torch recipe rows are skipped)")
+    else:
+        print(f"  (the torch recipe, torch {torch.__version__}, at {rows_list[0]} rows only)")
+    entries: List[Dict[str, Any]] = []
+    for rows in rows_list:
+        for kind in kinds:
+            arr = (peaked_logits(rows, vocab, np, rows) if kind == "peaked"
+                   else np.random.default_rng(rows * vocab).standard_normal((rows, vocab), dtype=np.float32))
+            # The torch recipe at the first shape only: its sort costs seconds at the second.
+            block = _sample_entries(arr, kind, repeats, 1 if quick else 2, np,
+                                    torch if rows == rows_list[0] else None)
+            entries += block
+            _row(f"{kind} {rows}x{vocab}: argmax", f"{block[0]['argmax_ms']:.2f} ms")
+            for e in block:
+                _row(f"  {e['case']}", f"{e['ms']:.2f} ms", "", f"{e['ratio']:.2f}x", e["target"],
+                     f"minima {e['ratio_of_minima']:.2f}x"
+                     + ("" if e["checked"] else "; IDS DIFFER from the portable path"))
+                if e["torch_ms"] is not None:
+                    _row("", f"{e['torch_ms']:.2f} ms", "torch recipe, 1 thread", f"{e['torch_ratio']:.2f}x")
+    return {"entries": entries, "torch": getattr(torch, "__version__", None), "repeats": repeats,
+            "checked": all(e["checked"] for e in entries)}
+
+
 # ---- 4. router ----
 
 PIPELINE_ROWS = (16, 64, 256, 1024)  # the pipeline's cost per step at these batch sizes
@@ -962,6 +1124,7 @@ def main(args: Any) -> int:
     record["cimport"] = bench_cimport(args.quick)
     record.update(bench_argmax(args.quick))
     record["argmax_options"] = bench_pick_options(args.quick)
+    record["sampling"] = bench_sampling(args.quick, bool(getattr(args, "peaked", False)))
     record["router"] = bench_router(args.quick)
     record["interop"] = bench_interop(args.quick)
     record["graphs"] = bench_graphs(args.quick)
@@ -976,6 +1139,7 @@ def main(args: Any) -> int:
             json.dump(record, f, indent=1)
         print(f"figures written to {args.json}")
     ok = (all(e["checked"] for e in record["argmax"]) and record["argmax_options"]["checked"]
+          and record["sampling"]["checked"]
           and all(lv["same_tokens"] for lv in record["router"]["levels"])
           and all(lv["same_tokens"] for lv in record["interop"].get("llama", {}).get("levels", []))
           and record["router"]["sampling"]["checked"]

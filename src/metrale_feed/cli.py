@@ -354,6 +354,9 @@ def parser() -> argparse.ArgumentParser:
                            "marked met or missed")
     bench.add_argument("--json", metavar="FILE.json", help="also write the figures to this file")
     bench.add_argument("--quick", action="store_true", help="fewer repeats: under a minute")
+    bench.add_argument("--peaked", action="store_true",
+                       help="the sampling figures on peaked, LM-like logits too (beside the flat "
+                       "standard normal ones)")
     bench.add_argument("--tp", type=_int_in(2, 8), default=None, metavar="N",
                        help="only the tensor-parallel figures: the sharded argmax over N local "
                        "ranks beside all-gathering the logits (needs torch)")
