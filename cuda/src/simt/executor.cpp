@@ -114,12 +114,18 @@ void fault(const Launch &l, const char *fmt, ...) {
 
 enum State : uint8_t { kReady, kBarrier, kShuffle, kDone };
 
-struct Lane {
+// A fiber's saved state while it is switched out: its stack pointer (the registers are on the
+// stack), or a ucontext.
+struct Context {
 #ifdef MF_SIMT_FAST_SWITCH
-    void *sp = nullptr;  // its saved stack pointer while it is switched out
+    void *sp = nullptr;
 #else
-    ucontext_t ctx;
+    ucontext_t uc;
 #endif
+};
+
+struct Lane {
+    Context ctx;
     void *stack = nullptr;
 #ifdef MF_SIMT_TSAN
     void *tsan = nullptr;
@@ -139,11 +145,9 @@ struct Block {
     std::vector<Lane> lanes;
     unsigned count = 0;    // lanes of this block
     unsigned current = 0;  // the running lane
-#ifdef MF_SIMT_FAST_SWITCH
-    void *scheduler_sp = nullptr;
-#else
-    ucontext_t scheduler;
-#endif
+    Context scheduler;
+    const void *scheduler_stack = nullptr;  // its bounds, for AddressSanitizer (filled as lanes start)
+    size_t scheduler_stack_size = 0;
 #ifdef MF_SIMT_TSAN
     void *tsan_scheduler = nullptr;
 #endif
@@ -161,53 +165,73 @@ struct Block {
 };
 thread_local Block tl_block;
 
+// The one switch: saves the running context in `from`, resumes `to`. The sanitizers are told of
+// every switch (the stack that runs next, and whether the one left is finished).
+void switch_context(Block &b, Context &from, Context &to, const void *to_stack, size_t to_size,
+                    bool from_finished, void *tsan_to, bool on_lane) {
+    g_switches.fetch_add(1, std::memory_order_relaxed);
+#ifdef MF_SIMT_ASAN
+    void *fake = nullptr;
+    __sanitizer_start_switch_fiber(from_finished ? nullptr : &fake, to_stack, to_size);
+#else
+    (void)to_stack, (void)to_size, (void)from_finished;
+#endif
+#ifdef MF_SIMT_TSAN
+    __tsan_switch_to_fiber(tsan_to, 0);
+#else
+    (void)tsan_to;
+#endif
+#ifdef MF_SIMT_FAST_SWITCH
+    mf_simt_switch(&from.sp, to.sp);
+#else
+    swapcontext(&from.uc, &to.uc);
+#endif
+#ifdef MF_SIMT_ASAN
+    // Back on `from`'s stack. A lane learns the scheduler's stack here, for its switches back.
+    if (on_lane) __sanitizer_finish_switch_fiber(fake, &b.scheduler_stack, &b.scheduler_stack_size);
+    else __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+    (void)b, (void)on_lane;
+#endif
+}
+
+void *tsan_fiber(Lane &l) {
+#ifdef MF_SIMT_TSAN
+    return l.tsan;
+#else
+    (void)l;
+    return nullptr;
+#endif
+}
+
+void *tsan_scheduler(Block &b) {
+#ifdef MF_SIMT_TSAN
+    return b.tsan_scheduler;
+#else
+    (void)b;
+    return nullptr;
+#endif
+}
+
 void to_lane(Block &b, unsigned i) {
     b.current = i;
     tl_where.thread = Dim{i % tl_where.block_dim.x, (i / tl_where.block_dim.x) % tl_where.block_dim.y,
                           i / (tl_where.block_dim.x * tl_where.block_dim.y)};
     Lane &l = b.lanes[i];
-    g_switches.fetch_add(1, std::memory_order_relaxed);
-#ifdef MF_SIMT_ASAN
-    void *fake = nullptr;
-    __sanitizer_start_switch_fiber(&fake, l.stack, kStackBytes);
-#endif
-#ifdef MF_SIMT_TSAN
-    __tsan_switch_to_fiber(l.tsan, 0);
-#endif
-#ifdef MF_SIMT_FAST_SWITCH
-    mf_simt_switch(&b.scheduler_sp, l.sp);
-#else
-    swapcontext(&b.scheduler, &l.ctx);
-#endif
-#ifdef MF_SIMT_ASAN
-    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
-#endif
+    switch_context(b, b.scheduler, l.ctx, l.stack, kStackBytes, false, tsan_fiber(l), false);
 }
 
 // From the running lane back to the scheduler (the lane's state says why).
 void to_scheduler(Block &b) {
     Lane &l = b.lanes[b.current];
-#ifdef MF_SIMT_ASAN
-    void *fake = nullptr;
-    __sanitizer_start_switch_fiber(l.state == kDone ? nullptr : &fake, nullptr, 0);
-#endif
-#ifdef MF_SIMT_TSAN
-    __tsan_switch_to_fiber(b.tsan_scheduler, 0);
-#endif
-#ifdef MF_SIMT_FAST_SWITCH
-    mf_simt_switch(&l.sp, b.scheduler_sp);
-#else
-    swapcontext(&l.ctx, &b.scheduler);
-#endif
-#ifdef MF_SIMT_ASAN
-    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
-#endif
+    switch_context(b, l.ctx, b.scheduler, b.scheduler_stack, b.scheduler_stack_size, l.state == kDone,
+                   tsan_scheduler(b), true);
 }
 
 void lane_main() {
     Block &b = tl_block;
 #ifdef MF_SIMT_ASAN
-    __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
+    __sanitizer_finish_switch_fiber(nullptr, &b.scheduler_stack, &b.scheduler_stack_size);
 #endif
     b.body(b.ctx);
     b.lanes[b.current].state = kDone;
@@ -236,13 +260,13 @@ void prepare(Block &b, unsigned n) {
         top[-1] = nullptr;  // lane_main's return address: it never returns
         top[-2] = reinterpret_cast<void *>(&lane_main);
         for (int r = 3; r <= 8; ++r) top[-r] = nullptr;
-        l.sp = top - 8;
+        l.ctx.sp = top - 8;
 #else
-        getcontext(&l.ctx);
-        l.ctx.uc_stack.ss_sp = l.stack;
-        l.ctx.uc_stack.ss_size = kStackBytes;
-        l.ctx.uc_link = nullptr;
-        makecontext(&l.ctx, lane_main, 0);
+        getcontext(&l.ctx.uc);
+        l.ctx.uc.uc_stack.ss_sp = l.stack;
+        l.ctx.uc.uc_stack.ss_size = kStackBytes;
+        l.ctx.uc.uc_link = nullptr;
+        makecontext(&l.ctx.uc, lane_main, 0);
 #endif
         l.state = kReady;
     }

@@ -34,6 +34,22 @@ struct Row {
     }
 };
 
+// The row's greatest candidate (a packed word, 0: none) and how many it has; every thread gets both.
+struct TopCount {
+    uint64_t top, count;
+};
+__device__ TopCount top_and_count(const Row &row) {
+    uint64_t top = 0, count = 0;
+    for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {
+        uint32_t bits;
+        if (!row.candidate(i, &bits)) continue;
+        top = mf_pack_max(top, mf_pack(mf_key_f32(bits), i));
+        ++count;
+    }
+    top = block_reduce(top, true);
+    return TopCount{top, block_reduce(count, false)};
+}
+
 // The smallest packed threshold t with weight(packed >= t) >= target over the candidates with
 // packed >= floor; weight is 1 (use_mass false) or the mass exp(z - zmax) in 2**-39 units.
 __device__ uint64_t block_select(const Row &row, uint64_t floor, bool use_mass, float inv_t,

@@ -45,15 +45,8 @@ __global__ void __launch_bounds__(kThreads)
         if (threadIdx.x == 0) cells[0] = mf_unpack_id(best);
         return;
     }
-    uint64_t top = 0, count = 0;
-    for (uint32_t i = threadIdx.x; i < vocab; i += blockDim.x) {
-        uint32_t bits;
-        if (!row.candidate(i, &bits)) continue;
-        top = mf_pack_max(top, mf_pack(mf_key_f32(bits), i));
-        ++count;
-    }
-    top = block_reduce(top, true);
-    count = block_reduce(count, false);
+    const TopCount tc = top_and_count(row);
+    const uint64_t top = tc.top, count = tc.count;
     if (count == 0) {
         if (threadIdx.x == 0) cells[0] = MF_NO_TOKEN;
         return;

@@ -76,15 +76,8 @@ __device__ uint32_t block_residual_race(const Row &row, const mf_sample_plan &p,
 __device__ bool sampled_position(const Row &row, const mf_sampling_params &params, uint32_t x, const float *q,
                                  uint32_t *emit) {
     const mf_sample_plan p = mf_plan_sampling(&params);
-    uint64_t top = 0, count = 0;
-    for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {
-        uint32_t bits;
-        if (!row.candidate(i, &bits)) continue;
-        top = mf_pack_max(top, mf_pack(mf_key_f32(bits), i));
-        ++count;
-    }
-    top = block_reduce(top, true);
-    count = block_reduce(count, false);
+    const TopCount tc = top_and_count(row);
+    const uint64_t top = tc.top, count = tc.count;
     if (count == 0) {
         *emit = MF_NO_TOKEN;
         return false;
