@@ -1022,62 +1022,48 @@ def test_a_non_blocking_stream_does_not_wait_for_the_default_stream(host, no_lea
         assert not _ordered(0, free, dev, host)
 
 
-def test_a_failed_hold_queues_nothing(host, no_leaks, dev):
-    """All or nothing: when the event that holds a foreign buffer cannot be made (a full event
-    table), the copy is refused before it is queued, so nothing writes the released buffer."""
+def test_a_hold_needs_nothing_made_before_its_copy(host, no_leaks, dev):
+    """All or nothing: a foreign buffer is held by a release callback queued behind its copy, so
+    no object is made before the copy is queued and nothing can fail between (an event table
+    that refuses new events does not matter), and the buffer is given back once the copy ran."""
     source = dev.upload(np.arange(16, dtype=np.uint32))
     target = np.zeros(16, np.uint32)
     host.configure_host(lag_us=LAG, fail_event_create_at=1)
-    with pytest.raises(mf.FeedError, match="event_create"):
-        mf.copy_d2h_async(source, target)
-    host.configure_host()
-    mf.stream_synchronize()
-    assert (target == 0).all(), "the refused copy was queued anyway"
-    # The same for a launch whose destination is a foreign buffer.
+    mf.copy_d2h_async(source, target)
     cells = DeviceBuffer(64)
     logits = dev.upload(np.arange(8, dtype=np.float32))
     ids = np.full(2, 77, np.uint32)
-    host.configure_host(fail_event_create_at=1)
-    with pytest.raises(mf.FeedError, match="event_create"):
-        mf.argmax_to_feed(logits, None, cells, ids, None, rows=2, vocab=4, dtype="float32")
+    mf.argmax_to_feed(logits, None, cells, ids, None, rows=2, vocab=4, dtype="float32")
     host.configure_host()
     mf.stream_synchronize()
-    assert ids.tolist() == [77, 77]
+    assert target.tolist() == list(range(16))
+    assert ids.tolist() == [3, 3]
+    target.resize(32, refcheck=False)  # no longer exported
     for b in (source, cells, logits):
         b.close()
 
 
-def test_freeing_a_buffer_while_another_stream_works_keeps_the_gil_free(host, no_leaks):
-    """A free waits for queued work (as cudaFree does), but never with the GIL held: another
-    Python thread keeps running meanwhile."""
-    import threading
-
+def test_freeing_a_buffer_while_another_stream_works_never_waits(host, no_leaks):
+    """A free with work queued on another stream returns at once (cudaFree would wait): the
+    memory goes once that work has passed, and is counted as live until then."""
     with Stream() as busy:
         work = DeviceBuffer(8)
         host.configure_host(lag_us=400_000)
         work.memset_async(0, busy)
         time.sleep(0.02)  # the worker has taken the op with its lag
         host.configure_host()
-        ticks = []
-        stop = threading.Event()
-
-        def tick():
-            while not stop.is_set():
-                ticks.append(time.monotonic())
-                time.sleep(0.005)
-
-        ticker = threading.Thread(target=tick)
-        ticker.start()
-        time.sleep(0.02)
         small = DeviceBuffer(8)
+        before = mf.live_objects()["device_bytes"]
         start = time.monotonic()
-        del small  # __dealloc__: waits for `busy`
+        del small  # __dealloc__
         waited = time.monotonic() - start
-        stop.set()
-        ticker.join(5)
-        during = [t for t in ticks if start <= t <= start + waited]
-        assert waited > 0.2, "the free did not wait for the queued work"
-        assert len(during) >= 10, f"{len(during)} ticks in {waited:.2f} s: the GIL was held"
+        assert waited < 0.1, f"the free waited {waited:.2f} s"
+        assert mf.live_objects()["device_bytes"] == before  # not yet: `busy` has not passed it
+        busy.synchronize()
+        deadline = time.monotonic() + 5
+        while mf.live_objects()["device_bytes"] != before - 8 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert mf.live_objects()["device_bytes"] == before - 8
         work.close()
 
 

@@ -204,7 +204,17 @@ class Soak:
         return {"steps": looped, "drained": self.done_steps - looped, "tokens": self.tokens, "checked": self.checked,
                 "restarts": self.restarts, "seconds": elapsed, "samples": samples,
                 "stats": self.io.stats.as_dict(), "pool_free_at_end": self.model.pool.free_count,
-                "num_blocks": self.num_blocks, "live_after_close": self.mf.live_objects()}
+                "num_blocks": self.num_blocks, "live_after_close": self._settled_live()}
+
+    def _settled_live(self, timeout: float = 2.0) -> dict:
+        """live_objects() once nothing is live, or after ``timeout``: a free is performed once
+        every stream has passed the work queued before it (docs/lifetimes.md, rule 5)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            live = self.mf.live_objects()
+            if not any(live.values()) or time.monotonic() > deadline:
+                return live
+            time.sleep(0.005)
 
     def close(self) -> None:
         self.io.teardown()

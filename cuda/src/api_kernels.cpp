@@ -363,6 +363,8 @@ mf_status mf_argmax_to_feed(const mf_argmax_args *caller, mf_stream_t stream) {
             status = refuse_in_capture(raw, "sample_to_feed with host-resident params", true);
         if (status == MF_SUCCESS && args->host_dst)
             status = capture_host_check(raw, args->host_dst, "argmax_to_feed destination");
+        if (status == MF_SUCCESS && args->logprobs_dst)
+            status = capture_host_check(raw, args->logprobs_dst, "argmax_to_feed logprobs destination");
         if (status != MF_SUCCESS) return status;
         if (kept_for_graph(raw, [copy = *args](mf_stream_t s) { return mf_argmax_to_feed(&copy, s); }))
             return MF_SUCCESS;

@@ -28,12 +28,14 @@ bool borrowed(const void *ptr, size_t nbytes) {
 mf_status check_device_range(const void *ptr, size_t nbytes, const char *what) {
     if (!ptr) return fail(MF_ERROR_INVALID_VALUE, "%s is a null pointer", what);
     size_t left = 0;
-    mf_mem_kind kind = alloc_lookup(ptr, &left);
+    AllocRef ref;
+    mf_mem_kind kind = alloc_lookup(ptr, &left, &ref);
     if (kind == MF_MEM_DEVICE) {
         if (nbytes > left)
             return fail(MF_ERROR_INVALID_VALUE,
                         "%s: %zu bytes run past the end of its device allocation (%zu left)", what,
                         nbytes, left);
+        touch(Touched{ref, ptr, nbytes});  // a capture keeps it (api_graph.cpp)
         return MF_SUCCESS;
     }
     if (kind == MF_MEM_PINNED)
@@ -45,7 +47,10 @@ mf_status check_device_range(const void *ptr, size_t nbytes, const char *what) {
             return MF_SUCCESS;
     }
     if (active_kind() == MF_BACKEND_CUDA) return MF_SUCCESS;  // foreign device memory, as is
-    if (borrowed(ptr, nbytes)) return MF_SUCCESS;            // a CPU tensor the binding holds
+    if (borrowed(ptr, nbytes)) {  // a CPU tensor the binding holds (a graph's replay borrows it again)
+        touch(Touched{AllocRef{}, ptr, nbytes});
+        return MF_SUCCESS;
+    }
     return fail(MF_ERROR_INVALID_HANDLE,
                 "%s 0x%llx is not a live device allocation of this package (the host backend "
                 "accepts only its own)",
@@ -76,13 +81,17 @@ mf_status refuse_overlaps(const Span *spans, size_t n) {
 mf_status check_host_range(const void *ptr, size_t nbytes, const char *what) {
     if (!ptr) return fail(MF_ERROR_INVALID_VALUE, "%s is a null pointer", what);
     size_t left = 0;
-    mf_mem_kind kind = alloc_lookup(ptr, &left);
+    AllocRef ref;
+    mf_mem_kind kind = alloc_lookup(ptr, &left, &ref);
     if (kind == MF_MEM_DEVICE)
         return fail(MF_ERROR_INVALID_VALUE, "%s is device memory, not host memory", what);
-    if (kind == MF_MEM_PINNED && nbytes > left)
-        return fail(MF_ERROR_INVALID_VALUE,
-                    "%s: %zu bytes run past the end of its pinned allocation (%zu left)", what,
-                    nbytes, left);
+    if (kind == MF_MEM_PINNED) {
+        if (nbytes > left)
+            return fail(MF_ERROR_INVALID_VALUE,
+                        "%s: %zu bytes run past the end of its pinned allocation (%zu left)", what,
+                        nbytes, left);
+        touch(Touched{ref, ptr, nbytes});
+    }
     return MF_SUCCESS;
 }
 
@@ -154,13 +163,17 @@ mf_status mf_host_free(void *ptr, size_t nbytes) {
     return guard([&]() -> mf_status {
         MF_RANGE("host_free");
         size_t expected = nbytes;
-        if (!alloc_erase(ptr, MF_MEM_PINNED, &expected)) {
-            if (expected != nbytes)
-                return fail(MF_ERROR_INVALID_VALUE,
-                            "pinned allocation 0x%llx has %zu bytes, not %zu",
-                            (unsigned long long)(uintptr_t)ptr, expected, nbytes);
+        switch (alloc_erase(ptr, MF_MEM_PINNED, &expected)) {
+        case FreeOutcome::kWrongSize:
+            return fail(MF_ERROR_INVALID_VALUE, "pinned allocation 0x%llx has %zu bytes, not %zu",
+                        (unsigned long long)(uintptr_t)ptr, expected, nbytes);
+        case FreeOutcome::kUnknown:
             return fail(MF_ERROR_INVALID_HANDLE, "0x%llx is not a live pinned allocation (freed or foreign)",
                         (unsigned long long)(uintptr_t)ptr);
+        case FreeOutcome::kKept:
+            return MF_SUCCESS;  // a live graph names it: freed when the last such graph goes
+        case FreeOutcome::kRelease:
+            break;
         }
         return ops().host_free(ptr);
     });
@@ -179,9 +192,16 @@ mf_status mf_device_alloc(size_t nbytes, void **out) {
 mf_status mf_device_free(void *ptr) {
     return guard([&]() -> mf_status {
         MF_RANGE("device_free");
-        if (!alloc_erase(ptr, MF_MEM_DEVICE, nullptr))
+        switch (alloc_erase(ptr, MF_MEM_DEVICE, nullptr)) {
+        case FreeOutcome::kUnknown:
+        case FreeOutcome::kWrongSize:
             return fail(MF_ERROR_INVALID_HANDLE, "0x%llx is not a live device allocation (freed or foreign)",
                         (unsigned long long)(uintptr_t)ptr);
+        case FreeOutcome::kKept:
+            return MF_SUCCESS;  // as mf_host_free's
+        case FreeOutcome::kRelease:
+            break;
+        }
         return ops().device_free(ptr);
     });
 }

@@ -20,15 +20,31 @@ std::mutex &slot_mutex() {
 struct Allocation {
     size_t nbytes;
     mf_mem_kind kind;
+    uint64_t generation;
+    uint32_t graph_pins = 0;
+    bool releasing = false;  // retired only: handed to the backend's free
 };
 struct Allocs {
     std::mutex mutex;
-    std::map<uintptr_t, Allocation> by_address;
+    std::map<uintptr_t, Allocation> by_address;  // live
+    // Freed by their owner, not yet by the backend: kept for graphs, or queued for release.
+    // Their memory is still allocated, so no live allocation shares their address.
+    std::map<uintptr_t, Allocation> retired;
     uint64_t bytes[3] = {0, 0, 0};
+    uint64_t next_generation = 0;
 };
 Allocs &allocs() {
     static Allocs *instance = new Allocs;
     return *instance;
+}
+
+// The checks of this thread's current public call (touch). Few: a kernel names under a dozen.
+constexpr unsigned kMaxTouched = 32;
+thread_local Touched t_touched[kMaxTouched];
+thread_local unsigned t_touched_count = 0;
+
+mf_status free_retired(void *ptr, mf_mem_kind kind) {
+    return kind == MF_MEM_PINNED ? ops().host_free(ptr) : ops().device_free(ptr);
 }
 
 std::atomic<uint32_t> g_epoch{0};
@@ -58,6 +74,16 @@ void parent() {
     host::after_fork_parent();
 }
 void child() {
+    // Frees the parent had queued are never performed here (their streams' workers do not
+    // exist): the memory stays with the child, out of its ledger.
+    for (auto it = allocs().retired.begin(); it != allocs().retired.end();) {
+        if (it->second.releasing) {
+            allocs().bytes[it->second.kind] -= it->second.nbytes;
+            it = allocs().retired.erase(it);
+        } else {
+            ++it;
+        }
+    }
     allocs().mutex.unlock();
     slot_mutex().unlock();
     g_epoch.fetch_add(1, std::memory_order_relaxed);
@@ -191,7 +217,9 @@ mf_status SlotTable::erase(uint64_t handle, const char *what) {
     return reclaim_(raw, owned);
 }
 
-PinScope::PinScope() : mark_(t_pin_count) {}
+PinScope::PinScope() : mark_(t_pin_count) {
+    if (mark_ == 0) t_touched_count = 0;  // an outermost public call starts its own list
+}
 
 PinScope::~PinScope() {
     while (t_pin_count > mark_) {
@@ -210,30 +238,80 @@ SlotTable &stream_table() {
     return *table;
 }
 
-void alloc_insert(void *ptr, size_t nbytes, mf_mem_kind kind) {
+uint64_t alloc_insert(void *ptr, size_t nbytes, mf_mem_kind kind) {
     Allocs &a = allocs();
     std::lock_guard<std::mutex> lock(a.mutex);
-    a.by_address[(uintptr_t)ptr] = Allocation{nbytes, kind};
+    uint64_t generation = ++a.next_generation;
+    a.by_address[(uintptr_t)ptr] = Allocation{nbytes, kind, generation};
     a.bytes[kind] += nbytes;
+    return generation;
 }
 
-bool alloc_erase(void *ptr, mf_mem_kind kind, size_t *nbytes) {
+FreeOutcome alloc_erase(void *ptr, mf_mem_kind kind, size_t *nbytes) {
     Allocs &a = allocs();
     std::lock_guard<std::mutex> lock(a.mutex);
     auto it = a.by_address.find((uintptr_t)ptr);
-    if (it == a.by_address.end() || it->second.kind != kind) return false;
-    if (nbytes) {
-        if (*nbytes != it->second.nbytes) {
-            *nbytes = it->second.nbytes;
-            return false;
-        }
+    if (it == a.by_address.end() || it->second.kind != kind) return FreeOutcome::kUnknown;
+    if (nbytes && *nbytes != it->second.nbytes) {
+        *nbytes = it->second.nbytes;
+        return FreeOutcome::kWrongSize;
     }
-    a.bytes[kind] -= it->second.nbytes;
+    Allocation retired = it->second;
     a.by_address.erase(it);
-    return true;
+    retired.releasing = retired.graph_pins == 0;
+    a.retired[(uintptr_t)ptr] = retired;
+    return retired.releasing ? FreeOutcome::kRelease : FreeOutcome::kKept;
 }
 
-mf_mem_kind alloc_lookup(const void *ptr, size_t *bytes_left) {
+void alloc_released(void *ptr) {
+    Allocs &a = allocs();
+    std::lock_guard<std::mutex> lock(a.mutex);
+    auto it = a.retired.find((uintptr_t)ptr);
+    if (it == a.retired.end()) return;  // a fork()ed child dropped it (see child)
+    a.bytes[it->second.kind] -= it->second.nbytes;
+    a.retired.erase(it);
+}
+
+void alloc_graph_pin(const AllocRef &ref) {
+    Allocs &a = allocs();
+    std::lock_guard<std::mutex> lock(a.mutex);
+    auto it = a.by_address.find(ref.base);
+    if (it != a.by_address.end() && it->second.generation == ref.generation) ++it->second.graph_pins;
+}
+
+void alloc_graph_unpin(const AllocRef &ref) {
+    Allocs &a = allocs();
+    mf_mem_kind kind;
+    {
+        std::lock_guard<std::mutex> lock(a.mutex);
+        auto it = a.by_address.find(ref.base);
+        if (it != a.by_address.end() && it->second.generation == ref.generation) {
+            if (it->second.graph_pins) --it->second.graph_pins;
+            return;
+        }
+        it = a.retired.find(ref.base);
+        if (it == a.retired.end() || it->second.generation != ref.generation || it->second.releasing ||
+            it->second.graph_pins == 0)
+            return;  // never pinned: it had been freed before the capture named it
+        if (--it->second.graph_pins != 0) return;
+        it->second.releasing = true;
+        kind = it->second.kind;
+    }
+    // The backend's free outside the lock: it calls alloc_released (at once, or later).
+    (void)free_retired((void *)ref.base, kind);
+}
+
+const AllocRef *alloc_first_stale(const AllocRef *refs, size_t n) {
+    Allocs &a = allocs();
+    std::lock_guard<std::mutex> lock(a.mutex);
+    for (size_t i = 0; i < n; ++i) {
+        auto it = a.by_address.find(refs[i].base);
+        if (it == a.by_address.end() || it->second.generation != refs[i].generation) return &refs[i];
+    }
+    return nullptr;
+}
+
+mf_mem_kind alloc_lookup(const void *ptr, size_t *bytes_left, AllocRef *ref) {
     Allocs &a = allocs();
     std::lock_guard<std::mutex> lock(a.mutex);
     uintptr_t p = (uintptr_t)ptr;
@@ -243,10 +321,22 @@ mf_mem_kind alloc_lookup(const void *ptr, size_t *bytes_left) {
     // A zero-byte allocation still owns its own address.
     if (p >= it->first && (p < it->first + it->second.nbytes || p == it->first)) {
         if (bytes_left) *bytes_left = it->first + it->second.nbytes - p;
+        if (ref) *ref = AllocRef{it->first, it->second.generation};
         return it->second.kind;
     }
     return MF_MEM_UNKNOWN;
 }
+
+void touch(const Touched &touched) {
+    if (t_touched_count < kMaxTouched) t_touched[t_touched_count++] = touched;
+}
+
+const Touched *touched(unsigned *count) {
+    *count = t_touched_count;
+    return t_touched;
+}
+
+void touched_reset() { t_touched_count = 0; }
 
 uint64_t alloc_live_bytes(mf_mem_kind kind) {
     Allocs &a = allocs();
@@ -257,7 +347,7 @@ uint64_t alloc_live_bytes(mf_mem_kind kind) {
 uint64_t alloc_live_count() {
     Allocs &a = allocs();
     std::lock_guard<std::mutex> lock(a.mutex);
-    return a.by_address.size();
+    return a.by_address.size() + a.retired.size();
 }
 
 }  // namespace mf

@@ -75,12 +75,44 @@ private:
 // Incremented in a fork()ed child: objects of an older epoch belong to the parent's threads.
 uint32_t fork_epoch();
 
-// Allocations by address, for range checks on copies and exact frees.
-void alloc_insert(void *ptr, size_t nbytes, mf_mem_kind kind);
-bool alloc_erase(void *ptr, mf_mem_kind kind, size_t *nbytes);  // false: not such an allocation
-mf_mem_kind alloc_lookup(const void *ptr, size_t *bytes_left);
+// Allocations by address, for range checks on copies and exact frees (docs/lifetimes.md).
+// Each allocation gets a generation, unique for the process: a ref (base, generation) names that
+// allocation and no later one at the same address, so a check against a ref can never be passed
+// by an address reuse.
+struct AllocRef {
+    uintptr_t base = 0;
+    uint64_t generation = 0;
+};
+uint64_t alloc_insert(void *ptr, size_t nbytes, mf_mem_kind kind);  // its generation
+// A free: the allocation leaves the live map at once (every later check refuses it). kRelease:
+// the caller hands the memory to the backend's free, which calls alloc_released() once it has
+// freed it (the host backend: when the streams have passed the work queued before the free).
+// kKept: a graph names it; its last graph_unpin hands it to the backend.
+enum class FreeOutcome { kUnknown, kWrongSize, kRelease, kKept };
+FreeOutcome alloc_erase(void *ptr, mf_mem_kind kind, size_t *nbytes);
+void alloc_released(void *ptr);  // the backend freed memory that alloc_erase gave it
+mf_mem_kind alloc_lookup(const void *ptr, size_t *bytes_left, AllocRef *ref = nullptr);
+// Graphs (api_graph.cpp): memory a capture names is pinned until the graph or the discarded
+// capture goes, so a free meanwhile is deferred (kKept) and its address cannot be reused.
+void alloc_graph_pin(const AllocRef &ref);    // a ref no longer live is left unpinned
+void alloc_graph_unpin(const AllocRef &ref);  // the last pin of a freed allocation frees it
+// The first of `n` refs that is no longer the live allocation it named, or nullptr.
+const AllocRef *alloc_first_stale(const AllocRef *refs, size_t n);
+// Counted until the backend has freed them: freed allocations kept for graphs or still queued.
 uint64_t alloc_live_bytes(mf_mem_kind kind);
 uint64_t alloc_live_count();
+
+// What the checks of the current public call found (check_device_range, check_host_range): the
+// allocations it names and the borrowed ranges it uses, for a graph capture to keep. Reset when
+// an outermost PinScope opens (each public call).
+struct Touched {
+    AllocRef ref;          // base 0: a borrowed range (ptr, nbytes) of the calling binding
+    const void *ptr;
+    size_t nbytes;
+};
+void touch(const Touched &touched);
+const Touched *touched(unsigned *count);  // this call's, in check order
+void touched_reset();
 
 // fork() hooks of the layer's other parts (the host backend's queues, the trace, the backend
 // selection): registry.cpp registers one pthread_atfork set that calls them in order.

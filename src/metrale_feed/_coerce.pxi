@@ -167,9 +167,11 @@ cdef class _Call:
         return 0
 
     cdef int done(self) except -1:
-        """The C call queued its work: keep the foreign arrays until the stream has passed it."""
+        """The C call queued its work: keep the foreign arrays until the stream has passed it
+        (in a capture the graph keeps them, note_capture: an event record would join the graph)."""
         if self.kept:
-            keep_until_passed(self.kept, self.stream)
+            if capturing_graph(self.stream) is None:
+                keep_until_passed(self.kept, self.stream)
             self.kept = None
         return 0
 

@@ -348,7 +348,8 @@ cdef class Stream:
 
     def __dealloc__(self):
         if self._owned and not self._closed:
-            mf_stream_destroy(self._handle)
+            if mf_stream_destroy(self._handle) == MF_SUCCESS and (_host_func_seq or _host_func_errors):
+                forget_stream(self._handle)
 
     cdef int _check_open(self) except -1:
         if self._closed:
@@ -426,6 +427,8 @@ cdef class Stream:
             if status == MF_ERROR_CAPTURE:
                 raise_status(status)  # still open: its capture must end first
         self._closed = True
+        if status == MF_SUCCESS and self._owned and (_host_func_seq or _host_func_errors):
+            forget_stream(self._handle)
         check(status)
 
     def __enter__(self):

@@ -1,5 +1,8 @@
 # Graphs: a capture of the operations queued on one stream, replayed by one launch
-# (docs/graphs.md). The C layer checks every call; this keeps the handle and the capture's state.
+# (docs/graphs.md, docs/lifetimes.md). The C layer checks every call; this keeps the handle and
+# the capture's state.
+
+from weakref import ref as _weak_ref
 
 
 @cython.final
@@ -10,9 +13,10 @@ cdef class Graph:
     block are recorded, not run. Each ``launch`` runs them all in order, each reading its
     device-resident inputs (masks, bitmask, sources, params, pinned copy sources) when it runs,
     and each event record in the graph records that event again. The graph keeps the objects its
-    operations named (buffers, events) alive; one closed explicitly is freed all the same, so
-    memory the graph uses must not be closed while it lives (the host backend checks at each
-    launch; CUDA cannot).
+    operations named (buffers, events, tensors) alive. A buffer it names that is closed
+    explicitly is given up by its owner, but its memory is kept until the graph is closed, and
+    a later ``launch`` raises ``FeedError`` (docs/lifetimes.md). A capture object dropped before
+    its block ends discards its capture.
 
     Attributes
     ----------
@@ -34,6 +38,7 @@ cdef class Graph:
     cdef uint64_t _capturing
     cdef bint _began
     cdef bint _closed
+    cdef object __weakref__  # _capturing refers to a capturing graph weakly
 
     def __cinit__(self):
         self._handle = 0
@@ -51,7 +56,7 @@ cdef class Graph:
         check(mf_graph_begin(s))
         self._began = True
         self._capturing = s
-        _capturing[s] = self
+        _capturing[s] = _weak_ref(self)
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -176,7 +181,9 @@ cdef class Graph:
 
     def __dealloc__(self):
         if self._capturing:
+            # Dropped inside its capture (never ended): discard it, so the stream is usable again.
             mf_graph_end(self._capturing, NULL)
+            _capturing.pop(self._capturing, None)
         if self._handle and not self._closed:
             mf_graph_destroy(self._handle)
 
@@ -186,13 +193,21 @@ cdef class Graph:
         return f"<Graph {state}>"
 
 
+cdef inline object capturing_graph(uint64_t stream):
+    """The Graph capturing ``stream`` through ``graph_capture``, or None. One dict test when
+    nothing captures."""
+    if not _capturing:
+        return None
+    ref = _capturing.get(stream)
+    return None if ref is None else ref()
+
+
 cdef inline int note_capture(uint64_t stream, tuple objects) except -1:
     """Keep ``objects`` alive with the graph capturing ``stream``, if one is: called after an
-    operation was recorded. Costs one dict test when nothing captures."""
-    if _capturing:
-        graph = _capturing.get(stream)
-        if graph is not None:
-            (<Graph>graph)._keep.append(objects)
+    operation was recorded."""
+    graph = capturing_graph(stream)
+    if graph is not None:
+        (<Graph>graph)._keep.append(objects)
     return 0
 
 

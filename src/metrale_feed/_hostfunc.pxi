@@ -98,7 +98,10 @@ cdef bint _graph_host_func_run(_GraphHostFunc node) noexcept:
     try:
         node.fn(*node.args)
     except BaseException as exc:  # never into the C layer: it is reported at the next wait
-        _host_func_errors.setdefault(stream, []).append((seq, exc))
+        if ours:
+            keep_host_error(stream, seq, exc)
+        else:
+            _host_func_errors.setdefault(stream, []).append((seq, exc))
     return ours
 
 
@@ -106,7 +109,7 @@ cdef int launch_graph_host_func(uint64_t s, object fn, tuple args) except -1:
     """``launch_host_func`` on a capturing stream: a host node, kept with the graph."""
     cdef _GraphHostFunc node = _GraphHostFunc.__new__(_GraphHostFunc)
     node.fn, node.args, node.stream, node.runs = fn, args, s, _deque()
-    graph = _capturing.get(s)
+    graph = capturing_graph(s)
     check(mf_launch_host_func(s, _graph_host_func_trampoline, <void *>node))
     if graph is None:
         # A capture this package did not begin (the cuda backend, CUDA's or torch's capture API):
@@ -124,7 +127,42 @@ cdef void _host_func_run(tuple payload) noexcept:
     try:
         fn(*args)
     except BaseException as exc:  # never into the C layer: it is reported at the next wait
+        keep_host_error(stream, seq, exc)
+
+
+cdef bint stream_marked(uint64_t stream):
+    """Whether a live event's record still reports host functions of ``stream`` (rare path)."""
+    for mark in _event_marks.values():
+        if (<tuple>mark)[0] == stream:
+            return True
+    return False
+
+
+cdef void keep_host_error(uint64_t stream, object seq, object exc) noexcept:
+    """Keep a host function's exception for the next wait that reports it; one that nothing can
+    report any more (its stream was closed, no event recorded on it after it lives) goes to
+    ``sys.unraisablehook`` now, so it does not keep its frames alive (docs/lifetimes.md)."""
+    if stream in _host_func_seq or stream_marked(stream):
         _host_func_errors.setdefault(stream, []).append((seq, exc))
+    else:
+        _report_lost(stream, exc)
+
+
+cdef void _report_lost(uint64_t stream, object exc) noexcept:
+    # Raised in a noexcept function: Cython hands it to sys.unraisablehook and clears it.
+    raise FeedError(f"a host function launched on stream 0x{stream:x} raised "
+                    f"{type(exc).__name__}: {exc} (the stream was closed: nothing can report it "
+                    f"there)") from exc
+
+
+cdef int forget_stream(uint64_t stream) except -1:
+    """A stream of ours was destroyed: its host-function bookkeeping goes with it (its pending
+    exceptions too, unless a live event recorded on it still reports them)."""
+    _host_func_seq.pop(stream, None)
+    if stream in _host_func_errors and not stream_marked(stream):
+        for seq, exc in _host_func_errors.pop(stream):
+            _report_lost(stream, exc)
+    return 0
 
 
 def launch_host_func(stream, fn, *args):
@@ -188,11 +226,10 @@ def launch_host_func(stream, fn, *args):
 cdef int note_record(uint64_t event, uint64_t stream) except -1:
     """An event recorded on ``stream``: it reports the host functions queued there before it.
     On a capturing stream the record is an operation of the graph: each launch marks it."""
-    if _capturing:
-        graph = _capturing.get(stream)
-        if graph is not None:
-            (<Graph>graph)._order.append(event)
-            return 0
+    graph = capturing_graph(stream)
+    if graph is not None:
+        (<Graph>graph)._order.append(event)
+        return 0
     seq = _host_func_seq.get(stream)
     if seq is not None:
         _event_marks[event] = (stream, seq)

@@ -47,7 +47,7 @@ cdef class PinnedBuffer:
         cdef void *ptr = self._ptr
         if ptr != NULL and not _exiting:
             _object_pinned.discard(<size_t>ptr)
-            with nogil:  # a free waits for queued work, which may be a host function taking the GIL
+            with nogil:  # a free never waits (docs/lifetimes.md, rule 5), but takes ledger locks
                 mf_host_free(ptr, self._nbytes)
 
     cdef int _check_open(self) except -1:
@@ -154,7 +154,6 @@ cdef class PinnedBuffer:
         """Free the memory (after queued work that may touch it). Refused while views exist."""
         if self._ptr == NULL:
             return
-        release_passed()  # views held for copies that have completed go first
         if self._exports:
             raise BufferError(f"the pinned buffer has {self._exports} exported view(s) or tensor(s); release them first")
         cdef void *ptr = self._ptr
@@ -330,62 +329,60 @@ cdef class DeviceBuffer:
         return f"<DeviceBuffer {self._nbytes} bytes{' closed' if self._ptr == NULL else ''}>"
 
 
-# Holding foreign buffers for async copies: all or nothing. The event that marks a copy's end is
-# reserved before the copy is queued, so nothing can fail between queueing and holding.
+# Holding foreign host buffers for async copies (docs/lifetimes.md, rule 6). A buffer is held
+# from the call until its stream has passed the copy: a release callback queued right behind the
+# copy gives it back, so it is resizable (a bytearray) or freed (dropped) as soon as the copy is
+# done, not at some later call. In a capture the graph holds it instead, for as long as it lives.
 
 cdef uint64_t reserve_hold(_HeldBuffer held) except? 0:
-    """The event a hold will record, created before anything is queued; 0 when nothing is held."""
-    cdef uint64_t event = 0
-    if held is not None:
-        release_passed()
-        check(mf_event_create(MF_EVENT_UNCOUNTED, &event))
-    return event
-
-
-cdef int commit_hold(_HeldBuffer held, uint64_t event, uint64_t stream, mf_status queued) except -1:
-    """After the queueing call returned ``queued``: hold ``held`` until ``event`` (recorded now on
-    ``stream``) has passed; on a failed queueing give the event back and raise."""
-    if queued != MF_SUCCESS:
-        if event:
-            mf_event_destroy(event)
-        raise_status(queued)
-    if event == 0:
-        return 0
-    cdef mf_status status = mf_event_record(event, stream)
-    if status != MF_SUCCESS:
-        # Only a stream destroyed by another thread since the copy was queued gets here. Its work
-        # still completes: wait for everything, then the buffer is free to go.
-        mf_event_destroy(event)
-        with nogil:
-            synchronize_everything()
-        return 0
-    queue = _held.get(stream)
-    if queue is None:
-        queue = _held[stream] = _deque()
-    queue.append((event, held))
+    """Kept for the callers' all-or-nothing shape: a hold needs nothing made before the copy is
+    queued (its release callback is queued after it), so this reserves nothing and returns 0."""
     return 0
 
 
-cdef void synchronize_everything() noexcept nogil:
-    # A device-wide wait: on the host backend a free waits for every stream, as cudaFree does.
-    cdef void *ptr = NULL
-    if mf_device_alloc(1, &ptr) == MF_SUCCESS:
-        mf_device_free(ptr)
+cdef void _release_hold(void *key) noexcept nogil:
+    # On the stream's worker (cuda: a runtime thread) once the copy before it has run.
+    if not mf_hf_enter():
+        return  # exiting: the buffer stays held (see _note_exit)
+    if Py_IsInitialized():
+        with gil:
+            _pending_holds.pop(<size_t>key, None)
+    mf_hf_leave()
+
+
+cdef int commit_hold(_HeldBuffer held, uint64_t event, uint64_t stream, mf_status queued) except -1:
+    """After the queueing call returned ``queued``: hold ``held`` until ``stream`` has passed the
+    work just queued (a release callback behind it), or for the life of the graph capturing
+    ``stream``; on a failed queueing raise."""
+    global _hold_key
+    if queued != MF_SUCCESS:
+        raise_status(queued)
+    if held is None:
+        return 0
+    cdef int on = 0
+    graph = capturing_graph(stream)
+    if graph is not None:
+        (<Graph>graph)._keep.append((held,))  # a replay reads or writes it at every launch
+        return 0
+    if mf_stream_capturing(stream, &on) == MF_SUCCESS and on:
+        # A capture this package did not begin (cuda: CUDA's or torch's API): nothing tells when
+        # its graph dies, so the buffer stays held for the process's life.
+        Py_INCREF(held)
+        return 0
+    _hold_key += 1
+    key = _hold_key
+    _pending_holds[key] = held
+    if mf_launch_host_func(stream, _release_hold, <void *><size_t>key) != MF_SUCCESS:
+        # Only a stream destroyed by another thread since the copy was queued gets here. Its work
+        # still completes, at a time nothing can tell any more: the buffer stays held for the
+        # process's life (a leak in a race, never a write into freed memory).
+        Py_INCREF(held)
+        _pending_holds.pop(key, None)
+    return 0
 
 
 cdef int release_passed() except -1:
-    """Let go of held buffers whose copies have passed: each stream's queue from its head."""
-    cdef int done
-    cdef uint64_t event
-    for stream, queue in list(_held.items()):
-        while queue:
-            event = (<tuple>queue[0])[0]
-            if mf_event_query(event, &done) == MF_SUCCESS and not done:
-                break
-            mf_event_destroy(event)  # done, or its stream is gone (a fork()ed child: the parent's)
-            queue.popleft()
-        if not queue:
-            _held.pop(stream, None)
+    """Let go of the foreign arrays kept for kernels whose work has passed (_coerce.pxi)."""
     if _kept:
         release_kept(True)
     return 0

@@ -9,10 +9,11 @@ cdef dict _BACKEND_NAMES = {v: k for k, v in _BACKENDS.items()}
 # hands out views of it (its close() is the one way to free it).
 cdef set _object_pinned = set()
 
-# Foreign host buffers held for async copies, per stream: {stream: deque of (event, _HeldBuffer)}.
-# Work on one stream completes in order, so only each queue's head needs asking (see
-# release_passed): a copy costs O(1), however many are outstanding.
-cdef dict _held = {}
+# Foreign host buffers held for async copies and readbacks: {key: _HeldBuffer}, each released by a
+# callback queued behind its copy on the copy's stream (commit_hold, _release_hold), so a buffer
+# is given back as soon as the stream has passed the copy (docs/lifetimes.md, rule 6).
+cdef dict _pending_holds = {}
+cdef size_t _hold_key = 0
 
 # Foreign arrays (tensors) kept alive for queued kernels: (event, arrays) in call order, with
 # their events reused (keep_until_passed, release_kept in _coerce.pxi); a call releases from the
@@ -44,20 +45,25 @@ cdef object _params_dtype = None
 # of the resolve that reads them (launch order is stream order for one stream).
 cdef dict _cell_rows = {}
 
-# Graphs capturing, by stream handle: {stream: Graph}. The objects each operation queued on a
-# capturing stream names (buffers, events) are kept by its Graph, so garbage collection cannot
-# free memory a replay reads or writes (see note_capture).
+# Graphs capturing, by stream handle: {stream: weak reference to the Graph}. The objects each
+# operation queued on a capturing stream names (buffers, events) are kept by its Graph, so garbage
+# collection cannot free memory a replay reads or writes (see note_capture). Weak: a capture
+# object dropped unended ends (discards) its capture as it dies (Graph.__dealloc__).
 cdef dict _capturing = {}
 
 # Set at interpreter exit (atexit runs before modules are torn down): from then on a buffer
-# collected is not freed, since a free waits for queued work and exit never does
-# (docs/host-backend.md, "Exit"). The process's end returns the memory.
+# collected is not freed (on cuda a free waits for the device, and exit never waits;
+# docs/host-backend.md, "Exit"). The process's end returns the memory.
 cdef bint _exiting = False
 
 
 def _note_exit():
     global _exiting
     _exiting = True
+    # Buffers still held for queued copies are never given back: a worker may still write them
+    # while the interpreter tears the module down (their release callbacks are skipped, see
+    # _mark_exiting). The process's end returns the memory.
+    Py_INCREF(_pending_holds)
 
 
 _atexit.register(_note_exit)
@@ -72,6 +78,7 @@ def _forget_parent_events():
     _host_func_errors.clear()
     _event_marks.clear()
     _capturing.clear()  # the C layer drops the parent's captures in the child too
+    _pending_holds.clear()  # the parent's copies: nothing of them runs here
 
 
 _os.register_at_fork(after_in_child=_forget_parent_events)

@@ -17,6 +17,18 @@ from .reference import ReferenceModel, _widened_logits, host_next_token
 from .timeline import Recorder
 
 
+
+def settled_live_objects(timeout=2.0):
+    """live_objects() once nothing is live, or after ``timeout`` seconds: a free is performed
+    once every stream has passed the work queued before it (docs/lifetimes.md, rule 5), so
+    memory freed at teardown may still be counted for a moment."""
+    deadline = time.monotonic() + timeout
+    while True:
+        live = _core.live_objects()
+        if not any(live.values()) or time.monotonic() > deadline:
+            return live
+        time.sleep(0.005)
+
 def _host_sampled(history: List[int], mask: Tuple[int, int], sampling: Dict[str, Any],
                   vocab: int, dtype: str, buffers: Tuple[Any, Any, Any]) -> int:
     """One draw of the host sampler over one row: the reference logits after ``history``
@@ -377,7 +389,7 @@ def main(args: Any) -> int:
         pool_ok = model.pool.free_count == free_at_start
     finally:
         model.close()
-    live = metrale_feed.live_objects()
+    live = settled_live_objects()
     checks = {"tokens": fast["tokens"] == slow["tokens"] == expected, "pool": pool_ok,
               "live": not any(live.values())}
     _report(args, work_us, step_us, fast, slow, total, checks)

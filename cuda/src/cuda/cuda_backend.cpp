@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "registry.hpp"
 #include "cuda/graph.hpp"
 #include "cuda/kernels.hpp"
 #include "metrale_feed/argmax_rule.h"
@@ -290,6 +291,7 @@ mf_status host_alloc(size_t nbytes, unsigned flags, void **out) {
 }
 
 mf_status host_free(void *ptr) {
+    alloc_released(ptr);  // out of the ledger (alloc_erase kept it counted until now)
     MF_CUDA_TRY(cudaFreeHost(ptr), "cudaFreeHost");
     return MF_SUCCESS;
 }
@@ -302,6 +304,7 @@ mf_status device_alloc(size_t nbytes, void **out) {
 }
 
 mf_status device_free(void *ptr) {
+    alloc_released(ptr);  // as host_free's
     MF_CUDA_TRY(cudaFree(ptr), "cudaFree");
     return MF_SUCCESS;
 }

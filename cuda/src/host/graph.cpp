@@ -18,8 +18,23 @@
 namespace mf::host {
 namespace {
 
+// A kept call, with the ranges the binding lent it (a CPU tensor standing in for device memory):
+// a replay lends them again, since the Graph keeps the tensors alive (docs/lifetimes.md).
+struct Call {
+    Replay replay;
+    std::vector<std::pair<const void *, size_t>> borrowed;
+
+    mf_status operator()(mf_stream_t stream) const {
+        PinScope pins;
+        for (const auto &[ptr, nbytes] : borrowed) mf_device_borrow(ptr, nbytes);
+        mf_status status = replay(stream);
+        if (!borrowed.empty()) mf_device_borrow_clear();
+        return status;
+    }
+};
+
 struct Graph {
-    std::vector<Replay> calls;
+    std::vector<Call> calls;
     bool lost = false;  // a call could not be kept (out of memory): the capture cannot end well
 };
 
@@ -104,7 +119,12 @@ bool capture_keep(void *stream, Replay &&replay) {
     auto it = captures().find(stream);
     if (it == captures().end()) return false;
     try {
-        it->second->calls.push_back(std::move(replay));
+        Call call{std::move(replay), {}};
+        unsigned n;
+        const Touched *seen = touched(&n);
+        for (unsigned i = 0; i < n; ++i)
+            if (seen[i].ref.base == 0) call.borrowed.emplace_back(seen[i].ptr, seen[i].nbytes);
+        it->second->calls.push_back(std::move(call));
     } catch (const std::bad_alloc &) {
         it->second->lost = true;  // nothing lost silently: mf_graph_end fails
     }
@@ -117,8 +137,7 @@ mf_status graph_launch(void *raw, void *, mf_stream_t handle) {
     // may have been freed, its event destroyed since the capture) and nothing is queued; then
     // the calls are issued. Each call pins its own handles, released as it returns.
     t_checking = true;
-    for (const Replay &call : graph->calls) {
-        PinScope pins;
+    for (const Call &call : graph->calls) {
         mf_status status = call(handle);
         if (status != MF_SUCCESS) {
             t_checking = false;
@@ -126,8 +145,7 @@ mf_status graph_launch(void *raw, void *, mf_stream_t handle) {
         }
     }
     t_checking = false;
-    for (const Replay &call : graph->calls) {
-        PinScope pins;
+    for (const Call &call : graph->calls) {
         mf_status status = call(handle);
         if (status != MF_SUCCESS) return status;  // only a race with a free or destroy meanwhile
     }

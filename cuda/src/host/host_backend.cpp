@@ -204,10 +204,50 @@ mf_status host_alloc(size_t nbytes, unsigned, void **out) {
 mf_status device_alloc(size_t nbytes, void **out) {
     return aligned_zeroed(nbytes, 256, out, "device_alloc");
 }
-// Like cudaFree, a free first waits for queued work, so no worker writes freed memory.
-mf_status free_after_sync(void *ptr) {
-    synchronize_all();
-    std::free(ptr);
+// A free never waits (docs/lifetimes.md, rule 5): it notes where each live stream's queue
+// ends now, and the memory goes once every stream has passed that point, freed by the worker
+// that passes last (or at once when all are idle). cudaFree waits for the whole device instead;
+// waiting here would deadlock a free made by a host function (its own stream cannot pass it)
+// and stall a free behind unrelated work. Work queued after the free cannot name the memory:
+// the ledger refused it from the moment of the free.
+struct Release {
+    std::atomic<unsigned> left{1};  // the markers still queued, plus the freeing call's own
+    void *ptr;
+    explicit Release(void *p) : ptr(p) {}
+    void passed() {
+        if (left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+        alloc_released(ptr);
+        std::free(ptr);
+        delete this;
+    }
+};
+
+mf_status free_when_passed(void *ptr) {
+    Release *release = new (std::nothrow) Release(ptr);
+    if (!release) {  // out of memory: the old way, waiting for every stream
+        synchronize_all();
+        alloc_released(ptr);
+        std::free(ptr);
+        return MF_SUCCESS;
+    }
+    std::vector<Stream *> streams;
+    try {
+        streams = retain_live_streams();
+    } catch (const std::bad_alloc &) {
+        synchronize_all();
+    }
+    for (Stream *stream : streams) {
+        release->left.fetch_add(1, std::memory_order_relaxed);
+        bool queued = false;
+        try {
+            queued = stream->enqueue_if_busy("deferred_free", [release] { release->passed(); });
+        } catch (const std::bad_alloc &) {
+            stream->synchronize();  // out of memory only: may wait (never for an idle stream)
+        }
+        if (!queued) release->left.fetch_sub(1, std::memory_order_relaxed);
+        stream->release();
+    }
+    release->passed();
     return MF_SUCCESS;
 }
 
@@ -314,9 +354,9 @@ const Ops host_ops = {
     .stream_wait_event = stream_wait_event,
     .stream_wait = stream_wait,
     .host_alloc = host_alloc,
-    .host_free = free_after_sync,
+    .host_free = free_when_passed,
     .device_alloc = device_alloc,
-    .device_free = free_after_sync,
+    .device_free = free_when_passed,
     .memset_async = memset_async,
     .copy_async = copy_async,
     .argmax = argmax,

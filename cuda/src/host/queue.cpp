@@ -183,6 +183,17 @@ void Stream::enqueue(const char *name, std::function<void()> op) {
     }
 }
 
+bool Stream::enqueue_if_busy(const char *name, std::function<void()> op) {
+    int64_t queued = tracing() ? now_ns() : 0;
+    // Under the lock: a busy stream's worker is still running, so it will reach the op.
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (completed_ == enqueued_) return false;
+    queue_.push_back(Op{name, queued, std::move(op)});
+    ++enqueued_;
+    work_.notify_one();
+    return true;
+}
+
 bool Stream::idle() {
     std::lock_guard<std::mutex> lock(mutex_);
     return completed_ == enqueued_;
@@ -253,17 +264,20 @@ Stream *default_stream() {
 
 Stream *stream_of(void *raw) { return raw ? static_cast<Stream *>(raw) : default_stream(); }
 
+std::vector<Stream *> retain_live_streams() {
+    std::vector<Stream *> streams;
+    std::lock_guard<std::mutex> lock(shared().streams_mutex);
+    streams.reserve(shared().streams.size());
+    for (Stream *stream : shared().streams) {
+        stream->retain();
+        streams.push_back(stream);
+    }
+    return streams;
+}
+
 void synchronize_all() {
     // A snapshot, each retained: the waits happen without the registry lock held.
-    std::vector<Stream *> streams;
-    {
-        std::lock_guard<std::mutex> lock(shared().streams_mutex);
-        streams.reserve(shared().streams.size());
-        for (Stream *stream : shared().streams) {
-            stream->retain();
-            streams.push_back(stream);
-        }
-    }
+    std::vector<Stream *> streams = retain_live_streams();
     for (Stream *stream : streams) {
         stream->synchronize();
         stream->release();

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_set>
+#include <vector>
 
 namespace mf::host {
 
@@ -63,6 +64,9 @@ public:
     }
     // `name` (a string literal) labels the op in a trace (mf_trace_enable).
     void enqueue(const char *name, std::function<void()> op);
+    // Queues `op` behind the work queued so far, with no ordering against other streams, unless
+    // the stream is idle (then false, and nothing is queued). A deferred free's marker.
+    bool enqueue_if_busy(const char *name, std::function<void()> op);
     bool idle();
     uint64_t enqueued();                               // ops queued so far
     bool wait_for(uint64_t target, uint32_t timeout_us);  // true once `target` ops have completed
@@ -97,6 +101,7 @@ Stream *default_stream();
 const Stream *current_stream();
 Stream *stream_of(void *raw);  // raw 0 is the default stream
 void synchronize_all();        // every live stream, as cudaFree implies
+std::vector<Stream *> retain_live_streams();  // a snapshot, each retained (release() each)
 int64_t now_ns();
 bool tracing();
 void trace(const char *name, const void *stream, int64_t queued_ns, int64_t start_ns, int64_t end_ns);
