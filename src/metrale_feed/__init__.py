@@ -189,6 +189,7 @@ _LAZY = {
     "SyncDeviceIo": ("router", "SyncDeviceIo"),
     "DecodePipeline": ("pipeline", "DecodePipeline"),
     "Request": ("pipeline", "Request"),
+    "RequestStatus": ("pipeline", "RequestStatus"),
     "reference_argmax": ("oracle", "reference_argmax"),
     "SAMPLING_PARAMS_DTYPE": ("sampling", "SAMPLING_PARAMS_DTYPE"),
     "sampling_params": ("sampling", "sampling_params"),

@@ -83,17 +83,23 @@ cdef int event_of(object event, uint64_t *out, bint optional) except -1:
 # allocated; on the host backend it refuses other memory unless a call borrows it (a CPU tensor
 # standing in for device memory), and on cuda it takes foreign pointers as they are.
 cdef int device_ptr_of(object obj, void **out) except -1:
-    """A DeviceBuffer's or an int's address (foreign arrays go through _Call.device)."""
+    """A DeviceBuffer's, a view of one's or an int's address (foreign arrays go through
+    _Call.device)."""
     cdef uint64_t value
     if type(obj) is DeviceBuffer:
         (<DeviceBuffer>obj)._check_open()
         out[0] = (<DeviceBuffer>obj)._ptr
         return 0
+    if type(obj) is BufferView:  # the package's own view: its buffer's bytes from its offset
+        if (<BufferView>obj)._pinned:
+            raise ValueError("a view of a PinnedBuffer is page-locked host memory, not device memory")
+        out[0] = (<BufferView>obj)._address()
+        return 0
     if isinstance(obj, int) and not isinstance(obj, bool):
         u64_of(obj, &value, "device pointer")
         out[0] = <void *><size_t>value
         return 0
-    raise TypeError(f"expected a DeviceBuffer, an int pointer or a tensor (__dlpack__), not {type(obj).__name__}")
+    raise TypeError(f"expected a DeviceBuffer (or its view()), an int pointer or a tensor (__dlpack__), not {type(obj).__name__}")
 
 
 cdef inline bint is_foreign(object obj):
@@ -203,7 +209,14 @@ cdef _HeldBuffer host_buffer_of(object obj, bint writable, str what):
     cdef _HeldBuffer held = _HeldBuffer.__new__(_HeldBuffer)
     if not PyObject_CheckBuffer(obj):
         raise TypeError(f"{what} must be a buffer (PinnedBuffer, numpy array, bytearray, ...), not {type(obj).__name__}")
-    PyObject_GetBuffer(obj, &held.view, (PyBUF_WRITABLE if writable else 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+    cdef int flags = (PyBUF_WRITABLE if writable else 0) | PyBUF_C_CONTIGUOUS
+    try:
+        PyObject_GetBuffer(obj, &held.view, flags | PyBUF_FORMAT)
+    except (BufferError, ValueError):
+        # A type the buffer protocol has no format for (numpy cannot say ml_dtypes' bfloat16,
+        # "cannot include dtype 'E' in a buffer"): a copy moves bytes, so take them untyped. An
+        # object array does have a format ('O'), so it never gets here.
+        PyObject_GetBuffer(obj, &held.view, flags)
     held.held = True
     if held.view.format != NULL and b"O" in <bytes>held.view.format:
         # Object arrays hold PyObject pointers: bytes copied into them would be dereferenced.

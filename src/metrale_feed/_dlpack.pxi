@@ -328,10 +328,16 @@ cdef BufferView make_view(object base, size_t nbytes, bint pinned, object dtype,
     if len(dims) > MAX_DIMS:
         raise ValueError(f"a view has at most {MAX_DIMS} dimensions")
     need = entry.itemsize
+    strides = entry.itemsize  # the export's strides multiply every dimension, an empty one too
     for d in dims:
         if d < 0:
             raise ValueError(f"shape {dims} has a negative dimension")
         need *= d
+        strides *= max(d, 1)
+    if strides > 0x7FFFFFFFFFFFFFFF:
+        # An empty view would be taken here and fail only at export (DLPack's int64 shape and
+        # strides): refuse it now.
+        raise ValueError(f"a view of shape {dims} is too large for DLPack's int64 sizes")
     if need > nbytes - off:
         raise ValueError(f"a {entry.name} view of shape {dims} needs {need} bytes; the buffer has "
                          f"{nbytes - off} from offset {off}")

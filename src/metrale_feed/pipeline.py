@@ -13,69 +13,67 @@ a row's step in flight is thrown away and where its KV blocks go is decided here
 
 from __future__ import annotations
 
-import math
+import enum
 import os
-import struct
+import threading
 import warnings
 from collections import deque
 from functools import partial
-from operator import index
-from typing import Any, Deque, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
-from . import _core
+from . import _checks, _core
 from .errors import FeedError, KvPoolExhausted
 from .feed import NO_TOKEN, FeedSource, RowMask
 from .kv import SequenceState
 from .router import AsyncDeviceIo, SyncDeviceIo, Ticket, _DeviceIo
 from .trait import ModelDeviceFeed
 
-__all__ = ["DecodePipeline", "Request", "PipelineStats"]
+__all__ = ["DecodePipeline", "Request", "RequestStatus", "PipelineStats"]
 
 _UNMASKED_PAIR = (NO_TOKEN, NO_TOKEN)
 _drain: "partial[Deque[Any]]" = partial(deque, maxlen=0)  # runs an iterator out, keeping nothing
 _IDENTITY: Dict[int, List[FeedSource]] = {}  # rows -> [feed(0), feed(1), ...], made once
 _GREEDY = (0.0, 0, 1.0, 0.0, 0)  # temperature, top_k, top_p, min_p, seed: the argmax
-_F32 = struct.Struct("<f")
 
 
-def _float32(value: Any, name: str) -> float:
-    """``value`` rounded to float32, as ``SAMPLING_PARAMS_DTYPE`` stores it, so a value that
-    passes here is the value the sampler checks (1e-50 is 0.0 in float32; 1e39 is refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        try:
-            value = float(value)  # numpy scalars and the like; a str is a TypeError
-        except (TypeError, ValueError):
-            raise TypeError(f"{name} must be a real number, got {type(value).__name__}") from None
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    try:
-        rounded: float = _F32.unpack(_F32.pack(value))[0]
-    except OverflowError:
-        raise ValueError(f"{name} {value} is outside float32") from None
-    return rounded
+class RequestStatus(enum.Enum):
+    """Where a ``Request`` is: ``WAITING`` (submitted, not yet admitted), ``RUNNING`` (in every
+    launch from its admission on), ``PREEMPTED`` (its blocks given back when the pool ran dry;
+    it resumes by recompute), then one finished state. The finished states' values are the
+    ``finish_reason`` strings; ``FINISHED_ERROR`` is a device-side fault of a step the request
+    was in (docs/pipeline.md, "Faults").
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> from metrale_feed.reference import ReferenceModel
+    >>> model = ReferenceModel(1000, max_rows=2)
+    >>> with mf.DecodePipeline(model, 2) as pipe:
+    ...     req = pipe.submit([7, 8], max_new_tokens=2)
+    ...     before = req.status
+    ...     finished = pipe.run()
+    >>> model.close()
+    >>> before, req.status, req.status.finished
+    (<RequestStatus.WAITING: 'waiting'>, <RequestStatus.FINISHED_LENGTH: 'length'>, True)
+    """
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # a device-side fault: none of its tokens after the fault is kept
+
+    @property
+    def finished(self) -> bool:
+        """Whether it is one of the finished states."""
+        return self.value not in ("waiting", "running", "preempted")
 
 
-def _sampling(temperature: Any, top_k: Any, top_p: Any, min_p: Any,
-              seed: Any) -> Tuple[float, int, float, float, int]:
-    """The sampling parameters of ``submit``, checked (the rules of ``sample_to_feed``,
-    docs/kernels.md), as float32 values and unsigned ints."""
-    t = _float32(temperature, "temperature")
-    if t < 0.0:
-        raise ValueError(f"temperature must be at least 0, got {temperature}")
-    p = _float32(top_p, "top_p")
-    if not 0.0 < p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    m = _float32(min_p, "min_p")
-    if not 0.0 <= m < 1.0:
-        raise ValueError(f"min_p must be in [0, 1), got {min_p}")
-    k = index(top_k)
-    if not 0 <= k <= 0xFFFFFFFF:
-        raise ValueError(f"top_k must be in [0, 2**32) (0: every id), got {k}")
-    s = index(seed)
-    if not 0 <= s <= 0xFFFFFFFFFFFFFFFF:
-        raise ValueError(f"seed must be in [0, 2**64), got {s}")
-    return (t, k, p, m, s)
+_WAITING = RequestStatus.WAITING
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
 
 
 def _order_of(req: "Request") -> int:
@@ -114,8 +112,15 @@ class Request:
         Committed generated ids, never a speculative one.
     max_new_tokens : int
     stop_ids : frozenset of int
+    status : RequestStatus
+        ``WAITING``, ``RUNNING`` (``PREEMPTED`` while it waits to resume), then a finished
+        state. The pipeline's loop thread is its one writer.
     finished : bool
-    finish_reason : {"stop", "length", "abort"} or None
+        ``status`` is a finished state.
+    finish_reason : {"stop", "length", "abort", "error"} or None
+        The finished state's value; ``"error"``: a device-side fault of a step it was in.
+    error : str or None
+        With ``"error"``: what the fault was.
     ban : RowMask or None
         The row's mask; may be set between steps and applies from the next launched step.
     temperature, top_k, top_p, min_p, seed
@@ -138,33 +143,46 @@ class Request:
     >>> model.close()
     >>> req.finished, req.finish_reason, len(req.tokens)
     (True, 'length', 2)
+    >>> req.status
+    <RequestStatus.FINISHED_LENGTH: 'length'>
     """
 
-    __slots__ = ("prompt", "tokens", "max_new_tokens", "stop_ids", "finished", "finish_reason",
-                 "_ban", "_mask", "_pipe", "_seq", "_join", "_last", "_base", "_order", "_bound",
+    __slots__ = ("prompt", "tokens", "max_new_tokens", "stop_ids", "status", "error", "_ban", "_mask", "_pipe", "_seq", "_join", "_last", "_base", "_order", "_bound",
                  "_reserved_at", "_pos0", "temperature", "top_k", "top_p", "min_p", "seed")
 
     def __init__(self, pipe: "DecodePipeline", prompt: Tuple[int, ...], max_new_tokens: int,
-                 stop_ids: FrozenSet[int], ban: Optional[RowMask], order: int,
+                 stop_ids: FrozenSet[int], ban: Optional[RowMask], order: int = 0,
                  sampling: Tuple[float, int, float, float, int] = _GREEDY) -> None:
         self.prompt = prompt
         self.tokens: List[int] = []
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_ids
-        self.finished = False
-        self.finish_reason: Optional[str] = None
+        self.status = _WAITING
+        self.error: Optional[str] = None
         self._ban = ban
         self._mask = ban if ban is not None else _UNMASKED_PAIR
         self._pipe = pipe
-        self._seq: Optional[_SeqView] = None  # while running
-        self._join = -1  # the launch number of its first step since (re)admission
+        self._seq: Optional[_SeqView] = None  # from its prefill until it leaves the batch
+        self._join = 0  # the launch number of its first step since (re)admission (RUNNING)
         self._last = -1  # the launch number of its last possible step
         self._base = 0  # positions whose KV prefill wrote
-        self._order = order  # admission order: the youngest running one is preempted first
+        self._order = order  # submission order (set when the loop takes it in): the youngest
+        # running one is preempted first
         self._bound = -1  # the launch at which its next KV block is reserved
         self._reserved_at = -1  # the last launch that reserved a block for it
         self._pos0 = 0  # its position at launch L is _pos0 + L (set when it joins)
         self.temperature, self.top_k, self.top_p, self.min_p, self.seed = sampling
+
+    @property
+    def finished(self) -> bool:
+        """Whether it has finished (stop, length, abort or error)."""
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """``"stop"``, ``"length"``, ``"abort"`` or ``"error"``; None until it finishes."""
+        status = self.status
+        return status.value if status.finished else None
 
     @property
     def sampled(self) -> bool:
@@ -189,7 +207,7 @@ class Request:
         return len(self.prompt) + len(self.tokens)
 
     def __repr__(self) -> str:
-        state = self.finish_reason or ("running" if self._seq is not None else "waiting")
+        state = self.status.value
         return f"Request(prompt={len(self.prompt)} ids, tokens={len(self.tokens)}, {state})"
 
 
@@ -208,7 +226,8 @@ class _SeqView(SequenceState):
     @property
     def seq_len(self) -> int:
         req = self.req
-        if req._join < 0:
+        status = req.status
+        if status is _WAITING or status is _PREEMPTED:  # being prefilled
             return req._base
         launched = min(req._pipe._launches, req._last + 1) - req._join
         written = req._base + launched
@@ -217,7 +236,8 @@ class _SeqView(SequenceState):
 
     @seq_len.setter
     def seq_len(self, value: int) -> None:
-        if self.req._join < 0:
+        status = self.req.status
+        if status is _WAITING or status is _PREEMPTED:
             self.req._base = value
 
     @property
@@ -347,7 +367,7 @@ class DecodePipeline:
     def __init__(self, model: ModelDeviceFeed, max_rows: int, *, depth: int = 2, stream: Any = 0,
                  vocab: Optional[int] = None, debug: Optional[bool] = None,
                  shard: Any = None) -> None:
-        max_rows = index(max_rows)
+        max_rows = _checks.integer(max_rows, "max_rows")
         if shard is not None:
             if getattr(model, "feed_shard", None) is not shard:
                 raise ValueError("DecodePipeline(shard=) needs a model that feeds through that shard "
@@ -355,12 +375,13 @@ class DecodePipeline:
             if max_rows > shard.max_rows:
                 raise ValueError(f"max_rows {max_rows} is more than the shard's {shard.max_rows}")
         self.shard = shard
-        depth = index(depth)
+        depth = _checks.integer(depth, "depth")
         if depth not in (1, 2):
             raise ValueError(f"depth must be 1 or 2, got {depth}")
         if not callable(getattr(model, "prefill", None)):
             raise TypeError("DecodePipeline needs a model with prefill(seq, ids, stream)")
-        vocab = getattr(model, "feed_vocab", None) if vocab is None else index(vocab)
+        vocab = (getattr(model, "feed_vocab", None) if vocab is None
+                 else _checks.integer(vocab, "vocab"))
         if vocab is None or not 1 <= vocab:
             raise TypeError("DecodePipeline needs the vocabulary: a model with feed_vocab, or vocab=")
         model_rows = getattr(model, "feed_max_rows", None)
@@ -410,11 +431,17 @@ class DecodePipeline:
         self._can_sample = sampler not in (None, ModelDeviceFeed.sample_batch_to_feed)
         self._params: Any = None  # SAMPLING_PARAMS_DTYPE records of self._rows, or None
         self._positions: Any = None  # per row: its position at launch 0 (int64)
+        # Threads: the loop (step, run, admit, close) holds _lock for each call; submit and
+        # abort post to _inbox (deque appends are atomic) and apply it at once when the lock is
+        # free, else the loop applies it at the start and end of its current call. So every
+        # change of the pipeline's state is made under the lock, in posting order.
+        self._lock = threading.Lock()
+        self._inbox: Deque[Tuple[Callable[[Request], None], Request]] = deque()
 
     # ---- submission ----
 
     def _token(self, value: Any, what: str) -> int:
-        token = index(value)
+        token = _checks.integer(value, what)
         if not 0 <= token < self.vocab:
             raise ValueError(f"{what} {token} is outside the vocabulary of {self.vocab} ids")
         return token
@@ -423,7 +450,7 @@ class DecodePipeline:
         if ban is None:
             return None
         a, b = ban  # a pair; anything else is a TypeError or ValueError here
-        pair = [index(a), index(b)]
+        pair = [_checks.integer(a, "ban id"), _checks.integer(b, "ban id")]
         for token in pair:
             if token != NO_TOKEN:
                 self._token(token, "ban id")
@@ -472,11 +499,17 @@ class DecodePipeline:
         Raises
         ------
         ValueError, TypeError
-            Bad input (sampling parameters included, checked as float32 values), or a request
-            that could never fit the KV pool; nothing is queued.
+            Bad input (sampling parameters included, checked as float32 values; a str, a bool
+            or None where a number goes is a TypeError), or a request that could never fit the
+            KV pool; nothing is queued.
         FeedError
             The pipeline is closed, or a sampled request for a model without
             ``sample_batch_to_feed``.
+
+        Notes
+        -----
+        Any thread may call it, while another runs ``step()``: the request is queued at once
+        when no step runs, else when the running one ends (``status`` stays ``WAITING``).
 
         Examples
         --------
@@ -496,12 +529,12 @@ class DecodePipeline:
         prompt = tuple(self._token(t, "prompt id") for t in prompt_ids)
         if not prompt:
             raise ValueError("the prompt is empty: a request needs at least one id")
-        max_new = index(max_new_tokens)
+        max_new = _checks.integer(max_new_tokens, "max_new_tokens")
         if max_new < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new}")
         stops = frozenset(self._token(t, "stop id") for t in stop_ids)
         mask = self._check_ban(ban)
-        sampling = _sampling(temperature, top_k, top_p, min_p, seed)
+        sampling = _checks.sampling(temperature, top_k, top_p, min_p, seed)
         if sampling[0] > 0.0 and not self._can_sample:
             raise FeedError(f"{type(self.model).__name__} has no sample_batch_to_feed: a request "
                             f"with temperature > 0 cannot run on it")
@@ -510,10 +543,36 @@ class DecodePipeline:
             raise ValueError(f"the request needs {blocks} KV blocks at most (prompt "
                              f"{len(prompt)} + {max_new} new tokens); the pool has "
                              f"{self._pool.num_blocks}")
-        self._orders += 1
-        req = Request(self, prompt, max_new, stops, mask, self._orders, sampling)
-        self._waiting.append(req)
+        req = Request(self, prompt, max_new, stops, mask, 0, sampling)
+        self._post(self._enqueue, req)
         return req
+
+    def _enqueue(self, req: Request) -> None:
+        if self._closed:  # submitted by another thread while close() ran
+            req.status = RequestStatus.FINISHED_ABORTED
+            return
+        self._orders += 1
+        req._order = self._orders
+        self._waiting.append(req)
+
+    # ---- the inbox of other threads' calls ----
+
+    def _post(self, apply: Callable[[Request], None], req: Request) -> None:
+        """``apply(req)`` under the lock: now when no call of the loop holds it, else by the
+        loop at the end of its call (``_drain``). Never waits for a step."""
+        self._inbox.append((apply, req))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        """Apply the posted submits and aborts, in posting order (the lock is held)."""
+        inbox = self._inbox
+        while inbox:
+            apply, req = inbox.popleft()
+            apply(req)
 
     def _blocks_for(self, positions: int) -> Optional[int]:
         bs = self._block_size
@@ -523,8 +582,8 @@ class DecodePipeline:
 
     @property
     def idle(self) -> bool:
-        """Nothing waiting, running or in flight."""
-        return not (self._waiting or self._running or self._inflight)
+        """Nothing waiting (or posted by another thread), running or in flight."""
+        return not (self._inbox or self._waiting or self._running or self._inflight)
 
     def step(self) -> List[Request]:
         """Advance one step: launch (up to ``depth`` in flight), then read the oldest.
@@ -534,27 +593,41 @@ class DecodePipeline:
         list of Request
             The requests that finished during it (and any aborted since the last call), in
             finish order.
+
+        Raises
+        ------
+        FeedError
+            The pipeline is closed; or the step's wait (or its debug check) failed: a
+            device-side fault. Then no token of that step or of the steps in flight after it is
+            committed, and every running request finishes with ``"error"`` (``req.error`` says
+            why; reported by the next ``step()``). Waiting requests stay queued.
         """
-        if self._closed:
-            raise FeedError("the pipeline is closed")
-        while len(self._inflight) < self.depth and self._launch():
-            pass
-        if self._inflight:
-            self._await()
-        elif self._waiting and not self._running:
-            head = self._waiting[0]
-            raise FeedError(f"cannot admit {head!r}: the KV pool has too few free blocks "
-                            f"({getattr(self._pool, 'free_count', '?')}) and nothing runs")
-        done, self._finished = self._finished, []
-        return done
+        with self._lock:  # a second thread's step() waits for this one
+            if self._closed:
+                raise FeedError("the pipeline is closed")
+            self._drain()
+            try:
+                while len(self._inflight) < self.depth and self._launch():
+                    pass
+                if self._inflight:
+                    self._await()
+                elif self._waiting and not self._running:
+                    head = self._waiting[0]
+                    raise FeedError(f"cannot admit {head!r}: the KV pool has too few free blocks "
+                                    f"({getattr(self._pool, 'free_count', '?')}) and nothing runs")
+                done, self._finished = self._finished, []
+                return done
+            finally:
+                self._drain()  # what other threads posted during the step
 
     def run(self) -> List[Request]:
         """Step until idle; every request that finished, in finish order."""
         out: List[Request] = []
         while not self.idle:
             out.extend(self.step())
-        out.extend(self._finished)
-        self._finished = []
+        with self._lock:
+            out.extend(self._finished)
+            self._finished = []
         return out
 
     def admit(self) -> int:
@@ -566,11 +639,13 @@ class DecodePipeline:
         int
             How many joined the batch.
         """
-        if self._closed:
-            raise FeedError("the pipeline is closed")
-        before = len(self._running)
-        self._admit(self._launches)
-        return len(self._running) - before
+        with self._lock:
+            if self._closed:
+                raise FeedError("the pipeline is closed")
+            self._drain()
+            before = len(self._running)
+            self._admit(self._launches)
+            return len(self._running) - before
 
     def _admit(self, launch: int) -> None:
         """First come, first served: the oldest waiting requests join while there are rows and
@@ -607,17 +682,20 @@ class DecodePipeline:
         for req in batch:
             waiting.popleft()
             self._join(req, launch)
+            req.status = _RUNNING
             self._running.append(req)
         self.stats.admitted += len(batch)
         self._dirty = True
 
     def _prefill(self, reqs: List[Request], prefill: Any, many: bool) -> bool:
         """Prefill each request's history but its last id into a fresh sequence view; False
-        (and nothing kept) when the pool ran out (a pool the pipeline cannot see)."""
+        (and nothing kept) when the pool ran out (a pool the pipeline cannot see). A prefill
+        that raises anything else keeps nothing either: the requests stay waiting, with no
+        view and no block, and the error propagates."""
         views, histories = [], []
         for req in reqs:
             req._seq = _SeqView(req, req._order)
-            req._join, req._base = -1, 0
+            req._base = 0
             views.append(req._seq)
             histories.append((list(req.prompt) + req.tokens)[:-1])
         try:
@@ -629,6 +707,10 @@ class DecodePipeline:
             for req in reqs:
                 self._release(req)
             return False
+        except BaseException:
+            for req in reqs:
+                self._release(req)
+            raise
         return True
 
     def _join(self, req: Request, launch: int) -> None:
@@ -690,12 +772,12 @@ class DecodePipeline:
             debug = self._debug
             if debug is not None:
                 slot = debug.before(sources, len(rows))
-            ticket = io._launch(True, sources, self._seqs_of(rows), masks, True, params)
+            ticket = self._queue(launch, True, sources, rows, masks, params)
             if debug is not None:
                 debug.after(len(rows))
         else:
             sources = [r.tokens[-1] if r.tokens else r.prompt[-1] for r in rows]
-            ticket = io._launch(False, sources, self._seqs_of(rows), masks, True, params)
+            ticket = self._queue(launch, False, sources, rows, masks, params)
         self._launches = launch + 1
         if rows is not self._rows or self._lists is None:
             self._lists = [r.tokens for r in rows]
@@ -709,6 +791,23 @@ class DecodePipeline:
         self._rows = rows
         self._dirty = self._masks_dirty = False
         return True
+
+    def _queue(self, launch: int, fed: bool, sources: Any, rows: List[Request], masks: Any,
+               params: Any) -> Ticket:
+        """The router's launch. One that raises before the router queued the step (it counts
+        it only once queued) is retried by the next ``step()``; one queued whose settle then
+        failed (``SyncDeviceIo``, depth 1) is a fault of this step."""
+        io = self.io
+        queued = io.stats.launches
+        try:
+            return io._launch(fed, sources, self._seqs_of(rows), masks, True, params)
+        except BaseException as exc:
+            if io.stats.launches != queued:
+                self._launches = launch + 1
+                added, self._added = self._added, 0
+                self.stats.steps += 1
+                self._fault(launch, added, exc)
+            raise
 
     def _sampling_params(self, rows: List[Request]) -> Any:
         """One ``SAMPLING_PARAMS_DTYPE`` record per row when any row samples (positions are set
@@ -749,14 +848,14 @@ class DecodePipeline:
         added = 0
         for req in due:
             req._bound = -1
-            while req._seq is not None:
+            while req.status is _RUNNING:
                 try:
                     if reserve(req._seq):
                         added += 1
                         req._reserved_at = launch
                     break
                 except KvPoolExhausted:
-                    victim = max((r for r in rows if r._seq is not None), key=_order_of)
+                    victim = max((r for r in rows if r.status is _RUNNING), key=_order_of)
                     if victim._reserved_at == launch:
                         added -= 1  # its block for this launch goes back with the rest
                     self._preempt(victim)
@@ -779,14 +878,14 @@ class DecodePipeline:
             failed = self.io._reserve_many([r._seq for r in due])  # type: ignore[misc]
             if failed < 0:
                 break
-            victim = max((r for r in rows if r._seq is not None), key=_order_of)
+            victim = max((r for r in rows if r.status is _RUNNING), key=_order_of)
             due = [r for r in due[failed:] if r is not victim]
             self._preempt(victim)
             rows = [r for r in rows if r is not victim]
         return rows
 
     def _reschedule(self, reqs: List[Request], launch: int) -> None:
-        keep = [r for r in reqs if r._seq is not None and r._last >= launch]
+        keep = [r for r in reqs if r.status is _RUNNING and r._last >= launch]
         if keep:
             for r in keep:
                 r._bound = launch
@@ -794,12 +893,20 @@ class DecodePipeline:
 
     def _await(self) -> None:
         step = self._inflight.popleft()
-        ids = self.io.await_result(step.ticket)
         self.stats.steps += 1
+        try:
+            ids = self.io.await_result(step.ticket)
+        except BaseException as exc:
+            self._fault(step.launch, step.added, exc)
+            raise
         if step.added:
             self.io.stats.reserved_in_flight -= step.added
         if self._debug is not None:
-            self._debug.check(step, self._prev_ids)
+            try:
+                self._debug.check(step, self._prev_ids)
+            except FeedError as exc:
+                self._fault(step.launch, 0, exc)
+                raise
             self._prev_ids = ids
         rows, dead = step.rows, step.dead
         if dead is None:
@@ -812,12 +919,39 @@ class DecodePipeline:
             hits = self._stop_union.intersection(ids)
             if hits:
                 for i, (req, token) in enumerate(zip(rows, ids)):
-                    if token in hits and token in req.stop_ids and not req.finished and (
+                    if token in hits and token in req.stop_ids and req.status is _RUNNING and (
                             dead is None or i not in dead):
-                        self._finish(req, "stop")
+                        self._finish(req, RequestStatus.FINISHED_STOPPED)
         for req in self._ending.pop(step.launch, ()):
-            if req._seq is not None and req._last == step.launch and not req.finished:
-                self._finish(req, "length")
+            if req.status is _RUNNING and req._last == step.launch:
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+
+    def _fault(self, launch: int, added: int, exc: BaseException) -> None:
+        """A step whose wait failed (a device-side fault: a host function that raised, a
+        kernel fault) or whose debug check failed. Its ids cannot be trusted, nor those of the
+        steps in flight after it (they were fed from its cells, and their forwards ran behind
+        the fault), nor the KV its forward should have written: every running request is in it
+        or joined after it, so each one finishes with ``"error"`` and returns its blocks. The
+        steps still in flight are waited for (their ring slots come back) and thrown away.
+        Waiting requests are untouched: their prefills come after the fault in stream order."""
+        stats = self.io.stats
+        stats.reserved_in_flight -= added  # the failed step's blocks, returned below
+        for later in self._inflight:
+            try:
+                self.io.await_result(later.ticket)
+            except Exception:
+                pass  # the same fault, reported again: nothing of it is kept either way
+            self.stats.steps += 1
+            stats.reserved_in_flight -= later.added
+            self.stats.rows_discarded += len(later.rows) - len(later.dead or ())
+        self._inflight.clear()
+        reason = f"step {launch} failed: {type(exc).__name__}: {exc}"
+        for req in list(self._running):
+            req.error = reason
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+        self._rows, self._seqs, self._lists = [], None, None  # the next launch starts afresh
+        self._prev_ids = []
+        self._dirty = True
 
     # ---- finishing, aborts and preemption ----
 
@@ -864,17 +998,18 @@ class DecodePipeline:
         self._running.remove(req)
         self._dirty = True
 
-    def _finish(self, req: Request, reason: str) -> None:
-        if req._seq is not None:
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status is _RUNNING:
             self._leave(req)
-        req.finished = True
-        req.finish_reason = reason
+        else:  # waiting or preempted: in the queue, with no view and no block
+            self._waiting.remove(req)
+        req.status = status
         self.stats.finished += 1
         self._finished.append(req)
 
     def _preempt(self, req: Request) -> None:
         self._leave(req)
-        req._join = req._last = -1
+        req.status = _PREEMPTED
         self._waiting.appendleft(req)  # first in line to resume
         self.stats.preemptions += 1
 
@@ -883,6 +1018,9 @@ class DecodePipeline:
         blocks returned. A finished request is left as it is. It is reported by the next
         ``step()``.
 
+        Any thread may call it: while another thread's ``step()`` runs, the abort applies when
+        that step ends (the request may still commit that step's token, or finish first).
+
         Raises
         ------
         FeedError
@@ -890,28 +1028,34 @@ class DecodePipeline:
         """
         if not isinstance(req, Request) or req._pipe is not self:
             raise FeedError(f"{req!r} was not submitted to this pipeline")
-        if req.finished:
-            return
-        if req._seq is None:
-            self._waiting.remove(req)
-        self._finish(req, "abort")
+        self._post(self._abort_now, req)
+
+    def _abort_now(self, req: Request) -> None:
+        if not req.status.finished:
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
 
     # ---- closing ----
 
     def close(self) -> None:
         """Abort whatever runs or waits, return every KV block and ring slot (after the steps
         in flight)."""
-        if self._closed:
-            return
-        try:
-            for req in list(self._running) + list(self._waiting):
-                self.abort(req)
-            self._inflight.clear()
-            self.io.teardown()
-            if self._debug is not None:
-                self._debug.close()
-        finally:
-            self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._drain()
+                for req in list(self._running) + list(self._waiting):
+                    self._abort_now(req)
+                self._inflight.clear()
+            finally:
+                # Even when an abort failed (a model's release raised), the ring and the debug
+                # buffers go: nothing else would free them.
+                self._closed = True
+                try:
+                    self.io.teardown()
+                finally:
+                    if self._debug is not None:
+                        self._debug.close()
 
     def __del__(self) -> None:
         # Dropped without close(): the model would keep the requests' KV blocks.

@@ -15,7 +15,7 @@ from itertools import chain
 from operator import index
 from typing import Any, Dict, List, Optional, Sequence, TypeVar
 
-from . import _core
+from . import _checks, _core
 from .errors import FeedError, KvPoolExhausted
 from .feed import _HOST_BIT, NO_TOKEN
 from .kv import SequenceState
@@ -171,28 +171,6 @@ def _check_inputs(fed: bool, inputs: Sequence[int], masks: Any, vocab: Optional[
                     raise ValueError(f"mask id {token} of row {at // 2} is not below vocab {vocab}")
 
 
-def _check_params(params: Any, rows: int) -> None:
-    """Sampling params refused before the forward, not after it: their dtype, their rows and
-    the ranges ``sample_to_feed`` checks (docs/kernels.md), so a bad record runs no step."""
-    from .sampling import SAMPLING_PARAMS_DTYPE  # numpy is loaded: params is an array
-
-    if getattr(params, "dtype", None) != SAMPLING_PARAMS_DTYPE:
-        raise TypeError("params must be an array of metrale_feed.SAMPLING_PARAMS_DTYPE records, "
-                        f"not {getattr(params, 'dtype', type(params).__name__)}")
-    if len(params) < rows:
-        raise ValueError(f"params hold {len(params)} rows, fewer than the {rows} launched")
-    import numpy as np
-
-    head = params[:rows]
-    t, p, m = head["temperature"], head["top_p"], head["min_p"]
-    if not (np.isfinite(t) & (t >= 0)).all():
-        raise ValueError("params: a temperature is negative or not finite")
-    if not ((p > 0) & (p <= 1)).all():
-        raise ValueError("params: a top_p is outside (0, 1]")
-    if not ((m >= 0) & (m < 1)).all():
-        raise ValueError("params: a min_p is outside [0, 1)")
-
-
 class _Ring:
     """Readback slots of ``max_rows`` ids in the model's pinned memory, one event each. Each slot
     has a generation, bumped when it is handed to a new step."""
@@ -278,7 +256,7 @@ class _DeviceIo:
             _check_inputs(fed, inputs, None if masks is _UNMASKED.get(rows) else masks,
                           self._vocab, self._prev_rows)
             if params is not None:
-                _check_params(params, rows)
+                _checks.records(params, rows)
         slot = ring.acquire()  # before anything is launched: exhaustion launches nothing
         model = self.model
         if fed:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import struct
+import threading
 from typing import Any, Sequence
 
 from . import _core
@@ -71,7 +72,9 @@ class VocabShard:
     rank gets the unsharded call's cells and ids without a host synchronisation. Sampled rows with
     ``top_k``, ``top_p`` or ``min_p`` take up to 17 more all-gathers of per-row records (at most
     ~2.1 KiB a row in all: docs/tensor-parallel.md). Every rank must make its shard with the same
-    arguments and issue the same sharded calls, with the same params, in the same order.
+    arguments and issue the same sharded calls, with the same params, in the same order. Calls
+    from several threads of one rank are serialised (each is queued whole, in the order the
+    threads reach it); their order across ranks is still the caller's to keep the same.
 
     Parameters
     ----------
@@ -137,6 +140,10 @@ class VocabShard:
         self.start, self.stop = offs[rank], offs[rank + 1]
         self.stats = {"collectives": 0, "bytes_sent": 0}
         self._calls = 0
+        # Held across a call, from its checks to its last queued operation: calls from several
+        # threads of this rank are queued one whole call after another (their counters, slots
+        # and collectives never interleave), in the order they take the lock.
+        self._lock = threading.Lock()
         # Tests set it: a world of one then runs the partial, the exchange and the combine instead
         # of the unsharded call (the path of every world, testable on one device).
         self._force_exchange = False
@@ -175,10 +182,11 @@ class VocabShard:
         --------
         >>> shard.close()  # doctest: +SKIP
         """
-        pending, self._pending = self._pending + self._ring, []
-        self._ring = []
-        if self._fault is None:
-            self._fault = "the shard is closed"
+        with self._lock:  # after a call another thread is queueing
+            pending, self._pending = self._pending + self._ring, []
+            self._ring = []
+            if self._fault is None:
+                self._fault = "the shard is closed"
         for done, held in pending:
             try:
                 done.synchronize()
@@ -247,6 +255,13 @@ class VocabShard:
     def _call(self, op: str, logits: Any, masks: Any, params: Any, cells: Any, dst: Any,
               event: Any, stream: Any, rows: Any, vocab: Any, dtype: Any, row_stride: Any,
               bitmask: Any, logprobs: Any, logprobs_dst: Any) -> int:
+        with self._lock:
+            return self._call_locked(op, logits, masks, params, cells, dst, event, stream, rows,
+                                     vocab, dtype, row_stride, bitmask, logprobs, logprobs_dst)
+
+    def _call_locked(self, op: str, logits: Any, masks: Any, params: Any, cells: Any, dst: Any,
+                     event: Any, stream: Any, rows: Any, vocab: Any, dtype: Any, row_stride: Any,
+                     bitmask: Any, logprobs: Any, logprobs_dst: Any) -> int:
         if self._fault is not None:
             raise FeedError(f"VocabShard refuses further calls after a fault: {self._fault}")
         width = self.stop - self.start

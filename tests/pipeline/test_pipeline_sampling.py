@@ -222,10 +222,23 @@ def test_bad_sampling_params_at_submit_queue_nothing(host, no_leaks):
             (ValueError, "seed", dict(seed=-1)),
             (ValueError, "seed", dict(seed=2**64)),
             (TypeError, None, dict(seed=1.0)),
+            # A str is no number, though float() would take it; a bool is no count.
+            (TypeError, "temperature", dict(temperature="0.5")),
+            (TypeError, "top_p", dict(top_p="1")),
+            (TypeError, "min_p", dict(min_p=b"0")),
+            (TypeError, "temperature", dict(temperature=None)),
+            (TypeError, "temperature", dict(temperature=True)),
+            (TypeError, "top_p", dict(top_p=True)),
+            (TypeError, "top_k", dict(top_k=True)),
+            (TypeError, "seed", dict(seed=False)),
+            (TypeError, "max_new_tokens", dict(max_new_tokens=True)),
+            (TypeError, "max_new_tokens", dict(max_new_tokens="2")),
         ]
         for error, match, kw in cases:
             with pytest.raises(error, match=match):
-                pipe.submit([1, 2], max_new_tokens=2, **kw)
+                pipe.submit([1, 2], **dict(dict(max_new_tokens=2), **kw))
+        with pytest.raises(TypeError, match="prompt id"):
+            pipe.submit([True, 2], max_new_tokens=2)
         assert pipe.idle and pipe.stats.admitted == 0 and pipe.stats.launches == 0
         edge = pipe.submit([1], max_new_tokens=2, temperature=np.float32(1e-3), top_p=1.0,
                            min_p=0.0, top_k=2**32 - 1, seed=2**64 - 1)

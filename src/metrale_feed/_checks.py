@@ -1,0 +1,104 @@
+"""The one checker of ``DecodePipeline.submit``'s sampling parameters above the C layer.
+
+``submit`` checks scalars (``sampling``); the routers check the ``SAMPLING_PARAMS_DTYPE``
+records a caller hands them (``records``). Both apply the rules of ``sample_to_feed``
+(docs/kernels.md, "Sampling") to the values as the records store them (float32, uint32, uint64),
+so what passes here is what the kernel checks again, and a refusal happens before anything is
+queued. Plain Python: numpy is imported only when records are checked.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import struct
+from typing import Any, Tuple
+
+__all__ = ["integer", "real", "float32", "sampling", "records"]
+
+_F32 = struct.Struct("<f")
+_U32_MAX = 0xFFFFFFFF
+_U64_MAX = 0xFFFFFFFFFFFFFFFF
+
+Sampling = Tuple[float, int, float, float, int]  # temperature, top_k, top_p, min_p, seed
+
+
+def integer(value: Any, name: str) -> int:
+    """``value`` as an int: an int or anything with ``__index__`` (numpy's integers), never a
+    bool (``True`` is no count), a float or a str (TypeError)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    return int(value.__index__())
+
+
+def real(value: Any, name: str) -> float:
+    """``value`` as a finite float: an int, a float or a numpy real scalar; a str, a bool or
+    anything else is a TypeError (``float("0.5")`` would take a str)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, not {type(value).__name__}")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{name} must be finite, got {out}")
+    return out
+
+
+def float32(value: Any, name: str) -> float:
+    """``real(value)`` rounded to float32, as ``SAMPLING_PARAMS_DTYPE`` stores it, so a value
+    that passes is the value the sampler checks (1e-50 is 0.0 in float32; 1e39 is refused)."""
+    out = real(value, name)
+    try:
+        rounded: float = _F32.unpack(_F32.pack(out))[0]
+    except OverflowError:
+        raise ValueError(f"{name} {out} is outside float32") from None
+    return rounded
+
+
+def sampling(temperature: Any, top_k: Any, top_p: Any, min_p: Any, seed: Any) -> Sampling:
+    """The sampling parameters of ``submit``, checked, as float32 values and unsigned ints.
+
+    Raises
+    ------
+    TypeError
+        A parameter that is not a number (a str, a bool, None, ...).
+    ValueError
+        A temperature that is negative or not finite, ``top_p`` outside (0, 1], ``min_p``
+        outside [0, 1), ``top_k`` outside [0, 2**32), ``seed`` outside [0, 2**64).
+    """
+    t = float32(temperature, "temperature")
+    if t < 0.0:
+        raise ValueError(f"temperature must be at least 0, got {temperature}")
+    p = float32(top_p, "top_p")
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    m = float32(min_p, "min_p")
+    if not 0.0 <= m < 1.0:
+        raise ValueError(f"min_p must be in [0, 1), got {min_p}")
+    k = integer(top_k, "top_k")
+    if not 0 <= k <= _U32_MAX:
+        raise ValueError(f"top_k must be in [0, 2**32) (0: every id), got {k}")
+    s = integer(seed, "seed")
+    if not 0 <= s <= _U64_MAX:
+        raise ValueError(f"seed must be in [0, 2**64), got {s}")
+    return (t, k, p, m, s)
+
+
+def records(params: Any, rows: int) -> None:
+    """``SAMPLING_PARAMS_DTYPE`` records refused before the forward, not after it: their dtype,
+    their rows and the ranges ``sampling`` checks (the integer fields cannot leave theirs)."""
+    from .sampling import SAMPLING_PARAMS_DTYPE  # numpy is loaded: params is an array
+
+    if getattr(params, "dtype", None) != SAMPLING_PARAMS_DTYPE:
+        raise TypeError("params must be an array of metrale_feed.SAMPLING_PARAMS_DTYPE records, "
+                        f"not {getattr(params, 'dtype', type(params).__name__)}")
+    if len(params) < rows:
+        raise ValueError(f"params hold {len(params)} rows, fewer than the {rows} launched")
+    import numpy as np
+
+    head = params[:rows]
+    t, p, m = head["temperature"], head["top_p"], head["min_p"]
+    if not (np.isfinite(t) & (t >= 0)).all():
+        raise ValueError("params: a temperature is negative or not finite")
+    if not ((p > 0) & (p <= 1)).all():
+        raise ValueError("params: a top_p is outside (0, 1]")
+    if not ((m >= 0) & (m < 1)).all():
+        raise ValueError("params: a min_p is outside [0, 1)")
