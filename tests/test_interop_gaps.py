@@ -61,3 +61,60 @@ def test_a_view_too_large_for_dlpack_is_refused_at_view(host, no_leaks):
             buf.view("uint32", (0, 2**62))  # 2**64 bytes of strides
         empty = buf.view("uint8", (0, 2**40))  # fits: exported, and empty
         assert np.from_dlpack(empty).shape == (0, 2**40)
+
+
+class _NoDataTensor:
+    """An empty CPU tensor exported as torch exports one: its DLPack data pointer is null (numpy
+    gives a real address, so its capsule is edited before it is handed over)."""
+
+    def __init__(self, dtype=np.float32, shape=(0,)):
+        self.array = np.zeros(shape, dtype)
+        assert self.array.size == 0
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+    def __dlpack__(self, **kw):
+        import ctypes
+
+        capsule = self.array.__dlpack__(**kw)
+        api = ctypes.pythonapi
+        api.PyCapsule_IsValid.restype = ctypes.c_int
+        api.PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+        api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        # DLManagedTensorVersioned: version (8 bytes), manager_ctx, deleter, flags, then the
+        # DLTensor whose first field is data; the unversioned struct starts with the DLTensor.
+        name, offset = ((b"dltensor_versioned", 32) if api.PyCapsule_IsValid(capsule, b"dltensor_versioned")
+                        else (b"dltensor", 0))
+        ctypes.c_void_p.from_address(api.PyCapsule_GetPointer(capsule, name) + offset).value = None
+        return capsule
+
+
+def test_zero_byte_copies_with_empty_tensors_that_have_no_data_pointer(host, no_leaks):
+    with mf.DeviceBuffer(8) as dev, mf.Stream() as stream:
+        empty = _NoDataTensor()
+        mf.copy_h2d_async(empty, np.empty(0, np.uint8))
+        mf.copy_h2d_async(empty, b"", stream)
+        mf.copy_d2h_async(empty, bytearray())
+        mf.copy_d2h_async(empty, np.empty(0, np.float32), stream)
+        mf.copy_d2d_async(empty, dev, 0)
+        mf.copy_d2d_async(dev, empty, 0, stream)
+        mf.copy_d2d_async(empty, _NoDataTensor(np.uint8, (4, 0)), 0)
+        stream.synchronize()
+        mf.stream_synchronize()
+        # Still a copy: everything else is checked as for an empty buffer.
+        with pytest.raises(mf.FeedError, match="unknown or destroyed stream"):
+            mf.copy_h2d_async(empty, b"", 0x3039)
+        with pytest.raises(mf.FeedError, match="unknown or destroyed stream"):
+            mf.copy_d2d_async(dev, empty, 0, 0x3039)
+        with pytest.raises(ValueError, match="run past the end"):
+            mf.copy_h2d_async(empty, b"\x00" * 4)
+        with pytest.raises(ValueError, match="run past the end"):
+            mf.copy_d2h_async(empty, bytearray(4))
+        with pytest.raises(ValueError, match="run past the end"):
+            mf.copy_d2d_async(dev, empty, 1)
+        with pytest.raises(ValueError, match="read-only"):
+            ro = _NoDataTensor()
+            ro.array.flags.writeable = False
+            mf.copy_h2d_async(ro, b"")

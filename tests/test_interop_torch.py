@@ -114,6 +114,24 @@ def test_torch_from_dlpack_of_a_view_is_zero_copy():
 
 
 @host_only
+def test_zero_byte_copies_with_empty_torch_tensors():
+    # An empty torch tensor exports a null data pointer: a zero-byte copy with it is a no-op,
+    # as with an empty numpy array, and everything else is still checked.
+    empty = torch.empty(0)
+    assert empty.data_ptr() == 0
+    with DeviceBuffer(8) as dev:
+        mf.copy_h2d_async(empty, b"")
+        mf.copy_d2h_async(empty, bytearray())
+        mf.copy_d2d_async(empty, dev, 0)
+        mf.copy_d2d_async(dev, torch.empty((3, 0), dtype=torch.uint8), 0)
+        mf.stream_synchronize()
+        with pytest.raises(FeedError, match="unknown or destroyed stream"):
+            mf.copy_d2h_async(empty, bytearray(), 0x3039)
+        with pytest.raises(ValueError, match="run past the end"):
+            mf.copy_h2d_async(empty, b"\x00")
+
+
+@host_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_argmax_of_torch_logits(dtype):
     g = torch.Generator().manual_seed(1)

@@ -249,6 +249,38 @@ def test_select_stage_refusals(host, dev):
     mf.stream_synchronize(0)
 
 
+@pytest.mark.parametrize("op", ["argmax", "sample"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_an_empty_slice_as_a_rows_by_zero_tensor_gives_its_dtype_and_rows(host, dev, op, dtype):
+    # The contract's empty slice is (rows, 0): the tensor says its dtype and rows even with no
+    # element, so its block is the one the dtype= and rows= form (logits None) writes.
+    rows, vocab = 3, 40
+    params = mf.sampling_params(rows, temperature=0.7, seed=[1, 2, 3]) if op == "sample" else None
+    launch = (_core._argmax_partial if op == "argmax" else
+              lambda lg, m, p, **kw: _core._sample_partial(lg, params, p, masks=m, **kw))
+    kw = dict(start=vocab, stop=vocab, vocab=vocab, call=5, logprobs=True)
+    given, taken = mf.DeviceBuffer(_core._partial_bytes(rows)), mf.DeviceBuffer(_core._partial_bytes(rows))
+    dev.write(given, np.full(_core._partial_bytes(rows), 0xEE, np.uint8))
+    dev.write(taken, np.full(_core._partial_bytes(rows), 0x11, np.uint8))
+    launch(None, None, given, rows=rows, dtype=dtype, **kw)
+    empty = np.zeros((rows, 0), dtype)
+    launch(empty, None, taken, dtype=None, **kw)  # no rows=, no dtype=: the tensor's
+    mf.stream_synchronize()
+    assert np.array_equal(dev.download(taken), dev.download(given))
+    other = "float16" if dtype == "float32" else "float32"
+    for bad, exc, needle in ((dict(dtype=other), ValueError, "disagrees with the logits tensor"),
+                             (dict(rows=rows + 1, dtype=None), ValueError, "disagrees with the logits tensor")):
+        with pytest.raises(exc, match=needle):
+            launch(empty, None, taken, **bad, **kw)
+    for logits, exc, needle in ((np.zeros((rows, 1), dtype), ValueError, r"\(rows, 0\) tensor"),
+                                (np.zeros(0, dtype), ValueError, r"\(rows, 0\) tensor"),
+                                (np.zeros((rows, 0), np.int32), TypeError, "float32, float16 or bfloat16")):
+        with pytest.raises(exc, match=needle):
+            launch(logits, None, taken, rows=rows, dtype=None, **kw)
+    given.close()
+    taken.close()
+
+
 def test_partial_refusals(host, dev):
     rows = 2
     parts, sl = mf.DeviceBuffer(_core._partial_bytes(rows)), dev.upload(np.ones((rows, 5), np.float32))

@@ -102,6 +102,9 @@ cdef int device_ptr_of(object obj, void **out) except -1:
     raise TypeError(f"expected a DeviceBuffer (or its view()), an int pointer or a tensor (__dlpack__), not {type(obj).__name__}")
 
 
+cdef char _empty_target  # the address of an empty tensor that has none (_Call.device)
+
+
 cdef inline bint is_foreign(object obj):
     return type(obj) is not DeviceBuffer and not isinstance(obj, int)
 
@@ -136,6 +139,15 @@ cdef class _Call:
             raise ValueError(f"{what} is read-only but this call writes it")
         out[0] = f.ptr
         nbytes[0] = f.count() * (f.dl_bits // 8)
+        if out[0] == NULL and nbytes[0] == 0:
+            # An empty tensor may carry no data pointer (torch's does not); it names no memory,
+            # so a zero-byte copy to or from it is a no-op as with an empty buffer. The C layer
+            # refuses a null pointer whatever the size, so it gets an address that holds nothing
+            # instead, and still checks the rest (the stream, the other side).
+            out[0] = &_empty_target
+            if not self.cuda:  # the host backend takes only what a call lends it
+                check(mf_device_borrow(out[0], 0))
+            return 0
         self.lend(f, nbytes[0])
         return 0
 

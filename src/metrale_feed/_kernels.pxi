@@ -69,6 +69,33 @@ cdef int logits_of(_Call call, object logits, mf_argmax_args *a, object rows, ob
     return 0
 
 
+cdef int empty_slice_of(_Call call, object logits, mf_argmax_args *a, object rows,
+                        object dtype) except -1:
+    """The logits of an empty slice: nothing is read, but a ``(rows, 0)`` tensor still gives its
+    dtype and rows (given ones must agree), as a slice with columns does; ``None``, a
+    DeviceBuffer or a pointer needs ``dtype``."""
+    cdef _Foreign f
+    a.logits = NULL
+    a.row_stride = 0
+    if logits is None or not is_foreign(logits):
+        a.dtype = dtype_of(dtype)
+        return 0
+    f = call.foreign(logits, "logits")
+    if f.entry is None or f.entry.code is None:
+        raise TypeError(f"logits must be float32, float16 or bfloat16, not {f.type_name()}")
+    if f.ndim != 2 or f.shape[1] != 0:
+        shape = tuple(f.shape[i] for i in range(f.ndim))
+        raise ValueError(f"the logits of an empty slice are a (rows, 0) tensor, not {shape}")
+    if f.shape[0] < 1 or f.shape[0] > MF_MAX_ROWS:
+        raise ValueError(f"the logits tensor has {f.shape[0]} rows; rows must be in [1, {MF_MAX_ROWS}]")
+    agree(rows, f.shape[0], "rows")
+    if dtype is not None and dtype_entry(dtype) is not f.entry:
+        raise ValueError(f"dtype={dtype!r} disagrees with the logits tensor's {f.entry.name}")
+    a.rows = <uint32_t>f.shape[0]
+    a.dtype = <mf_dtype><int>f.entry.code
+    return 0
+
+
 cdef uint32_t table_words_of(object tables, void *ptr, size_t nbytes):
     """Ids in a block-table array: its DeviceBuffer's, tensor's or allocation's length (the
     forward reads nothing past it); a foreign pointer on cuda cannot say, so the caller is trusted."""
@@ -167,9 +194,7 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
         else:  # a slice [start, stop) of rows of `vocab` ids: the logits hold the slice's columns
             fill_partial(&a, partial)
             if a.vocab == 0:  # an empty slice reads nothing
-                a.logits = NULL
-                a.row_stride = 0
-                a.dtype = dtype_of(dtype)
+                empty_slice_of(call, logits, &a, rows, dtype)
             else:
                 logits_of(call, logits, &a, rows, a.vocab, dtype, row_stride)
         if a.rows:  # the tensor's

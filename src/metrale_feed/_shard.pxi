@@ -77,7 +77,7 @@ def _argmax_partial(logits, masks, partials, event=None, stream=0, *, start, sto
     ----------
     logits : device memory or None
         The slice's ``stop - start`` columns of each row (row ``r`` at element ``r * row_stride``);
-        None for an empty slice.
+        for an empty slice None (``dtype`` needed) or a ``(rows, 0)`` tensor (its dtype and rows).
     masks : as for ``argmax_to_feed``
         Global ids (below ``vocab``); an id outside the slice masks nothing here.
     partials : DeviceBuffer, int, or a device array

@@ -290,9 +290,8 @@ class VocabShard:
                              f"(stream {self._stream:#x}, now {handle:#x})")
         if (logprobs is None) != (logprobs_dst is None) and logprobs_dst is not None:
             raise ValueError("logprobs_dst needs logprobs (the device buffer it is copied from)")
-        if self.stop == self.start or (hasattr(logits, "shape") and len(logits.shape) == 2
-                                       and int(logits.shape[1]) == 0):
-            logits = None  # an empty slice takes part with no candidate
+        # An empty slice takes part with no candidate; a (rows, 0) tensor still gives its dtype
+        # (the partial call reads it, and nothing else, from the tensor).
         if filtered:
             return self._call_filtered(logits, masks, params, cells, dst, event, stream, n, dtype,
                                        row_stride, bitmask, logprobs, logprobs_dst, handle)

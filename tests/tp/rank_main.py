@@ -486,6 +486,85 @@ def scenario_bad_offsets():
     assert shard.stats["collectives"] == 1
 
 
+def as_torch(array):
+    """A CPU torch tensor of ``array``'s values (bfloat16 through its bits: torch has no
+    ml_dtypes), taken by the host backend as device memory through DLPack."""
+    import torch
+
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def scenario_empty_tensor():
+    """The last rank's slice is empty and given as a (rows, 0) tensor, every rank's without
+    dtype= (the tensors say it): the unsharded ids on every rank, argmax and sampling alike."""
+    vocab, rows = 300, 6
+    offsets = [0] + [vocab * r // (WORLD - 1) for r in range(1, WORLD)] + [vocab]
+    shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=8)
+    if RANK == WORLD - 1:
+        assert shard.start == shard.stop == vocab
+    for dtype, np_dtype in DTYPES.items():
+        rng = np.random.default_rng(zlib.crc32(dtype.encode()))  # the same on every rank
+        logits = (rng.standard_normal((rows, vocab)) * 3).astype(np_dtype)
+        mine = as_torch(logits[:, shard.start:shard.stop])  # (rows, 0) on the last rank
+        assert tuple(mine.shape) == (rows, shard.stop - shard.start)
+        masks = rng.integers(0, vocab, (rows, 2)).astype(np.uint32)
+        masks[::2] = mf.NO_TOKEN
+        plain = mf.sampling_params(rows, temperature=rng.uniform(0.3, 2.0, rows),
+                                   seed=rng.integers(0, 2**63, rows))
+        filtered = plain.copy()
+        filtered["top_k"] = 5
+        filtered["top_p"][1] = 0.5
+        for params in (None, plain, filtered):
+            want, want_lp = whole(logits, masks, params=params)
+            if params is None:
+                assert np.array_equal(want, reference_argmax(logits, masks)), (dtype, want)
+            cells, lp_dev = mf.DeviceBuffer(rows * 4), mf.DeviceBuffer(rows * 4)
+            ids, lp = np.zeros(rows, np.uint32), np.full(rows, 7.0, np.float32)
+            with mf.Event() as done:
+                kw = dict(logprobs=lp_dev, logprobs_dst=lp, shard=shard)
+                if params is None:
+                    got = mf.argmax_to_feed(mine, masks, cells, ids, done, **kw)
+                else:
+                    got = mf.sample_to_feed(mine, params, cells, ids, done, masks=masks, **kw)
+                done.synchronize()
+            assert got == rows, got
+            assert np.array_equal(ids, want), (dtype, params is not None, ids, want)
+            assert_close(lp, want_lp)
+    # Given arguments must agree with the tensor, the empty one too; refused on every rank before
+    # anything is queued, so no collective is left behind.
+    other = "float16" if dtype != "float16" else "float32"
+    for bad, needle in ((dict(dtype=other), "disagrees with the logits tensor"),
+                        (dict(rows=rows - 1), "disagrees with the logits tensor")):
+        try:
+            mf.argmax_to_feed(mine, None, mf.DeviceBuffer(rows * 4), np.zeros(rows, np.uint32),
+                              None, shard=shard, **bad)
+        except ValueError as exc:
+            assert needle in str(exc), exc
+        else:
+            raise AssertionError(f"a sharded call with {bad} was taken")
+    if RANK == WORLD - 1:
+        import torch
+
+        for bad in (torch.zeros(rows, 1), torch.zeros(0), torch.zeros((rows, 0), dtype=torch.int32)):
+            try:
+                mf.argmax_to_feed(bad, None, mf.DeviceBuffer(rows * 4), np.zeros(rows, np.uint32),
+                                  None, rows=rows, shard=shard)
+            except (TypeError, ValueError) as exc:
+                assert "empty slice" in str(exc) or "float32, float16 or bfloat16" in str(exc), exc
+            else:
+                raise AssertionError(f"the logits {tuple(bad.shape)} {bad.dtype} of an empty slice were taken")
+    # The shard still agrees after the refusals: one more call is the unsharded one.
+    want, _ = whole(logits, masks)
+    ids = np.zeros(rows, np.uint32)
+    with mf.Event() as done:
+        mf.argmax_to_feed(mine, masks, mf.DeviceBuffer(rows * 4), ids, done, shard=shard)
+        done.synchronize()
+    assert np.array_equal(ids, want), (ids, want)
+    shard.close()
+
+
 def scenario_dead():
     shard = mf.VocabShard(None, 1000, max_rows=8)
     logits = nasty(np.random.default_rng(7), 4, 1000, np.float32, shard.offsets)
@@ -784,7 +863,7 @@ def scenario_graph_sample():
  "exact": scenario_exact, "pipeline": scenario_pipeline, "late": scenario_late, "rows-mismatch": scenario_rows_mismatch,
  "logprobs-mismatch": scenario_logprobs_mismatch, "ring": scenario_ring,
  "vocab-mismatch": scenario_vocab_mismatch, "bad-offsets": scenario_bad_offsets,
- "dead": scenario_dead, "hung-filtered": scenario_hung_filtered}[SCENARIO]()
+ "dead": scenario_dead, "empty-tensor": scenario_empty_tensor, "hung-filtered": scenario_hung_filtered}[SCENARIO]()
 print("OK", sys.argv[4], flush=True)
 
 os._exit(0)  # skip the process group's teardown: a dead peer would make it wait

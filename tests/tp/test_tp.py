@@ -60,6 +60,11 @@ def test_a_captured_sharded_sample_replays_with_new_device_params_on_every_rank(
     ranks(world, "graph-sample")
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_empty_slice_given_as_a_rows_by_zero_tensor_takes_its_dtype_from_it(world):
+    ranks(world, "empty-tensor")
+
+
 def test_a_late_peer_leaves_the_others_pending_then_right():
     ranks(2, "late")
 
