@@ -281,7 +281,7 @@ def test_table_matches_header(capi):
     version, size, compiled_size = capi.table_info()
     assert version >= 1
     assert size == compiled_size  # the package and this extension agree on the layout
-    assert capi.active_backend() == {"host": 0, "cuda": 1}[mf.backend()]
+    assert capi.active_backend() == {"host": 0, "cuda": 1, "simt": 2}[mf.backend()]
 
 
 def test_extension_does_not_link_the_c_layer(capi):
