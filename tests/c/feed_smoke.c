@@ -279,7 +279,7 @@ static void test_graphs(void) {
     int on = 1;
     uint32_t host_masks[2] = {MF_NO_TOKEN, MF_NO_TOKEN};
     OK(mf_stream_create(MF_STREAM_NON_BLOCKING, &stream));
-    OK(mf_device_alloc(16, &dev));
+    OK(mf_device_alloc(32, &dev)); /* 16 bytes of logits, then the cells */
     OK(mf_host_alloc(16, 0, &pinned));
     FAILS_WITH(mf_graph_begin(0), MF_ERROR_INVALID_VALUE);
     FAILS_WITH(mf_graph_end(stream, &graph), MF_ERROR_CAPTURE); /* not capturing */
@@ -299,7 +299,7 @@ static void test_graphs(void) {
     a.vocab = 4;
     a.row_stride = 4;
     a.masks = host_masks;
-    a.cells = (uint32_t *)dev;
+    a.cells = (uint32_t *)((char *)dev + 16); /* not over the logits it reads */
     a.cell_capacity = 4;
     FAILS_WITH(mf_argmax_to_feed(&a, stream), MF_ERROR_CAPTURE); /* host masks */
     OK(mf_graph_end(stream, &graph));

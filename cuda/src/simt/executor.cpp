@@ -35,6 +35,14 @@
 #ifdef MF_SIMT_ASAN
 #include <sanitizer/common_interface_defs.h>
 #endif
+// Under valgrind a fiber's stack must be registered, or every access to it is reported as
+// invalid (valgrind sees a stack pointer it does not know). The macros do nothing elsewhere.
+#if defined(__has_include)
+#if __has_include(<valgrind/valgrind.h>)
+#include <valgrind/valgrind.h>
+#define MF_SIMT_VALGRIND 1
+#endif
+#endif
 #ifdef MF_SIMT_TSAN
 #include <sanitizer/tsan_interface.h>
 #endif
@@ -89,18 +97,19 @@ std::atomic<uint64_t> g_launches{0}, g_blocks{0}, g_threads{0}, g_switches{0}, g
 constexpr size_t kStackBytes = 256 * 1024;  // kernel parameters are copied onto it (up to 16 KiB)
 constexpr unsigned kMaxThreadsPerBlock = 1024;
 
-// A fault found by the scheduler: thrown on the scheduler's own stack, never inside a fiber.
-struct Fault {
-    std::string message;
-};
+// A fault found by the scheduler, on the scheduler's own stack (never inside a fiber). It is a
+// message and a return value, not a C++ exception: a sanitizer runtime preloaded into Python may
+// not intercept throws.
+thread_local std::string tl_block_fault;
 
 const char *base_name(const char *path) {
     const char *slash = std::strrchr(path, '/');
     return slash ? slash + 1 : path;
 }
 
-[[noreturn]] void fault(const Launch &l, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-void fault(const Launch &l, const char *fmt, ...) {
+// Keeps the fault's message and returns false, for `return fault(...)`.
+bool fault(const Launch &l, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+bool fault(const Launch &l, const char *fmt, ...) {
     char text[768];
     va_list ap;
     va_start(ap, fmt);
@@ -109,7 +118,8 @@ void fault(const Launch &l, const char *fmt, ...) {
     char head[256];
     std::snprintf(head, sizeof head, "simt: kernel %s (launched at %s:%d), block (%u, %u, %u): ", l.kernel,
                   base_name(l.file), l.line, tl_where.block.x, tl_where.block.y, tl_where.block.z);
-    throw Fault{std::string(head) + text};
+    tl_block_fault = std::string(head) + text;
+    return false;
 }
 
 enum State : uint8_t { kReady, kBarrier, kShuffle, kDone };
@@ -130,6 +140,7 @@ struct Lane {
 #ifdef MF_SIMT_TSAN
     void *tsan = nullptr;
 #endif
+    unsigned valgrind_id = 0;  // the stack's registration (valgrind only)
     State state = kDone;
     const char *file = nullptr;
     int line = 0;
@@ -156,7 +167,11 @@ struct Block {
 
     ~Block() {
         for (Lane &l : lanes) {
-            if (l.stack) munmap(l.stack, kStackBytes);
+            if (!l.stack) continue;
+#ifdef MF_SIMT_VALGRIND
+            VALGRIND_STACK_DEREGISTER(l.valgrind_id);
+#endif
+            munmap(l.stack, kStackBytes);
 #ifdef MF_SIMT_TSAN
             if (l.tsan) __tsan_destroy_fiber(l.tsan);
 #endif
@@ -239,16 +254,19 @@ void lane_main() {
     std::abort();  // a finished lane is never resumed
 }
 
-void prepare(Block &b, unsigned n) {
+bool prepare(Block &b, unsigned n) {
     if (b.lanes.size() < n) b.lanes.resize(n);
     for (unsigned i = 0; i < n; ++i) {
         Lane &l = b.lanes[i];
         if (!l.stack) {
             void *p = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                            -1, 0);
-            if (p == MAP_FAILED) throw std::bad_alloc();
+            if (p == MAP_FAILED) return false;
             mprotect(p, 4096, PROT_NONE);  // a guard page below the stack: an overflow faults
             l.stack = p;
+#ifdef MF_SIMT_VALGRIND
+            l.valgrind_id = VALGRIND_STACK_REGISTER(static_cast<char *>(p) + 4096, static_cast<char *>(p) + kStackBytes);
+#endif
 #ifdef MF_SIMT_TSAN
             l.tsan = __tsan_create_fiber(0);
 #endif
@@ -271,6 +289,7 @@ void prepare(Block &b, unsigned n) {
         l.state = kReady;
     }
     b.count = n;
+    return true;
 }
 
 std::string sites(const Block &b, State s) {
@@ -305,8 +324,9 @@ int source_lane(const Lane &l, int lane) {
 }
 
 // Releases every shuffle whose lanes have all arrived; false when none could be.
-bool release_shuffles(const Launch &launch, Block &b) {
-    bool progress = false;
+// 1 when a shuffle was released, 0 when none could be, -1 on a fault.
+int release_shuffles(const Launch &launch, Block &b) {
+    int progress = 0;
     for (unsigned w0 = 0; w0 < b.count; w0 += 32) {
         const unsigned size = std::min(32u, b.count - w0);
         for (unsigned i = 0; i < size; ++i) {
@@ -314,24 +334,24 @@ bool release_shuffles(const Launch &launch, Block &b) {
             if (first.state != kShuffle) continue;
             const uint32_t mask = first.mask;
             if (!(mask >> i & 1u))
-                fault(launch, "a shuffle at %s:%d in warp %u: lane %u is not in its own mask 0x%08x",
+                return -!fault(launch, "a shuffle at %s:%d in warp %u: lane %u is not in its own mask 0x%08x",
                       base_name(first.file), first.line, w0 / 32, i, mask);
             bool complete = true;
             for (unsigned j = 0; j < 32; ++j) {
                 if (!(mask >> j & 1u)) continue;
                 if (j >= size)
-                    fault(launch, "a shuffle at %s:%d in warp %u names lane %u in mask 0x%08x, but the warp "
+                    return -!fault(launch, "a shuffle at %s:%d in warp %u names lane %u in mask 0x%08x, but the warp "
                           "has %u lanes", base_name(first.file), first.line, w0 / 32, j, mask, size);
                 const Lane &other = b.lanes[w0 + j];
                 if (other.state == kDone)
-                    fault(launch, "a shuffle at %s:%d in warp %u names lane %u in mask 0x%08x, which has "
+                    return -!fault(launch, "a shuffle at %s:%d in warp %u names lane %u in mask 0x%08x, which has "
                           "exited", base_name(first.file), first.line, w0 / 32, j, mask);
                 if (other.state != kShuffle) {
                     complete = false;
                     continue;
                 }
                 if (other.mask != mask || other.file != first.file || other.line != first.line)
-                    fault(launch, "lanes %u and %u of warp %u meet in different shuffles (%s:%d mask 0x%08x, "
+                    return -!fault(launch, "lanes %u and %u of warp %u meet in different shuffles (%s:%d mask 0x%08x, "
                           "%s:%d mask 0x%08x)", i, j, w0 / 32, base_name(first.file), first.line, mask,
                           base_name(other.file), other.line, other.mask);
             }
@@ -341,22 +361,23 @@ bool release_shuffles(const Launch &launch, Block &b) {
                 Lane &l = b.lanes[w0 + j];
                 const int src = source_lane(l, (int)j);
                 if (!(mask >> src & 1u))
-                    fault(launch, "lane %u of warp %u reads lane %d in a shuffle at %s:%d, which its mask "
+                    return -!fault(launch, "lane %u of warp %u reads lane %d in a shuffle at %s:%d, which its mask "
                           "0x%08x does not name", j, w0 / 32, src, base_name(l.file), l.line, mask);
                 l.result = b.lanes[w0 + src].value;
             }
             for (unsigned j = 0; j < 32; ++j)
                 if (mask >> j & 1u) b.lanes[w0 + j].state = kReady;
             g_shuffles.fetch_add(1, std::memory_order_relaxed);
-            progress = true;
+            progress = 1;
         }
     }
     return progress;
 }
 
-void run_block(const Launch &launch, Block &b) {
+// false on a fault (tl_block_fault says why).
+bool run_block(const Launch &launch, Block &b) {
     const unsigned n = launch.block.x * launch.block.y * launch.block.z;
-    prepare(b, n);
+    if (!prepare(b, n)) return fault(launch, "out of memory for the stacks of %u fibers", n);
     unsigned live = n;
     while (true) {
         for (unsigned i = 0; i < n; ++i) {
@@ -364,8 +385,10 @@ void run_block(const Launch &launch, Block &b) {
             to_lane(b, i);
             if (b.lanes[i].state == kDone) --live;
         }
-        if (live == 0) return;
-        if (release_shuffles(launch, b)) continue;
+        if (live == 0) return true;
+        const int released = release_shuffles(launch, b);
+        if (released < 0) return false;
+        if (released > 0) continue;
         // Nothing else can move: every live thread must wait in the same barrier.
         unsigned at_barrier = 0;
         const Lane *first = nullptr;
@@ -375,14 +398,14 @@ void run_block(const Launch &launch, Block &b) {
             ++at_barrier;
             if (!first) first = &l;
             else if (l.file != first->file || l.line != first->line)
-                fault(launch, "threads of the block wait at different __syncthreads (%s)", sites(b, kBarrier).c_str());
+                return fault(launch, "threads of the block wait at different __syncthreads (%s)", sites(b, kBarrier).c_str());
         }
         if (at_barrier != live) {
             if (at_barrier)
-                fault(launch, "__syncthreads at %s is not reached by every live thread of the block: %u of %u "
+                return fault(launch, "__syncthreads at %s is not reached by every live thread of the block: %u of %u "
                       "wait there, the others in shuffles at %s", sites(b, kBarrier).c_str(), at_barrier, live,
                       sites(b, kShuffle).c_str());
-            fault(launch, "the shuffles at %s never complete: a lane their masks name does not arrive",
+            return fault(launch, "the shuffles at %s never complete: a lane their masks name does not arrive",
                   sites(b, kShuffle).c_str());
         }
         for (unsigned i = 0; i < n; ++i)
@@ -405,23 +428,18 @@ void run_blocks(const Launch &launch, void (*body)(void *), void *ctx, const std
     tl_where.block_dim = launch.block;
     tl_where.grid_dim = launch.grid;
     const unsigned lanes = launch.block.x * launch.block.y * launch.block.z;
-    try {
-        for (size_t k; !stop.load(std::memory_order_relaxed) && (k = next.fetch_add(1)) < order.size();) {
-            const uint32_t id = order[k];
-            tl_where.block = Dim{id % launch.grid.x, (id / launch.grid.x) % launch.grid.y,
-                                 id / (launch.grid.x * launch.grid.y)};
-            run_block(launch, b);
-            g_blocks.fetch_add(1, std::memory_order_relaxed);
-            g_threads.fetch_add(lanes, std::memory_order_relaxed);
+    for (size_t k; !stop.load(std::memory_order_relaxed) && (k = next.fetch_add(1)) < order.size();) {
+        const uint32_t id = order[k];
+        tl_where.block = Dim{id % launch.grid.x, (id / launch.grid.x) % launch.grid.y,
+                             id / (launch.grid.x * launch.grid.y)};
+        if (!run_block(launch, b)) {
+            std::lock_guard<std::mutex> lock(mu);
+            if (first_fault.empty()) first_fault = tl_block_fault;
+            stop.store(true);
+            return;
         }
-    } catch (const Fault &f) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (first_fault.empty()) first_fault = f.message;
-        stop.store(true);
-    } catch (const std::bad_alloc &) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (first_fault.empty()) first_fault = std::string("simt: out of memory for the fibers of ") + launch.kernel;
-        stop.store(true);
+        g_blocks.fetch_add(1, std::memory_order_relaxed);
+        g_threads.fetch_add(lanes, std::memory_order_relaxed);
     }
 }
 
