@@ -33,6 +33,7 @@
 #endif
 #endif
 #ifdef MF_SIMT_ASAN
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 // Under valgrind a fiber's stack must be registered, or every access to it is reported as
@@ -233,7 +234,8 @@ void to_lane(Block &b, unsigned i) {
     tl_where.thread = Dim{i % tl_where.block_dim.x, (i / tl_where.block_dim.x) % tl_where.block_dim.y,
                           i / (tl_where.block_dim.x * tl_where.block_dim.y)};
     Lane &l = b.lanes[i];
-    switch_context(b, b.scheduler, l.ctx, l.stack, kStackBytes, false, tsan_fiber(l), false);
+    switch_context(b, b.scheduler, l.ctx, static_cast<char *>(l.stack) + 4096, kStackBytes - 4096, false,
+                   tsan_fiber(l), false);
 }
 
 // From the running lane back to the scheduler (the lane's state says why).
@@ -271,6 +273,11 @@ bool prepare(Block &b, unsigned n) {
             l.tsan = __tsan_create_fiber(0);
 #endif
         }
+#ifdef MF_SIMT_ASAN
+        // The last block's frames on this stack were never unwound (a finished lane is switched
+        // away from, not returned): clear their redzones before the stack is used again.
+        __asan_unpoison_memory_region(static_cast<char *>(l.stack) + 4096, kStackBytes - 4096);
+#endif
 #ifdef MF_SIMT_FAST_SWITCH
         // A fresh stack as mf_simt_switch leaves one: six zero registers below the entry address,
         // placed so that lane_main starts with the stack alignment of a called function.
