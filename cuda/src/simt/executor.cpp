@@ -172,6 +172,10 @@ struct Block {
 #ifdef MF_SIMT_VALGRIND
             VALGRIND_STACK_DEREGISTER(l.valgrind_id);
 #endif
+#ifdef MF_SIMT_ASAN
+            // Its frames' redzones would outlive it in the shadow and poison the next mapping here.
+            __asan_unpoison_memory_region(static_cast<char *>(l.stack) + 4096, kStackBytes - 4096);
+#endif
             munmap(l.stack, kStackBytes);
 #ifdef MF_SIMT_TSAN
             if (l.tsan) __tsan_destroy_fiber(l.tsan);
