@@ -11,7 +11,7 @@ The model is built from a small config with random weights (nothing is downloade
   resolved from the feed cells into a torch tensor first, on the same stream;
 - its logits are a torch tensor, handed straight to the masked argmax (DLPack, no copy).
 
-It is served by ``AsyncDeviceIo`` (the two-deep pipeline of ``metrale_feed.demo.run_async``), and
+It is served by ``AsyncDeviceIo`` (the two-deep pipeline of ``metrale_feed.tools.demo.run_async``), and
 its tokens equal ``model.generate(do_sample=False)`` for each prompt (tests/test_interop_torch.py).
 
 Run ``python examples/hf_llama.py`` for a short comparison of the async and sync routers.
@@ -205,7 +205,7 @@ def greedy(model: Any, prompts: Sequence[Sequence[int]], max_new: int, bans: Seq
            *, router: str = "async", host_work_us: float = 0.0) -> dict:
     """Greedy tokens of each prompt through the feed (``router``: "async" or "sync"); ``bans``
     holds a (a, b) RowMask per prompt (``NO_TOKEN`` unused)."""
-    from metrale_feed.demo import run_async, run_sync
+    from metrale_feed.tools.demo import run_async, run_sync
 
     feed = HfLlamaFeed(model, max_rows=len(prompts))
     requests = [{"prompt": list(p), "mask": tuple(b), "stop": NO_TOKEN} for p, b in zip(prompts, bans)]

@@ -13,8 +13,8 @@ from typing import List, Sequence
 import metrale_feed as mf
 from metrale_feed.feed import FeedSource, RowMask
 from metrale_feed.kv import SequenceState
-from metrale_feed.reference import ReferenceModel, host_next_token
-from metrale_feed.router import AsyncDeviceIo, Ticket
+from metrale_feed.testing.reference import ReferenceModel, host_next_token
+from metrale_feed.sched.router import AsyncDeviceIo, Ticket
 
 
 def roundtrip(payload: bytes, stream: mf.Stream) -> bytes:

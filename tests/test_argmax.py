@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import metrale_feed as mf
 from metrale_feed import NO_TOKEN, DeviceBuffer, Event, FeedError, FeedSource, PinnedBuffer, RowMask, Stream
-from metrale_feed.oracle import reference_argmax
+from metrale_feed.testing.oracle import reference_argmax
 
 DTYPES = ["float32", "float16", "bfloat16"]
 HOST_BIT = 0x80000000

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import metrale_feed as mf
-from metrale_feed.oracle import reference_argmax
+from metrale_feed.testing.oracle import reference_argmax
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}

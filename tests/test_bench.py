@@ -26,7 +26,7 @@ def positive(value) -> bool:
 @pytest.fixture(scope="module")
 def record(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "bench.json"
-    command = [sys.executable, "-m", "metrale_feed.cli", "bench", "--quick", "--json", str(path)]
+    command = [sys.executable, "-m", "metrale_feed.tools.cli", "bench", "--quick", "--json", str(path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "ratio" in done.stdout and "target" in done.stdout  # the table was printed

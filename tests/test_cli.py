@@ -14,7 +14,7 @@ from importlib.metadata import version
 import pytest
 
 import metrale_feed
-from metrale_feed import bench, cli
+from metrale_feed.tools import bench, cli
 
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "metrale-feed")
 
@@ -185,8 +185,8 @@ def test_a_sampled_demo_checks_every_token_against_the_host_sampler():
 def test_the_demo_reference_of_a_sampled_request_is_not_the_greedy_one(host, no_leaks):
     """The sampled check can fail: its references leave the argmax's path, and both routers
     meet them."""
-    from metrale_feed import demo
-    from metrale_feed.reference import ReferenceModel
+    from metrale_feed.tools import demo
+    from metrale_feed.testing.reference import ReferenceModel
 
     sampling = {"temperature": 1.5, "top_k": 0, "top_p": 0.95, "min_p": 0.0}
     reqs = demo.make_requests(6, 8, 300, "float32", 3, sampling)

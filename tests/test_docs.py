@@ -159,7 +159,9 @@ def test_the_docstring_examples_run(tmp_path):
     code = """
 import doctest, inspect, sys
 import metrale_feed, metrale_feed._core as core
-from metrale_feed import errors, feed, kv, oracle, reference, router, runtime, trait
+from metrale_feed import errors, feed, kv, runtime, trait
+from metrale_feed.sched import router
+from metrale_feed.testing import oracle, reference
 failed = attempted = 0
 finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
 for module in (metrale_feed, errors, feed, kv, oracle, reference, router, runtime, trait):

@@ -23,8 +23,8 @@ import pytest
 import metrale_feed as mf
 from metrale_feed import FeedError, FeedSource, KvPoolExhausted
 from metrale_feed.kv import SequenceState
-from metrale_feed.reference import ReferenceModel, host_next_token
-from metrale_feed.router import AsyncDeviceIo
+from metrale_feed.testing.reference import ReferenceModel, host_next_token
+from metrale_feed.sched.router import AsyncDeviceIo
 
 NT = mf.NO_TOKEN
 VOCAB = 48

@@ -7,10 +7,10 @@ import random
 import pytest
 
 from metrale_feed import AsyncDeviceIo, FeedSource
-from metrale_feed.demo import host_reference, make_requests, run_async
+from metrale_feed.tools.demo import host_reference, make_requests, run_async
 from metrale_feed.feed import NO_TOKEN
 from metrale_feed.kv import SequenceState
-from metrale_feed.reference import ReferenceModel, host_next_token
+from metrale_feed.testing.reference import ReferenceModel, host_next_token
 
 VOCAB = 600
 

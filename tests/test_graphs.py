@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import metrale_feed as mf
-from metrale_feed.oracle import reference_argmax
+from metrale_feed.testing.oracle import reference_argmax
 
 ROWS, VOCAB = 5, 300
 WORDS = (VOCAB + 31) // 32

@@ -15,7 +15,7 @@ import pytest
 
 import metrale_feed as mf
 from metrale_feed import NO_TOKEN, DeviceBuffer, Event, FeedError, PinnedBuffer, Stream
-from metrale_feed.oracle import reference_argmax
+from metrale_feed.testing.oracle import reference_argmax
 from test_regressions import run_child
 
 host_only = pytest.mark.skipif(mf.backend() == "cuda", reason="CPU arrays are device memory only on the host backend")

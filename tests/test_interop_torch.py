@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 import metrale_feed as mf  # noqa: E402
 from metrale_feed import NO_TOKEN, DeviceBuffer, FeedError, PinnedBuffer, Stream  # noqa: E402
-from metrale_feed.oracle import reference_argmax  # noqa: E402
+from metrale_feed.testing.oracle import reference_argmax  # noqa: E402
 
 host_only = pytest.mark.skipif(mf.backend() == "cuda", reason="CPU tensors are device memory only on the host backend")
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "hf_llama.py"

@@ -8,7 +8,7 @@ import pytest
 import metrale_feed as mf
 from metrale_feed import _core
 from metrale_feed.errors import FeedError
-from metrale_feed.oracle import reference_argmax, reference_logprobs
+from metrale_feed.testing.oracle import reference_argmax, reference_logprobs
 
 from helpers.accuracy import assert_close
 from helpers.calls import pick, split
@@ -148,7 +148,7 @@ def test_bad_logprobs_buffers_raise_before_queueing(host, dev):
 
 
 def _select_state(rows, **fields):
-    from metrale_feed._shard_select import _STATE
+    from metrale_feed.tp.select_rounds import _STATE
 
     state = np.zeros(rows, _STATE)
     for k, v in fields.items():

@@ -3,9 +3,9 @@
 1. random sequences of runtime operations (events, streams, copies, pinned and device memory,
    valid and invalid) against a small Python model of what should be live and what must raise;
 2. random argmax inputs (raw bit patterns, NaN payloads, infinities, signed zeros, ties, padding,
-   masks) against ``metrale_feed.oracle.reference_argmax``;
+   masks) against ``metrale_feed.testing.oracle.reference_argmax``;
 3. random schedules through the decode pipeline (stops, masks, submission orders) on the
-   reference model against ``metrale_feed.reference.host_next_token``.
+   reference model against ``metrale_feed.testing.reference.host_next_token``.
 
 Example counts are modest so the file runs in well under a minute on two cores.
 """
@@ -26,9 +26,9 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
 
 import metrale_feed as mf
 from metrale_feed import DeviceBuffer, Event, FeedError, PinnedBuffer, Stream
-from metrale_feed.demo import host_reference
-from metrale_feed.oracle import reference_argmax
-from metrale_feed.reference import ReferenceModel, host_next_token
+from metrale_feed.tools.demo import host_reference
+from metrale_feed.testing.oracle import reference_argmax
+from metrale_feed.testing.reference import ReferenceModel, host_next_token
 
 NT = mf.NO_TOKEN
 

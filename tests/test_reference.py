@@ -8,7 +8,7 @@ import pytest
 
 import metrale_feed
 from metrale_feed.kv import BlockPool, KvPoolExhausted, SequenceState
-from metrale_feed.reference import ReferenceModel, host_logits, host_next_token
+from metrale_feed.testing.reference import ReferenceModel, host_logits, host_next_token
 
 
 def fnv_fmix_logits_python(history, vocab):
@@ -198,7 +198,7 @@ def test_host_next_token_masks_and_empty_rows():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_numpy_only_rounding_matches_the_dtype(dtype):
     """host_next_token rounds without ml_dtypes; it must agree with the real dtype's rounding."""
-    from metrale_feed.reference import _widened_logits
+    from metrale_feed.testing.reference import _widened_logits
 
     history = [7, 7, 1]
     expected = host_logits(history, 4000, dtype).astype(np.float32)

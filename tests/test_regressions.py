@@ -10,7 +10,7 @@ import pytest
 import metrale_feed as mf
 from metrale_feed.feed import NO_TOKEN
 from metrale_feed.kv import SequenceState
-from metrale_feed.reference import ReferenceModel, host_next_token
+from metrale_feed.testing.reference import ReferenceModel, host_next_token
 
 from helpers.child import run_python
 

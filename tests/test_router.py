@@ -6,10 +6,10 @@ import pytest
 
 import metrale_feed
 from metrale_feed import AsyncDeviceIo, DecodePipeline, FeedError, FeedSource, SyncDeviceIo
-from metrale_feed.demo import host_reference, make_requests
+from metrale_feed.tools.demo import host_reference, make_requests
 from metrale_feed.feed import NO_TOKEN
 from metrale_feed.kv import KvPoolExhausted, SequenceState
-from metrale_feed.reference import ReferenceModel, host_next_token
+from metrale_feed.testing.reference import ReferenceModel, host_next_token
 
 VOCAB = 600
 

@@ -1,4 +1,4 @@
-"""sample_to_feed against numpy references written from the definitions (metrale_feed.oracle):
+"""sample_to_feed against numpy references written from the definitions (metrale_feed.testing.oracle):
 temperature 0 is the argmax, draws are deterministic and row-independent, their distribution is
 softmax(logit / T) renormalised over the survivors (chi-square), and never leaves them."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import metrale_feed as mf
-from metrale_feed.oracle import reference_allowed, reference_argmax, reference_survivors
+from metrale_feed.testing.oracle import reference_allowed, reference_argmax, reference_survivors
 
 
 def sample(dev, logits, params, masks=None, bitmask=None, device_params=False):

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from metrale_feed import bench
+from metrale_feed.tools import bench
 
 
 def positive(value) -> bool:
@@ -46,7 +46,7 @@ def test_peaked_logits_are_peaked():
 def test_torch_recipe_keeps_to_the_filters():
     """The peer row samples what it says: top_k and top_p survivors only (float64 oracle)."""
     torch = pytest.importorskip("torch")
-    from metrale_feed.oracle import reference_survivors
+    from metrale_feed.testing.oracle import reference_survivors
 
     rng = np.random.default_rng(2)
     rows, vocab = 64, 500

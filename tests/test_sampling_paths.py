@@ -2,15 +2,15 @@
 list of the ids near the top) against its portable path (radix selects over the whole row, then
 the race over the whole row), which is the rule as first written: the drawn ids must be the same,
 bit for bit, on every kind of row. The draws are also checked against the float64 survivors of
-metrale_feed.oracle (an id outside them is a wrong filter, whichever path made it)."""
+metrale_feed.testing.oracle (an id outside them is a wrong filter, whichever path made it)."""
 
 import numpy as np
 import pytest
 
 import metrale_feed as mf
 from metrale_feed import _core
-from metrale_feed.bench import peaked_logits
-from metrale_feed.oracle import reference_allowed, reference_survivors
+from metrale_feed.tools.bench import peaked_logits
+from metrale_feed.testing.oracle import reference_allowed, reference_survivors
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}

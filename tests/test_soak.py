@@ -61,7 +61,7 @@ def test_soak_is_flat(host, no_leaks, soak_tool):
 
 def test_soak_driver_catches_a_wrong_token(host, no_leaks, soak_tool, monkeypatch):
     """The soak's check can fail: a host reference that disagrees is reported at once."""
-    import metrale_feed.reference as reference
+    import metrale_feed.testing.reference as reference
 
     real = reference.host_next_token
     calls = {"n": 0}

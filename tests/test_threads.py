@@ -14,9 +14,9 @@ import pytest
 
 import metrale_feed as mf
 from metrale_feed import DeviceBuffer, Event, PinnedBuffer, Stream
-from metrale_feed.demo import host_reference, make_requests
-from metrale_feed.oracle import reference_argmax
-from metrale_feed.reference import ReferenceModel
+from metrale_feed.tools.demo import host_reference, make_requests
+from metrale_feed.testing.oracle import reference_argmax
+from metrale_feed.testing.reference import ReferenceModel
 
 from helpers.child import run_python
 

@@ -13,7 +13,7 @@ import pytest
 import metrale_feed as mf
 from helpers import spec_oracle as so
 from metrale_feed import NO_TOKEN
-from metrale_feed.oracle import reference_allowed, reference_argmax, reference_logprobs, reference_survivors
+from metrale_feed.testing.oracle import reference_allowed, reference_argmax, reference_logprobs, reference_survivors
 
 DTYPES = ["float32", "float16", "bfloat16"]
 

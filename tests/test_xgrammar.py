@@ -12,8 +12,8 @@ import pytest
 
 import metrale_feed as mf
 from metrale_feed.kv import SequenceState
-from metrale_feed.oracle import reference_argmax
-from metrale_feed.reference import ReferenceModel, host_logits
+from metrale_feed.testing.oracle import reference_argmax
+from metrale_feed.testing.reference import ReferenceModel, host_logits
 
 xgr = pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
 

@@ -51,11 +51,11 @@ OUT="$out" METRALE_FEED_BACKEND=cuda "$py" tools/gpu_sweep.py 2>&1 | tee "$out/g
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 
 echo "== metrale-feed bench"
-METRALE_FEED_BACKEND=cuda "$py" -m metrale_feed.cli bench --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"
+METRALE_FEED_BACKEND=cuda "$py" -m metrale_feed.tools.cli bench --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 
 echo "== metrale-feed demo --trace"
-METRALE_FEED_BACKEND=cuda "$py" -m metrale_feed.cli demo --quiet --trace "$out/trace.json" \
+METRALE_FEED_BACKEND=cuda "$py" -m metrale_feed.tools.cli demo --quiet --trace "$out/trace.json" \
     --host-work-us 200 2>&1 | tee "$out/demo.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 

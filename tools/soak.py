@@ -3,7 +3,7 @@
 sequences that finish and restart, checking that memory and live objects stay flat.
 
 Every generated token is checked against the host computation of the reference logits
-(``metrale_feed.reference.host_next_token``) unless ``--verify-every`` thins it out. A row ends at
+(``metrale_feed.testing.reference.host_next_token``) unless ``--verify-every`` thins it out. A row ends at
 its stop id or when its sequence reaches ``--max-len``; its KV blocks go back to the pool and a new
 prompt takes its place in the next launch, fed from a host id while the other rows are fed from
 the previous step's cells. Resident memory and ``live_objects()`` are sampled at 10% of the steps
@@ -61,8 +61,8 @@ class Soak:
                  max_len: int = 24, seed: int = 0, dtype: str = "float32",
                  verify_every: int = 1, stream: Any = 0) -> None:
         import metrale_feed
-        from metrale_feed.reference import ReferenceModel
-        from metrale_feed.router import AsyncDeviceIo
+        from metrale_feed.testing.reference import ReferenceModel
+        from metrale_feed.sched.router import AsyncDeviceIo
 
         if max_len < 4:
             raise ValueError("max_len must leave room for a prompt and a token")
@@ -87,7 +87,7 @@ class Soak:
 
     def _new_row(self) -> Row:
         from metrale_feed.kv import SequenceState
-        from metrale_feed.reference import host_next_token
+        from metrale_feed.testing.reference import host_next_token
 
         rng = self.rng
         prompt = [rng.randrange(self.vocab) for _ in range(rng.randint(2, 6))]
@@ -133,7 +133,7 @@ class Soak:
         self.inflight.append((ticket, order))
 
     def _verify(self, r: Row, token: int) -> None:
-        from metrale_feed.reference import host_next_token
+        from metrale_feed.testing.reference import host_next_token
 
         self.tokens += 1
         if self.tokens % self.verify_every:

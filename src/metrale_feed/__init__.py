@@ -185,15 +185,15 @@ _LAZY = {
     "RuntimeFeedMixin": ("runtime", "RuntimeFeedMixin"),
     "SequenceState": ("kv", "SequenceState"),
     "BlockPool": ("kv", "BlockPool"),
-    "AsyncDeviceIo": ("router", "AsyncDeviceIo"),
-    "SyncDeviceIo": ("router", "SyncDeviceIo"),
-    "DecodePipeline": ("pipeline", "DecodePipeline"),
-    "Request": ("pipeline", "Request"),
-    "RequestStatus": ("pipeline", "RequestStatus"),
-    "reference_argmax": ("oracle", "reference_argmax"),
+    "AsyncDeviceIo": ("sched.router", "AsyncDeviceIo"),
+    "SyncDeviceIo": ("sched.router", "SyncDeviceIo"),
+    "DecodePipeline": ("sched.pipeline", "DecodePipeline"),
+    "Request": ("sched.pipeline", "Request"),
+    "RequestStatus": ("sched.pipeline", "RequestStatus"),
+    "reference_argmax": ("testing.oracle", "reference_argmax"),
     "SAMPLING_PARAMS_DTYPE": ("sampling", "SAMPLING_PARAMS_DTYPE"),
     "sampling_params": ("sampling", "sampling_params"),
-    "VocabShard": ("shard", "VocabShard"),
+    "VocabShard": ("tp.shard", "VocabShard"),
 }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from metrale_feed.oracle import NO_TOKEN
+from metrale_feed.testing.oracle import NO_TOKEN
 
 F = np.float32
 U32 = 0xFFFFFFFF

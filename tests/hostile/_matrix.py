@@ -132,7 +132,7 @@ def closed_stream():
 
 
 def _model(**kw):
-    from metrale_feed.reference import ReferenceModel
+    from metrale_feed.testing.reference import ReferenceModel
 
     kw.setdefault("block_size", 4)
     kw.setdefault("num_blocks", 8)

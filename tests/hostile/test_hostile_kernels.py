@@ -370,7 +370,7 @@ def control_forward_writes():
     drained()
     kv = np.frombuffer(dev_bytes(s.kv), np.uint32)
     assert kv[4] == 5 and kv[0] == 0xDDDDDDDD  # block 1, slot 0: the input id
-    from metrale_feed.reference import host_logits
+    from metrale_feed.testing.reference import host_logits
 
     assert np.frombuffer(dev_bytes(s.logits), np.float32).tolist() == host_logits([5], 8).tolist()
 

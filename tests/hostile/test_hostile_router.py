@@ -24,7 +24,7 @@ from _matrix import (FOREIGN, NT, add, case, closed_event, closed_stream, dev_by
 class RouterSetup:
     def __init__(self, rows=2):
         from metrale_feed.kv import SequenceState
-        from metrale_feed.router import AsyncDeviceIo
+        from metrale_feed.sched.router import AsyncDeviceIo
 
         self.model = _model(num_blocks=16)
         self.io = AsyncDeviceIo(self.model, rows)
@@ -49,7 +49,7 @@ class _NoFeed(mf.ModelDeviceFeed):
 
 @case("router")
 def router_refuses_models_and_sizes():
-    from metrale_feed.router import AsyncDeviceIo
+    from metrale_feed.sched.router import AsyncDeviceIo
 
     before = mf.live_objects()
     raises(FeedError, "supports_device_token_feed", AsyncDeviceIo, _NoFeed(), 4)
@@ -130,7 +130,7 @@ def await_twice_and_after_teardown():
 
 @case("router")
 def await_forged_ticket():
-    from metrale_feed.router import Ticket
+    from metrale_feed.sched.router import Ticket
 
     r = RouterSetup(rows=1)
     try:
@@ -141,7 +141,7 @@ def await_forged_ticket():
 
 @case("router")
 def await_ticket_of_another_router():
-    from metrale_feed.router import AsyncDeviceIo
+    from metrale_feed.sched.router import AsyncDeviceIo
 
     r = RouterSetup(rows=1)
     other = AsyncDeviceIo(r.model, 1)

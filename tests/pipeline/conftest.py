@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from metrale_feed.feed import NO_TOKEN
-from metrale_feed.reference import ReferenceModel, host_next_token
+from metrale_feed.testing.reference import ReferenceModel, host_next_token
 
 VOCAB = 211  # the pipeline tests' vocabulary: prime, so no row width is a vector multiple
 
@@ -54,7 +54,7 @@ def sampled_tokens(prompt, max_new, vocab, dtype="float32", stops=(), ban=None, 
     import numpy as np
 
     import metrale_feed as mf
-    from metrale_feed.reference import host_logits
+    from metrale_feed.testing.reference import host_logits
 
     assert mf.backend() in ("host", "simt")
     mask = np.array([tuple(ban) if ban else (NO_TOKEN, NO_TOKEN)], np.uint32)

@@ -10,7 +10,7 @@ import pytest
 import metrale_feed as mf
 from metrale_feed import DecodePipeline, FeedError, Request
 from metrale_feed.feed import NO_TOKEN
-from metrale_feed.reference import ReferenceModel
+from metrale_feed.testing.reference import ReferenceModel
 
 from conftest import VOCAB, model_for, prompts
 
@@ -252,7 +252,7 @@ def test_debug_mode_catches_a_stale_feed_read(host, no_leaks, monkeypatch):
     """A scheduler bug that feeds a row from a cell the previous step did not write (here: the
     model is made to accept any row, and the pipeline feeds each row from the next one): in debug
     mode the cell holds NO_TOKEN and the step raises before committing anything."""
-    import metrale_feed.pipeline as pl
+    import metrale_feed.sched.pipeline as pl
 
     class LaxModel(ReferenceModel):
         def argmax_batch_to_feed(self, *args):

@@ -8,7 +8,7 @@ import pytest
 
 import metrale_feed as mf
 from metrale_feed import DecodePipeline, FeedError, RequestStatus
-from metrale_feed.reference import ReferenceModel
+from metrale_feed.testing.reference import ReferenceModel
 
 from conftest import VOCAB, prompts
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import metrale_feed as mf
 from metrale_feed import DecodePipeline, FeedError
 from metrale_feed.feed import NO_TOKEN
-from metrale_feed.reference import ReferenceModel
+from metrale_feed.testing.reference import ReferenceModel
 from metrale_feed.trait import ModelDeviceFeed
 
 from conftest import VOCAB, model_for, prompts, sampled_tokens

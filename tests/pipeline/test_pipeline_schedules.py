@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import metrale_feed as mf
 from metrale_feed import DecodePipeline
 from metrale_feed.feed import NO_TOKEN
-from metrale_feed.reference import ReferenceModel, host_next_token
+from metrale_feed.testing.reference import ReferenceModel, host_next_token
 
 from conftest import greedy_tokens
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import metrale_feed as mf
-from metrale_feed.oracle import reference_argmax
+from metrale_feed.testing.oracle import reference_argmax
 
 from helpers.calls import pick, split
 

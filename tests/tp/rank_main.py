@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import metrale_feed as mf  # noqa: E402
 from helpers.accuracy import assert_close  # noqa: E402
 from metrale_feed.errors import FeedError  # noqa: E402
-from metrale_feed.oracle import reference_argmax, reference_logprobs  # noqa: E402
+from metrale_feed.testing.oracle import reference_argmax, reference_logprobs  # noqa: E402
 
 import ml_dtypes  # noqa: E402
 
@@ -598,7 +598,7 @@ def scenario_hung_filtered():
 
 
 def scenario_pipeline():
-    from metrale_feed.reference import ReferenceModel, host_next_token
+    from metrale_feed.testing.reference import ReferenceModel, host_next_token
 
     vocab = 1000
     # An uneven split whose last slice is empty on 3 ranks: the model feeds whatever its slice is.
@@ -622,7 +622,7 @@ def scenario_pipeline():
         return [r.tokens for r in reqs]
 
     # One forward: the rank's logits buffer holds the slice's columns, each its global id's logit.
-    from metrale_feed.reference import host_logits
+    from metrale_feed.testing.reference import host_logits
 
     with ReferenceModel(vocab, max_rows=8, shard=shard) as model:
         seq = mf.SequenceState(0)

@@ -104,7 +104,7 @@ def test_bench_tp_checks_ids_and_counts_bytes(tmp_path):
     from helpers.child import run_python
 
     out = tmp_path / "tp.json"
-    run_python(argv=["-m", "metrale_feed.cli", "bench", "--tp", "2", "--quick", "--json", str(out)],
+    run_python(argv=["-m", "metrale_feed.tools.cli", "bench", "--tp", "2", "--quick", "--json", str(out)],
                timeout=300)
     import json
 
@@ -127,6 +127,6 @@ def test_bench_tp_checks_ids_and_counts_bytes(tmp_path):
 def test_demo_tp_tokens_equal_the_single_rank_run(extra):
     from helpers.child import run_python
 
-    done = run_python(argv=["-m", "metrale_feed.cli", "demo", "--tp", "2", "--rows", "6",
+    done = run_python(argv=["-m", "metrale_feed.tools.cli", "demo", "--tp", "2", "--rows", "6",
                             "--tokens", "12", "--vocab", "5000", "--quiet", *extra], timeout=300)
     assert "tokens equal the single-rank run on all 2 ranks: yes" in done.stdout, done.describe()

@@ -168,7 +168,7 @@ def reference_logprobs(logits, ids) -> np.ndarray:
 
     Examples
     --------
-    >>> import numpy as np, metrale_feed.oracle as o
+    >>> import numpy as np, metrale_feed.testing.oracle as o
     >>> round(float(o.reference_logprobs(np.array([[0.0, 0.0]], np.float32), [1])[0]), 6)
     -0.693147
     """

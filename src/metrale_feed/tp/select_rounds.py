@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _core
-from .errors import FeedError
+from .. import _core
+from ..errors import FeedError
 
 DIGIT_BITS = 4
 ROUNDS = 32 // DIGIT_BITS  # rounds of one select: the 32-bit logit key, 4 bits at a time

@@ -21,12 +21,12 @@ from collections import deque
 from functools import partial
 from typing import Any, Callable, Deque, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
-from . import _checks, _core
-from .errors import FeedError, KvPoolExhausted
-from .feed import NO_TOKEN, FeedSource, RowMask
-from .kv import SequenceState
+from .. import _checks, _core
+from ..errors import FeedError, KvPoolExhausted
+from ..feed import NO_TOKEN, FeedSource, RowMask
+from ..kv import SequenceState
 from .router import AsyncDeviceIo, SyncDeviceIo, Ticket, _DeviceIo
-from .trait import ModelDeviceFeed
+from ..trait import ModelDeviceFeed
 
 __all__ = ["DecodePipeline", "Request", "RequestStatus", "PipelineStats"]
 
@@ -46,7 +46,7 @@ class RequestStatus(enum.Enum):
     Examples
     --------
     >>> import metrale_feed as mf
-    >>> from metrale_feed.reference import ReferenceModel
+    >>> from metrale_feed.testing.reference import ReferenceModel
     >>> model = ReferenceModel(1000, max_rows=2)
     >>> with mf.DecodePipeline(model, 2) as pipe:
     ...     req = pipe.submit([7, 8], max_new_tokens=2)
@@ -133,7 +133,7 @@ class Request:
     ``DecodePipeline.submit`` makes them:
 
     >>> import metrale_feed as mf
-    >>> from metrale_feed.reference import ReferenceModel
+    >>> from metrale_feed.testing.reference import ReferenceModel
     >>> model = ReferenceModel(1000, max_rows=2)
     >>> with mf.DecodePipeline(model, 2) as pipe:
     ...     req = pipe.submit([7, 8], max_new_tokens=2)
@@ -352,7 +352,7 @@ class DecodePipeline:
     Examples
     --------
     >>> import metrale_feed as mf
-    >>> from metrale_feed.reference import ReferenceModel, host_next_token
+    >>> from metrale_feed.testing.reference import ReferenceModel, host_next_token
     >>> model = ReferenceModel(1000, max_rows=8)
     >>> with mf.DecodePipeline(model, 8) as pipe:
     ...     req = pipe.submit([3, 1, 4], max_new_tokens=4)
@@ -514,7 +514,7 @@ class DecodePipeline:
         Examples
         --------
         >>> import metrale_feed as mf
-        >>> from metrale_feed.reference import ReferenceModel
+        >>> from metrale_feed.testing.reference import ReferenceModel
         >>> model = ReferenceModel(1000, max_rows=2)
         >>> with mf.DecodePipeline(model, 2) as pipe:
         ...     a = pipe.submit([5, 6], max_new_tokens=4, temperature=0.8, top_p=0.9, seed=1)
@@ -817,7 +817,7 @@ class DecodePipeline:
             return None
         import numpy as np
 
-        from .sampling import SAMPLING_PARAMS_DTYPE
+        from ..sampling import SAMPLING_PARAMS_DTYPE
 
         params = np.zeros(len(rows), SAMPLING_PARAMS_DTYPE)
         for field in ("temperature", "top_k", "top_p", "min_p", "seed"):

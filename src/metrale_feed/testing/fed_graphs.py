@@ -15,8 +15,8 @@ from collections import OrderedDict
 from itertools import chain
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from . import _core
-from .errors import FeedError
+from .. import _core
+from ..errors import FeedError
 
 _HOST_BIT = 0x80000000
 

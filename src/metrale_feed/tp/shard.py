@@ -1,7 +1,7 @@
 """A vocabulary split across the ranks of a ``torch.distributed`` process group (docs/tensor-parallel.md).
 
 Each rank reduces its own slice of every row into a fixed-size partial block (``_argmax_partial``
-or ``_sample_partial``; sampling filters add the rounds of ``_shard_select``), one all-gather of
+or ``_sample_partial``; sampling filters add the rounds of ``select_rounds``), one all-gather of
 those blocks runs in stream order (``_exchange``: gloo on the stream's worker on the host backend,
 NCCL on the caller's stream on the cuda backend), and the combine (``_combine_partials``) writes,
 on every rank, the cells, ids and logprobs the unsharded call gives on the whole rows. Only this
@@ -17,8 +17,8 @@ import struct
 import threading
 from typing import Any, Sequence
 
-from . import _core
-from .errors import FeedError
+from .. import _core
+from ..errors import FeedError
 
 _EXTRA = "pip install 'metrale-feed[torch]'"
 # A partial block: a 32-byte header (the fingerprint the combine checks) and 16 bytes a row.
@@ -345,14 +345,14 @@ class VocabShard:
     def _call_filtered(self, logits: Any, masks: Any, params: Any, cells: Any, dst: Any, event: Any,
                        stream: Any, n: int, dtype: Any, row_stride: Any, bitmask: Any,
                        logprobs: Any, logprobs_dst: Any, handle: int) -> int:
-        """A sampled call with top_k, top_p or min_p: the rounds of _shard_select, then the
+        """A sampled call with top_k, top_p or min_p: the rounds of select_rounds, then the
         ordinary combine of the race winners."""
-        from . import _shard_select
+        from . import select_rounds
 
         if _core.backend() == "cuda":
             raise FeedError("sharded top_k, top_p and min_p are not built on the cuda backend yet")
-        call = _shard_select.call_word(self._calls + 1, params[:n])
-        rounds = _shard_select.FilteredCall(self, params, n, call)
+        call = select_rounds.call_word(self._calls + 1, params[:n])
+        rounds = select_rounds.FilteredCall(self, params, n, call)
         kw = dict(start=self.start, stop=self.stop, vocab=self.vocab, dtype=dtype, call=call,
                   rows=n, row_stride=row_stride, bitmask=bitmask, masks=masks)
         queued = False
@@ -361,7 +361,7 @@ class VocabShard:
             nonlocal queued
             # The race's records carry (m, s) when logprobs are asked for (its header says so).
             _core._select_partial(logits, params, partials, rounds.state_buf, stage, stream,
-                                  id_list=rounds.id_list, list_cap=_shard_select.LIST_CAP,
+                                  id_list=rounds.id_list, list_cap=select_rounds.LIST_CAP,
                                   logprobs=stage == "race" and logprobs is not None, **kw)
             if not queued:  # the first stage checked every argument: the call is on
                 queued = True
@@ -396,7 +396,7 @@ class VocabShard:
         bytes, rank ``r``'s at byte ``r * src.nbytes``. Every collective of a sharded call goes
         through here, in stream order, and is counted in ``stats`` when it is issued (so a graph's
         replays count too). Every rank must issue the same exchanges, with the same sizes, in the
-        same order. ``call``: a filtered call (``_shard_select``) whose ``fault`` is set by the
+        same order. ``call``: a filtered call (``select_rounds``) whose ``fault`` is set by the
         time the exchange runs (the ranks disagreed) skips the collective on every rank alike and
         zeroes ``dst`` (host backend; the cuda backend has no filtered calls).
         """

@@ -820,7 +820,7 @@ def _sampled_beside_greedy(model: Any, rows: int, vocab: int, max_new: int,
 
 def bench_router(quick: bool) -> Dict[str, Any]:
     from . import demo
-    from .reference import ReferenceModel
+    from ..testing.reference import ReferenceModel
 
     rows, vocab, max_new, repeats = 64, 32000, 32 if quick else 64, 3 if quick else 5
     requests = demo.make_requests(rows, max_new, vocab, "float32", 0)
@@ -996,9 +996,9 @@ def _fed_steps(graphs: bool, rows: int, vocab: int, steps: int) -> Dict[str, Any
     """``steps`` fed steps of the reference model through the trait, one at a time: the host time
     to queue each (decode_batch_fed + argmax_batch_to_feed) and the time until its event, and the
     ids of every step."""
-    from .feed import FeedSource
-    from .kv import SequenceState
-    from .reference import ReferenceModel
+    from ..feed import FeedSource
+    from ..kv import SequenceState
+    from ..testing.reference import ReferenceModel
 
     model = ReferenceModel(vocab, block_size=16, num_blocks=rows * (steps // 16 + 3), max_rows=rows,
                            graphs=graphs)

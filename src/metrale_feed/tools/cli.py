@@ -172,7 +172,7 @@ def _import_package(command: str) -> Tuple[Any, Optional[BaseException]]:
 
 def info(_: argparse.Namespace) -> int:
     mf, refused = _import_package("info")
-    from . import _core
+    from .. import _core
 
     build = mf.build_info()
     print(f"metrale_feed {mf.__version__}")
@@ -381,7 +381,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     Examples
     --------
-    >>> from metrale_feed.cli import main
+    >>> from metrale_feed.tools.cli import main
     >>> main(["info"])  # doctest: +SKIP
     0
     """

@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _core
+from .. import _core
 
 Span = Tuple[str, int, int]  # name, start ns, end ns
 

@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any, Dict, List
 
-from ._local_ranks import result_of, run_local_ranks
+from ..tp.local_ranks import result_of, run_local_ranks
 
 VOCAB = 152064
 
@@ -147,7 +147,7 @@ def _filtered(rank: int, group: Any, full: Any, rows: int, repeats: int) -> Dict
 
 def run(world: int, quick: bool) -> Dict[str, Any]:
     """Start ``world`` ranks and return rank 0's figures."""
-    ranks = run_local_ranks("metrale_feed.bench_tp", world, ["3" if quick else "7"])
+    ranks = run_local_ranks("metrale_feed.tools.bench_tp", world, ["3" if quick else "7"])
     for returncode, _, stderr in ranks:
         if returncode != 0:
             raise RuntimeError(f"a bench rank failed (exit {returncode}):\n{stderr[-2000:]}")

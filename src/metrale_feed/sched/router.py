@@ -15,11 +15,11 @@ from itertools import chain
 from operator import index
 from typing import Any, Dict, List, Optional, Sequence, TypeVar
 
-from . import _checks, _core
-from .errors import FeedError, KvPoolExhausted
-from .feed import _HOST_BIT, NO_TOKEN
-from .kv import SequenceState
-from .trait import ModelDeviceFeed
+from .. import _checks, _core
+from ..errors import FeedError, KvPoolExhausted
+from ..feed import _HOST_BIT, NO_TOKEN
+from ..kv import SequenceState
+from ..trait import ModelDeviceFeed
 
 __all__ = ["AsyncDeviceIo", "SyncDeviceIo", "RouterStats", "Ticket", "Reservation"]
 
@@ -630,7 +630,7 @@ class AsyncDeviceIo(_DeviceIo):
     ``k`` is read (docs/router.md, "The loop, two steps deep", has the version with the checks).
 
     >>> import metrale_feed as mf
-    >>> from metrale_feed.reference import ReferenceModel
+    >>> from metrale_feed.testing.reference import ReferenceModel
     >>> model = ReferenceModel(1000, max_rows=2)
     >>> seqs = [mf.SequenceState(0), mf.SequenceState(1)]
     >>> prompts = [[5, 6, 7], [8, 9]]
@@ -684,7 +684,7 @@ class SyncDeviceIo(_DeviceIo):
     Examples
     --------
     >>> import metrale_feed as mf
-    >>> from metrale_feed.reference import ReferenceModel, host_next_token
+    >>> from metrale_feed.testing.reference import ReferenceModel, host_next_token
     >>> model = ReferenceModel(1000, max_rows=1)
     >>> seq = mf.SequenceState(0)
     >>> model.prefill(seq, [5, 6])

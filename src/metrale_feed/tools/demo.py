@@ -9,11 +9,11 @@ import sys
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from . import _core
-from ._core import stream_synchronize
-from .feed import NO_TOKEN
-from .pipeline import DecodePipeline, Request
-from .reference import ReferenceModel, _widened_logits, host_next_token
+from .. import _core
+from .._core import stream_synchronize
+from ..feed import NO_TOKEN
+from ..sched.pipeline import DecodePipeline, Request
+from ..testing.reference import ReferenceModel, _widened_logits, host_next_token
 from .timeline import Recorder
 
 
@@ -35,7 +35,7 @@ def _host_sampled(history: List[int], mask: Tuple[int, int], sampling: Dict[str,
     (widened to float32, which draws as the narrow dtype does), at position ``len(history)``."""
     import numpy as np
 
-    from .sampling import sampling_params
+    from ..sampling import sampling_params
 
     logits, cells, done = buffers
     row = _widened_logits(history, vocab, dtype)
@@ -306,7 +306,7 @@ def _sampling_of(args: Any) -> Optional[Dict[str, Any]]:
 
 
 def main(args: Any) -> int:
-    """Run ``metrale-feed demo`` with parsed, checked arguments (see ``metrale_feed.cli``).
+    """Run ``metrale-feed demo`` with parsed, checked arguments (see ``metrale_feed.tools.cli``).
 
     Parameters
     ----------

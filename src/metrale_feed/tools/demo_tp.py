@@ -14,14 +14,14 @@ import tempfile
 import time
 from typing import Any, Dict, List
 
-from ._local_ranks import result_of, run_local_ranks
-from .feed import NO_TOKEN
+from ..tp.local_ranks import result_of, run_local_ranks
+from ..feed import NO_TOKEN
 
 
 def _decode(requests: List[Dict[str, Any]], max_new: int, vocab: int, dtype: str,
             block_size: int, shard: Any) -> List[List[int]]:
-    from .pipeline import DecodePipeline
-    from .reference import ReferenceModel
+    from ..sched.pipeline import DecodePipeline
+    from ..testing.reference import ReferenceModel
 
     rows = len(requests)
     model = ReferenceModel(vocab, block_size=block_size,
@@ -46,7 +46,7 @@ def _rank(rank: int, world: int, port: int, spec: Dict[str, Any]) -> None:
 
     import torch.distributed as dist
 
-    from .shard import VocabShard
+    from ..tp.shard import VocabShard
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
@@ -74,7 +74,7 @@ def run(world: int, requests: List[Dict[str, Any]], max_new: int, vocab: int, dt
         path = os.path.join(folder, "spec.json")
         with open(path, "w") as f:
             json.dump(spec, f)
-        ranks = run_local_ranks("metrale_feed.demo_tp", world, [path])
+        ranks = run_local_ranks("metrale_feed.tools.demo_tp", world, [path])
     results = []
     for returncode, out, err in ranks:
         res = result_of(out)

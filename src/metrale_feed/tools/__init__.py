@@ -1,0 +1,1 @@
+"""The ``metrale-feed`` command and what it runs: the demo, the bench and the timeline."""
