@@ -279,9 +279,25 @@ cdef extern from "metrale_feed/feed.h" nogil:
     void mf_nvtx_enable(int on)
 
 
-cdef extern from "metrale_feed/logprob_rule.h" nogil:
-    const uint32_t MF_PARTIAL_HEADER_RECORDS
+cdef extern from "metrale_feed/partial_layout.h" nogil:
     const uint32_t MF_PARTIAL_TAG
+    const uint32_t MF_PARTIAL_RECORD_BYTES
+    const uint32_t MF_PARTIAL_HEADER_RECORDS
+    const uint32_t MF_PARTIAL_HEADER_BYTES
+    const uint32_t MF_PARTIAL_OFF_TAG
+    const uint32_t MF_PARTIAL_OFF_ROWS
+    const uint32_t MF_PARTIAL_OFF_CALL
+    const uint32_t MF_PARTIAL_OFF_VOCAB
+    const uint32_t MF_PARTIAL_OFF_START
+    const uint32_t MF_PARTIAL_OFF_STOP
+    const uint32_t MF_PARTIAL_OFF_FAULT
+    const uint32_t MF_RECORD_OFF_ID
+    const uint32_t MF_RECORD_OFF_LOGIT_BITS
+    const uint32_t MF_RECORD_OFF_MAX
+    const uint32_t MF_RECORD_OFF_SUM
+
+
+cdef extern from "metrale_feed/logprob_rule.h" nogil:
     enum:
         MF_PARTIAL_ARGMAX
         MF_PARTIAL_SAMPLE

@@ -248,6 +248,9 @@ def resolve_verified(cells: _DeviceLike, out_ids: _DeviceLike | None, out_advanc
 
 PARTIAL_RECORD_BYTES: int
 PARTIAL_HEADER_BYTES: int
+PARTIAL_FAULT_OFFSET: int
+PARTIAL_HEADER_FIELDS: dict[str, tuple[int, str]]
+PARTIAL_RECORD_FIELDS: dict[str, tuple[int, str]]
 PARTIAL_TAG: int
 PARTIAL_OPS: dict[str, int]
 SELECT_ROW_BYTES: int

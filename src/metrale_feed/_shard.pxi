@@ -4,8 +4,17 @@
 # thresholds"), and the combine of the gathered blocks into the feed cells, exactly as the
 # unsharded call. Private: the tensor-parallel shard is built on them.
 
-PARTIAL_RECORD_BYTES = 16                                 # one row of one slice
-PARTIAL_HEADER_BYTES = MF_PARTIAL_HEADER_RECORDS * 16     # the fingerprint before the rows
+# The block's layout, from partial_layout.h (its one source): sizes, and the byte offset and
+# numpy format of each field of the header and of a record.
+PARTIAL_RECORD_BYTES = MF_PARTIAL_RECORD_BYTES            # one row of one slice
+PARTIAL_HEADER_BYTES = MF_PARTIAL_HEADER_BYTES            # the fingerprint before the rows
+PARTIAL_FAULT_OFFSET = MF_PARTIAL_OFF_FAULT               # slice 0's word the combine's fault goes to
+PARTIAL_HEADER_FIELDS = {"tag": (MF_PARTIAL_OFF_TAG, "<u4"), "rows": (MF_PARTIAL_OFF_ROWS, "<u4"),
+                         "call": (MF_PARTIAL_OFF_CALL, "<u8"), "vocab": (MF_PARTIAL_OFF_VOCAB, "<u4"),
+                         "start": (MF_PARTIAL_OFF_START, "<u4"), "stop": (MF_PARTIAL_OFF_STOP, "<u4"),
+                         "reserved": (MF_PARTIAL_OFF_FAULT, "<u4")}
+PARTIAL_RECORD_FIELDS = {"id": (MF_RECORD_OFF_ID, "<u4"), "logit_bits": (MF_RECORD_OFF_LOGIT_BITS, "<u4"),
+                         "max": (MF_RECORD_OFF_MAX, "<f4"), "sum": (MF_RECORD_OFF_SUM, "<f4")}
 
 _FAULTS = {1: "another operation or not a partial block", 2: "another row count",
            3: "another call counter", 4: "another vocabulary",
@@ -60,7 +69,7 @@ cdef int fill_partial(mf_argmax_args *a, object partial) except -1:
 
 def _partial_bytes(rows):
     """Bytes of one slice's partial block for ``rows`` rows (a header, then a record per row)."""
-    return (int_of(rows, "rows", 1, MF_MAX_ROWS) + MF_PARTIAL_HEADER_RECORDS) * PARTIAL_RECORD_BYTES
+    return (int_of(rows, "rows", 1, MF_MAX_ROWS) + MF_PARTIAL_HEADER_RECORDS) * MF_PARTIAL_RECORD_BYTES
 
 
 def _argmax_partial(logits, masks, partials, event=None, stream=0, *, start, stop, vocab, dtype,
@@ -217,7 +226,8 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
                       filtered=False):
     """The feed cells (and logprobs) of whole rows from the partial blocks of their slices.
 
-    ``partials`` holds ``world`` blocks, block ``w`` at byte ``w * slice_stride * 16``, slices in
+    ``partials`` holds ``world`` blocks, block ``w`` at byte ``w * slice_stride *
+    PARTIAL_RECORD_BYTES``, slices in
     id order (what an all-gather of each slice's block gives). In stream order: every header is
     checked against (operation, ``rows``, ``call``, ``vocab``) and the slices against
     ``[0, vocab)``, and the blocks' logprobs setting against whether ``logprobs`` is given; then
@@ -304,7 +314,7 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
             c.op = MF_PARTIAL_FILTERED if filtered else MF_PARTIAL_SAMPLE
         device_ptr_of(partials, &ptr)
         c.partials = ptr
-        c.fault = <uint32_t *>(<char *>ptr + 28)  # slice 0's header, its reserved word
+        c.fault = <uint32_t *>(<char *>ptr + MF_PARTIAL_OFF_FAULT)  # slice 0's header, its reserved word
         device_ptr_of(cells, &ptr)
         c.cells = <uint32_t *>ptr
         c.cell_capacity = cells_capacity(

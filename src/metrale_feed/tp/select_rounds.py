@@ -43,8 +43,16 @@ _STATE = np.dtype([("floor", "<u8"), ("cut_need", "<u8"), ("top_bits", "<u4"), (
 # scratch; a row whose ids do not fit rescans its slice in the later rounds.
 LIST_CAP = 2048
 assert _STATE.itemsize == _core.SELECT_ROW_BYTES
-_HEADER_DTYPE = np.dtype([("tag", "<u4"), ("rows", "<u4"), ("call", "<u8"), ("vocab", "<u4"),
-                          ("start", "<u4"), ("stop", "<u4"), ("reserved", "<u4")])
+
+def _layout_dtype(fields: dict[str, tuple[int, str]], size: int) -> np.dtype:
+    """A numpy view of a C struct from its offsets as the extension exports them."""
+    names = list(fields)
+    return np.dtype({"names": names, "formats": [fields[n][1] for n in names],
+                     "offsets": [fields[n][0] for n in names], "itemsize": size})
+
+
+_HEADER_DTYPE = _layout_dtype(_core.PARTIAL_HEADER_FIELDS, _HEADER)
+_RECORD_DTYPE = _layout_dtype(_core.PARTIAL_RECORD_FIELDS, _core.PARTIAL_RECORD_BYTES)
 
 
 def hist_block_bytes(max_rows: int) -> int:
@@ -176,9 +184,9 @@ class FilteredCall:
             if why:
                 self._refuse(f"sharded sampling with filters refused: rank {w} has {why}; every row "
                              "got NO_TOKEN")
-        rec = np.stack([_view(self.gathered, "<u4", w * self.block + _HEADER, 4 * n).reshape(n, 4)
+        rec = np.stack([_view(self.gathered, _RECORD_DTYPE, w * self.block + _HEADER, n)
                         for w in range(shard.world)])
-        ids, bits = rec[:, :, 0], rec[:, :, 1]
+        ids, bits = rec["id"], rec["logit_bits"]
         keys = np.where(ids != _NO_TOKEN, _keys(bits), 0)
         best = keys.argmax(0)
         has = keys.max(0) > 0
