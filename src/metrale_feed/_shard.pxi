@@ -24,25 +24,32 @@ _FAULT_FILTERS = 7  # bits 8+ hold a row, not a slice (feed.h, mf_combine_args)
 
 
 SELECT_ROW_BYTES = sizeof(mf_select_row)              # one row's state between filter stages
+SELECT_BINS = MF_SELECT_BINS                             # one digit's values
+SELECT_DIGIT_BITS = MF_SELECT_DIGIT_BITS
 SELECT_HIST_BYTES = MF_SELECT_BINS * 8                  # one row's digit histogram
-SELECT_STAGES = {"top": MF_SELECT_TOP, "hist": MF_SELECT_HIST, "race": MF_SELECT_RACE}
+SELECT_CANDS_MAX = MF_SELECT_CANDS_MAX                  # the largest top_k a candidates stage lists
+PARTIAL_CAND_BYTES = MF_PARTIAL_CAND_BYTES              # one entry of a row's candidate list
+SELECT_STAGES = {"top": MF_SELECT_TOP, "hist": MF_SELECT_HIST, "race": MF_SELECT_RACE,
+                 "cands": MF_SELECT_CANDS}
 SELECT_ROW_FLAGS = {"top": MF_SELECT_ROW_TOP, "hist": MF_SELECT_ROW_HIST, "mass": MF_SELECT_ROW_MASS,
-                    "cut": MF_SELECT_ROW_CUT, "cut_mass": MF_SELECT_ROW_CUT_MASS}
+                    "cut": MF_SELECT_ROW_CUT, "cut_mass": MF_SELECT_ROW_CUT_MASS,
+                    "cands": MF_SELECT_ROW_CANDS}
 PARTIAL_OPS = {"argmax": MF_PARTIAL_ARGMAX, "sample": MF_PARTIAL_SAMPLE, "filtered": MF_PARTIAL_FILTERED,
-               "top": MF_PARTIAL_TOP, "hist": MF_PARTIAL_HIST}
+               "top": MF_PARTIAL_TOP, "hist": MF_PARTIAL_HIST, "cands": MF_PARTIAL_CANDS}
 PARTIAL_TAG = MF_PARTIAL_TAG
 
 
 cdef int fill_partial(mf_argmax_args *a, object partial) except -1:
     """The slice of a partial call: ``partial`` is (partials, start, stop, vocab, call, logprobs)
-    and, for a stage of the split filters, (select, stage, id_list, list_cap) after them."""
+    and, for a stage of the split filters, (select, stage, id_list, list_cap, cands) after them,
+    ``cands`` None or (gathered lists or None, cap, world, stride)."""
     cdef void *ptr
     cdef uint64_t call
     partials, start, stop, vocab, call_obj, logprobs = partial[:6]
     if logprobs is not True and logprobs is not False:
         raise TypeError(f"logprobs must be True or False, not {logprobs!r}")
-    if len(partial) == 10:
-        select, stage, id_list, list_cap = partial[6:]
+    if len(partial) == 11:
+        select, stage, id_list, list_cap, cands = partial[6:]
         if stage not in SELECT_STAGES:
             raise ValueError(f"stage must be one of {sorted(SELECT_STAGES)}, not {stage!r}")
         device_ptr_of(select, &ptr)
@@ -53,6 +60,14 @@ cdef int fill_partial(mf_argmax_args *a, object partial) except -1:
             a.select_list_cap = <uint32_t>int_of(list_cap, "list_cap", 1, 0xFFFFFFFF)
             device_ptr_of(id_list, &ptr)
             a.select_list = <uint32_t *>ptr
+        if cands is not None:
+            lists, cap, world, stride = cands
+            a.select_cands_cap = <uint32_t>int_of(cap, "cands_cap", 1, MF_SELECT_CANDS_MAX)
+            if lists is not None:
+                a.select_cands_world = <uint32_t>int_of(world, "cands_world", 1, 0xFFFFFFFF)
+                a.select_cands_stride = <uint64_t>int_of(stride, "cands_stride", 1, 0xFFFFFFFFFFFF)
+                device_ptr_of(lists, &ptr)
+                a.select_cands = ptr
     total = int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
     lo = int_of(start, "start", 0, total)
     hi = int_of(stop, "stop", lo, total)
@@ -171,21 +186,23 @@ def _sample_partial(logits, params, partials, event=None, stream=0, *, start, st
 
 def _select_partial(logits, params, partials, select, stage, stream=0, *, start, stop, vocab, dtype,
                     call, masks=None, rows=None, row_stride=None, bitmask=None, id_list=None,
-                    list_cap=0, logprobs=False):
+                    list_cap=0, logprobs=False, cands=None, cands_cap=0, cands_world=0,
+                    cands_stride=0):
     """One stage of sampling with filters over the slice ``[start, stop)`` of each row.
 
     The filters need thresholds over the whole row (docs/kernels.md, "Filters need global
     thresholds"): each stage writes a block the slices exchange, and the caller writes ``select``
     between stages from the gathered blocks. ``"top"`` writes each row's greatest finite candidate
     (a partial record), ``"hist"`` the weights of one 4-bit digit of the logit key (16 uint64 a
-    row after the 32-byte header), ``"race"`` the race winner over the survivors (a partial record,
-    combined by ``_combine_partials(..., filtered=True)``).
+    row after the 32-byte header), ``"cands"`` each listed row's greatest ``min(top_k, count)``
+    candidates (``cands_cap`` entries of ``PARTIAL_CAND_BYTES`` a row), ``"race"`` the race winner
+    over the survivors (a partial record, combined by ``_combine_partials(..., filtered=True)``).
 
     Parameters
     ----------
     select : device memory
         ``rows * SELECT_ROW_BYTES`` bytes of per-row state (``mf_select_row``, feed.h).
-    stage : {"top", "hist", "race"}
+    stage : {"top", "hist", "cands", "race"}
     id_list : device memory, optional
         ``rows * list_cap`` uint32 of scratch: the ids a select's later rounds read instead of
         the whole slice (a row whose ids in range do not fit scans the slice).
@@ -194,6 +211,13 @@ def _select_partial(logits, params, partials, select, stage, stream=0, *, start,
     logprobs : bool
         ``"race"``: whether the combine will write logprobs (the records then carry the slice's
         max and sum of exponentials, and the header says so); the other stages take False.
+    cands : device memory, optional
+        ``"race"``: the gathered ``"cands"`` blocks of ``cands_world`` slices in id order,
+        ``cands_stride`` bytes apart; rows flagged ``"cands"`` take their floor from them.
+    cands_cap : int
+        Entries a row of a ``"cands"`` block (1 to ``SELECT_CANDS_MAX``), for both stages.
+    cands_world, cands_stride : int
+        With ``cands``.
     logits, params, partials, stream, start, stop, vocab, dtype, call, masks, rows, row_stride, bitmask
         As for ``_sample_partial`` (filters allowed; host params).
 
@@ -218,7 +242,8 @@ def _select_partial(logits, params, partials, select, stage, stream=0, *, start,
         rows = len(params)
     return launch_pick(logits, masks, None, None, None, stream, bitmask, params, rows, vocab, dtype,
                        row_stride, None, None,
-                       (partials, start, stop, vocab, call, logprobs, select, stage, id_list, list_cap))
+                       (partials, start, stop, vocab, call, logprobs, select, stage, id_list, list_cap,
+                        (cands, cands_cap, cands_world, cands_stride) if cands_cap else None))
 
 
 def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, vocab, call, fault_dst,

@@ -20,7 +20,7 @@
 /* FILTERED: race winners over global thresholds (MF_ARGS_SELECT's RACE stage); TOP and HIST: its
  * other stages' blocks (feed.h). */
 enum { MF_PARTIAL_ARGMAX = 1u, MF_PARTIAL_SAMPLE = 2u, MF_PARTIAL_FILTERED = 3u, MF_PARTIAL_TOP = 4u,
-       MF_PARTIAL_HIST = 5u };
+       MF_PARTIAL_HIST = 5u, MF_PARTIAL_CANDS = 6u };
 /* Or'ed into a header's operation when its records carry (m, s) (MF_ARGS_PARTIAL_LOGPROBS): a
  * combine that writes logprobs expects it in every header and one that does not expects it in
  * none, so ranks that disagree on logprobs get a fault, never a logprob from a zero sum. A bit

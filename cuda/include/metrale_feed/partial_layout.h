@@ -2,7 +2,8 @@
  * and the combine"): the kernels, the host backend and the combine use these structs, and Python
  * reads the sizes and offsets below through the extension (_core.PARTIAL_LAYOUT), never its own
  * copy. A block is a 32-byte header (the fingerprint the combine checks) followed by one 16-byte
- * record per row (or, for a select's histogram stage, MF_SELECT_BINS uint64 weights per row). */
+ * record per row (or, for a select's histogram stage, MF_SELECT_BINS uint64 weights per row, and
+ * for its candidates stage select_cands_cap mf_partial_cand per row). */
 #ifndef METRALE_FEED_PARTIAL_LAYOUT_H
 #define METRALE_FEED_PARTIAL_LAYOUT_H
 
@@ -55,6 +56,14 @@ typedef struct mf_partial_record {
 #define MF_RECORD_OFF_MAX 8u
 #define MF_RECORD_OFF_SUM 12u
 
+/* One entry of a CANDS block's row (feed.h's MF_SELECT_CANDS): a candidate as a global id and its
+ * logit widened to float32 bits; id MF_NO_TOKEN pads a row whose slice has fewer candidates. */
+typedef struct mf_partial_cand {
+    uint32_t id;
+    uint32_t logit_bits;
+} mf_partial_cand;
+#define MF_PARTIAL_CAND_BYTES 8u
+
 #ifdef __cplusplus
 #define MF_LAYOUT_ASSERT(c, m) static_assert(c, m)
 #else
@@ -62,6 +71,7 @@ typedef struct mf_partial_record {
 #endif
 MF_LAYOUT_ASSERT(sizeof(mf_partial_header) == MF_PARTIAL_HEADER_BYTES, "header size");
 MF_LAYOUT_ASSERT(sizeof(mf_partial_record) == MF_PARTIAL_RECORD_BYTES, "record size");
+MF_LAYOUT_ASSERT(sizeof(mf_partial_cand) == MF_PARTIAL_CAND_BYTES, "cand size");
 MF_LAYOUT_ASSERT(offsetof(mf_partial_header, rows) == MF_PARTIAL_OFF_ROWS, "rows");
 MF_LAYOUT_ASSERT(offsetof(mf_partial_header, call) == MF_PARTIAL_OFF_CALL, "call");
 MF_LAYOUT_ASSERT(offsetof(mf_partial_header, vocab) == MF_PARTIAL_OFF_VOCAB, "vocab");

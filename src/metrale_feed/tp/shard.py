@@ -359,10 +359,17 @@ class VocabShard:
 
         def launch(stage: str, partials: Any) -> None:
             nonlocal queued
-            # The race's records carry (m, s) when logprobs are asked for (its header says so).
+            # The race's records carry (m, s) when logprobs are asked for (its header says so);
+            # it reads the gathered candidate lists, which the "cands" stage writes.
+            lists = {}
+            if rounds.cap and stage in ("cands", "race"):
+                lists = dict(cands_cap=rounds.cap)
+                if stage == "race":
+                    lists.update(cands=rounds.cgathered, cands_world=self.world,
+                                 cands_stride=rounds.cblock)
             _core._select_partial(logits, params, partials, rounds.state_buf, stage, stream,
                                   id_list=rounds.id_list, list_cap=select_rounds.LIST_CAP,
-                                  logprobs=stage == "race" and logprobs is not None, **kw)
+                                  logprobs=stage == "race" and logprobs is not None, **lists, **kw)
             if not queued:  # the first stage checked every argument: the call is on
                 queued = True
                 self._calls += 1
