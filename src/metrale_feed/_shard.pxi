@@ -193,8 +193,8 @@ def _select_partial(logits, params, partials, select, stage, stream=0, *, start,
     The filters need thresholds over the whole row (docs/kernels.md, "Filters need global
     thresholds"): each stage writes a block the slices exchange, and the caller writes ``select``
     between stages from the gathered blocks. ``"top"`` writes each row's greatest finite candidate
-    (a partial record), ``"hist"`` the weights of one 4-bit digit of the logit key (16 uint64 a
-    row after the 32-byte header), ``"cands"`` each listed row's greatest ``min(top_k, count)``
+    (a partial record), ``"hist"`` the weights of one 8-bit digit of the logit key
+    (``SELECT_BINS`` uint64 a row after the header), ``"cands"`` each listed row's greatest ``min(top_k, count)``
     candidates (``cands_cap`` entries of ``PARTIAL_CAND_BYTES`` a row), ``"race"`` the race winner
     over the survivors (a partial record, combined by ``_combine_partials(..., filtered=True)``).
 
