@@ -41,7 +41,8 @@ mf_status read_descriptor(const Args *in, Args *out, const char *name, const uin
     std::memcpy(out, in, size);
     return MF_SUCCESS;
 }
-constexpr uint32_t kArgmaxSizes[] = {sizeof(mf_argmax_args)};
+// The descriptor before the select stages' candidate lists (select_cands_cap on) was appended.
+constexpr uint32_t kArgmaxSizes[] = {offsetof(mf_argmax_args, select_cands_cap), sizeof(mf_argmax_args)};
 constexpr uint32_t kCombineSizes[] = {sizeof(mf_combine_args)};
 constexpr uint32_t kReferenceSizes[] = {sizeof(mf_reference_args)};
 constexpr uint32_t kVerifySizes[] = {sizeof(mf_verify_args)};
@@ -88,6 +89,18 @@ mf_status check_temperature_only(const mf_sampling_params *params, uint32_t rows
     return MF_SUCCESS;
 }
 
+// The bytes a partial call writes at `partials`: a header, then a record a row, or a select
+// stage's histograms or candidate lists.
+size_t partial_block_bytes(const mf_argmax_args *a) {
+    const size_t rows = a->rows;
+    if (a->flags & MF_ARGS_SELECT) {
+        if (a->select_stage == MF_SELECT_HIST) return MF_PARTIAL_HEADER_BYTES + rows * MF_SELECT_BINS * 8;
+        if (a->select_stage == MF_SELECT_CANDS)
+            return MF_PARTIAL_HEADER_BYTES + rows * a->select_cands_cap * MF_PARTIAL_CAND_BYTES;
+    }
+    return MF_PARTIAL_HEADER_BYTES + rows * MF_PARTIAL_RECORD_BYTES;
+}
+
 mf_status check_partial(const mf_argmax_args *a) {
     if (a->vocab_total == 0 || a->vocab_total > kMaxVocab)
         return fail(MF_ERROR_INVALID_VALUE, "vocab must be in [1, 2**24], got %u", a->vocab_total);
@@ -105,7 +118,7 @@ mf_status check_partial(const mf_argmax_args *a) {
         if (!a->params) return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_SELECT needs sampling params");
         if (a->flags & MF_ARGS_PARAMS_DEVICE)
             return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_SELECT takes host params (checked now)");
-        if (a->select_stage < MF_SELECT_TOP || a->select_stage > MF_SELECT_RACE)
+        if (a->select_stage < MF_SELECT_TOP || a->select_stage > MF_SELECT_CANDS)
             return fail(MF_ERROR_INVALID_VALUE, "unknown select stage %u", a->select_stage);
         if (!a->select || !aligned(a->select, 8))
             return fail(MF_ERROR_INVALID_VALUE, "select is a null or misaligned pointer");
@@ -117,9 +130,23 @@ mf_status check_partial(const mf_argmax_args *a) {
             st = check_device_range(a->select_list, (size_t)a->rows * a->select_list_cap * 4, "select list");
             if (st != MF_SUCCESS) return st;
         }
-        if (a->select_stage == MF_SELECT_HIST)
-            return check_device_range(a->partials, MF_PARTIAL_HEADER_RECORDS * 16 +
-                                      (size_t)a->rows * MF_SELECT_BINS * 8, "partials");
+        const bool lists = a->select_stage == MF_SELECT_CANDS || (a->select_stage == MF_SELECT_RACE && a->select_cands);
+        if (lists && (a->select_cands_cap == 0 || a->select_cands_cap > MF_SELECT_CANDS_MAX))
+            return fail(MF_ERROR_INVALID_VALUE, "select_cands_cap must be in [1, %u], got %u", MF_SELECT_CANDS_MAX,
+                        a->select_cands_cap);
+        if (a->select_stage == MF_SELECT_RACE && a->select_cands) {
+            const uint64_t block = MF_PARTIAL_HEADER_BYTES + (uint64_t)a->rows * a->select_cands_cap * MF_PARTIAL_CAND_BYTES;
+            if (!aligned(a->select_cands, 4) || a->select_cands_world == 0 ||
+                a->select_cands_world > MF_CANDS_MAX_WORLD || a->select_cands_stride < block ||
+                a->select_cands_stride % 4)
+                return fail(MF_ERROR_INVALID_VALUE, "select_cands: a misaligned pointer, a world outside [1, %u] "
+                            "or a stride under one block", MF_CANDS_MAX_WORLD);
+            st = check_device_range(a->select_cands, (size_t)(a->select_cands_stride * (a->select_cands_world - 1) + block),
+                                    "select cands");
+            if (st != MF_SUCCESS) return st;
+        }
+        if (a->select_stage == MF_SELECT_HIST || a->select_stage == MF_SELECT_CANDS)
+            return check_device_range(a->partials, partial_block_bytes(a), "partials");
     } else if (a->params && !(a->flags & MF_ARGS_PARAMS_DEVICE)) {
         // Device params are read when the kernel runs: a filter there is the combine's fault.
         mf_status st = check_temperature_only(a->params, a->rows);
@@ -134,9 +161,7 @@ mf_status refuse_argmax_overlaps(const mf_argmax_args *a, size_t logits_bytes) {
     const size_t rows = a->rows;
     const bool partial = a->flags & MF_ARGS_PARTIAL;
     const uint32_t total = partial ? a->vocab_total : a->vocab;
-    size_t block = (rows + MF_PARTIAL_HEADER_RECORDS) * 16;
-    if ((a->flags & MF_ARGS_SELECT) && a->select_stage == MF_SELECT_HIST)
-        block = MF_PARTIAL_HEADER_RECORDS * 16 + rows * MF_SELECT_BINS * 8;
+    const size_t block = partial_block_bytes(a);
     const bool select = a->flags & MF_ARGS_SELECT;
     const Span spans[] = {
         {a->cells, partial ? 0 : rows * 4, "feed cells", true},
@@ -149,6 +174,11 @@ mf_status refuse_argmax_overlaps(const mf_argmax_args *a, size_t logits_bytes) {
         {a->vocab ? a->logits : nullptr, logits_bytes, "logits", false},
         {(a->flags & MF_ARGS_MASKS_DEVICE) ? a->masks : nullptr, rows * 8, "device-resident masks", false},
         {a->bitmask, rows * mf_bitmask_words(total) * 4, "bitmask", false},
+        {select && a->select_stage == MF_SELECT_RACE ? a->select_cands : nullptr,
+         a->select_cands ? (size_t)(a->select_cands_stride * (a->select_cands_world - 1)) + MF_PARTIAL_HEADER_BYTES +
+                               rows * a->select_cands_cap * MF_PARTIAL_CAND_BYTES
+                         : 0,
+         "select cands", false},
         {(a->flags & MF_ARGS_PARAMS_DEVICE) ? a->params : nullptr, rows * sizeof(mf_sampling_params),
          "device-resident sampling params", false},
     };

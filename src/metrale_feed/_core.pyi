@@ -248,10 +248,17 @@ def resolve_verified(cells: _DeviceLike, out_ids: _DeviceLike | None, out_advanc
 
 PARTIAL_RECORD_BYTES: int
 PARTIAL_HEADER_BYTES: int
+PARTIAL_FAULT_OFFSET: int
+PARTIAL_HEADER_FIELDS: dict[str, tuple[int, str]]
+PARTIAL_RECORD_FIELDS: dict[str, tuple[int, str]]
 PARTIAL_TAG: int
 PARTIAL_OPS: dict[str, int]
 SELECT_ROW_BYTES: int
 SELECT_HIST_BYTES: int
+SELECT_BINS: int
+SELECT_DIGIT_BITS: int
+SELECT_CANDS_MAX: int
+PARTIAL_CAND_BYTES: int
 SELECT_STAGES: dict[str, int]
 SELECT_ROW_FLAGS: dict[str, int]
 
@@ -273,7 +280,8 @@ def _select_partial(logits: _DeviceLike | None, params: Buffer, partials: _Devic
                     masks: _MasksLike | _DeviceLike | None = None, rows: int | None = None,
                     row_stride: int | None = None, bitmask: _DeviceLike | None = None,
                     id_list: _DeviceLike | None = None, list_cap: int = 0,
-                    logprobs: bool = False) -> int: ...
+                    logprobs: bool = False, cands: _DeviceLike | None = None,
+                    cands_cap: int = 0, cands_world: int = 0, cands_stride: int = 0) -> int: ...
 def _combine_partials(partials: _DeviceLike, world: int, cells: _DeviceLike,
                       dst: Buffer | int | None, event: _EventLike | None,
                       stream: _StreamLike = 0, *, rows: int, vocab: int, call: int,

@@ -209,15 +209,24 @@ enum {
  * TOP the slice's greatest finite candidate and (m, s) (a partial record), HIST a histogram of
  * one 4-bit digit of the logit key (16 uint64 weights), RACE the race winner over the survivors
  * (a partial record, for mf_combine_partials with MF_PARTIAL_FILTERED). */
-enum { MF_SELECT_TOP = 1u, MF_SELECT_HIST = 2u, MF_SELECT_RACE = 3u };
-#define MF_SELECT_BINS 16u
+enum { MF_SELECT_TOP = 1u, MF_SELECT_HIST = 2u, MF_SELECT_RACE = 3u, MF_SELECT_CANDS = 4u };
+/* HIST: one digit of MF_SELECT_DIGIT_BITS bits a round, so a 32-bit key in 32 / 8 = 4 rounds. */
+#define MF_SELECT_DIGIT_BITS 8u
+#define MF_SELECT_BINS 256u
+/* CANDS: each row with MF_SELECT_ROW_CANDS lists its slice's greatest min(top_k, count)
+ * candidates (mf_partial_cand, global ids, in the rule's order, the rest MF_NO_TOKEN), in
+ * select_cands_cap entries a row after the header. A top_k up to MF_SELECT_CANDS_MAX takes this
+ * path: every rank then holds every slice's list, so the row's global top_k survivors, and
+ * applies top_p and min_p over them itself (the RACE stage, sample_rule.h's mf_cands_threshold). */
+#define MF_SELECT_CANDS_MAX 1024u
 /* Per-row flags of mf_select_row. */
 enum {
     MF_SELECT_ROW_TOP = 1u,      /* top_bits holds the whole row's greatest finite candidate */
     MF_SELECT_ROW_HIST = 2u,     /* HIST: histogram this row (else its bins are 0) */
     MF_SELECT_ROW_MASS = 4u,     /* HIST: weights are masses (top_p), else counts (top_k) */
     MF_SELECT_ROW_CUT = 8u,      /* first raise `floor` by the cut at cut_key (then cleared) */
-    MF_SELECT_ROW_CUT_MASS = 16u /* the cut's weights are masses */
+    MF_SELECT_ROW_CUT_MASS = 16u, /* the cut's weights are masses */
+    MF_SELECT_ROW_CANDS = 32u     /* CANDS: list this row; RACE: its floor from the gathered lists */
 };
 /* One row's state between the stages of a split row's filters: written by the caller between
  * stages, except `floor`, which a cut writes. The weight of a candidate is 1 or its mass; a cut
@@ -274,6 +283,13 @@ typedef struct mf_argmax_args {
      * select's later rounds and its cut read the list instead of the whole slice. */
     uint32_t select_list_cap;
     uint32_t *select_list;
+    /* MF_ARGS_SELECT: entries a row of a CANDS block (1 to MF_SELECT_CANDS_MAX; CANDS and a RACE
+     * with select_cands). RACE, optional (NULL): the gathered CANDS blocks of select_cands_world
+     * slices in id order, select_cands_stride bytes apart, read by rows with MF_SELECT_ROW_CANDS. */
+    uint32_t select_cands_cap;
+    uint32_t select_cands_world;
+    uint64_t select_cands_stride;
+    const void *select_cands;
 } mf_argmax_args;
 /* Zero-fills *args (every option off) and sets its struct_size: call it first. */
 static inline void mf_argmax_args_init(mf_argmax_args *args) {
