@@ -81,7 +81,7 @@ cdef object launch_penalties(bint update, object target, object slots, object st
                     raise ValueError("logits must be a 2-D (rows, vocab) tensor with unit stride along the vocabulary")
                 if f.readonly:
                     raise ValueError("logits is read-only but penalties_apply writes it")
-                if f.shape[0] != a.rows:
+                if f.shape[0] < a.rows:
                     raise ValueError(f"the logits tensor has {f.shape[0]} rows; {a.rows} slots were given")
                 agree(vocab, f.shape[1], "vocab")
                 agree(row_stride, f.strides[0] if f.shape[0] > 1 else f.shape[1], "row_stride")
