@@ -2,6 +2,7 @@
 // here, before anything is queued, so a bad call launches nothing.
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "api.hpp"
 #include "metrale_feed/argmax_rule.h"
@@ -46,6 +47,7 @@ constexpr uint32_t kArgmaxSizes[] = {offsetof(mf_argmax_args, select_cands_cap),
 constexpr uint32_t kCombineSizes[] = {sizeof(mf_combine_args)};
 constexpr uint32_t kReferenceSizes[] = {sizeof(mf_reference_args)};
 constexpr uint32_t kVerifySizes[] = {sizeof(mf_verify_args)};
+constexpr uint32_t kPenaltySizes[] = {sizeof(mf_penalty_args)};
 
 // Host masks of MF_MAX_ROWS unmasked rows: what masks NULL means. A constant, so a graph that
 // captured it replays the same (no) masks.
@@ -666,6 +668,106 @@ mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, 
         if (kept_for_graph(raw, [=](mf_stream_t s) { return mf_resolve_verified(cells, rows, k, out_ids, out_advance, s); }))
             return MF_SUCCESS;
         return ops().resolve_verified(cells, rows, k, out_ids, out_advance, raw);
+    });
+}
+
+// Both penalty ops: one descriptor, checked once here (docs/penalties.md).
+static mf_status penalties(const mf_penalty_args *caller, bool update, mf_stream_t stream) {
+    const char *name = update ? "penalties_update" : "penalties_apply";
+    mf_penalty_args copied;
+    mf_status st = read_descriptor(caller, &copied, "mf_penalty_args", kPenaltySizes);
+    if (st != MF_SUCCESS) return st;
+    const mf_penalty_args *a = &copied;
+    if (a->rows > kMaxRows) return fail(MF_ERROR_INVALID_VALUE, "%s: rows must be at most %u, got %u", name, kMaxRows, a->rows);
+    if (a->flags & ~(uint32_t)MF_PENALTY_SLOTS_DEVICE)
+        return fail(MF_ERROR_INVALID_VALUE, "%s: unknown flags %#x", name, a->flags);
+    if (a->slot_count == 0 || a->slot_count > MF_MAX_PENALTY_SLOTS)
+        return fail(MF_ERROR_INVALID_VALUE, "%s: slot_count must be in [1, %u], got %u", name, MF_MAX_PENALTY_SLOTS, a->slot_count);
+    if (a->table_cap == 0 || a->table_cap > MF_MAX_PENALTY_TABLE)
+        return fail(MF_ERROR_INVALID_VALUE, "%s: table_cap must be in [1, %u], got %u", name, MF_MAX_PENALTY_TABLE, a->table_cap);
+    if (a->item_cap == 0 || a->item_cap > 4 * MF_PENALTY_ITEMS)
+        return fail(MF_ERROR_INVALID_VALUE, "%s: item_cap must be in [1, %u], got %u", name, 4 * MF_PENALTY_ITEMS, a->item_cap);
+    const bool dslots = a->flags & MF_PENALTY_SLOTS_DEVICE;
+    if (!a->slots || !a->state || !a->table || !a->items || !aligned(a->slots, 4) || !aligned(a->state, 4) ||
+        !aligned(a->table, 4) || !aligned(a->items, 4))
+        return fail(MF_ERROR_INVALID_VALUE, "%s: slots, state, table or items is a null or misaligned pointer", name);
+    const size_t state_bytes = (size_t)a->slot_count * sizeof(mf_penalty_slot);
+    const size_t table_bytes = (size_t)a->slot_count * a->table_cap * sizeof(mf_penalty_entry);
+    const size_t item_bytes = (size_t)a->slot_count * a->item_cap * sizeof(mf_penalty_item);
+    st = check_device_range(a->state, state_bytes, "penalty state");
+    if (st == MF_SUCCESS) st = check_device_range(a->table, table_bytes, "penalty table");
+    if (st == MF_SUCCESS) st = check_device_range(a->items, item_bytes, "penalty items");
+    if (st == MF_SUCCESS && dslots) st = check_device_range(a->slots, (size_t)a->rows * 4, "device-resident slots");
+    if (st != MF_SUCCESS) return st;
+    if (!dslots) {  // host slots: every one in range, none twice (two rows would race on it)
+        std::vector<bool> seen(a->slot_count, false);
+        for (uint32_t r = 0; r < a->rows; ++r) {
+            const uint32_t s = a->slots[r];
+            if (s == MF_NO_TOKEN) continue;
+            if (s >= a->slot_count)
+                return fail(MF_ERROR_INVALID_VALUE, "%s: row %u names slot %u; there are %u", name, r, s, a->slot_count);
+            if (seen[s]) return fail(MF_ERROR_INVALID_VALUE, "%s: slot %u is named by two rows", name, s);
+            seen[s] = true;
+        }
+    }
+    size_t logit_bytes = 0;
+    if (update) {
+        if (!a->ids || !aligned(a->ids, 4)) return fail(MF_ERROR_INVALID_VALUE, "%s: ids is a null or misaligned pointer", name);
+        st = check_device_range(a->ids, (size_t)a->rows * 4, "ids");
+    } else {
+        if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "%s: unknown logits dtype %d", name, (int)a->dtype);
+        if (a->vocab > kMaxVocab || a->start > kMaxVocab - a->vocab)
+            return fail(MF_ERROR_INVALID_VALUE, "%s: columns [%u, %llu) pass the largest vocabulary (%u)", name, a->start,
+                        (unsigned long long)a->start + a->vocab, kMaxVocab);
+        if (a->row_stride < a->vocab)
+            return fail(MF_ERROR_INVALID_VALUE, "%s: row_stride %llu is less than vocab %u", name,
+                        (unsigned long long)a->row_stride, a->vocab);
+        const size_t esize = dtype_size(a->dtype);
+        if (a->rows && a->vocab) {
+            if (!a->logits || !aligned(a->logits, esize))
+                return fail(MF_ERROR_INVALID_VALUE, "%s: logits is a null or misaligned pointer", name);
+            const unsigned __int128 wide = ((unsigned __int128)(a->rows - 1) * a->row_stride + a->vocab) * esize;
+            if (wide > (unsigned __int128)(SIZE_MAX / 2))
+                return fail(MF_ERROR_INVALID_VALUE, "%s: rows x row_stride spans more memory than exists", name);
+            logit_bytes = (size_t)wide;
+            st = check_device_range(a->logits, logit_bytes, "logits");
+        }
+    }
+    if (st == MF_SUCCESS) {
+        const Span spans[] = {
+            {a->logits, logit_bytes, "logits", !update},
+            {a->state, state_bytes, "penalty state", update},
+            {a->table, table_bytes, "penalty table", update},
+            {a->items, item_bytes, "penalty items", false},
+            {dslots ? a->slots : nullptr, (size_t)a->rows * 4, "slots", false},
+            {update ? a->ids : nullptr, (size_t)a->rows * 4, "ids", false},
+        };
+        st = refuse_overlaps(spans);
+    }
+    void *raw;
+    if (st == MF_SUCCESS) st = resolve_stream(stream, &raw);
+    if (st == MF_SUCCESS && !dslots) st = refuse_in_capture(raw, update ? "penalties_update with host-resident slots"
+                                                                          : "penalties_apply with host-resident slots", true);
+    if (st != MF_SUCCESS) return st;
+    if (kept_for_graph(raw, [copy = *a, update](mf_stream_t s) {
+            return update ? mf_penalties_update(&copy, s) : mf_penalties_apply(&copy, s);
+        }))
+        return MF_SUCCESS;
+    if (a->rows == 0 || (!update && a->vocab == 0)) return MF_SUCCESS;  // nothing to touch
+    return ops().penalties(a, update, raw);
+}
+
+mf_status mf_penalties_apply(const mf_penalty_args *args, mf_stream_t stream) {
+    return guard([&]() -> mf_status {
+        MF_RANGE("penalties_apply");
+        return penalties(args, false, stream);
+    });
+}
+
+mf_status mf_penalties_update(const mf_penalty_args *args, mf_stream_t stream) {
+    return guard([&]() -> mf_status {
+        MF_RANGE("penalties_update");
+        return penalties(args, true, stream);
     });
 }
 

@@ -242,6 +242,49 @@ cdef extern from "metrale_feed/feed.h" nogil:
     mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                                   uint32_t *out_advance, mf_stream_t stream)
 
+    const uint32_t MF_MAX_LOGIT_BIAS
+    const uint32_t MF_MAX_PENALTY_STOPS
+    const uint32_t MF_PENALTY_ITEMS
+    const uint32_t MF_MAX_PENALTY_TABLE
+    const uint32_t MF_MAX_PENALTY_SLOTS
+    const uint32_t MF_PENALTY_PROMPT
+    enum: MF_PENALTY_SLOTS_DEVICE
+    ctypedef struct mf_penalty_slot:
+        float repetition
+        float presence
+        float frequency
+        uint32_t min_tokens
+        uint32_t generated
+        uint32_t entries
+        uint32_t biases
+        uint32_t stops
+    ctypedef struct mf_penalty_entry:
+        uint32_t id
+        uint32_t count
+    ctypedef struct mf_penalty_item:
+        uint32_t id
+        float value
+    ctypedef struct mf_penalty_args:
+        uint32_t struct_size
+        void *logits
+        mf_dtype dtype
+        uint32_t rows
+        uint32_t vocab
+        uint64_t row_stride
+        uint32_t start
+        uint32_t flags
+        const uint32_t *slots
+        mf_penalty_slot *state
+        uint32_t slot_count
+        uint32_t table_cap
+        mf_penalty_entry *table
+        const mf_penalty_item *items
+        uint32_t item_cap
+        const uint32_t *ids
+    void mf_penalty_args_init(mf_penalty_args *args)
+    mf_status mf_penalties_apply(const mf_penalty_args *args, mf_stream_t stream)
+    mf_status mf_penalties_update(const mf_penalty_args *args, mf_stream_t stream)
+
     ctypedef struct mf_reference_args:
         uint32_t struct_size
         const uint32_t *input_ids

@@ -18,6 +18,11 @@ from metrale_feed.errors import InvalidHandleError as InvalidHandleError
 NO_TOKEN: Final[int]
 MAX_ROWS: Final[int]
 MAX_DRAFTS: Final[int]
+MAX_LOGIT_BIAS: Final[int]
+MAX_PENALTY_STOPS: Final[int]
+PENALTY_ITEMS: Final[int]
+MAX_PENALTY_TABLE: Final[int]
+PENALTY_PROMPT: Final[int]
 MAX_VOCAB: Final[int]
 # The C API capsule ("metrale_feed._C_API") that metrale_feed/capi.h's mf_import_capi() reads.
 _C_API: object
@@ -243,6 +248,15 @@ def verify_to_feed(logits: _DeviceLike, drafts: _WordsLike | _DeviceLike, cells:
                    row_stride: int | None = None, shard: None = None) -> int: ...
 def resolve_verified(cells: _DeviceLike, out_ids: _DeviceLike | None, out_advance: _DeviceLike | None,
                      stream: _StreamLike = 0, *, rows: int | None = None, k: int | None = None) -> None: ...
+
+# ---- penalties (docs/penalties.md) ----
+def penalties_apply(logits: _DeviceLike, slots: Any, state: _DeviceLike, table: _DeviceLike,
+                    items: _DeviceLike, stream: _StreamLike = 0, *, slot_count: int | None = None,
+                    table_cap: int | None = None, item_cap: int | None = None, vocab: int | None = None,
+                    dtype: Any = None, row_stride: int | None = None, start: int = 0) -> int: ...
+def penalties_update(ids: _DeviceLike, slots: Any, state: _DeviceLike, table: _DeviceLike,
+                     items: _DeviceLike, stream: _StreamLike = 0, *, slot_count: int | None = None,
+                     table_cap: int | None = None, item_cap: int | None = None) -> int: ...
 
 # ---- partial blocks of a row split, and their combine (docs/kernels.md) ----
 

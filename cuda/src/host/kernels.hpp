@@ -140,6 +140,21 @@ void run_verify(const VerifyJob &job);
 void run_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                           uint32_t *out_advance);
 
+// One penalty launch (penalty_host.cpp): host slots copied, device ones read when it runs.
+struct PenaltyJob {
+    PenaltyJob(const mf_penalty_args &a, bool upd) : args(a), update(upd) {
+        if (!(a.flags & MF_PENALTY_SLOTS_DEVICE)) {
+            slots.assign(a.slots, a.slots + a.rows);
+            args.slots = nullptr;
+        }
+    }
+    const uint32_t *slot_words() const { return args.slots ? args.slots : slots.data(); }
+    mf_penalty_args args;
+    bool update;
+    std::vector<uint32_t> slots;
+};
+void run_penalties(const PenaltyJob &job);
+
 // Clears FTZ/DAZ for the lifetime of the guard: the rules are defined on IEEE arithmetic with
 // subnormals, whatever a library loaded into the process did to this thread's MXCSR.
 struct IeeeFpGuard {

@@ -238,11 +238,13 @@ class _DeviceIo:
         return self._ring
 
     def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
-                masks: Any, checked: bool = False, params: Any = None) -> Ticket:
+                masks: Any, checked: bool = False, params: Any = None, hook: Any = None) -> Ticket:
         """``checked``: the caller (the decode pipeline) built inputs, masks and params itself
         from values it validated once, so the per-row checks are skipped. ``params``: one
         ``SAMPLING_PARAMS_DTYPE`` record per row, the step then answered by the model's
-        ``sample_batch_to_feed``; None, its ``argmax_batch_to_feed``."""
+        ``sample_batch_to_feed``; None, its ``argmax_batch_to_feed``. ``hook``: the pipeline's
+        penalties, ``hook.apply(logits, stream)`` queued between the forward and the feed
+        method and ``hook.update(stream)`` after it (docs/penalties.md)."""
         ring = self._open_ring()
         rows = len(seqs)
         if not 1 <= rows <= self.max_rows:
@@ -264,12 +266,16 @@ class _DeviceIo:
         else:
             logits = model.decode_batch(inputs, seqs, self.stream)  # type: ignore[attr-defined]
         try:
+            if hook is not None:
+                hook.apply(logits, self.stream)
             if params is None:
                 model.argmax_batch_to_feed(logits, masks, ring.ptrs[slot], ring.events[slot],
                                            self.stream)
             else:
                 model.sample_batch_to_feed(logits, params, masks, ring.ptrs[slot],
                                            ring.events[slot], self.stream)
+            if hook is not None:
+                hook.update(self.stream)
         except BaseException:
             if not fed:  # decode_batch pushed the inputs: a step that never ran pushes nothing
                 for seq in seqs:
@@ -701,11 +707,11 @@ class SyncDeviceIo(_DeviceIo):
         self._results: Dict[int, List[int]] = {}
 
     def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
-                masks: Any, checked: bool = False, params: Any = None) -> Ticket:
+                masks: Any, checked: bool = False, params: Any = None, hook: Any = None) -> Ticket:
         if fed and not self.model.supports_device_token_feed():
             raise FeedError("launch_fed needs the device feed; with a settled step the inputs are "
                             "host-known, so use launch_decode")
-        ticket = super()._launch(fed, inputs, seqs, masks, checked, params)
+        ticket = super()._launch(fed, inputs, seqs, masks, checked, params, hook)
         self._results[ticket.step] = super().await_result(ticket)
         self.stats.ahead_launches = 0
         return ticket
