@@ -101,11 +101,30 @@ def test_stage_order_and_edge_cases(backend, dev):
 def test_neutral_values_change_no_bit(backend, dev):
     rng = np.random.default_rng(1)
     logits = awkward_logits(rng, 2, 64)
+    logits.view(np.uint32)[:, 6] = 0x7F800001  # a signalling NaN: an operation would quiet it
     with PenaltyState(2, capacity=64) as state:
         state.set(0, prompt=range(64), generated=list(range(64)) * 2)
         state.set(1, prompt=[], generated=[], logit_bias={5: 0.0}, min_tokens=0, stop_ids=[7])
         got = run_apply(dev, state, logits, [0, 1], "float32")
     assert got.view(np.uint32).tolist() == logits.view(np.uint32).tolist()
+
+
+def test_a_nan_logit_keeps_its_bits(backend, dev):
+    # The GPU turns any NaN an operation gives into its canonical NaN, the CPU keeps (and
+    # quiets) the payload: a NaN the rules would touch is left as it is, on every backend.
+    rng = np.random.default_rng(4)
+    logits = awkward_logits(rng, 1, 40)
+    nans = {8: 0x7F800001, 9: 0x7FC12345, 10: 0xFFC00000, 11: 0x7FBFFFFF}
+    for col, bits in nans.items():
+        logits.view(np.uint32)[0, col] = bits
+    req = dict(prompt=[8, 9, 20], generated=[10, 10, 21], repetition_penalty=2.0,
+               presence_penalty=0.5, frequency_penalty=0.25, logit_bias={11: 1.5, 22: -2.0})
+    with PenaltyState(1, capacity=16) as state:
+        state.set(0, **req)
+        got = run_apply(dev, state, logits, [0], "float32")
+    assert {c: int(got.view(np.uint32)[0, c]) for c in nans} == nans
+    same(got[0], penalize(logits[0], **req))
+    assert got[0, 20] != logits[0, 20] and got[0, 22] != logits[0, 22]  # the others did change
 
 
 @pytest.mark.parametrize("world", [2, 3])

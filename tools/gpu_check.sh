@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Device checks for a machine with a GPU: build the package with CUDA, run the gpu-marked tests,
-# the argmax timing sweep against torch, `metrale-feed bench`, a traced demo and, in the time
-# left, the whole suite with the cuda backend active. Logs, gpu_sweep.json, bench.json and
-# trace.json go to $OUT when it is set. The machine may be offline: PYTHON should name an
+# the argmax timing sweep against torch, a traced demo and, in the time left, the whole suite
+# with the cuda backend active (`metrale-feed bench` records the host backend, on a GPU machine
+# too: it is no device check). Logs, gpu_sweep.json and trace.json go to $OUT when it is set. The machine may be offline: PYTHON should name an
 # interpreter whose environment already has scikit-build-core, cython, numpy, pytest, ml_dtypes
 # (and torch for the comparisons).
 # PYTHON picks the interpreter; GPU_CHECK_ARCHS (e.g. "90-real") narrows the CUDA build to save
@@ -59,7 +59,15 @@ if [ "$backend" != "cuda" ]; then
     exit 1
 fi
 
-step "pytest -m gpu" 300 pytest.log "$py" -m pytest -m gpu -q -rfE tests --ignore=tests/tp/test_tp_gpu.py
+# A test that hangs fails by name with every thread's stack (pytest-timeout, where installed), and
+# the run goes on to the next step; -v names each test as it ends.
+per_test=()
+if "$py" -c "import pytest_timeout" 2>/dev/null; then
+    per_test=(-p timeout --timeout "${GPU_CHECK_TEST_TIMEOUT:-60}" --timeout-method thread)
+fi
+
+step "pytest -m gpu" 300 pytest.log "$py" -m pytest -m gpu -v -rfE "${per_test[@]}" tests \
+    --ignore=tests/tp/test_tp_gpu.py
 
 # The tensor-parallel exchange on the cuda backend (NCCL, a world of one rank through the real
 # partial, exchange and combine path, eager and replayed in a graph): run by name and verbosely,
@@ -69,15 +77,12 @@ step "pytest tests/tp/test_tp_gpu.py (NCCL)" 120 pytest_tp_nccl.log \
 
 step gpu_sweep 150 gpu_sweep.txt env OUT="$out" METRALE_FEED_BACKEND=cuda "$py" tools/gpu_sweep.py
 
-step "metrale-feed bench" 150 bench.txt env METRALE_FEED_BACKEND=cuda \
-    "$py" -m metrale_feed.tools.cli bench --json "$out/bench.json"
-
 step "metrale-feed demo --trace" 60 demo.txt env METRALE_FEED_BACKEND=cuda \
     "$py" -m metrale_feed.tools.cli demo --quiet --trace "$out/trace.json" --host-work-us 200
 
 # What time is left: the whole suite with the cuda backend active (the tests that do not pin the
 # host or simt backend run on the device), failures listed, not stopped at the first.
-step "pytest tests (cuda active)" 3600 pytest_all.log "$py" -m pytest -q -rfE --maxfail=40 \
+step "pytest tests (cuda active)" 3600 pytest_all.log "$py" -m pytest -v -rfE --maxfail=40 "${per_test[@]}" \
     -p no:cacheprovider tests --ignore=tests/tp/test_tp_gpu.py -m "not slow"
 
 echo "gpu_check: $([ $rc -eq 0 ] && echo passed || echo FAILED)"

@@ -11,7 +11,9 @@
  *      frequency:  l = l - freq * count                    (generated, count > 0)
  *      presence:   l = l - presence                        (generated, count > 0)
  * The neutral values (bias 0, rep 1, freq 0, presence 0) leave every value's bits as they are, so
- * an id needs no test of which penalties are on. */
+ * an id needs no test of which penalties are on. Stages 1 and 3 leave a NaN logit as it is, bits
+ * and all: an operation on a NaN gives the canonical NaN on the GPU but keeps (and quiets) its
+ * payload on the CPU, so only not touching it gives every backend the same bits. */
 #ifndef METRALE_FEED_PENALTY_RULE_H
 #define METRALE_FEED_PENALTY_RULE_H
 
@@ -59,6 +61,8 @@ MF_HD void mf_penalty_store(void *row, int dtype, uint32_t i, float v) {
 
 MF_HD float mf_neg_inf(void) { return mf_from_bits(0xFF800000u); }
 
+MF_HD int mf_penalty_is_nan(float l) { return (mf_to_bits(l) & 0x7FFFFFFFu) > 0x7F800000u; }
+
 /* Stage 3 for one id of the table: `count` is its mf_penalty_entry.count. */
 MF_HD float mf_penalize(float l, const mf_penalty_slot *s, uint32_t count) {
     const uint32_t n = count & ~MF_PENALTY_PROMPT;
@@ -68,6 +72,18 @@ MF_HD float mf_penalize(float l, const mf_penalty_slot *s, uint32_t count) {
         l = mf_fsub(l, s->presence);
     }
     return l;
+}
+
+/* Stage 1 at column `col` of a row: add `bias`; a NaN is not touched (not even stored back). */
+MF_HD void mf_penalty_bias_at(void *row, int dtype, uint32_t col, float bias) {
+    const float l = mf_penalty_load(row, dtype, col);
+    if (!mf_penalty_is_nan(l)) mf_penalty_store(row, dtype, col, mf_fadd(l, bias));
+}
+
+/* Stage 3 at column `col`, for a table entry's `count`; a NaN is not touched. */
+MF_HD void mf_penalize_at(void *row, int dtype, uint32_t col, const mf_penalty_slot *s, uint32_t count) {
+    const float l = mf_penalty_load(row, dtype, col);
+    if (!mf_penalty_is_nan(l)) mf_penalty_store(row, dtype, col, mf_penalize(l, s, count));
 }
 
 /* Whether min_tokens bans the stop ids now. */

@@ -23,7 +23,7 @@ void apply_row(const mf_penalty_args &a, uint32_t r, uint32_t slot) {
         if (table[i].id - start < vocab) __builtin_prefetch(row + (size_t)(table[i].id - start) * esize, 1);
     for (uint32_t i = 0; i < s.biases; ++i) {  // 1. logit_bias
         const uint32_t col = items[i].id - start;  // wraps above vocab for ids below start
-        if (col < vocab) mf_penalty_store(row, dtype, col, mf_fadd(mf_penalty_load(row, dtype, col), items[i].value));
+        if (col < vocab) mf_penalty_bias_at(row, dtype, col, items[i].value);
     }
     if (mf_penalty_bans_stops(&s))  // 2. min_tokens
         for (uint32_t i = s.biases; i < s.biases + s.stops; ++i) {
@@ -32,7 +32,7 @@ void apply_row(const mf_penalty_args &a, uint32_t r, uint32_t slot) {
         }
     for (uint32_t i = 0; i < s.entries; ++i) {  // 3. repetition, frequency, presence
         const uint32_t col = table[i].id - start;
-        if (col < vocab) mf_penalty_store(row, dtype, col, mf_penalize(mf_penalty_load(row, dtype, col), &s, table[i].count));
+        if (col < vocab) mf_penalize_at(row, dtype, col, &s, table[i].count);
     }
 }
 

@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(kApplyThreads)
     void *row = static_cast<char *>(a.logits) + (uint64_t)r * a.row_stride * mf_dtype_size(dtype);
     for (uint32_t i = threadIdx.x; i < s.biases; i += blockDim.x) {
         const uint32_t col = items[i].id - a.start;
-        if (col < a.vocab) mf_penalty_store(row, dtype, col, mf_fadd(mf_penalty_load(row, dtype, col), items[i].value));
+        if (col < a.vocab) mf_penalty_bias_at(row, dtype, col, items[i].value);
     }
     __syncthreads();
     if (mf_penalty_bans_stops(&s))
@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kApplyThreads)
     __syncthreads();
     for (uint32_t i = threadIdx.x; i < s.entries; i += blockDim.x) {
         const uint32_t col = table[i].id - a.start;
-        if (col < a.vocab) mf_penalty_store(row, dtype, col, mf_penalize(mf_penalty_load(row, dtype, col), &s, table[i].count));
+        if (col < a.vocab) mf_penalize_at(row, dtype, col, &s, table[i].count);
     }
 }
 
