@@ -113,20 +113,23 @@ MF_HD float mf_reference_logit(uint32_t h, uint32_t v) {
     return (float)(mf_fmix32(h + v * 0x9E3779B9u) >> 8) * (1.0f / 16777216.0f);
 }
 
-/* float32 -> bfloat16 / float16 bits, round to nearest even (logits are finite, in [0, 1)). */
+/* float32 -> bfloat16 bits, round to nearest even, for finite values (infinity where they
+ * round up into it). */
 MF_HD uint16_t mf_f32_to_bf16(uint32_t bits) {
     uint32_t lsb = (bits >> 16) & 1u;
     return (uint16_t)((bits + 0x7FFFu + lsb) >> 16);
 }
 
+/* float32 bits -> float16 bits, round to nearest even, for every value: overflow to inf, NaN a
+ * quiet NaN, tiny values to subnormals or zero. */
 MF_HD uint16_t mf_f32_to_f16(uint32_t bits) {
-    /* Only for finite values in [0, 1): normal or subnormal half, no overflow. */
-    uint32_t sign = (bits >> 16) & 0x8000u;
-    int32_t exp = (int32_t)((bits >> 23) & 0xFFu) - 127 + 15;
-    uint32_t mant = bits & 0x7FFFFFu;
-    if ((bits & 0x7FFFFFFFu) == 0u) return (uint16_t)sign;
-    if (exp <= 0) { /* subnormal half: shift in the implicit bit */
-        if (exp < -10) return (uint16_t)sign;
+    uint32_t sign = (bits >> 16) & 0x8000u, mag = bits & 0x7FFFFFFFu;
+    if (mag > 0x7F800000u) return (uint16_t)(sign | 0x7E00u);
+    if (mag >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* >= 65520: rounds to inf */
+    if (mag < 0x33000001u) return (uint16_t)sign;              /* <= 2**-25: rounds to zero */
+    int32_t exp = (int32_t)(mag >> 23) - 127 + 15;
+    uint32_t mant = mag & 0x7FFFFFu;
+    if (exp <= 0) { /* a subnormal half */
         mant |= 0x800000u;
         uint32_t shift = (uint32_t)(14 - exp);
         uint32_t half = mant >> shift;

@@ -26,29 +26,6 @@ MF_HD uint16_t mf_round_bf16(uint32_t bits) {
     return mf_f32_to_bf16(bits); /* rounds up into inf when it should */
 }
 
-/* float32 bits -> float16 bits, round to nearest even, for every value: overflow to inf, NaN a
- * quiet NaN, tiny values to subnormals or zero. */
-MF_HD uint16_t mf_round_f16(uint32_t bits) {
-    uint32_t sign = (bits >> 16) & 0x8000u, mag = bits & 0x7FFFFFFFu;
-    if (mag > 0x7F800000u) return (uint16_t)(sign | 0x7E00u);
-    if (mag >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* >= 65520: rounds to inf */
-    if (mag < 0x33000001u) return (uint16_t)sign;              /* <= 2**-25: rounds to zero */
-    int32_t exp = (int32_t)(mag >> 23) - 127 + 15;
-    uint32_t mant = mag & 0x7FFFFFu;
-    if (exp <= 0) { /* a subnormal half */
-        mant |= 0x800000u;
-        uint32_t shift = (uint32_t)(14 - exp);
-        uint32_t half = mant >> shift;
-        uint32_t rem = mant & ((1u << shift) - 1u), mid = 1u << (shift - 1u);
-        if (rem > mid || (rem == mid && (half & 1u))) ++half;
-        return (uint16_t)(sign | half);
-    }
-    uint32_t half = ((uint32_t)exp << 10) | (mant >> 13);
-    uint32_t rem = mant & 0x1FFFu;
-    if (rem > 0x1000u || (rem == 0x1000u && (half & 1u))) ++half; /* carries into exp correctly */
-    return (uint16_t)(sign | half);
-}
-
 MF_HD float mf_penalty_load(const void *row, int dtype, uint32_t i) {
     return mf_from_bits(mf_logit_bits(row, dtype, i));
 }
@@ -56,7 +33,7 @@ MF_HD float mf_penalty_load(const void *row, int dtype, uint32_t i) {
 MF_HD void mf_penalty_store(void *row, int dtype, uint32_t i, float v) {
     uint32_t bits = mf_to_bits(v);
     if (dtype == 0) ((uint32_t *)row)[i] = bits;
-    else ((uint16_t *)row)[i] = dtype == 2 ? mf_round_bf16(bits) : mf_round_f16(bits);
+    else ((uint16_t *)row)[i] = dtype == 2 ? mf_round_bf16(bits) : mf_f32_to_f16(bits);
 }
 
 MF_HD float mf_neg_inf(void) { return mf_from_bits(0xFF800000u); }
