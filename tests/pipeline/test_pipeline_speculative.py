@@ -1,0 +1,290 @@
+"""DecodePipeline(..., speculative=): greedy speculative decoding gives exactly the tokens of the
+pipeline without it (and of the host oracle), whatever the drafter's acceptance; the verify
+counts match what the drafter's own rule predicts; KV blocks all come back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import metrale_feed as mf
+from metrale_feed import DecodePipeline, FeedError
+from metrale_feed.feed import NO_TOKEN
+from metrale_feed.sched.speculative import HostDrafter, NGramDrafter
+from metrale_feed.testing.drafter import ReferenceDrafter
+
+from conftest import VOCAB, greedy_tokens, model_for, prompts
+
+
+def _requests(n, seed):
+    """(prompt, max_new_tokens, stops, ban) of ``n`` requests: prompts of 1 to 20 ids, some
+    with a stop id taken from their own trajectory (so it falls inside an accepted run), some
+    with a ban."""
+    rng = random.Random(seed)
+    out = []
+    for i, p in enumerate(prompts(n, seed=seed)):
+        max_new = rng.choice([1, 2, 3, 7, 12, 19])
+        ban = (greedy_tokens(p, 1, VOCAB)[0], NO_TOKEN) if i % 4 == 3 else None
+        traj = greedy_tokens(p, max_new, VOCAB, ban=ban)
+        stops = (traj[rng.randrange(len(traj))],) if i % 3 == 0 else ()
+        out.append((p, max_new, stops, ban))
+    return out
+
+
+def _run(model, requests, speculative=None, rows=4, abort=None, **submit):
+    with DecodePipeline(model, rows, depth=1, speculative=speculative) as pipe:
+        reqs = [pipe.submit(p, max_new_tokens=m, stop_ids=s, ban=b, **submit)
+                for p, m, s, b in requests]
+        if abort is not None:
+            at, victim = abort
+            for _ in range(at):
+                pipe.step()
+            pipe.abort(reqs[victim])
+        pipe.run()
+        stats = pipe.stats.as_dict()
+    return reqs, stats
+
+
+def _drafters(k):
+    return [NGramDrafter(k), ReferenceDrafter(VOCAB, k, 0.0), ReferenceDrafter(VOCAB, k, 0.5),
+            ReferenceDrafter(VOCAB, k, 1.0)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("which", range(4), ids=["ngram", "a0", "a0.5", "a1"])
+def test_greedy_tokens_equal_the_pipeline_without_speculation(host, no_leaks, k, which):
+    requests = _requests(9, seed=k)
+    with model_for() as model:
+        plain, _ = _run(model, requests)
+        spec, stats = _run(model, requests, _drafters(k)[which])
+        assert model.pool.free_count == model.pool.num_blocks
+    for a, b, (p, m, s, ban) in zip(plain, spec, requests):
+        assert b.tokens == a.tokens == greedy_tokens(p, m, VOCAB, stops=s, ban=ban)
+        assert b.finish_reason == a.finish_reason
+        assert b.finish_reason == ("stop" if s and b.tokens[-1] in s else "length")
+    assert stats["drafted"] == k * stats["emitted"] - k * stats["accepted"]  # k a row a step
+    assert stats["emitted"] - stats["spec_discarded"] == sum(len(r.tokens) for r in spec)
+    assert stats["host_syncs"] == stats["steps"]
+
+
+def _expected_counts(drafter, requests, seed=0):
+    """Each request alone, stepped as the pipeline steps it: the accepted run of a step is the
+    drafter's leading agreeing positions; returns (drafted, accepted, emitted, discarded)."""
+    k = drafter.k
+    drafted = accepted = emitted = discarded = 0
+    for p, max_new, stops, ban in requests:
+        traj = greedy_tokens(p, max_new, VOCAB, stops=stops, ban=ban)
+        done = 0
+        while done < len(traj):
+            position = len(p) + done  # the first draft's position
+            m = 0
+            while m < k and drafter.agrees(seed, position + m):
+                m += 1
+            drafted += k
+            accepted += m
+            emitted += m + 1
+            take = min(m + 1, len(traj) - done)
+            discarded += m + 1 - take
+            done += take
+    return drafted, accepted, emitted, discarded
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
+def test_acceptance_is_the_drafters_setting(host, no_leaks, k, acceptance):
+    requests = _requests(7, seed=10 + k)
+    drafter = ReferenceDrafter(VOCAB, k, acceptance)
+    with model_for() as model:
+        spec, stats = _run(model, requests, drafter)
+        assert model.pool.free_count == model.pool.num_blocks
+    for req, (p, m, s, ban) in zip(spec, requests):
+        assert req.tokens == greedy_tokens(p, m, VOCAB, stops=s, ban=ban)
+    got = (stats["drafted"], stats["accepted"], stats["emitted"], stats["spec_discarded"])
+    assert got == _expected_counts(drafter, requests)
+    if acceptance == 1.0:
+        assert stats["accepted"] == stats["drafted"] > 0
+    if acceptance == 0.0:
+        assert stats["accepted"] == 0
+        assert stats["emitted"] == sum(len(r.tokens) for r in spec)  # one token a row a step
+
+
+def test_a_stop_inside_an_accepted_run_discards_the_rest(host, no_leaks):
+    p = [3, 1, 4, 1, 5]
+    traj = greedy_tokens(p, 10, VOCAB)
+    stop = traj[1]
+    assert stop not in traj[:1]
+    with model_for() as model:
+        spec, stats = _run(model, [(p, 10, (stop,), None), (p, 3, (), None)],
+                           ReferenceDrafter(VOCAB, 4, 1.0))
+    assert spec[0].tokens == traj[:2] and spec[0].finish_reason == "stop"
+    assert spec[1].tokens == traj[:3] and spec[1].finish_reason == "length"
+    # One step each: 5 emitted, 2 and 3 kept.
+    assert stats["steps"] == 1 and stats["emitted"] == 10 and stats["spec_discarded"] == 5
+
+
+def test_an_abort_between_verify_steps(host, no_leaks):
+    requests = [(p, 19, (), None) for p in prompts(4, seed=3)]
+    with model_for() as model:
+        spec, stats = _run(model, requests, ReferenceDrafter(VOCAB, 2, 0.5), abort=(2, 1))
+        assert model.pool.free_count == model.pool.num_blocks
+    for i, (req, (p, m, s, ban)) in enumerate(zip(spec, requests)):
+        traj = greedy_tokens(p, m, VOCAB)
+        if i == 1:
+            assert req.finish_reason == "abort"
+            assert 2 <= len(req.tokens) < m and req.tokens == traj[:len(req.tokens)]
+        else:
+            assert req.tokens == traj and req.finish_reason == "length"
+
+
+def test_preemption_with_a_small_pool_keeps_the_tokens(host, no_leaks):
+    requests = [(p, 12, (), None) for p in prompts(6, seed=8, lo=5, hi=12)]
+    with model_for(num_blocks=14) as model:
+        spec, stats = _run(model, requests, ReferenceDrafter(VOCAB, 4, 0.5))
+        assert model.pool.free_count == model.pool.num_blocks
+    assert stats["preemptions"] > 0
+    for req, (p, m, s, ban) in zip(spec, requests):
+        assert req.tokens == greedy_tokens(p, m, VOCAB)
+
+
+def test_sampled_rows_with_top_k_1_are_the_greedy_tokens(host, no_leaks):
+    # top_k = 1 leaves the argmax alone: a draft is accepted exactly when it is the argmax,
+    # and a rejection draws the argmax, so the sampled rule gives the greedy tokens.
+    requests = [(p, 9, (), None) for p in prompts(4, seed=5)]
+    with model_for() as model:
+        spec, stats = _run(model, requests, ReferenceDrafter(VOCAB, 3, 0.5), temperature=0.7,
+                           top_k=1, seed=3)
+    for req, (p, m, s, ban) in zip(spec, requests):
+        assert req.tokens == greedy_tokens(p, m, VOCAB)
+    assert 0 < stats["accepted"] < stats["drafted"]
+
+
+def test_sampled_rows_are_reproducible_and_in_the_vocabulary(host, no_leaks):
+    requests = [(p, 8, (), None) for p in prompts(3, seed=6)]
+    runs = []
+    for rows in (1, 3):  # alone or batched: the same draws
+        with model_for() as model:
+            spec, _ = _run(model, requests, ReferenceDrafter(VOCAB, 2, 0.5), rows=rows,
+                           temperature=1.0, seed=11)
+        runs.append([r.tokens for r in spec])
+    assert runs[0] == runs[1]
+    assert all(len(t) == 8 and all(0 <= x < VOCAB for x in t) for t in runs[0])
+
+
+def test_simt_gives_the_host_tokens(simt, no_leaks):
+    requests = _requests(4, seed=2)
+    with model_for() as model:
+        spec, stats = _run(model, requests, ReferenceDrafter(VOCAB, 2, 0.5))
+    for req, (p, m, s, ban) in zip(spec, requests):
+        assert req.tokens == greedy_tokens(p, m, VOCAB, stops=s, ban=ban)
+    assert stats["accepted"] > 0
+
+
+def test_the_ngram_lookup_against_a_brute_force_oracle():
+    rng = random.Random(0)
+    drafter = NGramDrafter(3, max_n=3, min_n=1)
+    for _ in range(300):
+        h = [rng.randrange(4) for _ in range(rng.randint(1, 12))]
+        want = [NO_TOKEN] * 3
+        for n in (3, 2, 1):
+            if n >= len(h):
+                continue
+            hits = [s for s in range(len(h) - n) if h[s:s + n] == h[-n:]]
+            if hits:
+                found = h[hits[-1] + n:hits[-1] + n + 3]
+                want = found + [NO_TOKEN] * (3 - len(found))
+                break
+        assert drafter.lookup(h, 3) == want
+    drafter.close()
+
+
+def test_the_ngram_drafter_accepts_what_the_model_repeats(host, no_leaks):
+    # A prompt s + [x] + s whose greedy next id is x: the lookup of the suffix s finds x.
+    from metrale_feed.testing.reference import host_next_token
+
+    rng = random.Random(1)
+    prompt = None
+    while prompt is None:
+        s = [rng.randrange(VOCAB) for _ in range(3)]
+        for x in range(VOCAB):
+            if host_next_token(s + [x] + s, VOCAB) == x:
+                prompt = s + [x] + s
+                break
+    with model_for() as model:
+        spec, stats = _run(model, [(prompt, 6, (), None)], NGramDrafter(1))
+    assert spec[0].tokens == greedy_tokens(prompt, 6, VOCAB)
+    assert spec[0].tokens[0] == prompt[3] and stats["accepted"] >= 1
+
+
+class _NoPropose:
+    k = 2
+
+
+class _BadK(HostDrafter):
+    def __init__(self, k):
+        super().__init__(1)
+        self.k = k
+
+    def draft(self, history, k, seed, mask):
+        return []
+
+
+@pytest.mark.parametrize("drafter, error, match", [
+    (_NoPropose(), TypeError, "propose"),
+    (object(), TypeError, "propose"),
+    (_BadK(0), ValueError, "k must be in"),
+    (_BadK(mf.MAX_DRAFTS + 1), ValueError, "k must be in"),
+    (_BadK(2.0), TypeError, "k"),
+])
+def test_a_bad_drafter_is_refused_at_construction(host, no_leaks, drafter, error, match):
+    with model_for() as model:
+        with pytest.raises(error, match=match):
+            DecodePipeline(model, 4, depth=1, speculative=drafter)
+    if isinstance(drafter, HostDrafter):
+        drafter.close()
+
+
+@pytest.mark.parametrize("k", [0, mf.MAX_DRAFTS + 1])
+def test_the_shipped_drafters_refuse_k_out_of_range(k):
+    with pytest.raises(ValueError, match="k must be in"):
+        NGramDrafter(k)
+    with pytest.raises(ValueError, match="k must be in"):
+        ReferenceDrafter(VOCAB, k, 0.5)
+
+
+def test_what_the_pipeline_cannot_run_speculatively_is_refused(host, no_leaks):
+    drafter = ReferenceDrafter(VOCAB, 4, 0.5)
+    with model_for() as model:
+        with pytest.raises(ValueError, match="depth=1"):
+            DecodePipeline(model, 4, speculative=drafter)  # depth 2, the default
+        with pytest.raises(ValueError, match="logit rows"):
+            with model_for(rows=1000) as big:
+                DecodePipeline(big, 1000, depth=1, speculative=drafter)
+        with DecodePipeline(model, 4, depth=1, speculative=drafter) as pipe:
+            with pytest.raises(ValueError, match="penalties"):
+                pipe.submit([1, 2], max_new_tokens=3, presence_penalty=0.5)
+            with pytest.raises(ValueError, match="KV blocks"):
+                pipe.submit([1] * 790, max_new_tokens=8)  # fits without the k drafted positions
+            assert pipe.idle
+    drafter.close()
+    with pytest.raises(ValueError):
+        ReferenceDrafter(1, 2, 0.5)
+    with pytest.raises(ValueError):
+        ReferenceDrafter(VOCAB, 2, 1.5)
+
+
+def test_a_model_without_a_verify_step_is_refused(host, no_leaks):
+    class Plain:
+        def __init__(self, model):
+            self._m = model
+
+        def __getattr__(self, name):
+            if name == "decode_batch_verify":
+                raise AttributeError(name)
+            return getattr(self._m, name)
+
+    drafter = NGramDrafter(2)
+    with model_for() as model:
+        with pytest.raises(TypeError, match="decode_batch_verify"):
+            DecodePipeline(Plain(model), 4, depth=1, speculative=drafter)
+    drafter.close()
