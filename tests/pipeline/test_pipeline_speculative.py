@@ -288,3 +288,114 @@ def test_a_model_without_a_verify_step_is_refused(host, no_leaks):
         with pytest.raises(TypeError, match="decode_batch_verify"):
             DecodePipeline(Plain(model), 4, depth=1, speculative=drafter)
     drafter.close()
+
+
+# ---- schedules, dtypes, graphs and faults ----
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from test_pipeline_schedules import schedules  # noqa: E402
+
+
+@settings(max_examples=80, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(schedules(), st.integers(1, 8), st.sampled_from([0.0, 0.5, 1.0]),
+       st.sampled_from([0, 0, 50]))
+def test_schedules_match_greedy_decoding_with_speculation(host, schedule, k, acceptance, lag_us):
+    """The pipeline's property schedules (random submissions between steps, stops on the first
+    token and later, bans, aborts, more requests than rows, pools that force preemption, host
+    lag, three logits dtypes) with a drafter of any k and acceptance: greedy tokens exact."""
+    from metrale_feed.testing.reference import ReferenceModel
+
+    vocab, dtype, block_size, max_rows, num_blocks, ops = schedule
+    longest = max([len(a[0]) + a[1] - 1 for kind, a in ops if kind == "submit"] + [1])
+    num_blocks = max(num_blocks, -(-(longest + k) // block_size))  # room for the k drafts
+    mf.configure_host(lag_us=lag_us)
+    before = mf.live_objects()
+    submitted = []
+    try:
+        drafter = ReferenceDrafter(vocab, k, acceptance, dtype)
+        with ReferenceModel(vocab, block_size=block_size, num_blocks=num_blocks,
+                            max_rows=max_rows, logits_dtype=dtype) as model:
+            with DecodePipeline(model, max_rows, depth=1, speculative=drafter) as pipe:
+                finished = []
+                for kind, arg in ops:
+                    if kind == "submit":
+                        prompt, max_new, stops, ban = arg
+                        req = pipe.submit(prompt, max_new_tokens=max_new, stop_ids=stops, ban=ban)
+                        submitted.append((req, arg))
+                    elif kind == "step" and not pipe.idle:
+                        finished += pipe.step()
+                    elif kind == "abort" and submitted:
+                        pipe.abort(submitted[arg % len(submitted)][0])
+                finished += pipe.run()
+                assert sorted(map(id, finished)) == sorted(id(r) for r, _ in submitted)
+                stats = pipe.stats
+                assert stats.host_syncs == stats.steps
+                assert stats.drafted == k * (stats.emitted - stats.accepted)
+                if acceptance == 0.0:
+                    assert stats.accepted == 0
+                if acceptance == 1.0:
+                    assert stats.accepted == stats.drafted
+            assert model.pool.free_count == num_blocks, "KV blocks leaked"
+        for req, (prompt, max_new, stops, ban) in submitted:
+            expected = greedy_tokens(prompt, max_new, vocab, dtype, stops=stops, ban=ban)
+            assert req.finished
+            if req.finish_reason == "abort":
+                assert req.tokens == expected[: len(req.tokens)]
+                continue
+            assert req.tokens == expected
+            assert req.finish_reason == ("stop" if req.tokens[-1] in stops else "length")
+    finally:
+        mf.configure_host()
+    import gc
+
+    gc.collect()
+    assert mf.live_objects() == before
+
+
+def test_a_graphs_model_gives_the_same_tokens(host, no_leaks):
+    requests = _requests(5, seed=9)
+    with model_for(graphs=True) as model:
+        spec, _ = _run(model, requests, ReferenceDrafter(VOCAB, 3, 0.5))
+        plain, _ = _run(model, requests)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+
+
+def test_a_fault_in_a_verify_step_fails_the_running_requests_only(host, no_leaks):
+    from metrale_feed import RequestStatus
+    from metrale_feed.testing.reference import ReferenceModel
+
+    class VerifyFault(ReferenceModel):
+        forwards = 0
+
+        def decode_batch_verify(self, input_ids, seqs, k, stream=None):
+            logits = super().decode_batch_verify(input_ids, seqs, k, stream)
+            VerifyFault.forwards += 1
+            if VerifyFault.forwards == 2:
+                def boom():
+                    raise RuntimeError("injected fault in a verify step")
+                mf.launch_host_func(stream, boom)
+            return logits
+
+    ps = prompts(5, seed=4)
+    with VerifyFault(VOCAB, block_size=4, num_blocks=120, max_rows=2) as model:
+        with DecodePipeline(model, 2, depth=1,
+                            speculative=ReferenceDrafter(VOCAB, 2, 0.5)) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=12) for p in ps]
+            pipe.step()
+            with pytest.raises(FeedError, match="injected fault"):
+                pipe.step()
+            failed = [r for r in reqs if r.status is RequestStatus.FINISHED_ERROR]
+            assert failed == reqs[:2] and all("injected fault" in r.error for r in failed)
+            assert all(r.status is RequestStatus.WAITING for r in reqs[2:])
+            pipe.run()
+        assert model.pool.free_count == model.pool.num_blocks
+    for req, p in zip(reqs, ps):
+        want = greedy_tokens(p, 12, VOCAB)
+        if req.finish_reason == "error":
+            assert 1 <= len(req.tokens) < 12 and req.tokens == want[: len(req.tokens)]
+        else:
+            assert req.tokens == want and req.finish_reason == "length"
