@@ -171,12 +171,14 @@ def test_sampled_rows_are_reproducible_and_in_the_vocabulary(host, no_leaks):
     assert all(len(t) == 8 and all(0 <= x < VOCAB for x in t) for t in runs[0])
 
 
-def test_simt_gives_the_host_tokens(simt, no_leaks):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_backend_gives_the_greedy_tokens(backend, no_leaks, dtype):
     requests = _requests(4, seed=2)
-    with model_for() as model:
-        spec, stats = _run(model, requests, ReferenceDrafter(VOCAB, 2, 0.5))
+    with model_for(logits_dtype=dtype) as model:
+        spec, stats = _run(model, requests, ReferenceDrafter(VOCAB, 2, 0.5, dtype))
+        assert model.pool.free_count == model.pool.num_blocks
     for req, (p, m, s, ban) in zip(spec, requests):
-        assert req.tokens == greedy_tokens(p, m, VOCAB, stops=s, ban=ban)
+        assert req.tokens == greedy_tokens(p, m, VOCAB, dtype, stops=s, ban=ban)
     assert stats["accepted"] > 0
 
 
