@@ -401,3 +401,54 @@ def test_a_fault_in_a_verify_step_fails_the_running_requests_only(host, no_leaks
             assert 1 <= len(req.tokens) < 12 and req.tokens == want[: len(req.tokens)]
         else:
             assert req.tokens == want and req.finish_reason == "length"
+
+
+class _Garbage(HostDrafter):
+    """Drafts no model would accept: ids past the vocabulary, NO_TOKEN first on odd rows."""
+
+    def draft(self, history, k, seed, mask):
+        if len(history) % 2:
+            return [NO_TOKEN] + [VOCAB + 7] * (k - 1)
+        return [VOCAB + j for j in range(k)]
+
+
+def test_placeholder_and_out_of_vocabulary_drafts_are_never_accepted(host, no_leaks):
+    requests = _requests(6, seed=12)
+    with model_for() as model:
+        spec, stats = _run(model, requests, _Garbage(3))
+        assert model.pool.free_count == model.pool.num_blocks
+    for req, (p, m, s, ban) in zip(spec, requests):
+        assert req.tokens == greedy_tokens(p, m, VOCAB, stops=s, ban=ban)
+    assert stats["accepted"] == 0 and stats["emitted"] == sum(len(r.tokens) for r in spec)
+
+
+class _Aborting(ReferenceDrafter):
+    """Aborts a request from inside a step (its verify step about to run): the abort is
+    posted and applies when the step ends."""
+
+    pipe = victim = None
+    calls = 0
+
+    def propose(self, batch, out, stream):
+        _Aborting.calls += 1
+        if _Aborting.calls == 3:
+            self.pipe.abort(self.victim)
+            assert not self.victim.finished  # posted: the step in progress is not disturbed
+        super().propose(batch, out, stream)
+
+
+def test_an_abort_posted_while_a_verify_step_runs(host, no_leaks):
+    ps = prompts(3, seed=13)
+    drafter = _Aborting(VOCAB, 2, 0.5)
+    _Aborting.calls = 0
+    with model_for() as model:
+        with DecodePipeline(model, 4, depth=1, speculative=drafter) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=15) for p in ps]
+            drafter.pipe, drafter.victim = pipe, reqs[0]
+            pipe.run()
+        assert model.pool.free_count == model.pool.num_blocks
+    assert reqs[0].finish_reason == "abort"
+    assert 3 <= len(reqs[0].tokens) < 15
+    assert reqs[0].tokens == greedy_tokens(ps[0], 15, VOCAB)[: len(reqs[0].tokens)]
+    for req, p in zip(reqs[1:], ps[1:]):
+        assert req.tokens == greedy_tokens(p, 15, VOCAB) and req.finish_reason == "length"

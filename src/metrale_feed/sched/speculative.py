@@ -358,7 +358,8 @@ class SpeculativeStep:
             sources.append(source)
             sources.extend(FeedSource.feed(r * k + j) for j in range(k))
         _core.resolve_feed(sources, self.drafts, self.fed, stream, prev_rows=n_rows * k)
-        logits = pipe.model.decode_batch_verify(self.fed, [r._seq for r in rows], k, stream)
+        model: Any = pipe.model  # a verify-capable model (checked at construction)
+        logits = model.decode_batch_verify(self.fed, [r._seq for r in rows], k, stream)
         vmasks = None
         if any(r._ban is not None for r in rows):
             vmasks = [m for m in masks for _ in range(k + 1)]  # one pair per logit row
@@ -373,7 +374,6 @@ class SpeculativeStep:
                 params[field] = [getattr(r, field) for r in rows]
             params["position"] = [len(h) for h in histories]  # the first emitted id's position
         words = n_rows * (k + 2)
-        model = pipe.model
         _core.verify_to_feed(logits, self.drafts, self.cells, self.dst, self.done, stream, k=k,
                              masks=vmasks, params=params, rows=n_rows, vocab=pipe.vocab,
                              dtype=model.feed_logits_dtype,
