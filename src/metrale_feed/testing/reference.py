@@ -280,7 +280,7 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         return self._forward(slot, len(seqs), stream)
 
     def decode_batch_verify(self, input_ids: Any, seqs: Sequence[SequenceState], k: int,
-                            stream: Any = None) -> int:
+                            stream: Any = None, advance: Any = None) -> int:
         """A speculative step's forward over ``k + 1`` positions a row (docs/speculative.md).
 
         Row ``r`` reads its ids from the device array ``input_ids`` at ``r * (k + 1) + j`` (its
@@ -299,6 +299,11 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
             Drafts a row, at least 1; ``len(seqs) * (k + 1)`` at most ``MAX_ROWS``.
         stream : Stream, int or stream-like, optional
             Default: the model's stream.
+        advance : DeviceBuffer, int, or device array, optional
+            ``len(seqs)`` uint32, each at most ``k + 1`` (the last verify's ``n``, from
+            ``resolve_verified``), read when the forward runs: row ``r``'s positions start at
+            ``seq.seq_len + advance[r]``, so a step is launched before the host knows how far
+            the last one advanced. The block tables must then cover ``seq.seq_len + 2k + 1``.
 
         Returns
         -------
@@ -320,10 +325,11 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         if k < 1 or not 1 <= rows * (k + 1) <= _core.MAX_ROWS:
             raise ValueError(f"a verify step takes 1 to {_core.MAX_ROWS} positions and k >= 1, "
                              f"got {rows} rows and k={k}")
+        reach = k if advance is None else 2 * k + 1  # the last position a row may write
         for seq in seqs:
-            if (seq.seq_len + k) // self.block_size >= len(seq.block_table):
+            if (seq.seq_len + reach) // self.block_size >= len(seq.block_table):
                 raise ValueError(f"the block table of {seq!r} does not cover position "
-                                 f"{seq.seq_len + k}: reserve the k + 1 positions first")
+                                 f"{seq.seq_len + reach}: reserve the positions first")
         self._flush_graph_step()
         need = max(1, rows * (k + 1) * self._width * _ITEMSIZE[self.feed_logits_dtype])
         if self._verify_logits is None or self._verify_logits.nbytes < need:
@@ -347,7 +353,8 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
             _core.reference_forward(input_ids, slot.dev[1], slot.dev[2], self.kv, kv_slots,
                                     self.block_size, n, max(self._width, 1),
                                     self.feed_logits_dtype, out, stream,
-                                    start=self._start if out is not None else 0)
+                                    start=self._start if out is not None else 0,
+                                    advance=advance, advance_group=k + 1)
         return self._verify_logits.ptr
 
     def prefill(self, seq: SequenceState, ids: Sequence[int], stream: Any = None) -> None:
