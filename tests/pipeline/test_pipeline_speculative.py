@@ -32,8 +32,8 @@ def _requests(n, seed):
     return out
 
 
-def _run(model, requests, speculative=None, rows=4, abort=None, **submit):
-    with DecodePipeline(model, rows, depth=1, speculative=speculative) as pipe:
+def _run(model, requests, speculative=None, rows=4, abort=None, depth=1, **submit):
+    with DecodePipeline(model, rows, depth=depth, speculative=speculative) as pipe:
         reqs = [pipe.submit(p, max_new_tokens=m, stop_ids=s, ban=b, **submit)
                 for p, m, s, b in requests]
         if abort is not None:
@@ -51,13 +51,14 @@ def _drafters(k):
             ReferenceDrafter(VOCAB, k, 1.0)]
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("which", range(4), ids=["ngram", "a0", "a0.5", "a1"])
-def test_greedy_tokens_equal_the_pipeline_without_speculation(host, no_leaks, k, which):
+def test_greedy_tokens_equal_the_pipeline_without_speculation(host, no_leaks, k, which, depth):
     requests = _requests(9, seed=k)
     with model_for() as model:
-        plain, _ = _run(model, requests)
-        spec, stats = _run(model, requests, _drafters(k)[which])
+        plain, _ = _run(model, requests, depth=depth)
+        spec, stats = _run(model, requests, _drafters(k)[which], depth=depth)
         assert model.pool.free_count == model.pool.num_blocks
     for a, b, (p, m, s, ban) in zip(plain, spec, requests):
         assert b.tokens == a.tokens == greedy_tokens(p, m, VOCAB, stops=s, ban=ban)
@@ -66,6 +67,7 @@ def test_greedy_tokens_equal_the_pipeline_without_speculation(host, no_leaks, k,
     assert stats["drafted"] == k * stats["emitted"] - k * stats["accepted"]  # k a row a step
     assert stats["emitted"] - stats["spec_discarded"] == sum(len(r.tokens) for r in spec)
     assert stats["host_syncs"] == stats["steps"]
+    assert (stats["ahead_launches"] > 0) == (depth == 2)
 
 
 def _expected_counts(drafter, requests, seed=0):
@@ -90,13 +92,16 @@ def _expected_counts(drafter, requests, seed=0):
     return drafted, accepted, emitted, discarded
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
-def test_acceptance_is_the_drafters_setting(host, no_leaks, k, acceptance):
+def test_acceptance_is_the_drafters_setting(host, no_leaks, k, acceptance, depth):
+    # At depth 2 the reference drafter drafts after what the step in flight will commit (the
+    # rule is known on the host), so every committed step is the one of depth 1.
     requests = _requests(7, seed=10 + k)
     drafter = ReferenceDrafter(VOCAB, k, acceptance)
     with model_for() as model:
-        spec, stats = _run(model, requests, drafter)
+        spec, stats = _run(model, requests, drafter, depth=depth)
         assert model.pool.free_count == model.pool.num_blocks
     for req, (p, m, s, ban) in zip(spec, requests):
         assert req.tokens == greedy_tokens(p, m, VOCAB, stops=s, ban=ban)
@@ -109,24 +114,30 @@ def test_acceptance_is_the_drafters_setting(host, no_leaks, k, acceptance):
         assert stats["emitted"] == sum(len(r.tokens) for r in spec)  # one token a row a step
 
 
-def test_a_stop_inside_an_accepted_run_discards_the_rest(host, no_leaks):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_stop_inside_an_accepted_run_discards_the_rest(host, no_leaks, depth):
     p = [3, 1, 4, 1, 5]
     traj = greedy_tokens(p, 10, VOCAB)
     stop = traj[1]
     assert stop not in traj[:1]
     with model_for() as model:
         spec, stats = _run(model, [(p, 10, (stop,), None), (p, 3, (), None)],
-                           ReferenceDrafter(VOCAB, 4, 1.0))
+                           ReferenceDrafter(VOCAB, 4, 1.0), depth=depth)
+        assert model.pool.free_count == model.pool.num_blocks
     assert spec[0].tokens == traj[:2] and spec[0].finish_reason == "stop"
     assert spec[1].tokens == traj[:3] and spec[1].finish_reason == "length"
-    # One step each: 5 emitted, 2 and 3 kept.
-    assert stats["steps"] == 1 and stats["emitted"] == 10 and stats["spec_discarded"] == 5
+    # One step each: 5 emitted, 2 and 3 kept; at depth 2 a second step was launched before
+    # the first one's counts were read, and both its rows are thrown away.
+    assert stats["steps"] == depth and stats["emitted"] == 10 and stats["spec_discarded"] == 5
+    assert stats["rows_discarded"] == 2 * (depth - 1)
 
 
-def test_an_abort_between_verify_steps(host, no_leaks):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_an_abort_between_verify_steps(host, no_leaks, depth):
     requests = [(p, 19, (), None) for p in prompts(4, seed=3)]
     with model_for() as model:
-        spec, stats = _run(model, requests, ReferenceDrafter(VOCAB, 2, 0.5), abort=(2, 1))
+        spec, stats = _run(model, requests, ReferenceDrafter(VOCAB, 2, 0.5), abort=(2, 1),
+                           depth=depth)
         assert model.pool.free_count == model.pool.num_blocks
     for i, (req, (p, m, s, ban)) in enumerate(zip(spec, requests)):
         traj = greedy_tokens(p, m, VOCAB)
@@ -137,10 +148,11 @@ def test_an_abort_between_verify_steps(host, no_leaks):
             assert req.tokens == traj and req.finish_reason == "length"
 
 
-def test_preemption_with_a_small_pool_keeps_the_tokens(host, no_leaks):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_preemption_with_a_small_pool_keeps_the_tokens(host, no_leaks, depth):
     requests = [(p, 12, (), None) for p in prompts(6, seed=8, lo=5, hi=12)]
     with model_for(num_blocks=14) as model:
-        spec, stats = _run(model, requests, ReferenceDrafter(VOCAB, 4, 0.5))
+        spec, stats = _run(model, requests, ReferenceDrafter(VOCAB, 4, 0.5), depth=depth)
         assert model.pool.free_count == model.pool.num_blocks
     assert stats["preemptions"] > 0
     for req, (p, m, s, ban) in zip(spec, requests):
@@ -171,11 +183,12 @@ def test_sampled_rows_are_reproducible_and_in_the_vocabulary(host, no_leaks):
     assert all(len(t) == 8 and all(0 <= x < VOCAB for x in t) for t in runs[0])
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_backend_gives_the_greedy_tokens(backend, no_leaks, dtype):
+def test_every_backend_gives_the_greedy_tokens(backend, no_leaks, dtype, depth):
     requests = _requests(4, seed=2)
     with model_for(logits_dtype=dtype) as model:
-        spec, stats = _run(model, requests, ReferenceDrafter(VOCAB, 2, 0.5, dtype))
+        spec, stats = _run(model, requests, ReferenceDrafter(VOCAB, 2, 0.5, dtype), depth=depth)
         assert model.pool.free_count == model.pool.num_blocks
     for req, (p, m, s, ban) in zip(spec, requests):
         assert req.tokens == greedy_tokens(p, m, VOCAB, dtype, stops=s, ban=ban)
@@ -257,8 +270,6 @@ def test_the_shipped_drafters_refuse_k_out_of_range(k):
 def test_what_the_pipeline_cannot_run_speculatively_is_refused(host, no_leaks):
     drafter = ReferenceDrafter(VOCAB, 4, 0.5)
     with model_for() as model:
-        with pytest.raises(ValueError, match="depth=1"):
-            DecodePipeline(model, 4, speculative=drafter)  # depth 2, the default
         with pytest.raises(ValueError, match="logit rows"):
             with model_for(rows=1000) as big:
                 DecodePipeline(big, 1000, depth=1, speculative=drafter)
@@ -268,6 +279,11 @@ def test_what_the_pipeline_cannot_run_speculatively_is_refused(host, no_leaks):
             with pytest.raises(ValueError, match="KV blocks"):
                 pipe.submit([1] * 790, max_new_tokens=8)  # fits without the k drafted positions
             assert pipe.idle
+        with DecodePipeline(model, 4, speculative=drafter) as pipe:  # depth 2, the default
+            with pytest.raises(ValueError, match="depth=1"):
+                pipe.submit([1, 2], max_new_tokens=3, temperature=0.5)
+            with pytest.raises(ValueError, match="KV blocks"):  # 2k + 1 positions ahead
+                pipe.submit([1] * 788, max_new_tokens=8)
     drafter.close()
     with pytest.raises(ValueError):
         ReferenceDrafter(1, 2, 0.5)
@@ -304,8 +320,9 @@ from test_pipeline_schedules import schedules  # noqa: E402
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.function_scoped_fixture])
 @given(schedules(), st.integers(1, 8), st.sampled_from([0.0, 0.5, 1.0]),
-       st.sampled_from([0, 0, 50]))
-def test_schedules_match_greedy_decoding_with_speculation(host, schedule, k, acceptance, lag_us):
+       st.sampled_from([0, 0, 50]), st.sampled_from([1, 2]))
+def test_schedules_match_greedy_decoding_with_speculation(host, schedule, k, acceptance, lag_us,
+                                                          depth):
     """The pipeline's property schedules (random submissions between steps, stops on the first
     token and later, bans, aborts, more requests than rows, pools that force preemption, host
     lag, three logits dtypes) with a drafter of any k and acceptance: greedy tokens exact."""
@@ -313,7 +330,8 @@ def test_schedules_match_greedy_decoding_with_speculation(host, schedule, k, acc
 
     vocab, dtype, block_size, max_rows, num_blocks, ops = schedule
     longest = max([len(a[0]) + a[1] - 1 for kind, a in ops if kind == "submit"] + [1])
-    num_blocks = max(num_blocks, -(-(longest + k) // block_size))  # room for the k drafts
+    reach = k if depth == 1 else 2 * k + 1  # positions a step may write past the committed
+    num_blocks = max(num_blocks, -(-(longest + reach) // block_size))
     mf.configure_host(lag_us=lag_us)
     before = mf.live_objects()
     submitted = []
@@ -321,7 +339,7 @@ def test_schedules_match_greedy_decoding_with_speculation(host, schedule, k, acc
         drafter = ReferenceDrafter(vocab, k, acceptance, dtype)
         with ReferenceModel(vocab, block_size=block_size, num_blocks=num_blocks,
                             max_rows=max_rows, logits_dtype=dtype) as model:
-            with DecodePipeline(model, max_rows, depth=1, speculative=drafter) as pipe:
+            with DecodePipeline(model, max_rows, depth=depth, speculative=drafter) as pipe:
                 finished = []
                 for kind, arg in ops:
                     if kind == "submit":
@@ -358,23 +376,25 @@ def test_schedules_match_greedy_decoding_with_speculation(host, schedule, k, acc
     assert mf.live_objects() == before
 
 
-def test_a_graphs_model_gives_the_same_tokens(host, no_leaks):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_graphs_model_gives_the_same_tokens(host, no_leaks, depth):
     requests = _requests(5, seed=9)
     with model_for(graphs=True) as model:
-        spec, _ = _run(model, requests, ReferenceDrafter(VOCAB, 3, 0.5))
+        spec, _ = _run(model, requests, ReferenceDrafter(VOCAB, 3, 0.5), depth=depth)
         plain, _ = _run(model, requests)
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
 
 
-def test_a_fault_in_a_verify_step_fails_the_running_requests_only(host, no_leaks):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_fault_in_a_verify_step_fails_the_running_requests_only(host, no_leaks, depth):
     from metrale_feed import RequestStatus
     from metrale_feed.testing.reference import ReferenceModel
 
     class VerifyFault(ReferenceModel):
         forwards = 0
 
-        def decode_batch_verify(self, input_ids, seqs, k, stream=None):
-            logits = super().decode_batch_verify(input_ids, seqs, k, stream)
+        def decode_batch_verify(self, input_ids, seqs, k, stream=None, advance=None):
+            logits = super().decode_batch_verify(input_ids, seqs, k, stream, advance)
             VerifyFault.forwards += 1
             if VerifyFault.forwards == 2:
                 def boom():
@@ -382,9 +402,10 @@ def test_a_fault_in_a_verify_step_fails_the_running_requests_only(host, no_leaks
                 mf.launch_host_func(stream, boom)
             return logits
 
+    VerifyFault.forwards = 0
     ps = prompts(5, seed=4)
     with VerifyFault(VOCAB, block_size=4, num_blocks=120, max_rows=2) as model:
-        with DecodePipeline(model, 2, depth=1,
+        with DecodePipeline(model, 2, depth=depth,
                             speculative=ReferenceDrafter(VOCAB, 2, 0.5)) as pipe:
             reqs = [pipe.submit(p, max_new_tokens=12) for p in ps]
             pipe.step()
@@ -412,10 +433,11 @@ class _Garbage(HostDrafter):
         return [VOCAB + j for j in range(k)]
 
 
-def test_placeholder_and_out_of_vocabulary_drafts_are_never_accepted(host, no_leaks):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_placeholder_and_out_of_vocabulary_drafts_are_never_accepted(host, no_leaks, depth):
     requests = _requests(6, seed=12)
     with model_for() as model:
-        spec, stats = _run(model, requests, _Garbage(3))
+        spec, stats = _run(model, requests, _Garbage(3), depth=depth)
         assert model.pool.free_count == model.pool.num_blocks
     for req, (p, m, s, ban) in zip(spec, requests):
         assert req.tokens == greedy_tokens(p, m, VOCAB, stops=s, ban=ban)
@@ -437,18 +459,36 @@ class _Aborting(ReferenceDrafter):
         super().propose(batch, out, stream)
 
 
-def test_an_abort_posted_while_a_verify_step_runs(host, no_leaks):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_an_abort_posted_while_a_verify_step_runs(host, no_leaks, depth):
     ps = prompts(3, seed=13)
     drafter = _Aborting(VOCAB, 2, 0.5)
     _Aborting.calls = 0
     with model_for() as model:
-        with DecodePipeline(model, 4, depth=1, speculative=drafter) as pipe:
+        with DecodePipeline(model, 4, depth=depth, speculative=drafter) as pipe:
             reqs = [pipe.submit(p, max_new_tokens=15) for p in ps]
             drafter.pipe, drafter.victim = pipe, reqs[0]
             pipe.run()
         assert model.pool.free_count == model.pool.num_blocks
     assert reqs[0].finish_reason == "abort"
-    assert 3 <= len(reqs[0].tokens) < 15
+    assert 2 <= len(reqs[0].tokens) < 15
     assert reqs[0].tokens == greedy_tokens(ps[0], 15, VOCAB)[: len(reqs[0].tokens)]
     for req, p in zip(reqs[1:], ps[1:]):
         assert req.tokens == greedy_tokens(p, 15, VOCAB) and req.finish_reason == "length"
+
+
+def test_depth_2_needs_a_verify_step_that_takes_the_advance(host, no_leaks, greedy):
+    from metrale_feed.testing.reference import ReferenceModel
+
+    class NoAdvance(ReferenceModel):
+        def decode_batch_verify(self, input_ids, seqs, k, stream=None):
+            return super().decode_batch_verify(input_ids, seqs, k, stream)
+
+    drafter = ReferenceDrafter(VOCAB, 2, 0.5)
+    with NoAdvance(VOCAB, block_size=4, num_blocks=50, max_rows=2) as model:
+        with pytest.raises(TypeError, match="advance"):
+            DecodePipeline(model, 2, depth=2, speculative=drafter)
+        with DecodePipeline(model, 2, depth=1, speculative=drafter) as pipe:
+            req = pipe.submit([4, 5], max_new_tokens=6)
+            pipe.run()
+    assert req.tokens == greedy([4, 5], 6, VOCAB)

@@ -375,9 +375,10 @@ class DecodePipeline:
         row (``drafter.k``), the model's ``decode_batch_verify`` runs the ``k + 1`` positions of
         every row in one forward, ``verify_to_feed`` keeps the accepted run, and the run is
         committed up to a stop or ``max_new_tokens``. Greedy requests get exactly the tokens of
-        decoding without it. Needs ``depth=1`` (each verify step is settled before the next is
-        drafted), a model with ``block_size`` and ``pool``, no shard, and requests without
-        penalties. Default None: one token a row a step.
+        decoding without it. At depth 2 the next verify step is launched before the last one's
+        counts are read (its inputs and positions come from the device). Needs a model with
+        ``block_size`` and ``pool``, no shard, requests without penalties, and greedy requests
+        at depth 2. Default None: one token a row a step.
 
     Raises
     ------
@@ -502,7 +503,7 @@ class DecodePipeline:
                     self._debug.close()
                 raise
             self._view = _SpecView
-            self._extra_positions = self._spec.k
+            self._extra_positions = self._spec.reach
 
     # ---- submission ----
 
@@ -630,6 +631,9 @@ class DecodePipeline:
         if pen is not None and self._spec is not None:
             raise ValueError("penalties (and min_tokens) are not applied with speculative decoding "
                              "yet: submit the request without them")
+        if sampling[0] > 0.0 and self._spec is not None and self.depth == 2:
+            raise ValueError("a sampled request with speculative decoding needs depth=1 (its "
+                             "draws' positions would be known on the device only)")
         if sampling[0] > 0.0 and not self._can_sample:
             raise FeedError(f"{type(self.model).__name__} has no sample_batch_to_feed: a request "
                             f"with temperature > 0 cannot run on it")
@@ -680,7 +684,8 @@ class DecodePipeline:
     @property
     def idle(self) -> bool:
         """Nothing waiting (or posted by another thread), running or in flight."""
-        return not (self._inbox or self._waiting or self._running or self._inflight)
+        return not (self._inbox or self._waiting or self._running or self._inflight
+                    or (self._spec is not None and self._spec.inflight))
 
     def step(self) -> List[Request]:
         """Advance one step: launch (up to ``depth`` in flight), then read the oldest.
@@ -704,8 +709,13 @@ class DecodePipeline:
                 raise FeedError("the pipeline is closed")
             self._drain()
             try:
-                if self._spec is not None:
-                    ran = self._spec.step()
+                spec = self._spec
+                if spec is not None:
+                    while len(spec.inflight) < self.depth and spec.launch():
+                        pass
+                    ran = bool(spec.inflight)
+                    if ran:
+                        spec.await_oldest()
                 else:
                     while len(self._inflight) < self.depth and self._launch():
                         pass
@@ -1106,6 +1116,8 @@ class DecodePipeline:
                     del table[key]
         req._bound = -1
         self._discard_in_flight(req)
+        if self._spec is not None:
+            self._spec.discard(req)
         self._release(req)
         if self._pen is not None:
             self._pen.leave(req)

@@ -71,6 +71,19 @@ class ReferenceDrafter(HostDrafter):
         """Whether the draft at ``position`` is the rule's id, for a request's ``seed``."""
         return (_mix(seed, position, 1) >> 11) < self._threshold
 
+    def after(self, history: Sequence[int], drafts: Sequence[int], seed: int,
+              mask: Tuple[int, int]) -> List[int]:
+        """The history once the greedy verify of ``drafts`` after ``history`` is committed: the
+        drafts the rule agrees with, then the rule's own id (the reference rule is known on the
+        host). So at depth 2 the drafts are those of depth 1."""
+        h = list(history)
+        for draft in list(drafts) + [None]:
+            rule = host_next_token(h, self.vocab, self.dtype, tuple(mask))
+            h.append(rule)
+            if draft != rule:
+                break
+        return h
+
     def draft(self, history: Sequence[int], k: int, seed: int = 0,
               mask: Tuple[int, int] = (NO_TOKEN, NO_TOKEN)) -> List[int]:
         """The ``k`` drafts after ``history`` (the input id last) for a request's ``seed``."""
