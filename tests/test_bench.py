@@ -153,6 +153,8 @@ def test_speculative(record):
         assert all(positive(v[name]) for name in ("argmax_ms", "verify_ms", "ratio"))
     p = spec["pipeline"]
     assert p["same_tokens"] is True and p["host_syncs_equal_steps"] is True
-    assert all(positive(p[f"{name}_tps"]) for name in ("speculative", "plain_depth_1", "plain_depth_2"))
+    assert all(positive(p[f"{name}_tps"]) for name in ("speculative", "speculative_depth_2",
+                                                       "plain_depth_1", "plain_depth_2"))
+    assert p["depth_2_host_syncs"] == p["depth_2_steps"] > 0
     assert p["speculative_steps"] < p["plain_depth_1_steps"]  # acceptance 0.8 saves steps
     assert 0.3 < p["accepted_fraction"] < 0.9  # k = 4 at 0.8: 59 % in theory

@@ -342,7 +342,7 @@ class SpeculativeStep:
 
     def __init__(self, pipe: "DecodePipeline", drafter: Any) -> None:
         k = check_drafter(drafter)
-        model = pipe.model
+        model: Any = pipe.model
         if not callable(getattr(model, "decode_batch_verify", None)):
             raise TypeError(f"speculative decoding needs a model with decode_batch_verify(input_ids, "
                             f"seqs, k, stream); {type(model).__name__} has none")
@@ -464,9 +464,9 @@ class SpeculativeStep:
                                         masks, at), slot.drafts, stream)
         # The fed ids, gathered on the device: row r's input, then its k drafts.
         sources: List[int] = []
-        for r in range(n_rows):
-            sources.append(FeedSource.feed(n_rows * k + r))
-            sources.extend(FeedSource.feed(r * k + j) for j in range(k))
+        for row in range(n_rows):
+            sources.append(FeedSource.feed(n_rows * k + row))
+            sources.extend(FeedSource.feed(row * k + j) for j in range(k))
         _core.resolve_feed(sources, slot.drafts, slot.fed, stream, prev_rows=n_rows * (k + 1))
         model: Any = pipe.model  # a verify-capable model (checked at construction)
         extra = {"advance": slot.advance} if advanced else {}
