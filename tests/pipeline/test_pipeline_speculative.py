@@ -492,3 +492,29 @@ def test_depth_2_needs_a_verify_step_that_takes_the_advance(host, no_leaks, gree
             req = pipe.submit([4, 5], max_new_tokens=6)
             pipe.run()
     assert req.tokens == greedy([4, 5], 6, VOCAB)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_kv_blocks_hold_the_committed_positions_after_every_step(host, no_leaks, depth):
+    """After each step's commit a running request keeps the blocks of its committed KV and, at
+    depth 2 while it is in the step in flight, of the k + 1 positions that step writes; the
+    rejected positions' blocks are back in the pool."""
+    k, bs = 4, 2
+    drafter = ReferenceDrafter(VOCAB, k, 0.3)
+    with model_for(block_size=bs, num_blocks=400) as model:
+        with DecodePipeline(model, 4, depth=depth, speculative=drafter) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=30) for p in prompts(4, seed=21)]
+            while not pipe.idle:
+                pipe.step()
+                held = 0
+                for req in reqs:
+                    if req.finished:
+                        continue
+                    written = req._base + (k + 1 if depth == 2 else 0)
+                    assert len(req._seq.block_table) == -(-written // bs)
+                    held += len(req._seq.block_table)
+                assert model.pool.num_blocks - model.pool.free_count == held
+            assert pipe.stats.spec_blocks_returned > 0
+        assert model.pool.free_count == model.pool.num_blocks
+    for req, p in zip(reqs, prompts(4, seed=21)):
+        assert req.tokens == greedy_tokens(p, 30, VOCAB)
