@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 import pytest
 
 import metrale_feed as mf
@@ -518,3 +520,45 @@ def test_kv_blocks_hold_the_committed_positions_after_every_step(host, no_leaks,
         assert model.pool.free_count == model.pool.num_blocks
     for req, p in zip(reqs, prompts(4, seed=21)):
         assert req.tokens == greedy_tokens(p, 30, VOCAB)
+
+
+def _sampled_spec_tokens(prompt, max_new, drafter, *, temperature, top_k=0, top_p=1.0, seed=0):
+    """The oracle of a sampled request alone: each step, the drafter's drafts, the reference
+    logits of its k + 1 positions (``host_logits``), one host ``verify_to_feed`` row with the
+    params' position at the first emitted id; the emitted ids committed up to max_new."""
+    from metrale_feed.testing.reference import host_logits
+
+    k, history, out = drafter.k, list(prompt), []
+    with mf.DeviceBuffer((k + 1) * VOCAB * 4) as logits, mf.DeviceBuffer((k + 2) * 4) as cells, \
+            mf.Event() as done:
+        while len(out) < max_new:
+            drafts = drafter.draft(history, k, seed, (NO_TOKEN, NO_TOKEN))
+            rows = np.stack([host_logits(history + drafts[:j], VOCAB) for j in range(k + 1)])
+            mf.copy_h2d_async(logits, np.ascontiguousarray(rows, np.float32))
+            params = mf.sampling_params(1, temperature=temperature, top_k=top_k, top_p=top_p,
+                                        seed=seed, position=len(history))
+            dst = np.zeros(k + 2, np.uint32)
+            mf.verify_to_feed(logits, np.asarray(drafts, np.uint32), cells, dst, done, k=k,
+                              params=params, rows=1, vocab=VOCAB, dtype="float32")
+            done.synchronize()
+            n = int(dst[0])
+            for token in dst[1:1 + n].tolist():
+                if len(out) < max_new:
+                    out.append(token)
+                    history.append(token)
+    return out
+
+
+@pytest.mark.parametrize("filters", [dict(), dict(top_k=20), dict(top_p=0.5)])
+def test_sampled_rows_match_the_verify_rule_over_each_request_alone(host, no_leaks, filters):
+    # The reference logits are close together in [0, 1): a low temperature makes the argmax
+    # likely enough that drafts are accepted as well as rejected.
+    drafter = ReferenceDrafter(VOCAB, 3, 0.5)
+    requests = [(p, 10, (), None) for p in prompts(4, seed=31)]
+    with model_for() as model:
+        spec, stats = _run(model, requests, drafter, temperature=0.01, seed=5, **filters)
+    assert 0 < stats["accepted"] < stats["drafted"]
+    for req, (p, m, s, ban) in zip(spec, requests):
+        assert req.tokens == _sampled_spec_tokens(p, m, drafter, temperature=0.01, seed=5,
+                                                  **filters)
+        assert req.tokens != greedy_tokens(p, m, VOCAB) or filters.get("top_p") == 0.5
