@@ -63,3 +63,38 @@ def test_a_bad_advance_is_refused_before_anything_runs(host, no_leaks):
         with pytest.raises(ValueError, match="advance"):
             _core.reference_forward(d, d, d, kv, 16, 4, 4, 8, "float32", None, advance=small,
                                     advance_group=1)
+
+
+def _on(name, fn, **settings):
+    import gc
+
+    previous = mf.backend()
+    gc.collect()
+    mf.set_backend(name)
+    mf.configure_simt(**settings)
+    try:
+        return fn()
+    finally:
+        mf.configure_simt()
+        mf.stream_synchronize(0)
+        gc.collect()
+        mf.set_backend(previous)
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(sm_count=3, order="random", seed=7)])
+def test_simt_gives_the_host_bits(host, no_leaks, settings):
+    rng = np.random.default_rng(4)
+    k, vocab = 3, 53
+    base, advance = [2, 0, 9, 4], [4, 1, 2, 3]
+    ids, meta = [], []
+    for s in range(4):
+        for j in range(k + 1):
+            ids.append(int(rng.integers(vocab)))
+            meta += [base[s] + j, 5 * s]
+
+    def run():
+        return _forward(meta, ids, list(range(20)), 80, vocab, advance, k + 1, dtype="float16")
+
+    h = _on("host", run)
+    s = _on("simt", run, **settings)
+    assert h[0].tobytes() == s[0].tobytes() and h[1].tobytes() == s[1].tobytes()
