@@ -189,25 +189,28 @@ def test_select_stages_on_a_slice_match_numpy(host, dev):
     rec = dev.download(top, np.uint32)[_core.PARTIAL_HEADER_BYTES // 4:].reshape(rows, 4)
     want = [int(np.flatnonzero(keys[r] == keys[r].max())[0]) for r in range(rows)]
     assert rec[:, 0].tolist() == want
-    # HIST: round 0 counts (top nibble), then a later round's masses under a prefix.
+    # HIST: round 0 counts (the key's top byte), then a later round's counts and masses under a
+    # prefix.
     hist = mf.DeviceBuffer(_core.PARTIAL_HEADER_BYTES + rows * _core.SELECT_HIST_BYTES)
     f = _core.SELECT_ROW_FLAGS
-    for shift, prefix, mass in ((28, 0, False), (20, None, False), (24, None, True)):
+    bins, digit = _core.SELECT_BINS, _core.SELECT_DIGIT_BITS
+    for shift, prefix, mass in ((24, 0, False), (16, None, False), (8, None, True)):
         pre = [int(keys[r].max()) if prefix is None else prefix for r in range(rows)]
         st = _select_state(rows, top_bits=x[np.arange(rows), want].view(np.uint32), prefix=pre,
                            shift=shift, flags=f["top"] | f["hist"] | (f["mass"] if mass else 0))
         state = dev.upload(st)
         _core._select_partial(sl, params, hist, state, "hist", **kw)
         mf.stream_synchronize(0)
-        got = dev.download(hist, np.uint64)[_core.PARTIAL_HEADER_BYTES // 8:].reshape(rows, 16)
+        got = dev.download(hist, np.uint64)[_core.PARTIAL_HEADER_BYTES // 8:].reshape(rows, bins)
         for r in range(rows):
             k = keys[r][keys[r] >= 0]
-            inside = k if shift == 28 else k[(k >> (shift + 4)) == (pre[r] >> (shift + 4))]
+            inside = k if shift == 32 - digit else k[(k >> (shift + digit)) == (pre[r] >> (shift + digit))]
+            counts = np.bincount((inside >> shift) & (bins - 1), minlength=bins)
             if mass:  # every mass is positive here and <= 2**39; their sum by digit
-                assert got[r].sum() > 0 and (got[r][np.bincount((inside >> shift) & 15, minlength=16) == 0] == 0).all()
+                assert got[r].sum() > 0 and (got[r][counts == 0] == 0).all()
                 assert got[r].max() <= 2**39 * inside.size
             else:
-                assert got[r].tolist() == np.bincount((inside >> shift) & 15, minlength=16).tolist(), (r, shift)
+                assert got[r].tolist() == counts.tolist(), (r, shift)
     # A cut at the all-tied row's key keeping 3 (counts): the race then draws among the 3 lowest ids.
     k2 = int(keys[2].max())
     seen = set()
@@ -239,6 +242,21 @@ def test_select_stage_refusals(host, dev):
         _core._select_partial(sl, params, parts, state, "hist", **kw)
     with pytest.raises((ValueError, TypeError)):
         _core._select_partial(sl, None, parts, state, "top", **kw)
+    # Candidate lists: a cap in [1, SELECT_CANDS_MAX], a block of cap entries a row, and gathered
+    # lists of at least one block a slice.
+    with pytest.raises(ValueError, match="cands_cap"):
+        _core._select_partial(sl, params, parts, state, "cands", cands_cap=_core.SELECT_CANDS_MAX + 1, **kw)
+    with pytest.raises((ValueError, FeedError)):  # 2 rows of 3 entries do not fit a record block
+        _core._select_partial(sl, params, parts, state, "cands", cands_cap=3, **kw)
+    lists = mf.DeviceBuffer(_core.PARTIAL_HEADER_BYTES + rows * 3 * _core.PARTIAL_CAND_BYTES)
+    _core._select_partial(sl, params, lists, state, "cands", cands_cap=3, **kw)
+    with pytest.raises((ValueError, FeedError)):  # a stride under one block
+        _core._select_partial(sl, params, parts, state, "race", cands=lists, cands_cap=3, cands_world=1,
+                              cands_stride=8, **kw)
+    with pytest.raises((ValueError, FeedError)):  # two slices' lists where one is
+        _core._select_partial(sl, params, parts, state, "race", cands=lists, cands_cap=3, cands_world=2,
+                              cands_stride=lists.nbytes, **kw)
+    mf.stream_synchronize(0)
     # The combine takes filters only for blocks raced over the global thresholds.
     cells, fault = mf.DeviceBuffer(8), mf.PinnedBuffer(4)
     with pytest.raises(ValueError, match="temperature only"):

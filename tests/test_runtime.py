@@ -1079,17 +1079,21 @@ def test_an_async_copy_costs_the_same_with_16k_outstanding(host, no_leaks, dev):
         host.configure_host()
         copies.wait_event(gate)
         targets = [bytearray(16) for _ in range(16384)]
-        timings = {}
+        # Per-copy cost over windows of 128 copies; the least window near 2k outstanding against
+        # the least near 16k. A minimum over eight windows shrugs off a load spike on a shared
+        # machine, while a scan of the outstanding copies would still show as 8x.
+        window, windows = 128, {}
         for n, target in enumerate(targets):
-            if n in (2048 - 1024, 16384 - 1024):
+            if n % window == 0:
                 started = time.perf_counter()
             mf.copy_d2h_async(source, target, copies)
-            if n in (2048 - 1, 16384 - 1):
-                timings[n + 1] = (time.perf_counter() - started) / 1024
+            if n % window == window - 1:
+                windows[n + 1] = (time.perf_counter() - started) / window
         assert not gate.query(), "the gate passed before the copies were measured"
-        ratio = timings[16384] / timings[2048]
-        print(f"per copy: {timings[2048] * 1e6:.1f} us at 2k, {timings[16384] * 1e6:.1f} us at 16k")
-        assert ratio < 2.5, timings
+        at_2k = min(t for n, t in windows.items() if 1024 < n <= 2048)
+        at_16k = min(t for n, t in windows.items() if 15360 < n <= 16384)
+        print(f"per copy: {at_2k * 1e6:.1f} us at 2k, {at_16k * 1e6:.1f} us at 16k")
+        assert at_16k / at_2k < 2.5, (at_2k, at_16k)
         copies.synchronize()
         assert all(t == targets[0] for t in targets) and targets[0][:4] == b"\0\0\0\0"
     gate.close()

@@ -2,6 +2,7 @@
 // here, before anything is queued, so a bad call launches nothing.
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "api.hpp"
 #include "metrale_feed/argmax_rule.h"
@@ -41,10 +42,12 @@ mf_status read_descriptor(const Args *in, Args *out, const char *name, const uin
     std::memcpy(out, in, size);
     return MF_SUCCESS;
 }
-constexpr uint32_t kArgmaxSizes[] = {sizeof(mf_argmax_args)};
+// The descriptor before the select stages' candidate lists (select_cands_cap on) was appended.
+constexpr uint32_t kArgmaxSizes[] = {offsetof(mf_argmax_args, select_cands_cap), sizeof(mf_argmax_args)};
 constexpr uint32_t kCombineSizes[] = {sizeof(mf_combine_args)};
 constexpr uint32_t kReferenceSizes[] = {sizeof(mf_reference_args)};
 constexpr uint32_t kVerifySizes[] = {sizeof(mf_verify_args)};
+constexpr uint32_t kPenaltySizes[] = {sizeof(mf_penalty_args)};
 
 // Host masks of MF_MAX_ROWS unmasked rows: what masks NULL means. A constant, so a graph that
 // captured it replays the same (no) masks.
@@ -88,6 +91,18 @@ mf_status check_temperature_only(const mf_sampling_params *params, uint32_t rows
     return MF_SUCCESS;
 }
 
+// The bytes a partial call writes at `partials`: a header, then a record a row, or a select
+// stage's histograms or candidate lists.
+size_t partial_block_bytes(const mf_argmax_args *a) {
+    const size_t rows = a->rows;
+    if (a->flags & MF_ARGS_SELECT) {
+        if (a->select_stage == MF_SELECT_HIST) return MF_PARTIAL_HEADER_BYTES + rows * MF_SELECT_BINS * 8;
+        if (a->select_stage == MF_SELECT_CANDS)
+            return MF_PARTIAL_HEADER_BYTES + rows * a->select_cands_cap * MF_PARTIAL_CAND_BYTES;
+    }
+    return MF_PARTIAL_HEADER_BYTES + rows * MF_PARTIAL_RECORD_BYTES;
+}
+
 mf_status check_partial(const mf_argmax_args *a) {
     if (a->vocab_total == 0 || a->vocab_total > kMaxVocab)
         return fail(MF_ERROR_INVALID_VALUE, "vocab must be in [1, 2**24], got %u", a->vocab_total);
@@ -105,7 +120,7 @@ mf_status check_partial(const mf_argmax_args *a) {
         if (!a->params) return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_SELECT needs sampling params");
         if (a->flags & MF_ARGS_PARAMS_DEVICE)
             return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_SELECT takes host params (checked now)");
-        if (a->select_stage < MF_SELECT_TOP || a->select_stage > MF_SELECT_RACE)
+        if (a->select_stage < MF_SELECT_TOP || a->select_stage > MF_SELECT_CANDS)
             return fail(MF_ERROR_INVALID_VALUE, "unknown select stage %u", a->select_stage);
         if (!a->select || !aligned(a->select, 8))
             return fail(MF_ERROR_INVALID_VALUE, "select is a null or misaligned pointer");
@@ -117,9 +132,23 @@ mf_status check_partial(const mf_argmax_args *a) {
             st = check_device_range(a->select_list, (size_t)a->rows * a->select_list_cap * 4, "select list");
             if (st != MF_SUCCESS) return st;
         }
-        if (a->select_stage == MF_SELECT_HIST)
-            return check_device_range(a->partials, MF_PARTIAL_HEADER_RECORDS * 16 +
-                                      (size_t)a->rows * MF_SELECT_BINS * 8, "partials");
+        const bool lists = a->select_stage == MF_SELECT_CANDS || (a->select_stage == MF_SELECT_RACE && a->select_cands);
+        if (lists && (a->select_cands_cap == 0 || a->select_cands_cap > MF_SELECT_CANDS_MAX))
+            return fail(MF_ERROR_INVALID_VALUE, "select_cands_cap must be in [1, %u], got %u", MF_SELECT_CANDS_MAX,
+                        a->select_cands_cap);
+        if (a->select_stage == MF_SELECT_RACE && a->select_cands) {
+            const uint64_t block = MF_PARTIAL_HEADER_BYTES + (uint64_t)a->rows * a->select_cands_cap * MF_PARTIAL_CAND_BYTES;
+            if (!aligned(a->select_cands, 4) || a->select_cands_world == 0 ||
+                a->select_cands_world > MF_CANDS_MAX_WORLD || a->select_cands_stride < block ||
+                a->select_cands_stride % 4)
+                return fail(MF_ERROR_INVALID_VALUE, "select_cands: a misaligned pointer, a world outside [1, %u] "
+                            "or a stride under one block", MF_CANDS_MAX_WORLD);
+            st = check_device_range(a->select_cands, (size_t)(a->select_cands_stride * (a->select_cands_world - 1) + block),
+                                    "select cands");
+            if (st != MF_SUCCESS) return st;
+        }
+        if (a->select_stage == MF_SELECT_HIST || a->select_stage == MF_SELECT_CANDS)
+            return check_device_range(a->partials, partial_block_bytes(a), "partials");
     } else if (a->params && !(a->flags & MF_ARGS_PARAMS_DEVICE)) {
         // Device params are read when the kernel runs: a filter there is the combine's fault.
         mf_status st = check_temperature_only(a->params, a->rows);
@@ -134,9 +163,7 @@ mf_status refuse_argmax_overlaps(const mf_argmax_args *a, size_t logits_bytes) {
     const size_t rows = a->rows;
     const bool partial = a->flags & MF_ARGS_PARTIAL;
     const uint32_t total = partial ? a->vocab_total : a->vocab;
-    size_t block = (rows + MF_PARTIAL_HEADER_RECORDS) * 16;
-    if ((a->flags & MF_ARGS_SELECT) && a->select_stage == MF_SELECT_HIST)
-        block = MF_PARTIAL_HEADER_RECORDS * 16 + rows * MF_SELECT_BINS * 8;
+    const size_t block = partial_block_bytes(a);
     const bool select = a->flags & MF_ARGS_SELECT;
     const Span spans[] = {
         {a->cells, partial ? 0 : rows * 4, "feed cells", true},
@@ -149,6 +176,11 @@ mf_status refuse_argmax_overlaps(const mf_argmax_args *a, size_t logits_bytes) {
         {a->vocab ? a->logits : nullptr, logits_bytes, "logits", false},
         {(a->flags & MF_ARGS_MASKS_DEVICE) ? a->masks : nullptr, rows * 8, "device-resident masks", false},
         {a->bitmask, rows * mf_bitmask_words(total) * 4, "bitmask", false},
+        {select && a->select_stage == MF_SELECT_RACE ? a->select_cands : nullptr,
+         a->select_cands ? (size_t)(a->select_cands_stride * (a->select_cands_world - 1)) + MF_PARTIAL_HEADER_BYTES +
+                               rows * a->select_cands_cap * MF_PARTIAL_CAND_BYTES
+                         : 0,
+         "select cands", false},
         {(a->flags & MF_ARGS_PARAMS_DEVICE) ? a->params : nullptr, rows * sizeof(mf_sampling_params),
          "device-resident sampling params", false},
     };
@@ -636,6 +668,106 @@ mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, 
         if (kept_for_graph(raw, [=](mf_stream_t s) { return mf_resolve_verified(cells, rows, k, out_ids, out_advance, s); }))
             return MF_SUCCESS;
         return ops().resolve_verified(cells, rows, k, out_ids, out_advance, raw);
+    });
+}
+
+// Both penalty ops: one descriptor, checked once here (docs/penalties.md).
+static mf_status penalties(const mf_penalty_args *caller, bool update, mf_stream_t stream) {
+    const char *name = update ? "penalties_update" : "penalties_apply";
+    mf_penalty_args copied;
+    mf_status st = read_descriptor(caller, &copied, "mf_penalty_args", kPenaltySizes);
+    if (st != MF_SUCCESS) return st;
+    const mf_penalty_args *a = &copied;
+    if (a->rows > kMaxRows) return fail(MF_ERROR_INVALID_VALUE, "%s: rows must be at most %u, got %u", name, kMaxRows, a->rows);
+    if (a->flags & ~(uint32_t)MF_PENALTY_SLOTS_DEVICE)
+        return fail(MF_ERROR_INVALID_VALUE, "%s: unknown flags %#x", name, a->flags);
+    if (a->slot_count == 0 || a->slot_count > MF_MAX_PENALTY_SLOTS)
+        return fail(MF_ERROR_INVALID_VALUE, "%s: slot_count must be in [1, %u], got %u", name, MF_MAX_PENALTY_SLOTS, a->slot_count);
+    if (a->table_cap == 0 || a->table_cap > MF_MAX_PENALTY_TABLE)
+        return fail(MF_ERROR_INVALID_VALUE, "%s: table_cap must be in [1, %u], got %u", name, MF_MAX_PENALTY_TABLE, a->table_cap);
+    if (a->item_cap == 0 || a->item_cap > 4 * MF_PENALTY_ITEMS)
+        return fail(MF_ERROR_INVALID_VALUE, "%s: item_cap must be in [1, %u], got %u", name, 4 * MF_PENALTY_ITEMS, a->item_cap);
+    const bool dslots = a->flags & MF_PENALTY_SLOTS_DEVICE;
+    if (!a->slots || !a->state || !a->table || !a->items || !aligned(a->slots, 4) || !aligned(a->state, 4) ||
+        !aligned(a->table, 4) || !aligned(a->items, 4))
+        return fail(MF_ERROR_INVALID_VALUE, "%s: slots, state, table or items is a null or misaligned pointer", name);
+    const size_t state_bytes = (size_t)a->slot_count * sizeof(mf_penalty_slot);
+    const size_t table_bytes = (size_t)a->slot_count * a->table_cap * sizeof(mf_penalty_entry);
+    const size_t item_bytes = (size_t)a->slot_count * a->item_cap * sizeof(mf_penalty_item);
+    st = check_device_range(a->state, state_bytes, "penalty state");
+    if (st == MF_SUCCESS) st = check_device_range(a->table, table_bytes, "penalty table");
+    if (st == MF_SUCCESS) st = check_device_range(a->items, item_bytes, "penalty items");
+    if (st == MF_SUCCESS && dslots) st = check_device_range(a->slots, (size_t)a->rows * 4, "device-resident slots");
+    if (st != MF_SUCCESS) return st;
+    if (!dslots) {  // host slots: every one in range, none twice (two rows would race on it)
+        std::vector<bool> seen(a->slot_count, false);
+        for (uint32_t r = 0; r < a->rows; ++r) {
+            const uint32_t s = a->slots[r];
+            if (s == MF_NO_TOKEN) continue;
+            if (s >= a->slot_count)
+                return fail(MF_ERROR_INVALID_VALUE, "%s: row %u names slot %u; there are %u", name, r, s, a->slot_count);
+            if (seen[s]) return fail(MF_ERROR_INVALID_VALUE, "%s: slot %u is named by two rows", name, s);
+            seen[s] = true;
+        }
+    }
+    size_t logit_bytes = 0;
+    if (update) {
+        if (!a->ids || !aligned(a->ids, 4)) return fail(MF_ERROR_INVALID_VALUE, "%s: ids is a null or misaligned pointer", name);
+        st = check_device_range(a->ids, (size_t)a->rows * 4, "ids");
+    } else {
+        if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "%s: unknown logits dtype %d", name, (int)a->dtype);
+        if (a->vocab > kMaxVocab || a->start > kMaxVocab - a->vocab)
+            return fail(MF_ERROR_INVALID_VALUE, "%s: columns [%u, %llu) pass the largest vocabulary (%u)", name, a->start,
+                        (unsigned long long)a->start + a->vocab, kMaxVocab);
+        if (a->row_stride < a->vocab)
+            return fail(MF_ERROR_INVALID_VALUE, "%s: row_stride %llu is less than vocab %u", name,
+                        (unsigned long long)a->row_stride, a->vocab);
+        const size_t esize = dtype_size(a->dtype);
+        if (a->rows && a->vocab) {
+            if (!a->logits || !aligned(a->logits, esize))
+                return fail(MF_ERROR_INVALID_VALUE, "%s: logits is a null or misaligned pointer", name);
+            const unsigned __int128 wide = ((unsigned __int128)(a->rows - 1) * a->row_stride + a->vocab) * esize;
+            if (wide > (unsigned __int128)(SIZE_MAX / 2))
+                return fail(MF_ERROR_INVALID_VALUE, "%s: rows x row_stride spans more memory than exists", name);
+            logit_bytes = (size_t)wide;
+            st = check_device_range(a->logits, logit_bytes, "logits");
+        }
+    }
+    if (st == MF_SUCCESS) {
+        const Span spans[] = {
+            {a->logits, logit_bytes, "logits", !update},
+            {a->state, state_bytes, "penalty state", update},
+            {a->table, table_bytes, "penalty table", update},
+            {a->items, item_bytes, "penalty items", false},
+            {dslots ? a->slots : nullptr, (size_t)a->rows * 4, "slots", false},
+            {update ? a->ids : nullptr, (size_t)a->rows * 4, "ids", false},
+        };
+        st = refuse_overlaps(spans);
+    }
+    void *raw;
+    if (st == MF_SUCCESS) st = resolve_stream(stream, &raw);
+    if (st == MF_SUCCESS && !dslots) st = refuse_in_capture(raw, update ? "penalties_update with host-resident slots"
+                                                                          : "penalties_apply with host-resident slots", true);
+    if (st != MF_SUCCESS) return st;
+    if (kept_for_graph(raw, [copy = *a, update](mf_stream_t s) {
+            return update ? mf_penalties_update(&copy, s) : mf_penalties_apply(&copy, s);
+        }))
+        return MF_SUCCESS;
+    if (a->rows == 0 || (!update && a->vocab == 0)) return MF_SUCCESS;  // nothing to touch
+    return ops().penalties(a, update, raw);
+}
+
+mf_status mf_penalties_apply(const mf_penalty_args *args, mf_stream_t stream) {
+    return guard([&]() -> mf_status {
+        MF_RANGE("penalties_apply");
+        return penalties(args, false, stream);
+    });
+}
+
+mf_status mf_penalties_update(const mf_penalty_args *args, mf_stream_t stream) {
+    return guard([&]() -> mf_status {
+        MF_RANGE("penalties_update");
+        return penalties(args, true, stream);
     });
 }
 

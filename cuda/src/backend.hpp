@@ -68,6 +68,10 @@ struct Ops {
     mf_status (*resolve_verified)(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                                   uint32_t *out_advance, void *stream);
 
+    // Penalties (penalty_rule.h): apply to the logits in place, or (update) count the step's ids.
+    // Host slots are consumed before return.
+    mf_status (*penalties)(const mf_penalty_args *args, bool update, void *stream);
+
     // Graphs (api_graph.cpp checks the arguments). `graph` is the backend's own object (cuda: a
     // cudaGraphExec_t); capture_end with graph NULL discards the capture.
     mf_status (*capture_begin)(void *stream);

@@ -73,9 +73,12 @@ void mf_clear_error(void) {
 namespace mf {
 mf_status fail_cuda(int code, const char *what) {
     cudaError_t err = (cudaError_t)code;
-    fail(MF_ERROR_CUDA, "%s: %s (%s)", what, cudaGetErrorName(err), cudaGetErrorString(err));
+    // Out of memory is the same status on every backend (FeedMemoryError, a MemoryError), so a
+    // caller's handler of it does not depend on which backend ran; the runtime's code stays.
+    const mf_status status = err == cudaErrorMemoryAllocation ? MF_ERROR_OUT_OF_MEMORY : MF_ERROR_CUDA;
+    fail(status, "%s: %s (%s)", what, cudaGetErrorName(err), cudaGetErrorString(err));
     set_cuda_code(code);
-    return MF_ERROR_CUDA;
+    return status;
 }
 }  // namespace mf
 

@@ -158,6 +158,10 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint32_t select_stage
         uint32_t select_list_cap
         uint32_t *select_list
+        uint32_t select_cands_cap
+        uint32_t select_cands_world
+        uint64_t select_cands_stride
+        const void *select_cands
     enum:
         MF_ARGS_MASKS_DEVICE
         MF_ARGS_PARAMS_DEVICE
@@ -167,13 +171,17 @@ cdef extern from "metrale_feed/feed.h" nogil:
         MF_SELECT_TOP
         MF_SELECT_HIST
         MF_SELECT_RACE
+        MF_SELECT_CANDS
         MF_SELECT_ROW_TOP
         MF_SELECT_ROW_HIST
         MF_SELECT_ROW_MASS
         MF_SELECT_ROW_CUT
         MF_SELECT_ROW_CUT_MASS
+        MF_SELECT_ROW_CANDS
         MF_SOURCES_DEVICE
     const uint32_t MF_SELECT_BINS
+    const uint32_t MF_SELECT_DIGIT_BITS
+    const uint32_t MF_SELECT_CANDS_MAX
     void mf_argmax_args_init(mf_argmax_args *args)
     mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream)
     const uint32_t MF_MAX_SLICES
@@ -234,6 +242,49 @@ cdef extern from "metrale_feed/feed.h" nogil:
     mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                                   uint32_t *out_advance, mf_stream_t stream)
 
+    const uint32_t MF_MAX_LOGIT_BIAS
+    const uint32_t MF_MAX_PENALTY_STOPS
+    const uint32_t MF_PENALTY_ITEMS
+    const uint32_t MF_MAX_PENALTY_TABLE
+    const uint32_t MF_MAX_PENALTY_SLOTS
+    const uint32_t MF_PENALTY_PROMPT
+    enum: MF_PENALTY_SLOTS_DEVICE
+    ctypedef struct mf_penalty_slot:
+        float repetition
+        float presence
+        float frequency
+        uint32_t min_tokens
+        uint32_t generated
+        uint32_t entries
+        uint32_t biases
+        uint32_t stops
+    ctypedef struct mf_penalty_entry:
+        uint32_t id
+        uint32_t count
+    ctypedef struct mf_penalty_item:
+        uint32_t id
+        float value
+    ctypedef struct mf_penalty_args:
+        uint32_t struct_size
+        void *logits
+        mf_dtype dtype
+        uint32_t rows
+        uint32_t vocab
+        uint64_t row_stride
+        uint32_t start
+        uint32_t flags
+        const uint32_t *slots
+        mf_penalty_slot *state
+        uint32_t slot_count
+        uint32_t table_cap
+        mf_penalty_entry *table
+        const mf_penalty_item *items
+        uint32_t item_cap
+        const uint32_t *ids
+    void mf_penalty_args_init(mf_penalty_args *args)
+    mf_status mf_penalties_apply(const mf_penalty_args *args, mf_stream_t stream)
+    mf_status mf_penalties_update(const mf_penalty_args *args, mf_stream_t stream)
+
     ctypedef struct mf_reference_args:
         uint32_t struct_size
         const uint32_t *input_ids
@@ -279,12 +330,30 @@ cdef extern from "metrale_feed/feed.h" nogil:
     void mf_nvtx_enable(int on)
 
 
-cdef extern from "metrale_feed/logprob_rule.h" nogil:
-    const uint32_t MF_PARTIAL_HEADER_RECORDS
+cdef extern from "metrale_feed/partial_layout.h" nogil:
     const uint32_t MF_PARTIAL_TAG
+    const uint32_t MF_PARTIAL_RECORD_BYTES
+    const uint32_t MF_PARTIAL_HEADER_RECORDS
+    const uint32_t MF_PARTIAL_HEADER_BYTES
+    const uint32_t MF_PARTIAL_OFF_TAG
+    const uint32_t MF_PARTIAL_OFF_ROWS
+    const uint32_t MF_PARTIAL_OFF_CALL
+    const uint32_t MF_PARTIAL_OFF_VOCAB
+    const uint32_t MF_PARTIAL_OFF_START
+    const uint32_t MF_PARTIAL_OFF_STOP
+    const uint32_t MF_PARTIAL_OFF_FAULT
+    const uint32_t MF_RECORD_OFF_ID
+    const uint32_t MF_RECORD_OFF_LOGIT_BITS
+    const uint32_t MF_RECORD_OFF_MAX
+    const uint32_t MF_RECORD_OFF_SUM
+    const uint32_t MF_PARTIAL_CAND_BYTES
+
+
+cdef extern from "metrale_feed/logprob_rule.h" nogil:
     enum:
         MF_PARTIAL_ARGMAX
         MF_PARTIAL_SAMPLE
         MF_PARTIAL_FILTERED
         MF_PARTIAL_TOP
         MF_PARTIAL_HIST
+        MF_PARTIAL_CANDS

@@ -14,7 +14,7 @@ import numbers
 import struct
 from typing import Any, Tuple
 
-__all__ = ["integer", "real", "float32", "sampling", "records"]
+__all__ = ["integer", "real", "float32", "sampling", "records", "penalties"]
 
 _F32 = struct.Struct("<f")
 _U32_MAX = 0xFFFFFFFF
@@ -80,6 +80,56 @@ def sampling(temperature: Any, top_k: Any, top_p: Any, min_p: Any, seed: Any) ->
     if not 0 <= s <= _U64_MAX:
         raise ValueError(f"seed must be in [0, 2**64), got {s}")
     return (t, k, p, m, s)
+
+
+# repetition, presence, frequency, logit_bias ((id, bias), ...) sorted by id, min_tokens
+Penalties = Tuple[float, float, float, Tuple[Tuple[int, float], ...], int]
+NO_PENALTIES: Penalties = (1.0, 0.0, 0.0, (), 0)
+MAX_LOGIT_BIAS = 300  # feed.h's MF_MAX_LOGIT_BIAS (test_penalties checks they agree)
+
+
+def penalties(repetition_penalty: Any, presence_penalty: Any, frequency_penalty: Any,
+              logit_bias: Any, min_tokens: Any, vocab: int, max_new_tokens: int) -> Penalties:
+    """The penalty parameters of ``submit`` (vLLM's ``SamplingParams`` rules), as float32
+    values: ``repetition_penalty`` finite and > 0, ``presence_penalty`` and
+    ``frequency_penalty`` in [-2, 2], ``logit_bias`` a mapping of at most 300 ids in the
+    vocabulary to finite biases, ``min_tokens`` in [0, max_new_tokens].
+
+    Raises
+    ------
+    TypeError
+        A str, a bool or None where a number goes; a ``logit_bias`` that is not a mapping.
+    ValueError
+        A value out of range.
+    """
+    rep = float32(repetition_penalty, "repetition_penalty")
+    if not rep > 0.0:
+        raise ValueError(f"repetition_penalty must be greater than 0, got {repetition_penalty}")
+    pres = float32(presence_penalty, "presence_penalty")
+    freq = float32(frequency_penalty, "frequency_penalty")
+    for value, name in ((pres, "presence_penalty"), (freq, "frequency_penalty")):
+        if not -2.0 <= value <= 2.0:
+            raise ValueError(f"{name} must be in [-2, 2], got {value}")
+    bias: Tuple[Tuple[int, float], ...] = ()
+    if logit_bias is not None:
+        items = getattr(logit_bias, "items", None)
+        if not callable(items):
+            raise TypeError(f"logit_bias must be a mapping of id to bias, not {type(logit_bias).__name__}")
+        pairs = {}
+        for key, value in items():
+            token = integer(key, "logit_bias id")
+            if not 0 <= token < vocab:
+                raise ValueError(f"logit_bias id {token} is outside the vocabulary of {vocab} ids")
+            if token in pairs:
+                raise ValueError(f"logit_bias names id {token} twice")
+            pairs[token] = float32(value, f"logit_bias[{token}]")
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(pairs)} entries; at most {MAX_LOGIT_BIAS}")
+        bias = tuple(sorted(pairs.items()))
+    mt = integer(min_tokens, "min_tokens")
+    if not 0 <= mt <= max_new_tokens:
+        raise ValueError(f"min_tokens must be in [0, max_new_tokens = {max_new_tokens}], got {mt}")
+    return rep, pres, freq, bias, mt
 
 
 def records(params: Any, rows: int) -> None:

@@ -18,6 +18,11 @@ from metrale_feed.errors import InvalidHandleError as InvalidHandleError
 NO_TOKEN: Final[int]
 MAX_ROWS: Final[int]
 MAX_DRAFTS: Final[int]
+MAX_LOGIT_BIAS: Final[int]
+MAX_PENALTY_STOPS: Final[int]
+PENALTY_ITEMS: Final[int]
+MAX_PENALTY_TABLE: Final[int]
+PENALTY_PROMPT: Final[int]
 MAX_VOCAB: Final[int]
 # The C API capsule ("metrale_feed._C_API") that metrale_feed/capi.h's mf_import_capi() reads.
 _C_API: object
@@ -244,14 +249,30 @@ def verify_to_feed(logits: _DeviceLike, drafts: _WordsLike | _DeviceLike, cells:
 def resolve_verified(cells: _DeviceLike, out_ids: _DeviceLike | None, out_advance: _DeviceLike | None,
                      stream: _StreamLike = 0, *, rows: int | None = None, k: int | None = None) -> None: ...
 
+# ---- penalties (docs/penalties.md) ----
+def penalties_apply(logits: _DeviceLike, slots: Any, state: _DeviceLike, table: _DeviceLike,
+                    items: _DeviceLike, stream: _StreamLike = 0, *, slot_count: int | None = None,
+                    table_cap: int | None = None, item_cap: int | None = None, vocab: int | None = None,
+                    dtype: Any = None, row_stride: int | None = None, start: int = 0) -> int: ...
+def penalties_update(ids: _DeviceLike, slots: Any, state: _DeviceLike, table: _DeviceLike,
+                     items: _DeviceLike, stream: _StreamLike = 0, *, slot_count: int | None = None,
+                     table_cap: int | None = None, item_cap: int | None = None) -> int: ...
+
 # ---- partial blocks of a row split, and their combine (docs/kernels.md) ----
 
 PARTIAL_RECORD_BYTES: int
 PARTIAL_HEADER_BYTES: int
+PARTIAL_FAULT_OFFSET: int
+PARTIAL_HEADER_FIELDS: dict[str, tuple[int, str]]
+PARTIAL_RECORD_FIELDS: dict[str, tuple[int, str]]
 PARTIAL_TAG: int
 PARTIAL_OPS: dict[str, int]
 SELECT_ROW_BYTES: int
 SELECT_HIST_BYTES: int
+SELECT_BINS: int
+SELECT_DIGIT_BITS: int
+SELECT_CANDS_MAX: int
+PARTIAL_CAND_BYTES: int
 SELECT_STAGES: dict[str, int]
 SELECT_ROW_FLAGS: dict[str, int]
 
@@ -273,7 +294,8 @@ def _select_partial(logits: _DeviceLike | None, params: Buffer, partials: _Devic
                     masks: _MasksLike | _DeviceLike | None = None, rows: int | None = None,
                     row_stride: int | None = None, bitmask: _DeviceLike | None = None,
                     id_list: _DeviceLike | None = None, list_cap: int = 0,
-                    logprobs: bool = False) -> int: ...
+                    logprobs: bool = False, cands: _DeviceLike | None = None,
+                    cands_cap: int = 0, cands_world: int = 0, cands_stride: int = 0) -> int: ...
 def _combine_partials(partials: _DeviceLike, world: int, cells: _DeviceLike,
                       dst: Buffer | int | None, event: _EventLike | None,
                       stream: _StreamLike = 0, *, rows: int, vocab: int, call: int,

@@ -27,6 +27,11 @@ NO_TOKEN = MF_NO_TOKEN
 MAX_ROWS = MF_MAX_ROWS    # rows one kernel launch takes (feed.h)
 MAX_VOCAB = MF_MAX_VOCAB  # the largest vocabulary (feed.h): ids fit a float32 mantissa
 MAX_DRAFTS = MF_MAX_DRAFTS  # drafts per row verify_to_feed takes (feed.h)
+MAX_LOGIT_BIAS = MF_MAX_LOGIT_BIAS  # logit_bias entries a request may have (feed.h)
+MAX_PENALTY_STOPS = MF_MAX_PENALTY_STOPS  # stop ids min_tokens bans
+PENALTY_ITEMS = MF_PENALTY_ITEMS  # items per slot: the biases, then the stop ids
+MAX_PENALTY_TABLE = MF_MAX_PENALTY_TABLE  # distinct ids one slot's table may hold
+PENALTY_PROMPT = MF_PENALTY_PROMPT  # a table entry's count flag: the id is in the prompt
 
 include "_state.pxi"
 include "_errors.pxi"
@@ -37,6 +42,7 @@ include "_dlpack.pxi"
 include "_hostfunc.pxi"
 include "_words.pxi"
 include "_kernels.pxi"
+include "_penalties.pxi"
 include "_shard.pxi"
 include "_graph.pxi"
 include "_backend.pxi"

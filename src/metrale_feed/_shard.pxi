@@ -4,8 +4,17 @@
 # thresholds"), and the combine of the gathered blocks into the feed cells, exactly as the
 # unsharded call. Private: the tensor-parallel shard is built on them.
 
-PARTIAL_RECORD_BYTES = 16                                 # one row of one slice
-PARTIAL_HEADER_BYTES = MF_PARTIAL_HEADER_RECORDS * 16     # the fingerprint before the rows
+# The block's layout, from partial_layout.h (its one source): sizes, and the byte offset and
+# numpy format of each field of the header and of a record.
+PARTIAL_RECORD_BYTES = MF_PARTIAL_RECORD_BYTES            # one row of one slice
+PARTIAL_HEADER_BYTES = MF_PARTIAL_HEADER_BYTES            # the fingerprint before the rows
+PARTIAL_FAULT_OFFSET = MF_PARTIAL_OFF_FAULT               # slice 0's word the combine's fault goes to
+PARTIAL_HEADER_FIELDS = {"tag": (MF_PARTIAL_OFF_TAG, "<u4"), "rows": (MF_PARTIAL_OFF_ROWS, "<u4"),
+                         "call": (MF_PARTIAL_OFF_CALL, "<u8"), "vocab": (MF_PARTIAL_OFF_VOCAB, "<u4"),
+                         "start": (MF_PARTIAL_OFF_START, "<u4"), "stop": (MF_PARTIAL_OFF_STOP, "<u4"),
+                         "reserved": (MF_PARTIAL_OFF_FAULT, "<u4")}
+PARTIAL_RECORD_FIELDS = {"id": (MF_RECORD_OFF_ID, "<u4"), "logit_bits": (MF_RECORD_OFF_LOGIT_BITS, "<u4"),
+                         "max": (MF_RECORD_OFF_MAX, "<f4"), "sum": (MF_RECORD_OFF_SUM, "<f4")}
 
 _FAULTS = {1: "another operation or not a partial block", 2: "another row count",
            3: "another call counter", 4: "another vocabulary",
@@ -15,25 +24,32 @@ _FAULT_FILTERS = 7  # bits 8+ hold a row, not a slice (feed.h, mf_combine_args)
 
 
 SELECT_ROW_BYTES = sizeof(mf_select_row)              # one row's state between filter stages
+SELECT_BINS = MF_SELECT_BINS                             # one digit's values
+SELECT_DIGIT_BITS = MF_SELECT_DIGIT_BITS
 SELECT_HIST_BYTES = MF_SELECT_BINS * 8                  # one row's digit histogram
-SELECT_STAGES = {"top": MF_SELECT_TOP, "hist": MF_SELECT_HIST, "race": MF_SELECT_RACE}
+SELECT_CANDS_MAX = MF_SELECT_CANDS_MAX                  # the largest top_k a candidates stage lists
+PARTIAL_CAND_BYTES = MF_PARTIAL_CAND_BYTES              # one entry of a row's candidate list
+SELECT_STAGES = {"top": MF_SELECT_TOP, "hist": MF_SELECT_HIST, "race": MF_SELECT_RACE,
+                 "cands": MF_SELECT_CANDS}
 SELECT_ROW_FLAGS = {"top": MF_SELECT_ROW_TOP, "hist": MF_SELECT_ROW_HIST, "mass": MF_SELECT_ROW_MASS,
-                    "cut": MF_SELECT_ROW_CUT, "cut_mass": MF_SELECT_ROW_CUT_MASS}
+                    "cut": MF_SELECT_ROW_CUT, "cut_mass": MF_SELECT_ROW_CUT_MASS,
+                    "cands": MF_SELECT_ROW_CANDS}
 PARTIAL_OPS = {"argmax": MF_PARTIAL_ARGMAX, "sample": MF_PARTIAL_SAMPLE, "filtered": MF_PARTIAL_FILTERED,
-               "top": MF_PARTIAL_TOP, "hist": MF_PARTIAL_HIST}
+               "top": MF_PARTIAL_TOP, "hist": MF_PARTIAL_HIST, "cands": MF_PARTIAL_CANDS}
 PARTIAL_TAG = MF_PARTIAL_TAG
 
 
 cdef int fill_partial(mf_argmax_args *a, object partial) except -1:
     """The slice of a partial call: ``partial`` is (partials, start, stop, vocab, call, logprobs)
-    and, for a stage of the split filters, (select, stage, id_list, list_cap) after them."""
+    and, for a stage of the split filters, (select, stage, id_list, list_cap, cands) after them,
+    ``cands`` None or (gathered lists or None, cap, world, stride)."""
     cdef void *ptr
     cdef uint64_t call
     partials, start, stop, vocab, call_obj, logprobs = partial[:6]
     if logprobs is not True and logprobs is not False:
         raise TypeError(f"logprobs must be True or False, not {logprobs!r}")
-    if len(partial) == 10:
-        select, stage, id_list, list_cap = partial[6:]
+    if len(partial) == 11:
+        select, stage, id_list, list_cap, cands = partial[6:]
         if stage not in SELECT_STAGES:
             raise ValueError(f"stage must be one of {sorted(SELECT_STAGES)}, not {stage!r}")
         device_ptr_of(select, &ptr)
@@ -44,6 +60,14 @@ cdef int fill_partial(mf_argmax_args *a, object partial) except -1:
             a.select_list_cap = <uint32_t>int_of(list_cap, "list_cap", 1, 0xFFFFFFFF)
             device_ptr_of(id_list, &ptr)
             a.select_list = <uint32_t *>ptr
+        if cands is not None:
+            lists, cap, world, stride = cands
+            a.select_cands_cap = <uint32_t>int_of(cap, "cands_cap", 1, MF_SELECT_CANDS_MAX)
+            if lists is not None:
+                a.select_cands_world = <uint32_t>int_of(world, "cands_world", 1, 0xFFFFFFFF)
+                a.select_cands_stride = <uint64_t>int_of(stride, "cands_stride", 1, 0xFFFFFFFFFFFF)
+                device_ptr_of(lists, &ptr)
+                a.select_cands = ptr
     total = int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
     lo = int_of(start, "start", 0, total)
     hi = int_of(stop, "stop", lo, total)
@@ -60,7 +84,7 @@ cdef int fill_partial(mf_argmax_args *a, object partial) except -1:
 
 def _partial_bytes(rows):
     """Bytes of one slice's partial block for ``rows`` rows (a header, then a record per row)."""
-    return (int_of(rows, "rows", 1, MF_MAX_ROWS) + MF_PARTIAL_HEADER_RECORDS) * PARTIAL_RECORD_BYTES
+    return (int_of(rows, "rows", 1, MF_MAX_ROWS) + MF_PARTIAL_HEADER_RECORDS) * MF_PARTIAL_RECORD_BYTES
 
 
 def _argmax_partial(logits, masks, partials, event=None, stream=0, *, start, stop, vocab, dtype,
@@ -162,21 +186,23 @@ def _sample_partial(logits, params, partials, event=None, stream=0, *, start, st
 
 def _select_partial(logits, params, partials, select, stage, stream=0, *, start, stop, vocab, dtype,
                     call, masks=None, rows=None, row_stride=None, bitmask=None, id_list=None,
-                    list_cap=0, logprobs=False):
+                    list_cap=0, logprobs=False, cands=None, cands_cap=0, cands_world=0,
+                    cands_stride=0):
     """One stage of sampling with filters over the slice ``[start, stop)`` of each row.
 
     The filters need thresholds over the whole row (docs/kernels.md, "Filters need global
     thresholds"): each stage writes a block the slices exchange, and the caller writes ``select``
     between stages from the gathered blocks. ``"top"`` writes each row's greatest finite candidate
-    (a partial record), ``"hist"`` the weights of one 4-bit digit of the logit key (16 uint64 a
-    row after the 32-byte header), ``"race"`` the race winner over the survivors (a partial record,
-    combined by ``_combine_partials(..., filtered=True)``).
+    (a partial record), ``"hist"`` the weights of one 8-bit digit of the logit key
+    (``SELECT_BINS`` uint64 a row after the header), ``"cands"`` each listed row's greatest ``min(top_k, count)``
+    candidates (``cands_cap`` entries of ``PARTIAL_CAND_BYTES`` a row), ``"race"`` the race winner
+    over the survivors (a partial record, combined by ``_combine_partials(..., filtered=True)``).
 
     Parameters
     ----------
     select : device memory
         ``rows * SELECT_ROW_BYTES`` bytes of per-row state (``mf_select_row``, feed.h).
-    stage : {"top", "hist", "race"}
+    stage : {"top", "hist", "cands", "race"}
     id_list : device memory, optional
         ``rows * list_cap`` uint32 of scratch: the ids a select's later rounds read instead of
         the whole slice (a row whose ids in range do not fit scans the slice).
@@ -185,6 +211,13 @@ def _select_partial(logits, params, partials, select, stage, stream=0, *, start,
     logprobs : bool
         ``"race"``: whether the combine will write logprobs (the records then carry the slice's
         max and sum of exponentials, and the header says so); the other stages take False.
+    cands : device memory, optional
+        ``"race"``: the gathered ``"cands"`` blocks of ``cands_world`` slices in id order,
+        ``cands_stride`` bytes apart; rows flagged ``"cands"`` take their floor from them.
+    cands_cap : int
+        Entries a row of a ``"cands"`` block (1 to ``SELECT_CANDS_MAX``), for both stages.
+    cands_world, cands_stride : int
+        With ``cands``.
     logits, params, partials, stream, start, stop, vocab, dtype, call, masks, rows, row_stride, bitmask
         As for ``_sample_partial`` (filters allowed; host params).
 
@@ -209,7 +242,8 @@ def _select_partial(logits, params, partials, select, stage, stream=0, *, start,
         rows = len(params)
     return launch_pick(logits, masks, None, None, None, stream, bitmask, params, rows, vocab, dtype,
                        row_stride, None, None,
-                       (partials, start, stop, vocab, call, logprobs, select, stage, id_list, list_cap))
+                       (partials, start, stop, vocab, call, logprobs, select, stage, id_list, list_cap,
+                        (cands, cands_cap, cands_world, cands_stride) if cands_cap else None))
 
 
 def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, vocab, call, fault_dst,
@@ -217,7 +251,8 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
                       filtered=False):
     """The feed cells (and logprobs) of whole rows from the partial blocks of their slices.
 
-    ``partials`` holds ``world`` blocks, block ``w`` at byte ``w * slice_stride * 16``, slices in
+    ``partials`` holds ``world`` blocks, block ``w`` at byte ``w * slice_stride *
+    PARTIAL_RECORD_BYTES``, slices in
     id order (what an all-gather of each slice's block gives). In stream order: every header is
     checked against (operation, ``rows``, ``call``, ``vocab``) and the slices against
     ``[0, vocab)``, and the blocks' logprobs setting against whether ``logprobs`` is given; then
@@ -304,7 +339,7 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
             c.op = MF_PARTIAL_FILTERED if filtered else MF_PARTIAL_SAMPLE
         device_ptr_of(partials, &ptr)
         c.partials = ptr
-        c.fault = <uint32_t *>(<char *>ptr + 28)  # slice 0's header, its reserved word
+        c.fault = <uint32_t *>(<char *>ptr + MF_PARTIAL_OFF_FAULT)  # slice 0's header, its reserved word
         device_ptr_of(cells, &ptr)
         c.cells = <uint32_t *>ptr
         c.cell_capacity = cells_capacity(

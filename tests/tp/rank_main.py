@@ -192,6 +192,39 @@ def filter_rows(rng, vocab, dtype, offsets):
     return x, params
 
 
+def scenario_collectives():
+    """The collectives of a sharded filtered call (shard.stats), at the unsharded call's ids:
+    min_p alone 2; top_k <= 1024 alone or with top_p and min_p at most 3; top_p alone at most 6;
+    every exchange between the first and the last within 8 KiB a row."""
+    vocab, rows = 5000, 12
+    shard = mf.VocabShard(None, vocab, max_rows=rows)
+    rng = np.random.default_rng(7 + WORLD)
+    x = (rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
+    b = boundary(shard.offsets, vocab)
+    x[0, b - 4:b + 4] = x[0].max() + 1  # ties across a slice boundary at the k-th key
+    x[1, :] = 0.5                        # the whole row tied: k of them by id
+    x[2, : vocab // 2] = -np.inf         # fewer candidates in some slices than k
+    cases = {  # name: (top_k, top_p, min_p, most collectives)
+        "min_p": (0, 1.0, 0.05, 2), "top_k": (5, 1.0, 0.0, 3), "top_k 1024": (1024, 1.0, 0.0, 3),
+        "top_k+top_p": (40, 0.7, 0.0, 3), "top_k+min_p": (300, 1.0, 0.01, 3),
+        "all three": (1024, 0.9, 0.001, 3), "top_p": (0, 0.8, 0.0, 6), "top_p+min_p": (0, 0.95, 0.02, 6),
+    }
+    for name, (k, tp, mp, most) in cases.items():
+        params = mf.sampling_params(rows, temperature=rng.uniform(0.5, 1.5, rows), top_k=k, top_p=tp,
+                                    min_p=mp, seed=rng.integers(0, 2**63, rows),
+                                    position=rng.integers(0, 10**6, rows))
+        params["top_k"][3] = min(k, 3) if k else 0  # rows with another k in the same call
+        want, _ = whole(x, params=params)
+        before = dict(shard.stats)
+        ids, *_ = sharded(shard, x, params=params)
+        assert np.array_equal(ids, want), (name, ids, want)
+        calls = shard.stats["collectives"] - before["collectives"]
+        sent = shard.stats["bytes_sent"] - before["bytes_sent"]
+        assert WORLD == 1 or calls <= most, (name, calls)
+        assert WORLD == 1 or calls == 2 or sent <= 2 * shard._block + (calls - 2) * (8192 * rows + 32), (name, sent)
+    shard.close()
+
+
 def survivors_oracle(logits, masks, bitmask, params, r):
     """A float64 numpy reading of row r's survivors (top_k exact by rank; top_p and min_p with a
     little slack for the rule's float32 masses): the set every draw must fall in."""
@@ -251,8 +284,11 @@ def scenario_filters():
                 assert np.array_equal(ids, want), (dtype, name, trial, ids, want)
                 assert_close(lp, reference_logprobs(logits, ids))
                 sent = shard.stats["bytes_sent"] - before["bytes_sent"]
-                assert sent <= 4096 * shard.max_rows, sent
-                assert WORLD == 1 or shard.stats["collectives"] - before["collectives"] == 2 + 16, shard.stats
+                calls = shard.stats["collectives"] - before["collectives"]
+                # Candidate lists (top_k <= 1024), one radix select for the larger top_k and one
+                # for top_p alone: each exchange between the first and the last within 8 KiB a row.
+                assert WORLD == 1 or calls == 2 + 1 + 2 * 4, shard.stats
+                assert WORLD == 1 or sent <= 2 * shard._block + (calls - 2) * (8192 * rows + 32), sent
                 for r in range(rows):
                     if params["temperature"][r] > 1e-20 and ids[r] != mf.NO_TOKEN:
                         assert ids[r] in survivors_oracle(logits, masks, bm, params, r), (dtype, name, r, ids[r])
@@ -859,7 +895,8 @@ def scenario_graph_sample():
     stream.close()
 
 
-{"graph": scenario_graph, "graph-sample": scenario_graph_sample, "filters": scenario_filters, "params-mismatch": scenario_params_mismatch,
+{"graph": scenario_graph, "graph-sample": scenario_graph_sample, "filters": scenario_filters,
+ "collectives": scenario_collectives, "params-mismatch": scenario_params_mismatch,
  "exact": scenario_exact, "pipeline": scenario_pipeline, "late": scenario_late, "rows-mismatch": scenario_rows_mismatch,
  "logprobs-mismatch": scenario_logprobs_mismatch, "ring": scenario_ring,
  "vocab-mismatch": scenario_vocab_mismatch, "bad-offsets": scenario_bad_offsets,

@@ -34,6 +34,11 @@ def test_sharded_filters_draw_the_unsharded_ids_within_the_oracle_survivors(worl
 
 
 @pytest.mark.parametrize("world", [2, 3])
+def test_sharded_filters_take_few_collectives_at_the_unsharded_ids(world):
+    ranks(world, "collectives")
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_mismatched_filters_are_a_feed_error_on_every_rank(world):
     ranks(world, "params-mismatch")
 
@@ -117,9 +122,12 @@ def test_bench_tp_checks_ids_and_counts_bytes(tmp_path):
         # of --quick's 3 timed calls.
         assert e["shard_stats"] == {"collectives": 1 + 3,
                                     "bytes_sent": 32 + 3 * e["sharded_bytes_per_step"]}, e
-        # Sampling with top_k and top_p: the unsharded ids, 18 exchanges within 4 KiB a row.
+        # Sampling with top_k 50 and top_p: the unsharded ids (gathered and on one rank), in 3
+        # exchanges: the first and last blocks and the candidate lists (50 of 8 bytes a row).
         assert e["filtered_checked"], e
-        assert e["filtered_bytes_per_call"] == 2080 * e["rows"] + 576 <= 4096 * e["rows"], e
+        assert e["filtered_collectives_per_call"] == 3, e
+        assert e["filtered_bytes_per_call"] == 2 * 16 * (e["rows"] + 2) + 32 + 400 * e["rows"], e
+        assert e["gloo_collective_us"] > 0 and e["filtered_gather_ms"] > 0, e
 
 
 @pytest.mark.parametrize("extra", [[], ["--temperature", "0.7"],

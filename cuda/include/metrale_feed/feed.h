@@ -209,15 +209,24 @@ enum {
  * TOP the slice's greatest finite candidate and (m, s) (a partial record), HIST a histogram of
  * one 4-bit digit of the logit key (16 uint64 weights), RACE the race winner over the survivors
  * (a partial record, for mf_combine_partials with MF_PARTIAL_FILTERED). */
-enum { MF_SELECT_TOP = 1u, MF_SELECT_HIST = 2u, MF_SELECT_RACE = 3u };
-#define MF_SELECT_BINS 16u
+enum { MF_SELECT_TOP = 1u, MF_SELECT_HIST = 2u, MF_SELECT_RACE = 3u, MF_SELECT_CANDS = 4u };
+/* HIST: one digit of MF_SELECT_DIGIT_BITS bits a round, so a 32-bit key in 32 / 8 = 4 rounds. */
+#define MF_SELECT_DIGIT_BITS 8u
+#define MF_SELECT_BINS 256u
+/* CANDS: each row with MF_SELECT_ROW_CANDS lists its slice's greatest min(top_k, count)
+ * candidates (mf_partial_cand, global ids, in the rule's order, the rest MF_NO_TOKEN), in
+ * select_cands_cap entries a row after the header. A top_k up to MF_SELECT_CANDS_MAX takes this
+ * path: every rank then holds every slice's list, so the row's global top_k survivors, and
+ * applies top_p and min_p over them itself (the RACE stage, sample_rule.h's mf_cands_threshold). */
+#define MF_SELECT_CANDS_MAX 1024u
 /* Per-row flags of mf_select_row. */
 enum {
     MF_SELECT_ROW_TOP = 1u,      /* top_bits holds the whole row's greatest finite candidate */
     MF_SELECT_ROW_HIST = 2u,     /* HIST: histogram this row (else its bins are 0) */
     MF_SELECT_ROW_MASS = 4u,     /* HIST: weights are masses (top_p), else counts (top_k) */
     MF_SELECT_ROW_CUT = 8u,      /* first raise `floor` by the cut at cut_key (then cleared) */
-    MF_SELECT_ROW_CUT_MASS = 16u /* the cut's weights are masses */
+    MF_SELECT_ROW_CUT_MASS = 16u, /* the cut's weights are masses */
+    MF_SELECT_ROW_CANDS = 32u     /* CANDS: list this row; RACE: its floor from the gathered lists */
 };
 /* One row's state between the stages of a split row's filters: written by the caller between
  * stages, except `floor`, which a cut writes. The weight of a candidate is 1 or its mass; a cut
@@ -274,6 +283,13 @@ typedef struct mf_argmax_args {
      * select's later rounds and its cut read the list instead of the whole slice. */
     uint32_t select_list_cap;
     uint32_t *select_list;
+    /* MF_ARGS_SELECT: entries a row of a CANDS block (1 to MF_SELECT_CANDS_MAX; CANDS and a RACE
+     * with select_cands). RACE, optional (NULL): the gathered CANDS blocks of select_cands_world
+     * slices in id order, select_cands_stride bytes apart, read by rows with MF_SELECT_ROW_CANDS. */
+    uint32_t select_cands_cap;
+    uint32_t select_cands_world;
+    uint64_t select_cands_stride;
+    const void *select_cands;
 } mf_argmax_args;
 /* Zero-fills *args (every option off) and sets its struct_size: call it first. */
 static inline void mf_argmax_args_init(mf_argmax_args *args) {
@@ -388,6 +404,78 @@ MF_EXPORT mf_status mf_verify_to_feed(const mf_verify_args *args, mf_stream_t st
  * = its n (either may be NULL), read from cells (rows*(k+2) words) when the kernel runs. */
 MF_EXPORT mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k,
                                         uint32_t *out_ids, uint32_t *out_advance, mf_stream_t stream);
+
+/* ---- penalties (docs/penalties.md; penalty_rule.h) ----
+ * vLLM v1's logit processors on the device, in place on the logits, in stream order before the
+ * argmax, the sampler or the verifier reads them: per row, first logit_bias, then min_tokens
+ * (the stop ids get -inf while fewer than min_tokens tokens were generated), then
+ * repetition_penalty over the prompt's and the generated ids, and frequency_penalty (per
+ * occurrence) and presence_penalty (once) over the generated ids. Per-request state lives in
+ * device memory indexed by request *slot*, not row: a row names its slot (MF_NO_TOKEN: the row
+ * has no penalties and is not touched), so compaction moves no state.
+ * - state: one mf_penalty_slot per slot; `generated` and `entries` are advanced by
+ *   mf_penalties_update, every other field is the caller's;
+ * - table: table_cap mf_penalty_entry per slot (slot s at s * table_cap), one per distinct id the
+ *   request has seen: its generated count and MF_PENALTY_PROMPT when the prompt holds it;
+ * - items: item_cap mf_penalty_item per slot: `biases` logit biases, then `stops` stop ids.
+ * mf_penalties_apply changes the logits of this call's slice [start, start + vocab) only (a rank
+ * of a split vocabulary applies its own columns; ids outside are skipped). Float32 arithmetic, one
+ * IEEE operation at a time; float16/bfloat16 logits are rounded back to their dtype after each of
+ * the three stages. mf_penalties_update counts ids[r] (device, the cells the step wrote, read when
+ * the kernel runs; MF_NO_TOKEN counts nothing) into row r's slot. Host slots (rows words) are read
+ * and checked before the call returns: ids < slot_count or MF_NO_TOKEN, no slot twice; with
+ * MF_PENALTY_SLOTS_DEVICE they are device memory read when the kernel runs, where a slot out of
+ * range touches nothing (and two rows must not name one slot). Counts in the state are clamped to
+ * the capacities when read, so no state can make a kernel reach past its tables. */
+#define MF_MAX_LOGIT_BIAS 300u       /* logit_bias entries a request may have */
+#define MF_MAX_PENALTY_STOPS 64u     /* stop ids min_tokens can ban */
+#define MF_PENALTY_ITEMS (MF_MAX_LOGIT_BIAS + MF_MAX_PENALTY_STOPS) /* the usual item_cap */
+#define MF_MAX_PENALTY_TABLE 1048576u /* table_cap: distinct ids a slot may hold */
+#define MF_MAX_PENALTY_SLOTS 65536u
+#define MF_PENALTY_PROMPT 0x80000000u /* mf_penalty_entry.count: the id is in the prompt */
+enum { MF_PENALTY_SLOTS_DEVICE = 1u };
+typedef struct mf_penalty_slot {
+    float repetition;    /* 1: off; > 0 */
+    float presence;      /* 0: off */
+    float frequency;     /* 0: off */
+    uint32_t min_tokens; /* 0: off */
+    uint32_t generated;  /* tokens counted so far (mf_penalties_update) */
+    uint32_t entries;    /* table entries in use (mf_penalties_update appends) */
+    uint32_t biases;     /* items [0, biases): logit biases */
+    uint32_t stops;      /* items [biases, biases + stops): the ids min_tokens bans */
+} mf_penalty_slot;
+typedef struct mf_penalty_entry {
+    uint32_t id;
+    uint32_t count; /* generated occurrences, | MF_PENALTY_PROMPT */
+} mf_penalty_entry;
+typedef struct mf_penalty_item {
+    uint32_t id;
+    float value; /* the bias (stop items: unused) */
+} mf_penalty_item;
+typedef struct mf_penalty_args {
+    uint32_t struct_size; /* sizeof(mf_penalty_args) where the caller was built: _init */
+    void *logits;         /* apply: device, rows rows of row_stride elements, changed in place */
+    mf_dtype dtype;
+    uint32_t rows;
+    uint32_t vocab;       /* apply: the columns of this call (a slice's width) */
+    uint64_t row_stride;  /* apply: elements, >= vocab */
+    uint32_t start;       /* apply: the global id of column 0 */
+    uint32_t flags;       /* MF_PENALTY_* */
+    const uint32_t *slots; /* rows words, host unless MF_PENALTY_SLOTS_DEVICE */
+    mf_penalty_slot *state;        /* device, slot_count records */
+    uint32_t slot_count;
+    uint32_t table_cap;
+    mf_penalty_entry *table;       /* device, slot_count * table_cap */
+    const mf_penalty_item *items;  /* device, slot_count * item_cap */
+    uint32_t item_cap;
+    const uint32_t *ids;           /* update: device, rows ids */
+} mf_penalty_args;
+static inline void mf_penalty_args_init(mf_penalty_args *args) {
+    memset(args, 0, sizeof *args);
+    args->struct_size = (uint32_t)sizeof *args;
+}
+MF_EXPORT mf_status mf_penalties_apply(const mf_penalty_args *args, mf_stream_t stream);
+MF_EXPORT mf_status mf_penalties_update(const mf_penalty_args *args, mf_stream_t stream);
 
 /* The reference model's forward. Per row r (device arrays): meta[2r] = seq_len (the position
  * written), meta[2r+1] = offset of the row's block table in tables; input_ids[r] is written into

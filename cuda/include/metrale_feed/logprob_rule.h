@@ -14,14 +14,13 @@
 #include <math.h>
 
 #include "metrale_feed/feed.h"
+#include "metrale_feed/partial_layout.h"
 #include "metrale_feed/sample_rule.h"
 
-#define MF_PARTIAL_TAG 0x3150464Du /* "MFP1" */
-#define MF_PARTIAL_HEADER_RECORDS 2u
 /* FILTERED: race winners over global thresholds (MF_ARGS_SELECT's RACE stage); TOP and HIST: its
  * other stages' blocks (feed.h). */
 enum { MF_PARTIAL_ARGMAX = 1u, MF_PARTIAL_SAMPLE = 2u, MF_PARTIAL_FILTERED = 3u, MF_PARTIAL_TOP = 4u,
-       MF_PARTIAL_HIST = 5u };
+       MF_PARTIAL_HIST = 5u, MF_PARTIAL_CANDS = 6u };
 /* Or'ed into a header's operation when its records carry (m, s) (MF_ARGS_PARTIAL_LOGPROBS): a
  * combine that writes logprobs expects it in every header and one that does not expects it in
  * none, so ranks that disagree on logprobs get a fault, never a logprob from a zero sum. A bit
@@ -46,29 +45,6 @@ MF_HD int mf_plan_filtered(const mf_sample_plan *p) {
     return !p->greedy && (p->top_k != 0u || p->use_top_p || p->use_min_p);
 }
 
-/* The first 32 bytes of a slice's partial block: what the combine checks before trusting it. */
-typedef struct mf_partial_header {
-    uint32_t tag; /* MF_PARTIAL_TAG ^ mf_partial_op(...) */
-    uint32_t rows;
-    uint64_t call;
-    uint32_t vocab; /* the whole vocabulary */
-    uint32_t start, stop;
-    uint32_t reserved;
-} mf_partial_header;
-
-/* One row of one slice, 16 bytes. id/logit_bits: the slice's candidate (the argmax, or the race
- * winner of a sampled row) as a global id and its logit widened exactly to float32 bits (the
- * combine rebuilds the packed key from them, and a sampled row's race score too, so a sampled
- * record still carries the chosen logit for its logprob); MF_NO_TOKEN when the slice has none.
- * max/sum: the slice's (m, s) over all its ids, masks and bitmask ignored, when the call asked for
- * them (MF_ARGS_PARTIAL_LOGPROBS); both 0 otherwise, so that the partial argmax costs what the
- * plain argmax over the slice costs. */
-typedef struct mf_partial_record {
-    uint32_t id;
-    uint32_t logit_bits;
-    float max;
-    float sum;
-} mf_partial_record;
 
 MF_HD float mf_neg_inf(void) { return mf_from_bits(0xFF800000u); }
 MF_HD float mf_nan(void) { return mf_from_bits(0x7FC00000u); }

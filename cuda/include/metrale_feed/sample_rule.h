@@ -22,6 +22,7 @@
 #define METRALE_FEED_SAMPLE_RULE_H
 
 #include "metrale_feed/argmax_rule.h"
+#include "metrale_feed/partial_layout.h"
 #include "metrale_feed/philox.h"
 
 #if defined(__CUDA_ARCH__)
@@ -187,17 +188,94 @@ MF_HD uint32_t mf_select_digit(const uint64_t *bins, uint64_t *above, uint64_t t
 }
 
 /* ---- a split row's thresholds (feed.h's MF_ARGS_SELECT; docs/kernels.md) ----
- * A threshold over the whole row is selected 4 bits of the logit key at a time: each slice
+ * A threshold over the whole row is selected 8 bits of the logit key at a time: each slice
  * histograms the next digit of its candidates whose higher key bits equal the digits selected so
  * far, the slices' histograms are summed (integer sums) and mf_select_digit's rule picks the
  * digit. The 32-bit key K so found is cut by id: ids in id order, so a slice takes its own
  * candidates at K, lowest id first, while the weight taken before them is short of the target. */
 MF_HD int mf_select_in_prefix(uint32_t key, uint32_t prefix, uint32_t shift) {
-    return shift >= 28u || (key >> (shift + 4u)) == (prefix >> (shift + 4u));
+    return shift >= 24u || (key >> (shift + 8u)) == (prefix >> (shift + 8u));
 }
-MF_HD uint32_t mf_select_digit4(uint32_t key, uint32_t shift) { return (key >> shift) & 15u; }
+MF_HD uint32_t mf_select_digit8(uint32_t key, uint32_t shift) { return (key >> shift) & 255u; }
 /* The packed threshold that keeps every candidate at key K, or none of them. */
 MF_HD uint64_t mf_cut_all(uint32_t key) { return (uint64_t)key << 32; }
 MF_HD uint64_t mf_cut_none(uint32_t key) { return ((uint64_t)key + 1u) << 32; }
+
+/* A global packed threshold (logit key, ~global id) as the threshold of the slice whose local id 0
+ * is global id `start` and which holds `width` ids: at the threshold's key, the slice keeps its
+ * ids up to the threshold's id, so all of them when that id lies above the slice and none when
+ * it lies below. 0 stays 0 (nothing out). */
+MF_HD uint64_t mf_floor_local(uint64_t t, uint32_t start, uint32_t width) {
+    if (!t) return 0u;
+    const uint32_t key = (uint32_t)(t >> 32), id = mf_unpack_id(t);
+    if (id < start) return mf_cut_none(key);
+    if (id - start >= width) return mf_cut_all(key);
+    return mf_pack(key, id - start);
+}
+
+/* A CANDS entry's packed word on global ids (0: padding). */
+MF_HD uint64_t mf_cand_word(const mf_partial_cand *c) {
+    return c->id == MF_NO_TOKEN ? 0ull : mf_pack(mf_key_f32(c->logit_bits), c->id);
+}
+
+/* The most slices whose CANDS lists one row merges (the merge keeps a cursor per slice). */
+#define MF_CANDS_MAX_WORLD 64u
+
+/* The next entry of `world` lists merged in the rule's order (the greatest global packed word;
+ * every list descends), or 0 when they are spent; advances that list's cursor. List w of the row
+ * starts at `first + w * stride` bytes and holds `cap` entries. */
+MF_HD uint64_t mf_cands_next(const char *first, uint64_t stride, uint32_t world, uint32_t cap, uint32_t *cur,
+                             uint32_t *bits) {
+    uint64_t best = 0;
+    uint32_t from = 0;
+    for (uint32_t w = 0; w < world; ++w) {
+        if (cur[w] >= cap) continue;
+        const mf_partial_cand *c = (const mf_partial_cand *)(first + (uint64_t)w * stride) + cur[w];
+        const uint64_t word = mf_cand_word(c);
+        if (word > best) {
+            best = word;
+            from = w;
+            *bits = c->logit_bits;
+        }
+    }
+    if (best) ++cur[from];
+    return best;
+}
+
+/* A split row's top_k (at most the lists' cap) then top_p threshold, as a global packed word,
+ * from every slice's CANDS list: each slice lists its greatest min(top_k, count) candidates, so
+ * the lists hold the row's top_k greatest (or all of its candidates, when it has no more), and
+ * their merge walks them in the rule's order. top_k keeps the first top_k of the walk; top_p
+ * the shortest prefix of those whose mass (against zmax, the row's greatest z) reaches
+ * ceil(total * top_p), total over the top_k: the survivors sample_row keeps on the whole row.
+ * Two walks of at most top_k steps. Returns 0 when nothing is cut. */
+MF_HD uint64_t mf_cands_threshold(const char *first, uint64_t stride, uint32_t world, uint32_t cap,
+                                  const mf_sample_plan *p, float zmax) {
+    uint32_t cur[MF_CANDS_MAX_WORLD];
+    const uint32_t k = p->top_k < cap ? p->top_k : cap;
+    uint64_t kth = 0, total = 0;
+    uint32_t n = 0, bits = 0;
+    for (uint32_t w = 0; w < world; ++w) cur[w] = 0u;
+    for (; n < k; ++n) {
+        const uint64_t word = mf_cands_next(first, stride, world, cap, cur, &bits);
+        if (!word) break;
+        kth = word;
+        if (p->use_top_p) total += mf_mass(mf_exp_neg(mf_fsub(mf_scaled(bits, p->inv_t), zmax)));
+    }
+    /* Fewer than k candidates in the whole row: top_k cuts nothing (the rule's "all of them
+     * fit"); k of them: the k-th word keeps exactly them (the lists end at k, so whether more
+     * follow is not known here, nor needed). */
+    const uint64_t t = n == k ? kth : 0u;
+    if (!p->use_top_p || !n) return t;
+    const uint64_t target = mf_top_p_target(total, p->top_p);
+    uint64_t taken = 0;
+    for (uint32_t w = 0; w < world; ++w) cur[w] = 0u;
+    for (uint32_t j = 0; j < n; ++j) {
+        const uint64_t word = mf_cands_next(first, stride, world, cap, cur, &bits);
+        taken += mf_mass(mf_exp_neg(mf_fsub(mf_scaled(bits, p->inv_t), zmax)));
+        if (taken >= target) return word > t ? word : t;
+    }
+    return t;
+}
 
 #endif

@@ -392,6 +392,12 @@ mf_status verify(const mf_verify_args *a, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status penalties(const mf_penalty_args *a, bool update, void *stream) {
+    MF_CUDA_TRY(cudak::launch_penalties(*a, update, as_stream(stream)),
+                update ? "launching mf_penalty_update_kernel" : "launching mf_penalty_apply_kernel");
+    return MF_SUCCESS;
+}
+
 mf_status resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                            uint32_t *out_advance, void *stream) {
     MF_CUDA_TRY(cudak::launch_resolve_verified(cells, rows, k, out_ids, out_advance, as_stream(stream)),
@@ -451,6 +457,7 @@ const Ops cuda_ops = {
     .combine = combine,
     .verify = verify,
     .resolve_verified = resolve_verified,
+    .penalties = penalties,
     .capture_begin = cudag::capture_begin,
     .capture_status = cudag::capture_status,
     .capture_end = cudag::capture_end,

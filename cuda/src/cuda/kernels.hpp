@@ -27,6 +27,8 @@ namespace MF_KERNELS {
 constexpr uint32_t kArgmaxRowsPerLaunch = 2048;
 // Sources per resolve launch, also passed by value (16 KiB).
 constexpr uint32_t kResolvePerLaunch = 4096;
+// Rows per penalty launch: host slots travel by value too (16 KiB).
+constexpr uint32_t kPenaltyRowsPerLaunch = 4096;
 
 // How one argmax call is laid out: `splits` blocks per row, each scanning `chunk` ids.
 struct ArgmaxPlan {
@@ -87,6 +89,9 @@ cudaError_t launch_combine(const mf_combine_args &args, cudaStream_t stream);
 cudaError_t launch_verify(const mf_verify_args &args, cudaStream_t stream);
 cudaError_t launch_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                                     uint32_t *out_advance, cudaStream_t stream);
+
+// The penalty ops (penalty_feed.cu): apply in place to the logits, or (update) count the ids.
+cudaError_t launch_penalties(const mf_penalty_args &args, bool update, cudaStream_t stream);
 
 cudaError_t launch_reference(const mf_reference_args &args, cudaStream_t stream);
 

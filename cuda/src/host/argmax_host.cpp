@@ -307,6 +307,7 @@ void run_argmax(const ArgmaxJob &job) {
         const uint32_t op = stage == MF_SELECT_TOP    ? MF_PARTIAL_TOP
                             : stage == MF_SELECT_HIST ? MF_PARTIAL_HIST
                             : stage == MF_SELECT_RACE ? MF_PARTIAL_FILTERED
+                            : stage == MF_SELECT_CANDS ? MF_PARTIAL_CANDS
                             : params                  ? MF_PARTIAL_SAMPLE
                                                       : MF_PARTIAL_ARGMAX;
         mf_partial_header h{MF_PARTIAL_TAG ^ mf_partial_op(op, partial_stats), a.rows, a.call, a.vocab_total,
@@ -325,18 +326,31 @@ void run_argmax(const ArgmaxJob &job) {
             // A temperature that is not finite and > 0 (only device-resident params can hold
             // one) is greedy, as 0 is.
             const bool sampled = params && params[r].temperature > 0.0f && params[r].temperature <= 3.4e38f;
-            if (stage == MF_SELECT_HIST) {  // 16 weights a row instead of a record
+            if (stage == MF_SELECT_CANDS) {  // select_cands_cap candidates a row instead of a record
+                mf_partial_cand *out = (mf_partial_cand *)records + (size_t)r * a.select_cands_cap;
+                if (sampled && a.vocab && (a.select[r].flags & MF_SELECT_ROW_CANDS))
+                    cands_row(row, a.dtype, a.vocab, &rule, params[r], vector, start, out, a.select_cands_cap);
+                else
+                    for (uint32_t j = 0; j < a.select_cands_cap; ++j) out[j] = mf_partial_cand{MF_NO_TOKEN, 0u};
+                continue;
+            }
+            const CandsView cands{
+                a.select_cands ? (const char *)a.select_cands + MF_PARTIAL_HEADER_BYTES +
+                                     (size_t)r * a.select_cands_cap * MF_PARTIAL_CAND_BYTES
+                               : nullptr,
+                a.select_cands_stride, a.select_cands_world, a.select_cands_cap};
+            if (stage == MF_SELECT_HIST) {  // MF_SELECT_BINS weights a row instead of a record
                 uint64_t *bins = (uint64_t *)records + (size_t)r * MF_SELECT_BINS;
                 for (uint32_t d = 0; d < MF_SELECT_BINS; ++d) bins[d] = 0;
                 if (sampled && a.vocab)
                     select_row(row, a.dtype, a.vocab, &rule, params[r], vector, start, stage, a.select[r], bins,
-                               list_of(a, r), a.select_list_cap);
+                               list_of(a, r), a.select_list_cap, cands);
                 continue;
             }
             uint32_t id = a.vocab == 0 ? MF_NO_TOKEN
                           : !sampled   ? (stage == MF_SELECT_TOP ? MF_NO_TOKEN : row_fn(row, a.dtype, a.vocab, &rule))
                           : stage      ? select_row(row, a.dtype, a.vocab, &rule, params[r], vector, start, stage,
-                                                    a.select[r], nullptr, list_of(a, r), a.select_list_cap)
+                                                    a.select[r], nullptr, list_of(a, r), a.select_list_cap, cands)
                                        : sample_row(row, a.dtype, a.vocab, &rule, params[r], vector, start);
             if (stage == MF_SELECT_TOP) {  // the candidate only: (m, s) come with the race's records
                 records[r] = mf_partial_record{id == MF_NO_TOKEN ? MF_NO_TOKEN : start + id,

@@ -326,6 +326,13 @@ mf_status resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uin
     return MF_SUCCESS;
 }
 
+mf_status penalties(const mf_penalty_args *args, bool update, void *stream) {
+    PenaltyJob job(*args, update);
+    stream_of(stream)->enqueue(update ? "penalties_update" : "penalties_apply",
+                               [job = std::move(job)] { run_penalties(job); });
+    return MF_SUCCESS;
+}
+
 }  // namespace
 
 uint32_t lag_us() { return g_lag_us.load(std::memory_order_relaxed); }
@@ -367,6 +374,7 @@ const Ops host_ops = {
     .combine = combine,
     .verify = verify,
     .resolve_verified = resolve_verified,
+    .penalties = penalties,
     .capture_begin = capture_begin,
     .capture_status = capture_status,
     .capture_end = capture_end,

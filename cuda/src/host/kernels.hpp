@@ -5,6 +5,7 @@
 
 #include "metrale_feed/argmax_rule.h"
 #include "metrale_feed/feed.h"
+#include "metrale_feed/partial_layout.h"
 
 namespace mf::host {
 
@@ -63,12 +64,26 @@ SampleTarget sample_target(const void *row, mf_dtype dtype, uint32_t vocab, cons
 uint64_t survivor_mass(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
                        const mf_sampling_params &p, const SampleTarget &t, bool vector);
 
+// A row's gathered CANDS lists (feed.h's select_cands): slice 0's list of the row at `first`, the
+// next slice's `stride` bytes on, `cap` entries each; first NULL: none.
+struct CandsView {
+    const char *first;
+    uint64_t stride;
+    uint32_t world, cap;
+};
+
 // One stage of a split row's filters on a slice (feed.h's MF_ARGS_SELECT): TOP returns the
-// slice's greatest finite candidate (local id), HIST adds the digit's weights to bins[16], RACE
-// returns the race winner over the survivors (local id); a pending cut in `st` is applied first.
+// slice's greatest finite candidate (local id), HIST adds the digit's weights to
+// bins[MF_SELECT_BINS], RACE returns the race winner over the survivors (local id), its floor
+// raised first by the gathered CANDS lists for a row with MF_SELECT_ROW_CANDS; a pending cut in
+// `st` is applied first.
 uint32_t select_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
                     const mf_sampling_params &p, bool vector, uint32_t base, uint32_t stage,
-                    mf_select_row &st, uint64_t *bins, uint32_t *list, uint32_t list_cap);
+                    mf_select_row &st, uint64_t *bins, uint32_t *list, uint32_t list_cap, CandsView cands);
+// A CANDS stage's row: the slice's greatest min(top_k, count) candidates (global ids, the rule's
+// order) in out[0, cap), padded with MF_NO_TOKEN.
+void cands_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
+               const mf_sampling_params &p, bool vector, uint32_t base, mf_partial_cand *out, uint32_t cap);
 
 // A row's (m, s) for logprobs (logprob_rule.h), over n elements: vector or portable, both
 // deterministic (a fixed order of float64 adds).
@@ -124,6 +139,21 @@ struct VerifyJob {
 void run_verify(const VerifyJob &job);
 void run_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                           uint32_t *out_advance);
+
+// One penalty launch (penalty_host.cpp): host slots copied, device ones read when it runs.
+struct PenaltyJob {
+    PenaltyJob(const mf_penalty_args &a, bool upd) : args(a), update(upd) {
+        if (!(a.flags & MF_PENALTY_SLOTS_DEVICE)) {
+            slots.assign(a.slots, a.slots + a.rows);
+            args.slots = nullptr;
+        }
+    }
+    const uint32_t *slot_words() const { return args.slots ? args.slots : slots.data(); }
+    mf_penalty_args args;
+    bool update;
+    std::vector<uint32_t> slots;
+};
+void run_penalties(const PenaltyJob &job);
 
 // Clears FTZ/DAZ for the lifetime of the guard: the rules are defined on IEEE arithmetic with
 // subnormals, whatever a library loaded into the process did to this thread's MXCSR.

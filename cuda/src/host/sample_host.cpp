@@ -483,12 +483,12 @@ struct IdList {
 // are `prefix`'s (a split select's round; sample_rule.h).
 void select_histogram(const RowView &v, bool use_mass, float zmax, uint64_t floor, uint32_t prefix,
                       uint32_t shift, bool vector, uint64_t *bins, IdList list) {
-    const KeyMask in = shift >= 28u ? KeyMask{0u, 0u} : KeyMask{~0u << (shift + 4u), prefix & (~0u << (shift + 4u))};
+    const KeyMask in = shift >= 24u ? KeyMask{0u, 0u} : KeyMask{~0u << (shift + 8u), prefix & (~0u << (shift + 8u))};
     auto add = [&](uint32_t, uint64_t packed, uint64_t w) {
-        bins[mf_select_digit4((uint32_t)(packed >> 32), shift)] += w;
+        bins[mf_select_digit8((uint32_t)(packed >> 32), shift)] += w;
     };
-    if (shift < 20u && list.usable()) return for_listed(v, use_mass, zmax, floor, in, list.ids, list.len, add);
-    if (shift == 20u && list.ids) {  // list what this round takes, while it fits
+    if (shift < 16u && list.usable()) return for_listed(v, use_mass, zmax, floor, in, list.ids, list.len, add);
+    if (shift == 16u && list.ids) {  // list what this round takes, while it fits
         uint32_t n = 0;
         for_weighted(v, use_mass, zmax, floor, in, vector, [&](uint32_t id, uint64_t packed, uint64_t w) {
             add(id, packed, w);
@@ -499,11 +499,11 @@ void select_histogram(const RowView &v, bool use_mass, float zmax, uint64_t floo
         return;
     }
 #ifdef MF_X86
-    if (vector && floor == 0 && shift == 28u) {  // the first round: the 12-bit sweep, folded
+    if (vector && floor == 0 && shift == 24u) {  // the first round: the 12-bit sweep, folded
         thread_local std::vector<uint64_t> wide;
         wide.assign(4 * 4096, 0);
         histogram_f32(v, use_mass, zmax, wide.data());
-        for (uint32_t d = 0; d < 4 * 4096; ++d) bins[d >> 10] += wide[d];  // (key >> 20) * 4 + id % 4
+        for (uint32_t d = 0; d < 4 * 4096; ++d) bins[d >> 6] += wide[d];  // (key >> 20) * 4 + id % 4
         return;
     }
 #endif
@@ -805,15 +805,68 @@ uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_ro
     return race_row(v, p, top, zmax, threshold, vector);
 }
 
+// A CANDS stage's row: the slice's greatest min(top_k, count) candidates in the rule's order, as
+// global ids, in `out` (cap entries; the rest padding). A bounded selection: the list keeps its
+// k greatest words whenever it holds 4k, so it never grows past that.
+void cands_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
+               const mf_sampling_params &params, bool vector, uint32_t base, mf_partial_cand *out, uint32_t cap) {
+    const mf_sample_plan p = mf_plan_sampling(&params);
+    row = widened(row, &dtype, vocab, &vector);
+    const RowView v{row, (int)dtype, vocab, rule, p.inv_t, base};
+    const uint32_t k = p.top_k < cap ? p.top_k : cap;
+    thread_local std::vector<uint64_t> list;
+    list.clear();
+    if (k) {
+#ifdef MF_X86
+        if (vector && dtype == MF_DTYPE_F32) {
+            collect_f32(v, seed_floor(v, k), k, std::max<size_t>(4 * (size_t)k, 256), list);
+        } else
+#endif
+        {
+            uint64_t floor = 0;
+            const size_t most = std::max<size_t>(4 * (size_t)k, 256);
+            for (uint32_t i = 0; i < vocab; ++i) {
+                uint32_t bits;
+                if (!v.candidate(i, &bits)) continue;
+                const uint64_t word = mf_pack(mf_key_f32(bits), i);
+                if (word <= floor) continue;
+                list.push_back(word);
+                if (list.size() == most) {
+                    std::nth_element(list.begin(), list.begin() + (k - 1), list.end(), std::greater<uint64_t>());
+                    floor = list[k - 1];
+                    list.resize(k);
+                }
+            }
+        }
+        if (list.size() > k) {
+            std::nth_element(list.begin(), list.begin() + (k - 1), list.end(), std::greater<uint64_t>());
+            list.resize(k);
+        }
+        std::sort(list.begin(), list.end(), std::greater<uint64_t>());
+    }
+    for (uint32_t j = 0; j < cap; ++j) {
+        if (j < list.size()) {
+            const uint32_t id = mf_unpack_id(list[j]);
+            out[j] = mf_partial_cand{base + id, mf_logit_bits(row, v.dt, id)};
+        } else {
+            out[j] = mf_partial_cand{MF_NO_TOKEN, 0u};
+        }
+    }
+}
+
 uint32_t select_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
                     const mf_sampling_params &params, bool vector, uint32_t base, uint32_t stage,
-                    mf_select_row &st, uint64_t *bins, uint32_t *list_ids, uint32_t list_cap) {
+                    mf_select_row &st, uint64_t *bins, uint32_t *list_ids, uint32_t list_cap, CandsView cands) {
     const mf_sample_plan p = mf_plan_sampling(&params);
     row = widened(row, &dtype, vocab, &vector);
     const RowView v{row, (int)dtype, vocab, rule, p.inv_t, base};
     if (stage == MF_SELECT_TOP) return mf_unpack_id(top_candidate(v));
     // The whole row's zmax: from its greatest finite candidate, whichever slice holds it.
     const float zmax = (st.flags & MF_SELECT_ROW_TOP) ? v.z(st.top_bits) : mf_neg_inf();
+    if (stage == MF_SELECT_RACE && cands.first && (st.flags & MF_SELECT_ROW_CANDS))
+        st.floor = mf_pack_max(st.floor, mf_floor_local(mf_cands_threshold(cands.first, cands.stride, cands.world,
+                                                                           cands.cap, &p, zmax),
+                                                        base, vocab));
     const IdList list{list_ids, list_cap, st.list_len};
     if (st.flags & MF_SELECT_ROW_CUT) {
         st.floor = select_cut(v, st.flags & MF_SELECT_ROW_CUT_MASS, zmax, st.floor, st.cut_key, st.cut_need, vector,

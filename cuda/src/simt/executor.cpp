@@ -108,19 +108,35 @@ const char *base_name(const char *path) {
     return slash ? slash + 1 : path;
 }
 
-// Keeps the fault's message and returns false, for `return fault(...)`.
-bool fault(const Launch &l, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-bool fault(const Launch &l, const char *fmt, ...) {
+// Keeps the fault's message for the launch to report.
+void keep_fault(const Launch &l, const char *fmt, va_list ap) {
     char text[768];
-    va_list ap;
-    va_start(ap, fmt);
     std::vsnprintf(text, sizeof text, fmt, ap);
-    va_end(ap);
     char head[256];
     std::snprintf(head, sizeof head, "simt: kernel %s (launched at %s:%d), block (%u, %u, %u): ", l.kernel,
                   base_name(l.file), l.line, tl_where.block.x, tl_where.block.y, tl_where.block.z);
     tl_block_fault = std::string(head) + text;
+}
+
+// Keeps the fault's message and returns false, for `return fault(...)` in a bool function.
+bool fault(const Launch &l, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+bool fault(const Launch &l, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    keep_fault(l, fmt, ap);
+    va_end(ap);
     return false;
+}
+
+// The same for a function whose int result is a progress count: returns kFaulted.
+constexpr int kFaulted = -1;
+int faulted(const Launch &l, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+int faulted(const Launch &l, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    keep_fault(l, fmt, ap);
+    va_end(ap);
+    return kFaulted;
 }
 
 enum State : uint8_t { kReady, kBarrier, kShuffle, kDone };
@@ -334,8 +350,8 @@ int source_lane(const Lane &l, int lane) {
     return lane;
 }
 
-// Releases every shuffle whose lanes have all arrived; false when none could be.
-// 1 when a shuffle was released, 0 when none could be, -1 on a fault.
+// Releases every shuffle whose lanes have all arrived: 1 when a shuffle was released, 0 when none
+// could be, kFaulted on a fault.
 int release_shuffles(const Launch &launch, Block &b) {
     int progress = 0;
     for (unsigned w0 = 0; w0 < b.count; w0 += 32) {
@@ -345,24 +361,24 @@ int release_shuffles(const Launch &launch, Block &b) {
             if (first.state != kShuffle) continue;
             const uint32_t mask = first.mask;
             if (!(mask >> i & 1u))
-                return -!fault(launch, "a shuffle at %s:%d in warp %u: lane %u is not in its own mask 0x%08x",
+                return faulted(launch, "a shuffle at %s:%d in warp %u: lane %u is not in its own mask 0x%08x",
                       base_name(first.file), first.line, w0 / 32, i, mask);
             bool complete = true;
             for (unsigned j = 0; j < 32; ++j) {
                 if (!(mask >> j & 1u)) continue;
                 if (j >= size)
-                    return -!fault(launch, "a shuffle at %s:%d in warp %u names lane %u in mask 0x%08x, but the warp "
+                    return faulted(launch, "a shuffle at %s:%d in warp %u names lane %u in mask 0x%08x, but the warp "
                           "has %u lanes", base_name(first.file), first.line, w0 / 32, j, mask, size);
                 const Lane &other = b.lanes[w0 + j];
                 if (other.state == kDone)
-                    return -!fault(launch, "a shuffle at %s:%d in warp %u names lane %u in mask 0x%08x, which has "
+                    return faulted(launch, "a shuffle at %s:%d in warp %u names lane %u in mask 0x%08x, which has "
                           "exited", base_name(first.file), first.line, w0 / 32, j, mask);
                 if (other.state != kShuffle) {
                     complete = false;
                     continue;
                 }
                 if (other.mask != mask || other.file != first.file || other.line != first.line)
-                    return -!fault(launch, "lanes %u and %u of warp %u meet in different shuffles (%s:%d mask 0x%08x, "
+                    return faulted(launch, "lanes %u and %u of warp %u meet in different shuffles (%s:%d mask 0x%08x, "
                           "%s:%d mask 0x%08x)", i, j, w0 / 32, base_name(first.file), first.line, mask,
                           base_name(other.file), other.line, other.mask);
             }
@@ -372,7 +388,7 @@ int release_shuffles(const Launch &launch, Block &b) {
                 Lane &l = b.lanes[w0 + j];
                 const int src = source_lane(l, (int)j);
                 if (!(mask >> src & 1u))
-                    return -!fault(launch, "lane %u of warp %u reads lane %d in a shuffle at %s:%d, which its mask "
+                    return faulted(launch, "lane %u of warp %u reads lane %d in a shuffle at %s:%d, which its mask "
                           "0x%08x does not name", j, w0 / 32, src, base_name(l.file), l.line, mask);
                 l.result = b.lanes[w0 + src].value;
             }
@@ -398,7 +414,7 @@ bool run_block(const Launch &launch, Block &b) {
         }
         if (live == 0) return true;
         const int released = release_shuffles(launch, b);
-        if (released < 0) return false;
+        if (released == kFaulted) return false;
         if (released > 0) continue;
         // Nothing else can move: every live thread must wait in the same barrier.
         unsigned at_barrier = 0;

@@ -174,6 +174,21 @@ mf_status resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uin
     return MF_SUCCESS;
 }
 
+mf_status penalties(const mf_penalty_args *args, bool update, void *stream) {
+    try {
+        host::PenaltyJob job(*args, update);  // host slots copied: the caller may reuse them
+        host::stream_of(stream)->enqueue(update ? "penalties_update" : "penalties_apply", [job = std::move(job)] {
+            mf_penalty_args a = job.args;
+            a.slots = job.slot_words();
+            check(simtk::launch_penalties(a, job.update, nullptr),
+                  job.update ? "mf_penalty_update_kernel" : "mf_penalty_apply_kernel");
+        });
+    } catch (const std::bad_alloc &) {
+        return fail(MF_ERROR_OUT_OF_MEMORY, "penalties: out of memory");
+    }
+    return MF_SUCCESS;
+}
+
 mf_status device_name(int, char *buf, size_t buflen) {
     if (buflen) std::snprintf(buf, buflen, "simt (CUDA kernels on the CPU, %d SMs planned)", config().sm_count);
     return MF_SUCCESS;
@@ -190,6 +205,7 @@ Ops make_ops() {
     o.combine = combine;
     o.verify = verify;
     o.resolve_verified = resolve_verified;
+    o.penalties = penalties;
     return o;
 }
 

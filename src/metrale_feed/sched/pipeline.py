@@ -28,6 +28,7 @@ from ..feed import NO_TOKEN, FeedSource, RowMask
 from ..kv import SequenceState
 from ..trait import ModelDeviceFeed
 from .budget import KvBudget
+from .penalized import PipelinePenalties
 from .router import AsyncDeviceIo, SyncDeviceIo, Ticket, _DeviceIo
 
 __all__ = ["DecodePipeline", "Request", "RequestStatus", "PipelineStats"]
@@ -129,6 +130,8 @@ class Request:
         Its sampling parameters (``submit``); ``temperature == 0`` is greedy decoding.
     sampled : bool
         ``temperature > 0``.
+    repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens
+        Its penalties (``submit``; docs/penalties.md), as float32 values.
 
     Examples
     --------
@@ -150,11 +153,14 @@ class Request:
     """
 
     __slots__ = ("prompt", "tokens", "max_new_tokens", "stop_ids", "status", "error", "_ban", "_mask", "_pipe", "_seq", "_join", "_last", "_base", "_order", "_bound",
-                 "_reserved_at", "_pos0", "temperature", "top_k", "top_p", "min_p", "seed")
+                 "_reserved_at", "_pos0", "temperature", "top_k", "top_p", "min_p", "seed",
+                 "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+                 "min_tokens", "_pen", "_pslot")
 
     def __init__(self, pipe: "DecodePipeline", prompt: Tuple[int, ...], max_new_tokens: int,
                  stop_ids: FrozenSet[int], ban: Optional[RowMask], order: int = 0,
-                 sampling: Tuple[float, int, float, float, int] = _GREEDY) -> None:
+                 sampling: Tuple[float, int, float, float, int] = _GREEDY,
+                 penalties: Optional[_checks.Penalties] = None) -> None:
         self.prompt = prompt
         self.tokens: List[int] = []
         self.max_new_tokens = max_new_tokens
@@ -174,6 +180,13 @@ class Request:
         self._reserved_at = -1  # the last launch that reserved a block for it
         self._pos0 = 0  # its position at launch L is _pos0 + L (set when it joins)
         self.temperature, self.top_k, self.top_p, self.min_p, self.seed = sampling
+        # Penalties (docs/penalties.md): None when every one is neutral (no slot, no op).
+        self._pen = penalties
+        self._pslot = -1  # its PenaltyState slot while it runs
+        rep, pres, freq, bias, mt = penalties or _checks.NO_PENALTIES
+        self.repetition_penalty, self.presence_penalty, self.frequency_penalty = rep, pres, freq
+        self.logit_bias: Dict[int, float] = dict(bias)
+        self.min_tokens = mt
 
     @property
     def finished(self) -> bool:
@@ -343,6 +356,10 @@ class DecodePipeline:
         the same pipeline and submits the same requests in the same order, and every rank's
         requests get the same tokens as the unsharded pipeline. The model must feed through this
         shard (``init_device_feed(..., shard=)``, as ``ReferenceModel(..., shard=)`` does).
+    penalty_capacity : int, optional
+        Distinct ids a request with penalties may see (its distinct prompt ids plus
+        ``max_new_tokens``); sizes the device tables, made at the first such request:
+        ``max_rows * (32 + 8 * penalty_capacity + 2912)`` bytes (docs/penalties.md). Default 4096.
 
     Raises
     ------
@@ -368,12 +385,16 @@ class DecodePipeline:
 
     def __init__(self, model: ModelDeviceFeed, max_rows: int, *, depth: int = 2, stream: Any = 0,
                  vocab: Optional[int] = None, debug: Optional[bool] = None,
-                 shard: Any = None) -> None:
+                 shard: Any = None, penalty_capacity: int = 4096) -> None:
         max_rows = _checks.integer(max_rows, "max_rows")
         # What the model can do is declared (metrale_feed.contract), read here once.
         require(model, "DecodePipeline", Prefill)
         info = feed_info_of(model, None if vocab is None else _checks.integer(vocab, "vocab"))
         self.info = info
+        penalty_capacity = _checks.integer(penalty_capacity, "penalty_capacity")
+        if not 1 <= penalty_capacity <= _core.MAX_PENALTY_TABLE:
+            raise ValueError(f"penalty_capacity must be in [1, {_core.MAX_PENALTY_TABLE}], got "
+                             f"{penalty_capacity}")
         if shard is not None:
             if info.shard is not shard:
                 raise ValueError("DecodePipeline(shard=) needs a model that feeds through that shard "
@@ -441,6 +462,11 @@ class DecodePipeline:
         # change of the pipeline's state is made under the lock, in posting order.
         self._lock = threading.Lock()
         self._inbox: Deque[Tuple[Callable[[Request], None], Request]] = deque()
+        # Penalties: the device tables, made at the first request that has any.
+        self._penalty_capacity = penalty_capacity
+        self._penalised = False
+        self._pen: Optional[PipelinePenalties] = None
+        self._hook: Optional[PipelinePenalties] = None  # the last launch's, for the router
 
     # ---- submission ----
 
@@ -465,7 +491,10 @@ class DecodePipeline:
 
     def submit(self, prompt_ids: Iterable[int], *, max_new_tokens: int,
                stop_ids: Iterable[int] = (), ban: Any = None, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0) -> Request:
+               top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
+               repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, logit_bias: Optional[Dict[int, float]] = None,
+               min_tokens: int = 0) -> Request:
         """Queue a request; it joins the batch at the next launch with room for it.
 
         Parameters
@@ -495,6 +524,22 @@ class DecodePipeline:
             the seed, the logits and the position ``len(prompt) + len(tokens)`` alone, so a
             request gets the same tokens whatever the batch, its row, the depth or a
             preemption.
+        repetition_penalty : float, optional
+            Over the prompt's and the generated ids, each distinct id once: a positive logit is
+            divided by it, any other multiplied. Finite, above 0; default 1.0 (off).
+        presence_penalty : float, optional
+            Subtracted once from the logit of each id generated so far; in [-2, 2], default 0.
+        frequency_penalty : float, optional
+            Subtracted from each generated id's logit once per occurrence; in [-2, 2], default 0.
+        logit_bias : mapping of int to float, optional
+            Added to those ids' logits, first; at most 300 ids of the vocabulary.
+        min_tokens : int, optional
+            Until this many tokens were generated the stop ids cannot be drawn (their logits
+            are ``-inf``); in [0, max_new_tokens], default 0. At most 64 stop ids with it.
+
+            vLLM v1's rules and order: ``logit_bias`` and ``min_tokens``, then the three
+            penalties, then temperature and the filters, greedy rows included; applied on the
+            device in stream order with no host synchronisation (docs/penalties.md).
 
         Returns
         -------
@@ -539,6 +584,13 @@ class DecodePipeline:
         stops = frozenset(self._token(t, "stop id") for t in stop_ids)
         mask = self._check_ban(ban)
         sampling = _checks.sampling(temperature, top_k, top_p, min_p, seed)
+        pen: Optional[_checks.Penalties] = _checks.penalties(
+            repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens,
+            self.vocab, max_new)
+        if pen == _checks.NO_PENALTIES:
+            pen = None
+        else:
+            PipelinePenalties.check(self, prompt, max_new, stops, pen[4], self._penalty_capacity)
         if sampling[0] > 0.0 and not self._can_sample:
             raise FeedError(f"{type(self.model).__name__} declares no sampling (its feed_info() "
                             "says sampling=False: no sample_batch_to_feed): a request with "
@@ -548,7 +600,7 @@ class DecodePipeline:
             raise ValueError(f"the request needs {blocks} KV blocks at most (prompt "
                              f"{len(prompt)} + {max_new} new tokens); the pool has "
                              f"{self._pool.num_blocks}")
-        req = Request(self, prompt, max_new, stops, mask, 0, sampling)
+        req = Request(self, prompt, max_new, stops, mask, 0, sampling, pen)
         self._post(self._enqueue, req)
         return req
 
@@ -558,6 +610,8 @@ class DecodePipeline:
             return
         self._orders += 1
         req._order = self._orders
+        if req._pen is not None:
+            self._penalised = True
         self._waiting.append(req)
 
     # ---- the inbox of other threads' calls ----
@@ -757,6 +811,7 @@ class DecodePipeline:
         masks = self._masks
         if self._dirty or rows is not self._rows:
             self._params = self._sampling_params(rows)
+            self._hook = self._penalties(rows)
         params = self._params
         if params is not None:
             # Host params are read before the feed method returns, so rewriting the one array
@@ -805,8 +860,7 @@ class DecodePipeline:
         io = self.io
         queued = io.stats.launches
         try:
-            return io.launch(sources, self._seqs_of(rows), masks, fed=fed, params=params,
-                             trusted=True)
+            return io._launch(sources, self._seqs_of(rows), masks, fed, params, True, self._hook)
         except BaseException as exc:
             if io.stats.launches != queued:
                 self._launches = launch + 1
@@ -830,6 +884,15 @@ class DecodePipeline:
             params[field] = [getattr(r, field) for r in rows]
         self._positions = np.array([r._pos0 for r in rows], np.int64)
         return params
+
+    def _penalties(self, rows: List[Request]) -> Optional[PipelinePenalties]:
+        """The router's hook for a batch (docs/penalties.md), None when no row has penalties."""
+        pen = self._pen
+        if pen is None:
+            if not self._penalised:
+                return None
+            pen = self._pen = PipelinePenalties(self, self._penalty_capacity)
+        return pen.rows(rows)
 
     def _seqs_of(self, rows: List[Request]) -> List[SequenceState]:
         if rows is not self._rows or self._seqs is None:
@@ -921,7 +984,7 @@ class DecodePipeline:
             if hits:
                 for i, (req, token) in enumerate(zip(rows, ids)):
                     if token in hits and token in req.stop_ids and req.status is _RUNNING and (
-                            dead is None or i not in dead):
+                            dead is None or i not in dead) and len(req.tokens) >= req.min_tokens:
                         self._finish(req, RequestStatus.FINISHED_STOPPED)
         for req in self._ending.pop(step.launch, ()):
             if req.status is _RUNNING and req._last == step.launch:
@@ -991,6 +1054,8 @@ class DecodePipeline:
         req._bound = -1
         self._discard_in_flight(req)
         self._release(req)
+        if self._pen is not None:
+            self._pen.leave(req)
         self._running.remove(req)
         self._dirty = True
 
@@ -1052,6 +1117,8 @@ class DecodePipeline:
                 finally:
                     if self._debug is not None:
                         self._debug.close()
+                    if self._pen is not None:
+                        self._pen.close()
 
     def __del__(self) -> None:
         # Dropped without close(): the model would keep the requests' KV blocks.

@@ -276,6 +276,13 @@ class _DeviceIo:
             As ``launch_fed`` and ``launch_decode`` say. A refused launch leaves the pool and
             every block table as they were.
         """
+        return self._launch(inputs, seqs, masks, fed, params, trusted, None)
+
+    def _launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any,
+                fed: bool, params: Any, trusted: bool, hook: Any) -> Ticket:
+        """``launch``, with the decode pipeline's ``hook`` (its penalties, or None):
+        ``hook.apply(logits, stream)`` is queued between the forward and the feed method and
+        ``hook.update(stream)`` after it (docs/penalties.md)."""
         ring = self._open_ring()
         rows = len(seqs)
         if not 1 <= rows <= self.max_rows:
@@ -307,12 +314,16 @@ class _DeviceIo:
                 self.budget.uncover(covered)  # type: ignore[arg-type]
             raise
         try:
+            if hook is not None:
+                hook.apply(logits, self.stream)
             if params is None:
                 model.argmax_batch_to_feed(logits, masks, ring.ptrs[slot], ring.events[slot],
                                            self.stream)
             else:
                 model.sample_batch_to_feed(logits, params, masks, ring.ptrs[slot],
                                            ring.events[slot], self.stream)
+            if hook is not None:
+                hook.update(self.stream)
         except BaseException:
             if not fed:  # decode_batch pushed the inputs: a step that never ran pushes nothing
                 for seq in seqs:
@@ -655,12 +666,12 @@ class SyncDeviceIo(_DeviceIo):
         self._init_state(model, max_rows, stream, 1)
         self._results: Dict[int, List[int]] = {}
 
-    def launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any = None, *,
-               fed: bool, params: Any = None, trusted: bool = False) -> Ticket:
+    def _launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any,
+                fed: bool, params: Any, trusted: bool, hook: Any) -> Ticket:
         if fed and not self.model.supports_device_token_feed():
             raise FeedError("launch_fed needs the device feed; with a settled step the inputs are "
                             "host-known, so use launch_decode")
-        ticket = super().launch(inputs, seqs, masks, fed=fed, params=params, trusted=trusted)
+        ticket = super()._launch(inputs, seqs, masks, fed, params, trusted, hook)
         self._results[ticket.step] = super().await_result(ticket)
         self.stats.ahead_launches = 0
         return ticket

@@ -719,7 +719,26 @@ class _StubPagedModel(PagedKvMixin, _StubModel):
         seq.seq_len += len(ids)
 
 
-def _pipeline_step_us(rows: int, steps: int, repeats: int, sampled: bool = False) -> float:
+class _StubLogitsModel(_StubPagedModel):
+    """The paged stub with real logits memory, for steps whose penalties touch the logits."""
+
+    def __init__(self, rows: int, vocab: int, block_size: int, num_blocks: int) -> None:
+        super().__init__(rows, vocab, block_size, num_blocks)
+        self.logits = mf.DeviceBuffer(rows * vocab * 4)
+
+    def decode_batch_fed(self, sources: Any, seqs: Any, stream: Any) -> int:
+        return self.logits.ptr
+
+    def close_device_feed(self) -> None:
+        self.logits.close()
+        super().close_device_feed()
+
+
+PENALTIES = {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5}
+
+
+def _pipeline_step_us(rows: int, steps: int, repeats: int, sampled: bool = False,
+                      penalties: Optional[bool] = None) -> float:
     """Best µs per DecodePipeline.step() of ``rows`` running requests beside the stub: a launch
     ahead, an await, the commit of every row's token, block reservations as rows cross block
     boundaries (block size 16; prompt lengths spread so that a sixteenth of the rows cross at
@@ -727,13 +746,15 @@ def _pipeline_step_us(rows: int, steps: int, repeats: int, sampled: bool = False
     request samples (``SAMPLED``), so each launch also sets its params' positions."""
     block_size = 16
     per_request = (steps * (repeats + 1) + 16) // block_size + 2
-    model = _StubPagedModel(rows, 32000, block_size, rows * per_request)
-    pipe = mf.DecodePipeline(model, rows)
+    stub = _StubPagedModel if penalties is None else _StubLogitsModel
+    model = stub(rows, 32000, block_size, rows * per_request)
+    pipe = mf.DecodePipeline(model, rows, penalty_capacity=steps * (repeats + 1) + 32)
     best = float("inf")
     try:
         for i in range(rows):
             pipe.submit([1] * (1 + i % block_size), max_new_tokens=steps * (repeats + 1),
-                        **(dict(SAMPLED, seed=i) if sampled else {}))
+                        **(dict(SAMPLED, seed=i) if sampled else {}),
+                        **(dict(PENALTIES, logit_bias={5: 1.0, 9: -1.0}) if penalties else {}))
         for _ in range(steps):  # admission, prefill and warm-up
             pipe.step()
         for _ in range(repeats):
@@ -871,6 +892,84 @@ def bench_router(quick: bool) -> Dict[str, Any]:
          "", f"step {sm['sampled_step_us']:.0f} us vs {sm['greedy_step_us']:.0f} us; top_p "
          f"{SAMPLED['top_p']}, temperature {SAMPLED['temperature']}; ratio = step time"
          + ("" if sm["checked"] else "; TOKENS DIFFER from the host sampler"))
+    return r
+
+
+# ---- penalties ----
+
+def _penalty_step(rows: int, vocab: int, generated: int, np: Any) -> Dict[str, Any]:
+    """A step's device work at ``rows`` x ``vocab`` float32, with and without penalties on every
+    row: argmax_to_feed and its event sync, and with penalties the apply before it and the
+    update after it. Each request has a 200-id prompt, ``generated`` tokens (the table's
+    entries) and 300 logit biases; every call is checked once against numpy."""
+    from ..penalties import PenaltyState
+
+    rng = np.random.default_rng(26)
+    logits = rng.standard_normal((rows, vocab), dtype=np.float32)
+    dev, cells, dst, ev = (mf.DeviceBuffer(logits.nbytes), mf.DeviceBuffer(rows * 4),
+                           mf.PinnedBuffer(rows * 4), mf.Event())
+    state = PenaltyState(rows, capacity=generated + 256)
+    slots = np.arange(rows, dtype=np.uint32)
+    try:
+        for r in range(rows):
+            state.set(r, prompt=rng.integers(0, vocab, 200).tolist(),
+                      generated=rng.integers(0, vocab, generated).tolist(),
+                      logit_bias={int(t): 0.5 for t in rng.choice(vocab, 300, replace=False)},
+                      **PENALTIES)
+        mf.copy_h2d_async(dev, logits)
+
+        def plain() -> None:
+            mf.argmax_to_feed(dev, None, cells, dst, ev, 0, rows=rows, vocab=vocab, dtype="float32")
+            ev.synchronize()
+
+        def penalised() -> None:
+            state.apply(dev, slots, vocab=vocab, dtype="float32")
+            mf.argmax_to_feed(dev, None, cells, dst, ev, 0, rows=rows, vocab=vocab, dtype="float32")
+            state.update(cells, slots)
+            ev.synchronize()
+
+        plain()
+        checked = mf.read_pinned_u32(dst.ptr, rows) == logits.argmax(axis=1).tolist()
+        repeats = 7
+        times: Dict[str, List[float]] = {"plain": [], "penalised": []}
+        # Interleaved, on logits already in memory: reloading them before each call would make
+        # whichever op runs first pay the write-back of the 39 MB copy. The penalties pile up
+        # over the repeats, which changes values, not the work (the same ids every time).
+        for _ in range(repeats):
+            times["penalised"].append(_timed(penalised))
+            times["plain"].append(_timed(plain))
+        mf.stream_synchronize()
+    finally:
+        state.close()
+        for b in (dev, cells, dst, ev):
+            b.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"rows": rows, "vocab": vocab, "generated": generated, "checked": checked,
+            "plain_ms": med["plain"], "penalised_ms": med["penalised"],
+            "ratio": med["penalised"] / med["plain"], "repeats": repeats}
+
+
+def bench_penalties(quick: bool) -> Dict[str, Any]:
+    """docs/penalties.md: a device step with penalties on every row against the same step
+    without, and the pipeline's host cost per step with penalties against without."""
+    import numpy as np
+
+    step = _penalty_step(64, 152064, 1000, np)
+    rows, repeats = 64, 3 if quick else 5
+    n_steps = 200 if quick else 1000
+    plain, penalised = float("inf"), float("inf")
+    for _ in range(2):  # interleaved pairs of bests
+        plain = min(plain, _pipeline_step_us(rows, n_steps, repeats, penalties=False))
+        penalised = min(penalised, _pipeline_step_us(rows, n_steps, repeats, penalties=True))
+    r = {"step": step, "pipeline_us": plain, "pipeline_penalised_us": penalised,
+         "pipeline_ratio": penalised / plain, "checked": step["checked"]}
+    _section(f"penalties: every row with repetition, presence, frequency and 300 logit biases, "
+             f"{step['generated']} generated tokens a request (median of {step['repeats']})")
+    _row(f"step {step['rows']}x{step['vocab']} f32", f"{step['penalised_ms']:.2f} ms",
+         f"no penalties {step['plain_ms']:.2f} ms", f"{step['ratio']:.2f}x", "<= 1.2x",
+         "apply + argmax_to_feed + update + event sync" + ("" if step["checked"] else "; IDS DIFFER"))
+    _row(f"pipeline Python/step, {rows} rows", f"{penalised:.1f} us", f"no penalties {plain:.1f} us",
+         f"{r['pipeline_ratio']:.2f}x", "<= 1.1x", "stub model with logits memory")
     return r
 
 
@@ -1087,10 +1186,14 @@ def bench_tp(world: int, quick: bool) -> Dict[str, Any]:
              f"gather {e['gather_bytes_per_step']}", "", "",
              f"by hand {e['hand_bytes_per_step']}; ids {'checked' if e['checked'] else 'DIFFER'}")
         _row(f"sharded top_k 50 top_p 0.9 {e['rows']} rows", f"{e['filtered_sharded_ms']:.2f} ms",
-             f"unsharded, 1 rank {e['filtered_unsharded_ms']:.2f} ms",
-             f"{e['filtered_unsharded_ms'] / e['filtered_sharded_ms']:.2f}x", "",
+             f"gather logits + unsharded {e['filtered_gather_ms']:.2f} ms",
+             f"{e['filtered_gather_ms'] / e['filtered_sharded_ms']:.2f}x", ">= 3x",
+             f"{e['filtered_collectives_per_call']} collectives, "
              f"{e['filtered_bytes_per_call'] / e['rows']:.0f} B/row; ids "
              f"{'checked' if e['filtered_checked'] else 'DIFFER'}")
+        _row("", "", f"unsharded, 1 rank {e['filtered_unsharded_ms']:.2f} ms",
+             f"{e['filtered_unsharded_ms'] / e['filtered_sharded_ms']:.2f}x", "",
+             f"one gloo all-gather of 16 B: {e['gloo_collective_us']:.0f} us")
     return result
 
 
@@ -1122,6 +1225,7 @@ def main(args: Any) -> int:
     record["argmax_options"] = bench_pick_options(args.quick)
     record["sampling"] = bench_sampling(args.quick, bool(getattr(args, "peaked", False)))
     record["router"] = bench_router(args.quick)
+    record["penalties"] = bench_penalties(args.quick)
     record["interop"] = bench_interop(args.quick)
     record["graphs"] = bench_graphs(args.quick)
     record["seconds"] = time.perf_counter() - start
@@ -1139,6 +1243,7 @@ def main(args: Any) -> int:
           and all(lv["same_tokens"] for lv in record["router"]["levels"])
           and all(lv["same_tokens"] for lv in record["interop"].get("llama", {}).get("levels", []))
           and record["router"]["sampling"]["checked"]
+          and record["penalties"]["checked"]
           and record["graphs"]["checked"])
     if not ok:
         print("a correctness check failed: argmax ids or router tokens differ (sampled ones "

@@ -4,9 +4,11 @@ N local ranks (separate processes, one gloo group on 127.0.0.1) each hold a slic
 ``rows x 152064`` float32 logits. Measured side by side, the same ranks and group, one run:
 the sharded ``argmax_to_feed`` (16 bytes a row), (a) all-gathering the logits then the argmax,
 (b) the same sharded reduction by hand with torch ops (local max, all-gather of (value, id),
-pick). Then sampling with ``top_k=50, top_p=0.9``: the sharded call (its rounds of per-row
-histograms) beside the unsharded ``sample_to_feed`` on the whole rows on one rank. Needs torch and
-numpy.
+pick). Then sampling with ``top_k=50, top_p=0.9``: the sharded call (its exchange of per-row
+candidate lists) beside (a) all-gathering the logits then the unsharded ``sample_to_feed`` on every
+rank, and (b) the unsharded call on the whole rows on one rank; with its collectives per call and
+the cost of one small gloo collective on this machine (what each exchange's rendezvous costs).
+Needs torch and numpy.
 """
 
 from __future__ import annotations
@@ -109,8 +111,15 @@ def _filtered(rank: int, group: Any, full: Any, rows: int, repeats: int) -> Dict
 
     import metrale_feed as mf
 
+    import torch
+
     shard = mf.VocabShard(group, VOCAB, max_rows=rows)
+    world = shard.world
     part = np.ascontiguousarray(full[:, shard.start:shard.stop])
+    width = -(-VOCAB // world)
+    tpart = torch.from_numpy(part)
+    gathered = mf.DeviceBuffer(rows * VOCAB * 4)
+    gathered_ids = np.zeros(rows, np.uint32)
     params = mf.sampling_params(rows, temperature=1.0, top_k=50, top_p=0.9, seed=np.arange(rows),
                                 position=np.arange(rows))
     bufs = [mf.DeviceBuffer(max(1, a.nbytes)) for a in (part, full if rank == 0 else part[:0])]
@@ -121,16 +130,43 @@ def _filtered(rank: int, group: Any, full: Any, rows: int, repeats: int) -> Dict
     cells, ids, whole_ids = mf.DeviceBuffer(rows * 4), np.zeros(rows, np.uint32), np.zeros(rows, np.uint32)
     sharded_s: List[float] = []
     whole_s: List[float] = []
-    sent = 0
+    gather_s: List[float] = []
+    small_s: List[float] = []
+    sent = calls = 0
+    tiny = torch.zeros(4, dtype=torch.int32)
+    tiny_out = [torch.empty_like(tiny) for _ in range(world)]
+
+    def gather_then_sample() -> None:
+        """(a): what engines do: all-gather the logits, then the unsharded call on every rank."""
+        slices = [torch.empty((rows, width), dtype=torch.float32) for _ in range(world)]
+        mine = torch.zeros((rows, width), dtype=torch.float32)  # equal sizes: pad the slice
+        mine[:, : tpart.shape[1]] = tpart
+        dist.all_gather(slices, mine, group=group)
+        whole = torch.cat(slices, dim=1)[:, :VOCAB].contiguous().numpy()
+        mf.copy_h2d_async(gathered, whole)
+        mf.sample_to_feed(gathered, params, cells, gathered_ids, done, rows=rows, vocab=VOCAB,
+                          dtype="float32")
+        done.synchronize()
+
     with mf.Event() as done:
         for _ in range(repeats):
             dist.barrier()
-            before = shard.stats["bytes_sent"]
+            before = dict(shard.stats)
             t0 = time.perf_counter()
             mf.sample_to_feed(bufs[0], params, cells, ids, done, rows=rows, dtype="float32", shard=shard)
             done.synchronize()
             sharded_s.append(time.perf_counter() - t0)
-            sent = shard.stats["bytes_sent"] - before
+            sent = shard.stats["bytes_sent"] - before["bytes_sent"]
+            calls = shard.stats["collectives"] - before["collectives"]
+            dist.barrier()
+            t0 = time.perf_counter()
+            gather_then_sample()
+            gather_s.append(time.perf_counter() - t0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(10):  # one small gloo all-gather: the rendezvous an exchange pays
+                dist.all_gather(tiny_out, tiny, group=group)
+            small_s.append((time.perf_counter() - t0) / 10)
             dist.barrier()
             if rank == 0:
                 t0 = time.perf_counter()
@@ -139,10 +175,14 @@ def _filtered(rank: int, group: Any, full: Any, rows: int, repeats: int) -> Dict
                 done.synchronize()
                 whole_s.append(time.perf_counter() - t0)
     shard.close()
-    cells.close(), bufs[0].close(), bufs[1].close()
+    cells.close(), bufs[0].close(), bufs[1].close(), gathered.close()
     return {"filtered_sharded_ms": statistics.median(sharded_s) * 1e3,
             "filtered_unsharded_ms": statistics.median(whole_s) * 1e3 if whole_s else None,
-            "filtered_bytes_per_call": sent, "filtered_checked": rank != 0 or bool(np.array_equal(ids, whole_ids))}
+            "filtered_gather_ms": statistics.median(gather_s) * 1e3,
+            "filtered_collectives_per_call": calls, "gloo_collective_us": statistics.median(small_s) * 1e6,
+            "filtered_bytes_per_call": sent,
+            "filtered_checked": bool(np.array_equal(ids, gathered_ids))
+            and (rank != 0 or bool(np.array_equal(ids, whole_ids)))}
 
 
 def run(world: int, quick: bool) -> Dict[str, Any]:

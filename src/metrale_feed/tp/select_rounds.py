@@ -1,17 +1,24 @@
 """Sampling filters over a vocabulary split across ranks: the rounds of one sharded call
 (docs/kernels.md, "Filters need global thresholds"; docs/tensor-parallel.md).
 
-top_k and top_p are thresholds on the packed word (logit key, ~id) of the whole row, found by a
-radix select, and a select splits across slices as a maximum does: per round each slice
-histograms the next 4-bit digit of the logit key among its candidates still in range (counts for
-top_k, integer masses for top_p), every rank sums the all-gathered histograms (integer sums, so
-the order does not matter) and picks the same digit as ``mf_select_digit`` would on the whole
-row. Eight rounds fix the boundary key K and the weight above it; the ids at K are cut without a
-round, since slices are in id order: every rank knows each slice's weight at K from the last
-round and takes its own candidates at K while the weight before them is short of the target.
-min_p and the masses need the row's zmax: the first exchange carries each slice's greatest finite
+top_k and top_p are thresholds on the packed word (logit key, ~id) of the whole row. min_p and
+the masses need the row's zmax: the first exchange carries each slice's greatest finite
 candidate. The last exchange is the race winners over the survivors, which the ordinary combine
-joins into the feed cells.
+joins into the feed cells. Between them, per row:
+
+- ``top_k <= SELECT_CANDS_MAX`` (with or without top_p and min_p): one exchange of candidate
+  lists. Each slice lists its greatest ``min(top_k, count)`` candidates; the row's global top_k
+  are among them, so every rank's race stage merges the gathered lists and applies top_k, then
+  top_p, over them itself (``mf_cands_threshold``, sample_rule.h): 3 exchanges in all.
+- a larger top_k, or top_p alone: a radix select, which splits across slices as a maximum does:
+  per round each slice histograms the next 8-bit digit of the logit key among its candidates
+  still in range (counts for top_k, integer masses for top_p), every rank sums the all-gathered
+  histograms (integer sums, so the order does not matter) and picks the same digit as
+  ``mf_select_digit`` would on the whole row. Four rounds fix the boundary key K and the weight
+  above it; the ids at K are cut without a round, since slices are in id order: every rank knows
+  each slice's weight at K from the last round and takes its own candidates at K while the weight
+  before them is short of the target. top_p alone: 6 exchanges.
+- min_p alone: nothing between the first exchange and the race (2 exchanges).
 
 Every exchange has a size fixed by the shard (``max_rows``), and the number of rounds follows
 from the params, which every rank must share: the first exchange carries a digest of them in its
@@ -32,8 +39,10 @@ import numpy as np
 from .. import _core
 from ..errors import FeedError
 
-DIGIT_BITS = 4
-ROUNDS = 32 // DIGIT_BITS  # rounds of one select: the 32-bit logit key, 4 bits at a time
+DIGIT_BITS = _core.SELECT_DIGIT_BITS
+BINS = _core.SELECT_BINS
+ROUNDS = 32 // DIGIT_BITS  # rounds of one select: the 32-bit logit key, a digit at a time
+CANDS_MAX = _core.SELECT_CANDS_MAX  # the largest top_k that the candidate lists serve
 _HEADER = _core.PARTIAL_HEADER_BYTES
 _NO_TOKEN = 0xFFFFFFFF
 _F = _core.SELECT_ROW_FLAGS
@@ -43,13 +52,26 @@ _STATE = np.dtype([("floor", "<u8"), ("cut_need", "<u8"), ("top_bits", "<u4"), (
 # scratch; a row whose ids do not fit rescans its slice in the later rounds.
 LIST_CAP = 2048
 assert _STATE.itemsize == _core.SELECT_ROW_BYTES
-_HEADER_DTYPE = np.dtype([("tag", "<u4"), ("rows", "<u4"), ("call", "<u8"), ("vocab", "<u4"),
-                          ("start", "<u4"), ("stop", "<u4"), ("reserved", "<u4")])
+
+def _layout_dtype(fields: dict[str, tuple[int, str]], size: int) -> np.dtype:
+    """A numpy view of a C struct from its offsets as the extension exports them."""
+    names = list(fields)
+    return np.dtype({"names": names, "formats": [fields[n][1] for n in names],
+                     "offsets": [fields[n][0] for n in names], "itemsize": size})
 
 
-def hist_block_bytes(max_rows: int) -> int:
-    """Bytes of one round's block: the header, then 16 uint64 weights a row, for ``max_rows``."""
-    return _HEADER + max_rows * _core.SELECT_HIST_BYTES
+_HEADER_DTYPE = _layout_dtype(_core.PARTIAL_HEADER_FIELDS, _HEADER)
+_RECORD_DTYPE = _layout_dtype(_core.PARTIAL_RECORD_FIELDS, _core.PARTIAL_RECORD_BYTES)
+
+
+def hist_block_bytes(rows: int) -> int:
+    """Bytes of one round's block: the header, then BINS uint64 weights a row."""
+    return _HEADER + rows * _core.SELECT_HIST_BYTES
+
+
+def cands_block_bytes(rows: int, cap: int) -> int:
+    """Bytes of one candidates block: the header, then ``cap`` entries a row."""
+    return _HEADER + rows * cap * _core.PARTIAL_CAND_BYTES
 
 
 def filters_of(params: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -94,22 +116,31 @@ class FilteredCall:
         self.shard, self.rows, self.call = shard, rows, call
         self.params = params[:rows].copy()  # the decisions read them on the worker
         top_k, top_p, _ = filters_of(self.params)
-        # The selects this call runs, the same on every rank whose params agree (the digest).
-        self.selects = [s for s, on in (("k", top_k.any()), ("p", top_p.any())) if on]
+        k = self.params["top_k"]
+        # Rows whose top_k the candidate lists serve (top_p with them too); the radix selects
+        # take the rest. What runs is the same on every rank whose params agree (the digest).
+        self.cands_rows = top_k & (k <= CANDS_MAX)
+        self.cap = int(k[self.cands_rows].max()) if self.cands_rows.any() else 0
+        self.radix = {"k": top_k & ~self.cands_rows, "p": top_p & ~self.cands_rows}
+        self.selects = [s for s in ("k", "p") if self.radix[s].any()]
         self.fault: str | None = None
         self.block = shard._block
-        self.hblock = hist_block_bytes(shard.max_rows)
+        # Blocks after the first are sized by `rows` and the params, which the first exchange
+        # checks across the group (a disagreement skips the rest on every rank alike).
+        self.hblock = hist_block_bytes(rows) if self.selects else 0
+        self.cblock = cands_block_bytes(rows, self.cap) if self.cap else 0
         world = shard.world
         self.buffers = []
         try:
             for size in (rows * _STATE.itemsize, self.block, self.block * world, self.hblock,
-                         self.hblock * world, 4, rows * LIST_CAP * 4):
-                self.buffers.append(_core.DeviceBuffer(size) if size != 4 else _core.PinnedBuffer(4))
+                         self.hblock * world, self.cblock, self.cblock * world, rows * LIST_CAP * 4):
+                self.buffers.append(_core.DeviceBuffer(max(size, 8)))
+            self.buffers.append(_core.PinnedBuffer(4))
         except BaseException:
             self.close()
             raise
-        (self.state_buf, self.top, self.gathered, self.hist, self.hgathered, self.fault_word,
-         self.id_list) = self.buffers
+        (self.state_buf, self.top, self.gathered, self.hist, self.hgathered, self.cands,
+         self.cgathered, self.id_list, self.fault_word) = self.buffers
         self.state = _view(self.state_buf, _STATE)
 
     def close(self) -> None:
@@ -117,10 +148,10 @@ class FilteredCall:
             buf.close()
 
     def exchanges(self) -> int:
-        return 2 + ROUNDS * len(self.selects)
+        return 2 + (1 if self.cap else 0) + ROUNDS * len(self.selects)
 
     def bytes_per_call(self) -> int:
-        return 2 * self.block + ROUNDS * len(self.selects) * self.hblock
+        return 2 * self.block + self.cblock + ROUNDS * len(self.selects) * self.hblock
 
     def queue(self, stream: Any, launch: Any) -> None:
         """Queue every stage and exchange on ``stream``; ``launch(stage, partials)`` queues one
@@ -130,6 +161,9 @@ class FilteredCall:
         launch("top", self.top)
         shard._exchange(stream, self.top, self.gathered, self)
         _core.launch_host_func(stream, self._decide, self._after_top)
+        if self.cap:
+            launch("cands", self.cands)
+            shard._exchange(stream, self.cands, self.cgathered, self)
         for sel in self.selects:
             for j in range(ROUNDS):
                 launch("hist", self.hist)
@@ -176,9 +210,9 @@ class FilteredCall:
             if why:
                 self._refuse(f"sharded sampling with filters refused: rank {w} has {why}; every row "
                              "got NO_TOKEN")
-        rec = np.stack([_view(self.gathered, "<u4", w * self.block + _HEADER, 4 * n).reshape(n, 4)
+        rec = np.stack([_view(self.gathered, _RECORD_DTYPE, w * self.block + _HEADER, n)
                         for w in range(shard.world)])
-        ids, bits = rec[:, :, 0], rec[:, :, 1]
+        ids, bits = rec["id"], rec["logit_bits"]
         keys = np.where(ids != _NO_TOKEN, _keys(bits), 0)
         best = keys.argmax(0)
         has = keys.max(0) > 0
@@ -197,7 +231,8 @@ class FilteredCall:
             zmax = top_bits.view(np.float32) * inv_t
         self.live = has & np.isfinite(zmax)
         top_k, top_p, _ = filters_of(self.params)
-        self.want = {"k": top_k & self.live, "p": top_p & self.live}
+        self.want = {s: self.radix[s] & self.live for s in ("k", "p")}
+        st["flags"] |= np.where(self.cands_rows & self.live, np.uint32(_F["cands"]), np.uint32(0))
         if self.selects:
             self._start(self.selects[0])
 
@@ -223,7 +258,7 @@ class FilteredCall:
         if self.fault is not None:
             return
         n, world = self.rows, self.shard.world
-        bins = np.stack([_view(self.hgathered, "<u8", w * self.hblock + _HEADER, 16 * n).reshape(n, 16)
+        bins = np.stack([_view(self.hgathered, "<u8", w * self.hblock + _HEADER, BINS * n).reshape(n, BINS)
                          for w in range(world)])
         total = bins.sum(0, dtype=np.uint64)  # integer sums: the same whatever the order
         rows = self.sel_rows
@@ -241,9 +276,9 @@ class FilteredCall:
         rev = total[:, ::-1]
         cum = self.above[:, None] + np.cumsum(rev, axis=1, dtype=np.uint64)
         reach = cum >= self.target[:, None]
-        idx = np.where(reach.any(1), reach.argmax(1), 15)
+        idx = np.where(reach.any(1), reach.argmax(1), BINS - 1)
         excl = cum - rev  # the weight of the greater digits
-        digit = (15 - idx).astype(np.uint64)
+        digit = (BINS - 1 - idx).astype(np.uint64)
         shift = 32 - DIGIT_BITS * (j + 1)
         self.above = np.where(rows, excl[np.arange(n), idx], self.above)
         self.prefix = np.where(rows, self.prefix | (digit << np.uint64(shift)), self.prefix)
@@ -253,7 +288,7 @@ class FilteredCall:
         # The boundary key K is found: each rank cuts its own candidates at K by id. The slices
         # are in id order, so the weight at K before this rank's is the lower ranks' bins.
         st, me = self.state, self.shard.rank
-        at_k = bins[:, np.arange(n), 15 - idx]  # [world, n]: each slice's weight at K
+        at_k = bins[:, np.arange(n), BINS - 1 - idx]  # [world, n]: each slice's weight at K
         before = at_k[:me].sum(0, dtype=np.uint64) if me else np.zeros(n, np.uint64)
         need = np.zeros(n, np.uint64)
         for r in np.flatnonzero(rows):  # Python ints: target - above - before may be negative

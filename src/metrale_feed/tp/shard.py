@@ -21,9 +21,9 @@ from .. import _core
 from ..errors import FeedError
 
 _EXTRA = "pip install 'metrale-feed[torch]'"
-# A partial block: a 32-byte header (the fingerprint the combine checks) and 16 bytes a row.
-_HEADER_RECORDS = 2
-_RECORD_BYTES = 16
+# A partial block: a header (the fingerprint the combine checks) and a record a row; its layout
+# is partial_layout.h's, through the extension.
+_RECORD_BYTES = _core.PARTIAL_RECORD_BYTES
 # Completed calls' buffers kept for reuse: pending calls beyond this many get fresh ones, so a
 # depth-2 pipeline allocates nothing per step (on the cuda backend a free synchronises the device).
 _RING = 4
@@ -151,7 +151,7 @@ class VocabShard:
         self._pending: list[tuple[Any, tuple[Any, ...]]] = []  # (done event, buffers it holds)
         self._ring: list[tuple[Any, tuple[Any, ...]]] = []  # completed calls' (done, buffers)
         self._stream = 0  # the stream of the pending calls
-        self._block = (max_rows + _HEADER_RECORDS) * _RECORD_BYTES
+        self._block = _core.PARTIAL_HEADER_BYTES + max_rows * _RECORD_BYTES
         # The agreement: every rank sends the same-sized record, so a disagreement is an error on
         # every rank instead of mismatched collectives later.
         digest = hashlib.blake2b(struct.pack(f"<{len(offs)}q", *offs), digest_size=7).digest()
@@ -359,10 +359,17 @@ class VocabShard:
 
         def launch(stage: str, partials: Any) -> None:
             nonlocal queued
-            # The race's records carry (m, s) when logprobs are asked for (its header says so).
+            # The race's records carry (m, s) when logprobs are asked for (its header says so);
+            # it reads the gathered candidate lists, which the "cands" stage writes.
+            lists = {}
+            if rounds.cap and stage in ("cands", "race"):
+                lists = dict(cands_cap=rounds.cap)
+                if stage == "race":
+                    lists.update(cands=rounds.cgathered, cands_world=self.world,
+                                 cands_stride=rounds.cblock)
             _core._select_partial(logits, params, partials, rounds.state_buf, stage, stream,
                                   id_list=rounds.id_list, list_cap=select_rounds.LIST_CAP,
-                                  logprobs=stage == "race" and logprobs is not None, **kw)
+                                  logprobs=stage == "race" and logprobs is not None, **lists, **kw)
             if not queued:  # the first stage checked every argument: the call is on
                 queued = True
                 self._calls += 1

@@ -1,0 +1,117 @@
+/* The penalty rules (vLLM v1's logit processors), shared verbatim by the CUDA kernel and the host
+ * backend so that both change a logit to the same bits: every step is one IEEE float32 operation
+ * in round-to-nearest (the _rn intrinsics on the device, -ffp-contract=off on the host), and
+ * float16/bfloat16 logits are rounded to nearest even when stored back.
+ *
+ * Per row, in this order (each stage sees the previous one's stored values):
+ *   1. logit_bias:  l = l + bias                           (each biased id once)
+ *   2. min_tokens:  l = -inf for each stop id while generated < min_tokens
+ *   3. penalties, for each id the prompt or the generated tokens hold (each distinct id once):
+ *      repetition: l = l > 0 ? l / rep : l * rep           (prompt or generated)
+ *      frequency:  l = l - freq * count                    (generated, count > 0)
+ *      presence:   l = l - presence                        (generated, count > 0)
+ * The neutral values (bias 0, rep 1, freq 0, presence 0) leave every value's bits as they are, so
+ * an id needs no test of which penalties are on. Stages 1 and 3 leave a NaN logit as it is, bits
+ * and all: an operation on a NaN gives the canonical NaN on the GPU but keeps (and quiets) its
+ * payload on the CPU, so only not touching it gives every backend the same bits. */
+#ifndef METRALE_FEED_PENALTY_RULE_H
+#define METRALE_FEED_PENALTY_RULE_H
+
+#include "metrale_feed/feed.h"
+#include "metrale_feed/sample_rule.h"
+
+/* float32 bits -> bfloat16 bits, round to nearest even; NaN stays a (quiet) NaN. */
+MF_HD uint16_t mf_round_bf16(uint32_t bits) {
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return mf_f32_to_bf16(bits); /* rounds up into inf when it should */
+}
+
+/* float32 bits -> float16 bits, round to nearest even, for every value: overflow to inf, NaN a
+ * quiet NaN, tiny values to subnormals or zero. */
+MF_HD uint16_t mf_round_f16(uint32_t bits) {
+    uint32_t sign = (bits >> 16) & 0x8000u, mag = bits & 0x7FFFFFFFu;
+    if (mag > 0x7F800000u) return (uint16_t)(sign | 0x7E00u);
+    if (mag >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* >= 65520: rounds to inf */
+    if (mag < 0x33000001u) return (uint16_t)sign;              /* <= 2**-25: rounds to zero */
+    int32_t exp = (int32_t)(mag >> 23) - 127 + 15;
+    uint32_t mant = mag & 0x7FFFFFu;
+    if (exp <= 0) { /* a subnormal half */
+        mant |= 0x800000u;
+        uint32_t shift = (uint32_t)(14 - exp);
+        uint32_t half = mant >> shift;
+        uint32_t rem = mant & ((1u << shift) - 1u), mid = 1u << (shift - 1u);
+        if (rem > mid || (rem == mid && (half & 1u))) ++half;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t half = ((uint32_t)exp << 10) | (mant >> 13);
+    uint32_t rem = mant & 0x1FFFu;
+    if (rem > 0x1000u || (rem == 0x1000u && (half & 1u))) ++half; /* carries into exp correctly */
+    return (uint16_t)(sign | half);
+}
+
+MF_HD float mf_penalty_load(const void *row, int dtype, uint32_t i) {
+    return mf_from_bits(mf_logit_bits(row, dtype, i));
+}
+
+MF_HD void mf_penalty_store(void *row, int dtype, uint32_t i, float v) {
+    uint32_t bits = mf_to_bits(v);
+    if (dtype == 0) ((uint32_t *)row)[i] = bits;
+    else ((uint16_t *)row)[i] = dtype == 2 ? mf_round_bf16(bits) : mf_round_f16(bits);
+}
+
+MF_HD float mf_neg_inf(void) { return mf_from_bits(0xFF800000u); }
+
+MF_HD int mf_penalty_is_nan(float l) { return (mf_to_bits(l) & 0x7FFFFFFFu) > 0x7F800000u; }
+
+/* Stage 3 for one id of the table: `count` is its mf_penalty_entry.count. */
+MF_HD float mf_penalize(float l, const mf_penalty_slot *s, uint32_t count) {
+    const uint32_t n = count & ~MF_PENALTY_PROMPT;
+    l = l > 0.0f ? mf_fdiv(l, s->repetition) : mf_fmul(l, s->repetition);
+    if (n) {
+        l = mf_fsub(l, mf_fmul(s->frequency, (float)n));
+        l = mf_fsub(l, s->presence);
+    }
+    return l;
+}
+
+/* Stage 1 at column `col` of a row: add `bias`; a NaN is not touched (not even stored back). */
+MF_HD void mf_penalty_bias_at(void *row, int dtype, uint32_t col, float bias) {
+    const float l = mf_penalty_load(row, dtype, col);
+    if (!mf_penalty_is_nan(l)) mf_penalty_store(row, dtype, col, mf_fadd(l, bias));
+}
+
+/* Stage 3 at column `col`, for a table entry's `count`; a NaN is not touched. */
+MF_HD void mf_penalize_at(void *row, int dtype, uint32_t col, const mf_penalty_slot *s, uint32_t count) {
+    const float l = mf_penalty_load(row, dtype, col);
+    if (!mf_penalty_is_nan(l)) mf_penalty_store(row, dtype, col, mf_penalize(l, s, count));
+}
+
+/* Whether min_tokens bans the stop ids now. */
+MF_HD int mf_penalty_bans_stops(const mf_penalty_slot *s) { return s->generated < s->min_tokens; }
+
+/* A slot's counts as the kernels use them: clamped to the capacities, so no state reaches past
+ * the slot's part of the tables. */
+MF_HD mf_penalty_slot mf_penalty_clamped(mf_penalty_slot s, uint32_t table_cap, uint32_t item_cap) {
+    if (s.entries > table_cap) s.entries = table_cap;
+    if (s.biases > item_cap) s.biases = item_cap;
+    if (s.stops > item_cap - s.biases) s.stops = item_cap - s.biases;
+    return s;
+}
+
+/* The update of one counted id at table index `found` (table_cap: not there): true when the
+ * table changed. A full table drops a new id (the caller sizes tables so that never happens). */
+MF_HD int mf_penalty_count(mf_penalty_slot *s, mf_penalty_entry *table, uint32_t table_cap, uint32_t id,
+                           uint32_t found) {
+    if (s->generated != 0xFFFFFFFFu) ++s->generated;
+    if (found < table_cap) {
+        if ((table[found].count & ~MF_PENALTY_PROMPT) != ~MF_PENALTY_PROMPT) ++table[found].count;
+        return 1;
+    }
+    if (s->entries >= table_cap) return 0;
+    table[s->entries].id = id;
+    table[s->entries].count = 1u;
+    ++s->entries;
+    return 1;
+}
+
+#endif

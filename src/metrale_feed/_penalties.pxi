@@ -1,0 +1,175 @@
+# Launchers of the penalty ops (docs/penalties.md): the same pattern as _kernels.pxi's, every
+# argument checked here or in the C layer before anything is queued.
+
+cdef uint32_t penalty_extent(object given, size_t have, size_t per, str what, uint32_t high) except? 0:
+    """A capacity: the given one, or the table's bytes over ``per`` (a buffer whose length is known)."""
+    if given is None:
+        if have == <size_t>-1:
+            raise ValueError(f"{what} is required when the tables are foreign pointers")
+        given = have // per
+    return <uint32_t>int_of(given, what, 1, high)
+
+
+cdef object launch_penalties(bint update, object target, object slots, object state, object table, object items,
+                             object stream, object slot_count, object table_cap, object item_cap, object rows,
+                             object vocab, object dtype, object row_stride, object start):
+    cdef uint64_t s
+    cdef mf_penalty_args a
+    cdef void *ptr
+    cdef size_t have, state_have, table_have, items_have
+    cdef _Words words = None
+    cdef _Foreign f
+    mf_penalty_args_init(&a)
+    stream_of(stream, &s)
+    cdef _Call call = call_on(s)
+    try:
+        call.device(state, &ptr, &state_have, "state", True, False)
+        a.state = <mf_penalty_slot *>ptr
+        call.device(table, &ptr, &table_have, "table", True, False)
+        a.table = <mf_penalty_entry *>ptr
+        call.device(items, &ptr, &items_have, "items", False, False)
+        a.items = <const mf_penalty_item *>ptr
+        a.slot_count = penalty_extent(slot_count, state_have, sizeof(mf_penalty_slot), "slot_count",
+                                      MF_MAX_PENALTY_SLOTS)
+        a.table_cap = penalty_extent(table_cap, table_have // a.slot_count if table_have != <size_t>-1 else table_have,
+                                     8, "table_cap", MF_MAX_PENALTY_TABLE)
+        a.item_cap = penalty_extent(item_cap, items_have // a.slot_count if items_have != <size_t>-1 else items_have,
+                                    8, "item_cap", 4 * MF_PENALTY_ITEMS)
+        for have, need, what in ((state_have, <size_t>a.slot_count * sizeof(mf_penalty_slot), "state"),
+                                 (table_have, <size_t>a.slot_count * a.table_cap * 8, "table"),
+                                 (items_have, <size_t>a.slot_count * a.item_cap * 8, "items")):
+            if have != <size_t>-1 and need > have:
+                raise ValueError(f"{what}: {need} bytes run past the end of its {have}")
+        if device_resident(slots, "slots"):
+            call.device(slots, &ptr, &have, "slots", False, True)
+            if rows is None:
+                rows = device_words(slots, ptr, have)
+            a.rows = <uint32_t>int_of(rows, "rows", 0, MF_MAX_ROWS)
+            if have != <size_t>-1 and <size_t>a.rows * 4 > have:
+                raise ValueError(f"slots: {a.rows * 4} bytes run past the end of the array's {have}")
+            a.slots = <const uint32_t *>ptr
+            a.flags = MF_PENALTY_SLOTS_DEVICE
+        else:
+            words = words_of(slots, False, "slots")
+            if words.n > MF_MAX_ROWS:
+                raise ValueError(f"rows must be at most {MF_MAX_ROWS}, got {words.n}")
+            if rows is not None and rows != words.n:
+                raise ValueError(f"rows {rows} differs from the {words.n} slots given")
+            a.rows = <uint32_t>words.n
+            a.slots = words.data if words.n else <const uint32_t *>&_empty_target
+        if update:
+            call.device(target, &ptr, &have, "ids", False, True)
+            if have != <size_t>-1 and <size_t>a.rows * 4 > have:
+                raise ValueError(f"ids: {a.rows * 4} bytes run past the end of the array's {have}")
+            a.ids = <const uint32_t *>ptr
+            check(mf_penalties_update(&a, s))
+        else:
+            a.start = <uint32_t>int_of(start, "start", 0, MF_MAX_VOCAB)
+            if not is_foreign(target):
+                if vocab is None or dtype is None:
+                    raise TypeError(f"{'vocab' if vocab is None else 'dtype'} is required unless logits is a tensor")
+                a.vocab = <uint32_t>int_of(vocab, "vocab", 0, MF_MAX_VOCAB)
+                a.row_stride = a.vocab if row_stride is None else int_of(row_stride, "row_stride", 0, UINT64_MAX)
+                a.dtype = dtype_of(dtype)
+                device_ptr_of(target, &ptr)
+                a.logits = ptr
+            else:
+                f = call.foreign(target, "logits")
+                if f.entry is None or f.entry.code is None:
+                    raise TypeError(f"logits must be float32, float16 or bfloat16, not {f.type_name()}")
+                if f.ndim != 2 or (f.shape[1] > 1 and f.strides[1] != 1):
+                    raise ValueError("logits must be a 2-D (rows, vocab) tensor with unit stride along the vocabulary")
+                if f.readonly:
+                    raise ValueError("logits is read-only but penalties_apply writes it")
+                if f.shape[0] < a.rows:
+                    raise ValueError(f"the logits tensor has {f.shape[0]} rows; {a.rows} slots were given")
+                agree(vocab, f.shape[1], "vocab")
+                agree(row_stride, f.strides[0] if f.shape[0] > 1 else f.shape[1], "row_stride")
+                if dtype is not None and dtype_entry(dtype) is not f.entry:
+                    raise ValueError(f"dtype={dtype!r} disagrees with the logits tensor's {f.entry.name}")
+                a.vocab = <uint32_t>int_of(f.shape[1], "vocab", 0, MF_MAX_VOCAB)
+                a.row_stride = f.strides[0] if f.shape[0] > 1 else f.shape[1]
+                a.dtype = <mf_dtype><int>f.entry.code
+                a.logits = f.ptr
+                if a.rows:
+                    call.lend(f, ((a.rows - 1) * a.row_stride + a.vocab) * <size_t>f.entry.itemsize)
+            check(mf_penalties_apply(&a, s))
+        note_capture(s, (target, slots, state, table, items))
+        call.done()
+    finally:
+        call.close()
+    return a.rows
+
+
+def penalties_apply(logits, slots, state, table, items, stream=0, *, slot_count=None, table_cap=None,
+                    item_cap=None, vocab=None, dtype=None, row_stride=None, start=0):
+    """Apply each row's logit bias, min_tokens and penalties to its logits, in place, in stream order.
+
+    vLLM v1's rules and order (docs/penalties.md): ``logit_bias``, then ``min_tokens`` (the stop
+    ids get ``-inf`` while fewer than ``min_tokens`` tokens were generated), then
+    ``repetition_penalty`` over the prompt's and the generated ids (a positive logit divided, a
+    negative one multiplied), ``frequency_penalty`` per generated occurrence and
+    ``presence_penalty`` once per generated id. ``metrale_feed.penalties.PenaltyState`` owns the
+    tables and calls this; the arguments are its layout.
+
+    Parameters
+    ----------
+    logits : DeviceBuffer, int, or a 2-D float tensor
+        ``rows`` rows of ``row_stride`` elements, changed in place; a slice of a split vocabulary
+        holds the global ids ``[start, start + vocab)``.
+    slots : sequence of int, uint32 buffer, or device memory
+        Each row's request slot, ``NO_TOKEN`` for a row without penalties (left as it is). Host
+        slots are read before the call returns (each below ``slot_count``, none twice); device
+        ones when the kernel runs.
+    state, table, items : DeviceBuffer, int, or a device array
+        The slot records (``mf_penalty_slot``, 32 bytes each), the per-slot id tables
+        (``table_cap`` (id, count) pairs) and items (``item_cap`` (id, value) pairs: biases,
+        then stop ids).
+    stream : Stream, int or stream-like, optional
+    slot_count, table_cap, item_cap : int, optional
+        Default: from the buffers' lengths.
+    vocab, dtype, row_stride : optional
+        Required unless ``logits`` is a tensor.
+    start : int, optional
+        The global id of column 0 (a rank's slice; default 0).
+
+    Returns
+    -------
+    int
+        The rows.
+
+    Raises
+    ------
+    ValueError, TypeError
+        A slot out of range or named twice, a buffer too small, bad sizes; nothing is queued.
+    FeedError
+        A closed or unknown buffer or stream.
+    """
+    return launch_penalties(False, logits, slots, state, table, items, stream, slot_count, table_cap,
+                            item_cap, None, vocab, dtype, row_stride, start)
+
+
+def penalties_update(ids, slots, state, table, items, stream=0, *, slot_count=None, table_cap=None,
+                     item_cap=None):
+    """Count each row's id of a step into its slot's table, on the device, in stream order.
+
+    ``ids[r]`` (device: the feed cells the step's argmax or sampler wrote, read when the kernel
+    runs) is counted into row ``r``'s slot: its generated count goes up by one (a new id is
+    appended to the table) and the slot's ``generated`` by one. ``NO_TOKEN`` counts nothing, as
+    does a row whose slot is ``NO_TOKEN``. No host synchronisation: the next step's
+    ``penalties_apply`` sees the counts by stream order.
+
+    Parameters
+    ----------
+    ids : DeviceBuffer, int, or a uint32/int32 device array
+        ``rows`` ids.
+    slots, state, table, items, stream, slot_count, table_cap, item_cap
+        As ``penalties_apply``.
+
+    Returns
+    -------
+    int
+        The rows.
+    """
+    return launch_penalties(True, ids, slots, state, table, items, stream, slot_count, table_cap,
+                            item_cap, None, None, None, None, 0)

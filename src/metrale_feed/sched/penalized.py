@@ -1,0 +1,100 @@
+"""The decode pipeline's penalties (docs/penalties.md): a ``PenaltyState`` slot per running
+request that has any, and the two ops of each step the router queues around the feed method.
+
+The pipeline calls it at two points: ``rows(rows)`` when a launch's batch changes (a request
+joining gets a slot, written from its prompt and committed tokens: a new request has none, one
+resuming after a preemption its committed ones) and ``leave(req)`` when a request leaves the
+batch (its slot is cleared in stream order and given back). The router calls ``apply`` between
+the forward and the argmax or sampler and ``update`` after it, both reading the slots the last
+``rows`` gave, so every step keeps its own rows' slots with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+from ..errors import FeedError
+from ..feed import NO_TOKEN
+from ..penalties import MAX_PENALTY_STOPS, PenaltyState
+
+__all__ = ["PipelinePenalties"]
+
+
+class PipelinePenalties:
+    """Made by the pipeline at the first request with penalties.
+
+    Parameters
+    ----------
+    pipe : DecodePipeline
+    capacity : int
+        Distinct ids one request's table holds (``DecodePipeline(penalty_capacity=)``).
+    """
+
+    def __init__(self, pipe: Any, capacity: int) -> None:
+        model = pipe.model
+        self.cells = getattr(model, "feed_cells", None)
+        if self.cells is None:
+            raise FeedError(f"{type(model).__name__} has no device feed cells (feed_cells, as "
+                            f"RuntimeFeedMixin models have): penalties cannot be applied on it")
+        shard = getattr(model, "feed_shard", None)
+        self.start = 0 if shard is None else shard.start
+        self.vocab = model.feed_vocab if shard is None else shard.stop - shard.start
+        self.dtype = model.feed_logits_dtype
+        self.row_stride = getattr(model, "feed_row_stride", None)
+        self.state = PenaltyState(pipe.max_rows, capacity=capacity, stream=pipe.stream)
+        self.slots: List[int] = []  # the last launch's rows' slots
+
+    @staticmethod
+    def check(pipe: Any, prompt: Any, max_new_tokens: int, stop_ids: Any, min_tokens: int,
+              capacity: int) -> None:
+        """What ``submit`` refuses before queuing a request with penalties."""
+        if getattr(pipe.model, "feed_cells", None) is None:
+            raise FeedError(f"{type(pipe.model).__name__} has no device feed cells (feed_cells, "
+                            f"as RuntimeFeedMixin models have): penalties cannot be applied on it")
+        distinct = len(set(prompt)) + max_new_tokens
+        if distinct > capacity:
+            raise ValueError(f"a request with penalties may see {distinct} distinct ids (prompt "
+                             f"{len(set(prompt))} + {max_new_tokens} new tokens); the pipeline's "
+                             f"penalty_capacity is {capacity}")
+        if min_tokens and len(stop_ids) > MAX_PENALTY_STOPS:
+            raise ValueError(f"min_tokens bans at most {MAX_PENALTY_STOPS} stop ids; the request "
+                             f"has {len(stop_ids)}")
+
+    def rows(self, rows: List[Any]) -> Optional["PipelinePenalties"]:
+        """The launch's rows: slots for those that joined; self when any row has penalties (the
+        router's hook), else None."""
+        slots = []
+        any_slot = False
+        for req in rows:
+            pen = req._pen
+            if pen is None:
+                slots.append(NO_TOKEN)
+                continue
+            if req._pslot < 0:
+                req._pslot = slot = self.state.acquire()
+                rep, pres, freq, bias, mt = pen
+                self.state.set(slot, prompt=req.prompt, generated=req.tokens,
+                               repetition_penalty=rep, presence_penalty=pres,
+                               frequency_penalty=freq, logit_bias=dict(bias), min_tokens=mt,
+                               stop_ids=req.stop_ids)
+            slots.append(req._pslot)
+            any_slot = True
+        self.slots = slots
+        return self if any_slot else None
+
+    def leave(self, req: Any) -> None:
+        if req._pslot >= 0:
+            self.state.release(req._pslot)
+            req._pslot = -1
+
+    # ---- the router's hook ----
+
+    def apply(self, logits: Any, stream: Any) -> None:
+        self.state.apply(logits, self.slots, vocab=self.vocab, dtype=self.dtype,
+                         row_stride=self.row_stride, start=self.start, stream=stream)
+
+    def update(self, stream: Any) -> None:
+        self.state.update(self.cells, self.slots, stream=stream)
+
+    def close(self) -> None:
+        self.state.close()

@@ -1,0 +1,47 @@
+"""A numpy oracle of vLLM v1's penalty rules, written from their definitions (dense arrays over
+the whole vocabulary, as vLLM's apply_penalties and its logit processors compute them), not from
+the package's rule: logit_bias, then min_tokens, then repetition, frequency and presence."""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    import ml_dtypes
+except ImportError:  # pragma: no cover - a test dependency
+    ml_dtypes = None
+
+
+def round_to(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values as the logits' dtype stores them (round to nearest even), back in float32."""
+    if dtype == "float32":
+        return values.astype(np.float32)
+    if dtype == "float16":
+        return values.astype(np.float16).astype(np.float32)
+    return values.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def penalize(logits, prompt, generated, *, repetition_penalty=1.0, presence_penalty=0.0,
+             frequency_penalty=0.0, logit_bias=None, min_tokens=0, stop_ids=(), dtype="float32"):
+    """One row's logits (float32 values of `dtype`, the whole vocabulary) after the rules."""
+    f32 = np.float32
+    l = np.array(logits, np.float32, copy=True)
+    vocab = l.shape[0]
+    for token, bias in (logit_bias or {}).items():
+        l[token] = f32(l[token]) + f32(bias)
+    l = round_to(l, dtype)
+    if len(generated) < min_tokens:
+        for token in stop_ids:
+            l[token] = -np.inf
+    l = round_to(l, dtype)
+    counts = np.bincount(np.asarray(list(generated), np.int64), minlength=vocab)[:vocab]
+    out_mask = counts > 0
+    prompt_mask = np.zeros(vocab, bool)
+    prompt_mask[list(prompt)] = True
+    rep = f32(repetition_penalty)
+    with np.errstate(invalid="ignore", over="ignore"):
+        scaled = np.where(l > 0, l / rep, l * rep).astype(np.float32)
+        l = np.where(prompt_mask | out_mask, scaled, l).astype(np.float32)
+        l = (l - f32(frequency_penalty) * counts.astype(np.float32)).astype(np.float32)
+        l = (l - f32(presence_penalty) * out_mask.astype(np.float32)).astype(np.float32)
+    return round_to(l, dtype)
