@@ -387,14 +387,14 @@ class SpeculativeStep:
 
         pipe, bs, pool = self.pipe, self.pipe._block_size, self.pipe._pool
         assert bs is not None and pool is not None
-        stats = pipe.io.stats
+        budget = pipe.budget  # counts the blocks; a verify step's are settled at its await
         for req in list(rows):
             seq = req._seq
             while req.status is RequestStatus.RUNNING and seq is not None and \
                     (req._base + reach) // bs >= len(seq.block_table):
                 try:
                     seq.block_table.append(pool.alloc())
-                    stats.reserved_blocks += 1
+                    budget.reserved_blocks += 1
                 except KvPoolExhausted:
                     victim = max((r for r in rows if r.status is RequestStatus.RUNNING),
                                  key=_order_of)
