@@ -17,7 +17,8 @@ from typing import (TYPE_CHECKING, Any, Deque, List, Optional, Protocol, Sequenc
                     runtime_checkable)
 
 from .. import _checks, _core
-from ..errors import FeedError, KvPoolExhausted
+from ..contract import VerifyStep, require
+from ..errors import KvPoolExhausted
 from ..feed import NO_TOKEN, FeedSource
 from ..kv import SequenceState
 
@@ -343,9 +344,7 @@ class SpeculativeStep:
     def __init__(self, pipe: "DecodePipeline", drafter: Any) -> None:
         k = check_drafter(drafter)
         model: Any = pipe.model
-        if not callable(getattr(model, "decode_batch_verify", None)):
-            raise TypeError(f"speculative decoding needs a model with decode_batch_verify(input_ids, "
-                            f"seqs, k, stream); {type(model).__name__} has none")
+        require(model, "speculative decoding", VerifyStep)
         if pipe.depth == 2 and not _takes(model.decode_batch_verify, "advance"):
             raise TypeError(f"speculative decoding at depth 2 needs decode_batch_verify(..., "
                             f"advance=) (positions advanced on the device); "
@@ -486,7 +485,7 @@ class SpeculativeStep:
             params["position"] = [len(h) for h in histories]  # the first emitted id's position
         _core.verify_to_feed(logits, slot.drafts, slot.cells, slot.dst, slot.done, stream, k=k,
                              masks=vmasks, params=params, rows=n_rows, vocab=pipe.vocab,
-                             dtype=model.feed_logits_dtype,
+                             dtype=pipe.info.logits_dtype,
                              row_stride=getattr(model, "feed_row_stride", None))
         if self.depth > 1:  # what the next launch reads before this one's counts are known
             _core.resolve_verified(slot.cells, slot.ids, slot.adv, stream, rows=n_rows, k=k)
