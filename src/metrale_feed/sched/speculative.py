@@ -384,16 +384,13 @@ class SpeculativeStep:
         the rows left."""
         from .pipeline import RequestStatus, _order_of
 
-        pipe, bs, pool = self.pipe, self.pipe._block_size, self.pipe._pool
-        assert bs is not None and pool is not None
-        budget = pipe.budget  # counts the blocks; a verify step's are settled at its await
+        pipe = self.pipe
         for req in list(rows):
             seq = req._seq
-            while req.status is RequestStatus.RUNNING and seq is not None and \
-                    (req._base + reach) // bs >= len(seq.block_table):
+            while req.status is RequestStatus.RUNNING and seq is not None:
                 try:
-                    seq.block_table.append(pool.alloc())
-                    budget.reserved_blocks += 1
+                    pipe.budget.extend(seq, req._base + reach)
+                    break
                 except KvPoolExhausted:
                     victim = max((r for r in rows if r.status is RequestStatus.RUNNING),
                                  key=_order_of)
@@ -404,13 +401,10 @@ class SpeculativeStep:
     def _trim(self, req: "Request", ahead: bool) -> None:
         """Give back the blocks that hold only rejected positions: past ``_base``, or past
         ``_base + k`` while a step in flight (``ahead``) still writes from ``_base`` on."""
-        seq, bs = req._seq, self.pipe._block_size
-        assert seq is not None and bs is not None
+        seq = req._seq
+        assert seq is not None
         written = req._base + (self.k + 1 if ahead else 0)
-        extra = len(seq.block_table) - -(-written // bs)
-        if extra > 0:
-            self.pipe.model.release_decode_blocks(seq, extra)
-            self.pipe.stats.spec_blocks_returned += extra
+        self.pipe.stats.spec_blocks_returned += self.pipe.budget.trim(seq, written)
 
     def discard(self, req: "Request") -> None:
         """``req`` left the batch: its rows in the steps in flight are thrown away."""
