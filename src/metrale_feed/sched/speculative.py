@@ -6,7 +6,9 @@ step runs the ``k + 1`` positions of each row (its input, then its drafts) in on
 target's own, so a row advances ``1 <= n <= k + 1`` positions a step. ``SpeculativeStep`` is the
 pipeline's delegate for such steps: it reserves KV for the ``k + 1`` positions, gives back the
 blocks that hold only rejected positions once the counts are read, and commits the emitted ids up
-to a stop or ``max_new_tokens`` (the ids past it are discarded, never shown).
+to a stop or ``max_new_tokens`` (the ids past it are discarded, never shown). At depth 2 the next
+step is launched before those counts are read: its inputs and positions come from the step in
+flight's cells on the device (``resolve_verified``), so the host waits once a step.
 """
 
 from __future__ import annotations
