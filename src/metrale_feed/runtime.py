@@ -98,7 +98,8 @@ class RuntimeFeedMixin:
     def supports_device_token_feed(self) -> bool:
         return self.feed_cells is not None
 
-    def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any) -> None:
+    def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any,
+                             *, logprobs: Any = None, logprobs_dst: Any = None) -> None:
         if self.feed_cells is None:
             raise FeedError("argmax_batch_to_feed: call init_device_feed first")
         # Rows come from the masks: pairs, a (rows, 2) buffer or a flat one of 2 * rows ids.
@@ -106,17 +107,20 @@ class RuntimeFeedMixin:
         self.feed_prev_rows = _core.argmax_to_feed(
             logits, masks, self.feed_cells, dst, event, stream,
             vocab=self.feed_vocab if shard is None else shard.stop - shard.start,
-            dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride, shard=shard)
+            dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride, shard=shard,
+            logprobs=logprobs, logprobs_dst=logprobs_dst)
 
     def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
-                             stream: Any) -> None:
+                             stream: Any, *, logprobs: Any = None,
+                             logprobs_dst: Any = None) -> None:
         if self.feed_cells is None:
             raise FeedError("sample_batch_to_feed: call init_device_feed first")
         shard = self.feed_shard
         self.feed_prev_rows = _core.sample_to_feed(
             logits, params, self.feed_cells, dst, event, stream, masks=masks,
             vocab=self.feed_vocab if shard is None else shard.stop - shard.start,
-            dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride, shard=shard)
+            dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride, shard=shard,
+            logprobs=logprobs, logprobs_dst=logprobs_dst)
 
     def create_event(self) -> int:
         return _core.event_create()

@@ -13,7 +13,7 @@ import warnings
 from array import array
 from itertools import chain
 from operator import index
-from typing import Any, Dict, List, Optional, Sequence, TypeVar
+from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from .. import _checks, _core
 from ..errors import FeedError, KvPoolExhausted
@@ -67,10 +67,10 @@ class Ticket:
     the slot's generation at the launch: a ticket whose slot has been awaited (and perhaps handed
     to a newer step since) is refused, never answered with another step's ids."""
 
-    __slots__ = ("step", "slot", "gen", "rows", "fed", "reservations", "router")
+    __slots__ = ("step", "slot", "gen", "rows", "fed", "reservations", "router", "logprobs")
 
     def __init__(self, step: int, slot: int, rows: int, fed: bool, router: Any = None,
-                 gen: int = 0) -> None:
+                 gen: int = 0, logprobs: bool = False) -> None:
         self.router = router  # the router that launched it: only that one can await it
         self.step = step
         self.slot = slot
@@ -78,6 +78,9 @@ class Ticket:
         self.rows = rows
         self.fed = fed
         self.reservations: List[Reservation] = []
+        # A step launched with logprobs: True until it is awaited, then each row's chosen-token
+        # logprob (read from the slot with the ids); None for a step without.
+        self.logprobs: Any = True if logprobs else None
 
     def __repr__(self) -> str:
         return f"Ticket(step={self.step}, slot={self.slot}, rows={self.rows}, fed={self.fed})"
@@ -182,6 +185,10 @@ class _Ring:
         self.events: List[Any] = []
         self.busy = [False] * slots
         self.gen = [0] * slots
+        # Per slot, the chosen ids' logprobs on the device and their pinned readback, made at
+        # the first step that asks for them (docs/pipeline.md, "Logprobs").
+        self.lp_dev: List[Any] = []
+        self.lp_host: List[Any] = []
         try:
             for _ in range(slots):
                 self.ptrs.append(model.alloc_host_pinned(self.nbytes))
@@ -197,7 +204,30 @@ class _Ring:
         raise FeedError(f"readback ring exhausted: all {len(self.busy)} slots hold unread results; "
                         "await a ticket before launching another step")
 
+    def logprobs(self, slot: int) -> Tuple[Any, Any]:
+        """The slot's logprobs buffers (device, pinned), made for every slot at the first call."""
+        if not self.lp_dev:
+            count = len(self.busy)
+            try:
+                for _ in range(count):
+                    self.lp_dev.append(_core.DeviceBuffer(self.nbytes))
+                    self.lp_host.append(_core.PinnedBuffer(self.nbytes))
+            except BaseException:
+                self._close_logprobs()
+                raise
+        return self.lp_dev[slot], self.lp_host[slot]
+
+    def read_logprobs(self, slot: int, rows: int) -> List[float]:
+        with memoryview(self.lp_host[slot]) as raw, raw.cast("f") as floats:
+            return floats[:rows].tolist()
+
+    def _close_logprobs(self) -> None:
+        for buf in self.lp_dev + self.lp_host:
+            buf.close()
+        self.lp_dev, self.lp_host = [], []
+
     def close(self) -> None:
+        self._close_logprobs()
         for event in self.events:
             self.model.destroy_event(event)
         for ptr in self.ptrs:
@@ -238,13 +268,17 @@ class _DeviceIo:
         return self._ring
 
     def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
-                masks: Any, checked: bool = False, params: Any = None, hook: Any = None) -> Ticket:
+                masks: Any, checked: bool = False, params: Any = None, hook: Any = None,
+                logprobs: bool = False) -> Ticket:
         """``checked``: the caller (the decode pipeline) built inputs, masks and params itself
         from values it validated once, so the per-row checks are skipped. ``params``: one
         ``SAMPLING_PARAMS_DTYPE`` record per row, the step then answered by the model's
         ``sample_batch_to_feed``; None, its ``argmax_batch_to_feed``. ``hook``: the pipeline's
         penalties, ``hook.apply(logits, stream)`` queued between the forward and the feed
-        method and ``hook.update(stream)`` after it (docs/penalties.md)."""
+        method and ``hook.update(stream)`` after it (docs/penalties.md). ``logprobs``: the feed
+        method also writes each row's chosen-token logprob into the slot's logprobs buffers,
+        copied back with the ids before the event, and ``await_result`` sets
+        ``ticket.logprobs``."""
         ring = self._open_ring()
         rows = len(seqs)
         if not 1 <= rows <= self.max_rows:
@@ -268,12 +302,15 @@ class _DeviceIo:
         try:
             if hook is not None:
                 hook.apply(logits, self.stream)
+            extra: Dict[str, Any] = {}
+            if logprobs:  # only then: a model's feed methods may not take the keywords
+                extra["logprobs"], extra["logprobs_dst"] = ring.logprobs(slot)
             if params is None:
                 model.argmax_batch_to_feed(logits, masks, ring.ptrs[slot], ring.events[slot],
-                                           self.stream)
+                                           self.stream, **extra)
             else:
                 model.sample_batch_to_feed(logits, params, masks, ring.ptrs[slot],
-                                           ring.events[slot], self.stream)
+                                           ring.events[slot], self.stream, **extra)
             if hook is not None:
                 hook.update(self.stream)
         except BaseException:
@@ -284,7 +321,7 @@ class _DeviceIo:
             raise
         ring.busy[slot] = True
         ring.gen[slot] += 1
-        ticket = Ticket(self._step, slot, rows, fed, self, ring.gen[slot])
+        ticket = Ticket(self._step, slot, rows, fed, self, ring.gen[slot], logprobs)
         self._step += 1
         self._prev_rows = rows
         if self._unread:
@@ -414,6 +451,8 @@ class _DeviceIo:
         try:
             self._wait(ring.events[ticket.slot])
             ids = _core.read_pinned_u32(ring.ptrs[ticket.slot], ticket.rows)
+            if ticket.logprobs is not None:
+                ticket.logprobs = ring.read_logprobs(ticket.slot, ticket.rows)
         finally:
             ring.busy[ticket.slot] = False
             self._unread -= 1
@@ -707,11 +746,12 @@ class SyncDeviceIo(_DeviceIo):
         self._results: Dict[int, List[int]] = {}
 
     def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
-                masks: Any, checked: bool = False, params: Any = None, hook: Any = None) -> Ticket:
+                masks: Any, checked: bool = False, params: Any = None, hook: Any = None,
+                logprobs: bool = False) -> Ticket:
         if fed and not self.model.supports_device_token_feed():
             raise FeedError("launch_fed needs the device feed; with a settled step the inputs are "
                             "host-known, so use launch_decode")
-        ticket = super()._launch(fed, inputs, seqs, masks, checked, params, hook)
+        ticket = super()._launch(fed, inputs, seqs, masks, checked, params, hook, logprobs)
         self._results[ticket.step] = super().await_result(ticket)
         self.stats.ahead_launches = 0
         return ticket

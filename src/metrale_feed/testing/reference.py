@@ -344,15 +344,21 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
             seq.tokens.extend(ids)
             seq.seq_len += len(ids)
 
-    def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any) -> None:
-        if self._fed_graphs is not None and self._fed_graphs.launch(masks, dst, event, stream):
+    def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any,
+                             *, logprobs: Any = None, logprobs_dst: Any = None) -> None:
+        if logprobs is not None:
+            self._flush_graph_step()  # the graphs capture no logprobs: the default path
+        elif self._fed_graphs is not None and self._fed_graphs.launch(masks, dst, event, stream):
             return
-        super().argmax_batch_to_feed(logits, masks, dst, event, stream)
+        super().argmax_batch_to_feed(logits, masks, dst, event, stream, logprobs=logprobs,
+                                     logprobs_dst=logprobs_dst)
 
     def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
-                             stream: Any) -> None:
+                             stream: Any, *, logprobs: Any = None,
+                             logprobs_dst: Any = None) -> None:
         self._flush_graph_step()  # a sampled step runs as the default path does
-        super().sample_batch_to_feed(logits, params, masks, dst, event, stream)
+        super().sample_batch_to_feed(logits, params, masks, dst, event, stream,
+                                     logprobs=logprobs, logprobs_dst=logprobs_dst)
 
     def _check_rows(self, n: int, seqs: Sequence[SequenceState]) -> None:
         if self._closed:
