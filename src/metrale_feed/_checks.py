@@ -142,7 +142,7 @@ def penalties(repetition_penalty: Any, presence_penalty: Any, frequency_penalty:
     return rep, pres, freq, bias, mt
 
 
-MAX_TOP_LOGPROBS = 20  # the OpenAI API's limit on top_logprobs
+MAX_TOP_LOGPROBS = 20  # the OpenAI API's limit; feed.h's MF_MAX_TOP_LOGPROBS (test_top_logprobs checks)
 
 
 def logprobs(logprobs: Any, top_logprobs: Any) -> Tuple[bool, int]:
