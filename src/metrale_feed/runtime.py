@@ -19,6 +19,16 @@ from .errors import FeedError
 __all__ = ["RuntimeFeedMixin"]
 
 
+def _rows_of(masks: Any) -> int:
+    """The rows a masks argument covers: pairs, or a buffer of two uint32 ids a row."""
+    try:
+        view = memoryview(masks)
+    except TypeError:
+        return len(masks)
+    with view:
+        return view.nbytes // 8
+
+
 class RuntimeFeedMixin:
     """The runtime half of ``ModelDeviceFeed`` on the active backend: events, async copies, pinned
     memory, and the masked argmax into this model's feed cells (``feed_cells``).
@@ -98,10 +108,27 @@ class RuntimeFeedMixin:
     def supports_device_token_feed(self) -> bool:
         return self.feed_cells is not None
 
+    def _top_logprobs(self, logits: Any, rows: int, top_logprobs: Any, top_logprobs_dst: Any,
+                      top_n: int, stream: Any) -> None:
+        """The raw logits' top ids and their copy back, queued before the feed method's event
+        record (and before anything may change the logits)."""
+        if top_logprobs is None:
+            return
+        if self.feed_shard is not None:
+            raise FeedError("top_logprobs over a split vocabulary is not supported")
+        _core.top_logprobs(logits, top_logprobs, stream, n=top_n, rows=rows, vocab=self.feed_vocab,
+                           dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride)
+        _core.copy_d2h_async(top_logprobs, top_logprobs_dst, stream)
+
     def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any,
-                             *, logprobs: Any = None, logprobs_dst: Any = None) -> None:
+                             *, logprobs: Any = None, logprobs_dst: Any = None,
+                             top_logprobs: Any = None, top_logprobs_dst: Any = None,
+                             top_n: int = 0) -> None:
         if self.feed_cells is None:
             raise FeedError("argmax_batch_to_feed: call init_device_feed first")
+        if top_logprobs is not None:
+            self._top_logprobs(logits, _rows_of(masks), top_logprobs, top_logprobs_dst, top_n,
+                               stream)
         # Rows come from the masks: pairs, a (rows, 2) buffer or a flat one of 2 * rows ids.
         shard = self.feed_shard
         self.feed_prev_rows = _core.argmax_to_feed(
@@ -111,10 +138,12 @@ class RuntimeFeedMixin:
             logprobs=logprobs, logprobs_dst=logprobs_dst)
 
     def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
-                             stream: Any, *, logprobs: Any = None,
-                             logprobs_dst: Any = None) -> None:
+                             stream: Any, *, logprobs: Any = None, logprobs_dst: Any = None,
+                             top_logprobs: Any = None, top_logprobs_dst: Any = None,
+                             top_n: int = 0) -> None:
         if self.feed_cells is None:
             raise FeedError("sample_batch_to_feed: call init_device_feed first")
+        self._top_logprobs(logits, len(params), top_logprobs, top_logprobs_dst, top_n, stream)
         shard = self.feed_shard
         self.feed_prev_rows = _core.sample_to_feed(
             logits, params, self.feed_cells, dst, event, stream, masks=masks,

@@ -81,8 +81,8 @@ def _order_of(req: "Request") -> int:
     return req._order
 
 
-def _takes_logprobs(method: Any) -> bool:
-    """Whether a feed method accepts ``logprobs=`` and ``logprobs_dst=`` (or any keyword)."""
+def _takes(method: Any, names: Tuple[str, ...]) -> bool:
+    """Whether a feed method accepts these keywords (or any keyword)."""
     import inspect
 
     try:
@@ -91,7 +91,7 @@ def _takes_logprobs(method: Any) -> bool:
         return False
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return True
-    return "logprobs" in params and "logprobs_dst" in params
+    return all(name in params for name in names)
 
 
 def _identity(rows: int) -> List[FeedSource]:
@@ -147,8 +147,10 @@ class Request:
         With ``submit(logprobs=True)``: the logprob of each committed token under the raw
         distribution of its step (``log_softmax`` of the model's logits, before masks,
         temperature and filters), one per entry of ``tokens``; None when not asked.
-    top_logprobs : None
-        Reserved for ``submit(top_logprobs=n)``.
+    top_logprobs : list of list of (int, float), or None
+        With ``submit(top_logprobs=n)``: per committed token, the ``n`` most likely ids of the
+        same raw distribution and their logprobs, most likely first, ties by the smaller id;
+        None when not asked.
 
     Examples
     --------
@@ -172,7 +174,7 @@ class Request:
     __slots__ = ("prompt", "tokens", "max_new_tokens", "stop_ids", "status", "error", "_ban", "_mask", "_pipe", "_seq", "_join", "_last", "_base", "_order", "_bound",
                  "_reserved_at", "_pos0", "temperature", "top_k", "top_p", "min_p", "seed",
                  "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "min_tokens", "_pen", "_pslot", "logprobs", "top_logprobs")
+                 "min_tokens", "_pen", "_pslot", "logprobs", "top_logprobs", "_top_n")
 
     def __init__(self, pipe: "DecodePipeline", prompt: Tuple[int, ...], max_new_tokens: int,
                  stop_ids: FrozenSet[int], ban: Optional[RowMask], order: int = 0,
@@ -207,7 +209,8 @@ class Request:
         self.min_tokens = mt
         # One logprob per committed token, appended with it (docs/pipeline.md, "Logprobs").
         self.logprobs: Optional[List[float]] = [] if logprobs[0] else None
-        self.top_logprobs: Optional[List[List[Tuple[int, float]]]] = None
+        self._top_n = logprobs[1]
+        self.top_logprobs: Optional[List[List[Tuple[int, float]]]] = [] if logprobs[1] else None
 
     @property
     def finished(self) -> bool:
@@ -303,7 +306,7 @@ class _Step:
         self.dead: Optional[Set[int]] = None  # row indices
         self.debug_slot = -1
         self.added = 0  # KV blocks reserved for it (known block size), still counted in flight
-        self.lp: Optional[List[Tuple[int, List[float]]]] = None  # (row, its logprobs list)
+        self.lp: Optional[List[Tuple[int, List[float], Any, int]]] = None  # DecodePipeline._lp
 
 
 class PipelineStats:
@@ -478,9 +481,13 @@ class DecodePipeline:
         self._params: Any = None  # SAMPLING_PARAMS_DTYPE records of self._rows, or None
         # Logprobs: the feed methods must take the two keywords (both, as a step with any
         # sampled row goes to sample_batch_to_feed).
-        self._can_logprobs = all(_takes_logprobs(getattr(model, name, None)) for name in (
-            "argmax_batch_to_feed", "sample_batch_to_feed"))
-        self._lp: Optional[List[Tuple[int, List[float]]]] = None  # self._rows' (row, logprobs)
+        feeds = [getattr(model, name, None) for name in ("argmax_batch_to_feed",
+                                                         "sample_batch_to_feed")]
+        self._can_logprobs = all(_takes(f, ("logprobs", "logprobs_dst")) for f in feeds)
+        self._can_top = all(_takes(f, ("top_logprobs", "top_logprobs_dst", "top_n")) for f in feeds)
+        # self._rows' (row, its logprobs, its top logprobs or None, its n) and the batch's n
+        self._lp: Optional[List[Tuple[int, List[float], Any, int]]] = None
+        self._top_n = 0
         self._positions: Any = None  # per row: its position at launch 0 (int64)
         # Threads: the loop (step, run, admit, close) holds _lock for each call; submit and
         # abort post to _inbox (deque appends are atomic) and apply it at once when the lock is
@@ -573,8 +580,10 @@ class DecodePipeline:
             back with the ids, so no step waits for it. Not with penalties yet (they rewrite
             the logits in place). Default False.
         top_logprobs : int, optional
-            In [0, 20], above 0 only with ``logprobs=True`` (the OpenAI API's rule); only 0 is
-            supported so far.
+            In [0, 20], above 0 only with ``logprobs=True`` (the OpenAI API's rule): also keep,
+            per committed token, the ``top_logprobs`` most likely ids of the raw distribution
+            and their logprobs in ``Request.top_logprobs`` (ties by the smaller id). Not with a
+            split vocabulary (``shard=``). Default 0.
 
         Returns
         -------
@@ -628,8 +637,11 @@ class DecodePipeline:
             PipelinePenalties.check(self, prompt, max_new, stops, pen[4], self._penalty_capacity)
         lp = _checks.logprobs(logprobs, top_logprobs)
         if lp[1]:
-            raise NotImplementedError("top_logprobs > 0 is not supported yet; logprobs=True gives "
-                                      "the chosen tokens' logprobs")
+            if getattr(self.model, "feed_shard", None) is not None:
+                raise ValueError("top_logprobs over a split vocabulary (shard=) is not supported")
+            if not self._can_top:
+                raise FeedError(f"{type(self.model).__name__}'s feed methods take no "
+                                f"top_logprobs=: a request with top_logprobs > 0 cannot run on it")
         if lp[0]:
             if pen is not None:
                 raise ValueError("logprobs=True with penalties, logit_bias or min_tokens is not "
@@ -858,8 +870,9 @@ class DecodePipeline:
         if self._dirty or rows is not self._rows:
             self._params = self._sampling_params(rows)
             self._hook = self._penalties(rows)
-            self._lp = [(i, r.logprobs) for i, r in enumerate(rows) if r.logprobs is not None
-                        ] or None
+            self._lp = [(i, r.logprobs, r.top_logprobs, r._top_n) for i, r in enumerate(rows)
+                        if r.logprobs is not None] or None
+            self._top_n = max((r._top_n for r in rows), default=0)
         params = self._params
         if params is not None:
             # Host params are read before the feed method returns, so rewriting the one array
@@ -910,7 +923,7 @@ class DecodePipeline:
         queued = io.stats.launches
         try:
             return io._launch(fed, sources, self._seqs_of(rows), masks, True, params, self._hook,
-                              self._lp is not None)
+                              self._lp is not None, self._top_n)
         except BaseException as exc:
             if io.stats.launches != queued:
                 self._launches = launch + 1
@@ -1035,10 +1048,14 @@ class DecodePipeline:
                 if i not in dead:
                     req.tokens.append(token)
         if step.lp is not None:  # with the tokens, so each list keeps one entry per token
-            values = step.ticket.logprobs
-            for i, out in step.lp:
+            ticket = step.ticket
+            values, top, n = ticket.logprobs, ticket.top, ticket.top_n
+            for i, out, tops, k in step.lp:
                 if dead is None or i not in dead:
                     out.append(values[i])
+                    if tops is not None:
+                        at = i * n
+                        tops.append(list(zip(top[0][at:at + k], top[1][at:at + k])))
         if self._stop_union:
             hits = self._stop_union.intersection(ids)
             if hits:

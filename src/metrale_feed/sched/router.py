@@ -67,10 +67,11 @@ class Ticket:
     the slot's generation at the launch: a ticket whose slot has been awaited (and perhaps handed
     to a newer step since) is refused, never answered with another step's ids."""
 
-    __slots__ = ("step", "slot", "gen", "rows", "fed", "reservations", "router", "logprobs")
+    __slots__ = ("step", "slot", "gen", "rows", "fed", "reservations", "router", "logprobs",
+                 "top_n", "top")
 
     def __init__(self, step: int, slot: int, rows: int, fed: bool, router: Any = None,
-                 gen: int = 0, logprobs: bool = False) -> None:
+                 gen: int = 0, logprobs: bool = False, top_n: int = 0) -> None:
         self.router = router  # the router that launched it: only that one can await it
         self.step = step
         self.slot = slot
@@ -81,6 +82,10 @@ class Ticket:
         # A step launched with logprobs: True until it is awaited, then each row's chosen-token
         # logprob (read from the slot with the ids); None for a step without.
         self.logprobs: Any = True if logprobs else None
+        # With top_n: at the await, (ids, logprobs), each rows * top_n values, row r's at
+        # [r * top_n, (r + 1) * top_n).
+        self.top_n = top_n
+        self.top: Any = None
 
     def __repr__(self) -> str:
         return f"Ticket(step={self.step}, slot={self.slot}, rows={self.rows}, fed={self.fed})"
@@ -189,6 +194,8 @@ class _Ring:
         # the first step that asks for them (docs/pipeline.md, "Logprobs").
         self.lp_dev: List[Any] = []
         self.lp_host: List[Any] = []
+        self.top_dev: List[Any] = []  # and the top logprobs' records, MAX_TOP_LOGPROBS a row
+        self.top_host: List[Any] = []
         try:
             for _ in range(slots):
                 self.ptrs.append(model.alloc_host_pinned(self.nbytes))
@@ -221,10 +228,29 @@ class _Ring:
         with memoryview(self.lp_host[slot]) as raw, raw.cast("f") as floats:
             return floats[:rows].tolist()
 
+    def top(self, slot: int) -> Tuple[Any, Any]:
+        """The slot's top-logprobs records (device, pinned), made for every slot at the first
+        call: room for ``MAX_TOP_LOGPROBS`` 8-byte records a row."""
+        if not self.top_dev:
+            nbytes = self.nbytes * 2 * _core.MAX_TOP_LOGPROBS
+            try:
+                for _ in range(len(self.busy)):
+                    self.top_dev.append(_core.DeviceBuffer(nbytes))
+                    self.top_host.append(_core.PinnedBuffer(nbytes))
+            except BaseException:
+                self._close_logprobs()
+                raise
+        return self.top_dev[slot], self.top_host[slot]
+
+    def read_top(self, slot: int, count: int) -> Tuple[List[int], List[float]]:
+        with memoryview(self.top_host[slot]) as raw, raw.cast("I") as words, \
+                raw.cast("f") as floats:
+            return words[0:2 * count:2].tolist(), floats[1:2 * count:2].tolist()
+
     def _close_logprobs(self) -> None:
-        for buf in self.lp_dev + self.lp_host:
+        for buf in self.lp_dev + self.lp_host + self.top_dev + self.top_host:
             buf.close()
-        self.lp_dev, self.lp_host = [], []
+        self.lp_dev, self.lp_host, self.top_dev, self.top_host = [], [], [], []
 
     def close(self) -> None:
         self._close_logprobs()
@@ -269,7 +295,7 @@ class _DeviceIo:
 
     def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
                 masks: Any, checked: bool = False, params: Any = None, hook: Any = None,
-                logprobs: bool = False) -> Ticket:
+                logprobs: bool = False, top_n: int = 0) -> Ticket:
         """``checked``: the caller (the decode pipeline) built inputs, masks and params itself
         from values it validated once, so the per-row checks are skipped. ``params``: one
         ``SAMPLING_PARAMS_DTYPE`` record per row, the step then answered by the model's
@@ -278,7 +304,8 @@ class _DeviceIo:
         method and ``hook.update(stream)`` after it (docs/penalties.md). ``logprobs``: the feed
         method also writes each row's chosen-token logprob into the slot's logprobs buffers,
         copied back with the ids before the event, and ``await_result`` sets
-        ``ticket.logprobs``."""
+        ``ticket.logprobs``; ``top_n`` (with it): each row's ``top_n`` most likely ids too,
+        ``ticket.top``."""
         ring = self._open_ring()
         rows = len(seqs)
         if not 1 <= rows <= self.max_rows:
@@ -305,6 +332,9 @@ class _DeviceIo:
             extra: Dict[str, Any] = {}
             if logprobs:  # only then: a model's feed methods may not take the keywords
                 extra["logprobs"], extra["logprobs_dst"] = ring.logprobs(slot)
+                if top_n:
+                    extra["top_logprobs"], extra["top_logprobs_dst"] = ring.top(slot)
+                    extra["top_n"] = top_n
             if params is None:
                 model.argmax_batch_to_feed(logits, masks, ring.ptrs[slot], ring.events[slot],
                                            self.stream, **extra)
@@ -321,7 +351,7 @@ class _DeviceIo:
             raise
         ring.busy[slot] = True
         ring.gen[slot] += 1
-        ticket = Ticket(self._step, slot, rows, fed, self, ring.gen[slot], logprobs)
+        ticket = Ticket(self._step, slot, rows, fed, self, ring.gen[slot], logprobs, top_n)
         self._step += 1
         self._prev_rows = rows
         if self._unread:
@@ -453,6 +483,8 @@ class _DeviceIo:
             ids = _core.read_pinned_u32(ring.ptrs[ticket.slot], ticket.rows)
             if ticket.logprobs is not None:
                 ticket.logprobs = ring.read_logprobs(ticket.slot, ticket.rows)
+                if ticket.top_n:
+                    ticket.top = ring.read_top(ticket.slot, ticket.rows * ticket.top_n)
         finally:
             ring.busy[ticket.slot] = False
             self._unread -= 1
@@ -747,11 +779,12 @@ class SyncDeviceIo(_DeviceIo):
 
     def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
                 masks: Any, checked: bool = False, params: Any = None, hook: Any = None,
-                logprobs: bool = False) -> Ticket:
+                logprobs: bool = False, top_n: int = 0) -> Ticket:
         if fed and not self.model.supports_device_token_feed():
             raise FeedError("launch_fed needs the device feed; with a settled step the inputs are "
                             "host-known, so use launch_decode")
-        ticket = super()._launch(fed, inputs, seqs, masks, checked, params, hook, logprobs)
+        ticket = super()._launch(fed, inputs, seqs, masks, checked, params, hook, logprobs,
+                                 top_n)
         self._results[ticket.step] = super().await_result(ticket)
         self.stats.ahead_launches = 0
         return ticket
