@@ -142,3 +142,25 @@ def test_bad_arguments_are_refused(host, dev, no_leaks):
     from metrale_feed import _checks
 
     assert _core.MAX_TOP_LOGPROBS == _checks.MAX_TOP_LOGPROBS == 20
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_both_host_paths_on_ties_at_the_boundary(path, dev, dtype):
+    """The host's vector prefilter (float32) keeps every value tied with the list's last, so ties
+    are still decided by id, as the portable pass and numpy decide them; zeros of both signs are
+    one value, NaN ranks last."""
+    rng = np.random.default_rng(17)
+    vocab = 3001
+    logits = rng.integers(-3, 3, (6, vocab)).astype(np.float32)  # few values: ties everywhere
+    logits[1] = -0.0
+    logits[1, rng.integers(0, vocab, 40)] = 0.0
+    logits[2, ::7] = np.nan
+    logits[3, -5:] = np.inf
+    logits[4] = -np.inf
+    logits[4, [2999, 17, 3000]] = -1.0
+    logits[5] = np.nan
+    logits = logits.astype(DTYPES[dtype])
+    got = top(dev, logits, 20)
+    ids, lp = oracle(logits, 20)
+    assert np.array_equal(got["id"], ids)
+    assert_close(got["logprob"].ravel(), lp.ravel())

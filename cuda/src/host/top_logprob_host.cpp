@@ -7,7 +7,45 @@
 #include "host/queue.hpp"
 #include "metrale_feed/top_logprob_rule.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 namespace mf::host {
+namespace {
+
+void insert_span(uint64_t *list, uint32_t n, const void *row, int dt, uint32_t lo, uint32_t hi) {
+    for (uint32_t i = lo; i < hi; ++i) mf_top_insert(list, n, mf_top_word(row, dt, i));
+}
+
+// The list's last word as a float32 bound for a prefilter, or false when every id must be looked
+// at: the list is not full, or its last is a NaN (key 0, below every number).
+bool bound_of(const uint64_t *list, uint32_t n, const void *row, int dt, float *bound) {
+    const uint64_t last = list[n - 1];
+    if ((last >> 32) == 0) return false;
+    *bound = mf_from_bits(mf_logit_bits(row, dt, mf_unpack_id(last)));
+    return true;
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+// float32 rows, 8 ids at a time: a vector compare keeps only the blocks holding a value at least
+// the list's last (its ties included: the word decides them), a superset of the ids whose word is
+// greater, so the list ends as the portable pass leaves it. NaN compares false, and ranks last.
+__attribute__((target("avx2"))) void insert_f32(uint64_t *list, uint32_t n, const float *p, uint32_t vocab) {
+    uint32_t i = 0;
+    float bound = 0.0f;
+    for (; i + 8 <= vocab; i += 8) {
+        if (bound_of(list, n, p, 0, &bound)) {
+            const __m256 ge = _mm256_cmp_ps(_mm256_loadu_ps(p + i), _mm256_set1_ps(bound), _CMP_GE_OQ);
+            if (!_mm256_movemask_ps(ge)) continue;
+        }
+        insert_span(list, n, p, 0, i, i + 8);
+    }
+    insert_span(list, n, p, 0, i, vocab);
+}
+#endif
+
+}  // namespace
 
 void run_top_logprobs(const mf_top_logprobs_args &a) {
     IeeeFpGuard ieee;  // the exp polynomial needs subnormals
@@ -18,7 +56,12 @@ void run_top_logprobs(const mf_top_logprobs_args &a) {
         for (uint32_t r = begin; r < end; ++r) {
             const void *row = static_cast<const char *>(a.logits) + r * row_bytes;
             uint64_t list[MF_MAX_TOP_LOGPROBS] = {};
-            for (uint32_t i = 0; i < a.vocab; ++i) mf_top_insert(list, a.n, mf_top_word(row, (int)a.dtype, i));
+#if defined(__x86_64__) || defined(__i386__)
+            if (vector && a.dtype == MF_DTYPE_F32)
+                insert_f32(list, a.n, static_cast<const float *>(row), a.vocab);
+            else
+#endif
+                insert_span(list, a.n, row, (int)a.dtype, 0, a.vocab);
             const RowStats st = row_stats(row, a.dtype, a.vocab, vector);
             for (uint32_t j = 0; j < a.n; ++j)
                 a.out[(size_t)r * a.n + j] = mf_top_entry(list[j], row, (int)a.dtype, st.m, st.s);
