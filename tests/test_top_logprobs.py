@@ -164,3 +164,49 @@ def test_both_host_paths_on_ties_at_the_boundary(path, dev, dtype):
     ids, lp = oracle(logits, 20)
     assert np.array_equal(got["id"], ids)
     assert_close(got["logprob"].ravel(), lp.ravel())
+
+
+@pytest.mark.parametrize("n", [0, 3])
+def test_the_logprobs_of_given_ids(backend, dev, n):
+    """``ids=``: each row's given id's logprob (a token chosen from other logits), as the
+    chosen-token rule has it; NO_TOKEN and an id past the row give NaN."""
+    rng = np.random.default_rng(5)
+    rows, vocab = 5, 700
+    logits = logits_for(rng, rows, vocab, "float32")
+    given = np.array([3, 699, N, 700, 12], np.uint32)
+    with dev.upload(logits) as buf, dev.upload(given) as ids, mf.DeviceBuffer(rows * 4) as chosen, \
+            mf.DeviceBuffer(max(1, rows * n * 8)) as out:
+        _core.top_logprobs(buf, out if n else None, n=n, rows=rows, vocab=vocab, dtype="float32",
+                           ids=ids, chosen=chosen)
+        got = dev.download(chosen, np.float32)
+        if n:
+            assert np.array_equal(dev.download(out, RECORD, rows * n).reshape(rows, n)["id"],
+                                  oracle(logits, n)[0])
+    ref = reference_logprobs(logits, np.where(given < vocab, given, N))
+    assert np.isnan(got[[2, 3]]).all()
+    assert_close(got, ref)
+
+
+def test_given_ids_match_argmax_logprobs_to_the_bit(host, dev):
+    from helpers.calls import pick
+
+    rng = np.random.default_rng(8)
+    logits = logits_for(rng, 6, 5000, "bfloat16")
+    chosen_ids, lp = pick(dev, logits)
+    with dev.upload(logits) as buf, dev.upload(np.asarray(chosen_ids, np.uint32)) as ids, \
+            mf.DeviceBuffer(6 * 4) as chosen:
+        _core.top_logprobs(buf, None, n=0, rows=6, vocab=5000, dtype="bfloat16", ids=ids,
+                           chosen=chosen)
+        got = dev.download(chosen, np.float32)
+    assert got.tobytes() == np.asarray(lp, np.float32).tobytes()
+
+
+def test_ids_and_chosen_go_together(host):
+    with mf.DeviceBuffer(64) as logits, mf.DeviceBuffer(16) as ids:
+        with pytest.raises(ValueError, match="together"):
+            _core.top_logprobs(logits, None, n=0, rows=1, vocab=4, dtype="float32", ids=ids)
+        with pytest.raises(ValueError, match="n"):
+            _core.top_logprobs(logits, None, n=0, rows=1, vocab=4, dtype="float32")
+        with pytest.raises(ValueError, match="overlap"):
+            _core.top_logprobs(logits, None, n=0, rows=1, vocab=4, dtype="float32", ids=ids,
+                               chosen=ids)

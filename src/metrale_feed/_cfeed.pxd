@@ -298,6 +298,8 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint64_t row_stride
         uint32_t n
         mf_top_logprob *out
+        const uint32_t *ids
+        float *chosen
     void mf_top_logprobs_args_init(mf_top_logprobs_args *args)
     mf_status mf_top_logprobs(const mf_top_logprobs_args *args, mf_stream_t stream)
 

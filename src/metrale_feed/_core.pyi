@@ -260,9 +260,10 @@ def penalties_update(ids: _DeviceLike, slots: Any, state: _DeviceLike, table: _D
                      table_cap: int | None = None, item_cap: int | None = None) -> int: ...
 
 # ---- top logprobs (docs/kernels.md) ----
-def top_logprobs(logits: _DeviceLike, out: _DeviceLike, stream: _StreamLike = 0, *, n: int,
+def top_logprobs(logits: _DeviceLike, out: _DeviceLike | None, stream: _StreamLike = 0, *, n: int,
                  rows: int | None = None, vocab: int | None = None, dtype: Any = None,
-                 row_stride: int | None = None) -> int: ...
+                 row_stride: int | None = None, ids: _DeviceLike | None = None,
+                 chosen: _DeviceLike | None = None) -> int: ...
 
 # ---- partial blocks of a row split, and their combine (docs/kernels.md) ----
 

@@ -1,7 +1,8 @@
 # The launcher of the top-logprobs op (docs/kernels.md, "Top logprobs"): every argument checked
 # here or in the C layer before anything is queued, as the other launchers do.
 
-def top_logprobs(logits, out, stream=0, *, n, rows=None, vocab=None, dtype=None, row_stride=None):
+def top_logprobs(logits, out, stream=0, *, n, rows=None, vocab=None, dtype=None, row_stride=None,
+                 ids=None, chosen=None):
     """Each row's ``n`` most likely ids under its raw distribution and their logprobs, on the
     device, in stream order.
 
@@ -9,20 +10,26 @@ def top_logprobs(logits, out, stream=0, *, n, rows=None, vocab=None, dtype=None,
     below ``-inf``); each logprob is ``log_softmax`` of the row at that id, computed as the
     chosen-token logprobs are (docs/kernels.md, "Logprobs of the chosen token"), bit for bit the
     same on every backend. No masks, bitmask or temperature: the model's own distribution. A row
-    of fewer than ``n`` ids ends with ``(NO_TOKEN, NaN)`` records.
+    of fewer than ``n`` ids ends with ``(NO_TOKEN, NaN)`` records. With ``ids``, ``chosen[r]``
+    is also the logprob of ``ids[r]`` under row ``r`` (NaN for ``NO_TOKEN`` or an id outside the
+    row): the raw logprob of a token another call chose, from logits changed since.
 
     Parameters
     ----------
     logits : DeviceBuffer, int, or a 2-D float tensor
         ``rows`` rows of ``row_stride`` elements; read only.
-    out : DeviceBuffer, int, or a device array
+    out : DeviceBuffer, int, a device array, or None
         ``rows * n`` records of 8 bytes, a uint32 id then a float32 logprob: row ``r``'s ``j``-th
-        at record ``r * n + j``.
+        at record ``r * n + j``; None only with ``n`` 0.
     stream : Stream, int or stream-like, optional
     n : int
-        1 to ``MAX_TOP_LOGPROBS`` (20).
+        1 to ``MAX_TOP_LOGPROBS`` (20); 0 with ``ids``: the chosen logprobs alone.
     rows, vocab, dtype, row_stride : optional
         Required (``row_stride`` defaults to ``vocab``) unless ``logits`` is a tensor.
+    ids : DeviceBuffer, int, or a uint32 device array, optional
+        ``rows`` ids, read when the kernel runs (a step's feed cells).
+    chosen : DeviceBuffer, int, or a float32 device array, optional
+        ``rows`` float32 logprobs of ``ids``; with ``ids`` and only with them.
 
     Returns
     -------
@@ -58,7 +65,9 @@ def top_logprobs(logits, out, stream=0, *, n, rows=None, vocab=None, dtype=None,
     cdef _Foreign f
     mf_top_logprobs_args_init(&a)
     stream_of(stream, &s)
-    a.n = <uint32_t>int_of(n, "n", 1, MF_MAX_TOP_LOGPROBS)
+    a.n = <uint32_t>int_of(n, "n", 0 if ids is not None else 1, MF_MAX_TOP_LOGPROBS)
+    if (ids is None) != (chosen is None):
+        raise ValueError("ids and chosen go together")
     cdef _Call call = call_on(s)
     try:
         if not is_foreign(logits):
@@ -89,12 +98,22 @@ def top_logprobs(logits, out, stream=0, *, n, rows=None, vocab=None, dtype=None,
             a.logits = f.ptr
             if a.rows:
                 call.lend(f, ((a.rows - 1) * a.row_stride + a.vocab) * <size_t>f.entry.itemsize)
-        call.device(out, &ptr, &have, "out", True, False)
-        if have != <size_t>-1 and <size_t>a.rows * a.n * 8 > have:
-            raise ValueError(f"out: {a.rows} rows of {a.n} records need {a.rows * a.n * 8} bytes; it has {have}")
-        a.out = <mf_top_logprob *>ptr
+        if a.n or out is not None:
+            call.device(out, &ptr, &have, "out", True, False)
+            if have != <size_t>-1 and <size_t>a.rows * a.n * 8 > have:
+                raise ValueError(f"out: {a.rows} rows of {a.n} records need {a.rows * a.n * 8} bytes; it has {have}")
+            a.out = <mf_top_logprob *>ptr
+        if ids is not None:
+            call.device(ids, &ptr, &have, "ids", False, True)
+            if have != <size_t>-1 and <size_t>a.rows * 4 > have:
+                raise ValueError(f"ids: {a.rows} ids need {a.rows * 4} bytes; it has {have}")
+            a.ids = <const uint32_t *>ptr
+            call.device(chosen, &ptr, &have, "chosen", True, False)
+            if have != <size_t>-1 and <size_t>a.rows * 4 > have:
+                raise ValueError(f"chosen: {a.rows} floats need {a.rows * 4} bytes; it has {have}")
+            a.chosen = <float *>ptr
         check(mf_top_logprobs(&a, s))
-        note_capture(s, (logits, out))
+        note_capture(s, (logits, out, ids, chosen))
         call.done()
     finally:
         call.close()

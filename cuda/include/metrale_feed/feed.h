@@ -482,7 +482,10 @@ MF_EXPORT mf_status mf_penalties_update(const mf_penalty_args *args, mf_stream_t
  * smaller id; a NaN ranks below -inf) and their logprobs under the row's raw distribution, as the
  * chosen-token logprobs are computed (logprob_rule.h): out[r * n + j] for j = 0 .. n - 1 in that
  * order. A row of fewer than n ids fills the rest with (MF_NO_TOKEN, NaN). Read-only on the
- * logits; no masks, no bitmask, no temperature: the distribution of the model's output. */
+ * logits; no masks, no bitmask, no temperature: the distribution of the model's output.
+ * With ids (device, read when the kernel runs: a step's feed cells), chosen[r] is the logprob of
+ * ids[r] under row r, as argmax_to_feed's logprobs are (NaN for MF_NO_TOKEN or an id outside the
+ * row): the raw logprob of a token chosen from other logits (the penalised ones). n may be 0 then. */
 #define MF_MAX_TOP_LOGPROBS 20u /* the OpenAI API's top_logprobs limit */
 typedef struct mf_top_logprob {
     uint32_t id;
@@ -495,8 +498,10 @@ typedef struct mf_top_logprobs_args {
     uint32_t rows;
     uint32_t vocab;
     uint64_t row_stride;  /* elements, >= vocab */
-    uint32_t n;           /* 1 .. MF_MAX_TOP_LOGPROBS */
-    mf_top_logprob *out;  /* device, rows * n records */
+    uint32_t n;           /* 0 .. MF_MAX_TOP_LOGPROBS; 0 only with ids */
+    mf_top_logprob *out;  /* device, rows * n records (NULL when n is 0) */
+    const uint32_t *ids;  /* device, rows ids, or NULL */
+    float *chosen;        /* device, rows floats: with ids, and only with them */
 } mf_top_logprobs_args;
 static inline void mf_top_logprobs_args_init(mf_top_logprobs_args *args) {
     memset(args, 0, sizeof *args);

@@ -36,4 +36,11 @@ MF_HD mf_top_logprob mf_top_entry(uint64_t w, const void *row, int dtype, float 
     return out;
 }
 
+/* The logprob of a given id (a step's chosen token) under the row: NaN for NO_TOKEN and for an id
+ * outside the row's vocab ids, as mf_logprob_finish has it. */
+MF_HD float mf_top_chosen(const void *row, int dtype, uint32_t vocab, uint32_t id, float m, double s) {
+    if (id >= vocab) id = MF_NO_TOKEN;
+    return mf_logprob_finish(id, id == MF_NO_TOKEN ? 0u : mf_logit_bits(row, dtype, id), m, s);
+}
+
 #endif

@@ -45,6 +45,15 @@ __attribute__((target("avx2"))) void insert_f32(uint64_t *list, uint32_t n, cons
 }
 #endif
 
+void fill_list(uint64_t *list, uint32_t n, const void *row, mf_dtype dtype, uint32_t vocab, bool vector) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (vector && dtype == MF_DTYPE_F32) return insert_f32(list, n, static_cast<const float *>(row), vocab);
+#else
+    (void)vector;
+#endif
+    insert_span(list, n, row, (int)dtype, 0, vocab);
+}
+
 }  // namespace
 
 void run_top_logprobs(const mf_top_logprobs_args &a) {
@@ -56,13 +65,9 @@ void run_top_logprobs(const mf_top_logprobs_args &a) {
         for (uint32_t r = begin; r < end; ++r) {
             const void *row = static_cast<const char *>(a.logits) + r * row_bytes;
             uint64_t list[MF_MAX_TOP_LOGPROBS] = {};
-#if defined(__x86_64__) || defined(__i386__)
-            if (vector && a.dtype == MF_DTYPE_F32)
-                insert_f32(list, a.n, static_cast<const float *>(row), a.vocab);
-            else
-#endif
-                insert_span(list, a.n, row, (int)a.dtype, 0, a.vocab);
+            if (a.n) fill_list(list, a.n, row, a.dtype, a.vocab, vector);  // 0: the chosen ones alone
             const RowStats st = row_stats(row, a.dtype, a.vocab, vector);
+            if (a.ids) a.chosen[r] = mf_top_chosen(row, (int)a.dtype, a.vocab, a.ids[r], st.m, st.s);
             for (uint32_t j = 0; j < a.n; ++j)
                 a.out[(size_t)r * a.n + j] = mf_top_entry(list[j], row, (int)a.dtype, st.m, st.s);
         }

@@ -14,7 +14,7 @@ constexpr int kThreads = MF_STATS_LANES;  // the lanes of the fixed order of a r
 
 __global__ void __launch_bounds__(kThreads)
     mf_top_logprobs_kernel(const char *logits, int dtype, uint64_t row_bytes, uint32_t width, uint32_t n,
-                           mf_top_logprob *out) {
+                           mf_top_logprob *out, const uint32_t *ids, float *chosen) {
     __shared__ float fslots[kThreads / 32];
     __shared__ double dslots[kThreads / 32];
     __shared__ unsigned long long pslots[kThreads / 32];
@@ -29,6 +29,7 @@ __global__ void __launch_bounds__(kThreads)
             s += (double)mf_exp_neg(mf_fsub(mf_from_bits(mf_logit_bits(row, dtype, i)), m));
         s = block_fold(s, Sum(), dslots);
     }
+    if (ids && threadIdx.x == 0) chosen[r] = mf_top_chosen(row, dtype, width, ids[r], m, s);
     unsigned long long bound = ~0ull;  // above every word
     for (uint32_t j = 0; j < n; ++j) {
         unsigned long long best = 0ull;
@@ -49,7 +50,7 @@ cudaError_t launch_top_logprobs(const mf_top_logprobs_args &a, cudaStream_t stre
     // rows <= MF_MAX_ROWS (checked at the C ABI): one block each, one launch.
     MF_LAUNCH(a.rows, kThreads, 0, stream, mf_top_logprobs_kernel)(
         static_cast<const char *>(a.logits), (int)a.dtype, a.row_stride * mf_dtype_size((int)a.dtype), a.vocab, a.n,
-        a.out);
+        a.out, a.ids, a.chosen);
     return cudaGetLastError();
 }
 
