@@ -169,8 +169,7 @@ def test_options_are_checked_at_submit(host, no_leaks):
                 (dict(logprobs=True, top_logprobs=-1), ValueError, r"\[0, 20\]"),
                 (dict(logprobs=True, top_logprobs=21), ValueError, r"\[0, 20\]"),
                 (dict(top_logprobs=3), ValueError, "needs logprobs=True"),
-                (dict(logprobs=True, presence_penalty=0.5), ValueError, "penalties"),
-                (dict(logprobs=True, logit_bias={1: 1.0}), ValueError, "penalties")]:
+                ]:
             with pytest.raises(error, match=match):
                 pipe.submit([1, 2], max_new_tokens=3, **kw)
         assert pipe.idle  # nothing queued
@@ -204,6 +203,8 @@ def test_a_model_whose_feed_methods_take_no_logprobs(host, no_leaks):
     with Middle(VOCAB, max_rows=1) as model, DecodePipeline(model, 1) as pipe:
         with pytest.raises(FeedError, match="top_logprobs"):
             pipe.submit([1], max_new_tokens=2, logprobs=True, top_logprobs=1)
+        with pytest.raises(FeedError, match="raw_logits"):
+            pipe.submit([1], max_new_tokens=2, logprobs=True, presence_penalty=0.5)
         req = pipe.submit([1], max_new_tokens=2, logprobs=True)
         pipe.run()
     check(req)
@@ -220,3 +221,42 @@ def test_the_ring_makes_logprob_buffers_only_when_asked(host, no_leaks):
         pipe.submit([1], max_new_tokens=2, logprobs=True, top_logprobs=1)
         pipe.run()
         assert len(pipe.io._ring.top_dev) == 3
+
+
+# ---- with penalties: the logprobs of the raw logits, the ids of the penalised ones ----
+
+PEN = [dict(logprobs=True, top_logprobs=3, logit_bias={7: 0.6}, frequency_penalty=0.15),
+       dict(logit_bias={3: 0.8, 100: 0.7}, presence_penalty=0.5),
+       dict(logprobs=True, logit_bias={9: 1.0}, repetition_penalty=3.0, temperature=0.8, seed=4),
+       dict(logprobs=True, top_logprobs=2),
+       dict(logprobs=True, min_tokens=4, logit_bias={5: 0.9})]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("num_blocks", [10, 200])
+def test_penalties_with_logprobs(host, no_leaks, depth, num_blocks):
+    """Rows with penalties and logprobs, rows with either, in one batch (and preempted when the
+    pool is small): every token as the penalties oracle has it, every logprob and top logprob as
+    the raw logits have them, not the penalised ones."""
+    from test_pipeline_penalties import oracle as penalised
+
+    ps = prompts(len(PEN), seed=41, lo=3, hi=6)
+    stop = 5
+    with model_for(len(PEN), num_blocks=num_blocks, block_size=2) as model, \
+            DecodePipeline(model, len(PEN), depth=depth) as pipe:
+        reqs = [pipe.submit(p, max_new_tokens=10, stop_ids=[stop] if kw.get("min_tokens") else (),
+                            **kw) for p, kw in zip(ps, PEN)]
+        pipe.run()
+        assert (pipe.stats.preemptions > 0) == (num_blocks == 10)
+        assert pipe.stats.host_syncs == pipe.stats.steps
+    raw_differs = False
+    for req, p, kw in zip(reqs, ps, PEN):
+        rules = {k: v for k, v in kw.items() if k not in ("logprobs", "top_logprobs")}
+        assert req.tokens == penalised(p, 10, stops=[stop] if kw.get("min_tokens") else (),
+                                       **rules), kw
+        if kw.get("logprobs"):
+            check(req, n=kw.get("top_logprobs", 0))
+            # The biased id wins where the raw distribution does not rank it first.
+            raw_differs |= any(entry[0][0] != t for entry, t in zip(req.top_logprobs or [],
+                                                                     req.tokens))
+    assert raw_differs  # else the test could not tell raw from penalised logprobs

@@ -485,6 +485,7 @@ class DecodePipeline:
                                                          "sample_batch_to_feed")]
         self._can_logprobs = all(_takes(f, ("logprobs", "logprobs_dst")) for f in feeds)
         self._can_top = all(_takes(f, ("top_logprobs", "top_logprobs_dst", "top_n")) for f in feeds)
+        self._can_raw = all(_takes(f, ("raw_logits",)) for f in feeds)
         # self._rows' (row, its logprobs, its top logprobs or None, its n) and the batch's n
         self._lp: Optional[List[Tuple[int, List[float], Any, int]]] = None
         self._top_n = 0
@@ -577,8 +578,9 @@ class DecodePipeline:
             Keep each committed token's logprob in ``Request.logprobs``: ``log_softmax`` of the
             raw logits of its step (vLLM v1's default, ``raw_logprobs``: before masks,
             temperature and the filters), computed by the feed method on the device and read
-            back with the ids, so no step waits for it. Not with penalties yet (they rewrite
-            the logits in place). Default False.
+            back with the ids, so no step waits for it. With penalties, ``logit_bias`` or
+            ``min_tokens`` too, the logits are copied before the penalties change them and the
+            logprobs taken from the copy (not over a split vocabulary). Default False.
         top_logprobs : int, optional
             In [0, 20], above 0 only with ``logprobs=True`` (the OpenAI API's rule): also keep,
             per committed token, the ``top_logprobs`` most likely ids of the raw distribution
@@ -643,10 +645,13 @@ class DecodePipeline:
                 raise FeedError(f"{type(self.model).__name__}'s feed methods take no "
                                 f"top_logprobs=: a request with top_logprobs > 0 cannot run on it")
         if lp[0]:
-            if pen is not None:
-                raise ValueError("logprobs=True with penalties, logit_bias or min_tokens is not "
-                                 "supported: the penalties rewrite the logits in place, so the "
-                                 "raw distribution's logprobs are gone by the feed method")
+            if pen is not None and not self._can_raw:
+                raise FeedError(f"{type(self.model).__name__}'s feed methods take no raw_logits=: "
+                                f"logprobs=True with penalties, logit_bias or min_tokens cannot "
+                                f"run on it (the penalties change the logits in place)")
+            if pen is not None and getattr(self.model, "feed_shard", None) is not None:
+                raise ValueError("logprobs=True with penalties over a split vocabulary (shard=) "
+                                 "is not supported")
             if not self._can_logprobs:
                 raise FeedError(f"{type(self.model).__name__}'s feed methods take no logprobs= "
                                 f"and logprobs_dst=: a request with logprobs=True cannot run on it")

@@ -301,7 +301,8 @@ class _DeviceIo:
         ``SAMPLING_PARAMS_DTYPE`` record per row, the step then answered by the model's
         ``sample_batch_to_feed``; None, its ``argmax_batch_to_feed``. ``hook``: the pipeline's
         penalties, ``hook.apply(logits, stream)`` queued between the forward and the feed
-        method and ``hook.update(stream)`` after it (docs/penalties.md). ``logprobs``: the feed
+        method and ``hook.update(stream)`` after it (docs/penalties.md); with logprobs too,
+        ``hook.snapshot(logits, rows, stream)`` first, passed as ``raw_logits``. ``logprobs``: the feed
         method also writes each row's chosen-token logprob into the slot's logprobs buffers,
         copied back with the ids before the event, and ``await_result`` sets
         ``ticket.logprobs``; ``top_n`` (with it): each row's ``top_n`` most likely ids too,
@@ -327,9 +328,11 @@ class _DeviceIo:
         else:
             logits = model.decode_batch(inputs, seqs, self.stream)  # type: ignore[attr-defined]
         try:
-            if hook is not None:
-                hook.apply(logits, self.stream)
             extra: Dict[str, Any] = {}
+            if hook is not None:
+                if logprobs:  # the raw logits, before the penalties change them
+                    extra["raw_logits"] = hook.snapshot(logits, rows, self.stream)
+                hook.apply(logits, self.stream)
             if logprobs:  # only then: a model's feed methods may not take the keywords
                 extra["logprobs"], extra["logprobs_dst"] = ring.logprobs(slot)
                 if top_n:
