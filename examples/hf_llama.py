@@ -27,7 +27,7 @@ import torch
 
 import metrale_feed as mf
 from metrale_feed import NO_TOKEN, FeedError, ModelDeviceFeed, RuntimeFeedMixin
-from metrale_feed.kv import BlockPool, SequenceState
+from metrale_feed.kv import PagedKvMixin, SequenceState
 
 
 def small_llama(dtype: torch.dtype = torch.float32, *, vocab: int = 256, seed: int = 0) -> Any:
@@ -42,7 +42,7 @@ def small_llama(dtype: torch.dtype = torch.float32, *, vocab: int = 256, seed: i
     return model.to(dtype)
 
 
-class HfLlamaFeed(RuntimeFeedMixin, ModelDeviceFeed):
+class HfLlamaFeed(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
     """``ModelDeviceFeed`` over a transformers causal LM with a paged KV cache.
 
     Parameters
@@ -62,9 +62,8 @@ class HfLlamaFeed(RuntimeFeedMixin, ModelDeviceFeed):
         config = model.config
         self.model = model
         self.dtype = next(model.parameters()).dtype
+        self.init_paged_kv(block_size=block_size, num_blocks=num_blocks)
         self.init_device_feed(vocab=config.vocab_size, logits_dtype=self.dtype, max_rows=max_rows)
-        self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
         self.stream = stream
         heads = config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -79,33 +78,7 @@ class HfLlamaFeed(RuntimeFeedMixin, ModelDeviceFeed):
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
-    # ---- KV bookkeeping (the trait's block calls) ----
-
-    def reserve_decode_block(self, seq: SequenceState) -> int:
-        if seq.seq_len // self.block_size >= len(seq.block_table):
-            seq.block_table.append(self.pool.alloc())
-            return 1
-        return 0
-
-    def release_decode_blocks(self, seq: SequenceState, blocks: int) -> None:
-        if not 0 <= blocks <= len(seq.block_table):
-            raise ValueError(f"cannot release {blocks} of {len(seq.block_table)} blocks")
-        for _ in range(blocks):
-            self.pool.free(seq.block_table.pop())
-
-    def release_sequence(self, seq: SequenceState) -> None:
-        self.release_decode_blocks(seq, len(seq.block_table))
-
-    def _reserve_rows(self, seqs: Sequence[SequenceState]) -> None:
-        added: List[SequenceState] = []
-        try:
-            for seq in seqs:
-                if self.reserve_decode_block(seq):
-                    added.append(seq)
-        except BaseException:
-            for seq in added:
-                self.release_decode_blocks(seq, 1)
-            raise
+    # ---- KV bookkeeping: PagedKvMixin's (the scheduler reserves; the forward checks) ----
 
     # ---- the forward, run in stream order by launch_host_func ----
 
@@ -163,7 +136,7 @@ class HfLlamaFeed(RuntimeFeedMixin, ModelDeviceFeed):
         stream = self.stream if stream is None else stream
         self._check(len(tokens), seqs)
         tokens = [int(t) for t in tokens]
-        self._reserve_rows(seqs)
+        self.cover_decode_blocks(seqs)  # called without a router: the blocks it lacks
         logits = self._launch(tokens, seqs, stream)
         for token, seq in zip(tokens, seqs):
             seq.tokens.append(token)
@@ -175,7 +148,7 @@ class HfLlamaFeed(RuntimeFeedMixin, ModelDeviceFeed):
         ``ids`` tensor, then read by the forward, both in stream order."""
         stream = self.stream if stream is None else stream
         self._check(len(sources), seqs)
-        self._reserve_rows(seqs)
+        self.check_decode_blocks(seqs)  # reserved by the scheduler: a refused step takes none
         mf.resolve_feed(sources, self.feed_cells, self.ids, stream, prev_rows=self.feed_prev_rows)
         return self._launch(None, seqs, stream)
 
@@ -185,13 +158,7 @@ class HfLlamaFeed(RuntimeFeedMixin, ModelDeviceFeed):
         ids = [int(i) for i in ids]
         if not ids:
             return
-        first_new = len(seq.block_table)
-        try:
-            while (seq.seq_len + len(ids) - 1) // self.block_size >= len(seq.block_table):
-                seq.block_table.append(self.pool.alloc())
-        except BaseException:
-            self.release_decode_blocks(seq, len(seq.block_table) - first_new)
-            raise
+        self.take_prefill_blocks([seq], [ids])
         mf.launch_host_func(stream, self._prefill, ids, seq.seq_len, list(seq.block_table))
         seq.tokens.extend(ids)
         seq.seq_len += len(ids)

@@ -85,12 +85,37 @@ def test_the_index_links_every_page():
             assert f"]({page.name})" in index, f"docs/README.md does not link {page.name}"
 
 
+def sources():
+    return sorted((REPO / "src" / "metrale_feed").rglob("*.p*"))
+
+
 def test_docs_the_sources_cite_exist():
     cited = set()
-    for path in (REPO / "src" / "metrale_feed").glob("*.p*"):
+    for path in sources():
         cited |= set(re.findall(r"docs/([\w.-]+\.md)", path.read_text()))
     assert cited, "the docstrings point to docs/"
     missing = [name for name in cited if not (DOCS / name).exists() and name not in PENDING]
+    assert not missing, missing
+
+
+def titles(path):
+    """A page's heading anchors and its paragraphs' bold leads (``**Lead.** ...``), slugged."""
+    leads = re.findall(r"^\*\*([^*]+?)\.?\*\*", path.read_text(), re.M)
+    return anchors(path) | {slug(lead) for lead in leads}
+
+
+def test_the_sections_the_sources_cite_exist():
+    """``docs/page.md, "Heading"`` in a source names a heading of that page (or the start of
+    one: "Verify" for "Verify: speculative decoding's check"), or a paragraph's bold lead."""
+    cited = set()
+    for path in sources():
+        text = re.sub(r"\s*\n\s*#?\s*", " ", path.read_text())  # a citation split over lines
+        cited |= {(page, heading, path.name) for page, heading in
+                  re.findall(r"docs/([\w.-]+\.md), \"([^\"]+)\"", text)}
+    assert cited, "the docstrings cite sections of docs/"
+    missing = [f"{src}: docs/{page}, {heading!r}" for page, heading, src in sorted(cited)
+               if (DOCS / page).exists() and not any(
+                   a.startswith(slug(heading)) for a in titles(DOCS / page))]
     assert not missing, missing
 
 

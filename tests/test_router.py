@@ -269,6 +269,58 @@ def test_resolve_defaults_to_the_rows_of_the_last_argmax(host, no_leaks, dev):
         b.close()
 
 
+def test_interior_cells_are_forgotten_when_their_buffer_is_freed(host, no_leaks, dev):
+    """Interior cell pointers' defaults go with their buffer (a new allocation at the address
+    must not inherit one), and the table does not grow per call."""
+    import numpy as np
+
+    core = metrale_feed._core
+    before = core._cell_rows_len()
+    buf = dev.upload(np.eye(1, 5, dtype=np.float32))
+    cells = metrale_feed.DeviceBuffer(600 * 4)
+    out = metrale_feed.DeviceBuffer(4)
+    for i in range(500):  # 500 distinct interior pointers of one buffer
+        metrale_feed.argmax_to_feed(buf, None, cells.ptr + 4 * i, None, None, rows=1, vocab=5,
+                                    dtype="float32")
+    metrale_feed.resolve_feed([FeedSource.feed(0)], cells.ptr + 4 * 499, out)  # the default
+    assert list(dev.download(out, "uint32")) == [0]
+    assert core._cell_rows_len() == before + 500
+    metrale_feed.stream_synchronize(0)
+    cells.close()
+    assert core._cell_rows_len() == before
+    for b in (buf, out):
+        b.close()
+
+
+def test_the_resolve_default_keeps_the_most_recent_cells(host, no_leaks, dev):
+    """Past CELL_ROWS_KEPT addresses the least recently written is forgotten (its resolve then
+    asks for prev_rows, a clear error); cells written every step stay."""
+    import numpy as np
+
+    core = metrale_feed._core
+    kept = core.CELL_ROWS_KEPT
+    buf = dev.upload(np.eye(1, 5, dtype=np.float32))
+    cells = metrale_feed.DeviceBuffer((kept + 200) * 4)
+    out = metrale_feed.DeviceBuffer(4)
+    hot = cells.ptr + 4 * (kept + 100)
+
+    def write(ptr):
+        metrale_feed.argmax_to_feed(buf, None, ptr, None, None, rows=1, vocab=5, dtype="float32")
+
+    for i in range(kept + 50):
+        write(cells.ptr + 4 * i)
+        if i % 64 == 0:
+            write(hot)  # a pipeline's cells: rewritten all along
+    assert core._cell_rows_len() <= kept
+    metrale_feed.resolve_feed([FeedSource.feed(0)], hot, out)
+    with pytest.raises(ValueError, match="prev_rows is required"):
+        metrale_feed.resolve_feed([FeedSource.feed(0)], cells.ptr, out)  # the oldest: forgotten
+    metrale_feed.resolve_feed([FeedSource.feed(0)], cells.ptr, out, prev_rows=1)
+    metrale_feed.stream_synchronize(0)
+    for b in (buf, cells, out):
+        b.close()
+
+
 def test_a_ticket_awaited_twice_is_refused_after_its_slot_was_reused(host, no_leaks):
     """await(t1), a launch that reuses t1's slot, await(t1) again: FeedError, never the newer
     step's ids; the newer ticket still reads its own ids."""

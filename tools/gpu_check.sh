@@ -66,7 +66,7 @@ if "$py" -c "import pytest_timeout" 2>/dev/null; then
     per_test=(-p timeout --timeout "${GPU_CHECK_TEST_TIMEOUT:-60}" --timeout-method thread)
 fi
 
-step "pytest -m gpu" 300 pytest.log "$py" -m pytest -m gpu -v -rfE "${per_test[@]}" tests \
+step "pytest -m gpu" 300 pytest.log "$py" -m pytest -m gpu -v -rfE --durations=20 "${per_test[@]}" tests \
     --ignore=tests/tp/test_tp_gpu.py
 
 # The tensor-parallel exchange on the cuda backend (NCCL, a world of one rank through the real

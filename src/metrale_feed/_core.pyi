@@ -283,6 +283,8 @@ PARTIAL_CAND_BYTES: int
 SELECT_STAGES: dict[str, int]
 SELECT_ROW_FLAGS: dict[str, int]
 
+CELL_ROWS_KEPT: int
+def _cell_rows_len() -> int: ...
 def _partial_bytes(rows: int) -> int: ...
 def _argmax_partial(logits: _DeviceLike | None, masks: _MasksLike | _DeviceLike | None,
                     partials: _DeviceLike, event: _EventLike | None = None,

@@ -260,7 +260,7 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
     finally:
         call.close()
     if partial is None:
-        _cell_rows[<size_t>a.cells] = a.rows
+        note_cell_rows(<size_t>a.cells, a.rows)
     if a.event and (_host_func_seq or _capturing):
         note_record(a.event, s)
     return a.rows
@@ -582,7 +582,7 @@ def resolve_feed(sources, cells, out, stream=0, *, prev_rows=None, rows=None):
             n = <uint32_t>words.n
         call.device(cells, &cells_ptr, &have, "cells", False, True)
         if prev_rows is None:
-            prev_rows = _cell_rows.get(<size_t>cells_ptr)
+            prev_rows = cell_rows_of(<size_t>cells_ptr)
             if prev_rows is None:
                 raise ValueError("prev_rows is required: no argmax_to_feed has written these cells")
         prev_rows = int_of(prev_rows, "prev_rows", 0, 0xFFFFFFFF)

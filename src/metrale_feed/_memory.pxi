@@ -214,7 +214,7 @@ cdef class DeviceBuffer:
     def __dealloc__(self):
         cdef void *ptr = self._ptr
         if ptr != NULL and not _exiting:
-            _cell_rows.pop(<size_t>ptr, None)
+            forget_cell_rows(<size_t>ptr, self._nbytes)
             with nogil:  # as PinnedBuffer's
                 mf_device_free(ptr)
 
@@ -313,7 +313,7 @@ cdef class DeviceBuffer:
             raise BufferError(f"the device buffer has {self._exports} exported tensor(s); release them first")
         cdef void *ptr = self._ptr
         self._ptr = NULL
-        _cell_rows.pop(<size_t>ptr, None)  # a later allocation may reuse the address
+        forget_cell_rows(<size_t>ptr, self._nbytes)  # a later allocation may reuse the address
         with nogil:
             status = mf_device_free(ptr)
         check(status)

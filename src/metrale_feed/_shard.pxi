@@ -368,7 +368,7 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
     note_capture(s, (partials, cells, dst, logprobs, logprobs_dst, fault_dst, event, params))
     if c.event and (_host_func_seq or _capturing):
         note_record(c.event, s)
-    _cell_rows[<size_t>c.cells] = c.rows
+    note_cell_rows(<size_t>c.cells, c.rows)
 
 
 cdef list reserve_holds(list held):

@@ -42,8 +42,36 @@ cdef dict _cpu_exporters = {}
 cdef object _params_dtype = None
 
 # Rows the last argmax launched into each feed-cell array, by address: the default from_row bound
-# of the resolve that reads them (launch order is stream order for one stream).
+# of the resolve that reads them (launch order is stream order for one stream). One owner, these
+# three functions: a write moves its cells to the end (least recently written first), the table
+# keeps the CELL_ROWS_KEPT most recent, and a free forgets every address inside the freed range
+# (interior cell pointers too), so a new allocation at a freed address never inherits a stale
+# default and nothing grows per call. A resolve of forgotten cells needs prev_rows (ValueError).
 cdef dict _cell_rows = {}
+CELL_ROWS_KEPT = 4096
+
+
+cdef inline void note_cell_rows(size_t cells, uint32_t rows):
+    _cell_rows.pop(cells, None)
+    _cell_rows[cells] = rows
+    if len(_cell_rows) > CELL_ROWS_KEPT:
+        del _cell_rows[next(iter(_cell_rows))]
+
+
+cdef inline object cell_rows_of(size_t cells):
+    return _cell_rows.get(cells)
+
+
+cdef void forget_cell_rows(size_t ptr, size_t nbytes):
+    _cell_rows.pop(ptr, None)
+    if _cell_rows:  # interior pointers: few entries in practice, at most CELL_ROWS_KEPT
+        for cells in [c for c in _cell_rows if ptr < c < ptr + nbytes]:
+            del _cell_rows[cells]
+
+
+def _cell_rows_len():
+    """How many feed-cell addresses the resolve default remembers (for tests)."""
+    return len(_cell_rows)
 
 # Graphs capturing, by stream handle: {stream: weak reference to the Graph}. The objects each
 # operation queued on a capturing stream names (buffers, events) are kept by its Graph, so garbage

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from . import _core
+from .contract import FeedInfo
 from .dtypes import logits_dtype as logits_dtypes
 from .errors import FeedError
 
@@ -97,6 +98,14 @@ class RuntimeFeedMixin:
         self.feed_max_rows = max_rows
         self.feed_cells = _core.DeviceBuffer(max_rows * 4)
         self.feed_prev_rows = 0
+
+    def feed_info(self) -> FeedInfo:
+        """What the scheduler reads once at construction (``metrale_feed.contract.FeedInfo``):
+        the vocabulary, the row limit, the shard, the logits' dtype, and sampling (True: the
+        mixin's ``sample_batch_to_feed`` draws). ``PagedKvMixin`` adds the block size and pool.
+        """
+        return FeedInfo(vocab=self.feed_vocab, max_rows=self.feed_max_rows, shard=self.feed_shard,
+                        logits_dtype=self.feed_logits_dtype, sampling=True)
 
     def close_device_feed(self) -> None:
         """Free the feed cells (after queued work). Idempotent.

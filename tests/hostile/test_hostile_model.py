@@ -73,6 +73,28 @@ def decode_fed_bad_source():
 
 
 @case("model")
+def decode_fed_refused_takes_no_block():
+    # The model takes no block in decode_batch_fed (the scheduler's budget does): a step refused
+    # for a bad source, or for a row whose block was not reserved, leaves the pool and the table.
+    from metrale_feed.kv import SequenceState
+
+    m = _model()
+    s = SequenceState(0)
+    m.prefill(s, [1, 2, 3, 4])  # the next position needs a new block
+    free, table = m.pool.free_count, list(s.block_table)
+    try:
+        raises(FeedError, "row 0: no KV block reserved for position 4", m.decode_batch_fed,
+               [0x80000001], [s])
+        assert (s.seq_len, s.block_table, m.pool.free_count) == (4, table, free)
+        assert m.reserve_decode_block(s) == 1
+        raises(ValueError, "beyond the previous step's 0 rows", m.decode_batch_fed, [0], [s])
+        assert (s.seq_len, len(s.block_table), m.pool.free_count) == (4, len(table) + 1, free - 1)
+    finally:
+        m.release_sequence(s)
+        m.close()
+
+
+@case("model")
 def decode_bad_token_keeps_no_block():
     from metrale_feed.kv import SequenceState
 

@@ -156,6 +156,30 @@ def await_ticket_of_another_router():
 
 
 @case("router")
+def launch_fed_bad_source_takes_no_block():
+    # Each row's next position needs a new block; a launch refused for a bad source (or by the
+    # model's own forward) leaves the pool, every block table and the budget as before.
+    r = RouterSetup(rows=2)
+    for s in r.seqs:
+        s.seq_len = 4
+    before = (r.state(), r.io.stats.as_dict())
+    raises(ValueError, "beyond the previous step's 0 rows", r.io.launch_fed,
+           [mf.FeedSource.feed(0), mf.FeedSource.host(1)], r.seqs, None)
+    assert (r.state(), r.io.stats.as_dict()) == before
+
+    def refuse(*args):
+        raise FeedError("injected: the forward refused")
+
+    r.model.decode_batch_fed = refuse
+    raises(FeedError, "injected", r.io.launch, [mf.FeedSource.host(1)] * 2, r.seqs, fed=True)
+    assert (r.state(), r.io.stats.as_dict()) == before
+    del r.model.decode_batch_fed
+    for s in r.seqs:
+        s.seq_len = 3
+    r.close()
+
+
+@case("router")
 def reserve_kv_exhausted():
     from metrale_feed.kv import SequenceState
 

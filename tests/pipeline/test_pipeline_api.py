@@ -302,20 +302,23 @@ def test_stats_by_name_and_the_lazy_exports(host, no_leaks):
 
 
 def test_a_generic_model_without_block_size_reserves_every_row(host, no_leaks, greedy):
-    """A model that does not expose block_size/pool/prefill_many: reserve_kv per row per step,
-    one prefill per request, and preemption still works from KvPoolExhausted alone."""
+    """A model that declares no block size and no pool (its feed_info) and no prefill_many
+    (None blocks the BatchPrefill capability): reserve_kv per row per step, one prefill per
+    request, and preemption still works from KvPoolExhausted alone."""
 
     class Opaque(ReferenceModel):
-        def __getattribute__(self, name):
-            if name in ("block_size", "pool", "prefill_many"):
-                if __import__("inspect").stack()[1].filename.endswith("pipeline.py"):
-                    raise AttributeError(name)
-            return super().__getattribute__(name)
+        prefill_many = None  # a method set to None: the capability is not there
+
+        def feed_info(self):
+            return super().feed_info()._replace(block_size=None, pool=None)
+
+        def prefill(self, seq, ids, stream=None):
+            ReferenceModel.prefill_many(self, [seq], [ids], stream)
 
     ps = prompts(3, seed=13, lo=2, hi=4)
     with Opaque(VOCAB, block_size=2, num_blocks=9, max_rows=3) as model:
         with DecodePipeline(model, 3) as pipe:
-            assert pipe._block_size is None
+            assert pipe._block_size is None and pipe._prefill_many is None
             reqs = [pipe.submit(p, max_new_tokens=8) for p in ps]
             pipe.run()
             assert [r.tokens for r in reqs] == [greedy(p, 8, VOCAB) for p in ps]

@@ -250,6 +250,9 @@ def test_a_model_without_a_sampler_refuses_sampled_requests_at_submit(host, no_l
     class ArgmaxOnly(ReferenceModel):
         sample_batch_to_feed = ModelDeviceFeed.sample_batch_to_feed
 
+        def feed_info(self):  # sampling is declared, not detected
+            return super().feed_info()._replace(sampling=False)
+
     with ArgmaxOnly(VOCAB, max_rows=2) as model, DecodePipeline(model, 2) as pipe:
         with pytest.raises(FeedError, match="sample_batch_to_feed"):
             pipe.submit([1, 2], max_new_tokens=2, temperature=0.5)

@@ -22,12 +22,14 @@ from functools import partial
 from typing import Any, Callable, Deque, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from .. import _checks, _core
+from ..contract import BatchPrefill, HostTokenDecode, Prefill, feed_info_of, require
 from ..errors import FeedError, KvPoolExhausted
 from ..feed import NO_TOKEN, FeedSource, RowMask
 from ..kv import SequenceState
+from ..trait import ModelDeviceFeed
+from .budget import KvBudget
 from .penalized import PipelinePenalties
 from .router import AsyncDeviceIo, SyncDeviceIo, Ticket, _DeviceIo
-from ..trait import ModelDeviceFeed
 
 __all__ = ["DecodePipeline", "Request", "RequestStatus", "PipelineStats"]
 
@@ -413,12 +415,16 @@ class DecodePipeline:
                  vocab: Optional[int] = None, debug: Optional[bool] = None,
                  shard: Any = None, penalty_capacity: int = 4096) -> None:
         max_rows = _checks.integer(max_rows, "max_rows")
+        # What the model can do is declared (metrale_feed.contract), read here once.
+        require(model, "DecodePipeline", Prefill)
+        info = feed_info_of(model, None if vocab is None else _checks.integer(vocab, "vocab"))
+        self.info = info
         penalty_capacity = _checks.integer(penalty_capacity, "penalty_capacity")
         if not 1 <= penalty_capacity <= _core.MAX_PENALTY_TABLE:
             raise ValueError(f"penalty_capacity must be in [1, {_core.MAX_PENALTY_TABLE}], got "
                              f"{penalty_capacity}")
         if shard is not None:
-            if getattr(model, "feed_shard", None) is not shard:
+            if info.shard is not shard:
                 raise ValueError("DecodePipeline(shard=) needs a model that feeds through that shard "
                                  "(init_device_feed(..., shard=shard))")
             if max_rows > shard.max_rows:
@@ -427,19 +433,17 @@ class DecodePipeline:
         depth = _checks.integer(depth, "depth")
         if depth not in (1, 2):
             raise ValueError(f"depth must be 1 or 2, got {depth}")
-        if not callable(getattr(model, "prefill", None)):
-            raise TypeError("DecodePipeline needs a model with prefill(seq, ids, stream)")
-        vocab = (getattr(model, "feed_vocab", None) if vocab is None
-                 else _checks.integer(vocab, "vocab"))
-        if vocab is None or not 1 <= vocab:
-            raise TypeError("DecodePipeline needs the vocabulary: a model with feed_vocab, or vocab=")
-        model_rows = getattr(model, "feed_max_rows", None)
-        if model_rows is not None and max_rows > model_rows:
-            raise ValueError(f"max_rows {max_rows} is more than the model's {model_rows}")
+        vocab = info.vocab
+        if not 1 <= vocab:
+            raise ValueError(f"the vocabulary must hold at least 1 id, got {vocab}")
+        if info.max_rows is not None and max_rows > info.max_rows:
+            raise ValueError(f"max_rows {max_rows} is more than the model's {info.max_rows}")
         self.fed = model.supports_device_token_feed()
         if depth == 2 and not self.fed:
             raise FeedError("depth=2 needs a model whose supports_device_token_feed() is True; "
                             "use depth=1")
+        if not self.fed:
+            require(model, "DecodePipeline over a model without the device feed", HostTokenDecode)
         if debug is None:
             debug = os.environ.get("METRALE_FEED_DEBUG", "") == "1"
         self.model = model
@@ -448,12 +452,13 @@ class DecodePipeline:
         self.stream = stream
         self.vocab = vocab
         self.debug = bool(debug)
-        block_size = getattr(model, "block_size", None)
-        self._block_size: Optional[int] = block_size if isinstance(block_size, int) else None
-        self._pool = getattr(model, "pool", None) if self._block_size else None
+        self._block_size: Optional[int] = info.block_size
+        self._pool = info.pool if info.block_size else None
+        self._prefill_many = model.prefill_many if isinstance(model, BatchPrefill) else None
         self._model_syncs_at_start = getattr(model, "host_syncs", 0)
         self.io: _DeviceIo = (AsyncDeviceIo(model, max_rows, stream=stream) if depth == 2
                               else SyncDeviceIo(model, max_rows, stream=stream))
+        self.budget: KvBudget = self.io.budget  # the one owner of the blocks in flight
         self.stats = PipelineStats(self)
         self._waiting: Deque[Request] = deque()
         self._running: List[Request] = []
@@ -474,10 +479,9 @@ class DecodePipeline:
         self._prev_ids: List[int] = []  # debug: the last awaited step's ids
         self._closed = False
         self._debug = _Debug(self) if self.debug and self.fed else None
-        # Sampling: the models that override the trait's default can draw; a step with a
-        # sampled row passes one params record per row (``_params``), rebuilt with the batch.
-        sampler = getattr(type(model), "sample_batch_to_feed", None)
-        self._can_sample = sampler not in (None, ModelDeviceFeed.sample_batch_to_feed)
+        # Sampling, as the model declares it (FeedInfo.sampling); a step with a sampled row
+        # passes one params record per row (``_params``), rebuilt with the batch.
+        self._can_sample = info.sampling
         self._params: Any = None  # SAMPLING_PARAMS_DTYPE records of self._rows, or None
         # Logprobs: the feed methods must take the two keywords (both, as a step with any
         # sampled row goes to sample_batch_to_feed).
@@ -656,8 +660,9 @@ class DecodePipeline:
                 raise FeedError(f"{type(self.model).__name__}'s feed methods take no logprobs= "
                                 f"and logprobs_dst=: a request with logprobs=True cannot run on it")
         if sampling[0] > 0.0 and not self._can_sample:
-            raise FeedError(f"{type(self.model).__name__} has no sample_batch_to_feed: a request "
-                            f"with temperature > 0 cannot run on it")
+            raise FeedError(f"{type(self.model).__name__} declares no sampling (its feed_info() "
+                            "says sampling=False: no sample_batch_to_feed): a request with "
+                            "temperature > 0 cannot run on it")
         blocks = self._blocks_for(len(prompt) + max_new - 1)
         if blocks is not None and self._pool is not None and blocks > self._pool.num_blocks:
             raise ValueError(f"the request needs {blocks} KV blocks at most (prompt "
@@ -736,7 +741,7 @@ class DecodePipeline:
                 elif self._waiting and not self._running:
                     head = self._waiting[0]
                     raise FeedError(f"cannot admit {head!r}: the KV pool has too few free blocks "
-                                    f"({getattr(self._pool, 'free_count', '?')}) and nothing runs")
+                                    f"({self.budget.free_count}) and nothing runs")
                 done, self._finished = self._finished, []
                 return done
             finally:
@@ -793,7 +798,7 @@ class DecodePipeline:
             batch.append(req)
         if not batch:
             return
-        prefill_many = getattr(self.model, "prefill_many", None)
+        prefill_many = self._prefill_many
         if prefill_many is None:  # one request at a time; stop at the first that does not fit
             for count, req in enumerate(batch):
                 if not self._prefill([req], self.model.prefill, False):  # type: ignore[attr-defined]
@@ -927,7 +932,7 @@ class DecodePipeline:
         io = self.io
         queued = io.stats.launches
         try:
-            return io._launch(fed, sources, self._seqs_of(rows), masks, True, params, self._hook,
+            return io._launch(sources, self._seqs_of(rows), masks, fed, params, True, self._hook,
                               self._lp is not None, self._top_n)
         except BaseException as exc:
             if io.stats.launches != queued:
@@ -981,13 +986,13 @@ class DecodePipeline:
         due = self._boundary.pop(launch, None)
         if not due:
             return rows
-        reserve = self.model.reserve_decode_block
+        take = self.budget.take
         added = 0
         for req in due:
             req._bound = -1
             while req.status is _RUNNING:
                 try:
-                    if reserve(req._seq):
+                    if take(req._seq):  # type: ignore[arg-type]
                         added += 1
                         req._reserved_at = launch
                     break
@@ -995,15 +1000,10 @@ class DecodePipeline:
                     victim = max((r for r in rows if r.status is _RUNNING), key=_order_of)
                     if victim._reserved_at == launch:
                         added -= 1  # its block for this launch goes back with the rest
+                        self.budget.untake(1)
                     self._preempt(victim)
                     rows = [r for r in rows if r is not victim]
-        if added:
-            stats = self.io.stats
-            stats.reserved_blocks += added
-            stats.reserved_in_flight += added
-            if stats.reserved_in_flight > stats.peak_reserved_in_flight:
-                stats.peak_reserved_in_flight = stats.reserved_in_flight
-            self._added += added
+        self._added += added
         self._reschedule(due, launch + bs)
         return rows
 
@@ -1012,7 +1012,7 @@ class DecodePipeline:
         ledger (so a discarded step's reservation can be rolled back exactly)."""
         due = list(rows)
         while due:
-            failed = self.io._reserve_many([r._seq for r in due])  # type: ignore[misc]
+            failed = self.budget.reserve_many([r._seq for r in due])  # type: ignore[misc]
             if failed < 0:
                 break
             victim = max((r for r in rows if r.status is _RUNNING), key=_order_of)
@@ -1037,7 +1037,7 @@ class DecodePipeline:
             self._fault(step.launch, step.added, exc)
             raise
         if step.added:
-            self.io.stats.reserved_in_flight -= step.added
+            self.budget.settle(step.added)
         if self._debug is not None:
             try:
                 self._debug.check(step, self._prev_ids)
@@ -1080,15 +1080,15 @@ class DecodePipeline:
         or joined after it, so each one finishes with ``"error"`` and returns its blocks. The
         steps still in flight are waited for (their ring slots come back) and thrown away.
         Waiting requests are untouched: their prefills come after the fault in stream order."""
-        stats = self.io.stats
-        stats.reserved_in_flight -= added  # the failed step's blocks, returned below
+        budget = self.budget
+        budget.settle(added)  # the failed step's blocks, returned below with their requests
         for later in self._inflight:
             try:
                 self.io.await_result(later.ticket)
             except Exception:
                 pass  # the same fault, reported again: nothing of it is kept either way
             self.stats.steps += 1
-            stats.reserved_in_flight -= later.added
+            budget.settle(later.added)
             self.stats.rows_discarded += len(later.rows) - len(later.dead or ())
         self._inflight.clear()
         reason = f"step {launch} failed: {type(exc).__name__}: {exc}"
@@ -1114,20 +1114,15 @@ class DecodePipeline:
                 step.dead.add(at)
                 self.stats.rows_discarded += 1
                 if req._reserved_at == step.launch:  # its block for this step goes back
-                    stats = self.io.stats
                     step.added -= 1
-                    stats.reserved_in_flight -= 1
-                    stats.rollbacks += 1
-                    stats.blocks_rolled_back += 1
+                    self.budget.discard(1)
 
     def _release(self, req: Request) -> None:
         """Every uncommitted reservation rolled back, every block back to the pool."""
         seq = req._seq
         if seq is None:
             return
-        self.io.drop(seq)
-        if seq.block_table:
-            self.model.release_decode_blocks(seq, len(seq.block_table))
+        self.budget.free(seq)
         req._seq = None
 
     def _leave(self, req: Request) -> None:

@@ -16,10 +16,12 @@ from operator import index
 from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from .. import _checks, _core
-from ..errors import FeedError, KvPoolExhausted
+from ..contract import DescribesFeed, FeedInfo, HostTokenDecode, feed_info_of, require
+from ..errors import FeedError
 from ..feed import _HOST_BIT, NO_TOKEN
 from ..kv import SequenceState
 from ..trait import ModelDeviceFeed
+from .budget import KvBudget, Reservation
 
 __all__ = ["AsyncDeviceIo", "SyncDeviceIo", "RouterStats", "Ticket", "Reservation"]
 
@@ -29,34 +31,51 @@ SPIN_QUERIES = 64  # event_query polls before a wait blocks in event_synchronize
 
 class RouterStats:
     """Counters of a router: ``launches``, ``ahead_launches`` (fed steps launched before the
-    previous one was read), ``reserved_blocks``, ``reserved_in_flight``,
-    ``peak_reserved_in_flight``, ``rollbacks`` and ``blocks_rolled_back``. ``stats["name"]`` and
-    ``as_dict()`` read them.
+    previous one was read) and ``host_syncs`` are its own; ``reserved_blocks``,
+    ``reserved_in_flight``, ``peak_reserved_in_flight``, ``rollbacks`` and ``blocks_rolled_back``
+    are read from its ``KvBudget``. ``stats["name"]`` and ``as_dict()`` read them.
     """
-    __slots__ = ("launches", "ahead_launches", "reserved_blocks", "reserved_in_flight",
-                 "peak_reserved_in_flight", "rollbacks", "blocks_rolled_back", "host_syncs")
+    __slots__ = ("launches", "ahead_launches", "host_syncs", "_budget")
+    NAMES = ("launches", "ahead_launches", "reserved_blocks", "reserved_in_flight",
+             "peak_reserved_in_flight", "rollbacks", "blocks_rolled_back", "host_syncs")
+    _FROM_BUDGET = frozenset(NAMES[2:7])
     # For type checkers only (set in __init__): counters, all ints.
     launches: int
     ahead_launches: int
-    reserved_blocks: int
-    reserved_in_flight: int
-    peak_reserved_in_flight: int
-    rollbacks: int
-    blocks_rolled_back: int
     host_syncs: int  # waits of the host on the device: one per awaited step, and at teardown
 
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0)
+    def __init__(self, budget: Optional[KvBudget] = None) -> None:
+        self.launches = self.ahead_launches = self.host_syncs = 0
+        self._budget = budget if budget is not None else KvBudget(None)
+
+    @property
+    def reserved_blocks(self) -> int:
+        return self._budget.reserved_blocks
+
+    @property
+    def reserved_in_flight(self) -> int:
+        return self._budget.reserved_in_flight
+
+    @property
+    def peak_reserved_in_flight(self) -> int:
+        return self._budget.peak_reserved_in_flight
+
+    @property
+    def rollbacks(self) -> int:
+        return self._budget.rollbacks
+
+    @property
+    def blocks_rolled_back(self) -> int:
+        return self._budget.blocks_rolled_back
 
     def __getitem__(self, name: str) -> int:
-        if name not in self.__slots__:
+        if name not in self.NAMES:
             raise KeyError(name)
         value: int = getattr(self, name)
         return value
 
     def as_dict(self) -> Dict[str, int]:
-        return {name: getattr(self, name) for name in self.__slots__}
+        return {name: getattr(self, name) for name in self.NAMES}
 
     def __repr__(self) -> str:
         return f"RouterStats({', '.join(f'{k}={v}' for k, v in self.as_dict().items())})"
@@ -78,7 +97,7 @@ class Ticket:
         self.gen = gen
         self.rows = rows
         self.fed = fed
-        self.reservations: List[Reservation] = []
+        self.reservations: Sequence[Reservation] = ()
         # A step launched with logprobs: True until it is awaited, then each row's chosen-token
         # logprob (read from the slot with the ids); None for a step without.
         self.logprobs: Any = True if logprobs else None
@@ -89,21 +108,6 @@ class Ticket:
 
     def __repr__(self) -> str:
         return f"Ticket(step={self.step}, slot={self.slot}, rows={self.rows}, fed={self.fed})"
-
-
-class Reservation:
-    """One ledger entry: the blocks ``reserve_kv`` added to ``seq`` for one step (0 or 1), and
-    that step's number (None until the launch that uses it)."""
-
-    __slots__ = ("seq", "step", "blocks")
-
-    def __init__(self, seq: SequenceState, blocks: int) -> None:
-        self.seq = seq
-        self.step: Optional[int] = None
-        self.blocks = blocks
-
-    def __repr__(self) -> str:
-        return f"Reservation(step={self.step}, blocks={self.blocks})"
 
 
 def _mask_rows(masks: Any, rows: int) -> int:
@@ -262,8 +266,9 @@ class _Ring:
 
 
 class _DeviceIo:
-    """What both routers share: the ring, the ledger of KV reservations, the launch and the
-    teardown. ``AsyncDeviceIo`` lets steps run ahead; ``SyncDeviceIo`` settles each one."""
+    """What both routers share: the ring, the KV budget (with its ledger of reservations), the
+    launch and the teardown. ``AsyncDeviceIo`` lets steps run ahead; ``SyncDeviceIo`` settles
+    each one."""
 
     _ring: Optional[_Ring] = None  # so __del__ of a half-made router finds nothing to free
 
@@ -274,17 +279,21 @@ class _DeviceIo:
         self.model = model
         self.max_rows = max_rows
         self.stream = stream
-        self.stats = RouterStats()
-        # For the checks before a launch: the model's vocabulary when it says (the runtime mixin
-        # does), and the rows of the last launch (the feed rows the next one may read).
-        self._vocab: Optional[int] = getattr(model, "feed_vocab", None)
-        self._prev_rows = 0
+        # What the model declares, read once: its vocabulary for the checks before a launch, its
+        # block size and pool for the budget. A model that declares nothing is checked by its
+        # own calls.
+        self.info: Optional[FeedInfo] = (feed_info_of(model) if isinstance(model, DescribesFeed)
+                                         else None)
+        info = self.info
+        self.budget = KvBudget(model, info.block_size if info else None,
+                               info.pool if info else None)
+        self.stats = RouterStats(self.budget)
+        self._vocab: Optional[int] = info.vocab if info else None
+        self._host_decode = isinstance(model, HostTokenDecode)
+        self._prev_rows = 0  # the rows of the last launch: the feed rows the next one may read
         self._ring = _Ring(model, max_rows, slots)
         self._step = 0
         self._unread = 0
-        # The ledger: per sequence, its uncommitted reservations, oldest first.
-        self._ledger: Dict[SequenceState, List[Reservation]] = {}
-        self._pending: List[Reservation] = []  # reserved since the last launch
 
     # ---- launches ----
 
@@ -293,18 +302,47 @@ class _DeviceIo:
             raise FeedError("the router has been torn down")
         return self._ring
 
-    def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
-                masks: Any, checked: bool = False, params: Any = None, hook: Any = None,
-                logprobs: bool = False, top_n: int = 0) -> Ticket:
-        """``checked``: the caller (the decode pipeline) built inputs, masks and params itself
-        from values it validated once, so the per-row checks are skipped. ``params``: one
-        ``SAMPLING_PARAMS_DTYPE`` record per row, the step then answered by the model's
-        ``sample_batch_to_feed``; None, its ``argmax_batch_to_feed``. ``hook``: the pipeline's
-        penalties, ``hook.apply(logits, stream)`` queued between the forward and the feed
-        method and ``hook.update(stream)`` after it (docs/penalties.md); with logprobs too,
-        ``hook.snapshot(logits, rows, stream)`` first, passed as ``raw_logits``. ``logprobs``: the feed
-        method also writes each row's chosen-token logprob into the slot's logprobs buffers,
-        copied back with the ids before the event, and ``await_result`` sets
+    def launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any = None, *,
+               fed: bool, params: Any = None, trusted: bool = False) -> Ticket:
+        """Launch one step: ``launch_fed`` (``fed=True``) or ``launch_decode`` (``fed=False``).
+
+        Parameters
+        ----------
+        inputs : sequence of int
+            FeedSource words (``fed``) or host ids, one per row.
+        seqs : sequence of SequenceState
+        masks : sequence of (int, int), uint32 buffer, or None
+        fed : bool
+            Whether the inputs are resolved on the device.
+        params : numpy.ndarray, optional
+            One ``SAMPLING_PARAMS_DTYPE`` record per row (the model's ``sample_batch_to_feed``
+            answers the step); None: the argmax.
+        trusted : bool, optional
+            The caller (the decode pipeline) built inputs, masks and params from values it
+            checked once, and reserved every row's block through this router's ``budget``: the
+            per-row checks and the budget's ``cover`` are skipped.
+
+        Returns
+        -------
+        Ticket
+
+        Raises
+        ------
+        ValueError, TypeError, FeedError, KvPoolExhausted
+            As ``launch_fed`` and ``launch_decode`` say. A refused launch leaves the pool and
+            every block table as they were.
+        """
+        return self._launch(inputs, seqs, masks, fed, params, trusted, None)
+
+    def _launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any,
+                fed: bool, params: Any, trusted: bool, hook: Any, logprobs: bool = False,
+                top_n: int = 0) -> Ticket:
+        """``launch``, with the decode pipeline's ``hook`` (its penalties, or None):
+        ``hook.apply(logits, stream)`` is queued between the forward and the feed method and
+        ``hook.update(stream)`` after it (docs/penalties.md); with logprobs too,
+        ``hook.snapshot(logits, rows, stream)`` first, passed as ``raw_logits``. ``logprobs``:
+        the feed method also writes each row's chosen-token logprob into the slot's logprobs
+        buffers, copied back with the ids before the event, and ``await_result`` sets
         ``ticket.logprobs``; ``top_n`` (with it): each row's ``top_n`` most likely ids too,
         ``ticket.top``."""
         ring = self._open_ring()
@@ -316,17 +354,27 @@ class _DeviceIo:
         mask_rows = _mask_rows(masks, rows)
         if len(inputs) != rows or mask_rows != rows:
             raise ValueError(f"{len(inputs)} inputs and {mask_rows} masks for {rows} rows")
-        if not checked:
+        if not fed and not self._host_decode:
+            require(self.model, "launch_decode", HostTokenDecode)
+        if not trusted:
             _check_inputs(fed, inputs, None if masks is _UNMASKED.get(rows) else masks,
                           self._vocab, self._prev_rows)
             if params is not None:
                 _checks.records(params, rows)
         slot = ring.acquire()  # before anything is launched: exhaustion launches nothing
         model = self.model
-        if fed:
-            logits = model.decode_batch_fed(inputs, seqs, self.stream)
-        else:
-            logits = model.decode_batch(inputs, seqs, self.stream)  # type: ignore[attr-defined]
+        # The blocks the rows still lack come from the budget, before the model's step: the
+        # model takes none itself, so a step it refuses is undone here, exactly.
+        covered = () if trusted else self.budget.cover(seqs)
+        try:
+            if fed:
+                logits = model.decode_batch_fed(inputs, seqs, self.stream)
+            else:
+                logits = model.decode_batch(inputs, seqs, self.stream)  # type: ignore[attr-defined]
+        except BaseException:
+            if covered:
+                self.budget.uncover(covered)  # type: ignore[arg-type]
+            raise
         try:
             extra: Dict[str, Any] = {}
             if hook is not None:
@@ -351,6 +399,8 @@ class _DeviceIo:
                 for seq in seqs:
                     seq.tokens.pop()
                     seq.seq_len -= 1
+            if covered:
+                self.budget.uncover(covered)  # type: ignore[arg-type]
             raise
         ring.busy[slot] = True
         ring.gen[slot] += 1
@@ -361,10 +411,7 @@ class _DeviceIo:
             self.stats.ahead_launches += 1
         self._unread += 1
         self.stats.launches += 1
-        if self._pending:
-            for entry in self._pending:
-                entry.step = ticket.step
-            ticket.reservations, self._pending = self._pending, []
+        ticket.reservations = self.budget.attach(ticket.step)
         return ticket
 
     def launch_decode(self, tokens: Sequence[int], seqs: Sequence[SequenceState], masks: Any, *,
@@ -403,7 +450,7 @@ class _DeviceIo:
         KvPoolExhausted
             The model found no free KV block.
         """
-        return self._launch(False, tokens, seqs, masks, params=params)
+        return self.launch(tokens, seqs, masks, fed=False, params=params)
 
     def launch_fed(self, sources: Sequence[int], seqs: Sequence[SequenceState], masks: Any, *,
                    params: Any = None) -> Ticket:
@@ -438,7 +485,7 @@ class _DeviceIo:
         FeedError
             The ring is exhausted, or the router was torn down.
         """
-        return self._launch(True, sources, seqs, masks, params=params)
+        return self.launch(sources, seqs, masks, fed=True, params=params)
 
     # ---- readback ----
 
@@ -494,7 +541,7 @@ class _DeviceIo:
         # Settled: its reservations leave the ledger. After a failed wait they stay, so the
         # scheduler can roll back exactly that step's blocks for the rows it gives up on.
         if ticket.reservations:
-            self._commit(ticket.reservations)
+            self.budget.commit(ticket.reservations)
         if ticket.fed:
             self.model.fed_step_settled()
         return ids
@@ -525,82 +572,7 @@ class _DeviceIo:
         """
         if self._ring is None:
             raise FeedError("the router has been torn down")
-        added = self.model.reserve_decode_block(seq)
-        # Recorded even when no block was needed, so the latest entry is always this step's.
-        entry = Reservation(seq, added)
-        entries = self._ledger.get(seq)
-        if entries is None:
-            self._ledger[seq] = [entry]
-        else:
-            entries.append(entry)
-        self._pending.append(entry)
-        if added:
-            stats = self.stats
-            stats.reserved_blocks += added
-            stats.reserved_in_flight += added
-            if stats.reserved_in_flight > stats.peak_reserved_in_flight:
-                stats.peak_reserved_in_flight = stats.reserved_in_flight
-        return added
-
-    def _reserve_many(self, seqs: Sequence[SequenceState]) -> int:
-        """``reserve_kv`` for each of ``seqs`` in order, in one call (the decode pipeline's
-        path); returns the index of the first sequence the pool could not serve, or -1. The
-        ones before it are reserved and recorded."""
-        if self._ring is None:
-            raise FeedError("the router has been torn down")
-        reserve = self.model.reserve_decode_block
-        ledger, pending = self._ledger, self._pending
-        added_total = 0
-        failed = -1
-        for at, seq in enumerate(seqs):
-            try:
-                added = reserve(seq)
-            except KvPoolExhausted:
-                failed = at
-                break
-            entry = Reservation(seq, added)
-            entries = ledger.get(seq)
-            if entries is None:
-                ledger[seq] = [entry]
-            else:
-                entries.append(entry)
-            pending.append(entry)
-            added_total += added
-        if added_total:
-            stats = self.stats
-            stats.reserved_blocks += added_total
-            stats.reserved_in_flight += added_total
-            if stats.reserved_in_flight > stats.peak_reserved_in_flight:
-                stats.peak_reserved_in_flight = stats.reserved_in_flight
-        return failed
-
-    def _commit(self, reservations: List[Reservation]) -> None:
-        """A step's reservations are kept: out of the ledger, no longer rollback candidates."""
-        ledger = self._ledger
-        released = 0
-        for entry in reservations:
-            entries = ledger.get(entry.seq)
-            if not entries:
-                continue  # rolled back already
-            # Entries are in launch order, so a step's is nearly always the oldest.
-            for at, held in enumerate(entries):
-                if held is entry:
-                    released += entry.blocks
-                    if len(entries) == 1:
-                        del ledger[entry.seq]
-                    else:
-                        del entries[at]
-                    break
-        self.stats.reserved_in_flight -= released
-
-    def _return(self, seq: SequenceState, entry: Reservation) -> int:
-        blocks = entry.blocks
-        if blocks:
-            self.model.release_decode_blocks(seq, blocks)
-            self.stats.reserved_in_flight -= blocks
-            self.stats.blocks_rolled_back += blocks
-        self.stats.rollbacks += 1
-        return blocks
+        return self.budget.reserve(seq)
 
     def rollback(self, seq: SequenceState) -> int:
         """Return ``seq``'s latest uncommitted reservation (its discarded step) to the pool.
@@ -610,29 +582,12 @@ class _DeviceIo:
         int
             The blocks returned (0 when that step needed no new block).
         """
-        entries = self._ledger.get(seq)
-        if not entries:
-            self.stats.rollbacks += 1
-            return 0
-        entry = entries.pop()
-        if not entries:
-            del self._ledger[seq]
-        if entry.step is None:
-            self._pending.remove(entry)
-        return self._return(seq, entry)
+        return self.budget.rollback(seq)
 
     def drop(self, seq: SequenceState) -> int:
         """Roll back every uncommitted reservation of ``seq``, newest first (all its steps in
         flight are discarded: the row finished, was aborted or preempted); the blocks returned."""
-        entries = self._ledger.pop(seq, None)
-        if not entries:
-            return 0
-        blocks = 0
-        for entry in reversed(entries):
-            if entry.step is None:
-                self._pending.remove(entry)
-            blocks += self._return(seq, entry)
-        return blocks
+        return self.budget.drop(seq)
 
     # ---- teardown ----
 
@@ -760,6 +715,8 @@ class SyncDeviceIo(_DeviceIo):
     ------
     ValueError
         ``max_rows`` outside 1..``MAX_ROWS``.
+    TypeError
+        A model with neither the device feed nor ``decode_batch`` (``HostTokenDecode``).
 
     Examples
     --------
@@ -776,18 +733,20 @@ class SyncDeviceIo(_DeviceIo):
     """
 
     def __init__(self, model: ModelDeviceFeed, max_rows: int, *, stream: Any = 0) -> None:
-        # No feed check: a model without the device feed may still settle launch_decode steps.
+        # No feed check: a model without the device feed may still settle launch_decode steps,
+        # which it must then declare (HostTokenDecode).
+        if not model.supports_device_token_feed():
+            require(model, "SyncDeviceIo over a model without the device feed", HostTokenDecode)
         self._init_state(model, max_rows, stream, 1)
         self._results: Dict[int, List[int]] = {}
 
-    def _launch(self, fed: bool, inputs: Sequence[int], seqs: Sequence[SequenceState],
-                masks: Any, checked: bool = False, params: Any = None, hook: Any = None,
-                logprobs: bool = False, top_n: int = 0) -> Ticket:
+    def _launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any,
+                fed: bool, params: Any, trusted: bool, hook: Any, logprobs: bool = False,
+                top_n: int = 0) -> Ticket:
         if fed and not self.model.supports_device_token_feed():
             raise FeedError("launch_fed needs the device feed; with a settled step the inputs are "
                             "host-known, so use launch_decode")
-        ticket = super()._launch(fed, inputs, seqs, masks, checked, params, hook, logprobs,
-                                 top_n)
+        ticket = super()._launch(inputs, seqs, masks, fed, params, trusted, hook, logprobs, top_n)
         self._results[ticket.step] = super().await_result(ticket)
         self.stats.ahead_launches = 0
         return ticket

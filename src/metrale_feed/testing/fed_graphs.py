@@ -82,7 +82,7 @@ class FedGraphs:
                 raise ValueError(f"source {i} reads feed cell {word}, beyond the previous step's "
                                  f"{prev_rows} rows")
             words.append(word)
-        model._reserve_rows(seqs)
+        model.check_decode_blocks(seqs)  # the scheduler reserved them; the model takes none
         meta: List[int] = []
         tables: List[int] = []
         offsets: Dict[int, int] = {}
@@ -98,7 +98,7 @@ class FedGraphs:
         """Run a kept step as the eager path does (before any other work of the model)."""
         step, self.pending = self.pending, None
         if step is not None:
-            self.model._decode_fed_eager(step.sources, step.seqs, step.stream, reserve=False)
+            self.model._decode_fed_eager(step.sources, step.seqs, step.stream)
 
     # ---- argmax_batch_to_feed: stage and launch ----
 

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .. import _core
 from ..errors import FeedError
-from ..kv import BlockPool, SequenceState
+from ..kv import PagedKvMixin, SequenceState
 from ..runtime import RuntimeFeedMixin
 from ..trait import ModelDeviceFeed
 
@@ -53,7 +53,7 @@ class _Staging:
         self.event.close()
 
 
-class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
+class ReferenceModel(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
     """A test model, not an LLM, that implements the whole ``ModelDeviceFeed`` trait on either backend.
 
     It has a paged KV cache (``block_size`` ids a block, ``num_blocks`` blocks, a block table per
@@ -114,19 +114,16 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
     def __init__(self, vocab: int, *, block_size: int = 16, num_blocks: int = 4096,
                  max_rows: int = 256, logits_dtype: str = "float32", stream: Any = 0,
                  graphs: bool = False, max_graphs: int = 16, shard: Any = None) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {block_size}")
         if graphs and max_graphs < 1:
             raise ValueError(f"max_graphs must be at least 1, got {max_graphs}")
         if graphs and shard is not None:  # a sharded call runs a host function: not capturable yet
             raise ValueError("graphs=True and shard= cannot be combined yet")
         if num_blocks * block_size > 0xFFFFFFFF:  # KV slots are addressed with uint32
             raise ValueError(f"num_blocks x block_size must be below 2**32, got {num_blocks * block_size}")
+        self.init_paged_kv(block_size=block_size, num_blocks=num_blocks)  # before any allocation
         self.init_device_feed(vocab=vocab, logits_dtype=logits_dtype, max_rows=max_rows, shard=shard)
         # The logits' columns: the ids [start, start + width), the whole row without a shard.
         self._start, self._width = (0, vocab) if shard is None else (shard.start, shard.stop - shard.start)
-        self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
         self.stream = stream
         self.settled_steps = 0
         self.host_syncs = 0  # times the host waited for the device (a full staging ring)
@@ -141,23 +138,7 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
 
             self._fed_graphs = FedGraphs(self, max_graphs)
 
-    # ---- KV bookkeeping ----
-
-    def reserve_decode_block(self, seq: SequenceState) -> int:
-        if seq.seq_len // self.block_size >= len(seq.block_table):
-            seq.block_table.append(self.pool.alloc())
-            return 1
-        return 0
-
-    def release_decode_blocks(self, seq: SequenceState, blocks: int) -> None:
-        if not 0 <= blocks <= len(seq.block_table):
-            raise ValueError(f"cannot release {blocks} of {len(seq.block_table)} blocks")
-        for _ in range(blocks):
-            self.pool.free(seq.block_table.pop())
-
-    def release_sequence(self, seq: SequenceState) -> None:
-        """Return all of a finished sequence's blocks to the pool."""
-        self.release_decode_blocks(seq, len(seq.block_table))
+    # ---- KV bookkeeping: PagedKvMixin's (the scheduler reserves; the forward checks) ----
 
     def fed_step_settled(self) -> None:
         """A fed step has completed: with ``graphs=True``, graphs beyond ``max_graphs`` whose last
@@ -177,18 +158,6 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
     def _flush_graph_step(self) -> None:
         if self._fed_graphs is not None:
             self._fed_graphs.flush()
-
-    def _reserve_rows(self, seqs: Sequence[SequenceState]) -> None:
-        """Blocks for every row's next position, all or none (a failed batch leaks nothing)."""
-        added: List[SequenceState] = []
-        try:
-            for seq in seqs:
-                if self.reserve_decode_block(seq):
-                    added.append(seq)
-        except BaseException:
-            for seq in added:
-                self.release_decode_blocks(seq, 1)
-            raise
 
     # ---- the forward ----
 
@@ -244,7 +213,7 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         self._check_rows(len(tokens), seqs)
         self._flush_graph_step()
         ids = array("I", [_token(t) for t in tokens])  # checked before any block is taken
-        self._reserve_rows(seqs)
+        self.cover_decode_blocks(seqs)  # called without a router: the blocks it lacks
         positions = [seq.seq_len for seq in seqs]
         slot = self._stage(seqs, positions)
         slot.words[0][: len(ids)] = ids
@@ -266,10 +235,9 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
             return self.logits.ptr
         return self._decode_fed_eager(sources, seqs, stream)
 
-    def _decode_fed_eager(self, sources: Sequence[int], seqs: Sequence[SequenceState], stream: Any,
-                          reserve: bool = True) -> int:
-        if reserve:
-            self._reserve_rows(seqs)
+    def _decode_fed_eager(self, sources: Sequence[int], seqs: Sequence[SequenceState],
+                          stream: Any) -> int:
+        self.check_decode_blocks(seqs)  # reserved by the scheduler: a refused step takes none
         slot = self._stage(seqs, [seq.seq_len for seq in seqs])
         cells = self.feed_cells
         if cells is None:
@@ -313,18 +281,7 @@ class ReferenceModel(RuntimeFeedMixin, ModelDeviceFeed):
         if len(seqs) != len(id_lists):
             raise ValueError(f"{len(id_lists)} id lists for {len(seqs)} sequences")
         lists = [[_token(i) for i in ids] for ids in id_lists]  # checked before any block
-        taken: List[Any] = []  # (seq, blocks added)
-        try:
-            for seq, ids in zip(seqs, lists):
-                first = len(seq.block_table)
-                taken.append((seq, 0))
-                while ids and (seq.seq_len + len(ids) - 1) // self.block_size >= len(seq.block_table):
-                    seq.block_table.append(self.pool.alloc())
-                    taken[-1] = (seq, len(seq.block_table) - first)
-        except BaseException:
-            for seq, blocks in taken:
-                self.release_decode_blocks(seq, blocks)
-            raise
+        self.take_prefill_blocks(seqs, lists)
         # One row per position, each reading its sequence's table: the forward writes each id
         # at its position; logits=None skips the logits.
         row_seqs: List[SequenceState] = []

@@ -24,6 +24,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import metrale_feed as mf
 from metrale_feed import _core
+from metrale_feed.contract import FeedInfo
+from metrale_feed.kv import PagedKvMixin
 
 NO_TOKEN = mf.NO_TOKEN
 LARGE = (256, 152064)
@@ -697,31 +699,24 @@ class _StubModel(mf.RuntimeFeedMixin, mf.ModelDeviceFeed):
     def reserve_decode_block(self, seq: Any) -> int:
         return 0
 
+    def feed_info(self) -> Any:
+        if getattr(self, "feed_cells", None) is not None:
+            return super().feed_info()
+        return FeedInfo(vocab=32000, sampling=True)  # the router's stub, with no feed cells
 
-class _StubPagedModel(_StubModel):
-    """The stub with real KV bookkeeping (a block pool, block tables, prefill that allocates),
-    so the pipeline's own cost per step includes reservation, commit and release."""
+
+class _StubPagedModel(PagedKvMixin, _StubModel):
+    """The stub with the models' paged KV bookkeeping (``PagedKvMixin``: a block pool, block
+    tables, prefill that allocates), so the pipeline's own cost per step includes reservation,
+    commit and release."""
 
     def __init__(self, rows: int, vocab: int, block_size: int, num_blocks: int) -> None:
         self.init_device_feed(vocab=vocab, max_rows=rows)
-        self.block_size = block_size
-        self.pool = mf.BlockPool(num_blocks)
-
-    def reserve_decode_block(self, seq: Any) -> int:
-        if seq.seq_len // self.block_size >= len(seq.block_table):
-            seq.block_table.append(self.pool.alloc())
-            return 1
-        return 0
-
-    def release_decode_blocks(self, seq: Any, blocks: int) -> None:
-        for _ in range(blocks):
-            self.pool.free(seq.block_table.pop())
+        self.init_paged_kv(block_size=block_size, num_blocks=num_blocks)
 
     def prefill(self, seq: Any, ids: Any, stream: Any = None) -> None:
-        end = seq.seq_len + len(ids)
-        while len(seq.block_table) * self.block_size < end:
-            seq.block_table.append(self.pool.alloc())
-        seq.seq_len = end
+        self.take_prefill_blocks([seq], [ids])
+        seq.seq_len += len(ids)
 
 
 class _StubLogitsModel(_StubPagedModel):
@@ -1116,6 +1111,7 @@ def _fed_steps(graphs: bool, rows: int, vocab: int, steps: int) -> Dict[str, Any
         event.synchronize()
         last = mf.read_pinned_u32(dst.ptr, rows)
         for _ in range(steps):
+            model.cover_decode_blocks(seqs)  # the scheduler's reservation, outside the timing
             start = time.perf_counter()
             logits = model.decode_batch_fed(sources, seqs, 0)
             model.argmax_batch_to_feed(logits, masks, dst.ptr, event.handle, 0)

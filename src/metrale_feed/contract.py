@@ -1,0 +1,166 @@
+"""What a model declares to the scheduler (docs/design.md, "The model contract").
+
+``ModelDeviceFeed`` (``metrale_feed.trait``) is the engine's trait, with its default bodies. The
+scheduler above it (``sched/``) asks for capabilities, not attributes: each is a runtime-checkable
+``Protocol`` below, and the facts it needs about a model's KV cache and logits come in one
+``FeedInfo``, read once when a router or a pipeline is made (as an engine's scheduler is handed
+its KV configuration). ``require`` refuses, at that construction, a model that lacks a method the
+caller needs, naming it.
+
+=======================  ==============================================================
+``DeviceTokenFeed``      ``decode_batch_fed``, ``argmax_batch_to_feed``, the events and the
+                         pinned memory of the readback ring (the whole trait)
+``HostTokenDecode``      ``decode_batch(tokens, seqs, stream)``: a step whose inputs the host
+                         knows; it pushes each id and advances ``seq_len``
+``Prefill``              ``prefill(seq, ids, stream)``
+``BatchPrefill``         ``prefill_many(seqs, id_lists, stream)``: one forward for many
+``DescribesFeed``        ``feed_info() -> FeedInfo``
+=======================  ==============================================================
+
+Sampling is declared by ``FeedInfo.sampling``: a model whose ``sample_batch_to_feed`` draws (the
+runtime mixin's does) says True.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+from .kv import BlockPool, SequenceState
+
+__all__ = ["FeedInfo", "DeviceTokenFeed", "HostTokenDecode", "Prefill", "BatchPrefill",
+           "DescribesFeed", "require", "feed_info_of"]
+
+
+class FeedInfo(NamedTuple):
+    """What the scheduler knows of a model's feed and KV cache, read once at construction.
+
+    Attributes
+    ----------
+    vocab : int
+        Logits per row (the whole vocabulary, with a shard too).
+    max_rows : int or None
+        The most rows one of its steps may have; None: no limit of its own.
+    block_size : int or None
+        Positions per KV block; None when the model does not say (then the scheduler asks
+        ``reserve_decode_block`` for every row of every step).
+    pool : BlockPool or None
+        The pool its blocks come from (its ``num_blocks`` and ``free_count``); None when unknown
+        (no admission by free blocks, no never-fits check at submit).
+    shard : VocabShard or None
+        The vocabulary split its feed goes through.
+    logits_dtype : str
+        The logits' dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``).
+    sampling : bool
+        Whether ``sample_batch_to_feed`` draws (else a sampled request is refused at submit).
+
+    Examples
+    --------
+    >>> from metrale_feed.contract import FeedInfo
+    >>> FeedInfo(vocab=1000).block_size is None
+    True
+    """
+
+    vocab: int
+    max_rows: Optional[int] = None
+    block_size: Optional[int] = None
+    pool: Optional[BlockPool] = None
+    shard: Any = None
+    logits_dtype: str = "float32"
+    sampling: bool = False
+
+
+@runtime_checkable
+class DeviceTokenFeed(Protocol):
+    """A model that decodes with its input ids read on the device (the trait's methods)."""
+
+    def supports_device_token_feed(self) -> bool: ...
+    def decode_batch_fed(self, sources: Sequence[int], seqs: Sequence[SequenceState],
+                         stream: Any) -> int: ...
+    def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any,
+                             stream: Any) -> None: ...
+    def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
+                             stream: Any) -> None: ...
+    def reserve_decode_block(self, seq: SequenceState) -> int: ...
+    def release_decode_blocks(self, seq: SequenceState, blocks: int) -> None: ...
+    def fed_step_settled(self) -> None: ...
+    def event_query(self, event: Any) -> bool: ...
+    def event_synchronize(self, event: Any) -> None: ...
+    def create_event(self) -> Any: ...
+    def destroy_event(self, event: Any) -> None: ...
+    def alloc_host_pinned(self, nbytes: int) -> int: ...
+    def free_host_pinned(self, ptr: int, nbytes: int) -> None: ...
+
+
+@runtime_checkable
+class HostTokenDecode(Protocol):
+    """A decode step whose input ids the host knows: writes them at each row's ``seq_len``,
+    pushes them to ``seq.tokens`` and advances ``seq_len``; returns the logits."""
+
+    def decode_batch(self, tokens: Sequence[int], seqs: Sequence[SequenceState],
+                     stream: Any) -> Any: ...
+
+
+@runtime_checkable
+class Prefill(Protocol):
+    """Writes ``ids`` at positions ``seq.seq_len..`` (taking the blocks it needs, all or none),
+    appends them to ``seq.tokens`` and advances ``seq_len``; computes no logits."""
+
+    def prefill(self, seq: SequenceState, ids: Sequence[int], stream: Any) -> None: ...
+
+
+@runtime_checkable
+class BatchPrefill(Protocol):
+    """``prefill`` of several sequences in one call (blocks for all of them or none)."""
+
+    def prefill_many(self, seqs: Sequence[SequenceState], id_lists: Sequence[Sequence[int]],
+                     stream: Any) -> None: ...
+
+
+@runtime_checkable
+class DescribesFeed(Protocol):
+    """A model that says its ``FeedInfo`` (the runtime mixin and the paged-KV mixin do)."""
+
+    def feed_info(self) -> FeedInfo: ...
+
+
+def require(model: Any, who: str, *protocols: Any) -> None:
+    """Refuse ``model`` for ``who`` unless it has every method of ``protocols``.
+
+    Raises
+    ------
+    TypeError
+        Naming the first missing method and the capability it belongs to.
+    """
+    for proto in protocols:
+        if isinstance(model, proto):
+            continue
+        missing = [name for name in _methods(proto) if not callable(getattr(model, name, None))]
+        raise TypeError(f"{who} needs a model with {missing[0]}() ({proto.__name__}); "
+                        f"{type(model).__name__} has none")
+
+
+def _methods(proto: Any) -> Tuple[str, ...]:
+    return tuple(sorted(name for name in proto.__dict__ if not name.startswith("_")
+                        and callable(proto.__dict__[name])))
+
+
+def feed_info_of(model: Any, vocab: Optional[int] = None) -> FeedInfo:
+    """The model's ``FeedInfo``; ``vocab`` (when given) overrides its vocabulary, and stands in
+    for the whole of it for a model that declares none.
+
+    Raises
+    ------
+    TypeError
+        Neither the model nor ``vocab`` gives the vocabulary, or ``feed_info()`` returned
+        something else than a ``FeedInfo``.
+    """
+    if isinstance(model, DescribesFeed):
+        info = model.feed_info()
+        if not isinstance(info, FeedInfo):
+            raise TypeError(f"{type(model).__name__}.feed_info() must return a FeedInfo, not "
+                            f"{type(info).__name__}")
+        return info if vocab is None else info._replace(vocab=vocab)
+    if vocab is None:
+        raise TypeError(f"the vocabulary is unknown: {type(model).__name__} has no feed_info() "
+                        "(the runtime mixin's), so pass vocab=")
+    return FeedInfo(vocab=vocab)
