@@ -49,6 +49,7 @@ constexpr uint32_t kCombineSizes[] = {sizeof(mf_combine_args)};
 constexpr uint32_t kReferenceSizes[] = {offsetof(mf_reference_args, advance), sizeof(mf_reference_args)};
 constexpr uint32_t kVerifySizes[] = {sizeof(mf_verify_args)};
 constexpr uint32_t kPenaltySizes[] = {sizeof(mf_penalty_args)};
+constexpr uint32_t kTopSizes[] = {sizeof(mf_top_logprobs_args)};
 
 // Host masks of MF_MAX_ROWS unmasked rows: what masks NULL means. A constant, so a graph that
 // captured it replays the same (no) masks.
@@ -776,6 +777,54 @@ mf_status mf_penalties_update(const mf_penalty_args *args, mf_stream_t stream) {
     return guard([&]() -> mf_status {
         MF_RANGE("penalties_update");
         return penalties(args, true, stream);
+    });
+}
+
+// The top logprobs of each row (docs/kernels.md, "Top logprobs"): the descriptor checked once here.
+mf_status mf_top_logprobs(const mf_top_logprobs_args *caller, mf_stream_t stream) {
+    return guard([&]() -> mf_status {
+        MF_RANGE("top_logprobs");
+        mf_top_logprobs_args copied;
+        mf_status st = read_descriptor(caller, &copied, "mf_top_logprobs_args", kTopSizes);
+        if (st != MF_SUCCESS) return st;
+        const mf_top_logprobs_args *a = &copied;
+        if (a->rows > kMaxRows) return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: rows must be at most %u, got %u", kMaxRows, a->rows);
+        if (a->n > MF_MAX_TOP_LOGPROBS || (a->n == 0 && !a->ids))
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: n must be in [1, %u] (0 only with ids), got %u",
+                        MF_MAX_TOP_LOGPROBS, a->n);
+        if (!a->ids != !a->chosen) return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: ids and chosen go together");
+        if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: unknown logits dtype %d", (int)a->dtype);
+        if (a->vocab == 0 || a->vocab > kMaxVocab)
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: vocab must be in [1, %u], got %u", kMaxVocab, a->vocab);
+        if (a->row_stride < a->vocab)
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: row_stride %llu is less than vocab %u",
+                        (unsigned long long)a->row_stride, a->vocab);
+        if (a->rows == 0) return MF_SUCCESS;
+        const size_t esize = dtype_size(a->dtype);
+        if (!a->logits || !aligned(a->logits, esize) || (a->n && (!a->out || !aligned(a->out, 4))) ||
+            (a->ids && (!aligned(a->ids, 4) || !aligned(a->chosen, 4))))
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: logits, out, ids or chosen is a null or misaligned pointer");
+        const unsigned __int128 wide = ((unsigned __int128)(a->rows - 1) * a->row_stride + a->vocab) * esize;
+        if (wide > (unsigned __int128)(SIZE_MAX / 2))
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: rows x row_stride spans more memory than exists");
+        const size_t logit_bytes = (size_t)wide, out_bytes = (size_t)a->rows * a->n * sizeof(mf_top_logprob);
+        const size_t id_bytes = a->ids ? (size_t)a->rows * 4 : 0;
+        st = check_device_range(a->logits, logit_bytes, "logits");
+        if (st == MF_SUCCESS && a->n) st = check_device_range(a->out, out_bytes, "out");
+        if (st == MF_SUCCESS && a->ids) st = check_device_range(a->ids, id_bytes, "ids");
+        if (st == MF_SUCCESS && a->ids) st = check_device_range(a->chosen, id_bytes, "chosen");
+        if (st == MF_SUCCESS) {
+            const Span spans[] = {{a->logits, logit_bytes, "logits", false},
+                                  {a->n ? a->out : nullptr, out_bytes, "out", true},
+                                  {a->ids, id_bytes, "ids", false},
+                                  {a->chosen, id_bytes, "chosen", true}};
+            st = refuse_overlaps(spans);
+        }
+        void *raw;
+        if (st == MF_SUCCESS) st = resolve_stream(stream, &raw);
+        if (st != MF_SUCCESS) return st;
+        if (kept_for_graph(raw, [copy = *a](mf_stream_t s) { return mf_top_logprobs(&copy, s); })) return MF_SUCCESS;
+        return ops().top_logprobs(a, raw);
     });
 }
 

@@ -72,6 +72,9 @@ struct Ops {
     // Host slots are consumed before return.
     mf_status (*penalties)(const mf_penalty_args *args, bool update, void *stream);
 
+    // The top logprobs of each row (top_logprob_rule.h), read-only on the logits.
+    mf_status (*top_logprobs)(const mf_top_logprobs_args *args, void *stream);
+
     // Graphs (api_graph.cpp checks the arguments). `graph` is the backend's own object (cuda: a
     // cudaGraphExec_t); capture_end with graph NULL discards the capture.
     mf_status (*capture_begin)(void *stream);

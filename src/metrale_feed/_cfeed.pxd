@@ -285,6 +285,24 @@ cdef extern from "metrale_feed/feed.h" nogil:
     mf_status mf_penalties_apply(const mf_penalty_args *args, mf_stream_t stream)
     mf_status mf_penalties_update(const mf_penalty_args *args, mf_stream_t stream)
 
+    const uint32_t MF_MAX_TOP_LOGPROBS
+    ctypedef struct mf_top_logprob:
+        uint32_t id
+        float logprob
+    ctypedef struct mf_top_logprobs_args:
+        uint32_t struct_size
+        const void *logits
+        mf_dtype dtype
+        uint32_t rows
+        uint32_t vocab
+        uint64_t row_stride
+        uint32_t n
+        mf_top_logprob *out
+        const uint32_t *ids
+        float *chosen
+    void mf_top_logprobs_args_init(mf_top_logprobs_args *args)
+    mf_status mf_top_logprobs(const mf_top_logprobs_args *args, mf_stream_t stream)
+
     ctypedef struct mf_reference_args:
         uint32_t struct_size
         const uint32_t *input_ids

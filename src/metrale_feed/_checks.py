@@ -14,7 +14,7 @@ import numbers
 import struct
 from typing import Any, Tuple
 
-__all__ = ["integer", "real", "float32", "sampling", "records", "penalties"]
+__all__ = ["integer", "real", "float32", "flag", "sampling", "records", "penalties", "logprobs"]
 
 _F32 = struct.Struct("<f")
 _U32_MAX = 0xFFFFFFFF
@@ -29,6 +29,16 @@ def integer(value: Any, name: str) -> int:
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
     return int(value.__index__())
+
+
+def flag(value: Any, name: str) -> bool:
+    """``value`` as a bool: ``True``, ``False`` or a numpy bool; an int (``1``), a str or None is
+    a TypeError (``bool("no")`` is True)."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__name__ in ("bool_", "bool") and type(value).__module__ == "numpy":
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
 
 
 def real(value: Any, name: str) -> float:
@@ -130,6 +140,29 @@ def penalties(repetition_penalty: Any, presence_penalty: Any, frequency_penalty:
     if not 0 <= mt <= max_new_tokens:
         raise ValueError(f"min_tokens must be in [0, max_new_tokens = {max_new_tokens}], got {mt}")
     return rep, pres, freq, bias, mt
+
+
+MAX_TOP_LOGPROBS = 20  # the OpenAI API's limit; feed.h's MF_MAX_TOP_LOGPROBS (test_top_logprobs checks)
+
+
+def logprobs(logprobs: Any, top_logprobs: Any) -> Tuple[bool, int]:
+    """The logprobs options of ``submit``, as the OpenAI API has them: ``logprobs`` a bool,
+    ``top_logprobs`` an int in [0, 20] that needs ``logprobs=True`` when above 0.
+
+    Raises
+    ------
+    TypeError
+        ``logprobs`` that is not a bool, ``top_logprobs`` that is not an int.
+    ValueError
+        ``top_logprobs`` outside [0, 20], or above 0 without ``logprobs``.
+    """
+    wanted = flag(logprobs, "logprobs")
+    n = integer(top_logprobs, "top_logprobs")
+    if not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {n}")
+    if n and not wanted:
+        raise ValueError(f"top_logprobs={n} needs logprobs=True")
+    return wanted, n
 
 
 def records(params: Any, rows: int) -> None:

@@ -22,6 +22,7 @@ MAX_LOGIT_BIAS: Final[int]
 MAX_PENALTY_STOPS: Final[int]
 PENALTY_ITEMS: Final[int]
 MAX_PENALTY_TABLE: Final[int]
+MAX_TOP_LOGPROBS: Final[int]
 PENALTY_PROMPT: Final[int]
 MAX_VOCAB: Final[int]
 # The C API capsule ("metrale_feed._C_API") that metrale_feed/capi.h's mf_import_capi() reads.
@@ -257,6 +258,12 @@ def penalties_apply(logits: _DeviceLike, slots: Any, state: _DeviceLike, table: 
 def penalties_update(ids: _DeviceLike, slots: Any, state: _DeviceLike, table: _DeviceLike,
                      items: _DeviceLike, stream: _StreamLike = 0, *, slot_count: int | None = None,
                      table_cap: int | None = None, item_cap: int | None = None) -> int: ...
+
+# ---- top logprobs (docs/kernels.md) ----
+def top_logprobs(logits: _DeviceLike, out: _DeviceLike | None, stream: _StreamLike = 0, *, n: int,
+                 rows: int | None = None, vocab: int | None = None, dtype: Any = None,
+                 row_stride: int | None = None, ids: _DeviceLike | None = None,
+                 chosen: _DeviceLike | None = None) -> int: ...
 
 # ---- partial blocks of a row split, and their combine (docs/kernels.md) ----
 

@@ -31,6 +31,7 @@ MAX_LOGIT_BIAS = MF_MAX_LOGIT_BIAS  # logit_bias entries a request may have (fee
 MAX_PENALTY_STOPS = MF_MAX_PENALTY_STOPS  # stop ids min_tokens bans
 PENALTY_ITEMS = MF_PENALTY_ITEMS  # items per slot: the biases, then the stop ids
 MAX_PENALTY_TABLE = MF_MAX_PENALTY_TABLE  # distinct ids one slot's table may hold
+MAX_TOP_LOGPROBS = MF_MAX_TOP_LOGPROBS  # ids top_logprobs gives a row at most (feed.h)
 PENALTY_PROMPT = MF_PENALTY_PROMPT  # a table entry's count flag: the id is in the prompt
 
 include "_state.pxi"
@@ -43,6 +44,7 @@ include "_hostfunc.pxi"
 include "_words.pxi"
 include "_kernels.pxi"
 include "_penalties.pxi"
+include "_top_logprobs.pxi"
 include "_shard.pxi"
 include "_graph.pxi"
 include "_backend.pxi"

@@ -20,6 +20,16 @@ from .errors import FeedError
 __all__ = ["RuntimeFeedMixin"]
 
 
+def _rows_of(masks: Any) -> int:
+    """The rows a masks argument covers: pairs, or a buffer of two uint32 ids a row."""
+    try:
+        view = memoryview(masks)
+    except TypeError:
+        return len(masks)
+    with view:
+        return view.nbytes // 8
+
+
 class RuntimeFeedMixin:
     """The runtime half of ``ModelDeviceFeed`` on the active backend: events, async copies, pinned
     memory, and the masked argmax into this model's feed cells (``feed_cells``).
@@ -107,25 +117,75 @@ class RuntimeFeedMixin:
     def supports_device_token_feed(self) -> bool:
         return self.feed_cells is not None
 
-    def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any) -> None:
+    def _top_logprobs(self, logits: Any, rows: int, top_logprobs: Any, top_logprobs_dst: Any,
+                      top_n: int, stream: Any) -> None:
+        """The raw logits' top ids and their copy back, queued before the feed method's event
+        record (and before anything may change the logits)."""
+        if top_logprobs is None:
+            return
+        if self.feed_shard is not None:
+            raise FeedError("top_logprobs over a split vocabulary is not supported")
+        _core.top_logprobs(logits, top_logprobs, stream, n=top_n, rows=rows, vocab=self.feed_vocab,
+                           dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride)
+        _core.copy_d2h_async(top_logprobs, top_logprobs_dst, stream)
+
+    def _raw_logprobs(self, raw_logits: Any, rows: int, logprobs: Any, logprobs_dst: Any,
+                      top_logprobs: Any, top_logprobs_dst: Any, top_n: int, event: Any,
+                      stream: Any) -> None:
+        """After an argmax or a draw over changed logits (no event recorded yet): the chosen
+        ids' logprobs (the cells) and the top ids, from the raw copy, their copies back, then
+        the event, so all are final when it completes."""
+        if self.feed_shard is not None:
+            raise FeedError("raw_logits over a split vocabulary is not supported")
+        _core.top_logprobs(raw_logits, top_logprobs, stream, n=top_n if top_logprobs is not None
+                           else 0, rows=rows, vocab=self.feed_vocab, dtype=self.feed_logits_dtype,
+                           row_stride=self.feed_row_stride, ids=self.feed_cells, chosen=logprobs)
+        _core.copy_d2h_async(logprobs, logprobs_dst, stream)
+        if top_logprobs is not None:
+            _core.copy_d2h_async(top_logprobs, top_logprobs_dst, stream)
+        if event is not None:
+            _core.event_record(event, stream)
+
+    def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any,
+                             *, logprobs: Any = None, logprobs_dst: Any = None,
+                             top_logprobs: Any = None, top_logprobs_dst: Any = None,
+                             top_n: int = 0, raw_logits: Any = None) -> None:
         if self.feed_cells is None:
             raise FeedError("argmax_batch_to_feed: call init_device_feed first")
+        if raw_logits is not None and logprobs is not None:
+            RuntimeFeedMixin.argmax_batch_to_feed(self, logits, masks, dst, None, stream)
+            self._raw_logprobs(raw_logits, _rows_of(masks), logprobs, logprobs_dst, top_logprobs,
+                               top_logprobs_dst, top_n, event, stream)
+            return
+        if top_logprobs is not None:
+            self._top_logprobs(logits, _rows_of(masks), top_logprobs, top_logprobs_dst, top_n,
+                               stream)
         # Rows come from the masks: pairs, a (rows, 2) buffer or a flat one of 2 * rows ids.
         shard = self.feed_shard
         self.feed_prev_rows = _core.argmax_to_feed(
             logits, masks, self.feed_cells, dst, event, stream,
             vocab=self.feed_vocab if shard is None else shard.stop - shard.start,
-            dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride, shard=shard)
+            dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride, shard=shard,
+            logprobs=logprobs, logprobs_dst=logprobs_dst)
 
     def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
-                             stream: Any) -> None:
+                             stream: Any, *, logprobs: Any = None, logprobs_dst: Any = None,
+                             top_logprobs: Any = None, top_logprobs_dst: Any = None,
+                             top_n: int = 0, raw_logits: Any = None) -> None:
         if self.feed_cells is None:
             raise FeedError("sample_batch_to_feed: call init_device_feed first")
+        if raw_logits is not None and logprobs is not None:
+            RuntimeFeedMixin.sample_batch_to_feed(self, logits, params, masks, dst, None, stream)
+            self._raw_logprobs(raw_logits, len(params), logprobs, logprobs_dst, top_logprobs,
+                               top_logprobs_dst, top_n, event, stream)
+            return
+        self._top_logprobs(logits, len(params), top_logprobs, top_logprobs_dst, top_n, stream)
         shard = self.feed_shard
         self.feed_prev_rows = _core.sample_to_feed(
             logits, params, self.feed_cells, dst, event, stream, masks=masks,
             vocab=self.feed_vocab if shard is None else shard.stop - shard.start,
-            dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride, shard=shard)
+            dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride, shard=shard,
+            logprobs=logprobs, logprobs_dst=logprobs_dst)
 
     def create_event(self) -> int:
         return _core.event_create()

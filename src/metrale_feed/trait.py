@@ -63,14 +63,26 @@ class ModelDeviceFeed(abc.ABC):
         raise _no_feed("decode_batch_fed")
 
     def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any,
-                             stream: Any) -> None:
+                             stream: Any, *, logprobs: Any = None, logprobs_dst: Any = None,
+                             top_logprobs: Any = None, top_logprobs_dst: Any = None,
+                             top_n: int = 0, raw_logits: Any = None) -> None:
         """Masked argmax over ``len(masks)`` rows of ``logits`` into the feed cells, an async
         D2H copy of the ids into pinned ``dst`` and a record of ``event``, all on ``stream``. It
-        never synchronises: ``dst`` is valid once ``event`` completes."""
+        never synchronises: ``dst`` is valid once ``event`` completes. ``logprobs`` (device,
+        one float32 per row) and ``logprobs_dst`` (pinned): the chosen ids' logprobs, as
+        ``argmax_to_feed`` takes them. ``top_logprobs`` (device, ``rows * top_n`` records of
+        ``_core.top_logprobs``) and ``top_logprobs_dst`` (pinned): each row's ``top_n`` most
+        likely ids of the raw logits, copied back before the event too. ``raw_logits`` (with
+        ``logprobs``): a copy of the logits before something changed them (the penalties), which
+        both logprobs are then taken from, the ids still from ``logits``. The decode pipeline
+        passes them only for a request that asks (``submit(logprobs=True, top_logprobs=n)``),
+        so a model may leave them out of its signature."""
         raise _no_feed("argmax_batch_to_feed")
 
     def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
-                             stream: Any) -> None:
+                             stream: Any, *, logprobs: Any = None, logprobs_dst: Any = None,
+                             top_logprobs: Any = None, top_logprobs_dst: Any = None,
+                             top_n: int = 0, raw_logits: Any = None) -> None:
         """As ``argmax_batch_to_feed`` with a sampled id per row: ``params`` holds one
         ``SAMPLING_PARAMS_DTYPE`` record per row (temperature 0 is the argmax)."""
         raise _no_feed("sample_batch_to_feed")

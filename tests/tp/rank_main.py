@@ -650,12 +650,21 @@ def scenario_pipeline():
             # Greedy, temperature alone, and every filter: the sharded rounds in a pipeline.
             hot = [dict(temperature=0.0), dict(temperature=0.8),
                    dict(temperature=1.0, top_p=0.9), dict(temperature=1.2, top_k=5, min_p=0.05)]
+            # Chosen-token logprobs on every third request: the combine's, read with the ids.
             reqs = [pipe.submit([3, 1, 4 + i], max_new_tokens=6 + i,
-                                ban=(7, 500) if i == 2 else None, seed=11 + i, **hot[i % 4])
+                                ban=(7, 500) if i == 2 else None, seed=11 + i,
+                                logprobs=i % 3 == 0, **hot[i % 4])
                     for i in range(10)]
+            if sharded and WORLD > 1:  # the ranks would have to merge their top lists
+                try:
+                    pipe.submit([3], max_new_tokens=1, logprobs=True, top_logprobs=2)
+                except ValueError as error:
+                    assert "split vocabulary" in str(error), error
+                else:
+                    raise AssertionError("top_logprobs with shard= was taken")
             pipe.run()
         model.close()
-        return [r.tokens for r in reqs]
+        return [r.tokens for r in reqs], [r.logprobs for r in reqs]
 
     # One forward: the rank's logits buffer holds the slice's columns, each its global id's logit.
     from metrale_feed.testing.reference import host_logits
@@ -670,10 +679,21 @@ def scenario_pipeline():
             mf.copy_d2h_async(model.logits, got.view(np.uint8))
         mf.stream_synchronize(0)
         assert np.array_equal(got, host_logits([3, 1, 4, 1], vocab)[shard.start:shard.stop])
+    from metrale_feed.testing.oracle import reference_logprobs
+
     for depth in (1, 2):
-        want = decode(depth, False)
+        want, want_lp = decode(depth, False)
         before = shard.stats["collectives"]
-        got = decode(depth, True)
+        got, got_lp = decode(depth, True)
+        for i, (tokens, lp, ref_lp) in enumerate(zip(want, got_lp, want_lp)):
+            assert (lp is None) == (ref_lp is None) == (i % 3 != 0)
+            if lp is not None:  # both within the contract of the float64 oracle
+                hist, ref = [3, 1, 4 + i], []
+                for t in tokens:
+                    ref.append(reference_logprobs(host_logits(hist, vocab)[None], [t])[0])
+                    hist.append(t)
+                assert_close(lp, np.array(ref))
+                assert_close(ref_lp, np.array(ref))
         assert WORLD == 1 or shard.stats["collectives"] - before >= 6, shard.stats  # a call a step
         assert got == want, (depth, got, want)
         # The greedy rows are the host prediction too.

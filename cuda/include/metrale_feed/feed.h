@@ -477,6 +477,38 @@ static inline void mf_penalty_args_init(mf_penalty_args *args) {
 MF_EXPORT mf_status mf_penalties_apply(const mf_penalty_args *args, mf_stream_t stream);
 MF_EXPORT mf_status mf_penalties_update(const mf_penalty_args *args, mf_stream_t stream);
 
+/* ---- top logprobs (docs/kernels.md, "Top logprobs"; top_logprob_rule.h) ----
+ * Per row, the n ids of greatest logit in the argmax order (greater value first, ties by the
+ * smaller id; a NaN ranks below -inf) and their logprobs under the row's raw distribution, as the
+ * chosen-token logprobs are computed (logprob_rule.h): out[r * n + j] for j = 0 .. n - 1 in that
+ * order. A row of fewer than n ids fills the rest with (MF_NO_TOKEN, NaN). Read-only on the
+ * logits; no masks, no bitmask, no temperature: the distribution of the model's output.
+ * With ids (device, read when the kernel runs: a step's feed cells), chosen[r] is the logprob of
+ * ids[r] under row r, as argmax_to_feed's logprobs are (NaN for MF_NO_TOKEN or an id outside the
+ * row): the raw logprob of a token chosen from other logits (the penalised ones). n may be 0 then. */
+#define MF_MAX_TOP_LOGPROBS 20u /* the OpenAI API's top_logprobs limit */
+typedef struct mf_top_logprob {
+    uint32_t id;
+    float logprob;
+} mf_top_logprob;
+typedef struct mf_top_logprobs_args {
+    uint32_t struct_size; /* sizeof(mf_top_logprobs_args) where the caller was built: _init */
+    const void *logits;   /* device, rows rows of row_stride elements */
+    mf_dtype dtype;
+    uint32_t rows;
+    uint32_t vocab;
+    uint64_t row_stride;  /* elements, >= vocab */
+    uint32_t n;           /* 0 .. MF_MAX_TOP_LOGPROBS; 0 only with ids */
+    mf_top_logprob *out;  /* device, rows * n records (NULL when n is 0) */
+    const uint32_t *ids;  /* device, rows ids, or NULL */
+    float *chosen;        /* device, rows floats: with ids, and only with them */
+} mf_top_logprobs_args;
+static inline void mf_top_logprobs_args_init(mf_top_logprobs_args *args) {
+    memset(args, 0, sizeof *args);
+    args->struct_size = (uint32_t)sizeof *args;
+}
+MF_EXPORT mf_status mf_top_logprobs(const mf_top_logprobs_args *args, mf_stream_t stream);
+
 /* The reference model's forward. Per row r (device arrays): meta[2r] = seq_len (the position
  * written), meta[2r+1] = offset of the row's block table in tables; input_ids[r] is written into
  * kv at that position, then logits row r (rows x vocab, dtype) is computed from the history:

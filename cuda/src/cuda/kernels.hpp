@@ -93,6 +93,9 @@ cudaError_t launch_resolve_verified(const uint32_t *cells, uint32_t rows, uint32
 // The penalty ops (penalty_feed.cu): apply in place to the logits, or (update) count the ids.
 cudaError_t launch_penalties(const mf_penalty_args &args, bool update, cudaStream_t stream);
 
+// The top logprobs of each row (top_logprob_feed.cu): one block per row, read-only on the logits.
+cudaError_t launch_top_logprobs(const mf_top_logprobs_args &args, cudaStream_t stream);
+
 cudaError_t launch_reference(const mf_reference_args &args, cudaStream_t stream);
 
 // Whether this build has a kernel image (SASS or PTX) the current device can load.

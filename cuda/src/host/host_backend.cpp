@@ -333,6 +333,11 @@ mf_status penalties(const mf_penalty_args *args, bool update, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status top_logprobs(const mf_top_logprobs_args *args, void *stream) {
+    stream_of(stream)->enqueue("top_logprobs", [a = *args] { run_top_logprobs(a); });
+    return MF_SUCCESS;
+}
+
 }  // namespace
 
 uint32_t lag_us() { return g_lag_us.load(std::memory_order_relaxed); }
@@ -375,6 +380,7 @@ const Ops host_ops = {
     .verify = verify,
     .resolve_verified = resolve_verified,
     .penalties = penalties,
+    .top_logprobs = top_logprobs,
     .capture_begin = capture_begin,
     .capture_status = capture_status,
     .capture_end = capture_end,

@@ -189,6 +189,17 @@ mf_status penalties(const mf_penalty_args *args, bool update, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status top_logprobs(const mf_top_logprobs_args *args, void *stream) {
+    try {
+        host::stream_of(stream)->enqueue("top_logprobs", [a = *args] {
+            check(simtk::launch_top_logprobs(a, nullptr), "mf_top_logprobs_kernel");
+        });
+    } catch (const std::bad_alloc &) {
+        return fail(MF_ERROR_OUT_OF_MEMORY, "top_logprobs: out of memory");
+    }
+    return MF_SUCCESS;
+}
+
 mf_status device_name(int, char *buf, size_t buflen) {
     if (buflen) std::snprintf(buf, buflen, "simt (CUDA kernels on the CPU, %d SMs planned)", config().sm_count);
     return MF_SUCCESS;
@@ -206,6 +217,7 @@ Ops make_ops() {
     o.verify = verify;
     o.resolve_verified = resolve_verified;
     o.penalties = penalties;
+    o.top_logprobs = top_logprobs;
     return o;
 }
 

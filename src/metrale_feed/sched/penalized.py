@@ -43,6 +43,8 @@ class PipelinePenalties:
         self.row_stride = getattr(model, "feed_row_stride", None)
         self.state = PenaltyState(pipe.max_rows, capacity=capacity, stream=pipe.stream)
         self.slots: List[int] = []  # the last launch's rows' slots
+        self.max_rows = pipe.max_rows
+        self.raw: Optional[Any] = None  # the raw logits of a step with logprobs (snapshot)
 
     @staticmethod
     def check(pipe: Any, prompt: Any, max_new_tokens: int, stop_ids: Any, min_tokens: int,
@@ -89,6 +91,22 @@ class PipelinePenalties:
 
     # ---- the router's hook ----
 
+    def snapshot(self, logits: Any, rows: int, stream: Any) -> Any:
+        """A copy of the step's raw logits, queued before ``apply`` changes them, for the
+        logprobs of the raw distribution (docs/pipeline.md, "Logprobs"): one buffer of
+        ``max_rows`` rows, rewritten each step in stream order (a step's readers run before the
+        next step's copy)."""
+        from .. import _core
+        from ..dtypes import logits_dtype
+
+        stride = self.row_stride or self.vocab
+        itemsize = logits_dtype(self.dtype).itemsize
+        if self.raw is None:
+            self.raw = _core.DeviceBuffer(self.max_rows * stride * itemsize)
+        _core.copy_d2d_async(self.raw, logits, ((rows - 1) * stride + self.vocab) * itemsize,
+                             stream)
+        return self.raw
+
     def apply(self, logits: Any, stream: Any) -> None:
         self.state.apply(logits, self.slots, vocab=self.vocab, dtype=self.dtype,
                          row_stride=self.row_stride, start=self.start, stream=stream)
@@ -98,3 +116,5 @@ class PipelinePenalties:
 
     def close(self) -> None:
         self.state.close()
+        if self.raw is not None:
+            self.raw.close()

@@ -83,6 +83,19 @@ def _order_of(req: "Request") -> int:
     return req._order
 
 
+def _takes(method: Any, names: Tuple[str, ...]) -> bool:
+    """Whether a feed method accepts these keywords (or any keyword)."""
+    import inspect
+
+    try:
+        params = inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return True
+    return all(name in params for name in names)
+
+
 def _identity(rows: int) -> List[FeedSource]:
     sources = _IDENTITY.get(rows)
     if sources is None:
@@ -132,6 +145,14 @@ class Request:
         ``temperature > 0``.
     repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens
         Its penalties (``submit``; docs/penalties.md), as float32 values.
+    logprobs : list of float or None
+        With ``submit(logprobs=True)``: the logprob of each committed token under the raw
+        distribution of its step (``log_softmax`` of the model's logits, before masks,
+        temperature and filters), one per entry of ``tokens``; None when not asked.
+    top_logprobs : list of list of (int, float), or None
+        With ``submit(top_logprobs=n)``: per committed token, the ``n`` most likely ids of the
+        same raw distribution and their logprobs, most likely first, ties by the smaller id;
+        None when not asked.
 
     Examples
     --------
@@ -155,12 +176,13 @@ class Request:
     __slots__ = ("prompt", "tokens", "max_new_tokens", "stop_ids", "status", "error", "_ban", "_mask", "_pipe", "_seq", "_join", "_last", "_base", "_order", "_bound",
                  "_reserved_at", "_pos0", "temperature", "top_k", "top_p", "min_p", "seed",
                  "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "min_tokens", "_pen", "_pslot")
+                 "min_tokens", "_pen", "_pslot", "logprobs", "top_logprobs", "_top_n")
 
     def __init__(self, pipe: "DecodePipeline", prompt: Tuple[int, ...], max_new_tokens: int,
                  stop_ids: FrozenSet[int], ban: Optional[RowMask], order: int = 0,
                  sampling: Tuple[float, int, float, float, int] = _GREEDY,
-                 penalties: Optional[_checks.Penalties] = None) -> None:
+                 penalties: Optional[_checks.Penalties] = None,
+                 logprobs: Tuple[bool, int] = (False, 0)) -> None:
         self.prompt = prompt
         self.tokens: List[int] = []
         self.max_new_tokens = max_new_tokens
@@ -187,6 +209,10 @@ class Request:
         self.repetition_penalty, self.presence_penalty, self.frequency_penalty = rep, pres, freq
         self.logit_bias: Dict[int, float] = dict(bias)
         self.min_tokens = mt
+        # One logprob per committed token, appended with it (docs/pipeline.md, "Logprobs").
+        self.logprobs: Optional[List[float]] = [] if logprobs[0] else None
+        self._top_n = logprobs[1]
+        self.top_logprobs: Optional[List[List[Tuple[int, float]]]] = [] if logprobs[1] else None
 
     @property
     def finished(self) -> bool:
@@ -269,7 +295,8 @@ class _Step:
     """A launched step: its ticket, its rows (requests), their sources, and the rows whose
     result will be thrown away (finished, aborted or preempted while it was in flight)."""
 
-    __slots__ = ("ticket", "launch", "rows", "lists", "sources", "dead", "debug_slot", "added")
+    __slots__ = ("ticket", "launch", "rows", "lists", "sources", "dead", "debug_slot", "added",
+                 "lp")
 
     def __init__(self, ticket: Ticket, launch: int, rows: List[Request], lists: List[List[int]],
                  sources: Any) -> None:
@@ -281,6 +308,7 @@ class _Step:
         self.dead: Optional[Set[int]] = None  # row indices
         self.debug_slot = -1
         self.added = 0  # KV blocks reserved for it (known block size), still counted in flight
+        self.lp: Optional[List[Tuple[int, List[float], Any, int]]] = None  # DecodePipeline._lp
 
 
 class PipelineStats:
@@ -479,6 +507,16 @@ class DecodePipeline:
         # passes one params record per row (``_params``), rebuilt with the batch.
         self._can_sample = info.sampling
         self._params: Any = None  # SAMPLING_PARAMS_DTYPE records of self._rows, or None
+        # Logprobs: the feed methods must take the two keywords (both, as a step with any
+        # sampled row goes to sample_batch_to_feed).
+        feeds = [getattr(model, name, None) for name in ("argmax_batch_to_feed",
+                                                         "sample_batch_to_feed")]
+        self._can_logprobs = all(_takes(f, ("logprobs", "logprobs_dst")) for f in feeds)
+        self._can_top = all(_takes(f, ("top_logprobs", "top_logprobs_dst", "top_n")) for f in feeds)
+        self._can_raw = all(_takes(f, ("raw_logits",)) for f in feeds)
+        # self._rows' (row, its logprobs, its top logprobs or None, its n) and the batch's n
+        self._lp: Optional[List[Tuple[int, List[float], Any, int]]] = None
+        self._top_n = 0
         self._positions: Any = None  # per row: its position at launch 0 (int64)
         # Threads: the loop (step, run, admit, close) holds _lock for each call; submit and
         # abort post to _inbox (deque appends are atomic) and apply it at once when the lock is
@@ -535,7 +573,7 @@ class DecodePipeline:
                top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
                repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
                frequency_penalty: float = 0.0, logit_bias: Optional[Dict[int, float]] = None,
-               min_tokens: int = 0) -> Request:
+               min_tokens: int = 0, logprobs: bool = False, top_logprobs: int = 0) -> Request:
         """Queue a request; it joins the batch at the next launch with room for it.
 
         Parameters
@@ -581,6 +619,18 @@ class DecodePipeline:
             vLLM v1's rules and order: ``logit_bias`` and ``min_tokens``, then the three
             penalties, then temperature and the filters, greedy rows included; applied on the
             device in stream order with no host synchronisation (docs/penalties.md).
+        logprobs : bool, optional
+            Keep each committed token's logprob in ``Request.logprobs``: ``log_softmax`` of the
+            raw logits of its step (vLLM v1's default, ``raw_logprobs``: before masks,
+            temperature and the filters), computed by the feed method on the device and read
+            back with the ids, so no step waits for it. With penalties, ``logit_bias`` or
+            ``min_tokens`` too, the logits are copied before the penalties change them and the
+            logprobs taken from the copy (not over a split vocabulary). Default False.
+        top_logprobs : int, optional
+            In [0, 20], above 0 only with ``logprobs=True`` (the OpenAI API's rule): also keep,
+            per committed token, the ``top_logprobs`` most likely ids of the raw distribution
+            and their logprobs in ``Request.top_logprobs`` (ties by the smaller id). Not with a
+            split vocabulary (``shard=``). Default 0.
 
         Returns
         -------
@@ -638,6 +688,27 @@ class DecodePipeline:
         if sampling[0] > 0.0 and self._spec is not None and self.depth == 2:
             raise ValueError("a sampled request with speculative decoding needs depth=1 (its "
                              "draws' positions would be known on the device only)")
+        lp = _checks.logprobs(logprobs, top_logprobs)
+        if lp[1]:
+            if getattr(self.model, "feed_shard", None) is not None:
+                raise ValueError("top_logprobs over a split vocabulary (shard=) is not supported")
+            if not self._can_top:
+                raise FeedError(f"{type(self.model).__name__}'s feed methods take no "
+                                f"top_logprobs=: a request with top_logprobs > 0 cannot run on it")
+        if lp[0]:
+            if pen is not None and not self._can_raw:
+                raise FeedError(f"{type(self.model).__name__}'s feed methods take no raw_logits=: "
+                                f"logprobs=True with penalties, logit_bias or min_tokens cannot "
+                                f"run on it (the penalties change the logits in place)")
+            if pen is not None and getattr(self.model, "feed_shard", None) is not None:
+                raise ValueError("logprobs=True with penalties over a split vocabulary (shard=) "
+                                 "is not supported")
+            if not self._can_logprobs:
+                raise FeedError(f"{type(self.model).__name__}'s feed methods take no logprobs= "
+                                f"and logprobs_dst=: a request with logprobs=True cannot run on it")
+        if (lp[0] or lp[1]) and self._spec is not None:
+            raise ValueError("logprobs are not returned with speculative decoding yet: submit the "
+                             "request without logprobs or top_logprobs")
         if sampling[0] > 0.0 and not self._can_sample:
             raise FeedError(f"{type(self.model).__name__} declares no sampling (its feed_info() "
                             "says sampling=False: no sample_batch_to_feed): a request with "
@@ -647,7 +718,7 @@ class DecodePipeline:
             raise ValueError(f"the request needs {blocks} KV blocks at most (prompt "
                              f"{len(prompt)} + {max_new} new tokens); the pool has "
                              f"{self._pool.num_blocks}")
-        req = Request(self, prompt, max_new, stops, mask, 0, sampling, pen)
+        req = Request(self, prompt, max_new, stops, mask, 0, sampling, pen, lp)
         self._post(self._enqueue, req)
         return req
 
@@ -870,6 +941,9 @@ class DecodePipeline:
         if self._dirty or rows is not self._rows:
             self._params = self._sampling_params(rows)
             self._hook = self._penalties(rows)
+            self._lp = [(i, r.logprobs, r.top_logprobs, r._top_n) for i, r in enumerate(rows)
+                        if r.logprobs is not None] or None
+            self._top_n = max((r._top_n for r in rows), default=0)
         params = self._params
         if params is not None:
             # Host params are read before the feed method returns, so rewriting the one array
@@ -900,6 +974,7 @@ class DecodePipeline:
         if rows is not self._rows or self._lists is None:
             self._lists = [r.tokens for r in rows]
         step = _Step(ticket, launch, rows, self._lists, sources)
+        step.lp = self._lp
         # Blocks reserved for a launch that raised stay in their tables and count for the
         # launch that follows, so the in-flight figure comes back to 0.
         step.added, self._added = self._added, 0
@@ -918,7 +993,8 @@ class DecodePipeline:
         io = self.io
         queued = io.stats.launches
         try:
-            return io._launch(sources, self._seqs_of(rows), masks, fed, params, True, self._hook)
+            return io._launch(sources, self._seqs_of(rows), masks, fed, params, True, self._hook,
+                              self._lp is not None, self._top_n)
         except BaseException as exc:
             if io.stats.launches != queued:
                 self._launches = launch + 1
@@ -1037,6 +1113,15 @@ class DecodePipeline:
             for i, (req, token) in enumerate(zip(rows, ids)):
                 if i not in dead:
                     req.tokens.append(token)
+        if step.lp is not None:  # with the tokens, so each list keeps one entry per token
+            ticket = step.ticket
+            values, top, n = ticket.logprobs, ticket.top, ticket.top_n
+            for i, out, tops, k in step.lp:
+                if dead is None or i not in dead:
+                    out.append(values[i])
+                    if tops is not None:
+                        at = i * n
+                        tops.append(list(zip(top[0][at:at + k], top[1][at:at + k])))
         if self._stop_union:
             hits = self._stop_union.intersection(ids)
             if hits:

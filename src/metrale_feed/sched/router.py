@@ -13,7 +13,7 @@ import warnings
 from array import array
 from itertools import chain
 from operator import index
-from typing import Any, Dict, List, Optional, Sequence, TypeVar
+from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from .. import _checks, _core
 from ..contract import DescribesFeed, FeedInfo, HostTokenDecode, feed_info_of, require
@@ -86,10 +86,11 @@ class Ticket:
     the slot's generation at the launch: a ticket whose slot has been awaited (and perhaps handed
     to a newer step since) is refused, never answered with another step's ids."""
 
-    __slots__ = ("step", "slot", "gen", "rows", "fed", "reservations", "router")
+    __slots__ = ("step", "slot", "gen", "rows", "fed", "reservations", "router", "logprobs",
+                 "top_n", "top")
 
     def __init__(self, step: int, slot: int, rows: int, fed: bool, router: Any = None,
-                 gen: int = 0) -> None:
+                 gen: int = 0, logprobs: bool = False, top_n: int = 0) -> None:
         self.router = router  # the router that launched it: only that one can await it
         self.step = step
         self.slot = slot
@@ -97,6 +98,13 @@ class Ticket:
         self.rows = rows
         self.fed = fed
         self.reservations: Sequence[Reservation] = ()
+        # A step launched with logprobs: True until it is awaited, then each row's chosen-token
+        # logprob (read from the slot with the ids); None for a step without.
+        self.logprobs: Any = True if logprobs else None
+        # With top_n: at the await, (ids, logprobs), each rows * top_n values, row r's at
+        # [r * top_n, (r + 1) * top_n).
+        self.top_n = top_n
+        self.top: Any = None
 
     def __repr__(self) -> str:
         return f"Ticket(step={self.step}, slot={self.slot}, rows={self.rows}, fed={self.fed})"
@@ -186,6 +194,12 @@ class _Ring:
         self.events: List[Any] = []
         self.busy = [False] * slots
         self.gen = [0] * slots
+        # Per slot, the chosen ids' logprobs on the device and their pinned readback, made at
+        # the first step that asks for them (docs/pipeline.md, "Logprobs").
+        self.lp_dev: List[Any] = []
+        self.lp_host: List[Any] = []
+        self.top_dev: List[Any] = []  # and the top logprobs' records, MAX_TOP_LOGPROBS a row
+        self.top_host: List[Any] = []
         try:
             for _ in range(slots):
                 self.ptrs.append(model.alloc_host_pinned(self.nbytes))
@@ -201,7 +215,49 @@ class _Ring:
         raise FeedError(f"readback ring exhausted: all {len(self.busy)} slots hold unread results; "
                         "await a ticket before launching another step")
 
+    def logprobs(self, slot: int) -> Tuple[Any, Any]:
+        """The slot's logprobs buffers (device, pinned), made for every slot at the first call."""
+        if not self.lp_dev:
+            count = len(self.busy)
+            try:
+                for _ in range(count):
+                    self.lp_dev.append(_core.DeviceBuffer(self.nbytes))
+                    self.lp_host.append(_core.PinnedBuffer(self.nbytes))
+            except BaseException:
+                self._close_logprobs()
+                raise
+        return self.lp_dev[slot], self.lp_host[slot]
+
+    def read_logprobs(self, slot: int, rows: int) -> List[float]:
+        with memoryview(self.lp_host[slot]) as raw, raw.cast("f") as floats:
+            return floats[:rows].tolist()
+
+    def top(self, slot: int) -> Tuple[Any, Any]:
+        """The slot's top-logprobs records (device, pinned), made for every slot at the first
+        call: room for ``MAX_TOP_LOGPROBS`` 8-byte records a row."""
+        if not self.top_dev:
+            nbytes = self.nbytes * 2 * _core.MAX_TOP_LOGPROBS
+            try:
+                for _ in range(len(self.busy)):
+                    self.top_dev.append(_core.DeviceBuffer(nbytes))
+                    self.top_host.append(_core.PinnedBuffer(nbytes))
+            except BaseException:
+                self._close_logprobs()
+                raise
+        return self.top_dev[slot], self.top_host[slot]
+
+    def read_top(self, slot: int, count: int) -> Tuple[List[int], List[float]]:
+        with memoryview(self.top_host[slot]) as raw, raw.cast("I") as words, \
+                raw.cast("f") as floats:
+            return words[0:2 * count:2].tolist(), floats[1:2 * count:2].tolist()
+
+    def _close_logprobs(self) -> None:
+        for buf in self.lp_dev + self.lp_host + self.top_dev + self.top_host:
+            buf.close()
+        self.lp_dev, self.lp_host, self.top_dev, self.top_host = [], [], [], []
+
     def close(self) -> None:
+        self._close_logprobs()
         for event in self.events:
             self.model.destroy_event(event)
         for ptr in self.ptrs:
@@ -279,10 +335,16 @@ class _DeviceIo:
         return self._launch(inputs, seqs, masks, fed, params, trusted, None)
 
     def _launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any,
-                fed: bool, params: Any, trusted: bool, hook: Any) -> Ticket:
+                fed: bool, params: Any, trusted: bool, hook: Any, logprobs: bool = False,
+                top_n: int = 0) -> Ticket:
         """``launch``, with the decode pipeline's ``hook`` (its penalties, or None):
         ``hook.apply(logits, stream)`` is queued between the forward and the feed method and
-        ``hook.update(stream)`` after it (docs/penalties.md)."""
+        ``hook.update(stream)`` after it (docs/penalties.md); with logprobs too,
+        ``hook.snapshot(logits, rows, stream)`` first, passed as ``raw_logits``. ``logprobs``:
+        the feed method also writes each row's chosen-token logprob into the slot's logprobs
+        buffers, copied back with the ids before the event, and ``await_result`` sets
+        ``ticket.logprobs``; ``top_n`` (with it): each row's ``top_n`` most likely ids too,
+        ``ticket.top``."""
         ring = self._open_ring()
         rows = len(seqs)
         if not 1 <= rows <= self.max_rows:
@@ -314,14 +376,22 @@ class _DeviceIo:
                 self.budget.uncover(covered)  # type: ignore[arg-type]
             raise
         try:
+            extra: Dict[str, Any] = {}
             if hook is not None:
+                if logprobs:  # the raw logits, before the penalties change them
+                    extra["raw_logits"] = hook.snapshot(logits, rows, self.stream)
                 hook.apply(logits, self.stream)
+            if logprobs:  # only then: a model's feed methods may not take the keywords
+                extra["logprobs"], extra["logprobs_dst"] = ring.logprobs(slot)
+                if top_n:
+                    extra["top_logprobs"], extra["top_logprobs_dst"] = ring.top(slot)
+                    extra["top_n"] = top_n
             if params is None:
                 model.argmax_batch_to_feed(logits, masks, ring.ptrs[slot], ring.events[slot],
-                                           self.stream)
+                                           self.stream, **extra)
             else:
                 model.sample_batch_to_feed(logits, params, masks, ring.ptrs[slot],
-                                           ring.events[slot], self.stream)
+                                           ring.events[slot], self.stream, **extra)
             if hook is not None:
                 hook.update(self.stream)
         except BaseException:
@@ -334,7 +404,7 @@ class _DeviceIo:
             raise
         ring.busy[slot] = True
         ring.gen[slot] += 1
-        ticket = Ticket(self._step, slot, rows, fed, self, ring.gen[slot])
+        ticket = Ticket(self._step, slot, rows, fed, self, ring.gen[slot], logprobs, top_n)
         self._step += 1
         self._prev_rows = rows
         if self._unread:
@@ -461,6 +531,10 @@ class _DeviceIo:
         try:
             self._wait(ring.events[ticket.slot])
             ids = _core.read_pinned_u32(ring.ptrs[ticket.slot], ticket.rows)
+            if ticket.logprobs is not None:
+                ticket.logprobs = ring.read_logprobs(ticket.slot, ticket.rows)
+                if ticket.top_n:
+                    ticket.top = ring.read_top(ticket.slot, ticket.rows * ticket.top_n)
         finally:
             ring.busy[ticket.slot] = False
             self._unread -= 1
@@ -667,11 +741,12 @@ class SyncDeviceIo(_DeviceIo):
         self._results: Dict[int, List[int]] = {}
 
     def _launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any,
-                fed: bool, params: Any, trusted: bool, hook: Any) -> Ticket:
+                fed: bool, params: Any, trusted: bool, hook: Any, logprobs: bool = False,
+                top_n: int = 0) -> Ticket:
         if fed and not self.model.supports_device_token_feed():
             raise FeedError("launch_fed needs the device feed; with a settled step the inputs are "
                             "host-known, so use launch_decode")
-        ticket = super()._launch(inputs, seqs, masks, fed, params, trusted, hook)
+        ticket = super()._launch(inputs, seqs, masks, fed, params, trusted, hook, logprobs, top_n)
         self._results[ticket.step] = super().await_result(ticket)
         self.stats.ahead_launches = 0
         return ticket

@@ -380,15 +380,18 @@ class ReferenceModel(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
             seq.tokens.extend(ids)
             seq.seq_len += len(ids)
 
-    def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any) -> None:
-        if self._fed_graphs is not None and self._fed_graphs.launch(masks, dst, event, stream):
+    def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any,
+                             **extra: Any) -> None:
+        if extra.get("logprobs") is not None or extra.get("top_logprobs") is not None:
+            self._flush_graph_step()  # the graphs capture no logprobs: the default path
+        elif self._fed_graphs is not None and self._fed_graphs.launch(masks, dst, event, stream):
             return
-        super().argmax_batch_to_feed(logits, masks, dst, event, stream)
+        super().argmax_batch_to_feed(logits, masks, dst, event, stream, **extra)
 
     def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
-                             stream: Any) -> None:
+                             stream: Any, **extra: Any) -> None:
         self._flush_graph_step()  # a sampled step runs as the default path does
-        super().sample_batch_to_feed(logits, params, masks, dst, event, stream)
+        super().sample_batch_to_feed(logits, params, masks, dst, event, stream, **extra)
 
     def _check_rows(self, n: int, seqs: Sequence[SequenceState]) -> None:
         if self._closed:

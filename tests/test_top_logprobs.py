@@ -1,0 +1,212 @@
+"""The top-logprobs op (``_core.top_logprobs``, docs/kernels.md "Top logprobs"): each row's ``n``
+most likely ids in the argmax order (ties by the smaller id, NaN below ``-inf``) and their logprobs,
+against a float64 numpy oracle on every backend, simt bit for bit equal to host, and the checks of
+its arguments."""
+
+import numpy as np
+import pytest
+
+import metrale_feed as mf
+from metrale_feed import _core
+from metrale_feed.testing.oracle import reference_logprobs
+
+from helpers.accuracy import assert_close
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+RECORD = np.dtype([("id", "<u4"), ("logprob", "<f4")])
+N = mf.NO_TOKEN
+
+
+def top(dev, logits, n, row_stride=None):
+    """The op over a (rows, vocab) array (padded to ``row_stride`` columns when given)."""
+    rows, vocab = logits.shape
+    data = logits
+    if row_stride is not None:
+        data = np.zeros((rows, row_stride), logits.dtype)
+        data[:, :vocab] = logits
+    with dev.upload(data) as buf, mf.DeviceBuffer(max(1, rows * n * 8)) as out:
+        got = _core.top_logprobs(buf, out, n=n, rows=rows, vocab=vocab, dtype=str(logits.dtype),
+                                 row_stride=row_stride)
+        assert got == rows
+        return dev.download(out, RECORD, rows * n).reshape(rows, n)
+
+
+def oracle(logits, n):
+    """Ids by (value descending, id ascending) with NaN last, and reference_logprobs of each."""
+    values = np.asarray(logits, np.float64)
+    rows, vocab = values.shape
+    ids = np.full((rows, n), N, np.uint32)
+    for r in range(rows):
+        key = np.where(np.isnan(values[r]), -np.inf, values[r])
+        nan = np.isnan(values[r])
+        order = sorted(range(vocab), key=lambda i: (nan[i], -key[i], i))
+        ids[r, :min(n, vocab)] = order[:n]
+    lp = np.stack([reference_logprobs(logits, ids[:, j]) for j in range(n)], 1)
+    return ids, lp
+
+
+def logits_for(rng, rows, vocab, dtype):
+    x = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    if vocab > 8:
+        x[0, rng.integers(0, vocab, 3)] = -np.inf
+        if rows > 1:
+            x[1, rng.integers(0, vocab, 4)] = np.nan
+        if rows > 2:
+            x[2, :] = x[2, 0]  # all tied: ids 0, 1, 2, ...
+        if rows > 3:
+            x[3, [5, 9, 2]] = x[3].max() + 1  # a three-way tie at the top: 2, 5, 9
+    return x.astype(DTYPES[dtype])
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("rows,vocab,n", [(1, 1, 1), (2, 3, 5), (5, 17, 20), (6, 1000, 7),
+                                          (2, 40000, 20)])
+def test_matches_numpy(backend, dev, dtype, rows, vocab, n):
+    rng = np.random.default_rng(rows * 100 + vocab + n)
+    logits = logits_for(rng, rows, vocab, dtype)
+    got = top(dev, logits, n)
+    ids, lp = oracle(logits, n)
+    assert np.array_equal(got["id"], ids)
+    assert_close(got["logprob"].ravel(), lp.ravel())
+    if vocab < n:  # the rest of the row: no id, NaN
+        assert (got["id"][:, vocab:] == N).all() and np.isnan(got["logprob"][:, vocab:]).all()
+
+
+def test_ties_and_special_rows(backend, dev):
+    nan, inf = np.nan, np.inf
+    logits = np.array([
+        [1.0, 3.0, 3.0, 2.0, 3.0],     # ties: 1, 2, 4, then 3
+        [nan, 0.0, -inf, nan, 1.0],    # NaN ranks last, its logprob -inf
+        [nan, nan, nan, nan, nan],     # no finite logit: NaN logprobs
+        [0.0, inf, 1.0, 2.0, 3.0],     # +inf anywhere: NaN logprobs
+        [-inf, -inf, 5.0, -inf, -inf],  # one id holds all the mass
+    ], np.float32)
+    got = top(dev, logits, 4)
+    assert got["id"].tolist() == [[1, 2, 4, 3], [4, 1, 2, 0], [0, 1, 2, 3], [1, 4, 3, 2],
+                                  [2, 0, 1, 3]]
+    lp = got["logprob"]
+    assert np.isneginf(lp[1, 2:]).all() and np.isnan(lp[2]).all() and np.isnan(lp[3]).all()
+    assert lp[4, 0] == 0.0 and np.isneginf(lp[4, 1:]).all()
+    assert_close(lp[0], oracle(logits, 4)[1][0])
+
+
+def test_a_padded_row_stride(backend, dev):
+    rng = np.random.default_rng(3)
+    logits = logits_for(rng, 4, 300, "bfloat16")
+    got = top(dev, logits, 6, row_stride=307)
+    ids, lp = oracle(logits, 6)
+    assert np.array_equal(got["id"], ids)
+    assert_close(got["logprob"].ravel(), lp.ravel())
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("rows,vocab", [(3, 17), (7, 1000), (2, 40000)])
+def test_simt_is_bit_identical_to_host(host, dev, dtype, rows, vocab):
+    from simt.test_simt_exact import both
+
+    rng = np.random.default_rng(rows + vocab)
+    logits = logits_for(rng, rows, vocab, dtype)
+    got = both(lambda: (top(dev, logits, 20),))
+    assert np.array_equal(got[0]["id"], oracle(logits, 20)[0])
+
+
+def test_a_tensor_of_logits(host, dev):
+    torch = pytest.importorskip("torch")
+    logits = torch.tensor([[0.5, 2.0, -1.0], [3.0, 3.0, 0.0]], dtype=torch.float32)
+    with mf.DeviceBuffer(2 * 2 * 8) as out:
+        assert _core.top_logprobs(logits, out, n=2) == 2
+        got = dev.download(out, RECORD, 4).reshape(2, 2)
+    assert got["id"].tolist() == [[1, 0], [0, 1]]
+    assert_close(got["logprob"].ravel(), oracle(logits.numpy(), 2)[1].ravel())
+
+
+def test_bad_arguments_are_refused(host, dev, no_leaks):
+    with mf.DeviceBuffer(64) as logits, mf.DeviceBuffer(16) as out:
+        ok = dict(rows=1, vocab=4, dtype="float32")
+        for kw, error, match in [
+                (dict(n=0), ValueError, "n"),
+                (dict(n=21), ValueError, "n"),
+                (dict(n=3), ValueError, "out"),  # 3 records need 24 bytes
+                (dict(n=1, vocab=0), ValueError, "vocab"),
+                (dict(n=1, rows=None), TypeError, "rows is required"),
+                (dict(n=1, dtype="int8"), ValueError, "dtype"),
+                (dict(n=1, row_stride=2), ValueError, "row_stride 2 is less than vocab"),
+                (dict(n=1, rows=5), ValueError, "out: 5 rows"),
+                (dict(n=1, rows=2, vocab=10), ValueError, "logits")]:  # 2 x 10 floats pass 64 bytes
+            args = {**ok, **kw}
+            with pytest.raises(error, match=match):
+                _core.top_logprobs(logits, out, **args)
+        with pytest.raises(ValueError, match="overlap"):
+            _core.top_logprobs(logits, logits.ptr, n=1, **ok)
+    from metrale_feed import _checks
+
+    assert _core.MAX_TOP_LOGPROBS == _checks.MAX_TOP_LOGPROBS == 20
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_both_host_paths_on_ties_at_the_boundary(path, dev, dtype):
+    """The host's vector prefilter (float32) keeps every value tied with the list's last, so ties
+    are still decided by id, as the portable pass and numpy decide them; zeros of both signs are
+    one value, NaN ranks last."""
+    rng = np.random.default_rng(17)
+    vocab = 3001
+    logits = rng.integers(-3, 3, (6, vocab)).astype(np.float32)  # few values: ties everywhere
+    logits[1] = -0.0
+    logits[1, rng.integers(0, vocab, 40)] = 0.0
+    logits[2, ::7] = np.nan
+    logits[3, -5:] = np.inf
+    logits[4] = -np.inf
+    logits[4, [2999, 17, 3000]] = -1.0
+    logits[5] = np.nan
+    logits = logits.astype(DTYPES[dtype])
+    got = top(dev, logits, 20)
+    ids, lp = oracle(logits, 20)
+    assert np.array_equal(got["id"], ids)
+    assert_close(got["logprob"].ravel(), lp.ravel())
+
+
+@pytest.mark.parametrize("n", [0, 3])
+def test_the_logprobs_of_given_ids(backend, dev, n):
+    """``ids=``: each row's given id's logprob (a token chosen from other logits), as the
+    chosen-token rule has it; NO_TOKEN and an id past the row give NaN."""
+    rng = np.random.default_rng(5)
+    rows, vocab = 5, 700
+    logits = logits_for(rng, rows, vocab, "float32")
+    given = np.array([3, 699, N, 700, 12], np.uint32)
+    with dev.upload(logits) as buf, dev.upload(given) as ids, mf.DeviceBuffer(rows * 4) as chosen, \
+            mf.DeviceBuffer(max(1, rows * n * 8)) as out:
+        _core.top_logprobs(buf, out if n else None, n=n, rows=rows, vocab=vocab, dtype="float32",
+                           ids=ids, chosen=chosen)
+        got = dev.download(chosen, np.float32)
+        if n:
+            assert np.array_equal(dev.download(out, RECORD, rows * n).reshape(rows, n)["id"],
+                                  oracle(logits, n)[0])
+    ref = reference_logprobs(logits, np.where(given < vocab, given, N))
+    assert np.isnan(got[[2, 3]]).all()
+    assert_close(got, ref)
+
+
+def test_given_ids_match_argmax_logprobs_to_the_bit(host, dev):
+    from helpers.calls import pick
+
+    rng = np.random.default_rng(8)
+    logits = logits_for(rng, 6, 5000, "bfloat16")
+    chosen_ids, lp = pick(dev, logits)
+    with dev.upload(logits) as buf, dev.upload(np.asarray(chosen_ids, np.uint32)) as ids, \
+            mf.DeviceBuffer(6 * 4) as chosen:
+        _core.top_logprobs(buf, None, n=0, rows=6, vocab=5000, dtype="bfloat16", ids=ids,
+                           chosen=chosen)
+        got = dev.download(chosen, np.float32)
+    assert got.tobytes() == np.asarray(lp, np.float32).tobytes()
+
+
+def test_ids_and_chosen_go_together(host):
+    with mf.DeviceBuffer(64) as logits, mf.DeviceBuffer(16) as ids:
+        with pytest.raises(ValueError, match="together"):
+            _core.top_logprobs(logits, None, n=0, rows=1, vocab=4, dtype="float32", ids=ids)
+        with pytest.raises(ValueError, match="n"):
+            _core.top_logprobs(logits, None, n=0, rows=1, vocab=4, dtype="float32")
+        with pytest.raises(ValueError, match="overlap"):
+            _core.top_logprobs(logits, None, n=0, rows=1, vocab=4, dtype="float32", ids=ids,
+                               chosen=ids)
