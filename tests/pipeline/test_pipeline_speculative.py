@@ -278,6 +278,10 @@ def test_what_the_pipeline_cannot_run_speculatively_is_refused(host, no_leaks):
         with DecodePipeline(model, 4, depth=1, speculative=drafter) as pipe:
             with pytest.raises(ValueError, match="penalties"):
                 pipe.submit([1, 2], max_new_tokens=3, presence_penalty=0.5)
+            with pytest.raises(ValueError, match="logprobs"):
+                pipe.submit([1, 2], max_new_tokens=3, logprobs=True)
+            with pytest.raises(ValueError, match="logprobs"):
+                pipe.submit([1, 2], max_new_tokens=3, top_logprobs=2)
             with pytest.raises(ValueError, match="KV blocks"):
                 pipe.submit([1] * 790, max_new_tokens=8)  # fits without the k drafted positions
             assert pipe.idle
