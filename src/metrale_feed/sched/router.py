@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar
 from .. import _checks, _core
 from ..contract import DefersForward, DescribesFeed, FeedInfo, HostTokenDecode, feed_info_of, require
 from ..errors import FeedError
+from ..runtime import _rows_of
 from ..feed import _HOST_BIT, NO_TOKEN
 from ..kv import SequenceState
 from ..trait import ModelDeviceFeed
@@ -113,14 +114,7 @@ class Ticket:
 def _mask_rows(masks: Any, rows: int) -> int:
     """Rows a masks argument covers, checked before the step so a mismatch launches nothing:
     None (no masks) covers any; a buffer holds two uint32 per row; a sequence one pair per row."""
-    if masks is None:
-        return rows
-    try:
-        view = memoryview(masks)
-    except TypeError:
-        return len(masks)
-    with view:
-        return view.nbytes // 8
+    return rows if masks is None else _rows_of(masks)
 
 
 def _words(values: Any, what: str) -> "array[int]":
