@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence, Tuple, runtime
 from .kv import BlockPool, SequenceState
 
 __all__ = ["FeedInfo", "DeviceTokenFeed", "HostTokenDecode", "Prefill", "BatchPrefill",
-           "DescribesFeed", "VerifyStep", "require", "feed_info_of"]
+           "DescribesFeed", "DefersForward", "VerifyStep", "require", "feed_info_of"]
 
 
 class FeedInfo(NamedTuple):
@@ -123,6 +123,17 @@ class DescribesFeed(Protocol):
     """A model that says its ``FeedInfo`` (the runtime mixin and the paged-KV mixin do)."""
 
     def feed_info(self) -> FeedInfo: ...
+
+
+@runtime_checkable
+class DefersForward(Protocol):
+    """A model whose ``decode_batch_fed`` may hold its forward back, to launch it with the feed
+    method as one graph: the logits it returns are written only then. Before anything touches a
+    step's logits between the two calls (the penalties, a copy of the raw logits for logprobs),
+    the router calls ``flush_forward``, which queues the held-back forward now (the step then
+    runs as the eager path does)."""
+
+    def flush_forward(self, stream: Any) -> None: ...
 
 
 @runtime_checkable

@@ -81,6 +81,28 @@ def test_mixed_batch_equals_each_request_alone(host, no_leaks, depth, dtype):
 
 
 @pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_a_model_with_graphs_runs_its_forward_before_the_penalties(host, no_leaks, depth, logprobs):
+    """ReferenceModel(graphs=True) holds its forward back until the feed method (one graph):
+    the router has it queued first (contract.DefersForward), else the penalties change the
+    previous step's logits and the forward overwrites them (penalties that silently do nothing)."""
+    ps = prompts(5, seed=21)
+    with model_for(5, graphs=True) as model, DecodePipeline(model, 5, depth=depth) as pipe:
+        reqs = [pipe.submit(p, max_new_tokens=14, logprobs=logprobs, **kw) for p, kw in zip(ps, PEN)]
+        pipe.run()
+        assert pipe.stats.host_syncs == pipe.stats.steps
+    for req, p, kw in zip(reqs, ps, PEN):
+        assert req.tokens == oracle(p, 14, **kw), kw
+        if logprobs:  # of the raw logits (the copy taken before the penalties change them)
+            want = []
+            for i, token in enumerate(req.tokens):
+                row = _widened_logits(list(p) + req.tokens[:i], VOCAB, "float32").astype(np.float64)
+                top = row.max()
+                want.append(row[token] - top - np.log(np.exp(row - top).sum()))
+            np.testing.assert_allclose(req.logprobs, want, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
 def test_sampled_rows_with_penalties(host, no_leaks, depth):
     ps = prompts(3, seed=5)
     kws = [dict(temperature=0.8, seed=3, frequency_penalty=1.5),

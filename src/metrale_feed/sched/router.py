@@ -16,8 +16,9 @@ from operator import index
 from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from .. import _checks, _core
-from ..contract import DescribesFeed, FeedInfo, HostTokenDecode, feed_info_of, require
+from ..contract import DefersForward, DescribesFeed, FeedInfo, HostTokenDecode, feed_info_of, require
 from ..errors import FeedError
+from ..runtime import _rows_of
 from ..feed import _HOST_BIT, NO_TOKEN
 from ..kv import SequenceState
 from ..trait import ModelDeviceFeed
@@ -113,14 +114,7 @@ class Ticket:
 def _mask_rows(masks: Any, rows: int) -> int:
     """Rows a masks argument covers, checked before the step so a mismatch launches nothing:
     None (no masks) covers any; a buffer holds two uint32 per row; a sequence one pair per row."""
-    if masks is None:
-        return rows
-    try:
-        view = memoryview(masks)
-    except TypeError:
-        return len(masks)
-    with view:
-        return view.nbytes // 8
+    return rows if masks is None else _rows_of(masks)
 
 
 def _words(values: Any, what: str) -> "array[int]":
@@ -290,6 +284,7 @@ class _DeviceIo:
         self.stats = RouterStats(self.budget)
         self._vocab: Optional[int] = info.vocab if info else None
         self._host_decode = isinstance(model, HostTokenDecode)
+        self._defers = isinstance(model, DefersForward)
         self._prev_rows = 0  # the rows of the last launch: the feed rows the next one may read
         self._ring = _Ring(model, max_rows, slots)
         self._step = 0
@@ -378,6 +373,8 @@ class _DeviceIo:
         try:
             extra: Dict[str, Any] = {}
             if hook is not None:
+                if self._defers:  # the logits must hold this step's forward before they change
+                    model.flush_forward(self.stream)  # type: ignore[attr-defined]
                 if logprobs:  # the raw logits, before the penalties change them
                     extra["raw_logits"] = hook.snapshot(logits, rows, self.stream)
                 hook.apply(logits, self.stream)

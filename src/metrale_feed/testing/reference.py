@@ -160,6 +160,12 @@ class ReferenceModel(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
         if self._fed_graphs is not None:
             self._fed_graphs.flush()
 
+    def flush_forward(self, stream: Any) -> None:
+        """With ``graphs=True``, queue the forward ``decode_batch_fed`` held back (the step then
+        runs as the eager path does): the router calls this before it changes or copies the
+        step's logits (``metrale_feed.contract.DefersForward``). Else nothing to do."""
+        self._flush_graph_step()
+
     # ---- the forward ----
 
     def _stage(self, seqs: Sequence[SequenceState], positions: Sequence[int]) -> _Staging:
