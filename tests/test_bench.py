@@ -142,3 +142,19 @@ def test_graphs(record):
     assert g["captures"] == 1 and g["launches"] == 40  # one shape, one readback slot
     for key in ("eager_queue_us", "graph_queue_us", "eager_step_us", "graph_step_us"):
         assert positive(g[key]), key
+
+
+def test_speculative(record):
+    spec = record["speculative"]
+    assert spec["checked"] is True
+    assert [v["agree"] for v in spec["verify"]] == [1.0, 0.5]
+    for v in spec["verify"]:
+        assert v["checked"] is True and v["k"] == 4
+        assert all(positive(v[name]) for name in ("argmax_ms", "verify_ms", "ratio"))
+    p = spec["pipeline"]
+    assert p["same_tokens"] is True and p["host_syncs_equal_steps"] is True
+    assert all(positive(p[f"{name}_tps"]) for name in ("speculative", "speculative_depth_2",
+                                                       "plain_depth_1", "plain_depth_2"))
+    assert p["depth_2_host_syncs"] == p["depth_2_steps"] > 0
+    assert p["speculative_steps"] < p["plain_depth_1_steps"]  # acceptance 0.8 saves steps
+    assert 0.3 < p["accepted_fraction"] < 0.9  # k = 4 at 0.8: 59 % in theory

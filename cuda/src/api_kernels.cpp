@@ -45,7 +45,8 @@ mf_status read_descriptor(const Args *in, Args *out, const char *name, const uin
 // The descriptor before the select stages' candidate lists (select_cands_cap on) was appended.
 constexpr uint32_t kArgmaxSizes[] = {offsetof(mf_argmax_args, select_cands_cap), sizeof(mf_argmax_args)};
 constexpr uint32_t kCombineSizes[] = {sizeof(mf_combine_args)};
-constexpr uint32_t kReferenceSizes[] = {sizeof(mf_reference_args)};
+// The descriptor before the device position advance (advance, advance_group) was appended.
+constexpr uint32_t kReferenceSizes[] = {offsetof(mf_reference_args, advance), sizeof(mf_reference_args)};
 constexpr uint32_t kVerifySizes[] = {sizeof(mf_verify_args)};
 constexpr uint32_t kPenaltySizes[] = {sizeof(mf_penalty_args)};
 constexpr uint32_t kTopSizes[] = {sizeof(mf_top_logprobs_args)};
@@ -593,6 +594,12 @@ mf_status mf_reference_forward(const mf_reference_args *caller, mf_stream_t stre
         if (status == MF_SUCCESS) status = check_device_range(a->kv, (size_t)a->kv_slots * 4, "kv cache");
         if (status == MF_SUCCESS && a->logits)  // no logits: a prefill, KV writes only
             status = check_device_range(a->logits, (size_t)a->rows * a->vocab * dtype_size(a->dtype), "logits");
+        const size_t advance_bytes =
+            a->advance && a->advance_group ? ((size_t)a->rows + a->advance_group - 1) / a->advance_group * 4 : 0;
+        if (status == MF_SUCCESS && a->advance && a->advance_group == 0)
+            status = fail(MF_ERROR_INVALID_VALUE, "reference forward: advance_group must be at least 1 with advance");
+        if (status == MF_SUCCESS && a->advance)
+            status = check_device_range(a->advance, advance_bytes, "position advance");
         if (status == MF_SUCCESS) {
             const Span spans[] = {
                 {a->kv, (size_t)a->kv_slots * 4, "kv cache", true},
@@ -600,6 +607,7 @@ mf_status mf_reference_forward(const mf_reference_args *caller, mf_stream_t stre
                 {a->input_ids, (size_t)a->rows * 4, "input ids", false},
                 {a->meta, (size_t)a->rows * 8, "row meta", false},
                 {a->tables, (size_t)a->table_words * 4, "block tables", false},
+                {a->advance, advance_bytes, "position advance", false},
             };
             status = refuse_overlaps(spans);
         }

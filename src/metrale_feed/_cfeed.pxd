@@ -317,6 +317,8 @@ cdef extern from "metrale_feed/feed.h" nogil:
         mf_dtype dtype
         void *logits
         uint32_t start
+        const uint32_t *advance
+        uint32_t advance_group
     void mf_reference_args_init(mf_reference_args *args)
     mf_status mf_reference_forward(const mf_reference_args *args, mf_stream_t stream)
 

@@ -612,10 +612,12 @@ cdef object device_words(object obj, void *ptr, size_t have):
 
 
 def reference_forward(input_ids, meta, tables, kv, kv_slots, block_size, rows, vocab, dtype,
-                      logits, stream=0, *, start=0):
+                      logits, stream=0, *, start=0, advance=None, advance_group=1):
     """The reference model's forward kernel (device arrays; see feed.h). For ReferenceModel.
     ``logits=None`` only writes the KV cache (prefill). The logits hold ``vocab`` columns, the ids
-    ``start`` to ``start + vocab`` (a rank's slice of a split vocabulary)."""
+    ``start`` to ``start + vocab`` (a rank's slice of a split vocabulary). ``advance`` (device,
+    ``ceil(rows / advance_group)`` uint32) adds ``advance[r // advance_group]`` to row ``r``'s
+    position when the kernel runs (a speculative step's advance, docs/speculative.md)."""
     cdef mf_reference_args a
     cdef uint64_t s
     cdef void *ptr
@@ -643,8 +645,15 @@ def reference_forward(input_ids, meta, tables, kv, kv_slots, block_size, rows, v
         a.vocab = <uint32_t>int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
         a.start = <uint32_t>int_of(start, "start", 0, MF_MAX_VOCAB - a.vocab)
         a.dtype = dtype_of(dtype)
+        if advance is not None:
+            a.advance_group = <uint32_t>int_of(advance_group, "advance_group", 1, MF_MAX_ROWS)
+            call.device(advance, &ptr, &have, "advance", False, True)
+            a.advance = <const uint32_t *>ptr
+            if have != <size_t>-1 and have < <size_t>((a.rows + a.advance_group - 1) // a.advance_group) * 4:
+                raise ValueError(f"advance: {have} bytes, fewer than one uint32 per group of "
+                                 f"{a.advance_group} of the {a.rows} rows")
         check(mf_reference_forward(&a, s))
-        note_capture(s, (input_ids, meta, tables, kv, logits))
+        note_capture(s, (input_ids, meta, tables, kv, logits, advance))
         call.done()
     finally:
         call.close()

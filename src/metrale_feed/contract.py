@@ -15,6 +15,8 @@ caller needs, naming it.
 ``Prefill``              ``prefill(seq, ids, stream)``
 ``BatchPrefill``         ``prefill_many(seqs, id_lists, stream)``: one forward for many
 ``DescribesFeed``        ``feed_info() -> FeedInfo``
+``VerifyStep``           ``decode_batch_verify(input_ids, seqs, k, stream, advance=None)``:
+                         a speculative step's forward over ``k + 1`` positions a row
 =======================  ==============================================================
 
 Sampling is declared by ``FeedInfo.sampling``: a model whose ``sample_batch_to_feed`` draws (the
@@ -28,7 +30,7 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence, Tuple, runtime
 from .kv import BlockPool, SequenceState
 
 __all__ = ["FeedInfo", "DeviceTokenFeed", "HostTokenDecode", "Prefill", "BatchPrefill",
-           "DescribesFeed", "DefersForward", "require", "feed_info_of"]
+           "DescribesFeed", "DefersForward", "VerifyStep", "require", "feed_info_of"]
 
 
 class FeedInfo(NamedTuple):
@@ -132,6 +134,17 @@ class DefersForward(Protocol):
     runs as the eager path does)."""
 
     def flush_forward(self, stream: Any) -> None: ...
+
+
+@runtime_checkable
+class VerifyStep(Protocol):
+    """A speculative step's forward (docs/speculative.md): row ``r`` reads its ``k + 1`` ids
+    from the device at ``r * (k + 1) + j`` and writes them at ``seq.seq_len (+ advance[r]) + j``;
+    logit row ``r * (k + 1) + j`` is the logits after that position; ``seq_len`` is left as it
+    is. ``advance`` (device, one uint32 a row) is needed at depth 2 only."""
+
+    def decode_batch_verify(self, input_ids: Any, seqs: Sequence[SequenceState], k: int,
+                            stream: Any = None, advance: Any = None) -> int: ...
 
 
 def require(model: Any, who: str, *protocols: Any) -> None:

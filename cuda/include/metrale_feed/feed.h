@@ -514,7 +514,10 @@ MF_EXPORT mf_status mf_top_logprobs(const mf_top_logprobs_args *args, mf_stream_
  * kv at that position, then logits row r (rows x vocab, dtype) is computed from the history:
  * column j holds the logit of id start + j, so a rank of a split vocabulary computes only its
  * slice, as a column-parallel LM head does (start 0: the whole row; start + vocab <= 2**24).
- * logits NULL: only the KV writes (a prefill, one row per position). */
+ * logits NULL: only the KV writes (a prefill, one row per position).
+ * advance (device, ceil(rows / advance_group) words, NULL: none) adds advance[r / advance_group]
+ * to row r's position, read when the kernel runs: a speculative step's rows * (k + 1) positions
+ * take their advance from the last verify (resolve_verified), which the host does not know yet. */
 typedef struct mf_reference_args {
     uint32_t struct_size; /* sizeof(mf_reference_args) where the caller was built: _init */
     const uint32_t *input_ids;
@@ -529,6 +532,8 @@ typedef struct mf_reference_args {
     mf_dtype dtype;
     void *logits;
     uint32_t start; /* the id of column 0 */
+    const uint32_t *advance; /* appended: device, per group of advance_group rows; NULL: none */
+    uint32_t advance_group;  /* rows that share an advance word, at least 1 with advance */
 } mf_reference_args;
 static inline void mf_reference_args_init(mf_reference_args *args) {
     memset(args, 0, sizeof *args);

@@ -20,6 +20,7 @@ void run_reference_forward(const mf_reference_args &a) {
     parallel_rows(a.rows, [&](uint32_t begin, uint32_t end) {
         for (uint32_t r = begin; r < end; ++r) {
             uint32_t pos = a.meta[2 * r], offset = a.meta[2 * r + 1];
+            if (a.advance) pos += a.advance[r / a.advance_group];  // wraps as uint32, as on the GPU
             if (!a.logits) {  // prefill: the write alone
                 uint64_t slot = slot_of(a, offset, pos);
                 if (slot < a.kv_slots) a.kv[slot] = a.input_ids[r];

@@ -16,6 +16,10 @@ Two ways to account for a reservation, for two callers:
   knows which launch each block is for; it counts a step's blocks itself and settles or discards
   them as a whole. A discarded step's block always leaves with its request (``free``), so there is
   no single entry to find.
+
+A speculative step (docs/speculative.md) writes up to ``2k + 2`` positions past a row's committed
+ones: ``extend`` covers them and ``trim`` gives back the blocks that hold only rejected positions
+once the step's counts are read.
 """
 
 from __future__ import annotations
@@ -254,6 +258,33 @@ class KvBudget:
         self.reserved_in_flight -= blocks
         self.rollbacks += blocks
         self.blocks_rolled_back += blocks
+
+    # ---- by a speculative step ----
+
+    def extend(self, seq: SequenceState, last: int) -> int:
+        """Blocks from the pool until ``seq``'s table covers position ``last``, counted as
+        reserved; the blocks added. ``KvPoolExhausted``: those added before it stay in the table
+        (the caller preempts, and ``free`` returns them)."""
+        bs, pool = self.block_size, self.pool
+        if bs is None or pool is None:
+            raise ValueError("KvBudget.extend needs the block size and the pool")
+        added = 0
+        while last // bs >= len(seq.block_table):
+            seq.block_table.append(pool.alloc())
+            self.reserved_blocks += 1
+            added += 1
+        return added
+
+    def trim(self, seq: SequenceState, positions: int) -> int:
+        """Give back the blocks of ``seq`` past its first ``positions`` positions (rejected
+        drafts' KV); the blocks returned."""
+        if self.block_size is None:
+            raise ValueError("KvBudget.trim needs the block size")
+        extra = len(seq.block_table) - -(-positions // self.block_size)
+        if extra <= 0:
+            return 0
+        self.model.release_decode_blocks(seq, extra)
+        return extra
 
     # ---- a sequence that leaves ----
 

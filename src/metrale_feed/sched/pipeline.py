@@ -315,9 +315,14 @@ class PipelineStats:
     """The router's counters plus the pipeline's own: ``steps`` (awaited), ``host_syncs`` (every
     wait of the host on the device: the router's, the model's and the pipeline's),
     ``rows_discarded`` (results thrown away for rows that finished, were aborted or preempted
-    with a step in flight), ``preemptions``, ``admitted``, ``finished``."""
+    with a step in flight), ``preemptions``, ``admitted``, ``finished``; with ``speculative=``
+    (docs/speculative.md): ``drafted`` (draft slots verified, ``k`` a row a step), ``accepted``
+    (drafts the target agreed with), ``emitted`` (ids the verify steps emitted, ``accepted`` plus
+    one a row a step), ``spec_discarded`` (emitted past a stop or ``max_new_tokens``, never
+    committed) and ``spec_blocks_returned`` (KV blocks that held only rejected positions)."""
 
-    _OWN = ("steps", "rows_discarded", "preemptions", "admitted", "finished")
+    _OWN = ("steps", "rows_discarded", "preemptions", "admitted", "finished", "drafted",
+            "accepted", "emitted", "spec_discarded", "spec_blocks_returned")
 
     def __init__(self, pipe: "DecodePipeline") -> None:
         self._pipe = pipe
@@ -326,12 +331,19 @@ class PipelineStats:
         self.preemptions = 0
         self.admitted = 0
         self.finished = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.emitted = 0
+        self.spec_discarded = 0
+        self.spec_blocks_returned = 0
 
     @property
     def host_syncs(self) -> int:
         pipe = self._pipe
         model_syncs = getattr(pipe.model, "host_syncs", 0) - pipe._model_syncs_at_start
-        return pipe.io.stats.host_syncs + model_syncs
+        spec = pipe._spec
+        spec_syncs = 0 if spec is None else spec.host_syncs + getattr(spec.drafter, "host_syncs", 0)
+        return pipe.io.stats.host_syncs + model_syncs + spec_syncs
 
     def __getattr__(self, name: str) -> int:
         if name.startswith("_"):
@@ -388,13 +400,24 @@ class DecodePipeline:
         Distinct ids a request with penalties may see (its distinct prompt ids plus
         ``max_new_tokens``); sizes the device tables, made at the first such request:
         ``max_rows * (32 + 8 * penalty_capacity + 2912)`` bytes (docs/penalties.md). Default 4096.
+    speculative : Drafter, optional
+        Speculative decoding (docs/speculative.md): each step the drafter proposes ``k`` ids a
+        row (``drafter.k``), the model's ``decode_batch_verify`` runs the ``k + 1`` positions of
+        every row in one forward, ``verify_to_feed`` keeps the accepted run, and the run is
+        committed up to a stop or ``max_new_tokens``. Greedy requests get exactly the tokens of
+        decoding without it. At depth 2 the next verify step is launched before the last one's
+        counts are read (its inputs and positions come from the device). Needs a model with
+        ``block_size`` and ``pool``, no shard, requests without penalties, and greedy requests
+        at depth 2. Default None: one token a row a step.
 
     Raises
     ------
     FeedError
         ``depth=2`` with a model whose ``supports_device_token_feed()`` is False.
     ValueError, TypeError
-        A bad depth, ``max_rows``, or a model without prefill or vocabulary.
+        A bad depth, ``max_rows``, or a model without prefill or vocabulary; a ``speculative``
+        that is not a drafter (no ``propose``, a ``k`` outside ``1..MAX_DRAFTS``) or that this
+        pipeline cannot run (see ``speculative``).
 
     Examples
     --------
@@ -413,7 +436,8 @@ class DecodePipeline:
 
     def __init__(self, model: ModelDeviceFeed, max_rows: int, *, depth: int = 2, stream: Any = 0,
                  vocab: Optional[int] = None, debug: Optional[bool] = None,
-                 shard: Any = None, penalty_capacity: int = 4096) -> None:
+                 shard: Any = None, penalty_capacity: int = 4096, speculative: Any = None) -> None:
+        self._spec: Any = None  # the SpeculativeStep (set last: close() needs the rest first)
         max_rows = _checks.integer(max_rows, "max_rows")
         # What the model can do is declared (metrale_feed.contract), read here once.
         require(model, "DecodePipeline", Prefill)
@@ -505,6 +529,23 @@ class DecodePipeline:
         self._penalised = False
         self._pen: Optional[PipelinePenalties] = None
         self._hook: Optional[PipelinePenalties] = None  # the last launch's, for the router
+        # Speculative decoding: each step drafts and verifies k positions past the input, so a
+        # request's KV may reach k positions past its last token's.
+        self._view: Any = _SeqView  # the running requests' KV views
+        self._extra_positions = 0
+        if speculative is not None:
+            from .speculative import SpeculativeStep, _SpecView
+
+            try:
+                self._spec = SpeculativeStep(self, speculative)
+            except BaseException:
+                self._closed = True
+                self.io.teardown()
+                if self._debug is not None:
+                    self._debug.close()
+                raise
+            self._view = _SpecView
+            self._extra_positions = self._spec.reach
 
     # ---- submission ----
 
@@ -641,6 +682,12 @@ class DecodePipeline:
             pen = None
         else:
             PipelinePenalties.check(self, prompt, max_new, stops, pen[4], self._penalty_capacity)
+        if pen is not None and self._spec is not None:
+            raise ValueError("penalties (and min_tokens) are not applied with speculative decoding "
+                             "yet: submit the request without them")
+        if sampling[0] > 0.0 and self._spec is not None and self.depth == 2:
+            raise ValueError("a sampled request with speculative decoding needs depth=1 (its "
+                             "draws' positions would be known on the device only)")
         lp = _checks.logprobs(logprobs, top_logprobs)
         if lp[1]:
             if getattr(self.model, "feed_shard", None) is not None:
@@ -659,11 +706,14 @@ class DecodePipeline:
             if not self._can_logprobs:
                 raise FeedError(f"{type(self.model).__name__}'s feed methods take no logprobs= "
                                 f"and logprobs_dst=: a request with logprobs=True cannot run on it")
+        if (lp[0] or lp[1]) and self._spec is not None:
+            raise ValueError("logprobs are not returned with speculative decoding yet: submit the "
+                             "request without logprobs or top_logprobs")
         if sampling[0] > 0.0 and not self._can_sample:
             raise FeedError(f"{type(self.model).__name__} declares no sampling (its feed_info() "
                             "says sampling=False: no sample_batch_to_feed): a request with "
                             "temperature > 0 cannot run on it")
-        blocks = self._blocks_for(len(prompt) + max_new - 1)
+        blocks = self._blocks_for(len(prompt) + max_new - 1 + self._extra_positions)
         if blocks is not None and self._pool is not None and blocks > self._pool.num_blocks:
             raise ValueError(f"the request needs {blocks} KV blocks at most (prompt "
                              f"{len(prompt)} + {max_new} new tokens); the pool has "
@@ -710,7 +760,8 @@ class DecodePipeline:
     @property
     def idle(self) -> bool:
         """Nothing waiting (or posted by another thread), running or in flight."""
-        return not (self._inbox or self._waiting or self._running or self._inflight)
+        return not (self._inbox or self._waiting or self._running or self._inflight
+                    or (self._spec is not None and self._spec.inflight))
 
     def step(self) -> List[Request]:
         """Advance one step: launch (up to ``depth`` in flight), then read the oldest.
@@ -734,11 +785,20 @@ class DecodePipeline:
                 raise FeedError("the pipeline is closed")
             self._drain()
             try:
-                while len(self._inflight) < self.depth and self._launch():
-                    pass
-                if self._inflight:
-                    self._await()
-                elif self._waiting and not self._running:
+                spec = self._spec
+                if spec is not None:
+                    while len(spec.inflight) < self.depth and spec.launch():
+                        pass
+                    ran = bool(spec.inflight)
+                    if ran:
+                        spec.await_oldest()
+                else:
+                    while len(self._inflight) < self.depth and self._launch():
+                        pass
+                    ran = bool(self._inflight)
+                    if ran:
+                        self._await()
+                if not ran and self._waiting and not self._running:
                     head = self._waiting[0]
                     raise FeedError(f"cannot admit {head!r}: the KV pool has too few free blocks "
                                     f"({self.budget.free_count}) and nothing runs")
@@ -791,7 +851,8 @@ class DecodePipeline:
             if len(batch) >= room:
                 break
             if pool is not None:
-                need = self._blocks_for(len(req.prompt) + len(req.tokens)) or 0
+                need = self._blocks_for(len(req.prompt) + len(req.tokens)
+                                        + self._extra_positions) or 0
                 if free < need:
                     break
                 free -= need
@@ -821,7 +882,7 @@ class DecodePipeline:
         view and no block, and the error propagates."""
         views, histories = [], []
         for req in reqs:
-            req._seq = _SeqView(req, req._order)
+            req._seq = self._view(req, req._order)
             req._base = 0
             views.append(req._seq)
             histories.append((list(req.prompt) + req.tokens)[:-1])
@@ -850,7 +911,7 @@ class DecodePipeline:
         if req.stop_ids:
             self._stop_union = self._stop_union | req.stop_ids
         bs = self._block_size
-        if bs is not None:  # the first launch whose position starts a block
+        if bs is not None and self._spec is None:  # the first launch whose position starts a block
             self._schedule(req, launch + (-req._base) % bs)
 
     def _schedule(self, req: Request, launch: int) -> None:
@@ -1135,6 +1196,8 @@ class DecodePipeline:
                     del table[key]
         req._bound = -1
         self._discard_in_flight(req)
+        if self._spec is not None:
+            self._spec.discard(req)
         self._release(req)
         if self._pen is not None:
             self._pen.leave(req)
@@ -1201,6 +1264,8 @@ class DecodePipeline:
                         self._debug.close()
                     if self._pen is not None:
                         self._pen.close()
+                    if self._spec is not None:
+                        self._spec.close()
 
     def __del__(self) -> None:
         # Dropped without close(): the model would keep the requests' KV blocks.

@@ -133,6 +133,7 @@ class ReferenceModel(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
         self._next_staging = 0
         self._closed = False
         self._fed_graphs = None
+        self._verify_logits: Optional[Any] = None  # decode_batch_verify's rows * (k + 1) rows
         if graphs:
             from .fed_graphs import FedGraphs
 
@@ -252,6 +253,84 @@ class ReferenceModel(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
         _core.resolve_feed(sources, cells, slot.dev[0], stream, prev_rows=self.feed_prev_rows)
         return self._forward(slot, len(seqs), stream)
 
+    def decode_batch_verify(self, input_ids: Any, seqs: Sequence[SequenceState], k: int,
+                            stream: Any = None, advance: Any = None) -> int:
+        """A speculative step's forward over ``k + 1`` positions a row (docs/speculative.md).
+
+        Row ``r`` reads its ids from the device array ``input_ids`` at ``r * (k + 1) + j`` (its
+        input at ``j = 0``, then its ``k`` drafts) and writes them into the KV cache at positions
+        ``seq.seq_len + j``; logit row ``r * (k + 1) + j`` is the logits after position
+        ``seq.seq_len + j``. The caller reserves the blocks of all ``k + 1`` positions first and
+        advances ``seq_len`` by the accepted count once it is read: ``seq_len`` and ``tokens``
+        are left as they are.
+
+        Parameters
+        ----------
+        input_ids : DeviceBuffer, int, or device array
+            ``len(seqs) * (k + 1)`` uint32 ids, read when the forward runs.
+        seqs : sequence of SequenceState
+        k : int
+            Drafts a row, at least 1; ``len(seqs) * (k + 1)`` at most ``MAX_ROWS``.
+        stream : Stream, int or stream-like, optional
+            Default: the model's stream.
+        advance : DeviceBuffer, int, or device array, optional
+            ``len(seqs)`` uint32, each at most ``k + 1`` (the last verify's ``n``, from
+            ``resolve_verified``), read when the forward runs: row ``r``'s positions start at
+            ``seq.seq_len + advance[r]``, so a step is launched before the host knows how far
+            the last one advanced. The block tables must then cover ``seq.seq_len + 2k + 1``.
+
+        Returns
+        -------
+        int
+            The device pointer of the ``len(seqs) * (k + 1)`` logit rows.
+
+        Raises
+        ------
+        ValueError
+            A bad ``k``, too many positions, or a block table that does not cover them.
+        FeedError
+            The model is closed.
+        """
+        stream = self.stream if stream is None else stream
+        k = index(k)
+        if self._closed:
+            raise FeedError("the reference model is closed")
+        rows = len(seqs)
+        if k < 1 or not 1 <= rows * (k + 1) <= _core.MAX_ROWS:
+            raise ValueError(f"a verify step takes 1 to {_core.MAX_ROWS} positions and k >= 1, "
+                             f"got {rows} rows and k={k}")
+        reach = k if advance is None else 2 * k + 1  # the last position a row may write
+        for seq in seqs:
+            if (seq.seq_len + reach) // self.block_size >= len(seq.block_table):
+                raise ValueError(f"the block table of {seq!r} does not cover position "
+                                 f"{seq.seq_len + reach}: reserve the positions first")
+        self._flush_graph_step()
+        need = max(1, rows * (k + 1) * self._width * _ITEMSIZE[self.feed_logits_dtype])
+        if self._verify_logits is None or self._verify_logits.nbytes < need:
+            if self._verify_logits is not None:
+                self._verify_logits.close()  # freed once the queued work has passed it
+                self._verify_logits = None
+            self._verify_logits = _core.DeviceBuffer(need)
+        row_seqs = [seq for seq in seqs for _ in range(k + 1)]
+        positions = [seq.seq_len + j for seq in seqs for j in range(k + 1)]
+        slot = self._stage(row_seqs, positions)
+        n = rows * (k + 1)
+        _core.copy_h2d_async(slot.dev[1], slot.host[1], stream)
+        _core.copy_h2d_async(slot.dev[2], slot.host[2], stream)
+        slot.event.record(stream)
+        # Two forwards: a row reads the KV its sequence's other rows write in the same launch
+        # (on a GPU, other blocks), so the first writes every position (no logits) and the
+        # second, in stream order behind it, writes the same ids again and reads whole histories.
+        kv_slots = self.pool.num_blocks * self.block_size
+        logits = self._verify_logits if self._width > 0 else None
+        for out in (None, logits):
+            _core.reference_forward(input_ids, slot.dev[1], slot.dev[2], self.kv, kv_slots,
+                                    self.block_size, n, max(self._width, 1),
+                                    self.feed_logits_dtype, out, stream,
+                                    start=self._start if out is not None else 0,
+                                    advance=advance, advance_group=k + 1)
+        return self._verify_logits.ptr
+
     def prefill(self, seq: SequenceState, ids: Sequence[int], stream: Any = None) -> None:
         """Write ``ids`` into the KV cache at positions ``seq.seq_len..``; no logits are computed.
 
@@ -341,6 +420,9 @@ class ReferenceModel(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
         self._staging = [None] * _STAGING_SLOTS
         self.kv.close()
         self.logits.close()
+        if self._verify_logits is not None:
+            self._verify_logits.close()
+            self._verify_logits = None
         self.close_device_feed()
 
     def __enter__(self) -> "ReferenceModel":

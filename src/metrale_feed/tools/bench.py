@@ -1228,6 +1228,9 @@ def main(args: Any) -> int:
     record["penalties"] = bench_penalties(args.quick)
     record["interop"] = bench_interop(args.quick)
     record["graphs"] = bench_graphs(args.quick)
+    from .bench_spec import bench_speculative
+
+    record["speculative"] = bench_speculative(args.quick)
     record["seconds"] = time.perf_counter() - start
     missed = [name for name, mark in _VERDICTS if mark != "met"]
     record["targets"] = {"met": len(_VERDICTS) - len(missed), "missed": missed}
@@ -1244,7 +1247,8 @@ def main(args: Any) -> int:
           and all(lv["same_tokens"] for lv in record["interop"].get("llama", {}).get("levels", []))
           and record["router"]["sampling"]["checked"]
           and record["penalties"]["checked"]
-          and record["graphs"]["checked"])
+          and record["graphs"]["checked"]
+          and record["speculative"]["checked"])
     if not ok:
         print("a correctness check failed: argmax ids or router tokens differ (sampled ones "
               "included)", file=sys.stderr)

@@ -40,9 +40,12 @@ template <class O>
 __global__ void __launch_bounds__(kThreads)
     mf_reference_kernel(const uint32_t *input_ids, const uint32_t *meta, const uint32_t *tables,
                         uint32_t table_words, uint32_t *kv, uint32_t kv_slots, uint32_t bs,
-                        uint32_t vocab, uint32_t start, typename O::T *logits) {
+                        uint32_t vocab, uint32_t start, typename O::T *logits,
+                        const uint32_t *advance, uint32_t advance_group) {
     __shared__ uint32_t row_hash;
-    const uint32_t r = blockIdx.x, pos = meta[2 * r], offset = meta[2 * r + 1];
+    const uint32_t r = blockIdx.x, offset = meta[2 * r + 1];
+    // A speculative step's advance (the last verify's n) is known on the device only.
+    const uint32_t pos = meta[2 * r] + (advance ? advance[r / advance_group] : 0u);
     if (threadIdx.x == 0) {
         const uint32_t slot = slot_of(tables, table_words, offset, pos, bs, kv_slots);
         if (slot < kv_slots) kv[slot] = input_ids[r];
@@ -79,7 +82,7 @@ template <class O>
 cudaError_t launch(const mf_reference_args &a, cudaStream_t stream) {
     MF_LAUNCH(a.rows, kThreads, 0, stream, mf_reference_kernel<O>)(
         a.input_ids, a.meta, a.tables, a.table_words, a.kv, a.kv_slots, a.block_size, a.vocab,
-        a.start, static_cast<typename O::T *>(a.logits));
+        a.start, static_cast<typename O::T *>(a.logits), a.advance, a.advance_group);
     return cudaGetLastError();
 }
 

@@ -1,0 +1,567 @@
+"""Speculative decoding through ``DecodePipeline`` (docs/speculative.md).
+
+A drafter proposes ``k`` ids a row into a device buffer, in stream order; the model's verify
+step runs the ``k + 1`` positions of each row (its input, then its drafts) in one forward;
+``verify_to_feed`` keeps the longest prefix the target rule agrees with and emits one id of the
+target's own, so a row advances ``1 <= n <= k + 1`` positions a step. ``SpeculativeStep`` is the
+pipeline's delegate for such steps: it reserves KV for the ``k + 1`` positions, gives back the
+blocks that hold only rejected positions once the counts are read, and commits the emitted ids up
+to a stop or ``max_new_tokens`` (the ids past it are discarded, never shown). At depth 2 the next
+step is launched before those counts are read: its inputs and positions come from the step in
+flight's cells on the device (``resolve_verified``), so the host waits once a step.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from typing import (TYPE_CHECKING, Any, Deque, List, Optional, Protocol, Sequence, Set, Tuple,
+                    runtime_checkable)
+
+from .. import _checks, _core
+from ..contract import VerifyStep, require
+from ..errors import KvPoolExhausted
+from ..feed import NO_TOKEN, FeedSource
+from ..kv import SequenceState
+
+if TYPE_CHECKING:
+    from .pipeline import DecodePipeline, Request
+
+__all__ = ["DraftBatch", "Drafter", "HostDrafter", "NGramDrafter", "SpeculativeStep", "check_drafter"]
+
+
+class DraftBatch:
+    """What a drafter is given for one step.
+
+    Parameters
+    ----------
+    rows, k : int
+    inputs : int
+    histories : list of list of int
+    seeds : list of int
+    masks : list of (int, int)
+    ahead : list of int, optional
+
+    Attributes
+    ----------
+    rows : int
+        Rows of the step.
+    k : int
+        Drafts a row to write.
+    inputs : int
+        Device pointer to ``rows`` uint32: each row's input id of this step, written in stream
+        order before ``propose`` is called: what a device-side head (EAGLE, MTP) reads.
+    histories : list of list of int
+        Each row's ids so far (prompt and committed tokens), the input id last.
+    seeds : list of int
+        Each request's ``seed``.
+    masks : list of (int, int)
+        Each row's ban pair (``NO_TOKEN`` where unused).
+    ahead : list of int
+        At depth 2, each row's index in the previous ``propose`` call's batch when that step is
+        still in flight, so its history lacks what that step emits (its input and position
+        are on the device); -1: the row's history is current.
+    """
+
+    __slots__ = ("rows", "k", "inputs", "histories", "seeds", "masks", "ahead")
+
+    def __init__(self, rows: int, k: int, inputs: Any, histories: List[List[int]],
+                 seeds: List[int], masks: List[Tuple[int, int]],
+                 ahead: Optional[List[int]] = None) -> None:
+        self.rows, self.k, self.inputs = rows, k, inputs
+        self.histories, self.seeds, self.masks = histories, seeds, masks
+        self.ahead = ahead if ahead is not None else [-1] * rows
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What ``DecodePipeline(..., speculative=)`` takes: ``k`` drafts a row a step.
+
+    ``propose(batch, out, stream)`` writes ``batch.rows * batch.k`` uint32 ids into the device
+    memory ``out`` (row ``r``'s drafts at words ``r * k ..``; ``NO_TOKEN`` ends a row's drafts
+    early), in stream order on ``stream``: the verify step queued after the call reads them. It
+    must not synchronise the host with the device (a host-side drafter stages its ids in pinned
+    memory and copies them asynchronously, as ``HostDrafter`` does).
+
+    Attributes
+    ----------
+    k : int
+        Drafts a row, 1 to ``MAX_DRAFTS``.
+    """
+
+    k: int
+
+    def propose(self, batch: DraftBatch, out: Any, stream: Any) -> None:
+        ...
+
+
+def check_drafter(drafter: Any) -> int:
+    """The drafter's ``k``, checked; a clear error for anything that is not a drafter."""
+    if not callable(getattr(drafter, "propose", None)):
+        raise TypeError(f"speculative= takes a drafter with propose(batch, out, stream) and k; "
+                        f"{type(drafter).__name__} has no propose method")
+    if not hasattr(drafter, "k"):
+        raise TypeError(f"speculative= takes a drafter with a k attribute (drafts a row); "
+                        f"{type(drafter).__name__} has none")
+    k = _checks.integer(drafter.k, "the drafter's k")
+    if not 1 <= k <= _core.MAX_DRAFTS:
+        raise ValueError(f"the drafter's k must be in [1, {_core.MAX_DRAFTS}], got {k}")
+    return k
+
+
+class _Upload:
+    """Host-computed drafts staged in pinned memory and copied to the device in stream order; a
+    slot is rewritten only once the event recorded after its copy says the copy has run."""
+
+    _SLOTS = 3
+
+    def __init__(self) -> None:
+        self.slots: List[Optional[Tuple[Any, Any]]] = [None] * self._SLOTS
+        self.next = 0
+        self.host_syncs = 0
+
+    def send(self, words: List[int], out: Any, stream: Any) -> None:
+        at = self.next
+        self.next = (at + 1) % self._SLOTS
+        slot = self.slots[at]
+        nbytes = 4 * len(words)
+        if slot is not None:
+            if not slot[1].query():  # only with more than _SLOTS proposals queued
+                self.host_syncs += 1
+                slot[1].synchronize()
+            if slot[0].nbytes < nbytes:
+                slot[0].close()
+                slot[1].close()
+                slot = None
+        if slot is None:
+            self.slots[at] = None  # a failed allocation leaves no closed slot behind
+            slot = (_core.PinnedBuffer(max(nbytes, 256)), _core.Event())
+            self.slots[at] = slot
+        view = memoryview(slot[0]).cast("B")
+        try:
+            view[:nbytes] = array("I", words).tobytes()
+            _core.copy_h2d_async(out, view[:nbytes], stream)
+        finally:
+            view.release()
+        slot[1].record(stream)
+
+    def close(self) -> None:
+        for slot in self.slots:
+            if slot is not None:
+                slot[0].close()
+                slot[1].close()
+        self.slots = [None] * self._SLOTS
+
+
+class HostDrafter:
+    """A drafter that computes its ids on the host from the rows' histories (``draft``) and
+    copies them to the device asynchronously, through a small ring of pinned buffers.
+
+    Parameters
+    ----------
+    k : int
+        Drafts a row, 1 to ``MAX_DRAFTS``.
+    """
+
+    def __init__(self, k: int) -> None:
+        k = _checks.integer(k, "k")
+        if not 1 <= k <= _core.MAX_DRAFTS:
+            raise ValueError(f"k must be in [1, {_core.MAX_DRAFTS}], got {k}")
+        self.k = k
+        self._upload = _Upload()
+        self._last: List[int] = []  # the last propose call's words (the step in flight)
+
+    def draft(self, history: Sequence[int], k: int, seed: int, mask: Tuple[int, int]) -> List[int]:
+        """``k`` drafts after ``history`` (the input id last); ``NO_TOKEN`` past the last."""
+        raise NotImplementedError
+
+    def after(self, history: Sequence[int], drafts: Sequence[int], seed: int,
+              mask: Tuple[int, int]) -> List[int]:
+        """At depth 2, a row's history once the step still in flight (whose input is
+        ``history[-1]`` and whose drafts were ``drafts``) is committed, as far as the drafter
+        can tell. The default keeps the history as it is: the drafts are then for earlier
+        positions, still exact, less often accepted."""
+        return list(history)
+
+    def propose(self, batch: DraftBatch, out: Any, stream: Any) -> None:
+        """Write ``draft`` of every row into ``out`` in stream order (see ``Drafter``)."""
+        k, last = batch.k, self._last
+        words: List[int] = []
+        for row, (history, seed, mask) in enumerate(zip(batch.histories, batch.seeds, batch.masks)):
+            at = batch.ahead[row]
+            if at >= 0 and len(last) >= (at + 1) * k:  # the step in flight: this drafter's
+                history = self.after(history, last[at * k:(at + 1) * k], seed, mask)
+            ids = list(self.draft(history, k, seed, mask))[:k]
+            words.extend(ids + [NO_TOKEN] * (k - len(ids)))
+        self._last = words
+        self._upload.send(words, out, stream)
+
+    @property
+    def host_syncs(self) -> int:
+        """Waits for a pinned slot still being copied (none while at most 3 steps are queued)."""
+        return self._upload.host_syncs
+
+    def close(self) -> None:
+        """Free the pinned ring (the pipeline calls it at its close)."""
+        self._upload.close()
+
+
+class NGramDrafter(HostDrafter):
+    """Prompt lookup: the ids that followed the latest earlier occurrence of the row's last
+    ``n`` ids (``n`` from ``max_n`` down to ``min_n``), up to ``k`` of them; ``NO_TOKEN`` where
+    none was found. Deterministic (one-hot drafts), no second model.
+
+    Parameters
+    ----------
+    k : int
+        Drafts a row, 1 to ``MAX_DRAFTS``.
+    max_n, min_n : int, optional
+        The longest and shortest suffix looked up (default 3 and 1).
+
+    Raises
+    ------
+    ValueError
+        ``k`` out of range, or not ``1 <= min_n <= max_n``.
+
+    Examples
+    --------
+    >>> from metrale_feed.sched.speculative import NGramDrafter
+    >>> NGramDrafter(3).lookup([5, 6, 7, 9, 5, 6], 3)
+    [7, 9, 5]
+    """
+
+    def __init__(self, k: int, max_n: int = 3, min_n: int = 1) -> None:
+        max_n, min_n = _checks.integer(max_n, "max_n"), _checks.integer(min_n, "min_n")
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n} and max_n={max_n}")
+        super().__init__(k)
+        self.max_n, self.min_n = max_n, min_n
+
+    def lookup(self, history: Sequence[int], k: int) -> List[int]:
+        """The ``k`` drafts after ``history`` (``NO_TOKEN`` past what the lookup found)."""
+        h = list(history)
+        for n in range(min(self.max_n, len(h) - 1), self.min_n - 1, -1):
+            suffix = h[-n:]
+            for start in range(len(h) - n - 1, -1, -1):  # the latest earlier occurrence first
+                if h[start:start + n] == suffix:
+                    found = h[start + n:start + n + k]
+                    return found + [NO_TOKEN] * (k - len(found))
+        return [NO_TOKEN] * k
+
+    def draft(self, history: Sequence[int], k: int, seed: int, mask: Tuple[int, int]) -> List[int]:
+        return self.lookup(history, k)
+
+
+class _SpecView(SequenceState):
+    """A speculative request's KV view: ``seq_len`` is the positions whose KV holds a committed
+    id (``req._base``: the prefilled history, then each step's input and accepted drafts), set
+    by prefill while the request waits and by ``SpeculativeStep`` once a step's counts are read."""
+
+    __slots__ = ("req",)
+
+    def __init__(self, req: "Request", slot_idx: int) -> None:
+        self.req = req
+        super().__init__(slot_idx)
+
+    @property
+    def seq_len(self) -> int:
+        return self.req._base
+
+    @seq_len.setter
+    def seq_len(self, value: int) -> None:
+        from .pipeline import RequestStatus
+
+        if self.req.status is not RequestStatus.RUNNING:  # prefill fills the cache
+            self.req._base = value
+
+    @property
+    def tokens(self) -> List[int]:
+        req = self.req
+        return (list(req.prompt) + req.tokens)[: req._base]
+
+    @tokens.setter
+    def tokens(self, value: List[int]) -> None:
+        pass  # derived from the request
+
+
+def _takes(fn: Any, name: str) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True  # no signature to read: the call itself will say
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+class _Slot:
+    """One launch's buffers: the drafts then the inputs (one device buffer, so one gather makes
+    the fed ids), the fed ids, the advance, the verify cells and their pinned copy, and the
+    resolved last ids and advances the next launch reads on the device."""
+
+    def __init__(self, rows: int, k: int) -> None:
+        self.drafts = _core.DeviceBuffer(rows * (k + 1) * 4)
+        self.fed = _core.DeviceBuffer(rows * (k + 1) * 4)
+        self.advance = _core.DeviceBuffer(rows * 4)
+        self.cells = _core.DeviceBuffer(rows * (k + 2) * 4)
+        self.dst = _core.PinnedBuffer(rows * (k + 2) * 4)
+        self.ids = _core.DeviceBuffer(rows * 4)
+        self.adv = _core.DeviceBuffer(rows * 4)
+        self.done = _core.Event()
+
+    def close(self) -> None:
+        for buf in (self.drafts, self.fed, self.advance, self.cells, self.dst, self.ids, self.adv):
+            buf.close()
+        self.done.close()
+
+
+class _Flight:
+    """A launched verify step: its rows, their row index, its slot, and the rows whose result
+    will be thrown away (finished, aborted or preempted while it was in flight)."""
+
+    __slots__ = ("rows", "index", "slot", "launch", "dead")
+
+    def __init__(self, rows: List["Request"], slot: _Slot, launch: int) -> None:
+        self.rows = rows
+        self.index = {id(r): i for i, r in enumerate(rows)}
+        self.slot = slot
+        self.launch = launch
+        self.dead: Set[int] = set()
+
+
+class SpeculativeStep:
+    """The pipeline's step when ``speculative=`` is given: draft, verify, then commit.
+
+    At depth 1 each step is launched and its counts read in the same ``step()`` call. At depth
+    2 the next step is launched before the last one's counts are read: a row that was in the
+    step in flight takes its input id and its position advance from that step's cells on the
+    device (``resolve_verified``, then a gather), so the host waits once a step.
+
+    Parameters
+    ----------
+    pipe : DecodePipeline
+    drafter : Drafter
+    """
+
+    def __init__(self, pipe: "DecodePipeline", drafter: Any) -> None:
+        k = check_drafter(drafter)
+        model: Any = pipe.model
+        require(model, "speculative decoding", VerifyStep)
+        if pipe.depth == 2 and not _takes(model.decode_batch_verify, "advance"):
+            raise TypeError(f"speculative decoding at depth 2 needs decode_batch_verify(..., "
+                            f"advance=) (positions advanced on the device); "
+                            f"{type(model).__name__}'s has no advance: use depth=1")
+        if pipe._block_size is None or pipe._pool is None:
+            raise TypeError("speculative decoding needs a model with block_size and pool (a "
+                            "BlockPool): the pipeline reserves the k + 1 positions itself")
+        if pipe.shard is not None:
+            raise ValueError("speculative decoding is not sharded yet (verify_to_feed takes no shard)")
+        rows = pipe.max_rows
+        if rows * (k + 1) > _core.MAX_ROWS:
+            raise ValueError(f"max_rows x (k + 1) = {rows * (k + 1)} logit rows is more than "
+                             f"{_core.MAX_ROWS}")
+        self.pipe, self.k, self.drafter = pipe, k, drafter
+        self.depth = pipe.depth
+        # Positions past a row's committed KV a step may write: its k + 1, after (depth 2) the
+        # up to k + 1 the step in flight advances it by.
+        self.reach = k if self.depth == 1 else 2 * k + 1
+        self.slots: List[_Slot] = []
+        try:
+            for _ in range(self.depth + 1):  # a slot is rewritten only after its step's await
+                self.slots.append(_Slot(rows, k))
+        except BaseException:
+            for slot in self.slots:
+                slot.close()
+            raise
+        self.next_slot = 0
+        self.inflight: Deque[_Flight] = deque()
+        self.host_syncs = 0
+        self._closed = False
+
+    # ---- KV ----
+
+    def _reserve(self, rows: List["Request"], reach: int) -> List["Request"]:
+        """Blocks for every row's positions up to ``_base + reach``; when the pool runs dry the
+        youngest running row gives its blocks back and waits to resume (recompute). Returns
+        the rows left."""
+        from .pipeline import RequestStatus, _order_of
+
+        pipe = self.pipe
+        for req in list(rows):
+            seq = req._seq
+            while req.status is RequestStatus.RUNNING and seq is not None:
+                try:
+                    pipe.budget.extend(seq, req._base + reach)
+                    break
+                except KvPoolExhausted:
+                    victim = max((r for r in rows if r.status is RequestStatus.RUNNING),
+                                 key=_order_of)
+                    pipe._preempt(victim)
+                    rows = [r for r in rows if r is not victim]
+        return rows
+
+    def _trim(self, req: "Request", ahead: bool) -> None:
+        """Give back the blocks that hold only rejected positions: past ``_base``, or past
+        ``_base + k`` while a step in flight (``ahead``) still writes from ``_base`` on."""
+        seq = req._seq
+        assert seq is not None
+        written = req._base + (self.k + 1 if ahead else 0)
+        self.pipe.stats.spec_blocks_returned += self.pipe.budget.trim(seq, written)
+
+    def discard(self, req: "Request") -> None:
+        """``req`` left the batch: its rows in the steps in flight are thrown away."""
+        for flight in self.inflight:
+            at = flight.index.get(id(req))
+            if at is not None and at not in flight.dead:
+                flight.dead.add(at)
+                self.pipe.stats.rows_discarded += 1
+
+    # ---- launching ----
+
+    def launch(self) -> bool:
+        """Queue one verify step of every running row (after admitting); False when none."""
+        pipe, k = self.pipe, self.k
+        launch = pipe._launches
+        if pipe._waiting and len(pipe._running) < pipe.max_rows:
+            pipe._admit(launch)
+        prev = self.inflight[-1] if self.inflight else None
+        running = list(pipe._running)
+        ahead = prev is not None and any(
+            prev.index.get(id(r), -1) >= 0 and prev.index[id(r)] not in prev.dead for r in running)
+        rows = self._reserve(running, self.reach if ahead else k)
+        if not rows:
+            return False
+        slot = self.slots[self.next_slot]
+        self.next_slot = (self.next_slot + 1) % len(self.slots)
+        n_rows, stream = len(rows), pipe.stream
+        histories = [list(r.prompt) + r.tokens for r in rows]
+        masks = [(int(r._mask[0]), int(r._mask[1])) for r in rows]
+        # Each row's index in the step in flight (its input and advance are there, on the
+        # device), or -1: its committed history is current.
+        at: List[int] = []
+        for r in rows:
+            i = -1 if prev is None else prev.index.get(id(r), -1)
+            at.append(-1 if prev is None or i in prev.dead else i)
+        inputs = slot.drafts.ptr + n_rows * k * 4
+        advanced = prev is not None and any(i >= 0 for i in at)
+        if advanced:
+            assert prev is not None
+            ids = [FeedSource.feed(i) if i >= 0 else FeedSource.host(h[-1])
+                   for i, h in zip(at, histories)]
+            _core.resolve_feed(ids, prev.slot.ids, inputs, stream, prev_rows=len(prev.rows))
+            steps = [FeedSource.feed(i) if i >= 0 else FeedSource.host(0) for i in at]
+            _core.resolve_feed(steps, prev.slot.adv, slot.advance, stream,
+                               prev_rows=len(prev.rows))
+        else:
+            _core.resolve_feed([FeedSource.host(h[-1]) for h in histories], slot.ids, inputs,
+                               stream, prev_rows=1)
+        self.drafter.propose(DraftBatch(n_rows, k, inputs, histories, [r.seed for r in rows],
+                                        masks, at), slot.drafts, stream)
+        # The fed ids, gathered on the device: row r's input, then its k drafts.
+        sources: List[int] = []
+        for row in range(n_rows):
+            sources.append(FeedSource.feed(n_rows * k + row))
+            sources.extend(FeedSource.feed(row * k + j) for j in range(k))
+        _core.resolve_feed(sources, slot.drafts, slot.fed, stream, prev_rows=n_rows * (k + 1))
+        model: Any = pipe.model  # a verify-capable model (checked at construction)
+        extra = {"advance": slot.advance} if advanced else {}
+        logits = model.decode_batch_verify(slot.fed, [r._seq for r in rows], k, stream, **extra)
+        vmasks = None
+        if any(r._ban is not None for r in rows):
+            vmasks = [m for m in masks for _ in range(k + 1)]  # one pair per logit row
+        params = None
+        if any(r.temperature > 0.0 for r in rows):  # depth 1 only (submit refuses them at 2)
+            import numpy as np
+
+            from ..sampling import SAMPLING_PARAMS_DTYPE
+
+            params = np.zeros(n_rows, SAMPLING_PARAMS_DTYPE)
+            for field in ("temperature", "top_k", "top_p", "min_p", "seed"):
+                params[field] = [getattr(r, field) for r in rows]
+            params["position"] = [len(h) for h in histories]  # the first emitted id's position
+        _core.verify_to_feed(logits, slot.drafts, slot.cells, slot.dst, slot.done, stream, k=k,
+                             masks=vmasks, params=params, rows=n_rows, vocab=pipe.vocab,
+                             dtype=pipe.info.logits_dtype,
+                             row_stride=getattr(model, "feed_row_stride", None))
+        if self.depth > 1:  # what the next launch reads before this one's counts are known
+            _core.resolve_verified(slot.cells, slot.ids, slot.adv, stream, rows=n_rows, k=k)
+        pipe._launches = launch + 1
+        pipe.io.stats.launches += 1
+        if self.inflight:
+            pipe.io.stats.ahead_launches += 1
+        self.inflight.append(_Flight(rows, slot, launch))
+        return True
+
+    # ---- awaiting ----
+
+    def await_oldest(self) -> None:
+        """Wait for the oldest step in flight (the step's one host wait) and commit it."""
+        pipe = self.pipe
+        flight = self.inflight.popleft()
+        pipe.stats.steps += 1
+        try:
+            self.host_syncs += 1
+            flight.slot.done.synchronize()
+        except BaseException as exc:
+            self._drop_all()
+            pipe._fault(flight.launch, 0, exc)
+            raise
+        got = _core.read_pinned_u32(flight.slot.dst.ptr, len(flight.rows) * (self.k + 2))
+        self._commit(flight, got)
+
+    def _drop_all(self) -> None:
+        """After a fault: the steps still in flight are waited for and thrown away."""
+        for later in self.inflight:
+            try:
+                later.slot.done.synchronize()
+            except Exception:
+                pass  # the same fault, reported again: nothing of it is kept either way
+            self.pipe.stats.steps += 1
+            self.pipe.stats.rows_discarded += len(later.rows) - len(later.dead)
+        self.inflight.clear()
+
+    def _commit(self, flight: _Flight, got: Sequence[int]) -> None:
+        from .pipeline import RequestStatus
+
+        k, stats, pipe = self.k, self.pipe.stats, self.pipe
+        later = self.inflight[0] if self.inflight else None
+        for i, req in enumerate(flight.rows):
+            if i in flight.dead or req.status is not RequestStatus.RUNNING:
+                continue
+            at = i * (k + 2)
+            n = got[at]
+            stats.drafted += k
+            stats.accepted += n - 1
+            stats.emitted += n
+            req._base += n  # the input and the n - 1 accepted drafts now hold committed KV
+            finish = None
+            for j in range(n):
+                token = got[at + 1 + j]
+                req.tokens.append(token)
+                if token in req.stop_ids and len(req.tokens) >= req.min_tokens:
+                    finish = RequestStatus.FINISHED_STOPPED
+                elif len(req.tokens) >= req.max_new_tokens:
+                    finish = RequestStatus.FINISHED_LENGTH
+                if finish is not None:
+                    stats.spec_discarded += n - 1 - j  # emitted past the stop: never shown
+                    break
+            if finish is not None:
+                pipe._finish(req, finish)
+            else:
+                ahead = later is not None and later.index.get(id(req), -1) >= 0 and \
+                    later.index[id(req)] not in later.dead
+                self._trim(req, ahead)
+
+    def close(self) -> None:
+        """Wait for the steps in flight, free the buffers and the drafter's (its ``close``)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._drop_all()
+        finally:
+            for slot in self.slots:
+                slot.close()
+            close = getattr(self.drafter, "close", None)
+            if callable(close):
+                close()

@@ -1,0 +1,568 @@
+"""DecodePipeline(..., speculative=): greedy speculative decoding gives exactly the tokens of the
+pipeline without it (and of the host oracle), whatever the drafter's acceptance; the verify
+counts match what the drafter's own rule predicts; KV blocks all come back."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+import pytest
+
+import metrale_feed as mf
+from metrale_feed import DecodePipeline, FeedError
+from metrale_feed.feed import NO_TOKEN
+from metrale_feed.sched.speculative import HostDrafter, NGramDrafter
+from metrale_feed.testing.drafter import ReferenceDrafter
+
+from conftest import VOCAB, greedy_tokens, model_for, prompts
+
+
+def _requests(n, seed):
+    """(prompt, max_new_tokens, stops, ban) of ``n`` requests: prompts of 1 to 20 ids, some
+    with a stop id taken from their own trajectory (so it falls inside an accepted run), some
+    with a ban."""
+    rng = random.Random(seed)
+    out = []
+    for i, p in enumerate(prompts(n, seed=seed)):
+        max_new = rng.choice([1, 2, 3, 7, 12, 19])
+        ban = (greedy_tokens(p, 1, VOCAB)[0], NO_TOKEN) if i % 4 == 3 else None
+        traj = greedy_tokens(p, max_new, VOCAB, ban=ban)
+        stops = (traj[rng.randrange(len(traj))],) if i % 3 == 0 else ()
+        out.append((p, max_new, stops, ban))
+    return out
+
+
+def _run(model, requests, speculative=None, rows=4, abort=None, depth=1, **submit):
+    with DecodePipeline(model, rows, depth=depth, speculative=speculative) as pipe:
+        reqs = [pipe.submit(p, max_new_tokens=m, stop_ids=s, ban=b, **submit)
+                for p, m, s, b in requests]
+        if abort is not None:
+            at, victim = abort
+            for _ in range(at):
+                pipe.step()
+            pipe.abort(reqs[victim])
+        pipe.run()
+        stats = pipe.stats.as_dict()
+    return reqs, stats
+
+
+def _drafters(k):
+    return [NGramDrafter(k), ReferenceDrafter(VOCAB, k, 0.0), ReferenceDrafter(VOCAB, k, 0.5),
+            ReferenceDrafter(VOCAB, k, 1.0)]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("which", range(4), ids=["ngram", "a0", "a0.5", "a1"])
+def test_greedy_tokens_equal_the_pipeline_without_speculation(host, no_leaks, k, which, depth):
+    requests = _requests(9, seed=k)
+    with model_for() as model:
+        plain, _ = _run(model, requests, depth=depth)
+        spec, stats = _run(model, requests, _drafters(k)[which], depth=depth)
+        assert model.pool.free_count == model.pool.num_blocks
+    for a, b, (p, m, s, ban) in zip(plain, spec, requests):
+        assert b.tokens == a.tokens == greedy_tokens(p, m, VOCAB, stops=s, ban=ban)
+        assert b.finish_reason == a.finish_reason
+        assert b.finish_reason == ("stop" if s and b.tokens[-1] in s else "length")
+    assert stats["drafted"] == k * stats["emitted"] - k * stats["accepted"]  # k a row a step
+    assert stats["emitted"] - stats["spec_discarded"] == sum(len(r.tokens) for r in spec)
+    assert stats["host_syncs"] == stats["steps"]
+    assert (stats["ahead_launches"] > 0) == (depth == 2)
+
+
+def _expected_counts(drafter, requests, seed=0):
+    """Each request alone, stepped as the pipeline steps it: the accepted run of a step is the
+    drafter's leading agreeing positions; returns (drafted, accepted, emitted, discarded)."""
+    k = drafter.k
+    drafted = accepted = emitted = discarded = 0
+    for p, max_new, stops, ban in requests:
+        traj = greedy_tokens(p, max_new, VOCAB, stops=stops, ban=ban)
+        done = 0
+        while done < len(traj):
+            position = len(p) + done  # the first draft's position
+            m = 0
+            while m < k and drafter.agrees(seed, position + m):
+                m += 1
+            drafted += k
+            accepted += m
+            emitted += m + 1
+            take = min(m + 1, len(traj) - done)
+            discarded += m + 1 - take
+            done += take
+    return drafted, accepted, emitted, discarded
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
+def test_acceptance_is_the_drafters_setting(host, no_leaks, k, acceptance, depth):
+    # At depth 2 the reference drafter drafts after what the step in flight will commit (the
+    # rule is known on the host), so every committed step is the one of depth 1.
+    requests = _requests(7, seed=10 + k)
+    drafter = ReferenceDrafter(VOCAB, k, acceptance)
+    with model_for() as model:
+        spec, stats = _run(model, requests, drafter, depth=depth)
+        assert model.pool.free_count == model.pool.num_blocks
+    for req, (p, m, s, ban) in zip(spec, requests):
+        assert req.tokens == greedy_tokens(p, m, VOCAB, stops=s, ban=ban)
+    got = (stats["drafted"], stats["accepted"], stats["emitted"], stats["spec_discarded"])
+    assert got == _expected_counts(drafter, requests)
+    if acceptance == 1.0:
+        assert stats["accepted"] == stats["drafted"] > 0
+    if acceptance == 0.0:
+        assert stats["accepted"] == 0
+        assert stats["emitted"] == sum(len(r.tokens) for r in spec)  # one token a row a step
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_stop_inside_an_accepted_run_discards_the_rest(host, no_leaks, depth):
+    p = [3, 1, 4, 1, 5]
+    traj = greedy_tokens(p, 10, VOCAB)
+    stop = traj[1]
+    assert stop not in traj[:1]
+    with model_for() as model:
+        spec, stats = _run(model, [(p, 10, (stop,), None), (p, 3, (), None)],
+                           ReferenceDrafter(VOCAB, 4, 1.0), depth=depth)
+        assert model.pool.free_count == model.pool.num_blocks
+    assert spec[0].tokens == traj[:2] and spec[0].finish_reason == "stop"
+    assert spec[1].tokens == traj[:3] and spec[1].finish_reason == "length"
+    # One step each: 5 emitted, 2 and 3 kept; at depth 2 a second step was launched before
+    # the first one's counts were read, and both its rows are thrown away.
+    assert stats["steps"] == depth and stats["emitted"] == 10 and stats["spec_discarded"] == 5
+    assert stats["rows_discarded"] == 2 * (depth - 1)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_an_abort_between_verify_steps(host, no_leaks, depth):
+    requests = [(p, 19, (), None) for p in prompts(4, seed=3)]
+    with model_for() as model:
+        spec, stats = _run(model, requests, ReferenceDrafter(VOCAB, 2, 0.5), abort=(2, 1),
+                           depth=depth)
+        assert model.pool.free_count == model.pool.num_blocks
+    for i, (req, (p, m, s, ban)) in enumerate(zip(spec, requests)):
+        traj = greedy_tokens(p, m, VOCAB)
+        if i == 1:
+            assert req.finish_reason == "abort"
+            assert 2 <= len(req.tokens) < m and req.tokens == traj[:len(req.tokens)]
+        else:
+            assert req.tokens == traj and req.finish_reason == "length"
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_preemption_with_a_small_pool_keeps_the_tokens(host, no_leaks, depth):
+    requests = [(p, 12, (), None) for p in prompts(6, seed=8, lo=5, hi=12)]
+    with model_for(num_blocks=14) as model:
+        spec, stats = _run(model, requests, ReferenceDrafter(VOCAB, 4, 0.5), depth=depth)
+        assert model.pool.free_count == model.pool.num_blocks
+    assert stats["preemptions"] > 0
+    for req, (p, m, s, ban) in zip(spec, requests):
+        assert req.tokens == greedy_tokens(p, m, VOCAB)
+
+
+def test_sampled_rows_with_top_k_1_are_the_greedy_tokens(host, no_leaks):
+    # top_k = 1 leaves the argmax alone: a draft is accepted exactly when it is the argmax,
+    # and a rejection draws the argmax, so the sampled rule gives the greedy tokens.
+    requests = [(p, 9, (), None) for p in prompts(4, seed=5)]
+    with model_for() as model:
+        spec, stats = _run(model, requests, ReferenceDrafter(VOCAB, 3, 0.5), temperature=0.7,
+                           top_k=1, seed=3)
+    for req, (p, m, s, ban) in zip(spec, requests):
+        assert req.tokens == greedy_tokens(p, m, VOCAB)
+    assert 0 < stats["accepted"] < stats["drafted"]
+
+
+def test_sampled_rows_are_reproducible_and_in_the_vocabulary(host, no_leaks):
+    requests = [(p, 8, (), None) for p in prompts(3, seed=6)]
+    runs = []
+    for rows in (1, 3):  # alone or batched: the same draws
+        with model_for() as model:
+            spec, _ = _run(model, requests, ReferenceDrafter(VOCAB, 2, 0.5), rows=rows,
+                           temperature=1.0, seed=11)
+        runs.append([r.tokens for r in spec])
+    assert runs[0] == runs[1]
+    assert all(len(t) == 8 and all(0 <= x < VOCAB for x in t) for t in runs[0])
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_backend_gives_the_greedy_tokens(backend, no_leaks, dtype, depth):
+    requests = _requests(4, seed=2)
+    with model_for(logits_dtype=dtype) as model:
+        spec, stats = _run(model, requests, ReferenceDrafter(VOCAB, 2, 0.5, dtype), depth=depth)
+        assert model.pool.free_count == model.pool.num_blocks
+    for req, (p, m, s, ban) in zip(spec, requests):
+        assert req.tokens == greedy_tokens(p, m, VOCAB, dtype, stops=s, ban=ban)
+    assert stats["accepted"] > 0
+
+
+def test_the_ngram_lookup_against_a_brute_force_oracle():
+    rng = random.Random(0)
+    drafter = NGramDrafter(3, max_n=3, min_n=1)
+    for _ in range(300):
+        h = [rng.randrange(4) for _ in range(rng.randint(1, 12))]
+        want = [NO_TOKEN] * 3
+        for n in (3, 2, 1):
+            if n >= len(h):
+                continue
+            hits = [s for s in range(len(h) - n) if h[s:s + n] == h[-n:]]
+            if hits:
+                found = h[hits[-1] + n:hits[-1] + n + 3]
+                want = found + [NO_TOKEN] * (3 - len(found))
+                break
+        assert drafter.lookup(h, 3) == want
+    drafter.close()
+
+
+def test_the_ngram_drafter_accepts_what_the_model_repeats(host, no_leaks):
+    # A prompt s + [x] + s whose greedy next id is x: the lookup of the suffix s finds x.
+    from metrale_feed.testing.reference import host_next_token
+
+    rng = random.Random(1)
+    prompt = None
+    while prompt is None:
+        s = [rng.randrange(VOCAB) for _ in range(3)]
+        for x in range(VOCAB):
+            if host_next_token(s + [x] + s, VOCAB) == x:
+                prompt = s + [x] + s
+                break
+    with model_for() as model:
+        spec, stats = _run(model, [(prompt, 6, (), None)], NGramDrafter(1))
+    assert spec[0].tokens == greedy_tokens(prompt, 6, VOCAB)
+    assert spec[0].tokens[0] == prompt[3] and stats["accepted"] >= 1
+
+
+class _NoPropose:
+    k = 2
+
+
+class _BadK(HostDrafter):
+    def __init__(self, k):
+        super().__init__(1)
+        self.k = k
+
+    def draft(self, history, k, seed, mask):
+        return []
+
+
+@pytest.mark.parametrize("drafter, error, match", [
+    (_NoPropose(), TypeError, "propose"),
+    (object(), TypeError, "propose"),
+    (_BadK(0), ValueError, "k must be in"),
+    (_BadK(mf.MAX_DRAFTS + 1), ValueError, "k must be in"),
+    (_BadK(2.0), TypeError, "k"),
+])
+def test_a_bad_drafter_is_refused_at_construction(host, no_leaks, drafter, error, match):
+    with model_for() as model:
+        with pytest.raises(error, match=match):
+            DecodePipeline(model, 4, depth=1, speculative=drafter)
+    if isinstance(drafter, HostDrafter):
+        drafter.close()
+
+
+@pytest.mark.parametrize("k", [0, mf.MAX_DRAFTS + 1])
+def test_the_shipped_drafters_refuse_k_out_of_range(k):
+    with pytest.raises(ValueError, match="k must be in"):
+        NGramDrafter(k)
+    with pytest.raises(ValueError, match="k must be in"):
+        ReferenceDrafter(VOCAB, k, 0.5)
+
+
+def test_what_the_pipeline_cannot_run_speculatively_is_refused(host, no_leaks):
+    drafter = ReferenceDrafter(VOCAB, 4, 0.5)
+    with model_for() as model:
+        with pytest.raises(ValueError, match="logit rows"):
+            with model_for(rows=1000) as big:
+                DecodePipeline(big, 1000, depth=1, speculative=drafter)
+        with DecodePipeline(model, 4, depth=1, speculative=drafter) as pipe:
+            with pytest.raises(ValueError, match="penalties"):
+                pipe.submit([1, 2], max_new_tokens=3, presence_penalty=0.5)
+            with pytest.raises(ValueError, match="logprobs"):
+                pipe.submit([1, 2], max_new_tokens=3, logprobs=True)
+            with pytest.raises(ValueError, match="logprobs"):
+                pipe.submit([1, 2], max_new_tokens=3, top_logprobs=2)
+            with pytest.raises(ValueError, match="KV blocks"):
+                pipe.submit([1] * 790, max_new_tokens=8)  # fits without the k drafted positions
+            assert pipe.idle
+        with DecodePipeline(model, 4, speculative=drafter) as pipe:  # depth 2, the default
+            with pytest.raises(ValueError, match="depth=1"):
+                pipe.submit([1, 2], max_new_tokens=3, temperature=0.5)
+            with pytest.raises(ValueError, match="KV blocks"):  # 2k + 1 positions ahead
+                pipe.submit([1] * 788, max_new_tokens=8)
+    drafter.close()
+    with pytest.raises(ValueError):
+        ReferenceDrafter(1, 2, 0.5)
+    with pytest.raises(ValueError):
+        ReferenceDrafter(VOCAB, 2, 1.5)
+
+
+def test_a_model_without_a_verify_step_is_refused(host, no_leaks):
+    class Plain:
+        def __init__(self, model):
+            self._m = model
+
+        def __getattr__(self, name):
+            if name == "decode_batch_verify":
+                raise AttributeError(name)
+            return getattr(self._m, name)
+
+    drafter = NGramDrafter(2)
+    with model_for() as model:
+        with pytest.raises(TypeError, match="decode_batch_verify"):
+            DecodePipeline(Plain(model), 4, depth=1, speculative=drafter)
+    drafter.close()
+
+
+# ---- schedules, dtypes, graphs and faults ----
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from test_pipeline_schedules import schedules  # noqa: E402
+
+
+@settings(max_examples=80, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(schedules(), st.integers(1, 8), st.sampled_from([0.0, 0.5, 1.0]),
+       st.sampled_from([0, 0, 50]), st.sampled_from([1, 2]))
+def test_schedules_match_greedy_decoding_with_speculation(host, schedule, k, acceptance, lag_us,
+                                                          depth):
+    """The pipeline's property schedules (random submissions between steps, stops on the first
+    token and later, bans, aborts, more requests than rows, pools that force preemption, host
+    lag, three logits dtypes) with a drafter of any k and acceptance: greedy tokens exact."""
+    from metrale_feed.testing.reference import ReferenceModel
+
+    vocab, dtype, block_size, max_rows, num_blocks, ops = schedule
+    longest = max([len(a[0]) + a[1] - 1 for kind, a in ops if kind == "submit"] + [1])
+    reach = k if depth == 1 else 2 * k + 1  # positions a step may write past the committed
+    num_blocks = max(num_blocks, -(-(longest + reach) // block_size))
+    mf.configure_host(lag_us=lag_us)
+    before = mf.live_objects()
+    submitted = []
+    try:
+        drafter = ReferenceDrafter(vocab, k, acceptance, dtype)
+        with ReferenceModel(vocab, block_size=block_size, num_blocks=num_blocks,
+                            max_rows=max_rows, logits_dtype=dtype) as model:
+            with DecodePipeline(model, max_rows, depth=depth, speculative=drafter) as pipe:
+                finished = []
+                for kind, arg in ops:
+                    if kind == "submit":
+                        prompt, max_new, stops, ban = arg
+                        req = pipe.submit(prompt, max_new_tokens=max_new, stop_ids=stops, ban=ban)
+                        submitted.append((req, arg))
+                    elif kind == "step" and not pipe.idle:
+                        finished += pipe.step()
+                    elif kind == "abort" and submitted:
+                        pipe.abort(submitted[arg % len(submitted)][0])
+                finished += pipe.run()
+                assert sorted(map(id, finished)) == sorted(id(r) for r, _ in submitted)
+                stats = pipe.stats
+                assert stats.host_syncs == stats.steps
+                assert stats.drafted == k * (stats.emitted - stats.accepted)
+                if acceptance == 0.0:
+                    assert stats.accepted == 0
+                if acceptance == 1.0:
+                    assert stats.accepted == stats.drafted
+            assert model.pool.free_count == num_blocks, "KV blocks leaked"
+        for req, (prompt, max_new, stops, ban) in submitted:
+            expected = greedy_tokens(prompt, max_new, vocab, dtype, stops=stops, ban=ban)
+            assert req.finished
+            if req.finish_reason == "abort":
+                assert req.tokens == expected[: len(req.tokens)]
+                continue
+            assert req.tokens == expected
+            assert req.finish_reason == ("stop" if req.tokens[-1] in stops else "length")
+    finally:
+        mf.configure_host()
+    import gc
+
+    gc.collect()
+    assert mf.live_objects() == before
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_graphs_model_gives_the_same_tokens(host, no_leaks, depth):
+    requests = _requests(5, seed=9)
+    with model_for(graphs=True) as model:
+        spec, _ = _run(model, requests, ReferenceDrafter(VOCAB, 3, 0.5), depth=depth)
+        plain, _ = _run(model, requests)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_fault_in_a_verify_step_fails_the_running_requests_only(host, no_leaks, depth):
+    from metrale_feed import RequestStatus
+    from metrale_feed.testing.reference import ReferenceModel
+
+    class VerifyFault(ReferenceModel):
+        forwards = 0
+
+        def decode_batch_verify(self, input_ids, seqs, k, stream=None, advance=None):
+            logits = super().decode_batch_verify(input_ids, seqs, k, stream, advance)
+            VerifyFault.forwards += 1
+            if VerifyFault.forwards == 2:
+                def boom():
+                    raise RuntimeError("injected fault in a verify step")
+                mf.launch_host_func(stream, boom)
+            return logits
+
+    VerifyFault.forwards = 0
+    ps = prompts(5, seed=4)
+    with VerifyFault(VOCAB, block_size=4, num_blocks=120, max_rows=2) as model:
+        with DecodePipeline(model, 2, depth=depth,
+                            speculative=ReferenceDrafter(VOCAB, 2, 0.5)) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=12) for p in ps]
+            pipe.step()
+            with pytest.raises(FeedError, match="injected fault"):
+                pipe.step()
+            failed = [r for r in reqs if r.status is RequestStatus.FINISHED_ERROR]
+            assert failed == reqs[:2] and all("injected fault" in r.error for r in failed)
+            assert all(r.status is RequestStatus.WAITING for r in reqs[2:])
+            pipe.run()
+        assert model.pool.free_count == model.pool.num_blocks
+    for req, p in zip(reqs, ps):
+        want = greedy_tokens(p, 12, VOCAB)
+        if req.finish_reason == "error":
+            assert 1 <= len(req.tokens) < 12 and req.tokens == want[: len(req.tokens)]
+        else:
+            assert req.tokens == want and req.finish_reason == "length"
+
+
+class _Garbage(HostDrafter):
+    """Drafts no model would accept: ids past the vocabulary, NO_TOKEN first on odd rows."""
+
+    def draft(self, history, k, seed, mask):
+        if len(history) % 2:
+            return [NO_TOKEN] + [VOCAB + 7] * (k - 1)
+        return [VOCAB + j for j in range(k)]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_placeholder_and_out_of_vocabulary_drafts_are_never_accepted(host, no_leaks, depth):
+    requests = _requests(6, seed=12)
+    with model_for() as model:
+        spec, stats = _run(model, requests, _Garbage(3), depth=depth)
+        assert model.pool.free_count == model.pool.num_blocks
+    for req, (p, m, s, ban) in zip(spec, requests):
+        assert req.tokens == greedy_tokens(p, m, VOCAB, stops=s, ban=ban)
+    assert stats["accepted"] == 0 and stats["emitted"] == sum(len(r.tokens) for r in spec)
+
+
+class _Aborting(ReferenceDrafter):
+    """Aborts a request from inside a step (its verify step about to run): the abort is
+    posted and applies when the step ends."""
+
+    pipe = victim = None
+    calls = 0
+
+    def propose(self, batch, out, stream):
+        _Aborting.calls += 1
+        if _Aborting.calls == 3:
+            self.pipe.abort(self.victim)
+            assert not self.victim.finished  # posted: the step in progress is not disturbed
+        super().propose(batch, out, stream)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_an_abort_posted_while_a_verify_step_runs(host, no_leaks, depth):
+    ps = prompts(3, seed=13)
+    drafter = _Aborting(VOCAB, 2, 0.5)
+    _Aborting.calls = 0
+    with model_for() as model:
+        with DecodePipeline(model, 4, depth=depth, speculative=drafter) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=15) for p in ps]
+            drafter.pipe, drafter.victim = pipe, reqs[0]
+            pipe.run()
+        assert model.pool.free_count == model.pool.num_blocks
+    assert reqs[0].finish_reason == "abort"
+    assert 2 <= len(reqs[0].tokens) < 15
+    assert reqs[0].tokens == greedy_tokens(ps[0], 15, VOCAB)[: len(reqs[0].tokens)]
+    for req, p in zip(reqs[1:], ps[1:]):
+        assert req.tokens == greedy_tokens(p, 15, VOCAB) and req.finish_reason == "length"
+
+
+def test_depth_2_needs_a_verify_step_that_takes_the_advance(host, no_leaks, greedy):
+    from metrale_feed.testing.reference import ReferenceModel
+
+    class NoAdvance(ReferenceModel):
+        def decode_batch_verify(self, input_ids, seqs, k, stream=None):
+            return super().decode_batch_verify(input_ids, seqs, k, stream)
+
+    drafter = ReferenceDrafter(VOCAB, 2, 0.5)
+    with NoAdvance(VOCAB, block_size=4, num_blocks=50, max_rows=2) as model:
+        with pytest.raises(TypeError, match="advance"):
+            DecodePipeline(model, 2, depth=2, speculative=drafter)
+        with DecodePipeline(model, 2, depth=1, speculative=drafter) as pipe:
+            req = pipe.submit([4, 5], max_new_tokens=6)
+            pipe.run()
+    assert req.tokens == greedy([4, 5], 6, VOCAB)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_kv_blocks_hold_the_committed_positions_after_every_step(host, no_leaks, depth):
+    """After each step's commit a running request keeps the blocks of its committed KV and, at
+    depth 2 while it is in the step in flight, of the k + 1 positions that step writes; the
+    rejected positions' blocks are back in the pool."""
+    k, bs = 4, 2
+    drafter = ReferenceDrafter(VOCAB, k, 0.3)
+    with model_for(block_size=bs, num_blocks=400) as model:
+        with DecodePipeline(model, 4, depth=depth, speculative=drafter) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=30) for p in prompts(4, seed=21)]
+            while not pipe.idle:
+                pipe.step()
+                held = 0
+                for req in reqs:
+                    if req.finished:
+                        continue
+                    written = req._base + (k + 1 if depth == 2 else 0)
+                    assert len(req._seq.block_table) == -(-written // bs)
+                    held += len(req._seq.block_table)
+                assert model.pool.num_blocks - model.pool.free_count == held
+            assert pipe.stats.spec_blocks_returned > 0
+        assert model.pool.free_count == model.pool.num_blocks
+    for req, p in zip(reqs, prompts(4, seed=21)):
+        assert req.tokens == greedy_tokens(p, 30, VOCAB)
+
+
+def _sampled_spec_tokens(prompt, max_new, drafter, *, temperature, top_k=0, top_p=1.0, seed=0):
+    """The oracle of a sampled request alone: each step, the drafter's drafts, the reference
+    logits of its k + 1 positions (``host_logits``), one host ``verify_to_feed`` row with the
+    params' position at the first emitted id; the emitted ids committed up to max_new."""
+    from metrale_feed.testing.reference import host_logits
+
+    k, history, out = drafter.k, list(prompt), []
+    with mf.DeviceBuffer((k + 1) * VOCAB * 4) as logits, mf.DeviceBuffer((k + 2) * 4) as cells, \
+            mf.Event() as done:
+        while len(out) < max_new:
+            drafts = drafter.draft(history, k, seed, (NO_TOKEN, NO_TOKEN))
+            rows = np.stack([host_logits(history + drafts[:j], VOCAB) for j in range(k + 1)])
+            mf.copy_h2d_async(logits, np.ascontiguousarray(rows, np.float32))
+            params = mf.sampling_params(1, temperature=temperature, top_k=top_k, top_p=top_p,
+                                        seed=seed, position=len(history))
+            dst = np.zeros(k + 2, np.uint32)
+            mf.verify_to_feed(logits, np.asarray(drafts, np.uint32), cells, dst, done, k=k,
+                              params=params, rows=1, vocab=VOCAB, dtype="float32")
+            done.synchronize()
+            n = int(dst[0])
+            for token in dst[1:1 + n].tolist():
+                if len(out) < max_new:
+                    out.append(token)
+                    history.append(token)
+    return out
+
+
+@pytest.mark.parametrize("filters", [dict(), dict(top_k=20), dict(top_p=0.5)])
+def test_sampled_rows_match_the_verify_rule_over_each_request_alone(host, no_leaks, filters):
+    # The reference logits are close together in [0, 1): a low temperature makes the argmax
+    # likely enough that drafts are accepted as well as rejected.
+    drafter = ReferenceDrafter(VOCAB, 3, 0.5)
+    requests = [(p, 10, (), None) for p in prompts(4, seed=31)]
+    with model_for() as model:
+        spec, stats = _run(model, requests, drafter, temperature=0.01, seed=5, **filters)
+    assert 0 < stats["accepted"] < stats["drafted"]
+    for req, (p, m, s, ban) in zip(spec, requests):
+        assert req.tokens == _sampled_spec_tokens(p, m, drafter, temperature=0.01, seed=5,
+                                                  **filters)
+        assert req.tokens != greedy_tokens(p, m, VOCAB) or filters.get("top_p") == 0.5
