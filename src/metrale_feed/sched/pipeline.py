@@ -4,8 +4,9 @@ The routers launch steps and read their ids back; what to launch, which token a 
 a row's step in flight is thrown away and where its KV blocks go is decided here, in one place:
 
 - a request's committed tokens are ``Request.tokens`` and nothing else; its ``SequenceState`` is a
-  view of them (``_SeqView``): ``seq_len`` counts the positions whose ids are known and whose KV
-  the launched steps wrote, so no model, router or caller pushes tokens;
+  read-only view of them (``_SeqView``): ``seq_len`` counts the positions whose ids are known and
+  whose KV the launched steps wrote, so no model, router or caller pushes tokens (a model's push
+  of an id the pipeline holds is checked, any other write raises);
 - every running row is in every launch from the one it joins to its last, so a row's position,
   its block boundaries and its length limit are known from the launch number alone, and a step
   costs Python work per row only to hand each row its token.
@@ -192,7 +193,7 @@ class Request:
         self._ban = ban
         self._mask = ban if ban is not None else _UNMASKED_PAIR
         self._pipe = pipe
-        self._seq: Optional[_SeqView] = None  # from its prefill until it leaves the batch
+        self._seq: Optional[_RequestView] = None  # from its prefill until it leaves the batch
         self._join = 0  # the launch number of its first step since (re)admission (RUNNING)
         self._last = -1  # the launch number of its last possible step
         self._base = 0  # positions whose KV prefill wrote
@@ -252,17 +253,81 @@ class Request:
         return f"Request(prompt={len(self.prompt)} ids, tokens={len(self.tokens)}, {state})"
 
 
-class _SeqView(SequenceState):
-    """A running request's KV bookkeeping, derived from the request: ``tokens`` and ``seq_len``
-    follow its committed tokens and the steps launched for it, so the pipeline is their one
-    owner. Writes to ``seq_len`` count only while prefill fills the cache; after the first
-    launch, a model's own push (the synchronous ``decode_batch`` path) changes nothing."""
+_OWNED = ("the pipeline owns a running request's committed tokens (Request.tokens): its "
+          "SequenceState.tokens is a read-only view of them")
+
+
+class _CommittedTokens(list):  # type: ignore[type-arg]
+    """``SequenceState.tokens`` of a running request: a snapshot of the first ``seq_len`` ids of
+    ``prompt + tokens``. A model may push the ids it writes (``append``/``extend``, as it does on
+    a ``SequenceState`` of its own) when each one is the id the pipeline already holds at that
+    position: the pipeline commits it itself, so the push only checks. Any other write raises
+    ``FeedError``: a dropped write would be a silent loss of what the model meant."""
+
+    __slots__ = ("_history",)
+
+    def __init__(self, history: List[int], length: int) -> None:
+        super().__init__(history[:length])
+        self._history = history
+
+    def append(self, token: Any) -> None:
+        at = len(self)
+        history = self._history
+        if at >= len(history) or history[at] != token:
+            known = history[at] if at < len(history) else "not known yet"
+            raise FeedError(f"{_OWNED}; a push of id {token!r} at position {at} differs from "
+                            f"the pipeline's ({known})")
+        super().append(token)
+
+    def extend(self, tokens: Iterable[Any]) -> None:
+        for token in tokens:
+            self.append(token)
+
+    def __iadd__(self, tokens: Iterable[Any]) -> "_CommittedTokens":  # type: ignore[override,misc]
+        self.extend(tokens)
+        return self
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise FeedError(f"{_OWNED}: only a push of the id it holds is accepted")
+
+    insert = pop = remove = clear = sort = reverse = _refuse  # type: ignore[assignment]
+    __setitem__ = __delitem__ = __imul__ = _refuse  # type: ignore[assignment]
+
+
+class _RequestView(SequenceState):
+    """A running request's KV bookkeeping, derived from the request, so the pipeline is the one
+    owner of its tokens: ``tokens`` reads ``_CommittedTokens`` (a push of the id the pipeline
+    holds is checked and accepted, any other write raises ``FeedError``; ``seq.tokens = ...``
+    raises too), and a subclass says what ``seq_len`` is."""
 
     __slots__ = ("req",)
 
     def __init__(self, req: Request, slot_idx: int) -> None:
+        # SequenceState.__init__ would assign tokens and seq_len: both are derived here.
         self.req = req
-        super().__init__(slot_idx)
+        self.slot_idx = slot_idx
+        self.block_table: List[int] = []
+
+    @property
+    def tokens(self) -> List[int]:
+        req = self.req
+        return _CommittedTokens(list(req.prompt) + req.tokens, self.seq_len)
+
+    @tokens.setter
+    def tokens(self, value: List[int]) -> None:
+        raise FeedError(f"{_OWNED}: it cannot be assigned")
+
+    def _undo_push(self) -> None:
+        """The router's undo of a pushed step that never ran: the push changed nothing here."""
+
+
+class _SeqView(_RequestView):
+    """``seq_len`` follows the request's committed tokens and the steps launched for it. Writes
+    to ``seq_len`` count only while prefill fills the cache; after the first launch a model's
+    own advance (the synchronous ``decode_batch`` path) changes nothing: the launch number says
+    it. A model's push of each step's input is checked by ``tokens`` (``_CommittedTokens``)."""
+
+    __slots__ = ()
 
     @property
     def seq_len(self) -> int:
@@ -280,15 +345,6 @@ class _SeqView(SequenceState):
         status = self.req.status
         if status is _WAITING or status is _PREEMPTED:
             self.req._base = value
-
-    @property
-    def tokens(self) -> List[int]:
-        req = self.req
-        return (list(req.prompt) + req.tokens)[: self.seq_len]
-
-    @tokens.setter
-    def tokens(self, value: List[int]) -> None:
-        pass  # derived: see the class docstring
 
 
 class _Step:
