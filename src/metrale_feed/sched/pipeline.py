@@ -193,14 +193,17 @@ class Request:
         self._ban = ban
         self._mask = ban if ban is not None else _UNMASKED_PAIR
         self._pipe = pipe
-        self._seq: Optional[_RequestView] = None  # from its prefill until it leaves the batch
-        self._join = 0  # the launch number of its first step since (re)admission (RUNNING)
+        # What ``status`` says is not repeated here: a request has a view (``_seq``) exactly
+        # while it is RUNNING (and during its prefill), and the launch numbers below are set
+        # when it joins and read only while it runs. -1 is "no such launch".
+        self._seq: Optional[_RequestView] = None  # its KV view, from its prefill until it leaves
+        self._join = 0  # the launch number of its first step since (re)admission
         self._last = -1  # the launch number of its last possible step
         self._base = 0  # positions whose KV prefill wrote
         self._order = order  # submission order (set when the loop takes it in): the youngest
         # running one is preempted first
-        self._bound = -1  # the launch at which its next KV block is reserved
-        self._reserved_at = -1  # the last launch that reserved a block for it
+        self._bound = -1  # the launch at which its next KV block is reserved, if one is due
+        self._reserved_at = -1  # the last launch that reserved a block for it, if any
         self._pos0 = 0  # its position at launch L is _pos0 + L (set when it joins)
         self.temperature, self.top_k, self.top_p, self.min_p, self.seed = sampling
         # Penalties (docs/penalties.md): None when every one is neutral (no slot, no op).
@@ -918,7 +921,13 @@ class DecodePipeline:
         prefill_many = self._prefill_many
         if prefill_many is None:  # one request at a time; stop at the first that does not fit
             for count, req in enumerate(batch):
-                if not self._prefill([req], self.model.prefill, False):  # type: ignore[attr-defined]
+                try:
+                    fits = self._prefill([req], self.model.prefill, False)  # type: ignore[attr-defined]
+                except BaseException:
+                    for done in batch[:count]:  # they stay waiting, so with no view or block
+                        self._release(done)
+                    raise
+                if not fits:
                     batch = batch[:count]
                     break
         elif not self._prefill(batch, prefill_many, True):
@@ -1235,11 +1244,9 @@ class DecodePipeline:
                     self.budget.discard(1)
 
     def _release(self, req: Request) -> None:
-        """Every uncommitted reservation rolled back, every block back to the pool."""
-        seq = req._seq
-        if seq is None:
-            return
-        self.budget.free(seq)
+        """Every uncommitted reservation rolled back, every block back to the pool. ``req`` has a
+        view: it runs, or its prefill is being undone (a request has one exactly then)."""
+        self.budget.free(req._seq)  # type: ignore[arg-type]
         req._seq = None
 
     def _leave(self, req: Request) -> None:

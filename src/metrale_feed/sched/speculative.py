@@ -370,17 +370,17 @@ class SpeculativeStep:
         """Blocks for every row's positions up to ``_base + reach``; when the pool runs dry the
         youngest running row gives its blocks back and waits to resume (recompute). Returns
         the rows left."""
-        from .pipeline import RequestStatus, _order_of
+        from .pipeline import _order_of
 
         pipe = self.pipe
         for req in list(rows):
             seq = req._seq
-            while req.status is RequestStatus.RUNNING and seq is not None:
+            while req.status is _RUNNING:  # so it has a view (seq); a preempted one has none
                 try:
-                    pipe.budget.extend(seq, req._base + reach)
+                    pipe.budget.extend(seq, req._base + reach)  # type: ignore[arg-type]
                     break
                 except KvPoolExhausted:
-                    victim = max((r for r in rows if r.status is RequestStatus.RUNNING),
+                    victim = max((r for r in rows if r.status is _RUNNING),
                                  key=_order_of)
                     pipe._preempt(victim)
                     rows = [r for r in rows if r is not victim]
