@@ -922,7 +922,8 @@ class DecodePipeline:
         if prefill_many is None:  # one request at a time; stop at the first that does not fit
             for count, req in enumerate(batch):
                 try:
-                    fits = self._prefill([req], self.model.prefill, False)  # type: ignore[attr-defined]
+                    prefill = self.model.prefill  # type: ignore[attr-defined]
+                    fits = self._prefill([req], prefill, False)
                 except BaseException:
                     for done in batch[:count]:  # they stay waiting, so with no view or block
                         self._release(done)

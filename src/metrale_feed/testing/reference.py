@@ -607,8 +607,7 @@ def reference_tokens(prompt: Sequence[int], max_new: int, vocab: int, dtype: str
             if greedy:
                 token = host_next_token(history, vocab, dtype, mask)
             else:
-                token = _sampled_next_token(history, mask, sampling, vocab, dtype,  # type: ignore[arg-type]
-                                            buffers)
+                token = _sampled_next_token(history, mask, sampling or {}, vocab, dtype, buffers)
             out.append(token)
             history.append(token)
             if token in stops:
