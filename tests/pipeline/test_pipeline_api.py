@@ -262,9 +262,14 @@ def test_the_sequence_view_refuses_writes_it_would_drop(host, no_leaks, write):
 def test_the_sequence_view_accepts_the_pushes_of_prefill_and_decode(host, no_leaks, greedy):
     """What the reference model pushes on the synchronous path (its prefill's history, then
     each step's input) is the pipeline's own history: accepted, and the view reads it back."""
+
+    def push(seq, token):
+        seen.append(list(seq.tokens))
+        seq.tokens += [token]  # the same push again, as ``+=``: checked, and changes nothing
+
     with PushesModel(VOCAB, block_size=3, num_blocks=60, max_rows=2) as model:
         seen = []
-        model.push = lambda seq, token: seen.append(list(seq.tokens))
+        model.push = push
         with DecodePipeline(model, 2, depth=1) as pipe:
             p = [5, 6, 7]
             req = pipe.submit(p, max_new_tokens=4)

@@ -300,8 +300,8 @@ class _CommittedTokens(list):  # type: ignore[type-arg]
 class _RequestView(SequenceState):
     """A running request's KV bookkeeping, derived from the request, so the pipeline is the one
     owner of its tokens: ``tokens`` reads ``_CommittedTokens`` (a push of the id the pipeline
-    holds is checked and accepted, any other write raises ``FeedError``; ``seq.tokens = ...``
-    raises too), and a subclass says what ``seq_len`` is."""
+    holds is checked and accepted, ``seq.tokens += ids`` too; any other write raises
+    ``FeedError``, ``seq.tokens = ...`` too), and a subclass says what ``seq_len`` is."""
 
     __slots__ = ("req",)
 
@@ -318,6 +318,8 @@ class _RequestView(SequenceState):
 
     @tokens.setter
     def tokens(self, value: List[int]) -> None:
+        if isinstance(value, _CommittedTokens):
+            return  # ``seq.tokens += ids``: each id was checked by the push
         raise FeedError(f"{_OWNED}: it cannot be assigned")
 
     def _undo_push(self) -> None:
