@@ -208,3 +208,60 @@ def test_numpy_only_rounding_matches_the_dtype(dtype):
 def test_a_cache_past_uint32_slots_is_refused():
     with pytest.raises(ValueError, match="below 2\\*\\*32"):
         ReferenceModel(16, block_size=16, num_blocks=2**28)
+
+
+def _native_sampled(prompt, max_new, vocab, dtype, mask, stops, sampling):
+    """An independent statement of a sampled request alone: the sampler over the logits in the
+    model's own dtype (``host_logits``, ``ml_dtypes`` for bfloat16), not widened to float32."""
+    history, out = list(prompt), []
+    itemsize = 4 if dtype == "float32" else 2
+    with metrale_feed.DeviceBuffer(vocab * itemsize) as logits, \
+            metrale_feed.DeviceBuffer(4) as cells, metrale_feed.Event() as done:
+        while len(out) < max_new:
+            row = np.ascontiguousarray(host_logits(history, vocab, dtype)).view(np.uint8)
+            metrale_feed.copy_h2d_async(logits, row)
+            params = metrale_feed.sampling_params(1, position=len(history), **sampling)
+            dst = np.zeros(1, np.uint32)
+            metrale_feed.sample_to_feed(logits, params, cells, dst, done,
+                                        masks=np.array([mask], np.uint32), vocab=vocab,
+                                        dtype=dtype)
+            done.synchronize()
+            out.append(int(dst[0]))
+            history.append(out[-1])
+            if out[-1] in stops:
+                break
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_reference_tokens_is_the_one_oracle_of_the_demo_and_the_tests(host, dtype):
+    """``reference_tokens`` decodes one request alone: greedy is ``host_next_token`` step by
+    step (a mask, a stop committed last), sampled is the sampler over the model's own dtype at
+    position ``len(history)``; the demo's ``host_reference`` is that same oracle."""
+    from metrale_feed.testing.reference import reference_tokens
+    from metrale_feed.tools import demo
+
+    vocab, none = 300, 0xFFFFFFFF
+    rng = random.Random(11)
+    for _ in range(6):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 9))]
+        mask = (host_next_token(prompt, vocab, dtype), rng.randrange(vocab))
+        history, want = list(prompt), []
+        for _ in range(7):
+            want.append(host_next_token(history, vocab, dtype, mask))
+            history.append(want[-1])
+        assert reference_tokens(prompt, 7, vocab, dtype, mask=mask) == want
+        stop = want[3]
+        cut = want[: want.index(stop) + 1]
+        assert reference_tokens(prompt, 7, vocab, dtype, mask=mask, stops={stop, vocab + 5}) == cut
+        assert demo.host_reference(prompt, mask, stop, 7, vocab, dtype) == cut
+        assert demo.host_reference(prompt, (none, none), none, 7, vocab, dtype) == \
+            reference_tokens(prompt, 7, vocab, dtype)
+
+        sampling = {"temperature": 1.3, "top_k": rng.choice([0, 40]), "top_p": 0.9,
+                    "seed": rng.getrandbits(64)}
+        drawn = _native_sampled(prompt, 7, vocab, dtype, mask, (), sampling)
+        assert reference_tokens(prompt, 7, vocab, dtype, mask=mask, sampling=sampling) == drawn
+        assert demo.host_reference(prompt, mask, drawn[2], 7, vocab, dtype, sampling) == \
+            drawn[: drawn.index(drawn[2]) + 1]
+        assert drawn != want  # the draw is not the argmax here: the sampled path was taken

@@ -45,6 +45,12 @@ class SequenceState:
         self.seq_len = 0
         self.block_table: List[int] = []
 
+    def _undo_push(self) -> None:
+        """Take back a host-token step's push (``decode_batch`` pushed its input and advanced
+        ``seq_len``) when the step never ran. A scheduler's view of its own tokens overrides it."""
+        self.tokens.pop()
+        self.seq_len -= 1
+
     def __repr__(self) -> str:
         return (f"SequenceState(slot_idx={self.slot_idx}, seq_len={self.seq_len}, "
                 f"blocks={len(self.block_table)})")

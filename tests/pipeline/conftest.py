@@ -1,11 +1,10 @@
-"""Fixtures of the decode pipeline tests: the greedy oracle over ``host_next_token``."""
+"""Fixtures of the decode pipeline tests: the reference-token oracle (``reference_tokens``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from metrale_feed.feed import NO_TOKEN
-from metrale_feed.testing.reference import ReferenceModel, host_next_token
+from metrale_feed.testing.reference import ReferenceModel, reference_tokens
 
 VOCAB = 211  # the pipeline tests' vocabulary: prime, so no row width is a vector multiple
 
@@ -24,20 +23,10 @@ def prompts(n, seed=0, lo=1, hi=20):
 
 
 def greedy_tokens(prompt, max_new, vocab, dtype="float32", stops=(), ban=None, switch=None):
-    """What greedy decoding of the request alone gives: ``host_next_token`` step by step, the
-    stop id committed as the last token. ``switch=(k, ban2)``: tokens from index ``k`` on are
-    taken under ``ban2``."""
-    history, out = list(prompt), []
-    while len(out) < max_new:
-        mask = ban
-        if switch is not None and len(out) >= switch[0]:
-            mask = switch[1]
-        token = host_next_token(history, vocab, dtype, tuple(mask) if mask else (NO_TOKEN, NO_TOKEN))
-        out.append(token)
-        history.append(token)
-        if token in stops:
-            break
-    return out
+    """What greedy decoding of the request alone gives: the shared oracle ``reference_tokens``
+    (``host_next_token`` step by step, the stop id committed as the last token).
+    ``switch=(k, ban2)``: tokens from index ``k`` on are taken under ``ban2``."""
+    return sampled_tokens(prompt, max_new, vocab, dtype, stops, ban, switch=switch)
 
 
 @pytest.fixture
@@ -45,37 +34,22 @@ def greedy():
     return greedy_tokens
 
 
-def sampled_tokens(prompt, max_new, vocab, dtype="float32", stops=(), ban=None, *,
-                   temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0):
-    """What decoding of the request alone gives: at each step the host backend's
-    ``sample_to_feed`` over one row, the reference model's logits (``host_logits``) at position
-    ``len(prompt) + len(tokens)``; the stop id committed as the last token. Needs the host
-    backend active (the ``host`` fixture)."""
-    import numpy as np
+def sampled_tokens(prompt, max_new, vocab, dtype="float32", stops=(), ban=None, *, switch=None,
+                   **sampling):
+    """What decoding of the request alone gives: the shared oracle ``reference_tokens``, at each
+    step the host backend's ``sample_to_feed`` over one row of the reference logits at position
+    ``len(prompt) + len(tokens)`` (``host_next_token`` with no temperature); the stop id
+    committed as the last token. Needs the host backend active (the ``host`` fixture) when it
+    samples. ``switch=(k, ban2)`` as for ``greedy_tokens``."""
+    if sampling.get("temperature", 0.0) > 0.0:
+        import metrale_feed as mf
 
-    import metrale_feed as mf
-    from metrale_feed.testing.reference import host_logits
-
-    assert mf.backend() in ("host", "simt")
-    mask = np.array([tuple(ban) if ban else (NO_TOKEN, NO_TOKEN)], np.uint32)
-    history, out = list(prompt), []
-    itemsize = 4 if dtype == "float32" else 2
-    with mf.DeviceBuffer(vocab * itemsize) as logits, mf.DeviceBuffer(4) as cells, \
-            mf.Event() as done:
-        while len(out) < max_new:
-            row = np.ascontiguousarray(host_logits(history, vocab, dtype)).view(np.uint8)
-            mf.copy_h2d_async(logits, row)
-            params = mf.sampling_params(1, temperature=temperature, top_k=top_k, top_p=top_p,
-                                        min_p=min_p, seed=seed, position=len(history))
-            dst = np.zeros(1, np.uint32)
-            mf.sample_to_feed(logits, params, cells, dst, done, masks=mask, vocab=vocab,
-                              dtype=dtype)
-            done.synchronize()
-            token = int(dst[0])
-            out.append(token)
-            history.append(token)
-            if token in stops:
-                break
+        assert mf.backend() in ("host", "simt")
+    first = max_new if switch is None else min(switch[0], max_new)
+    out = reference_tokens(prompt, first, vocab, dtype, mask=ban, stops=stops, sampling=sampling)
+    if len(out) == first < max_new and not (out and out[-1] in stops):
+        out += reference_tokens(list(prompt) + out, max_new - first, vocab, dtype, mask=switch[1],
+                                stops=stops, sampling=sampling)
     return out
 
 

@@ -216,6 +216,96 @@ def test_a_model_without_the_device_feed_runs_at_depth_1_only(host, no_leaks, gr
         assert model.pool.free_count == 60
 
 
+class PushesModel(NoFeedModel):
+    """The synchronous path with a model that pushes ``push(seq, token)`` instead of its input."""
+
+    def decode_batch(self, tokens, seqs, stream=None):
+        logits = super().decode_batch(tokens, seqs, stream)  # pushes its inputs (accepted)
+        for token, seq in zip(tokens, seqs):
+            self.push(seq, token)
+        return logits
+
+
+@pytest.mark.parametrize("write", ["wrong id", "extend", "assign", "item", "clear", "pop",
+                                   "iadd"])
+def test_the_sequence_view_refuses_writes_it_would_drop(host, no_leaks, write):
+    """A running request's ``SequenceState.tokens`` is the pipeline's: a model's push of the id
+    it writes is accepted (the pipeline commits it itself), any other write raises FeedError
+    naming the owner instead of being dropped, and nothing of the refused step is committed."""
+
+    def push(seq, token):
+        if write == "wrong id":
+            seq.tokens.append((token + 1) % VOCAB)
+        elif write == "extend":
+            seq.tokens.extend([token, token])
+        elif write == "assign":
+            seq.tokens = [token]
+        elif write == "item":
+            seq.tokens[0] = token
+        elif write == "clear":
+            seq.tokens.clear()
+        elif write == "pop":
+            seq.tokens.pop()
+        else:
+            tokens = seq.tokens
+            tokens += [(token + 1) % VOCAB]
+
+    with PushesModel(VOCAB, block_size=3, num_blocks=60, max_rows=2) as model:
+        model.push = push
+        with DecodePipeline(model, 2, depth=1) as pipe:
+            req = pipe.submit([5, 6, 7], max_new_tokens=4)
+            with pytest.raises(FeedError, match="the pipeline owns"):
+                pipe.step()
+            assert req.tokens == [] and not req.finished
+
+
+def test_the_sequence_view_accepts_the_pushes_of_prefill_and_decode(host, no_leaks, greedy):
+    """What the reference model pushes on the synchronous path (its prefill's history, then
+    each step's input) is the pipeline's own history: accepted, and the view reads it back."""
+
+    def push(seq, token):
+        seen.append(list(seq.tokens))
+        seq.tokens += [token]  # the same push again, as ``+=``: checked, and changes nothing
+
+    with PushesModel(VOCAB, block_size=3, num_blocks=60, max_rows=2) as model:
+        seen = []
+        model.push = push
+        with DecodePipeline(model, 2, depth=1) as pipe:
+            p = [5, 6, 7]
+            req = pipe.submit(p, max_new_tokens=4)
+            pipe.run()
+            out = greedy(p, 4, VOCAB)
+            assert req.tokens == out
+            history = p + out
+            assert seen == [history[:n] for n in range(len(p) - 1, len(p) + 3)]
+
+
+def test_a_refused_host_token_step_is_undone_through_the_view(host, no_leaks, greedy):
+    """The feed method raises after ``decode_batch`` pushed its inputs: the router's undo of the
+    push goes through the view (which the push never changed), so the step raises the model's
+    own error, not the view's, and the next ``step()`` carries on exactly."""
+
+    class FlakyFeed(NoFeedModel):
+        calls = 0
+
+        def argmax_batch_to_feed(self, *args, **kwargs):
+            FlakyFeed.calls += 1
+            if FlakyFeed.calls == 2:
+                raise FeedError("injected: the feed method failed")
+            return super().argmax_batch_to_feed(*args, **kwargs)
+
+    ps = prompts(2, seed=3, lo=2, hi=4)
+    with FlakyFeed(VOCAB, block_size=3, num_blocks=60, max_rows=2) as model:
+        with DecodePipeline(model, 2, depth=1) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=5) for p in ps]
+            pipe.step()
+            with pytest.raises(FeedError, match="injected"):
+                pipe.step()
+            pipe.run()
+            assert [r.tokens for r in reqs] == [greedy(p, 5, VOCAB) for p in ps]
+        assert model.pool.free_count == 60
+
+
 def test_constructor_checks(host, no_leaks):
     with model_for(2) as model:
         with pytest.raises(ValueError, match="depth"):

@@ -157,6 +157,35 @@ def test_a_prefill_that_raises_leaves_nothing_behind(host, no_leaks, greedy):
         assert model.pool.free_count == 50
 
 
+def test_a_one_by_one_prefill_that_raises_admits_none_of_its_batch(host, no_leaks, greedy):
+    """A model without ``prefill_many`` is prefilled one request at a time: when the second one's
+    prefill raises, the first one (already prefilled) is not left waiting with a view and its
+    blocks (the status says waiting, so it has neither); the whole admission is undone and is
+    retried by the next step."""
+
+    class OneByOne(ReferenceModel):
+        prefill_many = None  # the capability is not there: one prefill per request
+        calls = 0
+
+        def prefill(self, seq, ids, stream=None):
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("injected: the second prefill failed")
+            ReferenceModel.prefill_many(self, [seq], [ids], stream)
+
+    ps = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]]
+    with OneByOne(VOCAB, block_size=2, num_blocks=60, max_rows=3) as model:
+        with DecodePipeline(model, 3) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=4) for p in ps]
+            with pytest.raises(RuntimeError, match="injected"):
+                pipe.step()
+            assert [(r.status, r._seq) for r in reqs] == [(RequestStatus.WAITING, None)] * 3
+            assert model.pool.free_count == 60
+            drive(pipe)
+            assert [r.tokens for r in reqs] == [greedy(p, 4, VOCAB) for p in ps]
+        assert model.pool.free_count == 60
+
+
 def test_status_moves_from_waiting_through_running_and_preempted_to_finished(host, no_leaks):
     assert issubclass(RequestStatus, __import__("enum").Enum)
     assert mf.RequestStatus is RequestStatus
@@ -174,6 +203,11 @@ def test_status_moves_from_waiting_through_running_and_preempted_to_finished(hos
                 pipe.step()
                 for r in reqs + [stopper]:
                     seen.setdefault(id(r), []).append(r.status)
+                    # the rest of its state follows the status: a view (and blocks) exactly
+                    # while it runs, a block boundary scheduled only then
+                    running = r.status is RequestStatus.RUNNING
+                    assert (r._seq is not None) is running, (r, r._seq)
+                    assert running or (r._bound == -1 and r not in pipe._running)
             aborted = pipe.submit([1, 2], max_new_tokens=3)
             pipe.abort(aborted)
     assert pipe.stats.preemptions > 0

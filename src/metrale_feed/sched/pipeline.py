@@ -4,8 +4,9 @@ The routers launch steps and read their ids back; what to launch, which token a 
 a row's step in flight is thrown away and where its KV blocks go is decided here, in one place:
 
 - a request's committed tokens are ``Request.tokens`` and nothing else; its ``SequenceState`` is a
-  view of them (``_SeqView``): ``seq_len`` counts the positions whose ids are known and whose KV
-  the launched steps wrote, so no model, router or caller pushes tokens;
+  read-only view of them (``_SeqView``): ``seq_len`` counts the positions whose ids are known and
+  whose KV the launched steps wrote, so no model, router or caller pushes tokens (a model's push
+  of an id the pipeline holds is checked, any other write raises);
 - every running row is in every launch from the one it joins to its last, so a row's position,
   its block boundaries and its length limit are known from the launch number alone, and a step
   costs Python work per row only to hand each row its token.
@@ -192,14 +193,17 @@ class Request:
         self._ban = ban
         self._mask = ban if ban is not None else _UNMASKED_PAIR
         self._pipe = pipe
-        self._seq: Optional[_SeqView] = None  # from its prefill until it leaves the batch
-        self._join = 0  # the launch number of its first step since (re)admission (RUNNING)
+        # What ``status`` says is not repeated here: a request has a view (``_seq``) exactly
+        # while it is RUNNING (and during its prefill), and the launch numbers below are set
+        # when it joins and read only while it runs. -1 is "no such launch".
+        self._seq: Optional[_RequestView] = None  # its KV view, from its prefill until it leaves
+        self._join = 0  # the launch number of its first step since (re)admission
         self._last = -1  # the launch number of its last possible step
         self._base = 0  # positions whose KV prefill wrote
         self._order = order  # submission order (set when the loop takes it in): the youngest
         # running one is preempted first
-        self._bound = -1  # the launch at which its next KV block is reserved
-        self._reserved_at = -1  # the last launch that reserved a block for it
+        self._bound = -1  # the launch at which its next KV block is reserved, if one is due
+        self._reserved_at = -1  # the last launch that reserved a block for it, if any
         self._pos0 = 0  # its position at launch L is _pos0 + L (set when it joins)
         self.temperature, self.top_k, self.top_p, self.min_p, self.seed = sampling
         # Penalties (docs/penalties.md): None when every one is neutral (no slot, no op).
@@ -252,17 +256,83 @@ class Request:
         return f"Request(prompt={len(self.prompt)} ids, tokens={len(self.tokens)}, {state})"
 
 
-class _SeqView(SequenceState):
-    """A running request's KV bookkeeping, derived from the request: ``tokens`` and ``seq_len``
-    follow its committed tokens and the steps launched for it, so the pipeline is their one
-    owner. Writes to ``seq_len`` count only while prefill fills the cache; after the first
-    launch, a model's own push (the synchronous ``decode_batch`` path) changes nothing."""
+_OWNED = ("the pipeline owns a running request's committed tokens (Request.tokens): its "
+          "SequenceState.tokens is a read-only view of them")
+
+
+class _CommittedTokens(list):  # type: ignore[type-arg]
+    """``SequenceState.tokens`` of a running request: a snapshot of the first ``seq_len`` ids of
+    ``prompt + tokens``. A model may push the ids it writes (``append``/``extend``, as it does on
+    a ``SequenceState`` of its own) when each one is the id the pipeline already holds at that
+    position: the pipeline commits it itself, so the push only checks. Any other write raises
+    ``FeedError``: a dropped write would be a silent loss of what the model meant."""
+
+    __slots__ = ("_history",)
+
+    def __init__(self, history: List[int], length: int) -> None:
+        super().__init__(history[:length])
+        self._history = history
+
+    def append(self, token: Any) -> None:
+        at = len(self)
+        history = self._history
+        if at >= len(history) or history[at] != token:
+            known = history[at] if at < len(history) else "not known yet"
+            raise FeedError(f"{_OWNED}; a push of id {token!r} at position {at} differs from "
+                            f"the pipeline's ({known})")
+        super().append(token)
+
+    def extend(self, tokens: Iterable[Any]) -> None:
+        for token in tokens:
+            self.append(token)
+
+    def __iadd__(self, tokens: Iterable[Any]) -> "_CommittedTokens":  # type: ignore[override,misc]
+        self.extend(tokens)
+        return self
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise FeedError(f"{_OWNED}: only a push of the id it holds is accepted")
+
+    insert = pop = remove = clear = sort = reverse = _refuse  # type: ignore[assignment]
+    __setitem__ = __delitem__ = __imul__ = _refuse  # type: ignore[assignment]
+
+
+class _RequestView(SequenceState):
+    """A running request's KV bookkeeping, derived from the request, so the pipeline is the one
+    owner of its tokens: ``tokens`` reads ``_CommittedTokens`` (a push of the id the pipeline
+    holds is checked and accepted, ``seq.tokens += ids`` too; any other write raises
+    ``FeedError``, ``seq.tokens = ...`` too), and a subclass says what ``seq_len`` is."""
 
     __slots__ = ("req",)
 
     def __init__(self, req: Request, slot_idx: int) -> None:
+        # SequenceState.__init__ would assign tokens and seq_len: both are derived here.
         self.req = req
-        super().__init__(slot_idx)
+        self.slot_idx = slot_idx
+        self.block_table: List[int] = []
+
+    @property
+    def tokens(self) -> List[int]:
+        req = self.req
+        return _CommittedTokens(list(req.prompt) + req.tokens, self.seq_len)
+
+    @tokens.setter
+    def tokens(self, value: List[int]) -> None:
+        if isinstance(value, _CommittedTokens):
+            return  # ``seq.tokens += ids``: each id was checked by the push
+        raise FeedError(f"{_OWNED}: it cannot be assigned")
+
+    def _undo_push(self) -> None:
+        """The router's undo of a pushed step that never ran: the push changed nothing here."""
+
+
+class _SeqView(_RequestView):
+    """``seq_len`` follows the request's committed tokens and the steps launched for it. Writes
+    to ``seq_len`` count only while prefill fills the cache; after the first launch a model's
+    own advance (the synchronous ``decode_batch`` path) changes nothing: the launch number says
+    it. A model's push of each step's input is checked by ``tokens`` (``_CommittedTokens``)."""
+
+    __slots__ = ()
 
     @property
     def seq_len(self) -> int:
@@ -280,15 +350,6 @@ class _SeqView(SequenceState):
         status = self.req.status
         if status is _WAITING or status is _PREEMPTED:
             self.req._base = value
-
-    @property
-    def tokens(self) -> List[int]:
-        req = self.req
-        return (list(req.prompt) + req.tokens)[: self.seq_len]
-
-    @tokens.setter
-    def tokens(self, value: List[int]) -> None:
-        pass  # derived: see the class docstring
 
 
 class _Step:
@@ -862,7 +923,14 @@ class DecodePipeline:
         prefill_many = self._prefill_many
         if prefill_many is None:  # one request at a time; stop at the first that does not fit
             for count, req in enumerate(batch):
-                if not self._prefill([req], self.model.prefill, False):  # type: ignore[attr-defined]
+                try:
+                    prefill = self.model.prefill  # type: ignore[attr-defined]
+                    fits = self._prefill([req], prefill, False)
+                except BaseException:
+                    for done in batch[:count]:  # they stay waiting, so with no view or block
+                        self._release(done)
+                    raise
+                if not fits:
                     batch = batch[:count]
                     break
         elif not self._prefill(batch, prefill_many, True):
@@ -1179,11 +1247,9 @@ class DecodePipeline:
                     self.budget.discard(1)
 
     def _release(self, req: Request) -> None:
-        """Every uncommitted reservation rolled back, every block back to the pool."""
-        seq = req._seq
-        if seq is None:
-            return
-        self.budget.free(seq)
+        """Every uncommitted reservation rolled back, every block back to the pool. ``req`` has a
+        view: it runs, or its prefill is being undone (a request has one exactly then)."""
+        self.budget.free(req._seq)  # type: ignore[arg-type]
         req._seq = None
 
     def _leave(self, req: Request) -> None:

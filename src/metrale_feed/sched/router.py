@@ -394,8 +394,7 @@ class _DeviceIo:
         except BaseException:
             if not fed:  # decode_batch pushed the inputs: a step that never ran pushes nothing
                 for seq in seqs:
-                    seq.tokens.pop()
-                    seq.seq_len -= 1
+                    seq._undo_push()
             if covered:
                 self.budget.uncover(covered)  # type: ignore[arg-type]
             raise

@@ -22,7 +22,7 @@ from .. import _checks, _core
 from ..contract import VerifyStep, require
 from ..errors import KvPoolExhausted
 from ..feed import NO_TOKEN, FeedSource
-from ..kv import SequenceState
+from .pipeline import _RUNNING, _RequestView
 
 if TYPE_CHECKING:
     from .pipeline import DecodePipeline, Request
@@ -252,16 +252,13 @@ class NGramDrafter(HostDrafter):
         return self.lookup(history, k)
 
 
-class _SpecView(SequenceState):
+class _SpecView(_RequestView):
     """A speculative request's KV view: ``seq_len`` is the positions whose KV holds a committed
     id (``req._base``: the prefilled history, then each step's input and accepted drafts), set
-    by prefill while the request waits and by ``SpeculativeStep`` once a step's counts are read."""
+    by prefill while the request waits and by ``SpeculativeStep`` once a step's counts are read.
+    ``tokens`` is the pipeline's read-only view (``_RequestView``)."""
 
-    __slots__ = ("req",)
-
-    def __init__(self, req: "Request", slot_idx: int) -> None:
-        self.req = req
-        super().__init__(slot_idx)
+    __slots__ = ()
 
     @property
     def seq_len(self) -> int:
@@ -269,19 +266,8 @@ class _SpecView(SequenceState):
 
     @seq_len.setter
     def seq_len(self, value: int) -> None:
-        from .pipeline import RequestStatus
-
-        if self.req.status is not RequestStatus.RUNNING:  # prefill fills the cache
+        if self.req.status is not _RUNNING:  # prefill fills the cache
             self.req._base = value
-
-    @property
-    def tokens(self) -> List[int]:
-        req = self.req
-        return (list(req.prompt) + req.tokens)[: req._base]
-
-    @tokens.setter
-    def tokens(self, value: List[int]) -> None:
-        pass  # derived from the request
 
 
 def _takes(fn: Any, name: str) -> bool:
@@ -384,17 +370,17 @@ class SpeculativeStep:
         """Blocks for every row's positions up to ``_base + reach``; when the pool runs dry the
         youngest running row gives its blocks back and waits to resume (recompute). Returns
         the rows left."""
-        from .pipeline import RequestStatus, _order_of
+        from .pipeline import _order_of
 
         pipe = self.pipe
         for req in list(rows):
             seq = req._seq
-            while req.status is RequestStatus.RUNNING and seq is not None:
+            while req.status is _RUNNING:  # so it has a view (seq); a preempted one has none
                 try:
-                    pipe.budget.extend(seq, req._base + reach)
+                    pipe.budget.extend(seq, req._base + reach)  # type: ignore[arg-type]
                     break
                 except KvPoolExhausted:
-                    victim = max((r for r in rows if r.status is RequestStatus.RUNNING),
+                    victim = max((r for r in rows if r.status is _RUNNING),
                                  key=_order_of)
                     pipe._preempt(victim)
                     rows = [r for r in rows if r is not victim]

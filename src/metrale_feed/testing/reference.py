@@ -3,14 +3,15 @@
 Its forward writes the row's input id into a paged KV cache at position ``seq_len`` and computes
 the logits of docs/router.md ("The reference model") from the history read back through the
 block table, so any bug in feeding, block tables or KV writes changes the tokens. ``host_next_token`` is the same function
-computed on the host, the oracle of the tests and of ``metrale-feed demo``.
+computed on the host, and ``reference_tokens`` decodes one request alone with it (or with the
+host sampler): the one reference-token oracle of the tests, the bench and ``metrale-feed demo``.
 """
 
 from __future__ import annotations
 
 from array import array
 from operator import index
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from .. import _core
 from ..errors import FeedError
@@ -18,7 +19,7 @@ from ..kv import PagedKvMixin, SequenceState
 from ..runtime import RuntimeFeedMixin
 from ..trait import ModelDeviceFeed
 
-__all__ = ["ReferenceModel", "host_logits", "host_next_token"]
+__all__ = ["ReferenceModel", "host_logits", "host_next_token", "reference_tokens"]
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 _STAGING_SLOTS = 4  # two steps in flight and a batch of prefills, with one to spare
@@ -532,3 +533,86 @@ def host_next_token(history: Sequence[int], vocab: int, dtype: str = "float32",
     if vocab <= 2 and all(v in mask for v in range(vocab)):
         return 0xFFFFFFFF  # no candidate left
     return int(np.argmax(logits))  # first maximum: ties to the lowest id
+
+
+def _sampled_next_token(history: List[int], mask: Sequence[int], sampling: Dict[str, Any],
+                        vocab: int, dtype: str, buffers: Any) -> int:
+    """One draw of the active backend's sampler over one row: the reference logits after
+    ``history`` (widened to float32, which draws as the narrow dtype does), at position
+    ``len(history)``."""
+    import numpy as np
+
+    from ..sampling import sampling_params
+
+    logits, cells, done = buffers
+    row = _widened_logits(history, vocab, dtype)
+    _core.copy_h2d_async(logits, row.view(np.uint8))
+    params = sampling_params(1, position=len(history), **sampling)
+    dst = np.zeros(1, np.uint32)
+    _core.sample_to_feed(logits, params, cells, dst, done, masks=[tuple(mask)], vocab=vocab,
+                         dtype="float32")
+    done.synchronize()
+    return int(dst[0])
+
+
+def reference_tokens(prompt: Sequence[int], max_new: int, vocab: int, dtype: str = "float32", *,
+                     mask: Optional[Sequence[int]] = None, stops: Iterable[int] = (),
+                     sampling: Optional[Dict[str, Any]] = None) -> List[int]:
+    """The tokens of one request decoded alone on the reference model, computed on the host.
+
+    The one reference-token oracle: ``metrale-feed demo``, the bench and the tests check a
+    scheduler's tokens against it. Greedy: ``host_next_token`` step by step. Sampled (a
+    ``sampling`` with ``temperature`` above 0): at each step the active backend's
+    ``sample_to_feed`` over that one row, keyed on the position ``len(history)`` (run it on the
+    host or simt backend, which give the same bits). A stop id is committed as the last token.
+
+    Parameters
+    ----------
+    prompt : sequence of int
+    max_new : int
+        The most tokens to generate.
+    vocab : int
+    dtype : {"float32", "float16", "bfloat16"}, optional
+        The model's ``logits_dtype``. Default "float32".
+    mask : (int, int), optional
+        Two ids the row may not answer (``NO_TOKEN`` where unused); default none.
+    stops : iterable of int, optional
+        Ids that end the request.
+    sampling : dict, optional
+        ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed`` (``sampling_params``'
+        keywords); None, or a temperature of 0, is greedy decoding.
+
+    Returns
+    -------
+    list of int
+
+    Examples
+    --------
+    >>> from metrale_feed.testing.reference import host_next_token, reference_tokens
+    >>> tokens = reference_tokens([3, 1, 4], 3, 500)
+    >>> tokens[1] == host_next_token([3, 1, 4, tokens[0]], 500)
+    True
+    >>> reference_tokens([3, 1, 4], 3, 500, stops=[tokens[0]]) == tokens[:1]
+    True
+    """
+    mask = (0xFFFFFFFF, 0xFFFFFFFF) if mask is None else (int(mask[0]), int(mask[1]))
+    stops = frozenset(stops)
+    history, out = [int(t) for t in prompt], []  # type: List[int], List[int]
+    greedy = not sampling or sampling.get("temperature", 0.0) <= 0.0
+    buffers: Any = None
+    if not greedy:
+        buffers = (_core.DeviceBuffer(vocab * 4), _core.DeviceBuffer(4), _core.Event())
+    try:
+        while len(out) < max_new:
+            if greedy:
+                token = host_next_token(history, vocab, dtype, mask)
+            else:
+                token = _sampled_next_token(history, mask, sampling or {}, vocab, dtype, buffers)
+            out.append(token)
+            history.append(token)
+            if token in stops:
+                break
+    finally:
+        for buf in buffers or ():
+            buf.close()
+    return out

@@ -13,7 +13,7 @@ from .. import _core
 from .._core import stream_synchronize
 from ..feed import NO_TOKEN
 from ..sched.pipeline import DecodePipeline, Request
-from ..testing.reference import ReferenceModel, _widened_logits, host_next_token
+from ..testing.reference import ReferenceModel, host_next_token, reference_tokens
 from .timeline import Recorder
 
 
@@ -29,52 +29,14 @@ def settled_live_objects(timeout=2.0):
             return live
         time.sleep(0.005)
 
-def _host_sampled(history: List[int], mask: Tuple[int, int], sampling: Dict[str, Any],
-                  vocab: int, dtype: str, buffers: Tuple[Any, Any, Any]) -> int:
-    """One draw of the host sampler over one row: the reference logits after ``history``
-    (widened to float32, which draws as the narrow dtype does), at position ``len(history)``."""
-    import numpy as np
-
-    from ..sampling import sampling_params
-
-    logits, cells, done = buffers
-    row = _widened_logits(history, vocab, dtype)
-    _core.copy_h2d_async(logits, row.view(np.uint8))
-    params = sampling_params(1, position=len(history), **sampling)
-    dst = np.zeros(1, np.uint32)
-    _core.sample_to_feed(logits, params, cells, dst, done, masks=[mask], vocab=vocab,
-                         dtype="float32")
-    done.synchronize()
-    return int(dst[0])
-
-
 def host_reference(prompt: List[int], mask: Tuple[int, int], stop: int, max_new: int, vocab: int,
                    dtype: str, sampling: Optional[Dict[str, Any]] = None) -> List[int]:
-    """The tokens of one request decoded alone, on the host: ``host_next_token`` step by step,
-    or, for a sampled request (``sampling``: ``temperature``, ``top_k``, ``top_p``, ``min_p``,
-    ``seed``; temperature above 0), the active backend's ``sample_to_feed`` over that one row
-    (``main`` makes it the host backend)."""
-    history, out = list(prompt), []  # type: List[int], List[int]
-    if not sampling or sampling.get("temperature", 0.0) <= 0.0:
-        while len(out) < max_new:
-            token = host_next_token(history, vocab, dtype, mask)
-            out.append(token)
-            history.append(token)
-            if token == stop:
-                break
-        return out
-    buffers = (_core.DeviceBuffer(vocab * 4), _core.DeviceBuffer(4), _core.Event())
-    try:
-        while len(out) < max_new:
-            token = _host_sampled(history, mask, sampling, vocab, dtype, buffers)
-            out.append(token)
-            history.append(token)
-            if token == stop:
-                break
-    finally:
-        for buf in buffers:
-            buf.close()
-    return out
+    """The tokens of one request decoded alone, on the host: ``reference_tokens`` (the one
+    reference-token oracle, shared with the tests) with one stop id (``NO_TOKEN``: none). A
+    sampled request (``sampling``: ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``;
+    temperature above 0) draws on the active backend (``main`` makes it the host backend)."""
+    return reference_tokens(prompt, max_new, vocab, dtype, mask=mask, stops=(stop,),
+                            sampling=sampling)
 
 
 @contextlib.contextmanager
