@@ -431,8 +431,10 @@ class SpeculativeStep:
         rows = self._reserve(running, self.reach if ahead else k)
         if not rows:
             return False
+        # The slot after the last launched one: it moves on only once this launch is queued,
+        # so a launch that raises (a drafter's or the model's error) never leaves a slot of a
+        # step still in flight to the next one.
         slot = self.slots[self.next_slot]
-        self.next_slot = (self.next_slot + 1) % len(self.slots)
         n_rows, stream = len(rows), pipe.stream
         histories = [list(r.prompt) + r.tokens for r in rows]
         masks = [(int(r._mask[0]), int(r._mask[1])) for r in rows]
@@ -485,6 +487,7 @@ class SpeculativeStep:
                              row_stride=getattr(model, "feed_row_stride", None))
         if self.depth > 1:  # what the next launch reads before this one's counts are known
             _core.resolve_verified(slot.cells, slot.ids, slot.adv, stream, rows=n_rows, k=k)
+        self.next_slot = (self.next_slot + 1) % len(self.slots)
         pipe._launches = launch + 1
         pipe.io.stats.launches += 1
         if self.inflight:
