@@ -97,3 +97,21 @@ def test_a_drafter_that_raises_leaves_the_pipeline_exact(host, no_leaks, depth, 
         assert model.pool.free_count == model.pool.num_blocks
     for req, p in zip(reqs, ps):
         assert req.tokens == greedy(p, 15) and req.finish_reason == "length"
+
+
+# ---- logprobs: bad input ----
+
+@pytest.mark.parametrize("vocab, n", [(1, 2), (5, 6), (5, 20)])
+def test_top_logprobs_beyond_the_vocabulary_is_refused(host, no_leaks, vocab, n):
+    """A vocabulary smaller than ``top_logprobs`` has no ``n`` ids to return: before the fix
+    the request ran and its top lists ended in (NO_TOKEN, NaN) placeholders."""
+    with model_for(1, vocab=vocab) as model, DecodePipeline(model, 1) as pipe:
+        with pytest.raises(ValueError, match="vocabulary"):
+            pipe.submit([0], max_new_tokens=2, logprobs=True, top_logprobs=n)
+        assert pipe.idle
+        ok = pipe.submit([0], max_new_tokens=2, logprobs=True, top_logprobs=vocab)
+        pipe.run()
+    assert len(ok.top_logprobs) == 2
+    for entry in ok.top_logprobs:
+        assert sorted(i for i, _ in entry) == list(range(vocab))
+        assert all(np.isfinite(lp) and lp <= 0.0 for _, lp in entry)

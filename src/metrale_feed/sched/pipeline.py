@@ -629,8 +629,8 @@ class DecodePipeline:
         top_logprobs : int, optional
             In [0, 20], above 0 only with ``logprobs=True`` (the OpenAI API's rule): also keep,
             per committed token, the ``top_logprobs`` most likely ids of the raw distribution
-            and their logprobs in ``Request.top_logprobs`` (ties by the smaller id). Not with a
-            split vocabulary (``shard=``). Default 0.
+            and their logprobs in ``Request.top_logprobs`` (ties by the smaller id); at most
+            the vocabulary. Not with a split vocabulary (``shard=``). Default 0.
 
         Returns
         -------
@@ -689,6 +689,9 @@ class DecodePipeline:
             raise ValueError("a sampled request with speculative decoding needs depth=1 (its "
                              "draws' positions would be known on the device only)")
         lp = _checks.logprobs(logprobs, top_logprobs)
+        if lp[1] > self.vocab:  # else the lists would end in (NO_TOKEN, NaN) placeholders
+            raise ValueError(f"top_logprobs={lp[1]} is more than the vocabulary of {self.vocab} "
+                             f"ids")
         if lp[1]:
             if getattr(self.model, "feed_shard", None) is not None:
                 raise ValueError("top_logprobs over a split vocabulary (shard=) is not supported")
