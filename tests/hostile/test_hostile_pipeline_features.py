@@ -115,3 +115,173 @@ def test_top_logprobs_beyond_the_vocabulary_is_refused(host, no_leaks, vocab, n)
     for entry in ok.top_logprobs:
         assert sorted(i for i, _ in entry) == list(range(vocab))
         assert all(np.isfinite(lp) and lp <= 0.0 for _, lp in entry)
+
+
+@pytest.mark.parametrize("kw, error", [
+    (dict(logprobs=1), TypeError), (dict(logprobs=0), TypeError), (dict(logprobs="true"), TypeError),
+    (dict(logprobs=np.array([True])), TypeError),
+    (dict(logprobs=True, top_logprobs=21), ValueError),
+    (dict(logprobs=True, top_logprobs=-1), ValueError),
+    (dict(logprobs=True, top_logprobs=2.0), TypeError),
+    (dict(logprobs=True, top_logprobs=True), TypeError),
+    (dict(logprobs=True, top_logprobs="3"), TypeError),
+    (dict(logprobs=False, top_logprobs=1), ValueError),
+    (dict(logit_bias={True: 1.0}), TypeError), (dict(logit_bias={np.True_: 1.0}), TypeError),
+    (dict(logit_bias={1.0: 1.0}), TypeError), (dict(logit_bias={"1": 1.0}), TypeError),
+    (dict(logit_bias={-1: 1.0}), ValueError), (dict(logit_bias={VOCAB: 1.0}), ValueError),
+    (dict(logit_bias={2**40: 1.0}), ValueError),
+    (dict(logit_bias={1: float("nan")}), ValueError), (dict(logit_bias={1: float("inf")}), ValueError),
+    (dict(logit_bias={1: -float("inf")}), ValueError), (dict(logit_bias={1: 1e39}), ValueError),
+    (dict(logit_bias={1: True}), TypeError), (dict(logit_bias={1: None}), TypeError),
+    (dict(logit_bias={1: "2"}), TypeError), (dict(logit_bias=[(1, 2.0)]), TypeError),
+    (dict(logit_bias={i: 1.0 for i in range(301)}), ValueError),
+    (dict(repetition_penalty=float("nan")), ValueError),
+    (dict(repetition_penalty=float("inf")), ValueError),
+    (dict(repetition_penalty=0.0), ValueError), (dict(repetition_penalty=-1.0), ValueError),
+    (dict(repetition_penalty=1e-46), ValueError),  # 0 in float32
+    (dict(repetition_penalty=True), TypeError), (dict(repetition_penalty="1.2"), TypeError),
+    (dict(repetition_penalty=None), TypeError), (dict(repetition_penalty=1 + 0j), TypeError),
+    (dict(presence_penalty=float("nan")), ValueError), (dict(presence_penalty=2.5), ValueError),
+    (dict(frequency_penalty=-float("inf")), ValueError), (dict(frequency_penalty=False), TypeError),
+    (dict(min_tokens=True), TypeError), (dict(min_tokens=1.0), TypeError),
+    (dict(min_tokens=-1), ValueError), (dict(min_tokens=5), ValueError),  # > max_new_tokens
+    (dict(min_tokens=1, stop_ids=range(65)), ValueError),
+])
+def test_bad_feature_input_is_refused_before_anything_is_queued(host, no_leaks, kw, error):
+    with model_for(1) as model, DecodePipeline(model, 1) as pipe:
+        with pytest.raises(error):
+            pipe.submit([1, 2], max_new_tokens=4, **kw)
+        assert pipe.idle and pipe._pen is None
+        assert pipe.io._ring.lp_dev == [] and pipe.io._ring.top_dev == []
+
+
+# ---- speculative decoding: interactions ----
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_stop_inside_an_accepted_run_returns_the_blocks_in_that_step(host, no_leaks, depth):
+    """Every draft accepted, the stop id second of a run of k + 1: the request finishes in the
+    step that emits it, with none of its KV blocks kept while the other request goes on."""
+    p = [3, 1, 4, 1, 5]
+    traj = greedy(p, 10)
+    stop = traj[1]
+    assert stop != traj[0]
+    with model_for(block_size=2) as model:
+        with DecodePipeline(model, 4, depth=depth,
+                            speculative=ReferenceDrafter(VOCAB, 4, 1.0)) as pipe:
+            a = pipe.submit(p, max_new_tokens=10, stop_ids=[stop])
+            b = pipe.submit([9, 8, 7], max_new_tokens=40)
+            done = pipe.step()
+            assert a in done and a.finish_reason == "stop" and a.tokens == traj[:2]
+            assert a._seq is None
+            held = model.pool.num_blocks - model.pool.free_count
+            assert held == len(b._seq.block_table)
+            pipe.run()
+        assert model.pool.free_count == model.pool.num_blocks
+    assert b.tokens == greedy([9, 8, 7], 40)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_aborting_every_request_with_a_verify_step_in_flight(host, no_leaks, depth):
+    """All running requests aborted between steps while a verify step is in flight: the
+    in-flight rows are thrown away, every block comes back, and requests submitted after get
+    their exact tokens in the freed rows."""
+    ps = _prompts(6, seed=3)
+    with model_for() as model:
+        with DecodePipeline(model, 4, depth=depth,
+                            speculative=ReferenceDrafter(VOCAB, 3, 0.7)) as pipe:
+            first = [pipe.submit(p, max_new_tokens=30) for p in ps[:4]]
+            pipe.step()
+            for req in first:
+                pipe.abort(req)
+            later = [pipe.submit(p, max_new_tokens=12) for p in ps[4:]]
+            pipe.run()
+            assert model.pool.free_count == model.pool.num_blocks
+        assert model.pool.free_count == model.pool.num_blocks
+    for req, p in zip(first, ps):
+        assert req.finish_reason == "abort" and req.tokens == greedy(p, 30)[:len(req.tokens)]
+    for req, p in zip(later, ps[4:]):
+        assert req.tokens == greedy(p, 12) and req.finish_reason == "length"
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_spec_refuses_penalties_clearly_whatever_else_is_wrong(host, no_leaks, depth):
+    """A speculative pipeline refuses every penalty parameter with a message that names
+    speculative decoding, before the penalty-only checks (capacity, stop count) could send the
+    user after the wrong fix."""
+    drafter = ReferenceDrafter(VOCAB, 2, 0.5)
+    with model_for() as model, DecodePipeline(model, 4, depth=depth, speculative=drafter,
+                                              penalty_capacity=8) as pipe:
+        for kw in [dict(repetition_penalty=1.1), dict(presence_penalty=0.5),
+                   dict(frequency_penalty=-0.5), dict(logit_bias={3: 1.0}),
+                   dict(min_tokens=2, stop_ids=[5]),
+                   dict(repetition_penalty=1.1, max_new_tokens=40),  # past penalty_capacity
+                   dict(min_tokens=1, stop_ids=range(70))]:  # past MAX_PENALTY_STOPS
+            kw.setdefault("max_new_tokens", 4)
+            with pytest.raises(ValueError, match="speculative"):
+                pipe.submit([1, 2], **kw)
+        assert pipe.idle and pipe._pen is None
+        ok = pipe.submit([1, 2], max_new_tokens=4, repetition_penalty=1.0, logit_bias={})
+        pipe.run()
+    assert ok.tokens == greedy([1, 2], 4)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_spec_matches_the_plain_pipeline_with_stops_bans_and_preemption(host, no_leaks, depth):
+    """The independent oracle is the pipeline without speculation on the same model: many
+    requests through 3 rows and a pool that forces preemption, stop ids taken from the
+    trajectories, bans."""
+    import random
+
+    rng = random.Random(7)
+    requests = []
+    for i, p in enumerate(_prompts(10, seed=5)):
+        m = rng.choice([1, 3, 8, 17, 24])
+        ban = (host_next_token(p, VOCAB), NO_TOKEN) if i % 3 == 1 else None
+        stops = [rng.choice(greedy(p, m))] if i % 2 == 0 else []
+        requests.append((p, m, stops, ban))
+
+    def run(spec):
+        with model_for(3, num_blocks=11) as model:
+            with DecodePipeline(model, 3, depth=depth, speculative=spec) as pipe:
+                reqs = [pipe.submit(p, max_new_tokens=m, stop_ids=s, ban=b)
+                        for p, m, s, b in requests]
+                pipe.run()
+                stats = pipe.stats.as_dict()
+            assert model.pool.free_count == model.pool.num_blocks
+        return reqs, stats
+
+    plain, _ = run(None)
+    spec, stats = run(ReferenceDrafter(VOCAB, 4, 0.6))
+    assert stats["preemptions"] > 0
+    for a, b in zip(plain, spec):
+        assert b.tokens == a.tokens and b.finish_reason == a.finish_reason
+
+
+# ---- logprobs against numpy ----
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("penalised", [False, True])
+def test_logprobs_through_preemption_match_numpy(host, no_leaks, depth, penalised):
+    """A pool too small for the batch: preempted requests resume by recompute; each committed
+    token's logprob and top list is numpy's log_softmax of the raw logits of its own step."""
+    ps = _prompts(4, seed=9, lo=3, hi=6)
+    pen = dict(logit_bias={11: 0.5}, frequency_penalty=0.3) if penalised else {}
+    with model_for(4, num_blocks=8, block_size=2) as model, \
+            DecodePipeline(model, 4, depth=depth) as pipe:
+        reqs = [pipe.submit(p, max_new_tokens=9, logprobs=True, top_logprobs=1 + 3 * (i % 2),
+                            temperature=0.7 if i == 2 else 0.0, seed=i, **pen)
+                for i, p in enumerate(ps)]
+        pipe.run()
+        assert pipe.stats.preemptions > 0
+        assert pipe.stats.host_syncs == pipe.stats.steps
+    for i, (req, p) in enumerate(zip(reqs, ps)):
+        n = 1 + 3 * (i % 2)
+        assert len(req.tokens) == len(req.logprobs) == len(req.top_logprobs) == 9
+        want, rows = log_softmax_oracle(p, req.tokens)
+        np.testing.assert_allclose(req.logprobs, want, rtol=0, atol=2e-5)
+        for entry, lsm in zip(req.top_logprobs, rows):
+            order = np.argsort(-lsm, kind="stable")[:n]
+            assert [t for t, _ in entry] == order.tolist()
+            np.testing.assert_allclose([v for _, v in entry], lsm[order], rtol=0, atol=2e-5)
+        if not penalised and i != 2:  # greedy, no bias: the chosen id is the top one
+            assert [e[0][0] for e in req.top_logprobs] == req.tokens

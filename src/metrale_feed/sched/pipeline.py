@@ -680,11 +680,13 @@ class DecodePipeline:
             self.vocab, max_new)
         if pen == _checks.NO_PENALTIES:
             pen = None
+        elif self._spec is not None:  # first: the penalty-only checks below would mislead
+            raise ValueError("repetition_penalty, presence_penalty, frequency_penalty, logit_bias "
+                             "and min_tokens are not applied with speculative decoding yet: "
+                             "submit the request without them (or to a pipeline without "
+                             "speculative=)")
         else:
             PipelinePenalties.check(self, prompt, max_new, stops, pen[4], self._penalty_capacity)
-        if pen is not None and self._spec is not None:
-            raise ValueError("penalties (and min_tokens) are not applied with speculative decoding "
-                             "yet: submit the request without them")
         if sampling[0] > 0.0 and self._spec is not None and self.depth == 2:
             raise ValueError("a sampled request with speculative decoding needs depth=1 (its "
                              "draws' positions would be known on the device only)")
