@@ -681,10 +681,10 @@ class DecodePipeline:
         if pen == _checks.NO_PENALTIES:
             pen = None
         elif self._spec is not None:  # first: the penalty-only checks below would mislead
-            raise ValueError("repetition_penalty, presence_penalty, frequency_penalty, logit_bias "
-                             "and min_tokens are not applied with speculative decoding yet: "
-                             "submit the request without them (or to a pipeline without "
-                             "speculative=)")
+            raise ValueError("penalties (repetition_penalty, presence_penalty, "
+                             "frequency_penalty), logit_bias and min_tokens are not applied with "
+                             "speculative decoding yet: submit the request without them (or to a "
+                             "pipeline without speculative=)")
         else:
             PipelinePenalties.check(self, prompt, max_new, stops, pen[4], self._penalty_capacity)
         if sampling[0] > 0.0 and self._spec is not None and self.depth == 2:
