@@ -285,3 +285,56 @@ def test_logprobs_through_preemption_match_numpy(host, no_leaks, depth, penalise
             np.testing.assert_allclose([v for _, v in entry], lsm[order], rtol=0, atol=2e-5)
         if not penalised and i != 2:  # greedy, no bias: the chosen id is the top one
             assert [e[0][0] for e in req.top_logprobs] == req.tokens
+
+
+# ---- hangs: calls back into the pipeline from inside its own step ----
+
+@pytest.mark.parametrize("call", ["close", "step", "run", "admit"])
+def test_a_loop_call_from_inside_a_step_raises_rather_than_hangs(call):
+    """A drafter (or model) that calls the pipeline's step(), run(), admit() or close() from
+    inside the step would wait for the step's own lock forever (before the fix: a hang). It
+    raises FeedError out of that step; the pipeline then carries on with the exact tokens and
+    closes with nothing leaked. abort() from there is posted, as before."""
+    code = f"""
+        import metrale_feed as mf
+        from metrale_feed import DecodePipeline, FeedError
+        from metrale_feed.testing.reference import ReferenceModel, host_next_token
+        from metrale_feed.testing.drafter import ReferenceDrafter
+
+        V = 211
+        class Calling(ReferenceDrafter):
+            pipe, calls = None, 0
+            def propose(self, batch, out, stream):
+                Calling.calls += 1
+                if Calling.calls == 2:
+                    getattr(self.pipe, {call!r})()
+                super().propose(batch, out, stream)
+
+        before = mf.live_objects()
+        model = ReferenceModel(V, block_size=4, num_blocks=200, max_rows=4)
+        drafter = Calling(V, 2, 0.5)
+        pipe = DecodePipeline(model, 4, depth=2, speculative=drafter)
+        drafter.pipe = pipe
+        req = pipe.submit([1, 2, 3], max_new_tokens=10)
+        try:
+            pipe.run()
+            raise SystemExit("no error")
+        except FeedError as exc:
+            assert "inside" in str(exc) and {call!r} in str(exc), exc
+        pipe.run()
+        history, want = [1, 2, 3], []
+        for _ in range(10):
+            want.append(host_next_token(history, V))
+            history.append(want[-1])
+        assert req.tokens == want and req.finish_reason == "length", req.tokens
+        pipe.close()
+        assert model.pool.free_count == model.pool.num_blocks
+        model.close()
+        import gc
+        gc.collect()
+        assert mf.live_objects() == before, mf.live_objects()
+        print("ok")
+    """
+    result = run_python(code, timeout=60, check=False)
+    assert not result.timed_out, "the pipeline hung: " + result.describe()
+    assert result.returncode == 0 and "ok" in result.stdout, result.describe()

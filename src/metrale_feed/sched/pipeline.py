@@ -370,6 +370,41 @@ class PipelineStats:
         return f"PipelineStats({', '.join(f'{k}={v}' for k, v in self.as_dict().items())})"
 
 
+class _LoopLock:
+    """The loop's lock, knowing which thread holds it: a loop call (``step``, ``run``,
+    ``admit``, ``close``) made by the thread already inside one (a drafter's ``propose`` or a
+    model's method calling back into the pipeline) would wait for itself forever, so it raises
+    instead. ``acquire(blocking=False)`` and ``release`` are the inbox's, as a Lock's."""
+
+    __slots__ = ("_lock", "owner", "what")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.owner: Optional[int] = None
+        self.what = "step"
+
+    def __call__(self, what: str) -> "_LoopLock":
+        if self.owner == threading.get_ident():
+            raise FeedError(f"{what}() was called from inside one of this pipeline's own calls "
+                            f"(a drafter's propose or a model's method): it would wait for itself; "
+                            f"call it once that returns (abort() and submit() may be called there)")
+        return self
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self.owner = threading.get_ident()
+
+    def __exit__(self, *exc: object) -> None:
+        self.owner = None
+        self._lock.release()
+
+    def acquire(self, blocking: bool = True) -> bool:
+        return self._lock.acquire(blocking)
+
+    def release(self) -> None:
+        self._lock.release()
+
+
 class DecodePipeline:
     """Greedy or sampled decoding of many requests through a ``ModelDeviceFeed``, ``depth``
     steps deep.
@@ -522,7 +557,7 @@ class DecodePipeline:
         # abort post to _inbox (deque appends are atomic) and apply it at once when the lock is
         # free, else the loop applies it at the start and end of its current call. So every
         # change of the pipeline's state is made under the lock, in posting order.
-        self._lock = threading.Lock()
+        self._lock = _LoopLock()
         self._inbox: Deque[Tuple[Callable[[Request], None], Request]] = deque()
         # Penalties: the device tables, made at the first request that has any.
         self._penalty_capacity = penalty_capacity
@@ -785,7 +820,7 @@ class DecodePipeline:
             committed, and every running request finishes with ``"error"`` (``req.error`` says
             why; reported by the next ``step()``). Waiting requests stay queued.
         """
-        with self._lock:  # a second thread's step() waits for this one
+        with self._lock("step"):  # a second thread's step() waits for this one
             if self._closed:
                 raise FeedError("the pipeline is closed")
             self._drain()
@@ -814,10 +849,11 @@ class DecodePipeline:
 
     def run(self) -> List[Request]:
         """Step until idle; every request that finished, in finish order."""
+        self._lock("run")  # from inside a step: raises here, not at the first step()
         out: List[Request] = []
         while not self.idle:
             out.extend(self.step())
-        with self._lock:
+        with self._lock("run"):
             out.extend(self._finished)
             self._finished = []
         return out
@@ -831,7 +867,7 @@ class DecodePipeline:
         int
             How many joined the batch.
         """
-        with self._lock:
+        with self._lock("admit"):
             if self._closed:
                 raise FeedError("the pipeline is closed")
             self._drain()
@@ -1250,7 +1286,7 @@ class DecodePipeline:
     def close(self) -> None:
         """Abort whatever runs or waits, return every KV block and ring slot (after the steps
         in flight)."""
-        with self._lock:
+        with self._lock("close"):
             if self._closed:
                 return
             try:
