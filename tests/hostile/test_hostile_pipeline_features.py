@@ -338,3 +338,115 @@ def test_a_loop_call_from_inside_a_step_raises_rather_than_hangs(call):
     result = run_python(code, timeout=60, check=False)
     assert not result.timed_out, "the pipeline hung: " + result.describe()
     assert result.returncode == 0 and "ok" in result.stdout, result.describe()
+
+
+# ---- closing with work in flight, after errors ----
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("spec", [False, True])
+def test_close_with_requests_running_and_waiting_in_a_child(depth, spec):
+    """close() with steps in flight, requests running, preempted and waiting, logprobs and
+    penalties rows among them (without speculation): every request aborted, every block and
+    buffer back, the drafter's pinned ring freed, and no hang."""
+    code = f"""
+        import gc
+        import metrale_feed as mf
+        from metrale_feed import DecodePipeline
+        from metrale_feed.testing.reference import ReferenceModel
+        from metrale_feed.testing.drafter import ReferenceDrafter
+
+        V = 211
+        before = mf.live_objects()
+        model = ReferenceModel(V, block_size=2, num_blocks=40, max_rows=3)
+        drafter = ReferenceDrafter(V, 3, 0.7) if {spec!r} else None
+        pipe = DecodePipeline(model, 3, depth={depth}, speculative=drafter)
+        extra = [dict(), dict(logprobs=True, top_logprobs=3), dict(presence_penalty=0.5)]
+        reqs = [pipe.submit([1 + i, 2, 3, 4], max_new_tokens=14,
+                            **(dict() if {spec!r} else extra[i % 3])) for i in range(7)]
+        for _ in range(4):
+            pipe.step()
+        assert any(r.status.value == "running" for r in reqs)
+        pipe.close()
+        pipe.close()  # twice: a no-op
+        assert all(r.finished for r in reqs), [r.status for r in reqs]
+        assert all(r.finish_reason in ("abort", "length") for r in reqs)
+        assert model.pool.free_count == model.pool.num_blocks
+        try:
+            pipe.step()
+            raise SystemExit("step after close ran")
+        except mf.FeedError:
+            pass
+        model.close()
+        del pipe, drafter
+        gc.collect()
+        assert mf.live_objects() == before, mf.live_objects()
+        print("ok")
+    """
+    result = run_python(code, timeout=60, check=False)
+    assert not result.timed_out, "close hung: " + result.describe()
+    assert result.returncode == 0 and "ok" in result.stdout, result.describe()
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_close_after_a_verify_fault_leaks_nothing(host, no_leaks, depth):
+    class Faulty(ReferenceModel):
+        forwards = 0
+
+        def decode_batch_verify(self, input_ids, seqs, k, stream=None, advance=None):
+            logits = super().decode_batch_verify(input_ids, seqs, k, stream, advance)
+            Faulty.forwards += 1
+            if Faulty.forwards == 3:
+                def boom():
+                    raise RuntimeError("injected verify fault")
+                mf.launch_host_func(stream, boom)
+            return logits
+
+    Faulty.forwards = 0
+    with Faulty(VOCAB, block_size=4, num_blocks=100, max_rows=2) as model:
+        pipe = DecodePipeline(model, 2, depth=depth, speculative=ReferenceDrafter(VOCAB, 2, 0.5))
+        reqs = [pipe.submit(p, max_new_tokens=20) for p in _prompts(4, seed=2)]
+        with pytest.raises(FeedError, match="injected verify fault"):
+            while True:
+                pipe.step()
+        assert [r.finish_reason for r in reqs[:2]] == ["error", "error"]
+        pipe.close()
+        assert [r.finish_reason for r in reqs[2:]] == ["abort", "abort"]
+        assert model.pool.free_count == model.pool.num_blocks
+
+
+# ---- bans with speculation and logprobs ----
+
+def test_sampled_speculative_rows_never_emit_a_banned_id(host, no_leaks):
+    """A drafter that always proposes the banned id, sampled and greedy rows, a vocabulary of
+    5 with 2 ids banned: no banned id is ever committed, no draft accepted."""
+    class Banned(ReferenceDrafter):
+        def draft(self, history, k, seed=0, mask=(NO_TOKEN, NO_TOKEN)):
+            return [0] * k
+
+    with model_for(vocab=5, num_blocks=400) as model:
+        with DecodePipeline(model, 4, depth=1, speculative=Banned(5, 3, 0.5)) as pipe:
+            reqs = [pipe.submit([1, 2, 3], max_new_tokens=40, temperature=1.0, seed=s,
+                                ban=(0, 3)) for s in range(3)]
+            reqs.append(pipe.submit([1, 2, 3], max_new_tokens=40, ban=(0, 3)))
+            pipe.run()
+            assert pipe.stats.accepted == 0
+    tokens = [t for r in reqs for t in r.tokens]
+    assert len(tokens) == 160 and set(tokens) <= {1, 2, 4} and len(set(tokens)) == 3
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_logprobs_of_a_banned_argmax_are_the_raw_ones(host, no_leaks, depth):
+    """The ban changes the chosen id, not the distribution its logprob is taken from: the top
+    entry is the banned raw argmax, the chosen id's logprob numpy's at the chosen id."""
+    p = [4, 5, 6]
+    first = host_next_token(p, VOCAB)
+    with model_for(1) as model, DecodePipeline(model, 1, depth=depth) as pipe:
+        req = pipe.submit(p, max_new_tokens=6, ban=(first, NO_TOKEN), logprobs=True,
+                          top_logprobs=2)
+        pipe.run()
+    assert req.tokens[0] != first and first not in req.tokens
+    want, rows = log_softmax_oracle(p, req.tokens)
+    np.testing.assert_allclose(req.logprobs, want, rtol=0, atol=2e-5)
+    assert req.top_logprobs[0][0][0] == first
+    assert req.top_logprobs[0][1][0] == req.tokens[0]  # the second-best raw id
+    assert req.top_logprobs[0][1][1] == req.logprobs[0]
