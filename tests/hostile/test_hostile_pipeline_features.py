@@ -450,3 +450,65 @@ def test_logprobs_of_a_banned_argmax_are_the_raw_ones(host, no_leaks, depth):
     assert req.top_logprobs[0][0][0] == first
     assert req.top_logprobs[0][1][0] == req.tokens[0]  # the second-best raw id
     assert req.top_logprobs[0][1][1] == req.logprobs[0]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_aborts_and_submits_from_another_thread_during_speculative_steps(depth):
+    """One thread runs the loop, another submits and aborts while verify steps are in flight:
+    no hang, every request finished, each one's tokens a prefix of (or equal to) its greedy
+    trajectory, every block back, nothing leaked."""
+    code = f"""
+        import gc, random, threading
+        import metrale_feed as mf
+        from metrale_feed import DecodePipeline
+        from metrale_feed.testing.reference import ReferenceModel, host_next_token
+        from metrale_feed.testing.drafter import ReferenceDrafter
+
+        V = 211
+        def greedy(p, n):
+            h, out = list(p), []
+            for _ in range(n):
+                out.append(host_next_token(h, V)); h.append(out[-1])
+            return out
+
+        before = mf.live_objects()
+        model = ReferenceModel(V, block_size=2, num_blocks=60, max_rows=3)
+        pipe = DecodePipeline(model, 3, depth={depth}, speculative=ReferenceDrafter(V, 3, 0.6))
+        rng = random.Random(4)
+        reqs, lock = [], threading.Lock()
+        stop = threading.Event()
+
+        def other():
+            for i in range(40):
+                p = [rng.randrange(V) for _ in range(rng.randint(1, 6))]
+                r = pipe.submit(p, max_new_tokens=rng.randint(1, 12))
+                with lock:
+                    reqs.append((r, p))
+                    victim = rng.choice(reqs)[0]
+                if i % 3 == 0:
+                    pipe.abort(victim)
+            stop.set()
+
+        t = threading.Thread(target=other)
+        t.start()
+        while not (stop.is_set() and pipe.idle):
+            if not pipe.idle:
+                pipe.step()
+        t.join()
+        pipe.run()
+        for r, p in reqs:
+            assert r.finished, r
+            want = greedy(p, r.max_new_tokens)
+            if r.finish_reason == "abort":
+                assert r.tokens == want[:len(r.tokens)]
+            else:
+                assert r.finish_reason == "length" and r.tokens == want, (r.tokens, want)
+        assert model.pool.free_count == model.pool.num_blocks
+        pipe.close(); model.close()
+        gc.collect()
+        assert mf.live_objects() == before, mf.live_objects()
+        print("ok")
+    """
+    result = run_python(code, timeout=90, check=False)
+    assert not result.timed_out, "hung: " + result.describe()
+    assert result.returncode == 0 and "ok" in result.stdout, result.describe()
