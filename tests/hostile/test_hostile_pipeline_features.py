@@ -512,3 +512,57 @@ def test_aborts_and_submits_from_another_thread_during_speculative_steps(depth):
     result = run_python(code, timeout=90, check=False)
     assert not result.timed_out, "hung: " + result.describe()
     assert result.returncode == 0 and "ok" in result.stdout, result.describe()
+
+
+# ---- penalties against the numpy oracle, where the logits go negative ----
+
+def _penalised_greedy(prompt, max_new, stops=(), dtype="float32", **pen):
+    from helpers.penalty_oracle import penalize
+
+    history, out = list(prompt), []
+    while len(out) < max_new:
+        row = penalize(_widened_logits(history, VOCAB, dtype), prompt, out,
+                       stop_ids=sorted(stops), dtype=dtype, **pen)
+        token = int(np.argmax(row))
+        out.append(token)
+        history.append(token)
+        if token in stops and len(out) >= pen.get("min_tokens", 0):
+            break
+    return out
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_penalties_with_negative_logits_match_numpy(host, no_leaks, depth, dtype, seed):
+    """Random configurations over a batch: negative biases on many ids (so the repetition
+    penalty's multiply branch runs), both signs of presence and frequency, min_tokens with
+    several stop ids, rows without penalties between them, a pool that preempts."""
+    import random
+
+    rng = random.Random(seed)
+    ps = _prompts(5, seed=100 + seed, lo=2, hi=8)
+    configs, stops = [], []
+    for i, p in enumerate(ps):
+        if i == 2:
+            configs.append({})
+            stops.append(())
+            continue
+        bias = {rng.randrange(VOCAB): rng.uniform(-1.5, 1.5) for _ in range(rng.randint(1, 40))}
+        for t in p:  # the prompt's ids pushed below zero: rep multiplies them
+            bias[t] = -rng.uniform(0.5, 2.0)
+        cfg = dict(logit_bias=bias, repetition_penalty=rng.choice([0.6, 1.0, 1.7, 3.0]),
+                   presence_penalty=rng.uniform(-1, 1), frequency_penalty=rng.uniform(-0.5, 1))
+        st = tuple(rng.sample(range(VOCAB), rng.randint(0, 5)))
+        if st and i % 2:
+            cfg["min_tokens"] = rng.randint(1, 8)
+        configs.append(cfg)
+        stops.append(st)
+    with model_for(5, num_blocks=14, block_size=2, logits_dtype=dtype) as model, \
+            DecodePipeline(model, 5, depth=depth) as pipe:
+        reqs = [pipe.submit(p, max_new_tokens=12, stop_ids=s, **c)
+                for p, s, c in zip(ps, stops, configs)]
+        pipe.run()
+        assert pipe.stats.host_syncs == pipe.stats.steps
+    for req, p, s, c in zip(reqs, ps, stops, configs):
+        assert req.tokens == _penalised_greedy(p, 12, s, dtype, **c), c
