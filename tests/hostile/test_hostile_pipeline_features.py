@@ -566,3 +566,38 @@ def test_random_penalties_with_negative_logits_match_numpy(host, no_leaks, depth
         assert pipe.stats.host_syncs == pipe.stats.steps
     for req, p, s, c in zip(reqs, ps, stops, configs):
         assert req.tokens == _penalised_greedy(p, 12, s, dtype, **c), c
+
+
+def _greedy_switch(prompt, max_new, switch, ban1, ban2):
+    history, out = list(prompt), []
+    while len(out) < max_new:
+        mask = ban2 if len(out) >= switch else ban1
+        token = host_next_token(history, VOCAB, "float32", tuple(mask) if mask else (NO_TOKEN, NO_TOKEN))
+        out.append(token)
+        history.append(token)
+    return out
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("spec", [False, True])
+def test_a_ban_set_between_steps_applies_from_the_next_launched_step(host, no_leaks, depth, spec):
+    """Request.ban changed between steps: the tokens are greedy under the old ban up to the
+    step launched after the change, then under the new one. At depth 2 the step in flight
+    keeps the old ban (one token, or up to k + 1 with speculation)."""
+    k = 3
+    p = [7, 8, 9]
+    plain = greedy(p, 30)
+    with model_for(2) as model:
+        drafter = ReferenceDrafter(VOCAB, k, 0.8) if spec else None
+        with DecodePipeline(model, 2, depth=depth, speculative=drafter) as pipe:
+            req = pipe.submit(p, max_new_tokens=30)
+            pipe.step(), pipe.step()
+            c = len(req.tokens)
+            ban2 = (plain[c + (k + 1 if spec else 1) * (depth - 1) + 2], plain[c + 4])
+            req.ban = ban2
+            pipe.run()
+    lo = c + (1 if depth == 2 else 0)
+    hi = c + ((k + 1) if spec else 1) * (depth - 1)
+    ok = [s for s in range(lo, hi + 1) if _greedy_switch(p, 30, s, None, ban2) == req.tokens]
+    assert ok, (c, req.tokens)
+    assert not set(ban2) & set(req.tokens[hi:])
