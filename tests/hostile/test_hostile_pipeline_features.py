@@ -601,3 +601,60 @@ def test_a_ban_set_between_steps_applies_from_the_next_launched_step(host, no_le
     ok = [s for s in range(lo, hi + 1) if _greedy_switch(p, 30, s, None, ban2) == req.tokens]
     assert ok, (c, req.tokens)
     assert not set(ban2) & set(req.tokens[hi:])
+
+
+# ---- penalties never make a finite logit infinite ----
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_an_overflowing_penalty_saturates_so_greedy_and_sampled_rows_agree(host, no_leaks, dtype):
+    """A huge logit_bias, then repetition_penalty < 1 on the generated id: l / rep overflows.
+    Before the fix the logit became +inf, which the argmax takes and the sampler (whose
+    candidates are the finite logits) never draws: a greedy row repeated id 7, a near-greedy
+    sampled row (temperature 1e-3) dropped it after its first draw. Saturated at the dtype's
+    largest finite value, both keep drawing 7, as the numpy oracle says."""
+    big = {"float32": 3e38, "bfloat16": 3e38, "float16": 6e4}[dtype]
+    pen = dict(logit_bias={7: big}, repetition_penalty=0.5)
+    p = [1, 2, 3]
+    with model_for(2, logits_dtype=dtype) as model, DecodePipeline(model, 2, depth=2) as pipe:
+        g = pipe.submit(p, max_new_tokens=6, **pen)
+        s = pipe.submit(p, max_new_tokens=6, temperature=1e-3, seed=1, **pen)
+        pipe.run()
+    assert g.tokens == [7] * 6 == _penalised_greedy(p, 6, (), dtype, **pen)
+    assert s.tokens == g.tokens
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_penalties_apply_saturates_on_every_backend(backend, dev, dtype):
+    """The device op itself, on host, simt and cuda: finite logits pushed past the dtype's
+    largest finite value either way (a bias, a division by rep < 1, a multiply of a negative
+    logit by rep > 1, a frequency penalty) stop there, bit for bit as the numpy oracle; a
+    logit already +-inf and a min_tokens stop id (-inf) stay infinite."""
+    from helpers.penalty_oracle import largest, penalize, round_to
+    from metrale_feed.penalties import PenaltyState
+
+    m = float(largest(dtype))
+    vocab = 8
+    logits = round_to(np.array([[0.9 * m, -0.9 * m, 0.5, np.inf, -np.inf, 0.7 * m, 2.0,
+                                 -0.6 * m]], np.float32), dtype)
+    req = [dict(prompt=[0, 1, 3, 4], generated=[5, 7, 7], repetition_penalty=0.5,
+                logit_bias={2: 0.99 * m, 6: m}, min_tokens=5, stop_ids=[6]),
+           dict(prompt=[1, 7], generated=[1], repetition_penalty=1.5, frequency_penalty=2.0,
+                logit_bias={0: 0.5 * m})]
+    import ml_dtypes
+
+    np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    for r in req:
+        with PenaltyState(1, capacity=16) as state:
+            state.set(0, **r)
+            host = np.ascontiguousarray(logits.astype(np_dtype))
+            buf = dev.upload(host)
+            state.apply(buf, [0], vocab=vocab, dtype=dtype)
+            got = dev.download(buf, host.dtype).astype(np.float32)[:vocab]
+            buf.close()
+        want = penalize(logits[0], dtype=dtype, **r)
+        assert ((got == want) | (np.isnan(got) & np.isnan(want))).all(), (got, want)
+        finite_in = np.isfinite(logits[0])
+        if r.get("min_tokens"):
+            finite_in[r["stop_ids"]] = False
+        assert np.isfinite(got[finite_in]).all(), got
+        assert got[3] == np.inf and got[4] == -np.inf
