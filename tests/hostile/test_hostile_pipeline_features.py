@@ -658,3 +658,44 @@ def test_penalties_apply_saturates_on_every_backend(backend, dev, dtype):
             finite_in[r["stop_ids"]] = False
         assert np.isfinite(got[finite_in]).all(), got
         assert got[3] == np.inf and got[4] == -np.inf
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_ngram_drafter_over_a_tiny_vocabulary_with_aborts(host, no_leaks, depth, k):
+    """A vocabulary of 7 ids makes the greedy trajectories cycle, so the n-gram lookup is often
+    right (long accepted runs, stops inside them); aborts at random steps, more requests than
+    rows, a pool that preempts: every request's tokens are greedy decoding's (a prefix for
+    the aborted ones), every block back."""
+    import random
+
+    from metrale_feed.sched.speculative import NGramDrafter
+
+    vocab = 7
+    rng = random.Random(k * 10 + depth)
+    reqs_in = []
+    for i in range(9):
+        p = [rng.randrange(vocab) for _ in range(rng.randint(1, 10))]
+        m = rng.randint(1, 30)
+        stops = [rng.choice(greedy(p, m, vocab=vocab))] if i % 3 == 0 else []
+        reqs_in.append((p, m, stops))
+    reach = k if depth == 1 else 2 * k + 1
+    with model_for(3, vocab=vocab, block_size=2, num_blocks=(40 + reach) // 2 + 4) as model:
+        with DecodePipeline(model, 3, depth=depth, speculative=NGramDrafter(k)) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=m, stop_ids=s) for p, m, s in reqs_in]
+            steps = 0
+            while not pipe.idle:
+                pipe.step()
+                steps += 1
+                if steps % 4 == 0:
+                    pipe.abort(reqs[rng.randrange(len(reqs))])
+            stats = pipe.stats
+            assert stats.accepted > 0
+        assert model.pool.free_count == model.pool.num_blocks
+    for req, (p, m, s) in zip(reqs, reqs_in):
+        want = greedy(p, m, s, vocab=vocab)
+        if req.finish_reason == "abort":
+            assert req.tokens == want[:len(req.tokens)]
+        else:
+            assert req.tokens == want
+            assert req.finish_reason == ("stop" if s and req.tokens[-1] in s else "length")
