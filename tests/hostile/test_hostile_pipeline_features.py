@@ -699,3 +699,43 @@ def test_ngram_drafter_over_a_tiny_vocabulary_with_aborts(host, no_leaks, depth,
         else:
             assert req.tokens == want
             assert req.finish_reason == ("stop" if s and req.tokens[-1] in s else "length")
+
+
+# ---- drafters: bad input ----
+
+class _KDrafter:
+    def __init__(self, k):
+        self.k = k
+
+    def propose(self, batch, out, stream):  # pragma: no cover - refused before any step
+        raise AssertionError("never called")
+
+
+@pytest.mark.parametrize("drafter, error", [
+    (_KDrafter(True), TypeError), (_KDrafter("2"), TypeError), (_KDrafter(None), TypeError),
+    (_KDrafter(2.0), TypeError), (_KDrafter(0), ValueError), (_KDrafter(-1), ValueError),
+    (_KDrafter(mf.MAX_DRAFTS + 1), ValueError), (True, TypeError), (object, TypeError),
+])
+def test_a_bad_drafter_is_refused_before_anything_is_allocated(host, no_leaks, drafter, error):
+    from metrale_feed.sched.speculative import NGramDrafter
+
+    with model_for() as model:
+        with pytest.raises(error):
+            DecodePipeline(model, 4, depth=1, speculative=drafter)
+        with pytest.raises(TypeError, match="k attribute"):
+            DecodePipeline(model, 4, depth=1, speculative=NGramDrafter)  # the class itself
+        with DecodePipeline(model, 4, depth=1, speculative=_KDrafter(np.int64(2))) as pipe:
+            assert pipe._spec.k == 2 and type(pipe._spec.k) is int
+
+
+@pytest.mark.parametrize("kw, error", [
+    (dict(acceptance=True), TypeError), (dict(acceptance="0.5"), TypeError),
+    (dict(acceptance=None), TypeError), (dict(acceptance=float("nan")), ValueError),
+    (dict(acceptance=1.5), ValueError), (dict(acceptance=0.5, dtype="float64"), ValueError),
+    (dict(acceptance=0.5, dtype=3), ValueError),
+])
+def test_the_reference_drafter_refuses_bad_settings(kw, error):
+    """Before the fix acceptance=True or "0.5" went through float() and ran, and a dtype no
+    model has was refused only at the first step."""
+    with pytest.raises(error):
+        ReferenceDrafter(VOCAB, 2, **kw)
