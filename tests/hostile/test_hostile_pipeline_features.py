@@ -739,3 +739,29 @@ def test_the_reference_drafter_refuses_bad_settings(kw, error):
     model has was refused only at the first step."""
     with pytest.raises(error):
         ReferenceDrafter(VOCAB, 2, **kw)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_one_penalty_slot_reused_by_requests_that_stop_with_a_step_in_flight(host, no_leaks, depth):
+    """One row: each request stops (early, by its own stop id) while the next step is in
+    flight at depth 2, whose dead row still counts into the slot; the next request in that
+    slot must see none of it. Tokens and logprobs against the oracles."""
+    ps = _prompts(6, seed=17)
+    cfgs = [dict(frequency_penalty=0.8 + 0.1 * i, repetition_penalty=1.5,
+                 logit_bias={(5 * i) % VOCAB: 0.4}) for i in range(6)]
+    stops = []
+    for p, c in zip(ps, cfgs):
+        traj = _penalised_greedy(p, 10, (), "float32", **c)
+        stops.append([traj[3]] if traj[3] not in traj[:3] else [])
+    with model_for(1) as model, DecodePipeline(model, 1, depth=depth) as pipe:
+        reqs = [pipe.submit(p, max_new_tokens=10, stop_ids=s, logprobs=True, **c)
+                for p, s, c in zip(ps, stops, cfgs)]
+        pipe.run()
+        if depth == 2:
+            assert pipe.stats.rows_discarded > 0
+        assert pipe._pen.state.free == 1
+    assert sum(r.finish_reason == "stop" for r in reqs) >= 3
+    for req, p, s, c in zip(reqs, ps, stops, cfgs):
+        assert req.tokens == _penalised_greedy(p, 10, s, "float32", **c)
+        want, _ = log_softmax_oracle(p, req.tokens)
+        np.testing.assert_allclose(req.logprobs, want, rtol=0, atol=2e-5)
