@@ -765,3 +765,22 @@ def test_one_penalty_slot_reused_by_requests_that_stop_with_a_step_in_flight(hos
         assert req.tokens == _penalised_greedy(p, 10, s, "float32", **c)
         want, _ = log_softmax_oracle(p, req.tokens)
         np.testing.assert_allclose(req.logprobs, want, rtol=0, atol=2e-5)
+
+
+def test_sampled_speculative_rows_are_the_same_through_preemption(host, no_leaks):
+    """The verify draws are keyed by seed and position, the reference drafter's drafts too: a
+    pool small enough to preempt over and over gives every sampled request the tokens it gets
+    with room to spare."""
+    runs = []
+    for num_blocks in (400, 14):
+        with model_for(3, block_size=2, num_blocks=num_blocks) as model:
+            with DecodePipeline(model, 3, depth=1,
+                                speculative=ReferenceDrafter(VOCAB, 3, 0.5)) as pipe:
+                reqs = [pipe.submit([1 + i, 2, 3, 4], max_new_tokens=12, temperature=0.05,
+                                    seed=i, top_k=30) for i in range(4)]
+                pipe.run()
+                assert (pipe.stats.preemptions > 0) == (num_blocks == 14)
+            assert model.pool.free_count == model.pool.num_blocks
+        runs.append([r.tokens for r in reqs])
+    assert runs[0] == runs[1]
+    assert any(t != greedy([1 + i, 2, 3, 4], 12) for i, t in enumerate(runs[0]))  # really sampled
