@@ -784,3 +784,39 @@ def test_sampled_speculative_rows_are_the_same_through_preemption(host, no_leaks
         runs.append([r.tokens for r in reqs])
     assert runs[0] == runs[1]
     assert any(t != greedy([1 + i, 2, 3, 4], 12) for i, t in enumerate(runs[0]))  # really sampled
+
+
+def _verify_alone(prompt, max_new, drafter, **params):
+    """A sampled request alone through the verify rule: each step the drafter's drafts, the
+    reference logits of the k + 1 positions, one host verify_to_feed row."""
+    from metrale_feed.testing.reference import host_logits
+
+    k, history, out = drafter.k, list(prompt), []
+    with mf.DeviceBuffer((k + 1) * VOCAB * 4) as logits, mf.DeviceBuffer((k + 2) * 4) as cells, \
+            mf.Event() as done:
+        while len(out) < max_new:
+            drafts = drafter.draft(history, k, params.get("seed", 0), (NO_TOKEN, NO_TOKEN))
+            rows = np.stack([host_logits(history + drafts[:j], VOCAB) for j in range(k + 1)])
+            mf.copy_h2d_async(logits, np.ascontiguousarray(rows, np.float32))
+            sp = mf.sampling_params(1, position=len(history), **params)
+            dst = np.zeros(k + 2, np.uint32)
+            mf.verify_to_feed(logits, np.asarray(drafts, np.uint32), cells, dst, done, k=k,
+                              params=sp, rows=1, vocab=VOCAB, dtype="float32")
+            done.synchronize()
+            for token in dst[1:1 + int(dst[0])].tolist():
+                if len(out) < max_new:
+                    out.append(token)
+                    history.append(token)
+    return out
+
+
+@pytest.mark.parametrize("filters", [dict(min_p=0.2), dict(min_p=0.05, top_k=10, top_p=0.7)])
+def test_sampled_speculative_rows_with_min_p_match_the_verify_rule(host, no_leaks, filters):
+    drafter = ReferenceDrafter(VOCAB, 3, 0.5)
+    ps = _prompts(3, seed=23)
+    with model_for() as model, DecodePipeline(model, 4, depth=1, speculative=drafter) as pipe:
+        reqs = [pipe.submit(p, max_new_tokens=10, temperature=0.02, seed=9, **filters)
+                for p in ps]
+        pipe.run()
+    for req, p in zip(reqs, ps):
+        assert req.tokens == _verify_alone(p, 10, drafter, temperature=0.02, seed=9, **filters)
