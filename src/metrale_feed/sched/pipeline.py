@@ -710,10 +710,11 @@ class DecodePipeline:
         stops = frozenset(self._token(t, "stop id") for t in stop_ids)
         mask = self._check_ban(ban)
         sampling = _checks.sampling(temperature, top_k, top_p, min_p, seed)
-        pen: Optional[_checks.Penalties] = _checks.penalties(
+        checked = _checks.penalties(
             repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens,
             self.vocab, max_new)
-        if pen == _checks.NO_PENALTIES:
+        pen: Optional[_checks.Penalties] = checked
+        if checked == _checks.NO_PENALTIES:
             pen = None
         elif self._spec is not None:  # first: the penalty-only checks below would mislead
             raise ValueError("penalties (repetition_penalty, presence_penalty, "
@@ -721,7 +722,8 @@ class DecodePipeline:
                              "speculative decoding yet: submit the request without them (or to a "
                              "pipeline without speculative=)")
         else:
-            PipelinePenalties.check(self, prompt, max_new, stops, pen[4], self._penalty_capacity)
+            PipelinePenalties.check(self, prompt, max_new, stops, checked[4],
+                                    self._penalty_capacity)
         if sampling[0] > 0.0 and self._spec is not None and self.depth == 2:
             raise ValueError("a sampled request with speculative decoding needs depth=1 (its "
                              "draws' positions would be known on the device only)")
