@@ -820,3 +820,21 @@ def test_sampled_speculative_rows_with_min_p_match_the_verify_rule(host, no_leak
         pipe.run()
     for req, p in zip(reqs, ps):
         assert req.tokens == _verify_alone(p, 10, drafter, temperature=0.02, seed=9, **filters)
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32, 1.5, "x", None])
+def test_a_host_drafter_that_gives_a_bad_id_is_named(host, no_leaks, bad):
+    """A draft that is no uint32 id raises out of step() with the drafter's name and the id
+    (before: array's bare "can't convert negative value to unsigned int"); the pipeline then
+    closes with nothing leaked."""
+    from metrale_feed.sched.speculative import HostDrafter
+
+    class BadIds(HostDrafter):
+        def draft(self, history, k, seed, mask):
+            return [bad, 1]
+
+    with model_for(2) as model, DecodePipeline(model, 2, depth=1, speculative=BadIds(2)) as pipe:
+        pipe.submit([1, 2], max_new_tokens=3)
+        with pytest.raises((OverflowError, TypeError), match=r"BadIds\.draft gave .*uint32"):
+            pipe.step()
+    assert model.pool.free_count == model.pool.num_blocks

@@ -193,6 +193,13 @@ class HostDrafter:
                 history = self.after(history, last[at * k:(at + 1) * k], seed, mask)
             ids = list(self.draft(history, k, seed, mask))[:k]
             words.extend(ids + [NO_TOKEN] * (k - len(ids)))
+        try:
+            array("I", words)  # what send stages; checked first, so a bad id names the drafter
+        except (OverflowError, TypeError) as exc:
+            bad = next((t for t in words if not (hasattr(type(t), "__index__")
+                                                 and 0 <= t.__index__() <= NO_TOKEN)), words)
+            raise type(exc)(f"{type(self).__name__}.draft gave {bad!r}: a draft is a uint32 id "
+                            f"(NO_TOKEN ends a row's drafts early)") from exc
         self._last = words
         self._upload.send(words, out, stream)
 
