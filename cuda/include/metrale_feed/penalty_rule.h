@@ -10,7 +10,8 @@
  *      repetition: l = l > 0 ? l / rep : l * rep           (prompt or generated)
  *      frequency:  l = l - freq * count                    (generated, count > 0)
  *      presence:   l = l - presence                        (generated, count > 0)
- * The neutral values (bias 0, rep 1, freq 0, presence 0) leave every value's bits as they are, so
+ * A finite logit that stage 1 or 3 would take past the dtype's largest finite value saturates
+ * there (mf_penalty_saturate). The neutral values (bias 0, rep 1, freq 0, presence 0) leave every value's bits as they are, so
  * an id needs no test of which penalties are on. Stages 1 and 3 leave a NaN logit as it is, bits
  * and all: an operation on a NaN gives the canonical NaN on the GPU but keeps (and quiets) its
  * payload on the CPU, so only not touching it gives every backend the same bits. */
@@ -51,16 +52,33 @@ MF_HD float mf_penalize(float l, const mf_penalty_slot *s, uint32_t count) {
     return l;
 }
 
+/* The largest finite value of the row's dtype (float32, float16, bfloat16), as a float32. */
+MF_HD float mf_penalty_max(int dtype) {
+    return mf_from_bits(dtype == 0 ? 0x7F7FFFFFu : dtype == 2 ? 0x7F7F0000u : 0x477FE000u);
+}
+
+/* Stages 1 and 3 never make a finite logit infinite: a result past the dtype's largest finite
+ * value (a float32 overflow, or one that would round up into inf when stored) saturates there.
+ * Else the argmax would take the +inf id while the sampler, whose candidates are the finite
+ * logits, never draws it. A logit that was already infinite keeps the rule's result. */
+MF_HD float mf_penalty_saturate(float before, float v, int dtype) {
+    if (!mf_finite_bits(mf_to_bits(before))) return v;
+    const float m = mf_penalty_max(dtype);
+    return v > m ? m : v < -m ? -m : v;
+}
+
 /* Stage 1 at column `col` of a row: add `bias`; a NaN is not touched (not even stored back). */
 MF_HD void mf_penalty_bias_at(void *row, int dtype, uint32_t col, float bias) {
     const float l = mf_penalty_load(row, dtype, col);
-    if (!mf_penalty_is_nan(l)) mf_penalty_store(row, dtype, col, mf_fadd(l, bias));
+    if (!mf_penalty_is_nan(l))
+        mf_penalty_store(row, dtype, col, mf_penalty_saturate(l, mf_fadd(l, bias), dtype));
 }
 
 /* Stage 3 at column `col`, for a table entry's `count`; a NaN is not touched. */
 MF_HD void mf_penalize_at(void *row, int dtype, uint32_t col, const mf_penalty_slot *s, uint32_t count) {
     const float l = mf_penalty_load(row, dtype, col);
-    if (!mf_penalty_is_nan(l)) mf_penalty_store(row, dtype, col, mf_penalize(l, s, count));
+    if (!mf_penalty_is_nan(l))
+        mf_penalty_store(row, dtype, col, mf_penalty_saturate(l, mf_penalize(l, s, count), dtype));
 }
 
 /* Whether min_tokens bans the stop ids now. */

@@ -431,6 +431,41 @@ class PipelineStats:
         return f"PipelineStats({', '.join(f'{k}={v}' for k, v in self.as_dict().items())})"
 
 
+class _LoopLock:
+    """The loop's lock, knowing which thread holds it: a loop call (``step``, ``run``,
+    ``admit``, ``close``) made by the thread already inside one (a drafter's ``propose`` or a
+    model's method calling back into the pipeline) would wait for itself forever, so it raises
+    instead. ``acquire(blocking=False)`` and ``release`` are the inbox's, as a Lock's."""
+
+    __slots__ = ("_lock", "owner", "what")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.owner: Optional[int] = None
+        self.what = "step"
+
+    def __call__(self, what: str) -> "_LoopLock":
+        if self.owner == threading.get_ident():
+            raise FeedError(f"{what}() was called from inside one of this pipeline's own calls "
+                            f"(a drafter's propose or a model's method): it would wait for itself; "
+                            f"call it once that returns (abort() and submit() may be called there)")
+        return self
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self.owner = threading.get_ident()
+
+    def __exit__(self, *exc: object) -> None:
+        self.owner = None
+        self._lock.release()
+
+    def acquire(self, blocking: bool = True) -> bool:
+        return self._lock.acquire(blocking)
+
+    def release(self) -> None:
+        self._lock.release()
+
+
 class DecodePipeline:
     """Greedy or sampled decoding of many requests through a ``ModelDeviceFeed``, ``depth``
     steps deep.
@@ -583,7 +618,7 @@ class DecodePipeline:
         # abort post to _inbox (deque appends are atomic) and apply it at once when the lock is
         # free, else the loop applies it at the start and end of its current call. So every
         # change of the pipeline's state is made under the lock, in posting order.
-        self._lock = threading.Lock()
+        self._lock = _LoopLock()
         self._inbox: Deque[Tuple[Callable[[Request], None], Request]] = deque()
         # Penalties: the device tables, made at the first request that has any.
         self._penalty_capacity = penalty_capacity
@@ -690,8 +725,8 @@ class DecodePipeline:
         top_logprobs : int, optional
             In [0, 20], above 0 only with ``logprobs=True`` (the OpenAI API's rule): also keep,
             per committed token, the ``top_logprobs`` most likely ids of the raw distribution
-            and their logprobs in ``Request.top_logprobs`` (ties by the smaller id). Not with a
-            split vocabulary (``shard=``). Default 0.
+            and their logprobs in ``Request.top_logprobs`` (ties by the smaller id); at most
+            the vocabulary. Not with a split vocabulary (``shard=``). Default 0.
 
         Returns
         -------
@@ -736,20 +771,27 @@ class DecodePipeline:
         stops = frozenset(self._token(t, "stop id") for t in stop_ids)
         mask = self._check_ban(ban)
         sampling = _checks.sampling(temperature, top_k, top_p, min_p, seed)
-        pen: Optional[_checks.Penalties] = _checks.penalties(
+        checked = _checks.penalties(
             repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens,
             self.vocab, max_new)
-        if pen == _checks.NO_PENALTIES:
+        pen: Optional[_checks.Penalties] = checked
+        if checked == _checks.NO_PENALTIES:
             pen = None
+        elif self._spec is not None:  # first: the penalty-only checks below would mislead
+            raise ValueError("penalties (repetition_penalty, presence_penalty, "
+                             "frequency_penalty), logit_bias and min_tokens are not applied with "
+                             "speculative decoding yet: submit the request without them (or to a "
+                             "pipeline without speculative=)")
         else:
-            PipelinePenalties.check(self, prompt, max_new, stops, pen[4], self._penalty_capacity)
-        if pen is not None and self._spec is not None:
-            raise ValueError("penalties (and min_tokens) are not applied with speculative decoding "
-                             "yet: submit the request without them")
+            PipelinePenalties.check(self, prompt, max_new, stops, checked[4],
+                                    self._penalty_capacity)
         if sampling[0] > 0.0 and self._spec is not None and self.depth == 2:
             raise ValueError("a sampled request with speculative decoding needs depth=1 (its "
                              "draws' positions would be known on the device only)")
         lp = _checks.logprobs(logprobs, top_logprobs)
+        if lp[1] > self.vocab:  # else the lists would end in (NO_TOKEN, NaN) placeholders
+            raise ValueError(f"top_logprobs={lp[1]} is more than the vocabulary of {self.vocab} "
+                             f"ids")
         if lp[1]:
             if getattr(self.model, "feed_shard", None) is not None:
                 raise ValueError("top_logprobs over a split vocabulary (shard=) is not supported")
@@ -841,7 +883,7 @@ class DecodePipeline:
             committed, and every running request finishes with ``"error"`` (``req.error`` says
             why; reported by the next ``step()``). Waiting requests stay queued.
         """
-        with self._lock:  # a second thread's step() waits for this one
+        with self._lock("step"):  # a second thread's step() waits for this one
             if self._closed:
                 raise FeedError("the pipeline is closed")
             self._drain()
@@ -870,10 +912,11 @@ class DecodePipeline:
 
     def run(self) -> List[Request]:
         """Step until idle; every request that finished, in finish order."""
+        self._lock("run")  # from inside a step: raises here, not at the first step()
         out: List[Request] = []
         while not self.idle:
             out.extend(self.step())
-        with self._lock:
+        with self._lock("run"):
             out.extend(self._finished)
             self._finished = []
         return out
@@ -887,7 +930,7 @@ class DecodePipeline:
         int
             How many joined the batch.
         """
-        with self._lock:
+        with self._lock("admit"):
             if self._closed:
                 raise FeedError("the pipeline is closed")
             self._drain()
@@ -1311,7 +1354,7 @@ class DecodePipeline:
     def close(self) -> None:
         """Abort whatever runs or waits, return every KV block and ring slot (after the steps
         in flight)."""
-        with self._lock:
+        with self._lock("close"):
             if self._closed:
                 return
             try:

@@ -193,6 +193,13 @@ class HostDrafter:
                 history = self.after(history, last[at * k:(at + 1) * k], seed, mask)
             ids = list(self.draft(history, k, seed, mask))[:k]
             words.extend(ids + [NO_TOKEN] * (k - len(ids)))
+        try:
+            array("I", words)  # what send stages; checked first, so a bad id names the drafter
+        except (OverflowError, TypeError) as exc:
+            bad = next((t for t in words if not (hasattr(type(t), "__index__")
+                                                 and 0 <= t.__index__() <= NO_TOKEN)), words)
+            raise type(exc)(f"{type(self).__name__}.draft gave {bad!r}: a draft is a uint32 id "
+                            f"(NO_TOKEN ends a row's drafts early)") from exc
         self._last = words
         self._upload.send(words, out, stream)
 
@@ -417,8 +424,10 @@ class SpeculativeStep:
         rows = self._reserve(running, self.reach if ahead else k)
         if not rows:
             return False
+        # The slot after the last launched one: it moves on only once this launch is queued,
+        # so a launch that raises (a drafter's or the model's error) never leaves a slot of a
+        # step still in flight to the next one.
         slot = self.slots[self.next_slot]
-        self.next_slot = (self.next_slot + 1) % len(self.slots)
         n_rows, stream = len(rows), pipe.stream
         histories = [list(r.prompt) + r.tokens for r in rows]
         masks = [(int(r._mask[0]), int(r._mask[1])) for r in rows]
@@ -471,6 +480,7 @@ class SpeculativeStep:
                              row_stride=getattr(model, "feed_row_stride", None))
         if self.depth > 1:  # what the next launch reads before this one's counts are known
             _core.resolve_verified(slot.cells, slot.ids, slot.adv, stream, rows=n_rows, k=k)
+        self.next_slot = (self.next_slot + 1) % len(self.slots)
         pipe._launches = launch + 1
         pipe.io.stats.launches += 1
         if self.inflight:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import List, Sequence, Tuple
 
 from .. import _checks
+from ..dtypes import logits_dtype
 from ..feed import NO_TOKEN
 from ..sched.speculative import HostDrafter
 from .reference import host_next_token
@@ -44,7 +45,9 @@ class ReferenceDrafter(HostDrafter):
     Raises
     ------
     ValueError
-        An argument out of range.
+        An argument out of range, or not finite; a ``dtype`` that is no logits dtype.
+    TypeError
+        A ``vocab`` or ``k`` that is not an int, an ``acceptance`` that is not a real number.
 
     Examples
     --------
@@ -60,7 +63,8 @@ class ReferenceDrafter(HostDrafter):
         vocab = _checks.integer(vocab, "vocab")
         if vocab < 2:
             raise ValueError(f"the reference drafter needs a vocabulary of 2 ids or more, got {vocab}")
-        acceptance = float(acceptance)
+        acceptance = _checks.real(acceptance, "acceptance")  # a bool or a str is no rate
+        logits_dtype(dtype)  # refused here, not at the first step's rule
         if not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
         super().__init__(k)
