@@ -56,3 +56,35 @@ def sampled_tokens(prompt, max_new, vocab, dtype="float32", stops=(), ban=None, 
 @pytest.fixture
 def sampled():
     return sampled_tokens
+
+
+def play(pipe, ops, submitted):
+    """Run a drawn schedule on ``pipe`` (submit, step, abort ops), then ``run()``; appends each
+    submitted (request, its submit args) to ``submitted`` and checks every one finished once."""
+    finished = []
+    for kind, arg in ops:
+        if kind == "submit":
+            prompt, max_new, stops, ban = arg
+            req = pipe.submit(prompt, max_new_tokens=max_new, stop_ids=stops, ban=ban)
+            submitted.append((req, arg))
+        elif kind == "step" and not pipe.idle:
+            finished += pipe.step()
+        elif kind == "abort" and submitted:
+            pipe.abort(submitted[arg % len(submitted)][0])
+    finished += pipe.run()
+    assert sorted(map(id, finished)) == sorted(id(r) for r, _ in submitted)
+    assert len(set(map(id, finished))) == len(finished)
+    return finished
+
+
+def check_greedy(submitted, vocab, dtype):
+    """Each request's tokens are greedy decoding's (a prefix of them when it was aborted), and
+    its finish reason is the one its tokens give."""
+    for req, (prompt, max_new, stops, ban) in submitted:
+        expected = greedy_tokens(prompt, max_new, vocab, dtype, stops=stops, ban=ban)
+        assert req.finished
+        if req.finish_reason == "abort":
+            assert req.tokens == expected[: len(req.tokens)]
+            continue
+        assert req.tokens == expected
+        assert req.finish_reason == ("stop" if req.tokens[-1] in stops else "length")

@@ -15,7 +15,7 @@ from metrale_feed import DecodePipeline
 from metrale_feed.feed import NO_TOKEN
 from metrale_feed.testing.reference import ReferenceModel, host_next_token
 
-from conftest import greedy_tokens
+from conftest import check_greedy, greedy_tokens, play
 
 
 @st.composite
@@ -69,32 +69,12 @@ def test_schedules_match_greedy_decoding(host, schedule, depth, lag_us, debug):
         with ReferenceModel(vocab, block_size=block_size, num_blocks=num_blocks,
                             max_rows=max_rows, logits_dtype=dtype) as model:
             with DecodePipeline(model, max_rows, depth=depth, debug=debug) as pipe:
-                finished = []
-                for kind, arg in ops:
-                    if kind == "submit":
-                        prompt, max_new, stops, ban = arg
-                        req = pipe.submit(prompt, max_new_tokens=max_new, stop_ids=stops, ban=ban)
-                        submitted.append((req, arg))
-                    elif kind == "step" and not pipe.idle:
-                        finished += pipe.step()
-                    elif kind == "abort" and submitted:
-                        pipe.abort(submitted[arg % len(submitted)][0])
-                finished += pipe.run()
-                assert sorted(map(id, finished)) == sorted(id(r) for r, _ in submitted)
-                assert len(set(map(id, finished))) == len(finished)
+                play(pipe, ops, submitted)
                 assert pipe.stats.reserved_in_flight == 0
                 if debug and depth == 2:
                     assert pipe.stats.host_syncs == pipe.stats.steps
             assert model.pool.free_count == num_blocks, "KV blocks leaked"
-        for req, (prompt, max_new, stops, ban) in submitted:
-            expected = greedy_tokens(prompt, max_new, vocab, dtype, stops=stops, ban=ban)
-            assert req.finished
-            if req.finish_reason == "abort":
-                assert req.tokens == expected[: len(req.tokens)]
-                continue
-            assert req.tokens == expected
-            reason = "stop" if req.tokens[-1] in stops else "length"
-            assert req.finish_reason == reason
+        check_greedy(submitted, vocab, dtype)
     finally:
         mf.configure_host()
     gc.collect()

@@ -16,7 +16,7 @@ from metrale_feed.feed import NO_TOKEN
 from metrale_feed.sched.speculative import HostDrafter, NGramDrafter
 from metrale_feed.testing.drafter import ReferenceDrafter
 
-from conftest import VOCAB, greedy_tokens, model_for, prompts
+from conftest import VOCAB, check_greedy, greedy_tokens, model_for, play, prompts
 
 
 def _requests(n, seed):
@@ -346,18 +346,7 @@ def test_schedules_match_greedy_decoding_with_speculation(host, schedule, k, acc
         with ReferenceModel(vocab, block_size=block_size, num_blocks=num_blocks,
                             max_rows=max_rows, logits_dtype=dtype) as model:
             with DecodePipeline(model, max_rows, depth=depth, speculative=drafter) as pipe:
-                finished = []
-                for kind, arg in ops:
-                    if kind == "submit":
-                        prompt, max_new, stops, ban = arg
-                        req = pipe.submit(prompt, max_new_tokens=max_new, stop_ids=stops, ban=ban)
-                        submitted.append((req, arg))
-                    elif kind == "step" and not pipe.idle:
-                        finished += pipe.step()
-                    elif kind == "abort" and submitted:
-                        pipe.abort(submitted[arg % len(submitted)][0])
-                finished += pipe.run()
-                assert sorted(map(id, finished)) == sorted(id(r) for r, _ in submitted)
+                play(pipe, ops, submitted)
                 stats = pipe.stats
                 assert stats.host_syncs == stats.steps
                 assert stats.drafted == k * (stats.emitted - stats.accepted)
@@ -366,14 +355,7 @@ def test_schedules_match_greedy_decoding_with_speculation(host, schedule, k, acc
                 if acceptance == 1.0:
                     assert stats.accepted == stats.drafted
             assert model.pool.free_count == num_blocks, "KV blocks leaked"
-        for req, (prompt, max_new, stops, ban) in submitted:
-            expected = greedy_tokens(prompt, max_new, vocab, dtype, stops=stops, ban=ban)
-            assert req.finished
-            if req.finish_reason == "abort":
-                assert req.tokens == expected[: len(req.tokens)]
-                continue
-            assert req.tokens == expected
-            assert req.finish_reason == ("stop" if req.tokens[-1] in stops else "length")
+        check_greedy(submitted, vocab, dtype)
     finally:
         mf.configure_host()
     import gc
