@@ -475,3 +475,23 @@ def test_prefill_exhaustion_returns_its_blocks(host, no_leaks):
     model.release_sequence(seq)
     assert model.pool.free_count == 3
     model.close()
+
+
+def test_a_failed_top_logprobs_allocation_keeps_the_logprobs_buffers(host, no_leaks):
+    """The ring makes its top-logprobs buffers at the first request for them; when one of those
+    allocations fails, only the ones made there are freed: the logprobs buffers, which a step in
+    flight may still be copying into, stay open."""
+    model = ReferenceModel(VOCAB, block_size=4, num_blocks=32, max_rows=2)
+    io = AsyncDeviceIo(model, 2)
+    ring = io._ring
+    lp = ring.logprobs(0)
+    host.configure_host(fail_alloc_at=2)  # the first top pair's pinned half
+    with pytest.raises(FeedError, match="fault injected"):
+        ring.top(0)
+    host.configure_host()
+    assert ring.logprobs(0) == lp and all(buf.ptr for buf in lp), "the logprobs buffers were freed"
+    assert not ring.top_dev and not ring.top_host
+    top = ring.top(1)  # and a later request makes them
+    assert all(buf.ptr for buf in top)
+    io.teardown()
+    model.close()

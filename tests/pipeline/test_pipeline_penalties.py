@@ -205,3 +205,25 @@ def test_a_model_without_feed_cells_refuses_penalties(host, no_leaks):
             pipe.close()
         finally:
             model.feed_cells = cells
+
+
+def test_a_penalty_slot_whose_write_failed_is_given_back(host, no_leaks, monkeypatch):
+    """Writing a joining request's penalties into its slot fails: the slot goes back to the free
+    list and the request holds none (a slot never written would decode without its penalties)."""
+    ps = prompts(2, seed=3)
+    with model_for(2) as model, DecodePipeline(model, 2) as pipe:
+        first = pipe.submit(ps[0], max_new_tokens=6, **PEN[0])
+        pipe.step()
+        pen = pipe._pen
+        assert first._pslot >= 0 and pen.state.free == pen.state.slots - 1
+        second = pipe.submit(ps[1], max_new_tokens=6, **PEN[1])
+
+        def failing_set(*args, **kwargs):
+            raise RuntimeError("the slot's write failed")
+
+        monkeypatch.setattr(pen.state, "set", failing_set)
+        with pytest.raises(RuntimeError, match="write failed"):
+            while second._pslot < 0 and not pipe.idle:
+                pipe.step()
+        assert second._pslot < 0
+        assert pen.state.free == pen.state.slots - 1  # only the first request's slot is taken

@@ -73,12 +73,17 @@ class PipelinePenalties:
                 slots.append(NO_TOKEN)
                 continue
             if req._pslot < 0:
-                req._pslot = slot = self.state.acquire()
+                slot = self.state.acquire()
                 rep, pres, freq, bias, mt = pen
-                self.state.set(slot, prompt=req.prompt, generated=req.tokens,
-                               repetition_penalty=rep, presence_penalty=pres,
-                               frequency_penalty=freq, logit_bias=dict(bias), min_tokens=mt,
-                               stop_ids=req.stop_ids)
+                try:
+                    self.state.set(slot, prompt=req.prompt, generated=req.tokens,
+                                   repetition_penalty=rep, presence_penalty=pres,
+                                   frequency_penalty=freq, logit_bias=dict(bias), min_tokens=mt,
+                                   stop_ids=req.stop_ids)
+                except BaseException:  # never a slot that was not written: it would do nothing
+                    self.state.release(slot)
+                    raise
+                req._pslot = slot
             slots.append(req._pslot)
             any_slot = True
         self.slots = slots

@@ -212,15 +212,23 @@ class _Ring:
     def logprobs(self, slot: int) -> Tuple[Any, Any]:
         """The slot's logprobs buffers (device, pinned), made for every slot at the first call."""
         if not self.lp_dev:
-            count = len(self.busy)
-            try:
-                for _ in range(count):
-                    self.lp_dev.append(_core.DeviceBuffer(self.nbytes))
-                    self.lp_host.append(_core.PinnedBuffer(self.nbytes))
-            except BaseException:
-                self._close_logprobs()
-                raise
+            self.lp_dev, self.lp_host = self._pairs(self.nbytes)
         return self.lp_dev[slot], self.lp_host[slot]
+
+    def _pairs(self, nbytes: int) -> Tuple[List[Any], List[Any]]:
+        """A device and a pinned buffer of ``nbytes`` for every slot; on a failure, the ones made
+        here are freed and nothing else (buffers made before may be in use by a step in flight)."""
+        dev: List[Any] = []
+        host: List[Any] = []
+        try:
+            for _ in range(len(self.busy)):
+                dev.append(_core.DeviceBuffer(nbytes))
+                host.append(_core.PinnedBuffer(nbytes))
+        except BaseException:
+            for buf in dev + host:
+                buf.close()
+            raise
+        return dev, host
 
     def read_logprobs(self, slot: int, rows: int) -> List[float]:
         with memoryview(self.lp_host[slot]) as raw, raw.cast("f") as floats:
@@ -230,14 +238,7 @@ class _Ring:
         """The slot's top-logprobs records (device, pinned), made for every slot at the first
         call: room for ``MAX_TOP_LOGPROBS`` 8-byte records a row."""
         if not self.top_dev:
-            nbytes = self.nbytes * 2 * _core.MAX_TOP_LOGPROBS
-            try:
-                for _ in range(len(self.busy)):
-                    self.top_dev.append(_core.DeviceBuffer(nbytes))
-                    self.top_host.append(_core.PinnedBuffer(nbytes))
-            except BaseException:
-                self._close_logprobs()
-                raise
+            self.top_dev, self.top_host = self._pairs(self.nbytes * 2 * _core.MAX_TOP_LOGPROBS)
         return self.top_dev[slot], self.top_host[slot]
 
     def read_top(self, slot: int, count: int) -> Tuple[List[int], List[float]]:
