@@ -14,7 +14,6 @@ a row's step in flight is thrown away and where its KV blocks go is decided here
 
 from __future__ import annotations
 
-import enum
 import os
 import threading
 import warnings
@@ -30,58 +29,13 @@ from ..kv import SequenceState
 from ..trait import ModelDeviceFeed
 from .budget import KvBudget
 from .penalized import PipelinePenalties
+from .request import _PREEMPTED, _RUNNING, Request, RequestStatus, _order_of, _SeqView
 from .router import AsyncDeviceIo, SyncDeviceIo, Ticket, _DeviceIo
 
 __all__ = ["DecodePipeline", "Request", "RequestStatus", "PipelineStats"]
 
-_UNMASKED_PAIR = (NO_TOKEN, NO_TOKEN)
 _drain: "partial[Deque[Any]]" = partial(deque, maxlen=0)  # runs an iterator out, keeping nothing
 _IDENTITY: Dict[int, List[FeedSource]] = {}  # rows -> [feed(0), feed(1), ...], made once
-_GREEDY = (0.0, 0, 1.0, 0.0, 0)  # temperature, top_k, top_p, min_p, seed: the argmax
-
-
-class RequestStatus(enum.Enum):
-    """Where a ``Request`` is: ``WAITING`` (submitted, not yet admitted), ``RUNNING`` (in every
-    launch from its admission on), ``PREEMPTED`` (its blocks given back when the pool ran dry;
-    it resumes by recompute), then one finished state. The finished states' values are the
-    ``finish_reason`` strings; ``FINISHED_ERROR`` is a device-side fault of a step the request
-    was in (docs/pipeline.md, "Faults").
-
-    Examples
-    --------
-    >>> import metrale_feed as mf
-    >>> from metrale_feed.testing.reference import ReferenceModel
-    >>> model = ReferenceModel(1000, max_rows=2)
-    >>> with mf.DecodePipeline(model, 2) as pipe:
-    ...     req = pipe.submit([7, 8], max_new_tokens=2)
-    ...     before = req.status
-    ...     finished = pipe.run()
-    >>> model.close()
-    >>> before, req.status, req.status.finished
-    (<RequestStatus.WAITING: 'waiting'>, <RequestStatus.FINISHED_LENGTH: 'length'>, True)
-    """
-
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHED_STOPPED = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"
-    FINISHED_ERROR = "error"  # a device-side fault: none of its tokens after the fault is kept
-
-    @property
-    def finished(self) -> bool:
-        """Whether it is one of the finished states."""
-        return self.value not in ("waiting", "running", "preempted")
-
-
-_WAITING = RequestStatus.WAITING
-_RUNNING = RequestStatus.RUNNING
-_PREEMPTED = RequestStatus.PREEMPTED
-
-
-def _order_of(req: "Request") -> int:
-    return req._order
 
 
 def _takes(method: Any, names: Tuple[str, ...]) -> bool:
@@ -102,255 +56,6 @@ def _identity(rows: int) -> List[FeedSource]:
     if sources is None:
         sources = _IDENTITY[rows] = [FeedSource.feed(i) for i in range(rows)]
     return sources
-
-
-class Request:
-    """One submitted request. ``tokens`` holds its committed generated ids only.
-
-    Made by ``DecodePipeline.submit``, never directly.
-
-    Parameters
-    ----------
-    pipe : DecodePipeline
-        The pipeline that owns it.
-    prompt : tuple of int
-    max_new_tokens : int
-    stop_ids : frozenset of int
-    ban : RowMask or None
-    order : int
-        Its place in submission order (first come, first served).
-    sampling : tuple, optional
-        ``(temperature, top_k, top_p, min_p, seed)``, checked by ``submit``; greedy by default.
-
-    Attributes
-    ----------
-    prompt : tuple of int
-    tokens : list of int
-        Committed generated ids, never a speculative one.
-    max_new_tokens : int
-    stop_ids : frozenset of int
-    status : RequestStatus
-        ``WAITING``, ``RUNNING`` (``PREEMPTED`` while it waits to resume), then a finished
-        state. The pipeline's loop thread is its one writer.
-    finished : bool
-        ``status`` is a finished state.
-    finish_reason : {"stop", "length", "abort", "error"} or None
-        The finished state's value; ``"error"``: a device-side fault of a step it was in.
-    error : str or None
-        With ``"error"``: what the fault was.
-    ban : RowMask or None
-        The row's mask; may be set between steps and applies from the next launched step.
-    temperature, top_k, top_p, min_p, seed
-        Its sampling parameters (``submit``); ``temperature == 0`` is greedy decoding.
-    sampled : bool
-        ``temperature > 0``.
-    repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens
-        Its penalties (``submit``; docs/penalties.md), as float32 values.
-    logprobs : list of float or None
-        With ``submit(logprobs=True)``: the logprob of each committed token under the raw
-        distribution of its step (``log_softmax`` of the model's logits, before masks,
-        temperature and filters), one per entry of ``tokens``; None when not asked.
-    top_logprobs : list of list of (int, float), or None
-        With ``submit(top_logprobs=n)``: per committed token, the ``n`` most likely ids of the
-        same raw distribution and their logprobs, most likely first, ties by the smaller id;
-        None when not asked.
-
-    Examples
-    --------
-    ``DecodePipeline.submit`` makes them:
-
-    >>> import metrale_feed as mf
-    >>> from metrale_feed.testing.reference import ReferenceModel
-    >>> model = ReferenceModel(1000, max_rows=2)
-    >>> with mf.DecodePipeline(model, 2) as pipe:
-    ...     req = pipe.submit([7, 8], max_new_tokens=2)
-    ...     req.finished
-    ...     finished = pipe.run()
-    False
-    >>> model.close()
-    >>> req.finished, req.finish_reason, len(req.tokens)
-    (True, 'length', 2)
-    >>> req.status
-    <RequestStatus.FINISHED_LENGTH: 'length'>
-    """
-
-    __slots__ = ("prompt", "tokens", "max_new_tokens", "stop_ids", "status", "error", "_ban", "_mask", "_pipe", "_seq", "_join", "_last", "_base", "_order", "_bound",
-                 "_reserved_at", "_pos0", "temperature", "top_k", "top_p", "min_p", "seed",
-                 "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "min_tokens", "_pen", "_pslot", "logprobs", "top_logprobs", "_top_n")
-
-    def __init__(self, pipe: "DecodePipeline", prompt: Tuple[int, ...], max_new_tokens: int,
-                 stop_ids: FrozenSet[int], ban: Optional[RowMask], order: int = 0,
-                 sampling: Tuple[float, int, float, float, int] = _GREEDY,
-                 penalties: Optional[_checks.Penalties] = None,
-                 logprobs: Tuple[bool, int] = (False, 0)) -> None:
-        self.prompt = prompt
-        self.tokens: List[int] = []
-        self.max_new_tokens = max_new_tokens
-        self.stop_ids = stop_ids
-        self.status = _WAITING
-        self.error: Optional[str] = None
-        self._ban = ban
-        self._mask = ban if ban is not None else _UNMASKED_PAIR
-        self._pipe = pipe
-        # What ``status`` says is not repeated here: a request has a view (``_seq``) exactly
-        # while it is RUNNING (and during its prefill), and the launch numbers below are set
-        # when it joins and read only while it runs. -1 is "no such launch".
-        self._seq: Optional[_RequestView] = None  # its KV view, from its prefill until it leaves
-        self._join = 0  # the launch number of its first step since (re)admission
-        self._last = -1  # the launch number of its last possible step
-        self._base = 0  # positions whose KV prefill wrote
-        self._order = order  # submission order (set when the loop takes it in): the youngest
-        # running one is preempted first
-        self._bound = -1  # the launch at which its next KV block is reserved, if one is due
-        self._reserved_at = -1  # the last launch that reserved a block for it, if any
-        self._pos0 = 0  # its position at launch L is _pos0 + L (set when it joins)
-        self.temperature, self.top_k, self.top_p, self.min_p, self.seed = sampling
-        # Penalties (docs/penalties.md): None when every one is neutral (no slot, no op).
-        self._pen = penalties
-        self._pslot = -1  # its PenaltyState slot while it runs
-        rep, pres, freq, bias, mt = penalties or _checks.NO_PENALTIES
-        self.repetition_penalty, self.presence_penalty, self.frequency_penalty = rep, pres, freq
-        self.logit_bias: Dict[int, float] = dict(bias)
-        self.min_tokens = mt
-        # One logprob per committed token, appended with it (docs/pipeline.md, "Logprobs").
-        self.logprobs: Optional[List[float]] = [] if logprobs[0] else None
-        self._top_n = logprobs[1]
-        self.top_logprobs: Optional[List[List[Tuple[int, float]]]] = [] if logprobs[1] else None
-
-    @property
-    def finished(self) -> bool:
-        """Whether it has finished (stop, length, abort or error)."""
-        return self.status.finished
-
-    @property
-    def finish_reason(self) -> Optional[str]:
-        """``"stop"``, ``"length"``, ``"abort"`` or ``"error"``; None until it finishes."""
-        status = self.status
-        return status.value if status.finished else None
-
-    @property
-    def sampled(self) -> bool:
-        """Whether its ids are drawn (``temperature > 0``) rather than the argmax."""
-        return self.temperature > 0.0
-
-    @property
-    def ban(self) -> Optional[RowMask]:
-        return self._ban
-
-    @ban.setter
-    def ban(self, value: Any) -> None:
-        ban = self._pipe._check_ban(value)
-        self._ban = ban
-        self._mask = ban if ban is not None else _UNMASKED_PAIR
-        self._pipe._masks_dirty = True
-
-    @property
-    def position(self) -> int:
-        """``len(prompt) + len(tokens)``: the position of the next generated id (what a sampler
-        keys its randomness on)."""
-        return len(self.prompt) + len(self.tokens)
-
-    def __repr__(self) -> str:
-        state = self.status.value
-        return f"Request(prompt={len(self.prompt)} ids, tokens={len(self.tokens)}, {state})"
-
-
-_OWNED = ("the pipeline owns a running request's committed tokens (Request.tokens): its "
-          "SequenceState.tokens is a read-only view of them")
-
-
-class _CommittedTokens(list):  # type: ignore[type-arg]
-    """``SequenceState.tokens`` of a running request: a snapshot of the first ``seq_len`` ids of
-    ``prompt + tokens``. A model may push the ids it writes (``append``/``extend``, as it does on
-    a ``SequenceState`` of its own) when each one is the id the pipeline already holds at that
-    position: the pipeline commits it itself, so the push only checks. Any other write raises
-    ``FeedError``: a dropped write would be a silent loss of what the model meant."""
-
-    __slots__ = ("_history",)
-
-    def __init__(self, history: List[int], length: int) -> None:
-        super().__init__(history[:length])
-        self._history = history
-
-    def append(self, token: Any) -> None:
-        at = len(self)
-        history = self._history
-        if at >= len(history) or history[at] != token:
-            known = history[at] if at < len(history) else "not known yet"
-            raise FeedError(f"{_OWNED}; a push of id {token!r} at position {at} differs from "
-                            f"the pipeline's ({known})")
-        super().append(token)
-
-    def extend(self, tokens: Iterable[Any]) -> None:
-        for token in tokens:
-            self.append(token)
-
-    def __iadd__(self, tokens: Iterable[Any]) -> "_CommittedTokens":  # type: ignore[override,misc]
-        self.extend(tokens)
-        return self
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise FeedError(f"{_OWNED}: only a push of the id it holds is accepted")
-
-    insert = pop = remove = clear = sort = reverse = _refuse  # type: ignore[assignment]
-    __setitem__ = __delitem__ = __imul__ = _refuse  # type: ignore[assignment]
-
-
-class _RequestView(SequenceState):
-    """A running request's KV bookkeeping, derived from the request, so the pipeline is the one
-    owner of its tokens: ``tokens`` reads ``_CommittedTokens`` (a push of the id the pipeline
-    holds is checked and accepted, ``seq.tokens += ids`` too; any other write raises
-    ``FeedError``, ``seq.tokens = ...`` too), and a subclass says what ``seq_len`` is."""
-
-    __slots__ = ("req",)
-
-    def __init__(self, req: Request, slot_idx: int) -> None:
-        # SequenceState.__init__ would assign tokens and seq_len: both are derived here.
-        self.req = req
-        self.slot_idx = slot_idx
-        self.block_table: List[int] = []
-
-    @property
-    def tokens(self) -> List[int]:
-        req = self.req
-        return _CommittedTokens(list(req.prompt) + req.tokens, self.seq_len)
-
-    @tokens.setter
-    def tokens(self, value: List[int]) -> None:
-        if isinstance(value, _CommittedTokens):
-            return  # ``seq.tokens += ids``: each id was checked by the push
-        raise FeedError(f"{_OWNED}: it cannot be assigned")
-
-    def _undo_push(self) -> None:
-        """The router's undo of a pushed step that never ran: the push changed nothing here."""
-
-
-class _SeqView(_RequestView):
-    """``seq_len`` follows the request's committed tokens and the steps launched for it. Writes
-    to ``seq_len`` count only while prefill fills the cache; after the first launch a model's
-    own advance (the synchronous ``decode_batch`` path) changes nothing: the launch number says
-    it. A model's push of each step's input is checked by ``tokens`` (``_CommittedTokens``)."""
-
-    __slots__ = ()
-
-    @property
-    def seq_len(self) -> int:
-        req = self.req
-        status = req.status
-        if status is _WAITING or status is _PREEMPTED:  # being prefilled
-            return req._base
-        launched = min(req._pipe._launches, req._last + 1) - req._join
-        written = req._base + launched
-        known = len(req.prompt) + len(req.tokens)
-        return written if written < known else known
-
-    @seq_len.setter
-    def seq_len(self, value: int) -> None:
-        status = self.req.status
-        if status is _WAITING or status is _PREEMPTED:
-            self.req._base = value
-
 
 class _Step:
     """A launched step: its ticket, its rows (requests), their sources, and the rows whose
@@ -1060,7 +765,6 @@ class DecodePipeline:
             # Host params are read before the feed method returns, so rewriting the one array
             # each launch never changes what a step in flight draws.
             params["position"] = self._positions + launch
-        io = self.io
         if self.fed:
             if self._dirty or rows is not self._rows:
                 prev = {id(r): i for i, r in enumerate(self._rows)} if self._launches else {}

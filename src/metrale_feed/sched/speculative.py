@@ -22,10 +22,11 @@ from .. import _checks, _core
 from ..contract import VerifyStep, require
 from ..errors import KvPoolExhausted
 from ..feed import NO_TOKEN, FeedSource
-from .pipeline import _RUNNING, _RequestView
+from .request import _RUNNING, _RequestView
 
 if TYPE_CHECKING:
-    from .pipeline import DecodePipeline, Request
+    from .pipeline import DecodePipeline
+    from .request import Request
 
 __all__ = ["DraftBatch", "Drafter", "HostDrafter", "NGramDrafter", "SpeculativeStep", "check_drafter"]
 
@@ -377,7 +378,7 @@ class SpeculativeStep:
         """Blocks for every row's positions up to ``_base + reach``; when the pool runs dry the
         youngest running row gives its blocks back and waits to resume (recompute). Returns
         the rows left."""
-        from .pipeline import _order_of
+        from .request import _order_of
 
         pipe = self.pipe
         for req in list(rows):
@@ -517,7 +518,7 @@ class SpeculativeStep:
         self.inflight.clear()
 
     def _commit(self, flight: _Flight, got: Sequence[int]) -> None:
-        from .pipeline import RequestStatus
+        from .request import RequestStatus
 
         k, stats, pipe = self.k, self.pipe.stats, self.pipe
         later = self.inflight[0] if self.inflight else None

@@ -12,7 +12,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from .. import _core
 from .._core import stream_synchronize
 from ..feed import NO_TOKEN
-from ..sched.pipeline import DecodePipeline, Request
+from ..sched.pipeline import DecodePipeline
+from ..sched.request import Request
 from ..testing.reference import ReferenceModel, host_next_token, reference_tokens
 from .timeline import Recorder
 
