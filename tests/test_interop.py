@@ -372,6 +372,38 @@ def test_stream_protocol_and_from_handle():
     s.close()
 
 
+def test_a_wrapped_stream_keeps_its_foreign_owner():
+    # A torch or CuPy stream object destroys its handle when it is collected: the Stream made
+    # from it keeps it alive, and lets it go when closed or dropped (never an int: nothing owns it).
+    import gc
+    import weakref
+
+    class Foreign:
+        def __init__(self, stream):
+            self.stream = stream  # the owner of the handle, as a torch stream owns its cudaStream_t
+
+        def __cuda_stream__(self):
+            return (0, self.stream.handle)
+
+    for close in (True, False):
+        owner = Foreign(Stream())
+        alive = weakref.ref(owner)
+        wrapped = Stream.wrap(owner)
+        del owner
+        gc.collect()
+        assert alive() is not None
+        wrapped.synchronize()  # the handle is still the owner's live stream
+        if close:
+            wrapped.close()
+        else:
+            del wrapped
+        gc.collect()
+        assert alive() is None
+    s = Stream()
+    assert Stream.wrap(s.handle) == s
+    s.close()
+
+
 @host_only
 def test_a_handle_the_host_backend_never_made_is_a_feed_error():
     with pytest.raises(FeedError, match="unknown or destroyed stream"):

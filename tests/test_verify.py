@@ -363,6 +363,35 @@ def test_resolve_verified_gives_last_id_and_advance(backend, dev):
         b.close()
 
 
+def test_resolve_verified_defaults_follow_the_last_write(backend, dev):
+    """The default rows and k are those of the last launch into the cells: an argmax written over
+    them since leaves none (not the verify's stale shape), and a freed buffer's shape is
+    forgotten, so a new allocation at its address inherits nothing."""
+    core = mf._core
+    rng = np.random.default_rng(23)
+    k, rows, vocab = 2, 4, 16
+    logits = rng.standard_normal((rows * (k + 1), vocab)).astype(np.float32)
+    drafts = drafts_near(rng, reference_argmax(logits).reshape(rows, k + 1), k, vocab)
+    buf = dev.upload(logits)
+    out = mf.DeviceBuffer(rows * 4)
+    before = core._cell_rows_len()
+    cells = mf.DeviceBuffer(rows * (k + 2) * 4)
+    mf.verify_to_feed(buf, drafts, cells, None, None, k=k, vocab=vocab, dtype="float32")
+    assert core._cell_rows_len() == before + 1
+    mf.resolve_verified(cells, None, out)  # the verify's shape
+    mf.argmax_to_feed(buf, None, cells, None, None, rows=rows, vocab=vocab, dtype="float32")
+    with pytest.raises(ValueError, match="no verify_to_feed has written these cells"):
+        mf.resolve_verified(cells, None, out)
+    mf.verify_to_feed(buf, drafts, cells, None, None, k=k, vocab=vocab, dtype="float32")
+    with pytest.raises(ValueError, match="prev_rows is required"):
+        mf.resolve_feed([mf.FeedSource.feed(0)], cells, out)  # a verify's cells are no argmax's
+    mf.stream_synchronize(0)
+    cells.close()
+    assert core._cell_rows_len() == before
+    for b in (buf, out):
+        b.close()
+
+
 def test_call_returns_before_the_work_runs(host, dev, no_leaks):
     """Never synchronises: under a 200 ms lag per queued operation the call returns at once, its
     event still pending, and host drafts/params may be overwritten straight away."""

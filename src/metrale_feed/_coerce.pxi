@@ -84,7 +84,7 @@ cdef int event_of(object event, uint64_t *out, bint optional) except -1:
 # standing in for device memory), and on cuda it takes foreign pointers as they are.
 cdef int device_ptr_of(object obj, void **out) except -1:
     """A DeviceBuffer's, a view of one's or an int's address (foreign arrays go through
-    _Call.device)."""
+    _Launch.device)."""
     cdef uint64_t value
     if type(obj) is DeviceBuffer:
         (<DeviceBuffer>obj)._check_open()
@@ -100,109 +100,6 @@ cdef int device_ptr_of(object obj, void **out) except -1:
         out[0] = <void *><size_t>value
         return 0
     raise TypeError(f"expected a DeviceBuffer (or its view()), an int pointer or a tensor (__dlpack__), not {type(obj).__name__}")
-
-
-cdef char _empty_target  # the address of an empty tensor that has none (_Call.device)
-
-
-cdef inline bint is_foreign(object obj):
-    return type(obj) is not DeviceBuffer and not isinstance(obj, int)
-
-
-@cython.final
-@cython.freelist(8)
-cdef class _Call:
-    """The foreign arrays one call uses: each is checked against the backend's device, lent to
-    the C layer's range checks for this call (host backend), and kept alive until the work the
-    call queued has run. ``done()`` after the C call succeeded; ``close()`` always."""
-    cdef list kept
-    cdef uint64_t stream
-    cdef bint cuda
-
-    cdef int device(self, object obj, void **out, size_t *nbytes, str what, bint writable,
-                    bint ids) except -1:
-        """``obj`` as device memory at ``out``, ``nbytes`` long (SIZE_MAX when unknown: an int).
-        ``ids``: 4-byte integer elements (uint32 ids; int32 is taken as its bit pattern)."""
-        cdef _Foreign f
-        if not is_foreign(obj):
-            device_ptr_of(obj, out)
-            nbytes[0] = (<DeviceBuffer>obj)._nbytes if type(obj) is DeviceBuffer else <size_t>-1
-            return 0
-        f = self.foreign(obj, what)
-        if ids and not f.ids:
-            raise TypeError(f"{what} must hold uint32 ids, not {f.type_name()}")
-        if f.entry is None:
-            raise TypeError(f"{what}: DLPack type {f.type_name()} is not taken")
-        if not f.contiguous():
-            raise ValueError(f"{what} must be contiguous (its strides cannot be followed)")
-        if writable and f.readonly:
-            raise ValueError(f"{what} is read-only but this call writes it")
-        out[0] = f.ptr
-        nbytes[0] = f.count() * (f.dl_bits // 8)
-        if out[0] == NULL and nbytes[0] == 0:
-            # An empty tensor may carry no data pointer (torch's does not); it names no memory,
-            # so a zero-byte copy to or from it is a no-op as with an empty buffer. The C layer
-            # refuses a null pointer whatever the size, so it gets an address that holds nothing
-            # instead, and still checks the rest (the stream, the other side).
-            out[0] = &_empty_target
-            if not self.cuda:  # the host backend takes only what a call lends it
-                check(mf_device_borrow(out[0], 0))
-            return 0
-        self.lend(f, nbytes[0])
-        return 0
-
-    cdef _Foreign foreign(self, object obj, str what):
-        """A foreign array on the active backend's device, kept for the call."""
-        cdef _Foreign f
-        kind = type(obj)
-        if kind is PinnedBuffer or kind is BufferView and (<BufferView>obj)._pinned:
-            raise ValueError(f"{what} is page-locked host memory, not device memory")
-        if (not self.cuda and cpu_exporter(kind) is not None) or hasattr(obj, "__dlpack__"):
-            # cuda: the array is made safe to use on the call's stream (1: CUDA's legacy default)
-            # with no host wait; host backend: CPU memory, no stream.
-            f = foreign_from_dlpack(obj, (self.stream or 1) if self.cuda else None)
-        elif self.cuda and hasattr(obj, "__cuda_array_interface__"):
-            f = foreign_from_cai(obj, self.stream)
-        else:
-            raise TypeError(f"{what}: expected a DeviceBuffer, an int pointer or a tensor "
-                            f"(__dlpack__), not {type(obj).__name__}")
-        if self.cuda:
-            if f.device_type != kDLCUDA and f.device_type != kDLCUDAManaged:
-                raise ValueError(f"{what} is on DLPack device {f.device_type}, not CUDA ({kDLCUDA})")
-            if f.device_id != device_ordinal():
-                raise ValueError(f"{what} is on CUDA device {f.device_id}, not the current device {device_ordinal()}")
-        elif f.device_type != kDLCPU:
-            raise ValueError(f"{what} is on DLPack device {f.device_type}; the host backend takes "
-                             f"CPU memory ({kDLCPU}) as device memory")
-        if self.kept is None:
-            self.kept = []
-        self.kept.append(f)
-        return f
-
-    cdef int lend(self, _Foreign f, size_t nbytes) except -1:
-        if not self.cuda and f.ptr != NULL:  # an empty tensor too: a 0-byte copy to it is valid
-            check(mf_device_borrow(f.ptr, nbytes))
-        return 0
-
-    cdef int done(self) except -1:
-        """The C call queued its work: keep the foreign arrays until the stream has passed it
-        (in a capture the graph keeps them, note_capture: an event record would join the graph)."""
-        if self.kept:
-            if capturing_graph(self.stream) is None:
-                keep_until_passed(self.kept, self.stream)
-            self.kept = None
-        return 0
-
-    cdef void close(self) noexcept:
-        if not self.cuda:  # nothing lent outlives the call, whether it worked or not
-            mf_device_borrow_clear()
-
-
-cdef _Call call_on(uint64_t stream):
-    cdef _Call c = _Call.__new__(_Call)
-    c.stream = stream
-    c.cuda = mf_active_backend() == MF_BACKEND_CUDA
-    return c
 
 
 # A foreign host buffer handed to an async copy stays exported until an event recorded after the
@@ -234,60 +131,3 @@ cdef _HeldBuffer host_buffer_of(object obj, bint writable, str what):
         # Object arrays hold PyObject pointers: bytes copied into them would be dereferenced.
         raise TypeError(f"{what} holds Python objects (format {held.view.format.decode()!r}); use a numeric buffer")
     return held
-
-
-# Foreign arrays kept for queued kernels: (event, arrays) in call order, events reused. A call
-# releases from the front while the front has passed, so each call costs O(1) amortised; an entry
-# behind a slower stream's waits for it or for the next synchronize (release_passed).
-cdef int keep_until_passed(object objs, uint64_t stream) except -1:
-    cdef uint64_t event
-    cdef mf_status status
-    release_kept(False)
-    if _spare_events:
-        event = _spare_events.pop()
-        status = MF_SUCCESS
-    else:
-        status = mf_event_create(MF_EVENT_UNCOUNTED, &event)
-    if status == MF_SUCCESS:
-        status = mf_event_record(event, stream)
-        if status != MF_SUCCESS:
-            mf_event_destroy(event)
-    if status != MF_SUCCESS:
-        # The work is queued already (this runs after the C call): never raise here and let the
-        # arrays go under it; wait for it instead.
-        with nogil:
-            mf_stream_synchronize(stream)
-        return 0
-    _kept.append((event, objs))
-    return 0
-
-
-cdef int release_kept(bint all_passed) except -1:
-    """Drop the arrays of every front entry whose work has passed (all of them when the caller
-    has just synchronised and ``all_passed`` may hold: each is still queried)."""
-    cdef int done
-    cdef uint64_t event
-    cdef mf_status status
-    cdef Py_ssize_t n = len(_kept)
-    while n:
-        event = (<tuple>_kept[0])[0]
-        status = mf_event_query(event, &done)
-        if status != MF_SUCCESS or done:
-            _kept.popleft()
-            if status == MF_SUCCESS and len(_spare_events) < 64:
-                _spare_events.append(event)
-            else:  # a failed query (its stream is gone): never reuse that event
-                mf_event_destroy(event)
-        elif all_passed:
-            _kept.rotate(-1)  # look past a pending one: a wait on one stream passes only it
-        else:
-            break
-        n -= 1
-    return 0
-
-
-cdef int drop_spare_events() except -1:
-    """Destroy the reusable keep-alive events (live_objects counts what is left: none of ours)."""
-    while _spare_events:
-        mf_event_destroy(_spare_events.pop())
-    return 0

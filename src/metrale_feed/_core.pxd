@@ -20,6 +20,7 @@ cdef class Stream:
     cdef uint64_t _handle
     cdef bint _owned
     cdef bint _closed
+    cdef object _owner  # the foreign stream object a wrapped Stream keeps alive (Stream.wrap)
     cdef object __weakref__
     cdef int _check_open(self) except -1
 

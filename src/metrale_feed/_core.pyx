@@ -37,6 +37,7 @@ PENALTY_PROMPT = MF_PENALTY_PROMPT  # a table entry's count flag: the id is in t
 include "_state.pxi"
 include "_errors.pxi"
 include "_coerce.pxi"
+include "_launch.pxi"
 include "_event.pxi"
 include "_memory.pxi"
 include "_dlpack.pxi"

@@ -123,10 +123,9 @@ cdef class Event:
 
     cdef int _record(self, uint64_t stream) except -1:
         self._check_open()
-        check(mf_event_record(self._handle, stream))
-        if _host_func_seq or _capturing:
-            note_record(self._handle, stream)
-        note_capture(stream, (self,))
+        cdef _Launch launch = launch_on(stream)
+        launch.records(self._handle)
+        launch.queued(mf_event_record(self._handle, stream), (self,))
         return 0
 
     cdef bint _query(self) except -1:
@@ -136,16 +135,14 @@ cdef class Event:
         cdef mf_status status = mf_event_query(self._handle, &done)
         if status != MF_SUCCESS:
             raise_status(status)
-        if _host_func_errors:
+        if _failures:
             event_host_errors(self._handle)
         return done != 0
 
     cdef int _synchronize(self) except -1:
         self._check_open()
         wait_event(self._handle)
-        release_passed()  # copies up to here are done: their held buffers can go
-        if _host_func_errors:
-            event_host_errors(self._handle)
+        after_event_wait(self._handle)
         return 0
 
     @property
@@ -314,7 +311,8 @@ cdef class Stream:
         Returns
         -------
         Stream
-            A Stream that never destroys ``handle``.
+            A Stream that never destroys ``handle``. A stream object (not an int) is kept alive
+            as long as the Stream, so its owner cannot destroy the stream under it.
 
         Raises
         ------
@@ -329,6 +327,8 @@ cdef class Stream:
         cdef Stream stream = Stream.__new__(Stream)
         stream_of(handle, &stream._handle)
         check(mf_stream_check(stream._handle))
+        if not isinstance(handle, int):
+            stream._owner = handle  # a torch or CuPy stream destroys its handle when collected
         return stream
 
     @staticmethod
@@ -348,7 +348,7 @@ cdef class Stream:
 
     def __dealloc__(self):
         if self._owned and not self._closed:
-            if mf_stream_destroy(self._handle) == MF_SUCCESS and (_host_func_seq or _host_func_errors):
+            if mf_stream_destroy(self._handle) == MF_SUCCESS and _streams:
                 forget_stream(self._handle)
 
     cdef int _check_open(self) except -1:
@@ -379,7 +379,7 @@ cdef class Stream:
         cdef int idle = 0
         self._check_open()
         check(mf_stream_query(self._handle, &idle))
-        if _host_func_errors:
+        if _failures:
             stream_host_errors(self._handle)
         return idle != 0
 
@@ -393,9 +393,7 @@ cdef class Stream:
         """
         self._check_open()
         wait_stream(self._handle)
-        release_passed()
-        if _host_func_errors:
-            stream_host_errors(self._handle)
+        after_stream_wait(self._handle)
 
     def wait_event(self, event):
         """Make later work on this stream wait for ``event``; the host does not wait.
@@ -413,7 +411,7 @@ cdef class Stream:
         cdef uint64_t e
         self._check_open()
         event_of(event, &e, False)
-        check(mf_stream_wait_event(self._handle, e))
+        launch_on(self._handle).queued(mf_stream_wait_event(self._handle, e), (self, event))
 
     def close(self):
         """Destroy an owned stream; work already queued still completes. A wrapped stream is left
@@ -427,7 +425,8 @@ cdef class Stream:
             if status == MF_ERROR_CAPTURE:
                 raise_status(status)  # still open: its capture must end first
         self._closed = True
-        if status == MF_SUCCESS and self._owned and (_host_func_seq or _host_func_errors):
+        self._owner = None  # a wrapped stream: its owner may go now
+        if status == MF_SUCCESS and self._owned and _streams:
             forget_stream(self._handle)
         check(status)
 
@@ -501,10 +500,9 @@ def event_record(event, stream=0):
     cdef uint64_t e, s
     event_of(event, &e, False)
     stream_of(stream, &s)
-    check(mf_event_record(e, s))
-    if _host_func_seq or _capturing:
-        note_record(e, s)
-    note_capture(s, (event,))
+    cdef _Launch launch = launch_on(s)
+    launch.records(e)
+    launch.queued(mf_event_record(e, s), (event,))
 
 
 def event_query(event):
@@ -536,7 +534,7 @@ def event_query(event):
         return (<Event>event)._query()
     event_of(event, &e, False)
     check(mf_event_query(e, &done))
-    if _host_func_errors:
+    if _failures:
         event_host_errors(e)
     return done != 0
 
@@ -563,9 +561,7 @@ def event_synchronize(event):
     cdef uint64_t e
     event_of(event, &e, False)
     wait_event(e)
-    release_passed()
-    if _host_func_errors:
-        event_host_errors(e)
+    after_event_wait(e)
 
 
 def destroy_event(event):
@@ -619,9 +615,7 @@ def stream_synchronize(stream=0):
     cdef uint64_t s
     stream_of(stream, &s)
     wait_stream(s)
-    release_passed()
-    if _host_func_errors:
-        stream_host_errors(s)
+    after_stream_wait(s)
 
 
 # C-level entry points for cimport users: no Python objects, no GIL.

@@ -38,7 +38,7 @@ cdef class Graph:
     cdef uint64_t _capturing
     cdef bint _began
     cdef bint _closed
-    cdef object __weakref__  # _capturing refers to a capturing graph weakly
+    cdef object __weakref__  # its stream's state refers to a capturing graph weakly
 
     def __cinit__(self):
         self._handle = 0
@@ -56,14 +56,14 @@ cdef class Graph:
         check(mf_graph_begin(s))
         self._began = True
         self._capturing = s
-        _capturing[s] = _weak_ref(self)
+        stream_state_made(s).graph = _weak_ref(self)
         return self
 
     def __exit__(self, exc_type, exc, tb):
         cdef uint64_t s = self._capturing
         self._capturing = 0
         self._stream = None
-        _capturing.pop(s, None)
+        forget_capture(s)
         if exc_type is not None:
             # The body failed: the capture is ended and dropped (its error is the one raised).
             mf_graph_end(s, NULL)
@@ -123,7 +123,8 @@ cdef class Graph:
         # Host functions and event records: the bookkeeping an eager launch_host_func and record
         # on `s` would do, made before the launch (a node may run as soon as it is queued) and
         # undone if nothing was queued.
-        seq0 = _host_func_seq.get(s)
+        cdef _StreamState st = stream_state_made(s)
+        seq0 = st.seq
         marks = {}
         seq = seq0
         for op in self._order:
@@ -137,8 +138,7 @@ cdef class Graph:
                     _event_marks.pop(op, None)
                 else:
                     _event_marks[op] = (s, seq)
-        if seq is not None:
-            _host_func_seq[s] = seq
+        st.seq = seq
         status = mf_graph_launch(self._handle, s)
         if status != MF_SUCCESS:
             for op in reversed(self._order):
@@ -150,11 +150,10 @@ cdef class Graph:
                     _event_marks.pop(op, None)
                 else:
                     _event_marks[op] = old
-            if seq0 is None:
-                _host_func_seq.pop(s, None)
-            else:
-                _host_func_seq[s] = seq0
+            st.seq = seq0
+            stream_state_trim(s)
             raise_status(status)
+        stream_state_trim(s)  # event records alone leave the stream's state as it was
 
     def close(self):
         """Destroy the graph; launches already queued still run. Closing twice is a no-op.
@@ -183,7 +182,7 @@ cdef class Graph:
         if self._capturing:
             # Dropped inside its capture (never ended): discard it, so the stream is usable again.
             mf_graph_end(self._capturing, NULL)
-            _capturing.pop(self._capturing, None)
+            forget_capture(self._capturing)
         if self._handle and not self._closed:
             mf_graph_destroy(self._handle)
 
@@ -196,18 +195,17 @@ cdef class Graph:
 cdef inline object capturing_graph(uint64_t stream):
     """The Graph capturing ``stream`` through ``graph_capture``, or None. One dict test when
     nothing captures."""
-    if not _capturing:
+    cdef _StreamState st = stream_state(stream)
+    if st is None or st.graph is None:
         return None
-    ref = _capturing.get(stream)
-    return None if ref is None else ref()
+    return st.graph()
 
 
-cdef inline int note_capture(uint64_t stream, tuple objects) except -1:
-    """Keep ``objects`` alive with the graph capturing ``stream``, if one is: called after an
-    operation was recorded."""
-    graph = capturing_graph(stream)
-    if graph is not None:
-        (<Graph>graph)._keep.append(objects)
+cdef int forget_capture(uint64_t stream) except -1:
+    cdef _StreamState st = stream_state(stream)
+    if st is not None:
+        st.graph = None
+        stream_state_trim(stream)
     return 0
 
 

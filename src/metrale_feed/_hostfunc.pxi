@@ -32,7 +32,8 @@ cdef extern from *:
     void mf_hf_set_exiting() nogil
     int mf_hf_in_flight() nogil
 
-# Module state (_host_func_seq, _host_func_errors, _event_marks) is declared in _state.pxi.
+# Per-stream state (_StreamState: the host functions' count, their unreported exceptions) and
+# _event_marks are declared in _state.pxi.
 
 
 def _mark_exiting():
@@ -101,7 +102,7 @@ cdef bint _graph_host_func_run(_GraphHostFunc node) noexcept:
         if ours:
             keep_host_error(stream, seq, exc)
         else:
-            _host_func_errors.setdefault(stream, []).append((seq, exc))
+            stream_state_made(stream).fail(seq, exc)
     return ours
 
 
@@ -142,8 +143,9 @@ cdef void keep_host_error(uint64_t stream, object seq, object exc) noexcept:
     """Keep a host function's exception for the next wait that reports it; one that nothing can
     report any more (its stream was closed, no event recorded on it after it lives) goes to
     ``sys.unraisablehook`` now, so it does not keep its frames alive (docs/lifetimes.md)."""
-    if stream in _host_func_seq or stream_marked(stream):
-        _host_func_errors.setdefault(stream, []).append((seq, exc))
+    cdef _StreamState st = stream_state(stream)
+    if (st is not None and st.seq is not None) or stream_marked(stream):
+        stream_state_made(stream).fail(seq, exc)
     else:
         _report_lost(stream, exc)
 
@@ -158,10 +160,14 @@ cdef void _report_lost(uint64_t stream, object exc) noexcept:
 cdef int forget_stream(uint64_t stream) except -1:
     """A stream of ours was destroyed: its host-function bookkeeping goes with it (its pending
     exceptions too, unless a live event recorded on it still reports them)."""
-    _host_func_seq.pop(stream, None)
-    if stream in _host_func_errors and not stream_marked(stream):
-        for seq, exc in _host_func_errors.pop(stream):
+    cdef _StreamState st = stream_state(stream)
+    if st is None:
+        return 0
+    st.seq = None
+    if st.failed and not stream_marked(stream):
+        for seq, exc in st.take_failures():
             _report_lost(stream, exc)
+    stream_state_trim(stream)
     return 0
 
 
@@ -213,24 +219,23 @@ def launch_host_func(stream, fn, *args):
     if on:
         launch_graph_host_func(s, fn, args)
         return
-    seq = _host_func_seq.get(s, 0) + 1
+    cdef _StreamState st = stream_state_made(s)
+    seq = (st.seq or 0) + 1
     payload = (fn, args, s, seq)
     Py_INCREF(payload)  # dropped by the trampoline once fn has run
     cdef mf_status status = mf_launch_host_func(s, _host_func_trampoline, <void *>payload)
     if status != MF_SUCCESS:
         Py_DECREF(payload)
+        stream_state_trim(s)
         raise_status(status)
-    _host_func_seq[s] = seq
+    st.seq = seq
 
 
 cdef int note_record(uint64_t event, uint64_t stream) except -1:
-    """An event recorded on ``stream``: it reports the host functions queued there before it.
-    On a capturing stream the record is an operation of the graph: each launch marks it."""
-    graph = capturing_graph(stream)
-    if graph is not None:
-        (<Graph>graph)._order.append(event)
-        return 0
-    seq = _host_func_seq.get(stream)
+    """An event recorded on ``stream`` (not capturing: there the record is an operation of the
+    graph, and each launch marks it): it reports the host functions queued there before it."""
+    cdef _StreamState st = stream_state(stream)
+    seq = None if st is None else st.seq
     if seq is not None:
         _event_marks[event] = (stream, seq)
     else:
@@ -239,30 +244,27 @@ cdef int note_record(uint64_t event, uint64_t stream) except -1:
 
 
 cdef int _raise_failed(uint64_t stream, object upto) except -1:
-    failed = _host_func_errors.get(stream)
-    if not failed:
+    cdef _StreamState st = stream_state(stream)
+    if st is None:
         return 0
-    for i in range(len(failed)):
-        seq, exc = failed[i]
-        if upto is None or seq <= upto:
-            del failed[i]
-            if not failed:
-                del _host_func_errors[stream]
-            raise FeedError(f"a host function launched on stream 0x{stream:x} raised "
-                            f"{type(exc).__name__}: {exc}") from exc
-    return 0
+    exc = st.take_failure(upto)
+    if exc is None:
+        return 0
+    stream_state_trim(stream)
+    raise FeedError(f"a host function launched on stream 0x{stream:x} raised "
+                    f"{type(exc).__name__}: {exc}") from exc
 
 
 cdef int stream_host_errors(uint64_t stream) except -1:
     """A failure of a host function queued on ``stream`` (reported once)."""
-    if _host_func_errors:
+    if _failures:
         _raise_failed(stream, None)
     return 0
 
 
 cdef int event_host_errors(uint64_t event) except -1:
     """A failure of a host function queued before ``event``'s record on its stream."""
-    if _host_func_errors:
+    if _failures:
         mark = _event_marks.get(event)
         if mark is not None:
             _raise_failed(mark[0], mark[1])

@@ -16,7 +16,7 @@ cdef int agree(object given, object found, str what) except -1:
     return 0
 
 
-cdef int logits_of(_Call call, object logits, mf_argmax_args *a, object rows, object vocab,
+cdef int logits_of(_Launch launch, object logits, mf_argmax_args *a, object rows, object vocab,
                    object dtype, object row_stride) except -1:
     """Logits: a tensor gives its own rows, vocab, dtype and row stride (given ones must agree);
     a DeviceBuffer or an int pointer needs vocab and dtype. Sets a.logits, a.vocab, a.dtype,
@@ -34,7 +34,7 @@ cdef int logits_of(_Call call, object logits, mf_argmax_args *a, object rows, ob
         device_ptr_of(logits, &ptr)
         a.logits = ptr
         return 0
-    f = call.foreign(logits, "logits")
+    f = launch.foreign(logits, "logits")
     if f.entry is None or f.entry.code is None:
         raise TypeError(f"logits must be float32, float16 or bfloat16, not {f.type_name()}")
     if f.ndim == 1:
@@ -65,11 +65,11 @@ cdef int logits_of(_Call call, object logits, mf_argmax_args *a, object rows, ob
     a.row_stride = <uint64_t>t_stride
     a.dtype = <mf_dtype><int>f.entry.code
     a.logits = f.ptr
-    call.lend(f, ((t_rows - 1) * t_stride + t_vocab) * <size_t>f.entry.itemsize)
+    launch.lend(f, ((t_rows - 1) * t_stride + t_vocab) * <size_t>f.entry.itemsize)
     return 0
 
 
-cdef int empty_slice_of(_Call call, object logits, mf_argmax_args *a, object rows,
+cdef int empty_slice_of(_Launch launch, object logits, mf_argmax_args *a, object rows,
                         object dtype) except -1:
     """The logits of an empty slice: nothing is read, but a ``(rows, 0)`` tensor still gives its
     dtype and rows (given ones must agree), as a slice with columns does; ``None``, a
@@ -80,7 +80,7 @@ cdef int empty_slice_of(_Call call, object logits, mf_argmax_args *a, object row
     if logits is None or not is_foreign(logits):
         a.dtype = dtype_of(dtype)
         return 0
-    f = call.foreign(logits, "logits")
+    f = launch.foreign(logits, "logits")
     if f.entry is None or f.entry.code is None:
         raise TypeError(f"logits must be float32, float16 or bfloat16, not {f.type_name()}")
     if f.ndim != 2 or f.shape[1] != 0:
@@ -127,7 +127,7 @@ cdef bint device_resident(object obj, str what) except -1:
     return hasattr(obj, "__dlpack__") and not PyObject_CheckBuffer(obj)
 
 
-cdef void *device_input(_Call call, object obj, size_t need, str what, bint words=True) except? NULL:
+cdef void *device_input(_Launch launch, object obj, size_t need, str what, bint words=True) except? NULL:
     """A device-resident input's pointer, checked to hold ``need`` bytes where its length is known
     (an int pointer of this package's allocations is checked by the C layer; a foreign one is
     trusted, as CUDA must). ``words``: a tensor must hold 4-byte integers (uint32, or int32 as
@@ -135,7 +135,7 @@ cdef void *device_input(_Call call, object obj, size_t need, str what, bint word
     cdef void *ptr
     cdef size_t have
     cdef size_t left = 0
-    call.device(obj, &ptr, &have, what, False, words)
+    launch.device(obj, &ptr, &have, what, False, words)
     if have == <size_t>-1 and mf_mem_lookup(ptr, &left) == MF_MEM_DEVICE:
         have = left
     if have != <size_t>-1 and have < need:
@@ -149,13 +149,13 @@ cdef class _PickInputs:
     cdef _HeldBuffer params
 
 
-cdef int fill_params(_Call call, mf_argmax_args *a, object params, _PickInputs keep) except -1:
+cdef int fill_params(_Launch launch, mf_argmax_args *a, object params, _PickInputs keep) except -1:
     """``params``: one SAMPLING_PARAMS_DTYPE record per row, host (read and checked now) or device
     memory (read when the kernel runs)."""
     global _params_dtype
     cdef void *ptr
     if device_resident(params, "params"):
-        a.params = <const mf_sampling_params *>device_input(call, params, <size_t>a.rows * 32, "params", False)
+        a.params = <const mf_sampling_params *>device_input(launch, params, <size_t>a.rows * 32, "params", False)
         a.flags |= MF_ARGS_PARAMS_DEVICE
         return 0
     if _params_dtype is None:
@@ -176,10 +176,10 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
                         object dtype, object row_stride, object logprobs=None,
                         object logprobs_dst=None, object partial=None):
     """The one launcher under argmax_to_feed and sample_to_feed (and their partial calls, see
-    _shard.pxi): one descriptor, one C call. Every argument is checked, and the events that hold
-    foreign host destinations reserved, before the launch."""
+    _shard.pxi): one descriptor, one C call. Every argument is checked before the launch, which
+    commits what the work needs or raises with nothing kept (_Launch.queued)."""
     cdef mf_argmax_args a
-    cdef uint64_t s, e, hold, hold_lp
+    cdef uint64_t s, e
     cdef void *ptr
     cdef size_t dst_len, cells_len
     cdef _HeldBuffer held = None
@@ -187,23 +187,23 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
     cdef _PickInputs keep = _PickInputs.__new__(_PickInputs)
     mf_argmax_args_init(&a)  # every option off, struct_size set (feed.h, "descriptors")
     stream_of(stream, &s)
-    cdef _Call call = call_on(s)
+    cdef _Launch launch = launch_on(s)
     try:
         if partial is None:
-            logits_of(call, logits, &a, rows, vocab, dtype, row_stride)
+            logits_of(launch, logits, &a, rows, vocab, dtype, row_stride)
         else:  # a slice [start, stop) of rows of `vocab` ids: the logits hold the slice's columns
             fill_partial(&a, partial)
             if a.vocab == 0:  # an empty slice reads nothing
-                empty_slice_of(call, logits, &a, rows, dtype)
+                empty_slice_of(launch, logits, &a, rows, dtype)
             else:
-                logits_of(call, logits, &a, rows, a.vocab, dtype, row_stride)
+                logits_of(launch, logits, &a, rows, a.vocab, dtype, row_stride)
         if a.rows:  # the tensor's
             rows = a.rows
         if masks is not None and device_resident(masks, "masks"):
             if rows is None:
                 raise ValueError("rows is required with device-resident masks")
             a.rows = <uint32_t>int_of(rows, "rows", 1, MF_MAX_ROWS)
-            a.masks = <const uint32_t *>device_input(call, masks, <size_t>a.rows * 8, "masks")
+            a.masks = <const uint32_t *>device_input(launch, masks, <size_t>a.rows * 8, "masks")
             a.flags |= MF_ARGS_MASKS_DEVICE
         else:
             if rows is None:
@@ -228,11 +228,11 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
                                 f"tensor) of int32 words, not {type(bitmask).__name__}")
             total = a.vocab if partial is None else a.vocab_total  # the whole row's words
             a.bitmask = <const uint32_t *>device_input(
-                call, bitmask, <size_t>a.rows * ((total + 31) // 32) * 4, "bitmask")
+                launch, bitmask, <size_t>a.rows * ((total + 31) // 32) * 4, "bitmask")
         if params is not None:
-            fill_params(call, &a, params, keep)
+            fill_params(launch, &a, params, keep)
         if partial is None:
-            call.device(cells, &ptr, &cells_len, "cells", True, True)
+            launch.device(cells, &ptr, &cells_len, "cells", True, True)
             a.cells = <uint32_t *>ptr
             a.cell_capacity = cells_capacity(cells, ptr, cells_len, a.rows)
         held_lp = fill_logprobs(&a.logprobs, &a.logprobs_dst, logprobs, logprobs_dst, a.rows)
@@ -247,22 +247,15 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
             held = host_ptr_of(dst, True, &a.host_dst, &dst_len)
             if dst_len < a.rows * 4:
                 raise ValueError(f"dst holds {dst_len} bytes; {a.rows} ids need {a.rows * 4}")
-        hold = reserve_hold(held)  # all or nothing: reserved before the launch is queued
-        try:
-            hold_lp = reserve_hold(held_lp)
-        except BaseException:
-            if hold:
-                mf_event_destroy(hold)
-            raise
-        commit_two_holds(held, hold, held_lp, hold_lp, s, mf_argmax_to_feed(&a, s))
-        note_capture(s, (logits, masks, cells, dst, event, bitmask, params, logprobs, logprobs_dst))
-        call.done()
+        launch.hold(held)
+        launch.hold(held_lp)
+        launch.records(a.event)
+        if partial is None:
+            launch.writes_cells(a.cells, a.rows)
+        launch.queued(mf_argmax_to_feed(&a, s),
+                      (logits, masks, cells, dst, event, bitmask, params, logprobs, logprobs_dst))
     finally:
-        call.close()
-    if partial is None:
-        note_cell_rows(<size_t>a.cells, a.rows)
-    if a.event and (_host_func_seq or _capturing):
-        note_record(a.event, s)
+        launch.close()
     return a.rows
 
 
@@ -330,17 +323,6 @@ cdef int check_float_rows(object obj, uint32_t rows, str what, bint device) exce
         raise TypeError(f"{what} must hold float32, not {typestr}")
     if count is not None and count < rows:
         raise ValueError(f"{what} holds {count} float32, fewer than the {rows} rows launched")
-    return 0
-
-
-cdef int commit_two_holds(_HeldBuffer a, uint64_t ev_a, _HeldBuffer b, uint64_t ev_b, uint64_t stream,
-                          mf_status queued) except -1:
-    """commit_hold for the two host destinations of one call (ids and logprobs)."""
-    if queued != MF_SUCCESS and ev_b:
-        mf_event_destroy(ev_b)
-        ev_b = 0
-    commit_hold(a, ev_a, stream, queued)
-    commit_hold(b, ev_b, stream, MF_SUCCESS)
     return 0
 
 
@@ -563,10 +545,10 @@ def resolve_feed(sources, cells, out, stream=0, *, prev_rows=None, rows=None):
     cdef uint32_t n
     cdef unsigned flags = 0
     stream_of(stream, &s)
-    cdef _Call call = call_on(s)
+    cdef _Launch launch = launch_on(s)
     try:
         if device_resident(sources, "sources"):
-            call.device(sources, &src_ptr, &have, "sources", False, True)
+            launch.device(sources, &src_ptr, &have, "sources", False, True)
             n = <uint32_t>int_of(device_words(sources, src_ptr, have) if rows is None else rows, "rows", 1,
                                  MF_MAX_ROWS)
             if have != <size_t>-1 and <size_t>n * 4 > have:
@@ -580,7 +562,7 @@ def resolve_feed(sources, cells, out, stream=0, *, prev_rows=None, rows=None):
                 raise ValueError(f"rows {rows} differs from the {words.n} sources given")
             src_ptr = <void *>words.data
             n = <uint32_t>words.n
-        call.device(cells, &cells_ptr, &have, "cells", False, True)
+        launch.device(cells, &cells_ptr, &have, "cells", False, True)
         if prev_rows is None:
             prev_rows = cell_rows_of(<size_t>cells_ptr)
             if prev_rows is None:
@@ -588,15 +570,14 @@ def resolve_feed(sources, cells, out, stream=0, *, prev_rows=None, rows=None):
         prev_rows = int_of(prev_rows, "prev_rows", 0, 0xFFFFFFFF)
         if is_foreign(cells) and prev_rows * 4 > have:  # the C layer checks its own allocations
             raise ValueError(f"feed cells: {prev_rows * 4} bytes run past the end of the tensor's {have}")
-        call.device(out, &out_ptr, &have, "out", True, True)
+        launch.device(out, &out_ptr, &have, "out", True, True)
         if is_foreign(out) and <size_t>n * 4 > have:
             raise ValueError(f"resolve output: {n * 4} bytes run past the end of the tensor's {have}")
-        check(mf_resolve_feed_flags(<const uint32_t *>src_ptr, n, <const uint32_t *>cells_ptr,
-                                    <uint32_t>prev_rows, <uint32_t *>out_ptr, flags, s))
-        note_capture(s, (sources, cells, out))
-        call.done()
+        launch.queued(mf_resolve_feed_flags(<const uint32_t *>src_ptr, n, <const uint32_t *>cells_ptr,
+                                            <uint32_t>prev_rows, <uint32_t *>out_ptr, flags, s),
+                      (sources, cells, out))
     finally:
-        call.close()
+        launch.close()
 
 
 cdef object device_words(object obj, void *ptr, size_t have):
@@ -624,20 +605,20 @@ def reference_forward(input_ids, meta, tables, kv, kv_slots, block_size, rows, v
     cdef size_t have
     mf_reference_args_init(&a)
     stream_of(stream, &s)
-    cdef _Call call = call_on(s)
+    cdef _Launch launch = launch_on(s)
     try:
-        call.device(input_ids, &ptr, &have, "input_ids", False, True)
+        launch.device(input_ids, &ptr, &have, "input_ids", False, True)
         a.input_ids = <const uint32_t *>ptr
-        call.device(meta, &ptr, &have, "meta", False, True)
+        launch.device(meta, &ptr, &have, "meta", False, True)
         a.meta = <const uint32_t *>ptr
-        call.device(tables, &ptr, &have, "tables", False, True)
+        launch.device(tables, &ptr, &have, "tables", False, True)
         a.tables = <const uint32_t *>ptr
         a.table_words = table_words_of(tables, ptr, have)
-        call.device(kv, &ptr, &have, "kv", True, True)
+        launch.device(kv, &ptr, &have, "kv", True, True)
         a.kv = <uint32_t *>ptr
         a.logits = NULL
         if logits is not None:
-            call.device(logits, &ptr, &have, "logits", True, False)
+            launch.device(logits, &ptr, &have, "logits", True, False)
             a.logits = ptr
         a.kv_slots = <uint32_t>int_of(kv_slots, "kv_slots", 0, 0xFFFFFFFF)
         a.block_size = <uint32_t>int_of(block_size, "block_size", 1, 0xFFFFFFFF)
@@ -647,16 +628,14 @@ def reference_forward(input_ids, meta, tables, kv, kv_slots, block_size, rows, v
         a.dtype = dtype_of(dtype)
         if advance is not None:
             a.advance_group = <uint32_t>int_of(advance_group, "advance_group", 1, MF_MAX_ROWS)
-            call.device(advance, &ptr, &have, "advance", False, True)
+            launch.device(advance, &ptr, &have, "advance", False, True)
             a.advance = <const uint32_t *>ptr
             if have != <size_t>-1 and have < <size_t>((a.rows + a.advance_group - 1) // a.advance_group) * 4:
                 raise ValueError(f"advance: {have} bytes, fewer than one uint32 per group of "
                                  f"{a.advance_group} of the {a.rows} rows")
-        check(mf_reference_forward(&a, s))
-        note_capture(s, (input_ids, meta, tables, kv, logits, advance))
-        call.done()
+        launch.queued(mf_reference_forward(&a, s), (input_ids, meta, tables, kv, logits, advance))
     finally:
-        call.close()
+        launch.close()
 
 
 cdef mf_status argmax_to_feed_c(const mf_argmax_args *args, uint64_t stream) noexcept nogil:
@@ -668,8 +647,6 @@ cdef mf_status resolve_feed_c(const uint32_t *sources, uint32_t n, const uint32_
 
 
 # ---- speculative verification (docs/kernels.md, "Verify") ----
-
-_verify_shapes = {}  # cells pointer -> (rows, k) of the last verify_to_feed into them
 
 
 cdef class _VerifyInputs:
@@ -781,7 +758,7 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
     """
     cdef mf_verify_args a
     cdef mf_argmax_args view
-    cdef uint64_t s, e, hold, hold_lp
+    cdef uint64_t s, e
     cdef void *ptr
     cdef size_t dst_len, cells_len
     cdef uint32_t logit_rows
@@ -795,9 +772,9 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
     memset(&view, 0, sizeof(view))
     keep.pick = _PickInputs.__new__(_PickInputs)
     stream_of(stream, &s)
-    cdef _Call call = call_on(s)
+    cdef _Launch launch = launch_on(s)
     try:
-        logits_of(call, logits, &view, None, vocab, dtype, row_stride)
+        logits_of(launch, logits, &view, None, vocab, dtype, row_stride)
         if view.rows:  # a tensor: its logit rows are rows * (k + 1)
             if view.rows % (k + 1):
                 raise ValueError(f"the logits tensor has {view.rows} rows, not a multiple of k + 1 = {k + 1}")
@@ -823,14 +800,14 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
         a.dtype = view.dtype
         a.row_stride = view.row_stride
         if drafts_on_device:
-            a.drafts = <const uint32_t *>device_input(call, drafts, <size_t>a.rows * a.k * 4, "drafts")
+            a.drafts = <const uint32_t *>device_input(launch, drafts, <size_t>a.rows * a.k * 4, "drafts")
             a.flags |= MF_VERIFY_DRAFTS_DEVICE
         else:
             if keep.drafts.n != <Py_ssize_t>a.rows * a.k:
                 raise ValueError(f"drafts hold {keep.drafts.n} ids, not rows * k = {a.rows * a.k}")
             a.drafts = keep.drafts.data
         if masks is not None and device_resident(masks, "masks"):
-            a.masks = <const uint32_t *>device_input(call, masks, <size_t>logit_rows * 8, "masks")
+            a.masks = <const uint32_t *>device_input(launch, masks, <size_t>logit_rows * 8, "masks")
             a.flags |= MF_ARGS_MASKS_DEVICE
         elif masks is not None:
             keep.masks = words_of(masks, True, "masks")
@@ -844,7 +821,7 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
                 raise TypeError("bitmask must be device memory (a DeviceBuffer, a device pointer or a "
                                 f"tensor) of int32 words, not {type(bitmask).__name__}")
             a.bitmask = <const uint32_t *>device_input(
-                call, bitmask, <size_t>logit_rows * ((a.vocab + 31) // 32) * 4, "bitmask")
+                launch, bitmask, <size_t>logit_rows * ((a.vocab + 31) // 32) * 4, "bitmask")
         if draft_probs is not None:
             if not device_resident(draft_probs, "draft_probs"):
                 raise TypeError("draft_probs must be device memory (a DeviceBuffer, a device pointer or a "
@@ -852,14 +829,14 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
             # dtype, and the count up to what a uint32 says (device_input checks the bytes)
             check_float_rows(draft_probs, <uint32_t>min(<uint64_t>a.rows * a.k * a.vocab, 0xFFFFFFFF),
                              "draft_probs", True)
-            a.draft_probs = <const float *>device_input(call, draft_probs, <size_t>a.rows * a.k * a.vocab * 4,
+            a.draft_probs = <const float *>device_input(launch, draft_probs, <size_t>a.rows * a.k * a.vocab * 4,
                                                         "draft_probs", False)
         if params is not None:
             view.rows = a.rows  # one record per row
-            fill_params(call, &view, params, keep.pick)
+            fill_params(launch, &view, params, keep.pick)
             a.params = view.params
             a.flags |= view.flags & MF_ARGS_PARAMS_DEVICE
-        call.device(cells, &ptr, &cells_len, "cells", True, True)
+        launch.device(cells, &ptr, &cells_len, "cells", True, True)
         a.cells = <uint32_t *>ptr
         a.cell_capacity = cells_capacity(cells, ptr, cells_len, a.rows * (a.k + 2))
         held_lp = fill_logprobs(&a.logprobs, &a.logprobs_dst, logprobs, logprobs_dst, logit_rows)
@@ -875,21 +852,14 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
             if dst_len < <size_t>a.rows * (a.k + 2) * 4:
                 raise ValueError(f"dst holds {dst_len} bytes; {a.rows} rows of k + 2 words need "
                                  f"{a.rows * (a.k + 2) * 4}")
-        hold = reserve_hold(held)  # all or nothing: reserved before the launch is queued
-        try:
-            hold_lp = reserve_hold(held_lp)
-        except BaseException:
-            if hold:
-                mf_event_destroy(hold)
-            raise
-        commit_two_holds(held, hold, held_lp, hold_lp, s, mf_verify_to_feed(&a, s))
-        note_capture(s, (logits, drafts, cells, dst, event, masks, bitmask, params, logprobs, logprobs_dst))
-        call.done()
+        launch.hold(held)
+        launch.hold(held_lp)
+        launch.records(a.event)
+        launch.writes_cells(a.cells, (a.rows, a.k))
+        launch.queued(mf_verify_to_feed(&a, s),
+                      (logits, drafts, cells, dst, event, masks, bitmask, params, logprobs, logprobs_dst))
     finally:
-        call.close()
-    _verify_shapes[<size_t>a.cells] = (a.rows, a.k)
-    if a.event and (_host_func_seq or _capturing):
-        note_record(a.event, s)
+        launch.close()
     return a.rows
 
 
@@ -939,11 +909,11 @@ def resolve_verified(cells, out_ids, out_advance, stream=0, *, rows=None, k=None
     if out_ids is None and out_advance is None:
         raise ValueError("resolve_verified needs out_ids or out_advance")
     stream_of(stream, &s)
-    cdef _Call call = call_on(s)
+    cdef _Launch launch = launch_on(s)
     try:
-        call.device(cells, &cells_ptr, &have, "cells", False, True)
+        launch.device(cells, &cells_ptr, &have, "cells", False, True)
         if rows is None or k is None:
-            shape = _verify_shapes.get(<size_t>cells_ptr)
+            shape = verify_shape_of(<size_t>cells_ptr)
             if shape is None:
                 raise ValueError("rows and k are required: no verify_to_feed has written these cells")
             rows = shape[0] if rows is None else rows
@@ -953,16 +923,15 @@ def resolve_verified(cells, out_ids, out_advance, stream=0, *, rows=None, k=None
         if is_foreign(cells) and rows * (k + 2) * 4 > have:  # the C layer checks its own allocations
             raise ValueError(f"verify cells: {rows * (k + 2) * 4} bytes run past the end of the tensor's {have}")
         if out_ids is not None:
-            call.device(out_ids, &ids_ptr, &have, "out_ids", True, True)
+            launch.device(out_ids, &ids_ptr, &have, "out_ids", True, True)
             if is_foreign(out_ids) and <size_t>rows * 4 > have:
                 raise ValueError(f"out_ids: {rows * 4} bytes run past the end of the tensor's {have}")
         if out_advance is not None:
-            call.device(out_advance, &adv_ptr, &have, "out_advance", True, True)
+            launch.device(out_advance, &adv_ptr, &have, "out_advance", True, True)
             if is_foreign(out_advance) and <size_t>rows * 4 > have:
                 raise ValueError(f"out_advance: {rows * 4} bytes run past the end of the tensor's {have}")
-        check(mf_resolve_verified(<const uint32_t *>cells_ptr, <uint32_t>rows, <uint32_t>k,
-                                  <uint32_t *>ids_ptr, <uint32_t *>adv_ptr, s))
-        note_capture(s, (cells, out_ids, out_advance))
-        call.done()
+        launch.queued(mf_resolve_verified(<const uint32_t *>cells_ptr, <uint32_t>rows, <uint32_t>k,
+                                          <uint32_t *>ids_ptr, <uint32_t *>adv_ptr, s),
+                      (cells, out_ids, out_advance))
     finally:
-        call.close()
+        launch.close()

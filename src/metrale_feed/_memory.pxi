@@ -300,8 +300,7 @@ cdef class DeviceBuffer:
         cdef uint64_t s
         self._check_open()
         stream_of(stream, &s)
-        check(mf_memset_async(self._ptr, value, self._nbytes, s))
-        note_capture(s, (self,))
+        launch_on(s).queued(mf_memset_async(self._ptr, value, self._nbytes, s), (self,))
 
     def close(self):
         """Free the memory after the work queued on it has passed. Closing twice is a no-op;
@@ -327,65 +326,6 @@ cdef class DeviceBuffer:
 
     def __repr__(self):
         return f"<DeviceBuffer {self._nbytes} bytes{' closed' if self._ptr == NULL else ''}>"
-
-
-# Holding foreign host buffers for async copies (docs/lifetimes.md, rule 6). A buffer is held
-# from the call until its stream has passed the copy: a release callback queued right behind the
-# copy gives it back, so it is resizable (a bytearray) or freed (dropped) as soon as the copy is
-# done, not at some later call. In a capture the graph holds it instead, for as long as it lives.
-
-cdef uint64_t reserve_hold(_HeldBuffer held) except? 0:
-    """Kept for the callers' all-or-nothing shape: a hold needs nothing made before the copy is
-    queued (its release callback is queued after it), so this reserves nothing and returns 0."""
-    return 0
-
-
-cdef void _release_hold(void *key) noexcept nogil:
-    # On the stream's worker (cuda: a runtime thread) once the copy before it has run.
-    if not mf_hf_enter():
-        return  # exiting: the buffer stays held (see _note_exit)
-    if Py_IsInitialized():
-        with gil:
-            _pending_holds.pop(<size_t>key, None)
-    mf_hf_leave()
-
-
-cdef int commit_hold(_HeldBuffer held, uint64_t event, uint64_t stream, mf_status queued) except -1:
-    """After the queueing call returned ``queued``: hold ``held`` until ``stream`` has passed the
-    work just queued (a release callback behind it), or for the life of the graph capturing
-    ``stream``; on a failed queueing raise."""
-    global _hold_key
-    if queued != MF_SUCCESS:
-        raise_status(queued)
-    if held is None:
-        return 0
-    cdef int on = 0
-    graph = capturing_graph(stream)
-    if graph is not None:
-        (<Graph>graph)._keep.append((held,))  # a replay reads or writes it at every launch
-        return 0
-    if mf_stream_capturing(stream, &on) == MF_SUCCESS and on:
-        # A capture this package did not begin (cuda: CUDA's or torch's API): nothing tells when
-        # its graph dies, so the buffer stays held for the process's life.
-        Py_INCREF(held)
-        return 0
-    _hold_key += 1
-    key = _hold_key
-    _pending_holds[key] = held
-    if mf_launch_host_func(stream, _release_hold, <void *><size_t>key) != MF_SUCCESS:
-        # Only a stream destroyed by another thread since the copy was queued gets here. Its work
-        # still completes, at a time nothing can tell any more: the buffer stays held for the
-        # process's life (a leak in a race, never a write into freed memory).
-        Py_INCREF(held)
-        _pending_holds.pop(key, None)
-    return 0
-
-
-cdef int release_passed() except -1:
-    """Let go of the foreign arrays kept for kernels whose work has passed (_coerce.pxi)."""
-    if _kept:
-        release_kept(True)
-    return 0
 
 
 cdef _HeldBuffer host_ptr_of(object obj, bint writable, void **ptr, size_t *nbytes):
@@ -448,22 +388,20 @@ def copy_d2h_async(src, dst, stream=0):
     cdef void *device
     cdef void *host
     cdef size_t nbytes, have
-    cdef uint64_t s, hold
+    cdef uint64_t s
     cdef _HeldBuffer held = None
     stream_of(stream, &s)
-    cdef _Call call = call_on(s)
+    cdef _Launch launch = launch_on(s)
     try:
-        call.device(src, &device, &have, "copy source", False, False)
+        launch.device(src, &device, &have, "copy source", False, False)
         held = host_ptr_of(dst, True, &host, &nbytes)
         device_side_fits(have, nbytes, "copy source")
         if not nbytes:
             held = None
-        hold = reserve_hold(held)  # all or nothing: reserved before the copy is queued
-        commit_hold(held, hold, s, mf_copy_d2h_async(host, device, nbytes, s))
-        note_capture(s, (src, dst))
-        call.done()
+        launch.hold(held)
+        launch.queued(mf_copy_d2h_async(host, device, nbytes, s), (src, dst))
     finally:
-        call.close()
+        launch.close()
 
 
 def copy_h2d_async(dst, src, stream=0):
@@ -498,22 +436,20 @@ def copy_h2d_async(dst, src, stream=0):
     cdef void *device
     cdef void *host
     cdef size_t nbytes, have
-    cdef uint64_t s, hold
+    cdef uint64_t s
     cdef _HeldBuffer held = None
     stream_of(stream, &s)
-    cdef _Call call = call_on(s)
+    cdef _Launch launch = launch_on(s)
     try:
-        call.device(dst, &device, &have, "copy destination", True, False)
+        launch.device(dst, &device, &have, "copy destination", True, False)
         held = host_ptr_of(src, False, &host, &nbytes)
         device_side_fits(have, nbytes, "copy destination")
         if not nbytes:
             held = None
-        hold = reserve_hold(held)  # all or nothing: reserved before the copy is queued
-        commit_hold(held, hold, s, mf_copy_h2d_async(device, host, nbytes, s))
-        note_capture(s, (dst, src))
-        call.done()
+        launch.hold(held)
+        launch.queued(mf_copy_h2d_async(device, host, nbytes, s), (dst, src))
     finally:
-        call.close()
+        launch.close()
 
 
 def copy_d2d_async(dst, src, nbytes, stream=0):
@@ -548,17 +484,15 @@ def copy_d2d_async(dst, src, nbytes, stream=0):
     cdef size_t have
     cdef uint64_t s
     stream_of(stream, &s)
-    cdef _Call call = call_on(s)
+    cdef _Launch launch = launch_on(s)
     try:
-        call.device(dst, &d, &have, "copy destination", True, False)
+        launch.device(dst, &d, &have, "copy destination", True, False)
         device_side_fits(have, n, "copy destination")
-        call.device(src, &s_ptr, &have, "copy source", False, False)
+        launch.device(src, &s_ptr, &have, "copy source", False, False)
         device_side_fits(have, n, "copy source")
-        check(mf_copy_d2d_async(d, s_ptr, n, s))
-        note_capture(s, (dst, src))
-        call.done()
+        launch.queued(mf_copy_d2d_async(d, s_ptr, n, s), (dst, src))
     finally:
-        call.close()
+        launch.close()
 
 
 def alloc_host_pinned(nbytes):

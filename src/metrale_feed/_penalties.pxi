@@ -21,13 +21,13 @@ cdef object launch_penalties(bint update, object target, object slots, object st
     cdef _Foreign f
     mf_penalty_args_init(&a)
     stream_of(stream, &s)
-    cdef _Call call = call_on(s)
+    cdef _Launch launch = launch_on(s)
     try:
-        call.device(state, &ptr, &state_have, "state", True, False)
+        launch.device(state, &ptr, &state_have, "state", True, False)
         a.state = <mf_penalty_slot *>ptr
-        call.device(table, &ptr, &table_have, "table", True, False)
+        launch.device(table, &ptr, &table_have, "table", True, False)
         a.table = <mf_penalty_entry *>ptr
-        call.device(items, &ptr, &items_have, "items", False, False)
+        launch.device(items, &ptr, &items_have, "items", False, False)
         a.items = <const mf_penalty_item *>ptr
         a.slot_count = penalty_extent(slot_count, state_have, sizeof(mf_penalty_slot), "slot_count",
                                       MF_MAX_PENALTY_SLOTS)
@@ -41,7 +41,7 @@ cdef object launch_penalties(bint update, object target, object slots, object st
             if have != <size_t>-1 and need > have:
                 raise ValueError(f"{what}: {need} bytes run past the end of its {have}")
         if device_resident(slots, "slots"):
-            call.device(slots, &ptr, &have, "slots", False, True)
+            launch.device(slots, &ptr, &have, "slots", False, True)
             if rows is None:
                 rows = device_words(slots, ptr, have)
             a.rows = <uint32_t>int_of(rows, "rows", 0, MF_MAX_ROWS)
@@ -58,11 +58,11 @@ cdef object launch_penalties(bint update, object target, object slots, object st
             a.rows = <uint32_t>words.n
             a.slots = words.data if words.n else <const uint32_t *>&_empty_target
         if update:
-            call.device(target, &ptr, &have, "ids", False, True)
+            launch.device(target, &ptr, &have, "ids", False, True)
             if have != <size_t>-1 and <size_t>a.rows * 4 > have:
                 raise ValueError(f"ids: {a.rows * 4} bytes run past the end of the array's {have}")
             a.ids = <const uint32_t *>ptr
-            check(mf_penalties_update(&a, s))
+            launch.queued(mf_penalties_update(&a, s), (target, slots, state, table, items))
         else:
             a.start = <uint32_t>int_of(start, "start", 0, MF_MAX_VOCAB)
             if not is_foreign(target):
@@ -74,7 +74,7 @@ cdef object launch_penalties(bint update, object target, object slots, object st
                 device_ptr_of(target, &ptr)
                 a.logits = ptr
             else:
-                f = call.foreign(target, "logits")
+                f = launch.foreign(target, "logits")
                 if f.entry is None or f.entry.code is None:
                     raise TypeError(f"logits must be float32, float16 or bfloat16, not {f.type_name()}")
                 if f.ndim != 2 or (f.shape[1] > 1 and f.strides[1] != 1):
@@ -92,12 +92,10 @@ cdef object launch_penalties(bint update, object target, object slots, object st
                 a.dtype = <mf_dtype><int>f.entry.code
                 a.logits = f.ptr
                 if a.rows:
-                    call.lend(f, ((a.rows - 1) * a.row_stride + a.vocab) * <size_t>f.entry.itemsize)
-            check(mf_penalties_apply(&a, s))
-        note_capture(s, (target, slots, state, table, items))
-        call.done()
+                    launch.lend(f, ((a.rows - 1) * a.row_stride + a.vocab) * <size_t>f.entry.itemsize)
+            launch.queued(mf_penalties_apply(&a, s), (target, slots, state, table, items))
     finally:
-        call.close()
+        launch.close()
     return a.rows
 
 

@@ -309,8 +309,7 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
     cdef uint64_t s, e
     cdef void *ptr
     cdef size_t n = 0
-    cdef list held = [None, None, None]
-    cdef _Call pcall
+    cdef _Launch launch
     mf_combine_args_init(&c)
     mf_argmax_args_init(&view)
     stream_of(stream, &s)
@@ -324,7 +323,7 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
     c.op = MF_PARTIAL_ARGMAX
     # A foreign params array is lent to the C layer for this call (host backend) and kept until
     # the work has run; the lending ends whatever happens (close()).
-    pcall = call_on(s)
+    launch = launch_on(s)
     try:
         if params is not None:
             view.rows = c.rows
@@ -332,7 +331,7 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
                 if filtered:
                     raise ValueError("_combine_partials(filtered=True) takes host params (the filters' "
                                      "thresholds came from them)")
-            fill_params(pcall, &view, params, keep)
+            fill_params(launch, &view, params, keep)
             c.params = view.params
             if view.flags & MF_ARGS_PARAMS_DEVICE:
                 c.flags |= MF_COMBINE_PARAMS_DEVICE
@@ -350,50 +349,22 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
                 pinned_range(e, c.rows * 4)
                 c.host_dst = <void *><size_t>e
             else:
-                held[0] = host_ptr_of(dst, True, &c.host_dst, &n)
+                launch.hold(host_ptr_of(dst, True, &c.host_dst, &n))
                 if n < c.rows * 4:
                     raise ValueError(f"dst holds {n} bytes; {c.rows} ids need {c.rows * 4}")
-        held[1] = fill_logprobs(&c.logprobs, &c.logprobs_dst, logprobs, logprobs_dst, c.rows)
+        launch.hold(fill_logprobs(&c.logprobs, &c.logprobs_dst, logprobs, logprobs_dst, c.rows))
         if isinstance(fault_dst, int):
             raise TypeError("fault_dst must be a buffer of at least 4 bytes, not an int")
-        held[2] = host_ptr_of(fault_dst, True, &c.fault_dst, &n)
+        launch.hold(host_ptr_of(fault_dst, True, &c.fault_dst, &n))
         if n < 4:
             raise ValueError(f"fault_dst holds {n} bytes, fewer than the fault word's 4")
         event_of(event, &c.event, True)
-        events = reserve_holds(held)
-        commit_holds(held, events, s, mf_combine_partials(&c, s))
-        pcall.done()
+        launch.records(c.event)
+        launch.writes_cells(c.cells, c.rows)
+        launch.queued(mf_combine_partials(&c, s),
+                      (partials, cells, dst, logprobs, logprobs_dst, fault_dst, event, params))
     finally:
-        pcall.close()
-    note_capture(s, (partials, cells, dst, logprobs, logprobs_dst, fault_dst, event, params))
-    if c.event and (_host_func_seq or _capturing):
-        note_record(c.event, s)
-    note_cell_rows(<size_t>c.cells, c.rows)
-
-
-cdef list reserve_holds(list held):
-    """The events of several holds, all or none (see reserve_hold)."""
-    cdef list events = []
-    try:
-        for h in held:
-            events.append(reserve_hold(h))
-    except BaseException:
-        for ev in events:
-            if ev:
-                mf_event_destroy(ev)
-        raise
-    return events
-
-
-cdef int commit_holds(list held, list events, uint64_t stream, mf_status queued) except -1:
-    if queued != MF_SUCCESS:
-        for ev in events:
-            if ev:
-                mf_event_destroy(ev)
-        raise_status(queued)
-    for h, ev in zip(held, events):
-        commit_hold(h, ev, stream, MF_SUCCESS)
-    return 0
+        launch.close()
 
 
 def _check_partials_fault(fault_dst):

@@ -68,7 +68,7 @@ def top_logprobs(logits, out, stream=0, *, n, rows=None, vocab=None, dtype=None,
     a.n = <uint32_t>int_of(n, "n", 0 if ids is not None else 1, MF_MAX_TOP_LOGPROBS)
     if (ids is None) != (chosen is None):
         raise ValueError("ids and chosen go together")
-    cdef _Call call = call_on(s)
+    cdef _Launch launch = launch_on(s)
     try:
         if not is_foreign(logits):
             if rows is None or vocab is None or dtype is None:
@@ -81,7 +81,7 @@ def top_logprobs(logits, out, stream=0, *, n, rows=None, vocab=None, dtype=None,
             device_ptr_of(logits, &ptr)
             a.logits = ptr
         else:
-            f = call.foreign(logits, "logits")
+            f = launch.foreign(logits, "logits")
             if f.entry is None or f.entry.code is None:
                 raise TypeError(f"logits must be float32, float16 or bfloat16, not {f.type_name()}")
             if f.ndim != 2 or (f.shape[1] > 1 and f.strides[1] != 1):
@@ -97,24 +97,22 @@ def top_logprobs(logits, out, stream=0, *, n, rows=None, vocab=None, dtype=None,
             a.dtype = <mf_dtype><int>f.entry.code
             a.logits = f.ptr
             if a.rows:
-                call.lend(f, ((a.rows - 1) * a.row_stride + a.vocab) * <size_t>f.entry.itemsize)
+                launch.lend(f, ((a.rows - 1) * a.row_stride + a.vocab) * <size_t>f.entry.itemsize)
         if a.n or out is not None:
-            call.device(out, &ptr, &have, "out", True, False)
+            launch.device(out, &ptr, &have, "out", True, False)
             if have != <size_t>-1 and <size_t>a.rows * a.n * 8 > have:
                 raise ValueError(f"out: {a.rows} rows of {a.n} records need {a.rows * a.n * 8} bytes; it has {have}")
             a.out = <mf_top_logprob *>ptr
         if ids is not None:
-            call.device(ids, &ptr, &have, "ids", False, True)
+            launch.device(ids, &ptr, &have, "ids", False, True)
             if have != <size_t>-1 and <size_t>a.rows * 4 > have:
                 raise ValueError(f"ids: {a.rows} ids need {a.rows * 4} bytes; it has {have}")
             a.ids = <const uint32_t *>ptr
-            call.device(chosen, &ptr, &have, "chosen", True, False)
+            launch.device(chosen, &ptr, &have, "chosen", True, False)
             if have != <size_t>-1 and <size_t>a.rows * 4 > have:
                 raise ValueError(f"chosen: {a.rows} floats need {a.rows * 4} bytes; it has {have}")
             a.chosen = <float *>ptr
-        check(mf_top_logprobs(&a, s))
-        note_capture(s, (logits, out, ids, chosen))
-        call.done()
+        launch.queued(mf_top_logprobs(&a, s), (logits, out, ids, chosen))
     finally:
-        call.close()
+        launch.close()
     return a.rows
