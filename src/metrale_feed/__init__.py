@@ -69,6 +69,7 @@ from .errors import CudaError as CudaError
 from .errors import DeviceError as DeviceError
 from .errors import FeedError as FeedError
 from .errors import FeedMemoryError as FeedMemoryError
+from .errors import HostFunctionError as HostFunctionError
 from .errors import InjectedFault as InjectedFault
 from .errors import InternalError as InternalError
 from .errors import InvalidHandleError as InvalidHandleError

@@ -155,6 +155,25 @@ class DeviceError(FeedError):
     status = 7
 
 
+class HostFunctionError(DeviceError):
+    """A host function queued with ``launch_host_func`` raised: queued work failed, as a kernel
+    fault would. It is reported once, at the next wait or query of its stream or of an event
+    recorded there after it; the function's own exception is its ``__cause__``. A scheduler
+    treats it as a fault of the work queued before that wait, never as a refusal to retry.
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> with mf.Stream() as stream:
+    ...     mf.launch_host_func(stream, int, "not a number")
+    ...     try:
+    ...         stream.synchronize()
+    ...     except mf.HostFunctionError as error:
+    ...         print(type(error.__cause__).__name__, isinstance(error, mf.DeviceError))
+    ValueError True
+    """
+
+
 class CaptureError(FeedError):
     """Not allowed on a stream that is capturing a graph, or a capture in the wrong state
     (``MF_ERROR_CAPTURE``; docs/graphs.md).
