@@ -14,7 +14,11 @@ The model is built from a small config with random weights (nothing is downloade
 It is served by ``AsyncDeviceIo`` (the two-deep pipeline of ``metrale_feed.tools.demo.run_async``), and
 its tokens equal ``model.generate(do_sample=False)`` for each prompt (tests/test_interop_torch.py).
 
-Run ``python examples/hf_llama.py`` for a short comparison of the async and sync routers.
+It also runs through ``DecodePipeline`` with a repetition penalty, and its greedy tokens again
+equal ``generate``'s.
+
+Run ``python examples/hf_llama.py`` for a short comparison of the async and sync routers;
+``--repetition-penalty 1.3`` (with ``--depth 1`` or ``2``) runs the pipeline with it instead.
 """
 
 from __future__ import annotations
@@ -183,29 +187,93 @@ def greedy(model: Any, prompts: Sequence[Sequence[int]], max_new: int, bans: Seq
         feed.close()
 
 
-def hf_greedy(model: Any, prompt: Sequence[int], max_new: int, ban: Any) -> List[int]:
-    """What transformers' own greedy generate gives, with the same two ids banned."""
+def pipeline_greedy(model: Any, prompts: Sequence[Sequence[int]], max_new: int, *,
+                    depth: int = 2, repetition_penalty: Any = 1.0, block_size: int = 16,
+                    num_blocks: int = 256) -> dict:
+    """Greedy tokens of each prompt through ``DecodePipeline`` (docs/pipeline.md).
+
+    ``repetition_penalty`` is one value for every prompt or one a prompt (1.0: none). Returns ``{"tokens": [...], "stats":
+    ...}``, the tokens in the prompts' order and the pipeline's counters.
+    """
+    penalties = (list(repetition_penalty) if isinstance(repetition_penalty, (list, tuple))
+                 else [repetition_penalty] * len(prompts))
+    feed = HfLlamaFeed(model, max_rows=len(prompts), block_size=block_size, num_blocks=num_blocks)
+    try:
+        with mf.DecodePipeline(feed, len(prompts), depth=depth) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=max_new, repetition_penalty=rp)
+                    for p, rp in zip(prompts, penalties)]
+            pipe.run()
+            stats = pipe.stats.as_dict()
+    finally:
+        feed.close()
+    for req in reqs:
+        if req.finish_reason != "length":
+            raise FeedError(f"{req!r} finished with {req.finish_reason!r}: {req.error}")
+    return {"tokens": [list(req.tokens) for req in reqs], "stats": stats}
+
+
+def hf_greedy(model: Any, prompt: Sequence[int], max_new: int, ban: Any = (NO_TOKEN, NO_TOKEN),
+              *, repetition_penalty: float = 1.0) -> List[int]:
+    """What transformers' own greedy generate gives, with the same two ids banned and the same
+    repetition penalty (transformers', over the prompt and the generated ids)."""
     bad = [[t] for t in ban if t != NO_TOKEN] or None
     with torch.no_grad():
         out = model.generate(torch.tensor([list(prompt)]), do_sample=False, max_new_tokens=max_new,
                              min_new_tokens=max_new, bad_words_ids=bad, pad_token_id=0,
+                             repetition_penalty=float(repetition_penalty),
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     return out[0, len(prompt):].tolist()
 
 
-def main() -> None:
+def _routers(model: Any, prompts: List[List[int]], max_new: int) -> None:
+    """The async and sync routers side by side, with bans."""
+    bans = [(NO_TOKEN, NO_TOKEN), (3, NO_TOKEN), (NO_TOKEN, NO_TOKEN), (10, 11)]
+    for router in ("sync", "async"):
+        start = time.perf_counter()
+        result = greedy(model, prompts, max_new, bans, router=router)
+        tokens = sum(len(t) for t in result["tokens"])
+        print(f"{router:5s}: {tokens / (time.perf_counter() - start):7.1f} tok/s")
+    for prompt, ban, got in zip(prompts, bans, result["tokens"]):
+        assert got == hf_greedy(model, prompt, max_new, ban), (prompt, got)
+
+
+def _pipeline(model: Any, prompts: List[List[int]], max_new: int, args: Any) -> None:
+    """``DecodePipeline`` with the options given: a repetition penalty."""
+    start = time.perf_counter()
+    result = pipeline_greedy(model, prompts, max_new, depth=args.depth,
+                             repetition_penalty=args.repetition_penalty)
+    seconds = time.perf_counter() - start
+    stats = result["stats"]
+    line = f"pipeline depth {args.depth}: {stats['steps']} steps, " \
+           f"{sum(map(len, result['tokens'])) / seconds:7.1f} tok/s"
+    print(line)
+    for prompt, got in zip(prompts, result["tokens"]):
+        expect = hf_greedy(model, prompt, max_new, repetition_penalty=args.repetition_penalty)
+        assert got == expect, (prompt, got, expect)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="A random-weight transformers Llama through the feed; its greedy tokens are "
+                    "checked against transformers' generate(do_sample=False). Without options: "
+                    "the async and sync routers side by side. With --repetition-penalty: "
+                    "DecodePipeline with it.")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="vLLM's and transformers' repetition penalty (default 1.0: none)")
+    parser.add_argument("--depth", type=int, choices=(1, 2), default=2,
+                        help="the pipeline's steps in flight (default 2)")
+    parser.add_argument("--max-new", type=int, default=16, help="tokens a prompt (default 16)")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     mf.host_kernel_threads(1)
     model = small_llama()
     prompts = [[1, 2, 3, 4], [9, 8, 7], [5, 5, 5, 5, 5], [42, 17]]
-    bans = [(NO_TOKEN, NO_TOKEN), (3, NO_TOKEN), (NO_TOKEN, NO_TOKEN), (10, 11)]
-    for router in ("sync", "async"):
-        start = time.perf_counter()
-        result = greedy(model, prompts, 16, bans, router=router)
-        tokens = sum(len(t) for t in result["tokens"])
-        print(f"{router:5s}: {tokens / (time.perf_counter() - start):7.1f} tok/s")
-    for prompt, ban, got in zip(prompts, bans, result["tokens"]):
-        assert got == hf_greedy(model, prompt, 16, ban), (prompt, got)
+    if args.repetition_penalty == 1.0:
+        _routers(model, prompts, args.max_new)
+    else:
+        _pipeline(model, prompts, args.max_new, args)
     print("tokens equal transformers' greedy generate for every prompt")
 
 

@@ -59,6 +59,50 @@ def test_llama_through_the_feed_equals_generate(dtype, one_thread):
     assert sync["tokens"] == expect
 
 
+# Prompts of 1 to 22 ids, several repeating ids (the repetition penalty has prompt ids to act
+# on). Blocks of 4 positions: every request crosses blocks.
+LLAMA_PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [9, 8, 7], [5, 5, 5, 5, 5], [42, 17, 42, 17, 42],
+                [7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2]]
+LLAMA_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def llama32(one_thread):
+    """The example, its float32 model, and generate's greedy tokens of LLAMA_PROMPTS (float32:
+    transformers' processors run on float32 logits, so the feed's must be float32 too)."""
+    hf = _example()
+    model = hf.small_llama(torch.float32)
+    return hf, model, [hf.hf_greedy(model, p, LLAMA_NEW) for p in LLAMA_PROMPTS]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("penalty", [1.3, 0.8])
+def test_llama_repetition_penalty_equals_generate(llama32, depth, penalty):
+    hf, model, plain = llama32
+    # A mixed batch: one row without the penalty, the others with it.
+    penalties = [penalty] * len(LLAMA_PROMPTS)
+    penalties[2] = 1.0
+    expect = [hf.hf_greedy(model, p, LLAMA_NEW, repetition_penalty=rp)
+              for p, rp in zip(LLAMA_PROMPTS, penalties)]
+    assert expect[2] == plain[2]
+    assert all(e != q for e, q, rp in zip(expect, plain, penalties) if rp != 1.0)  # it bites
+    got = hf.pipeline_greedy(model, LLAMA_PROMPTS, LLAMA_NEW, depth=depth,
+                             repetition_penalty=penalties, block_size=4, num_blocks=64)
+    assert got["tokens"] == expect
+    if depth == 2:
+        assert got["stats"]["host_syncs"] == got["stats"]["steps"]
+
+
+@pytest.mark.parametrize("args", [["--repetition-penalty", "1.3"],
+                                  ["--repetition-penalty", "0.8", "--depth", "1"]])
+def test_the_example_runs_with_its_options(one_thread, capsys, args):
+    hf = _example()
+    hf.main(args)
+    out = capsys.readouterr().out
+    assert "tokens equal transformers' greedy generate for every prompt" in out
+    assert "pipeline depth" in out
+
+
 def test_a_failing_forward_surfaces_at_the_read(one_thread):
     hf = _example()
     model = hf.small_llama(torch.float32)
