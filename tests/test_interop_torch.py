@@ -60,7 +60,9 @@ def test_llama_through_the_feed_equals_generate(dtype, one_thread):
 
 
 # Prompts of 1 to 22 ids, several repeating ids (the repetition penalty has prompt ids to act
-# on). Blocks of 4 positions: every request crosses blocks.
+# on) and n-grams; the random model soon repeats itself too, so the n-gram drafter proposes
+# drafts that get accepted. Blocks of 4 positions: every request crosses blocks, and the verify
+# steps' rejected positions free some.
 LLAMA_PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [9, 8, 7], [5, 5, 5, 5, 5], [42, 17, 42, 17, 42],
                 [7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2]]
 LLAMA_NEW = 24
@@ -73,6 +75,22 @@ def llama32(one_thread):
     hf = _example()
     model = hf.small_llama(torch.float32)
     return hf, model, [hf.hf_greedy(model, p, LLAMA_NEW) for p in LLAMA_PROMPTS]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("k", [1, 4])
+def test_llama_speculative_ngram_equals_generate(llama32, depth, k):
+    hf, model, expect = llama32
+    got = hf.pipeline_greedy(model, LLAMA_PROMPTS, LLAMA_NEW, depth=depth, speculative="ngram",
+                             k=k, block_size=4, num_blocks=64)
+    assert got["tokens"] == expect
+    stats = got["stats"]
+    assert stats["accepted"] > 0  # not vacuous: later positions of the verify step decided ids
+    assert stats["drafted"] == k * (stats["emitted"] - stats["accepted"])  # k a row a step
+    assert stats["emitted"] - stats["spec_discarded"] == len(LLAMA_PROMPTS) * LLAMA_NEW
+    assert stats["spec_blocks_returned"] > 0  # rejected positions' blocks went back
+    if depth == 2:
+        assert stats["host_syncs"] == stats["steps"] and stats["ahead_launches"] > 0
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -93,7 +111,9 @@ def test_llama_repetition_penalty_equals_generate(llama32, depth, penalty):
         assert got["stats"]["host_syncs"] == got["stats"]["steps"]
 
 
-@pytest.mark.parametrize("args", [["--repetition-penalty", "1.3"],
+@pytest.mark.parametrize("args", [["--speculative", "ngram", "--k", "4"],
+                                  ["--speculative", "ngram", "--k", "2", "--depth", "1"],
+                                  ["--repetition-penalty", "1.3"],
                                   ["--repetition-penalty", "0.8", "--depth", "1"]])
 def test_the_example_runs_with_its_options(one_thread, capsys, args):
     hf = _example()
@@ -101,6 +121,14 @@ def test_the_example_runs_with_its_options(one_thread, capsys, args):
     out = capsys.readouterr().out
     assert "tokens equal transformers' greedy generate for every prompt" in out
     assert "pipeline depth" in out
+    assert ("drafts accepted" in out) == ("--speculative" in args)
+
+
+def test_the_example_refuses_a_penalty_with_speculation(capsys):
+    hf = _example()
+    with pytest.raises(SystemExit):
+        hf.main(["--speculative", "ngram", "--repetition-penalty", "1.3"])
+    assert "not both" in capsys.readouterr().err
 
 
 def test_a_failing_forward_surfaces_at_the_read(one_thread):
