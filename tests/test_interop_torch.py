@@ -77,25 +77,32 @@ def llama32(one_thread):
     return hf, model, [hf.hf_greedy(model, p, LLAMA_NEW) for p in LLAMA_PROMPTS]
 
 
+# 64 blocks hold every request; 20 do not, so requests are preempted and resume by recompute.
+POOLS = [64, 20]
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("k", [1, 4])
-def test_llama_speculative_ngram_equals_generate(llama32, depth, k):
+@pytest.mark.parametrize("blocks", POOLS)
+def test_llama_speculative_ngram_equals_generate(llama32, depth, k, blocks):
     hf, model, expect = llama32
     got = hf.pipeline_greedy(model, LLAMA_PROMPTS, LLAMA_NEW, depth=depth, speculative="ngram",
-                             k=k, block_size=4, num_blocks=64)
+                             k=k, block_size=4, num_blocks=blocks)
     assert got["tokens"] == expect
     stats = got["stats"]
     assert stats["accepted"] > 0  # not vacuous: later positions of the verify step decided ids
     assert stats["drafted"] == k * (stats["emitted"] - stats["accepted"])  # k a row a step
     assert stats["emitted"] - stats["spec_discarded"] == len(LLAMA_PROMPTS) * LLAMA_NEW
     assert stats["spec_blocks_returned"] > 0  # rejected positions' blocks went back
+    assert (stats["preemptions"] > 0) == (blocks < 64)
     if depth == 2:
         assert stats["host_syncs"] == stats["steps"] and stats["ahead_launches"] > 0
 
 
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("penalty", [1.3, 0.8])
-def test_llama_repetition_penalty_equals_generate(llama32, depth, penalty):
+@pytest.mark.parametrize("blocks", POOLS)
+def test_llama_repetition_penalty_equals_generate(llama32, depth, penalty, blocks):
     hf, model, plain = llama32
     # A mixed batch: one row without the penalty, the others with it.
     penalties = [penalty] * len(LLAMA_PROMPTS)
@@ -105,8 +112,10 @@ def test_llama_repetition_penalty_equals_generate(llama32, depth, penalty):
     assert expect[2] == plain[2]
     assert all(e != q for e, q, rp in zip(expect, plain, penalties) if rp != 1.0)  # it bites
     got = hf.pipeline_greedy(model, LLAMA_PROMPTS, LLAMA_NEW, depth=depth,
-                             repetition_penalty=penalties, block_size=4, num_blocks=64)
+                             repetition_penalty=penalties, block_size=4, num_blocks=blocks)
     assert got["tokens"] == expect
+    # A preempted request's penalty state is rebuilt from its prompt and committed tokens.
+    assert (got["stats"]["preemptions"] > 0) == (blocks < 64)
     if depth == 2:
         assert got["stats"]["host_syncs"] == got["stats"]["steps"]
 
