@@ -99,6 +99,57 @@ def test_llama_speculative_ngram_equals_generate(llama32, depth, k, blocks):
         assert stats["host_syncs"] == stats["steps"] and stats["ahead_launches"] > 0
 
 
+def _generate_drafter(k, sequences):
+    """A drafter that proposes what generate gives next (each prompt followed by its greedy
+    tokens), so every draft is accepted and each step commits ``k + 1`` ids a row."""
+    from metrale_feed.sched.speculative import HostDrafter
+
+    class GenerateDrafter(HostDrafter):
+        def ahead_of(self, history, n):
+            h = list(history)
+            seq = next(s for s in sequences if s[:len(h)] == h)
+            return seq[len(h):len(h) + n]
+
+        def draft(self, history, k, seed, mask):
+            return self.ahead_of(history, k)
+
+        def after(self, history, drafts, seed, mask):  # the step in flight accepts them all
+            return list(history) + self.ahead_of(history, self.k + 1)
+
+    return GenerateDrafter(k)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_llama_speculative_stops_inside_accepted_runs(llama32, depth):
+    # Every draft accepted: step i commits generate's ids i*(k+1) .. i*(k+1)+k. Each request
+    # stops at the first id of its tokens past the first step that is new and not last in its
+    # run, so the ids after it in the run are discarded; its tokens are generate's up to the
+    # stop (what generate gives with that id as its eos).
+    hf, model, plain = llama32
+    k = 3
+    stops, expect, past = [], [], 0
+    for tokens in plain:
+        at = next(j for j in range(k + 1, len(tokens))
+                  if tokens.index(tokens[j]) == j and j % (k + 1) != k)
+        stops.append([tokens[at]])
+        expect.append(tokens[:at + 1])
+        past += k - at % (k + 1)
+    drafter = _generate_drafter(k, [list(p) + t for p, t in zip(LLAMA_PROMPTS, plain)])
+    feed = hf.HfLlamaFeed(model, max_rows=len(LLAMA_PROMPTS), block_size=4, num_blocks=64)
+    try:
+        with mf.DecodePipeline(feed, len(LLAMA_PROMPTS), depth=depth, speculative=drafter) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=LLAMA_NEW, stop_ids=stop)
+                    for p, stop in zip(LLAMA_PROMPTS, stops)]
+            pipe.run()
+            stats = pipe.stats.as_dict()
+    finally:
+        feed.close()
+    assert [r.tokens for r in reqs] == expect
+    assert all(r.finish_reason == "stop" for r in reqs)
+    assert stats["accepted"] == stats["drafted"] > 0
+    assert stats["spec_discarded"] == past
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("penalty", [1.3, 0.8])
 @pytest.mark.parametrize("blocks", POOLS)
