@@ -177,7 +177,12 @@ def test_llama_repetition_penalty_equals_generate(llama32, depth, penalty, block
                                   ["--repetition-penalty", "0.8", "--depth", "1"]])
 def test_the_example_runs_with_its_options(one_thread, capsys, args):
     hf = _example()
-    hf.main(args)
+    threads = mf.host_kernel_threads()
+    try:
+        hf.main(args)  # sets one device thread and one torch thread, as a run alone would
+    finally:
+        mf.host_kernel_threads(threads)
+        torch.set_num_threads(1)  # the module's setting, restored by one_thread at its end
     out = capsys.readouterr().out
     assert "tokens equal transformers' greedy generate for every prompt" in out
     assert "pipeline depth" in out
