@@ -14,7 +14,13 @@ The model is built from a small config with random weights (nothing is downloade
 It is served by ``AsyncDeviceIo`` (the two-deep pipeline of ``metrale_feed.tools.demo.run_async``), and
 its tokens equal ``model.generate(do_sample=False)`` for each prompt (tests/test_interop_torch.py).
 
-Run ``python examples/hf_llama.py`` for a short comparison of the async and sync routers.
+It also runs through ``DecodePipeline``: with speculative decoding (``decode_batch_verify``
+runs a row's input and its ``k`` drafts in one forward, and the n-gram drafter proposes them)
+and with a repetition penalty, and its greedy tokens again equal ``generate``'s.
+
+Run ``python examples/hf_llama.py`` for a short comparison of the async and sync routers;
+``--speculative ngram --k 4`` or ``--repetition-penalty 1.3`` (with ``--depth 1`` or ``2``)
+runs the pipeline with them instead.
 """
 
 from __future__ import annotations
@@ -89,7 +95,8 @@ class HfLlamaFeed(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
 
     def _run(self, ids: Sequence[int], start: int, table: Sequence[int]) -> torch.Tensor:
         """The model over ``ids`` at positions ``start..``, the history read from the pages
-        through ``table`` and the new keys and values written back; the last position's logits."""
+        through ``table`` and the new keys and values written back; the logits of every
+        position, ``[len(ids), vocab]``."""
         from transformers import DynamicCache
 
         cache = DynamicCache()
@@ -106,13 +113,13 @@ class HfLlamaFeed(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
         for layer, entry in enumerate(cache.layers):  # the forward appended to the cache in place
             self.k_pages[layer, new] = entry.keys[0, :, start:start + n].permute(1, 0, 2)
             self.v_pages[layer, new] = entry.values[0, :, start:start + n].permute(1, 0, 2)
-        return out.logits[0, -1]
+        return out.logits[0]
 
     def _forward(self, tokens: Optional[List[int]], positions: List[int], tables: List[List[int]]) -> None:
         with torch.no_grad():
             ids = tokens if tokens is not None else self.ids[: len(positions)].tolist()
             for r, (token, position, table) in enumerate(zip(ids, positions, tables)):
-                self.logits[r].copy_(self._run([token], position, table))
+                self.logits[r].copy_(self._run([token], position, table)[-1])
         self.forwards += 1
 
     def _prefill(self, ids: List[int], start: int, table: List[int]) -> None:
@@ -152,6 +159,62 @@ class HfLlamaFeed(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
         mf.resolve_feed(sources, self.feed_cells, self.ids, stream, prev_rows=self.feed_prev_rows)
         return self._launch(None, seqs, stream)
 
+    # ---- speculative decoding: the verify step (metrale_feed.contract.VerifyStep) ----
+
+    def _verify(self, k: int, ids: torch.Tensor, advance: Optional[torch.Tensor],
+                positions: List[int], tables: List[List[int]], logits: torch.Tensor) -> None:
+        """Row ``r``'s ``k + 1`` ids (its input, then its drafts) in one forward at positions
+        ``positions[r] (+ advance[r])..``; their logits to rows ``r * (k + 1)..``."""
+        vocab = logits.shape[1]
+        with torch.no_grad():
+            # A draft of NO_TOKEN (-1 as int32) ends a row's drafts: the verify rule reads no
+            # logit after it, but the forward still needs an id there to embed.
+            fed = torch.where((ids >= 0) & (ids < vocab), ids, torch.zeros_like(ids)).tolist()
+            steps = [0] * len(positions) if advance is None else advance.tolist()
+            for r, (position, table) in enumerate(zip(positions, tables)):
+                rows = slice(r * (k + 1), (r + 1) * (k + 1))
+                logits[rows].copy_(self._run(fed[rows], position + steps[r], table))
+        self.forwards += 1
+
+    def decode_batch_verify(self, input_ids: Any, seqs: Sequence[SequenceState], k: int,
+                            stream: Any = None, advance: Any = None) -> torch.Tensor:
+        """A speculative step's forward over ``k + 1`` positions a row (docs/speculative.md).
+
+        Row ``r`` reads its ids from the device array ``input_ids`` at ``r * (k + 1) + j`` and
+        writes their keys and values at positions ``seq.seq_len + j`` (plus ``advance[r]``, a
+        device uint32 a row, at depth 2: how far the step still in flight moved the row); logit
+        row ``r * (k + 1) + j`` is the logits after that position. Both arrays are copied on
+        the stream, so the forward reads what the pipeline wrote there before it, never the
+        host's idea of them. ``seq_len`` and ``tokens`` are left as they are: the pipeline
+        advances them by the accepted count once it is read.
+        """
+        stream = self.stream if stream is None else stream
+        if self.feed_cells is None:
+            raise FeedError("the model is closed")
+        rows = len(seqs)
+        if k < 1 or not 1 <= rows <= self.feed_max_rows:
+            raise ValueError(f"a verify step takes 1 to {self.feed_max_rows} rows and k >= 1, "
+                             f"got {rows} rows and k={k}")
+        reach = k if advance is None else 2 * k + 1  # the last position a row may write
+        for seq in seqs:
+            if (seq.seq_len + reach) // self.block_size >= len(seq.block_table):
+                raise ValueError(f"the block table of {seq!r} does not cover position "
+                                 f"{seq.seq_len + reach}: reserve the positions first")
+        n = rows * (k + 1)
+        # Fresh tensors each step, so no step's work can read another's; each lives until the
+        # work queued on it has run (the package and the queued host function hold it).
+        ids = torch.empty(n, dtype=torch.int32)
+        mf.copy_d2d_async(ids, input_ids, 4 * n, stream)
+        steps = None
+        if advance is not None:
+            steps = torch.empty(rows, dtype=torch.int32)
+            mf.copy_d2d_async(steps, advance, 4 * rows, stream)
+        logits = torch.empty(n, self.logits.shape[1], dtype=self.dtype)
+        tables = [list(seq.block_table) for seq in seqs]  # as reserved now, not as later trimmed
+        mf.launch_host_func(stream, self._verify, k, ids, steps, [seq.seq_len for seq in seqs],
+                            tables, logits)
+        return logits
+
     def prefill(self, seq: SequenceState, ids: Sequence[int], stream: Any = None) -> None:
         """Write ``ids``' keys and values at positions ``seq_len..``; no logits."""
         stream = self.stream if stream is None else stream
@@ -183,29 +246,112 @@ def greedy(model: Any, prompts: Sequence[Sequence[int]], max_new: int, bans: Seq
         feed.close()
 
 
-def hf_greedy(model: Any, prompt: Sequence[int], max_new: int, ban: Any) -> List[int]:
-    """What transformers' own greedy generate gives, with the same two ids banned."""
+def pipeline_greedy(model: Any, prompts: Sequence[Sequence[int]], max_new: int, *,
+                    depth: int = 2, speculative: Optional[str] = None, k: int = 4,
+                    repetition_penalty: Any = 1.0, block_size: int = 16,
+                    num_blocks: int = 256) -> dict:
+    """Greedy tokens of each prompt through ``DecodePipeline`` (docs/pipeline.md).
+
+    ``speculative="ngram"`` decodes with the n-gram (prompt lookup) drafter, ``k`` drafts a row
+    a step, verified by ``HfLlamaFeed.decode_batch_verify`` (docs/speculative.md).
+    ``repetition_penalty`` is one value for every prompt or one a prompt (1.0: none); the
+    pipeline refuses penalties with speculative decoding. Returns ``{"tokens": [...], "stats":
+    ...}``, the tokens in the prompts' order and the pipeline's counters.
+    """
+    from metrale_feed.sched.speculative import NGramDrafter
+
+    if speculative not in (None, "ngram"):
+        raise ValueError(f"speculative must be None or 'ngram', got {speculative!r}")
+    penalties = (list(repetition_penalty) if isinstance(repetition_penalty, (list, tuple))
+                 else [repetition_penalty] * len(prompts))
+    drafter = NGramDrafter(k) if speculative == "ngram" else None
+    feed = HfLlamaFeed(model, max_rows=len(prompts), block_size=block_size, num_blocks=num_blocks)
+    try:
+        with mf.DecodePipeline(feed, len(prompts), depth=depth, speculative=drafter) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=max_new, repetition_penalty=rp)
+                    for p, rp in zip(prompts, penalties)]
+            pipe.run()
+            stats = pipe.stats.as_dict()
+    finally:
+        feed.close()
+    for req in reqs:
+        if req.finish_reason != "length":
+            raise FeedError(f"{req!r} finished with {req.finish_reason!r}: {req.error}")
+    return {"tokens": [list(req.tokens) for req in reqs], "stats": stats}
+
+
+def hf_greedy(model: Any, prompt: Sequence[int], max_new: int, ban: Any = (NO_TOKEN, NO_TOKEN),
+              *, repetition_penalty: float = 1.0) -> List[int]:
+    """What transformers' own greedy generate gives, with the same two ids banned and the same
+    repetition penalty (transformers', over the prompt and the generated ids)."""
     bad = [[t] for t in ban if t != NO_TOKEN] or None
     with torch.no_grad():
         out = model.generate(torch.tensor([list(prompt)]), do_sample=False, max_new_tokens=max_new,
                              min_new_tokens=max_new, bad_words_ids=bad, pad_token_id=0,
+                             repetition_penalty=float(repetition_penalty),
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     return out[0, len(prompt):].tolist()
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    mf.host_kernel_threads(1)
-    model = small_llama()
-    prompts = [[1, 2, 3, 4], [9, 8, 7], [5, 5, 5, 5, 5], [42, 17]]
+def _routers(model: Any, prompts: List[List[int]], max_new: int) -> None:
+    """The async and sync routers side by side, with bans."""
     bans = [(NO_TOKEN, NO_TOKEN), (3, NO_TOKEN), (NO_TOKEN, NO_TOKEN), (10, 11)]
     for router in ("sync", "async"):
         start = time.perf_counter()
-        result = greedy(model, prompts, 16, bans, router=router)
+        result = greedy(model, prompts, max_new, bans, router=router)
         tokens = sum(len(t) for t in result["tokens"])
         print(f"{router:5s}: {tokens / (time.perf_counter() - start):7.1f} tok/s")
     for prompt, ban, got in zip(prompts, bans, result["tokens"]):
-        assert got == hf_greedy(model, prompt, 16, ban), (prompt, got)
+        assert got == hf_greedy(model, prompt, max_new, ban), (prompt, got)
+
+
+def _pipeline(model: Any, prompts: List[List[int]], max_new: int, args: Any) -> None:
+    """``DecodePipeline`` with the options given: the n-gram drafter or a repetition penalty."""
+    speculative = None if args.speculative == "none" else args.speculative
+    start = time.perf_counter()
+    result = pipeline_greedy(model, prompts, max_new, depth=args.depth, speculative=speculative,
+                             k=args.k, repetition_penalty=args.repetition_penalty)
+    seconds = time.perf_counter() - start
+    stats = result["stats"]
+    line = f"pipeline depth {args.depth}: {stats['steps']} steps, " \
+           f"{sum(map(len, result['tokens'])) / seconds:7.1f} tok/s"
+    if speculative:
+        line += f"; k={args.k}: {stats['accepted']} of {stats['drafted']} drafts accepted"
+    print(line)
+    for prompt, got in zip(prompts, result["tokens"]):
+        expect = hf_greedy(model, prompt, max_new, repetition_penalty=args.repetition_penalty)
+        assert got == expect, (prompt, got, expect)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="A random-weight transformers Llama through the feed; its greedy tokens are "
+                    "checked against transformers' generate(do_sample=False). Without options: "
+                    "the async and sync routers side by side. With --speculative or "
+                    "--repetition-penalty: DecodePipeline with them.")
+    parser.add_argument("--speculative", choices=("none", "ngram"), default="none",
+                        help="speculative decoding with the n-gram (prompt lookup) drafter")
+    parser.add_argument("--k", type=int, default=4, help="drafts a row a step (default 4)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="vLLM's and transformers' repetition penalty (default 1.0: none)")
+    parser.add_argument("--depth", type=int, choices=(1, 2), default=2,
+                        help="the pipeline's steps in flight (default 2)")
+    parser.add_argument("--max-new", type=int, default=16, help="tokens a prompt (default 16)")
+    args = parser.parse_args(argv)
+    if args.speculative != "none" and args.repetition_penalty != 1.0:
+        parser.error("the pipeline applies no penalties with speculative decoding yet: give "
+                     "--speculative or --repetition-penalty, not both")
+    torch.set_num_threads(1)
+    mf.host_kernel_threads(1)
+    model = small_llama()
+    # The random model soon repeats itself, so the n-gram drafter finds drafts it accepts.
+    prompts = [[1, 2, 3, 4], [9, 8, 7], [5, 5, 5, 5, 5], [42, 17]]
+    if args.speculative == "none" and args.repetition_penalty == 1.0:
+        _routers(model, prompts, args.max_new)
+    else:
+        _pipeline(model, prompts, args.max_new, args)
     print("tokens equal transformers' greedy generate for every prompt")
 
 

@@ -59,6 +59,143 @@ def test_llama_through_the_feed_equals_generate(dtype, one_thread):
     assert sync["tokens"] == expect
 
 
+# Prompts of 1 to 22 ids, several repeating ids (the repetition penalty has prompt ids to act
+# on) and n-grams; the random model soon repeats itself too, so the n-gram drafter proposes
+# drafts that get accepted. Blocks of 4 positions: every request crosses blocks, and the verify
+# steps' rejected positions free some.
+LLAMA_PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [9, 8, 7], [5, 5, 5, 5, 5], [42, 17, 42, 17, 42],
+                [7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2]]
+LLAMA_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def llama32(one_thread):
+    """The example, its float32 model, and generate's greedy tokens of LLAMA_PROMPTS (float32:
+    transformers' processors run on float32 logits, so the feed's must be float32 too)."""
+    hf = _example()
+    model = hf.small_llama(torch.float32)
+    return hf, model, [hf.hf_greedy(model, p, LLAMA_NEW) for p in LLAMA_PROMPTS]
+
+
+# 64 blocks hold every request; 20 do not, so requests are preempted and resume by recompute.
+POOLS = [64, 20]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("blocks", POOLS)
+def test_llama_speculative_ngram_equals_generate(llama32, depth, k, blocks):
+    hf, model, expect = llama32
+    got = hf.pipeline_greedy(model, LLAMA_PROMPTS, LLAMA_NEW, depth=depth, speculative="ngram",
+                             k=k, block_size=4, num_blocks=blocks)
+    assert got["tokens"] == expect
+    stats = got["stats"]
+    assert stats["accepted"] > 0  # not vacuous: later positions of the verify step decided ids
+    assert stats["drafted"] == k * (stats["emitted"] - stats["accepted"])  # k a row a step
+    assert stats["emitted"] - stats["spec_discarded"] == len(LLAMA_PROMPTS) * LLAMA_NEW
+    assert stats["spec_blocks_returned"] > 0  # rejected positions' blocks went back
+    assert (stats["preemptions"] > 0) == (blocks < 64)
+    if depth == 2:
+        assert stats["host_syncs"] == stats["steps"] and stats["ahead_launches"] > 0
+
+
+def _generate_drafter(k, sequences):
+    """A drafter that proposes what generate gives next (each prompt followed by its greedy
+    tokens), so every draft is accepted and each step commits ``k + 1`` ids a row."""
+    from metrale_feed.sched.speculative import HostDrafter
+
+    class GenerateDrafter(HostDrafter):
+        def ahead_of(self, history, n):
+            h = list(history)
+            seq = next(s for s in sequences if s[:len(h)] == h)
+            return seq[len(h):len(h) + n]
+
+        def draft(self, history, k, seed, mask):
+            return self.ahead_of(history, k)
+
+        def after(self, history, drafts, seed, mask):  # the step in flight accepts them all
+            return list(history) + self.ahead_of(history, self.k + 1)
+
+    return GenerateDrafter(k)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_llama_speculative_stops_inside_accepted_runs(llama32, depth):
+    # Every draft accepted: step i commits generate's ids i*(k+1) .. i*(k+1)+k. Each request
+    # stops at the first id of its tokens past the first step that is new and not last in its
+    # run, so the ids after it in the run are discarded; its tokens are generate's up to the
+    # stop (what generate gives with that id as its eos).
+    hf, model, plain = llama32
+    k = 3
+    stops, expect, past = [], [], 0
+    for tokens in plain:
+        at = next(j for j in range(k + 1, len(tokens))
+                  if tokens.index(tokens[j]) == j and j % (k + 1) != k)
+        stops.append([tokens[at]])
+        expect.append(tokens[:at + 1])
+        past += k - at % (k + 1)
+    drafter = _generate_drafter(k, [list(p) + t for p, t in zip(LLAMA_PROMPTS, plain)])
+    feed = hf.HfLlamaFeed(model, max_rows=len(LLAMA_PROMPTS), block_size=4, num_blocks=64)
+    try:
+        with mf.DecodePipeline(feed, len(LLAMA_PROMPTS), depth=depth, speculative=drafter) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=LLAMA_NEW, stop_ids=stop)
+                    for p, stop in zip(LLAMA_PROMPTS, stops)]
+            pipe.run()
+            stats = pipe.stats.as_dict()
+    finally:
+        feed.close()
+    assert [r.tokens for r in reqs] == expect
+    assert all(r.finish_reason == "stop" for r in reqs)
+    assert stats["accepted"] == stats["drafted"] > 0
+    assert stats["spec_discarded"] == past
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("penalty", [1.3, 0.8])
+@pytest.mark.parametrize("blocks", POOLS)
+def test_llama_repetition_penalty_equals_generate(llama32, depth, penalty, blocks):
+    hf, model, plain = llama32
+    # A mixed batch: one row without the penalty, the others with it.
+    penalties = [penalty] * len(LLAMA_PROMPTS)
+    penalties[2] = 1.0
+    expect = [hf.hf_greedy(model, p, LLAMA_NEW, repetition_penalty=rp)
+              for p, rp in zip(LLAMA_PROMPTS, penalties)]
+    assert expect[2] == plain[2]
+    assert all(e != q for e, q, rp in zip(expect, plain, penalties) if rp != 1.0)  # it bites
+    got = hf.pipeline_greedy(model, LLAMA_PROMPTS, LLAMA_NEW, depth=depth,
+                             repetition_penalty=penalties, block_size=4, num_blocks=blocks)
+    assert got["tokens"] == expect
+    # A preempted request's penalty state is rebuilt from its prompt and committed tokens.
+    assert (got["stats"]["preemptions"] > 0) == (blocks < 64)
+    if depth == 2:
+        assert got["stats"]["host_syncs"] == got["stats"]["steps"]
+
+
+@pytest.mark.parametrize("args", [["--speculative", "ngram", "--k", "4"],
+                                  ["--speculative", "ngram", "--k", "2", "--depth", "1"],
+                                  ["--repetition-penalty", "1.3"],
+                                  ["--repetition-penalty", "0.8", "--depth", "1"]])
+def test_the_example_runs_with_its_options(one_thread, capsys, args):
+    hf = _example()
+    threads = mf.host_kernel_threads()
+    try:
+        hf.main(args)  # sets one device thread and one torch thread, as a run alone would
+    finally:
+        mf.host_kernel_threads(threads)
+        torch.set_num_threads(1)  # the module's setting, restored by one_thread at its end
+    out = capsys.readouterr().out
+    assert "tokens equal transformers' greedy generate for every prompt" in out
+    assert "pipeline depth" in out
+    assert ("drafts accepted" in out) == ("--speculative" in args)
+
+
+def test_the_example_refuses_a_penalty_with_speculation(capsys):
+    hf = _example()
+    with pytest.raises(SystemExit):
+        hf.main(["--speculative", "ngram", "--repetition-penalty", "1.3"])
+    assert "not both" in capsys.readouterr().err
+
+
 def test_a_failing_forward_surfaces_at_the_read(one_thread):
     hf = _example()
     model = hf.small_llama(torch.float32)
