@@ -11,7 +11,6 @@ from metrale_feed.errors import CudaError as CudaError
 from metrale_feed.errors import DeviceError as DeviceError
 from metrale_feed.errors import FeedError as FeedError
 from metrale_feed.errors import FeedMemoryError as FeedMemoryError
-from metrale_feed.errors import HostFunctionError as HostFunctionError
 from metrale_feed.errors import InjectedFault as InjectedFault
 from metrale_feed.errors import InternalError as InternalError
 from metrale_feed.errors import InvalidHandleError as InvalidHandleError

@@ -21,7 +21,8 @@ import atexit as _atexit
 import os as _os
 from collections import deque as _deque
 
-from metrale_feed.errors import CudaError, FeedError, HostFunctionError
+from metrale_feed.errors import CudaError, FeedError
+from metrale_feed.errors import HostFunctionError as _HostFunctionError
 
 NO_TOKEN = MF_NO_TOKEN
 MAX_ROWS = MF_MAX_ROWS    # rows one kernel launch takes (feed.h)

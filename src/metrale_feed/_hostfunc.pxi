@@ -152,7 +152,7 @@ cdef void keep_host_error(uint64_t stream, object seq, object exc) noexcept:
 
 cdef void _report_lost(uint64_t stream, object exc) noexcept:
     # Raised in a noexcept function: Cython hands it to sys.unraisablehook and clears it.
-    raise HostFunctionError(f"a host function launched on stream 0x{stream:x} raised "
+    raise _HostFunctionError(f"a host function launched on stream 0x{stream:x} raised "
                     f"{type(exc).__name__}: {exc} (the stream was closed: nothing can report it "
                     f"there)") from exc
 
@@ -251,7 +251,7 @@ cdef int _raise_failed(uint64_t stream, object upto) except -1:
     if exc is None:
         return 0
     stream_state_trim(stream)
-    raise HostFunctionError(f"a host function launched on stream 0x{stream:x} raised "
+    raise _HostFunctionError(f"a host function launched on stream 0x{stream:x} raised "
                     f"{type(exc).__name__}: {exc}") from exc
 
 

@@ -94,6 +94,91 @@ def test_a_forward_fault_fails_the_running_requests_and_commits_nothing_wrong(
         assert model.pool.free_count == model.pool.num_blocks
 
 
+class WaitsFirst(ForwardFault):
+    """A model whose fed forward first waits for its stream (a host fallback that needs the work
+    before it done): at depth 2 a fault of the step in flight surfaces in that wait, inside the
+    next step's launch, before the step's own wait could report it (it is reported once)."""
+
+    def decode_batch_fed(self, sources, seqs, stream):
+        mf.stream_synchronize(stream)
+        return super().decode_batch_fed(sources, seqs, stream)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("fault_at", [1, 2, 4])
+def test_a_fault_that_surfaces_in_a_later_launch_is_still_a_fault(host, no_leaks, greedy, depth,
+                                                                   fault_at):
+    """Not a refusal to retry: the steps in flight ran behind the fault, so the requests in them
+    fail with its reason and none of their tokens from it on is committed."""
+    ps = prompts(5, seed=40 + fault_at)
+    with WaitsFirst(VOCAB, block_size=4, num_blocks=120, max_rows=3,
+                    fault_at=(fault_at,)) as model:
+        with DecodePipeline(model, 3, depth=depth) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=8) for p in ps]
+            running = reqs[:3]
+            with pytest.raises(mf.HostFunctionError, match="injected fault"):
+                for _ in range(100):
+                    pipe.step()
+            failed = [r for r in reqs if r.status is RequestStatus.FINISHED_ERROR]
+            assert failed == running
+            for r in failed:
+                assert "injected fault" in r.error
+                assert len(r.tokens) < fault_at + 1  # nothing from the faulted forward on
+            assert pipe.stats.reserved_in_flight == 0
+            assert drive(pipe) == 0  # the waiting ones run on, on a clean batch
+            check_against_oracle(reqs, greedy)
+            assert [r.finish_reason for r in reqs[3:]] == ["length"] * 2
+        assert model.pool.free_count == model.pool.num_blocks
+
+
+class VerifyWaitsFirst(ReferenceModel):
+    """WaitsFirst's speculative twin: each verify forward waits for its stream first, and the
+    ``fault_at``-th queues a host function that raises after it."""
+
+    def __init__(self, *args, fault_at=(), **kw):
+        super().__init__(*args, **kw)
+        self.fault_at = set(fault_at)
+        self.forwards = 0
+
+    def decode_batch_verify(self, fed, seqs, k, stream, **kw):
+        mf.stream_synchronize(stream)
+        logits = super().decode_batch_verify(fed, seqs, k, stream, **kw)
+        self.forwards += 1
+        if self.forwards in self.fault_at:
+            def boom(at=self.forwards):
+                raise RuntimeError(f"injected fault in verify {at}")
+            mf.launch_host_func(stream, boom)
+        return logits
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("fault_at", [1, 3])
+def test_a_speculative_fault_that_surfaces_in_a_later_launch_is_still_a_fault(
+        host, no_leaks, greedy, depth, fault_at):
+    from metrale_feed.testing.drafter import ReferenceDrafter
+
+    ps = prompts(5, seed=50 + fault_at)
+    with VerifyWaitsFirst(VOCAB, block_size=4, num_blocks=160, max_rows=3,
+                          fault_at=(fault_at,)) as model:
+        drafter = ReferenceDrafter(VOCAB, 2, 0.5)
+        with DecodePipeline(model, 3, depth=depth, speculative=drafter) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=12) for p in ps]
+            running = reqs[:3]
+            with pytest.raises(mf.HostFunctionError, match="injected fault"):
+                for _ in range(100):
+                    pipe.step()
+            failed = [r for r in reqs if r.status is RequestStatus.FINISHED_ERROR]
+            assert failed == running
+            for r in failed:
+                assert "injected fault" in r.error
+                # Each verify step emits 1 to k + 1 = 3 ids a row: none from the faulted one on.
+                assert len(r.tokens) <= 3 * (fault_at - 1)
+            assert drive(pipe) == 0
+            check_against_oracle(reqs, greedy)
+            assert [r.finish_reason for r in reqs[3:]] == ["length"] * 2
+        assert model.pool.free_count == model.pool.num_blocks
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 def test_repeated_faults_never_finish_a_request_with_wrong_tokens(host, no_leaks, greedy, depth):
     """Faults at several forwards, submissions between them, stops: after each fault the

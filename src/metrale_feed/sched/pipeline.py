@@ -23,7 +23,7 @@ from typing import Any, Callable, Deque, Dict, FrozenSet, Iterable, List, Option
 
 from .. import _checks, _core
 from ..contract import BatchPrefill, HostTokenDecode, Prefill, feed_info_of, require
-from ..errors import FeedError, KvPoolExhausted
+from ..errors import DeviceError, FeedError, KvPoolExhausted
 from ..feed import NO_TOKEN, FeedSource, RowMask
 from ..kv import SequenceState
 from ..trait import ModelDeviceFeed
@@ -595,8 +595,12 @@ class DecodePipeline:
             try:
                 spec = self._spec
                 if spec is not None:
-                    while len(spec.inflight) < self.depth and spec.launch():
-                        pass
+                    try:
+                        while len(spec.inflight) < self.depth and spec.launch():
+                            pass
+                    except DeviceError as exc:  # surfacing in the launch: see _queue
+                        spec.fail_in_flight(exc)
+                        raise
                     ran = bool(spec.inflight)
                     if ran:
                         spec.await_oldest()
@@ -803,8 +807,11 @@ class DecodePipeline:
     def _queue(self, launch: int, fed: bool, sources: Any, rows: List[Request], masks: Any,
                params: Any) -> Ticket:
         """The router's launch. One that raises before the router queued the step (it counts
-        it only once queued) is retried by the next ``step()``; one queued whose settle then
-        failed (``SyncDeviceIo``, depth 1) is a fault of this step."""
+        it only once queued) is retried by the next ``step()``, unless what it raised is a
+        fault of work queued before it (a ``DeviceError``, such as a host function that raised,
+        surfacing in a wait inside the launch: the model's, or a slot's): that is the fault of
+        the oldest step in flight, reported once, so it fails like that step's own wait. One
+        queued whose settle then failed (``SyncDeviceIo``, depth 1) is a fault of this step."""
         io = self.io
         queued = io.stats.launches
         try:
@@ -816,6 +823,11 @@ class DecodePipeline:
                 added, self._added = self._added, 0
                 self.stats.steps += 1
                 self._fault(launch, added, exc)
+            elif isinstance(exc, DeviceError) and self._inflight:
+                first = self._inflight.popleft()
+                self.stats.steps += 1
+                added, self._added = self._added, 0  # this launch's blocks go with the fault
+                self._fault(first.launch, first.added + added, exc)
             raise
 
     def _sampling_params(self, rows: List[Request]) -> Any:

@@ -506,6 +506,16 @@ class SpeculativeStep:
         got = _core.read_pinned_u32(flight.slot.dst.ptr, len(flight.rows) * (self.k + 2))
         self._commit(flight, got)
 
+    def fail_in_flight(self, exc: BaseException) -> None:
+        """A ``DeviceError`` raised while launching is a fault of the work queued before the
+        launch (a wait inside it, the model's, reported it, and only once): the oldest step in
+        flight fails as its own wait would have, so none of its ids is committed."""
+        if self.inflight:
+            flight = self.inflight.popleft()
+            self.pipe.stats.steps += 1
+            self._drop_all()
+            self.pipe._fault(flight.launch, 0, exc)
+
     def _drop_all(self) -> None:
         """After a fault: the steps still in flight are waited for and thrown away."""
         for later in self.inflight:
