@@ -195,11 +195,7 @@ class HfLlamaFeed(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
         if k < 1 or not 1 <= rows <= self.feed_max_rows:
             raise ValueError(f"a verify step takes 1 to {self.feed_max_rows} rows and k >= 1, "
                              f"got {rows} rows and k={k}")
-        reach = k if advance is None else 2 * k + 1  # the last position a row may write
-        for seq in seqs:
-            if (seq.seq_len + reach) // self.block_size >= len(seq.block_table):
-                raise ValueError(f"the block table of {seq!r} does not cover position "
-                                 f"{seq.seq_len + reach}: reserve the positions first")
+        self.check_verify_blocks(seqs, k, advance is not None)
         n = rows * (k + 1)
         # Fresh tensors each step, so no step's work can read another's; each lives until the
         # work queued on it has run (the package and the queued host function hold it).

@@ -215,6 +215,22 @@ class PagedKvMixin:
                                 f"({len(seq.block_table)} blocks of {bs}); reserve it first "
                                 "(the router's reserve_kv, or its launch)")
 
+    def check_verify_blocks(self, seqs: Sequence[SequenceState], k: int, advanced: bool) -> None:
+        """Refuse a verify step (``decode_batch_verify``) with a row whose block table does not
+        cover the last position it may write: ``seq_len + k``, or with a device ``advance``
+        (depth 2, the step in flight's ids not yet counted) ``seq_len + 2k + 1``.
+
+        Raises
+        ------
+        ValueError
+            Naming the row's sequence and the position; nothing has been taken or queued.
+        """
+        reach = 2 * k + 1 if advanced else k
+        for seq in seqs:
+            if (seq.seq_len + reach) // self.block_size >= len(seq.block_table):
+                raise ValueError(f"the block table of {seq!r} does not cover position "
+                                 f"{seq.seq_len + reach}: reserve the positions first")
+
     def cover_decode_blocks(self, seqs: Sequence[SequenceState]) -> None:
         """The block of each row's position ``seq_len``, all or none (a host-token
         ``decode_batch`` called with no scheduler around it)."""

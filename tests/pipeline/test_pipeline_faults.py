@@ -94,6 +94,19 @@ def test_a_forward_fault_fails_the_running_requests_and_commits_nothing_wrong(
         assert model.pool.free_count == model.pool.num_blocks
 
 
+def check_failed_then_the_rest(pipe, reqs, running, greedy, most):
+    """The requests running at the fault failed with its reason, keeping at most ``most`` ids
+    (those of the steps before it); the waiting ones then run to their length, exactly."""
+    failed = [r for r in reqs if r.status is RequestStatus.FINISHED_ERROR]
+    assert failed == running
+    for r in failed:
+        assert "injected fault" in r.error
+        assert len(r.tokens) <= most, r
+    assert drive(pipe) == 0  # the waiting ones run on, on a clean batch
+    check_against_oracle(reqs, greedy)
+    assert [r.finish_reason for r in reqs[len(running):]] == ["length"] * (len(reqs) - len(running))
+
+
 class WaitsFirst(ForwardFault):
     """A model whose fed forward first waits for its stream (a host fallback that needs the work
     before it done): at depth 2 a fault of the step in flight surfaces in that wait, inside the
@@ -119,15 +132,8 @@ def test_a_fault_that_surfaces_in_a_later_launch_is_still_a_fault(host, no_leaks
             with pytest.raises(mf.HostFunctionError, match="injected fault"):
                 for _ in range(100):
                     pipe.step()
-            failed = [r for r in reqs if r.status is RequestStatus.FINISHED_ERROR]
-            assert failed == running
-            for r in failed:
-                assert "injected fault" in r.error
-                assert len(r.tokens) < fault_at + 1  # nothing from the faulted forward on
             assert pipe.stats.reserved_in_flight == 0
-            assert drive(pipe) == 0  # the waiting ones run on, on a clean batch
-            check_against_oracle(reqs, greedy)
-            assert [r.finish_reason for r in reqs[3:]] == ["length"] * 2
+            check_failed_then_the_rest(pipe, reqs, running, greedy, fault_at - 1)  # one id a step
         assert model.pool.free_count == model.pool.num_blocks
 
 
@@ -167,15 +173,8 @@ def test_a_speculative_fault_that_surfaces_in_a_later_launch_is_still_a_fault(
             with pytest.raises(mf.HostFunctionError, match="injected fault"):
                 for _ in range(100):
                     pipe.step()
-            failed = [r for r in reqs if r.status is RequestStatus.FINISHED_ERROR]
-            assert failed == running
-            for r in failed:
-                assert "injected fault" in r.error
-                # Each verify step emits 1 to k + 1 = 3 ids a row: none from the faulted one on.
-                assert len(r.tokens) <= 3 * (fault_at - 1)
-            assert drive(pipe) == 0
-            check_against_oracle(reqs, greedy)
-            assert [r.finish_reason for r in reqs[3:]] == ["length"] * 2
+            # Each verify step emits 1 to k + 1 = 3 ids a row.
+            check_failed_then_the_rest(pipe, reqs, running, greedy, 3 * (fault_at - 1))
         assert model.pool.free_count == model.pool.num_blocks
 
 

@@ -300,11 +300,7 @@ class ReferenceModel(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
         if k < 1 or not 1 <= rows * (k + 1) <= _core.MAX_ROWS:
             raise ValueError(f"a verify step takes 1 to {_core.MAX_ROWS} positions and k >= 1, "
                              f"got {rows} rows and k={k}")
-        reach = k if advance is None else 2 * k + 1  # the last position a row may write
-        for seq in seqs:
-            if (seq.seq_len + reach) // self.block_size >= len(seq.block_table):
-                raise ValueError(f"the block table of {seq!r} does not cover position "
-                                 f"{seq.seq_len + reach}: reserve the positions first")
+        self.check_verify_blocks(seqs, k, advance is not None)
         self._flush_graph_step()
         need = max(1, rows * (k + 1) * self._width * _ITEMSIZE[self.feed_logits_dtype])
         if self._verify_logits is None or self._verify_logits.nbytes < need:
