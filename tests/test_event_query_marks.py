@@ -180,3 +180,19 @@ FORK_MARKED = """
 def test_a_forked_child_refuses_a_parent_event_that_was_marked():
     out = run_python(FORK_MARKED, timeout=60).stdout.split("\n")
     assert "child ok" in out and "parent ok" in out
+
+
+def test_an_int_handle_out_of_range_is_refused_as_before(host):
+    for bad in (-1, 2**64, -(2**70)):
+        with pytest.raises(ValueError, match="is not a 64-bit handle"):
+            mf.event_query(bad)
+    with pytest.raises(mf.InvalidHandleError):
+        mf.event_query(2**64 - 1)
+    with pytest.raises(TypeError, match="expected an Event or an int handle"):
+        mf.event_query(True)
+    with mf.Event() as event:
+
+        class Handle(int):
+            pass
+
+        assert mf.event_query(Handle(event.handle))  # an int subclass takes the checked path
