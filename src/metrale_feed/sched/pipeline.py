@@ -23,7 +23,7 @@ from typing import Any, Callable, Deque, Dict, FrozenSet, Iterable, List, Option
 
 from .. import _checks, _core
 from ..contract import BatchPrefill, HostTokenDecode, Prefill, feed_info_of, require
-from ..errors import FeedError, KvPoolExhausted
+from ..errors import DeviceError, FeedError, KvPoolExhausted
 from ..feed import NO_TOKEN, FeedSource, RowMask
 from ..kv import SequenceState
 from ..trait import ModelDeviceFeed
@@ -803,15 +803,17 @@ class DecodePipeline:
     def _queue(self, launch: int, fed: bool, sources: Any, rows: List[Request], masks: Any,
                params: Any) -> Ticket:
         """The router's launch. One that raises before the router queued the step (it counts
-        it only once queued) is retried by the next ``step()``; one queued whose settle then
-        failed (``SyncDeviceIo``, depth 1) is a fault of this step."""
+        it only once queued) is retried by the next ``step()``, unless it raised
+        ``DeviceError``: earlier work failed (on cuda a kernel's fault surfaces at whichever
+        call comes next), so the steps in flight cannot be trusted. That, or one queued whose
+        settle then failed (``SyncDeviceIo``, depth 1), is a fault of this step."""
         io = self.io
         queued = io.stats.launches
         try:
             return io._launch(sources, self._seqs_of(rows), masks, fed, params, True, self._hook,
                               self._lp is not None, self._top_n)
         except BaseException as exc:
-            if io.stats.launches != queued:
+            if io.stats.launches != queued or isinstance(exc, DeviceError):
                 self._launches = launch + 1
                 added, self._added = self._added, 0
                 self.stats.steps += 1

@@ -20,7 +20,7 @@ from typing import (TYPE_CHECKING, Any, Deque, List, Optional, Protocol, Sequenc
 
 from .. import _checks, _core
 from ..contract import VerifyStep, require
-from ..errors import KvPoolExhausted
+from ..errors import DeviceError, KvPoolExhausted
 from ..feed import NO_TOKEN, FeedSource
 from .request import _RUNNING, _RequestView
 
@@ -413,7 +413,19 @@ class SpeculativeStep:
     # ---- launching ----
 
     def launch(self) -> bool:
-        """Queue one verify step of every running row (after admitting); False when none."""
+        """Queue one verify step of every running row (after admitting); False when none.
+
+        One that raises is retried by the next ``step()``, unless it raised ``DeviceError``:
+        earlier work failed (on cuda a kernel's fault surfaces at whichever call comes next),
+        so the steps in flight cannot be trusted, and it is a fault as a failed wait is."""
+        try:
+            return self._launch()
+        except DeviceError as exc:
+            self._drop_all()
+            self.pipe._fault(self.pipe._launches, 0, exc)
+            raise
+
+    def _launch(self) -> bool:
         pipe, k = self.pipe, self.k
         launch = pipe._launches
         if pipe._waiting and len(pipe._running) < pipe.max_rows:
