@@ -133,9 +133,9 @@ def test_a_query_racing_records_never_answers_done_for_a_record_that_returned(ho
         threads = [threading.Thread(target=hammer) for _ in range(2)]
         for thread in threads:
             thread.start()
-        host.configure_host(lag_us=20_000)
+        host.configure_host(lag_us=LAG_US)  # far longer than the hammering threads hold the GIL
         try:
-            for _ in range(20):
+            for _ in range(8):
                 event.record(0)
                 assert not event.query()
                 event.synchronize()
