@@ -164,6 +164,19 @@ FREES_IN_HOST_FUNCS = """
             mf.launch_host_func(s, busy.close)
             s.synchronize()
             other.synchronize()
+        # 6. a host function captured in a graph frees at each launch (cuda: the graph owns the
+        # call, and the free goes to the reaper as an uncaptured one does)
+        bufs = [mf.DeviceBuffer(64), mf.PinnedBuffer(64)]
+        def close_one():
+            if bufs:
+                bufs.pop().close()
+        with mf.graph_capture(s) as graph:
+            mf.launch_host_func(s, close_one)
+        graph.launch(s)
+        graph.launch(s)
+        s.synchronize()
+        assert not bufs
+        graph.close()
     deadline = time.monotonic() + 5
     while counts() != start and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -46,6 +46,9 @@ mf_status need(const void *ptr, const char *what);
 
 const Ops &ops();
 mf_backend active_kind();
+// The host backend's query fault knob is armed (mf_host_configure): every query then reaches the
+// backend, none answers from a done mark (registry.hpp, Slot).
+void set_query_faults_armed(bool armed);
 
 // A stream handle to the backend's raw value. host: must be a live, generation-checked stream of
 // ours (or 0); cuda: any value is taken as a cudaStream_t, since CUDA cannot check a foreign one.

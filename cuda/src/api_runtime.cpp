@@ -11,6 +11,17 @@ namespace {
 const Ops *g_ops = &host_ops;
 mf_backend g_kind = MF_BACKEND_HOST;
 
+// Whether mf_event_query may answer from a done mark (registry.hpp, Slot). Not on cuda: a
+// captured graph's replay, another library's capture or a cudaEvent_t handed out by
+// mf_event_raw records an event without this layer seeing it, and cudaEventQuery costs far more
+// than a pin anyway. Not while the host backend's query fault is armed: each query must reach
+// the backend to count.
+std::atomic<bool> g_query_faults_armed{false};
+std::atomic<bool> g_query_marks{true};
+void update_query_marks() {
+    g_query_marks.store(g_kind != MF_BACKEND_CUDA && !g_query_faults_armed.load(), std::memory_order_relaxed);
+}
+
 // cuda streams this layer created: their cudaStream_t value (the handle other libraries take,
 // so it stays the handle) to their slot in stream_table(), which pins them for a call as it pins
 // host streams. Never destroyed: see registry.cpp.
@@ -83,6 +94,11 @@ const Ops forked_cuda_ops = {
 const Ops &ops() { return *g_ops; }
 mf_backend active_kind() { return g_kind; }
 
+void set_query_faults_armed(bool armed) {
+    g_query_faults_armed.store(armed);
+    update_query_marks();
+}
+
 void backend_after_fork_child() {
     if (g_kind == MF_BACKEND_CUDA) g_ops = &forked_cuda_ops;
 }
@@ -149,6 +165,7 @@ mf_status mf_select_backend(mf_backend which) {
         if (status != MF_SUCCESS) return status;
         g_ops = next;
         g_kind = which;
+        update_query_marks();
         return MF_SUCCESS;
     });
 }
@@ -250,12 +267,20 @@ mf_status mf_event_record(mf_event_t event, mf_stream_t stream) {
 
 mf_status mf_event_query(mf_event_t event, int *done) {
     return guard([&]() -> mf_status {
-        MF_RANGE_ONLY("event_query");  // the hottest call: pinned and unpinned here, no PinScope
+        MF_RANGE_ONLY("event_query");  // the hottest call: no PinScope, and no pin once it is done
         if (!done) return need(done, "done");
+        if (g_query_marks.load(std::memory_order_relaxed) && event_table().marked_done(event)) {
+            *done = 1;
+            return MF_SUCCESS;
+        }
         Slot *slot;
         mf_status status = event_table().pin(event, &slot, "event");
         if (status != MF_SUCCESS) return status;
+        // Read before the backend's answer: a record counted after this read makes the mark stale.
+        uint32_t changes = slot->changes.load(std::memory_order_acquire);
         status = ops().event_query(slot->raw, done);
+        if (status == MF_SUCCESS && *done && g_query_marks.load(std::memory_order_relaxed))
+            SlotTable::mark_done(slot, changes);
         event_table().unpin(slot);
         return status;
     });

@@ -71,11 +71,37 @@ void mf_clear_error(void) {
 #include <cuda_runtime_api.h>
 
 namespace mf {
+namespace {
+// Faults of work already queued (a kernel that read a bad address, trapped or asserted, ...).
+// They leave the context unusable, and the runtime reports them from whichever call comes next,
+// often a later launch that itself did nothing wrong: so they are MF_ERROR_DEVICE (DeviceError,
+// queued work failed), never a refusal of that call which a caller could retry.
+bool queued_work_failed(cudaError_t err) {
+    switch (err) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorAssert:
+    case cudaErrorECCUncorrectable:
+        return true;
+    default:
+        return false;
+    }
+}
+}  // namespace
+
 mf_status fail_cuda(int code, const char *what) {
     cudaError_t err = (cudaError_t)code;
     // Out of memory is the same status on every backend (FeedMemoryError, a MemoryError), so a
     // caller's handler of it does not depend on which backend ran; the runtime's code stays.
-    const mf_status status = err == cudaErrorMemoryAllocation ? MF_ERROR_OUT_OF_MEMORY : MF_ERROR_CUDA;
+    const mf_status status = err == cudaErrorMemoryAllocation ? MF_ERROR_OUT_OF_MEMORY
+                             : queued_work_failed(err)        ? MF_ERROR_DEVICE
+                                                              : MF_ERROR_CUDA;
     fail(status, "%s: %s (%s)", what, cudaGetErrorName(err), cudaGetErrorString(err));
     set_cuda_code(code);
     return status;

@@ -87,6 +87,9 @@ void child() {
     allocs().mutex.unlock();
     slot_mutex().unlock();
     g_epoch.fetch_add(1, std::memory_order_relaxed);
+    // The parent's events are refused by pin(), so their marks must not answer either; the
+    // child has one thread here, and no later query marks a parent's slot (it cannot pin one).
+    event_table().forget_marks();
     host::after_fork_child();
     backend_after_fork_child();
 }
@@ -129,6 +132,14 @@ Slot *SlotTable::slot_of(uint64_t handle) const {
     uint32_t low = (uint32_t)handle;
     if (low == 0 || low > (kChunks << kChunkBits)) return nullptr;
     return slot_at(low - 1u);
+}
+
+void SlotTable::forget_marks() {
+    for (uint32_t c = 0; c < kChunks; ++c) {
+        Slot *chunk = chunks_[c].load(std::memory_order_relaxed);
+        if (!chunk) continue;
+        for (uint32_t i = 0; i < (1u << kChunkBits); ++i) chunk[i].done_mark.store(0, std::memory_order_relaxed);
+    }
 }
 
 void SlotTable::push_free(uint32_t index) {
@@ -224,17 +235,20 @@ PinScope::PinScope() : mark_(t_pin_count) {
 PinScope::~PinScope() {
     while (t_pin_count > mark_) {
         Pin pin = t_pins[--t_pin_count];
+        // Counted while still pinned, after the call's work: a done mark left by a query that
+        // began before this call is stale from here (Slot).
+        if (pin.table->counts_changes_) pin.slot->changes.fetch_add(1, std::memory_order_release);
         pin.table->unpin(pin.slot);
     }
 }
 
 SlotTable &event_table() {
-    static SlotTable *table = new SlotTable(reclaim_event);
+    static SlotTable *table = new SlotTable(reclaim_event, true);
     return *table;
 }
 
 SlotTable &stream_table() {
-    static SlotTable *table = new SlotTable(reclaim_stream);
+    static SlotTable *table = new SlotTable(reclaim_stream, false);
     return *table;
 }
 

@@ -14,7 +14,16 @@ namespace mf {
 // so a destroy from another thread while a call is using the object only takes it out of the
 // table; the last user reclaims it. That makes any interleaving of lookups and destroys safe: the
 // object a call resolved stays valid until the call is over. A pin is one compare-and-swap on
-// `state` (no lock), since it is on every hot call (event_query).
+// `state` (no lock), and an unpin one atomic add.
+//
+// The hottest call, a query of an event that has completed, takes no pin at all: a query that
+// finds the event complete leaves a done mark in its slot, and a later query that finds the mark
+// current answers from it with plain loads (SlotTable::marked_done). The mark is current while
+// no call has resolved the event since the query that left it: every call that can record it
+// (a record, a kernel with an event, a graph replay of them) resolves it through acquire(), and
+// each such call counts one `changes` once its work is queued (PinScope), so a record that
+// returned before a query began always makes the mark stale. The mark holds the generation, so
+// a destroyed handle never matches it, even with its slot reused.
 struct Slot {
     // generation << 32 | kLive | users: one word, so that a pin succeeds only while the slot is
     // live with the handle's generation, and exactly one party sees the last user leave.
@@ -25,12 +34,19 @@ struct Slot {
     bool owned = true;
     uint32_t epoch = 0;    // the fork epoch it was created in (see fork_epoch)
     uint32_t index = 0;    // its place in the table
+    // Tables that count changes (events): calls that resolved the slot, counted after their
+    // work (release), and generation << 32 | changes as a query read them before it saw the
+    // event complete (0: none).
+    std::atomic<uint32_t> changes{0};
+    std::atomic<uint64_t> done_mark{0};
 };
 
 class SlotTable {
 public:
     // reclaim destroys a slot's raw object once it is erased and unused.
-    explicit SlotTable(mf_status (*reclaim)(void *raw, bool owned)) : reclaim_(reclaim) {}
+    // counts_changes: every acquire() of a slot counts one `changes` when its PinScope ends.
+    explicit SlotTable(mf_status (*reclaim)(void *raw, bool owned), bool counts_changes = false)
+        : reclaim_(reclaim), counts_changes_(counts_changes) {}
     uint64_t insert(void *raw, uint32_t flags, bool owned);  // 0 when full
     // A live slot, pinned until the current PinScope ends; MF_ERROR_INVALID_HANDLE (message set,
     // `what` names the kind) when not live, or created before a fork().
@@ -38,6 +54,18 @@ public:
     // As acquire, but the caller unpins it itself (no PinScope: the hot event_query path).
     mf_status pin(uint64_t handle, Slot **out, const char *what);
     void unpin(Slot *slot);
+    // True when `handle` is live and its slot's done mark is current (see Slot): the event is
+    // complete. Loads only, no pin: the slot's memory is never freed, and nothing here reads
+    // the object. False means "ask the backend" (pin), never "not done".
+    bool marked_done(uint64_t handle) const;
+    // After a query of a pinned `slot` that read `changes` (acquire) before the backend said
+    // the event was complete.
+    static void mark_done(Slot *slot, uint32_t changes) {
+        uint64_t mark = (slot->state.load(std::memory_order_relaxed) >> 32 << 32) | changes;
+        if (slot->done_mark.load(std::memory_order_relaxed) != mark)
+            slot->done_mark.store(mark, std::memory_order_release);
+    }
+    void forget_marks();  // a fork()ed child: no parent's slot may answer without a pin
     // Takes the handle out of the table; its object is reclaimed now, or by its last user.
     mf_status erase(uint64_t handle, const char *what);
     uint64_t live_count() const { return live_.load(std::memory_order_relaxed); }
@@ -49,6 +77,8 @@ private:
     void push_free(uint32_t index);        // under the mutex
     void reclaim(Slot *slot);              // its last user has left a destroyed slot
     mf_status (*reclaim_)(void *raw, bool owned);
+    const bool counts_changes_;
+    friend class PinScope;
     std::atomic<Slot *> chunks_[kChunks] = {};
     std::atomic<uint64_t> live_{0};
     uint32_t next_ = 0;      // guarded by the table mutex (registry.cpp)
@@ -74,6 +104,19 @@ private:
 
 // Incremented in a fork()ed child: objects of an older epoch belong to the parent's threads.
 uint32_t fork_epoch();
+
+inline bool SlotTable::marked_done(uint64_t handle) const {
+    uint32_t index = (uint32_t)handle - 1u;  // a handle's low word is index + 1, never 0
+    if (index >= (kChunks << kChunkBits)) return false;
+    const Slot *chunk = chunks_[index >> kChunkBits].load(std::memory_order_acquire);
+    if (!chunk) return false;
+    const Slot &slot = chunk[index & ((1u << kChunkBits) - 1u)];
+    uint64_t state = slot.state.load(std::memory_order_acquire);
+    uint64_t generation = handle >> 32;
+    if ((state >> 32) != generation || !(state & Slot::kLive)) return false;
+    uint64_t mark = slot.done_mark.load(std::memory_order_acquire);
+    return mark == ((generation << 32) | slot.changes.load(std::memory_order_acquire));
+}
 
 // Allocations by address, for range checks on copies and exact frees (docs/lifetimes.md).
 // Each allocation gets a generation, unique for the process: a ref (base, generation) names that

@@ -205,7 +205,16 @@ cdef class Event:
         FeedError
             The event is closed.
         """
-        return self._query()
+        # _query's body, written out: the hottest method, and a vtable call costs ~1 ns of ~28.
+        cdef int done = 0
+        if self._handle == 0:
+            raise FeedError("the event is closed")
+        cdef mf_status status = mf_event_query(self._handle, &done)
+        if status != MF_SUCCESS:
+            raise_status(status)
+        if _failures:
+            event_host_errors(self._handle)
+        return done != 0
 
     def synchronize(self):
         """Block until the work recorded against the event has completed (GIL released).
@@ -505,6 +514,14 @@ def event_record(event, stream=0):
     launch.queued(mf_event_record(e, s), (event,))
 
 
+cdef extern from "Python.h":
+    # Declared without an exception check: event_query looks at the error itself, to raise
+    # event_of's message instead of an OverflowError.
+    unsigned long long _u64_or_error "PyLong_AsUnsignedLongLong"(object) noexcept
+    void *_error_set "PyErr_Occurred"() noexcept
+    void _error_clear "PyErr_Clear"() noexcept
+
+
 def event_query(event):
     """Whether the work recorded against ``event`` has completed; never blocks.
 
@@ -532,7 +549,13 @@ def event_query(event):
     cdef int done = 0
     if type(event) is Event:
         return (<Event>event)._query()
-    event_of(event, &e, False)
+    if type(event) is int:  # the hot int path: one C conversion (event_of's checks cost ~20 ns)
+        e = _u64_or_error(event)
+        if e == <uint64_t>-1 and _error_set() != NULL:
+            _error_clear()
+            event_of(event, &e, False)  # negative or too wide: raises its ValueError
+    else:
+        event_of(event, &e, False)
     check(mf_event_query(e, &done))
     if _failures:
         event_host_errors(e)

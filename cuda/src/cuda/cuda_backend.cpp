@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -290,7 +291,85 @@ mf_status host_alloc(size_t nbytes, unsigned flags, void **out) {
     return MF_SUCCESS;
 }
 
+// ---- frees made inside a host function ----
+// CUDA forbids runtime calls in a host function (a cudaFree there may deadlock or fail), yet a
+// host function can free: Python code closing a buffer, or a collection that runs there and
+// frees a cycle holding one. Such a free goes to the reaper, a thread that frees in its place,
+// and the host function returns at once. The memory left the ledger at the free (alloc_erase),
+// so nothing queued later can name it; the reaper's cudaFree waits for the device's queued
+// work, as a free made anywhere else does. Started by the first host function launched (never
+// inside one: a thread the OS refuses is a status there, and nothing is queued).
+
+thread_local bool t_in_host_func = false;  // this thread is running a host function of ours
+
+struct Reaped {
+    void *ptr;
+    bool pinned;
+};
+struct Reaper {
+    std::mutex mutex;
+    std::condition_variable work;
+    std::vector<Reaped> queue;  // capacity reserved ahead, so a push in a host function cannot throw
+    bool started = false;
+};
+Reaper &reaper() {  // never destroyed: a host function may free while the process exits
+    static Reaper *instance = new Reaper;
+    return *instance;
+}
+
+void free_now(void *ptr, bool pinned) {
+    alloc_released(ptr);  // out of the ledger (alloc_erase kept it counted until now)
+    if (pinned) {
+        (void)cudaFreeHost(ptr);
+    } else {
+        // The reaper's current device may not be the allocation's.
+        cudaPointerAttributes attributes{};
+        if (cudaPointerGetAttributes(&attributes, ptr) == cudaSuccess && attributes.device >= 0)
+            (void)cudaSetDevice(attributes.device);
+        (void)cudaFree(ptr);
+    }
+    (void)cudaGetLastError();  // no caller to report to: the free's owner has returned
+}
+
+void reap() {
+    Reaper &r = reaper();
+    std::vector<Reaped> batch;
+    for (;;) {
+        {
+            std::unique_lock<std::mutex> lock(r.mutex);
+            r.work.wait(lock, [&r] { return !r.queue.empty(); });
+            batch.swap(r.queue);
+            r.queue.reserve(batch.capacity());
+        }
+        for (const Reaped &one : batch) free_now(one.ptr, one.pinned);
+        batch.clear();
+    }
+}
+
+// Outside host functions only (it may start a thread, and throws when the OS refuses one).
+void reaper_start() {
+    Reaper &r = reaper();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    if (r.started) return;
+    if (r.queue.capacity() == 0) r.queue.reserve(64);
+    std::thread(reap).detach();
+    r.started = true;
+}
+
+// True when the free was handed to the reaper: called inside a host function.
+bool reaped(void *ptr, bool pinned) {
+    if (!t_in_host_func) return false;
+    Reaper &r = reaper();
+    {
+        std::lock_guard<std::mutex> lock(r.mutex);
+        r.queue.push_back(Reaped{ptr, pinned});  // past the reserve only when frees pile up
+    }
+    r.work.notify_one();
+    return true;
+}
+
 mf_status host_free(void *ptr) {
+    if (reaped(ptr, true)) return MF_SUCCESS;
     alloc_released(ptr);  // out of the ledger (alloc_erase kept it counted until now)
     MF_CUDA_TRY(cudaFreeHost(ptr), "cudaFreeHost");
     return MF_SUCCESS;
@@ -304,6 +383,7 @@ mf_status device_alloc(size_t nbytes, void **out) {
 }
 
 mf_status device_free(void *ptr) {
+    if (reaped(ptr, false)) return MF_SUCCESS;
     alloc_released(ptr);  // as host_free's
     MF_CUDA_TRY(cudaFree(ptr), "cudaFree");
     return MF_SUCCESS;
@@ -420,9 +500,55 @@ mf_status current_device(int *device) {
     return MF_SUCCESS;
 }
 
-// The runtime calls fn on one of its own threads once the stream reaches it; fn must not call CUDA.
+// The runtime calls the host function on one of its own threads once the stream reaches it.
+// It runs through run_host_call, which marks the thread, so that a free it makes goes to the
+// reaper instead of calling CUDA there. A call captured into a graph runs at each launch: the
+// graph owns it (a user object, deleted with the last graph that holds it); otherwise it runs
+// once and deletes itself.
+struct HostCall {
+    mf_host_fn fn;
+    void *data;
+    bool once;
+};
+
+void CUDART_CB run_host_call(void *raw) {
+    HostCall *call = static_cast<HostCall *>(raw);
+    bool outer = t_in_host_func;
+    t_in_host_func = true;
+    call->fn(call->data);
+    t_in_host_func = outer;
+    if (call->once) delete call;
+}
+
+void CUDART_CB delete_host_call(void *raw) { delete static_cast<HostCall *>(raw); }
+
 mf_status launch_host_func(mf_host_fn fn, void *data, void *stream) {
-    MF_CUDA_TRY(cudaLaunchHostFunc(as_stream(stream), fn, data), "cudaLaunchHostFunc");
+    reaper_start();  // before anything is queued: a refused thread leaves nothing behind
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cudaGraph_t graph = nullptr;
+    MF_CUDA_TRY(cudaStreamGetCaptureInfo(as_stream(stream), &capture, nullptr, &graph),
+                "cudaStreamGetCaptureInfo");
+    bool captured = capture == cudaStreamCaptureStatusActive;
+    HostCall *call = new HostCall{fn, data, !captured};
+    if (captured) {
+        cudaUserObject_t object;
+        cudaError_t e = cudaUserObjectCreate(&object, call, delete_host_call, 1, cudaUserObjectNoDestructorSync);
+        if (e != cudaSuccess) {
+            delete call;
+            return cuda_fail(e, "cudaUserObjectCreate");
+        }
+        // The graph takes the reference: it deletes the call when the last graph goes.
+        e = cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove);
+        if (e != cudaSuccess) {
+            (void)cudaUserObjectRelease(object, 1);  // deletes the call
+            return cuda_fail(e, "cudaGraphRetainUserObject");
+        }
+    }
+    cudaError_t e = cudaLaunchHostFunc(as_stream(stream), run_host_call, call);
+    if (e != cudaSuccess) {
+        if (!captured) delete call;  // a captured one is the graph's, deleted with it
+        return cuda_fail(e, "cudaLaunchHostFunc");
+    }
     return MF_SUCCESS;
 }
 

@@ -397,6 +397,9 @@ void mf_host_configure(const mf_host_faults *faults) {
     if (!faults) faults = &off;  // NULL: every knob off
     g_lag_us.store(faults->lag_us);
     g_fail_query.store(faults->fail_event_query_at);
+    // Armed until the next configure, even once it has fired: queries of completed events then
+    // reach this backend instead of answering from their done marks (mf_event_query).
+    mf::set_query_faults_armed(faults->fail_event_query_at != 0);
     g_fail_alloc.store(faults->fail_alloc_at);
     g_fail_copy.store(faults->fail_copy_at);
     g_fail_sync.store(faults->fail_synchronize_at);

@@ -595,12 +595,8 @@ class DecodePipeline:
             try:
                 spec = self._spec
                 if spec is not None:
-                    try:
-                        while len(spec.inflight) < self.depth and spec.launch():
-                            pass
-                    except DeviceError as exc:  # surfacing in the launch: see _queue
-                        spec.fail_in_flight(exc)
-                        raise
+                    while len(spec.inflight) < self.depth and spec.launch():
+                        pass
                     ran = bool(spec.inflight)
                     if ran:
                         spec.await_oldest()
@@ -807,27 +803,21 @@ class DecodePipeline:
     def _queue(self, launch: int, fed: bool, sources: Any, rows: List[Request], masks: Any,
                params: Any) -> Ticket:
         """The router's launch. One that raises before the router queued the step (it counts
-        it only once queued) is retried by the next ``step()``, unless what it raised is a
-        fault of work queued before it (a ``DeviceError``, such as a host function that raised,
-        surfacing in a wait inside the launch: the model's, or a slot's): that is the fault of
-        the oldest step in flight, reported once, so it fails like that step's own wait. One
-        queued whose settle then failed (``SyncDeviceIo``, depth 1) is a fault of this step."""
+        it only once queued) is retried by the next ``step()``, unless it raised
+        ``DeviceError``: earlier work failed (on cuda a kernel's fault surfaces at whichever
+        call comes next), so the steps in flight cannot be trusted. That, or one queued whose
+        settle then failed (``SyncDeviceIo``, depth 1), is a fault of this step."""
         io = self.io
         queued = io.stats.launches
         try:
             return io._launch(sources, self._seqs_of(rows), masks, fed, params, True, self._hook,
                               self._lp is not None, self._top_n)
         except BaseException as exc:
-            if io.stats.launches != queued:
+            if io.stats.launches != queued or isinstance(exc, DeviceError):
                 self._launches = launch + 1
                 added, self._added = self._added, 0
                 self.stats.steps += 1
                 self._fault(launch, added, exc)
-            elif isinstance(exc, DeviceError) and self._inflight:
-                first = self._inflight.popleft()
-                self.stats.steps += 1
-                added, self._added = self._added, 0  # this launch's blocks go with the fault
-                self._fault(first.launch, first.added + added, exc)
             raise
 
     def _sampling_params(self, rows: List[Request]) -> Any:

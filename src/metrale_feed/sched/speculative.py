@@ -20,7 +20,7 @@ from typing import (TYPE_CHECKING, Any, Deque, List, Optional, Protocol, Sequenc
 
 from .. import _checks, _core
 from ..contract import VerifyStep, require
-from ..errors import KvPoolExhausted
+from ..errors import DeviceError, KvPoolExhausted
 from ..feed import NO_TOKEN, FeedSource
 from .request import _RUNNING, _RequestView
 
@@ -413,7 +413,19 @@ class SpeculativeStep:
     # ---- launching ----
 
     def launch(self) -> bool:
-        """Queue one verify step of every running row (after admitting); False when none."""
+        """Queue one verify step of every running row (after admitting); False when none.
+
+        One that raises is retried by the next ``step()``, unless it raised ``DeviceError``:
+        earlier work failed (on cuda a kernel's fault surfaces at whichever call comes next),
+        so the steps in flight cannot be trusted, and it is a fault as a failed wait is."""
+        try:
+            return self._launch()
+        except DeviceError as exc:
+            self._drop_all()
+            self.pipe._fault(self.pipe._launches, 0, exc)
+            raise
+
+    def _launch(self) -> bool:
         pipe, k = self.pipe, self.k
         launch = pipe._launches
         if pipe._waiting and len(pipe._running) < pipe.max_rows:
@@ -505,16 +517,6 @@ class SpeculativeStep:
             raise
         got = _core.read_pinned_u32(flight.slot.dst.ptr, len(flight.rows) * (self.k + 2))
         self._commit(flight, got)
-
-    def fail_in_flight(self, exc: BaseException) -> None:
-        """A ``DeviceError`` raised while launching is a fault of the work queued before the
-        launch (a wait inside it, the model's, reported it, and only once): the oldest step in
-        flight fails as its own wait would have, so none of its ids is committed."""
-        if self.inflight:
-            flight = self.inflight.popleft()
-            self.pipe.stats.steps += 1
-            self._drop_all()
-            self.pipe._fault(flight.launch, 0, exc)
 
     def _drop_all(self) -> None:
         """After a fault: the steps still in flight are waited for and thrown away."""
