@@ -123,9 +123,7 @@ cdef class Event:
 
     cdef int _record(self, uint64_t stream) except -1:
         self._check_open()
-        cdef _Launch launch = launch_on(stream)
-        launch.records(self._handle)
-        launch.queued(mf_event_record(self._handle, stream), (self,))
+        queued_on(stream, mf_event_record(self._handle, stream), self, self._handle)
         return 0
 
     cdef bint _query(self) except -1:
@@ -420,7 +418,7 @@ cdef class Stream:
         cdef uint64_t e
         self._check_open()
         event_of(event, &e, False)
-        launch_on(self._handle).queued(mf_stream_wait_event(self._handle, e), (self, event))
+        queued_on(self._handle, mf_stream_wait_event(self._handle, e), (self, event), 0)
 
     def close(self):
         """Destroy an owned stream; work already queued still completes. A wrapped stream is left
@@ -509,9 +507,7 @@ def event_record(event, stream=0):
     cdef uint64_t e, s
     event_of(event, &e, False)
     stream_of(stream, &s)
-    cdef _Launch launch = launch_on(s)
-    launch.records(e)
-    launch.queued(mf_event_record(e, s), (event,))
+    queued_on(s, mf_event_record(e, s), event, e)
 
 
 cdef extern from "Python.h":

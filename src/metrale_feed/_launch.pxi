@@ -115,29 +115,19 @@ cdef class _Launch:
         self.cells = <size_t>cells
         self.cell_shape = shape
 
-    cdef int queued(self, mf_status status, tuple names) except -1:
+    cdef int queued(self, mf_status status, object names) except -1:
         """The C call returned ``status``: raise its error (nothing was queued), or commit what
-        the work needs. ``names``: the objects the call was given, kept by a capturing graph so
-        that garbage collection cannot free what a replay reads or writes."""
-        if status != MF_SUCCESS:
-            raise_status(status)
-        graph = capturing_graph(self.stream)
+        the work needs (``queued_on``, below, then what only a launch that coerced holds)."""
+        cdef Graph graph = queued_on(self.stream, status, names, self.event)
         if graph is not None:
-            # A replay reads and writes them at every launch: the graph keeps them, and an event
-            # record here would join the graph.
-            (<Graph>graph)._keep.append(names)
-            if self.holds:
-                (<Graph>graph)._keep.append(tuple(self.holds))
-            if self.event:
-                (<Graph>graph)._order.append(self.event)
+            if self.holds:  # a replay reads or writes them at every launch
+                graph._keep.append(tuple(self.holds))
         else:
             if self.holds:
                 for held in self.holds:
                     hold_until_passed(<_HeldBuffer>held, self.stream)
             if self.kept:
                 keep_until_passed(self.kept, self.stream)
-            if self.event and _streams:
-                note_record(self.event, self.stream)
         self.holds = None
         self.kept = None
         if self.cells:
@@ -147,6 +137,29 @@ cdef class _Launch:
     cdef void close(self) noexcept:
         if not self.cuda:  # nothing lent outlives the call, whether it worked or not
             mf_device_borrow_clear()
+
+
+cdef Graph queued_on(uint64_t stream, mf_status status, object names, uint64_t event):
+    """The commit every queued operation ends with: raise ``status``'s error (nothing was
+    queued), or, in a capture of this package's, keep ``names`` (the object or tuple of objects
+    the call was given) with the graph, so that garbage collection cannot free what a replay
+    reads or writes, and make an event record one of the graph's operations (returned: the
+    graph); outside one, mark the event for the host functions queued before it (None). A call
+    that coerced nothing (an event record, a memset, a stream wait) ends here directly: a
+    _Launch for it would cost a third of the call; _Launch.queued ends here too, so the rule is written once."""
+    if status != MF_SUCCESS:
+        raise_status(status)
+    if not _streams:  # no capture and no host function anywhere: the hot path
+        return None
+    graph = capturing_graph(stream)
+    if graph is not None:
+        (<Graph>graph)._keep.append(names)
+        if event:
+            (<Graph>graph)._order.append(event)
+        return <Graph>graph
+    if event:
+        note_record(event, stream)
+    return None
 
 
 cdef _Launch launch_on(uint64_t stream):

@@ -300,7 +300,7 @@ cdef class DeviceBuffer:
         cdef uint64_t s
         self._check_open()
         stream_of(stream, &s)
-        launch_on(s).queued(mf_memset_async(self._ptr, value, self._nbytes, s), (self,))
+        queued_on(s, mf_memset_async(self._ptr, value, self._nbytes, s), self, 0)
 
     def close(self):
         """Free the memory after the work queued on it has passed. Closing twice is a no-op;
