@@ -12,6 +12,7 @@ import pytest
 
 import metrale_feed as mf
 from helpers import spec_oracle as so
+from helpers.chisq import chi2, chi2_critical
 from metrale_feed import NO_TOKEN
 from metrale_feed.testing.oracle import reference_allowed, reference_argmax, reference_logprobs, reference_survivors
 
@@ -248,20 +249,6 @@ def test_emitted_id_is_sample_to_feeds_unless_it_was_the_rejected_draft(backend,
         else:
             assert got[r, n] != drafts[r, j]  # a rejected draft is never emitted
     assert checked > rows // 2
-
-
-def chi2_critical(df):
-    """Wilson-Hilferty: the chi-square quantile at p = 1 - 3e-5 (z = 4)."""
-    z = 4.0
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def chi2(counts, probs):
-    n = counts.sum()
-    expected = n * probs
-    keep = expected > 0
-    assert counts[~keep].sum() == 0, "an id outside the survivors was emitted"
-    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()), int(keep.sum()) - 1
 
 
 @pytest.mark.parametrize("filters", [dict(), dict(top_k=4), dict(top_p=0.8)])
