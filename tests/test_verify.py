@@ -26,7 +26,8 @@ def np_dtype(name):
 
 
 def verify(dev, logits, drafts, k, *, params=None, masks=None, bitmask=None, vocab=None, stride=None,
-           logprobs=False, device_drafts=False, device_params=False, device_masks=False, draft_probs=None):
+           logprobs=False, device_drafts=False, device_params=False, device_masks=False, draft_probs=None,
+           advance=None):
     """Runs verify_to_feed on copies of the inputs; returns the (rows, k + 2) cells read back
     through dst (and the logprobs)."""
     drafts = np.ascontiguousarray(drafts, np.uint32).reshape(-1, k)
@@ -55,6 +56,9 @@ def verify(dev, logits, drafts, k, *, params=None, masks=None, bitmask=None, voc
     if draft_probs is not None:
         held.append(dev.upload(np.ascontiguousarray(draft_probs, np.float32)))
         kw["draft_probs"] = held[-1]
+    if advance is not None:
+        held.append(dev.upload(np.ascontiguousarray(advance, np.uint32)))
+        kw["advance"] = held[-1]
     lp_host = None
     if logprobs:
         held.append(mf.DeviceBuffer(rows * (k + 1) * 4))
@@ -324,6 +328,38 @@ def test_device_inputs_read_when_it_runs(backend, dev):
     plain = reference_argmax(logits).reshape(rows, k + 1)
     assert np.array_equal(got, greedy_oracle(plain, far, k))
     assert (got[:, 0] <= 2).all()
+
+
+def test_advance_moves_each_rows_positions_when_it_runs(backend, dev):
+    """``advance`` (device, a word a row) is added to each row's position when the kernel runs
+    (mod 2**32): the cells are those of the params moved by it on the host, with host or device
+    params, and the exact oracle's; greedy rows are unaffected. Refused without params or when
+    it holds fewer words than rows."""
+    rng = np.random.default_rng(23)
+    k, rows, vocab = 3, 12, 40
+    lrows = rows * (k + 1)
+    logits = (rng.standard_normal((lrows, vocab)) * 2).astype(np.float32)
+    params = filtered_params(rng, rows)
+    params["position"][0] = 2**32 - 2  # the counter wraps, as position + j does
+    best = reference_argmax(logits).reshape(rows, k + 1)
+    drafts = drafts_near(rng, best, k, vocab, hit=0.8)
+    advance = rng.integers(0, k + 2, rows).astype(np.uint32)
+    advance[0] = 5
+    moved = params.copy()
+    moved["position"] = (params["position"].astype(np.uint64) + advance) & 0xFFFFFFFF
+    want = verify(dev, logits, drafts, k, params=moved)
+    allowed = reference_allowed(None, None, lrows, vocab)
+    assert np.array_equal(want, so.verify_rows(logits, allowed, drafts, k, moved))
+    assert np.array_equal(verify(dev, logits, drafts, k, params=params, advance=advance), want)
+    assert np.array_equal(verify(dev, logits, drafts, k, params=params, advance=advance, device_params=True), want)
+    unmoved = verify(dev, logits, drafts, k, params=params)
+    sampled = (params["temperature"] > 0) & (advance > 0)
+    assert not np.array_equal(unmoved[sampled], want[sampled])  # the advance changed the draws
+    assert np.array_equal(unmoved[~sampled], want[~sampled])
+    with pytest.raises(ValueError, match="advance needs params"):
+        verify(dev, logits, drafts, k, advance=advance)
+    with pytest.raises(ValueError, match="advance"):
+        verify(dev, logits, drafts, k, params=params, advance=advance[:rows - 1])
 
 
 def test_resolve_verified_gives_last_id_and_advance(backend, dev):
