@@ -286,8 +286,6 @@ def test_what_the_pipeline_cannot_run_speculatively_is_refused(host, no_leaks):
                 pipe.submit([1] * 790, max_new_tokens=8)  # fits without the k drafted positions
             assert pipe.idle
         with DecodePipeline(model, 4, speculative=drafter) as pipe:  # depth 2, the default
-            with pytest.raises(ValueError, match="depth=1"):
-                pipe.submit([1, 2], max_new_tokens=3, temperature=0.5)
             with pytest.raises(ValueError, match="KV blocks"):  # 2k + 1 positions ahead
                 pipe.submit([1] * 788, max_new_tokens=8)
     drafter.close()
@@ -358,6 +356,54 @@ def test_schedules_match_greedy_decoding_with_speculation(host, schedule, k, acc
         check_greedy(submitted, vocab, dtype)
     finally:
         mf.configure_host()
+    import gc
+
+    gc.collect()
+    assert mf.live_objects() == before
+
+
+@settings(max_examples=30, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(schedules(), st.integers(1, 6), st.sampled_from([0.0, 0.5, 1.0]),
+       st.sampled_from([0, 0, 50]), st.sampled_from([0.005, 0.02, 1.0]), st.integers(0, 2**40))
+def test_sampled_schedules_give_the_draws_of_depth_1(host, schedule, k, acceptance, lag_us,
+                                                     temperature, seed):
+    """Sampled requests through the property schedules (aborts, preemption, stops inside
+    accepted runs, bans, host lag) at depth 1 and 2: each request's tokens are those of the
+    verify rule over the request alone (a prefix where it was aborted), so depth 2's draws are
+    depth 1's; at depth 2 the host still waits once a step."""
+    from metrale_feed.testing.reference import ReferenceModel
+
+    vocab, dtype, block_size, max_rows, num_blocks, ops = schedule
+    longest = max([len(a[0]) + a[1] - 1 for kind, a in ops if kind == "submit"] + [1])
+    num_blocks = max(num_blocks, -(-(longest + 2 * k + 1) // block_size))
+    oracle_drafter = ReferenceDrafter(vocab, k, acceptance, dtype)
+    sampling = dict(temperature=temperature, seed=seed)
+    mf.configure_host(lag_us=lag_us)
+    before = mf.live_objects()
+    try:
+        for depth in (1, 2):
+            submitted = []
+            drafter = ReferenceDrafter(vocab, k, acceptance, dtype)
+            with ReferenceModel(vocab, block_size=block_size, num_blocks=num_blocks,
+                                max_rows=max_rows, logits_dtype=dtype) as model:
+                with DecodePipeline(model, max_rows, depth=depth, speculative=drafter) as pipe:
+                    play(pipe, ops, submitted, **sampling)
+                    stats = pipe.stats
+                    assert stats.host_syncs == stats.steps
+                assert model.pool.free_count == num_blocks, "KV blocks leaked"
+            for req, (prompt, max_new, stops, ban) in submitted:
+                expected = _sampled_spec_tokens(prompt, max_new, oracle_drafter, vocab=vocab,
+                                                dtype=dtype, stops=stops, ban=ban, **sampling)
+                assert req.finished
+                if req.finish_reason == "abort":
+                    assert req.tokens == expected[:len(req.tokens)]
+                else:
+                    assert req.tokens == expected, (depth, prompt)
+    finally:
+        mf.configure_host()
+        oracle_drafter.close()
     import gc
 
     gc.collect()
@@ -508,43 +554,55 @@ def test_kv_blocks_hold_the_committed_positions_after_every_step(host, no_leaks,
         assert req.tokens == greedy_tokens(p, 30, VOCAB)
 
 
-def _sampled_spec_tokens(prompt, max_new, drafter, *, temperature, top_k=0, top_p=1.0, seed=0):
+def _sampled_spec_tokens(prompt, max_new, drafter, *, temperature, top_k=0, top_p=1.0, seed=0,
+                         vocab=VOCAB, dtype="float32", stops=(), ban=None):
     """The oracle of a sampled request alone: each step, the drafter's drafts, the reference
     logits of its k + 1 positions (``host_logits``), one host ``verify_to_feed`` row with the
-    params' position at the first emitted id; the emitted ids committed up to max_new."""
+    params' position at the first emitted id; the emitted ids committed up to max_new or a
+    stop id (committed last)."""
     from metrale_feed.testing.reference import host_logits
 
     k, history, out = drafter.k, list(prompt), []
-    with mf.DeviceBuffer((k + 1) * VOCAB * 4) as logits, mf.DeviceBuffer((k + 2) * 4) as cells, \
+    mask = (NO_TOKEN, NO_TOKEN) if ban is None else tuple(ban)
+    with mf.DeviceBuffer((k + 1) * vocab * 4) as logits, mf.DeviceBuffer((k + 2) * 4) as cells, \
             mf.Event() as done:
         while len(out) < max_new:
-            drafts = drafter.draft(history, k, seed, (NO_TOKEN, NO_TOKEN))
-            rows = np.stack([host_logits(history + drafts[:j], VOCAB) for j in range(k + 1)])
-            mf.copy_h2d_async(logits, np.ascontiguousarray(rows, np.float32))
+            drafts = drafter.draft(history, k, seed, mask)
+            rows = np.stack([host_logits(history + drafts[:j], vocab, dtype) for j in range(k + 1)])
+            mf.copy_h2d_async(logits, np.ascontiguousarray(rows))
             params = mf.sampling_params(1, temperature=temperature, top_k=top_k, top_p=top_p,
                                         seed=seed, position=len(history))
             dst = np.zeros(k + 2, np.uint32)
             mf.verify_to_feed(logits, np.asarray(drafts, np.uint32), cells, dst, done, k=k,
-                              params=params, rows=1, vocab=VOCAB, dtype="float32")
+                              masks=[mask] * (k + 1), params=params, rows=1, vocab=vocab,
+                              dtype=dtype)
             done.synchronize()
             n = int(dst[0])
             for token in dst[1:1 + n].tolist():
-                if len(out) < max_new:
-                    out.append(token)
-                    history.append(token)
+                out.append(token)
+                history.append(token)
+                if token in stops or len(out) >= max_new:
+                    return out
     return out
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("filters", [dict(), dict(top_k=20), dict(top_p=0.5)])
-def test_sampled_rows_match_the_verify_rule_over_each_request_alone(host, no_leaks, filters):
+def test_sampled_rows_match_the_verify_rule_over_each_request_alone(host, no_leaks, filters,
+                                                                      depth):
     # The reference logits are close together in [0, 1): a low temperature makes the argmax
-    # likely enough that drafts are accepted as well as rejected.
+    # likely enough that drafts are accepted as well as rejected. At depth 2 each step's draws
+    # are keyed by the positions the step in flight reaches on the device: the same draws.
     drafter = ReferenceDrafter(VOCAB, 3, 0.5)
     requests = [(p, 10, (), None) for p in prompts(4, seed=31)]
     with model_for() as model:
-        spec, stats = _run(model, requests, drafter, temperature=0.01, seed=5, **filters)
+        spec, stats = _run(model, requests, drafter, depth=depth, temperature=0.01, seed=5,
+                           **filters)
     assert 0 < stats["accepted"] < stats["drafted"]
+    if depth == 2:
+        assert stats["host_syncs"] == stats["steps"] and stats["ahead_launches"] > 0
     for req, (p, m, s, ban) in zip(spec, requests):
         assert req.tokens == _sampled_spec_tokens(p, m, drafter, temperature=0.01, seed=5,
                                                   **filters)
         assert req.tokens != greedy_tokens(p, m, VOCAB) or filters.get("top_p") == 0.5
+

@@ -490,9 +490,6 @@ class DecodePipeline:
         else:
             PipelinePenalties.check(self, prompt, max_new, stops, checked[4],
                                     self._penalty_capacity)
-        if sampling[0] > 0.0 and self._spec is not None and self.depth == 2:
-            raise ValueError("a sampled request with speculative decoding needs depth=1 (its "
-                             "draws' positions would be known on the device only)")
         lp = _checks.logprobs(logprobs, top_logprobs)
         if lp[1] > self.vocab:  # else the lists would end in (NO_TOKEN, NaN) placeholders
             raise ValueError(f"top_logprobs={lp[1]} is more than the vocabulary of {self.vocab} "
