@@ -667,3 +667,77 @@ def test_sampled_speculation_emits_the_target_distribution(host, no_leaks, depth
     stat, df = chi2(pairs, joint, pool=5.0)
     assert stat < chi2_critical(df), f"pairs: chi2 {stat:.1f} on {df} df"
     assert 0 < stats.accepted < stats.drafted  # drafts accepted and rejected alike
+
+
+class _Successor:
+    """A verify-capable model whose greedy id after input ``t`` is ``succ[t]`` (a permutation):
+    its runs cycle, so prompt lookup finds them, as it does on a real model's repetitive text
+    (the reference model hashes the whole history and never repeats). It wraps a
+    ``ReferenceModel`` (KV, pool, prefill) and rewrites each verify step's logits in stream
+    order from the ids the step was fed."""
+
+    def __init__(self, model, vocab, seed):
+        self._m, self.vocab = model, vocab
+        self.succ = np.random.default_rng(seed).permutation(vocab).astype(np.int64)
+        self._held = []
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def decode_batch_verify(self, input_ids, seqs, k, stream=None, advance=None):
+        extra = {} if advance is None else {"advance": advance}
+        logits = self._m.decode_batch_verify(input_ids, seqs, k, stream, **extra)
+        n, vocab = len(seqs) * (k + 1), self.vocab
+        ids, rows = mf.PinnedBuffer(n * 4), mf.PinnedBuffer(n * vocab * 4)
+        mf.copy_d2h_async(input_ids, ids, stream)
+        mf.launch_host_func(stream, self._fill, ids, rows, n, vocab)
+        mf.copy_h2d_async(logits, rows, stream)
+        self._held.append((ids, rows))  # until close: the stream reads them later
+        return logits
+
+    def _fill(self, ids, rows, n, vocab):
+        fed = np.minimum(np.frombuffer(ids, np.uint32, n).astype(np.int64), vocab - 1)
+        out = np.frombuffer(rows, np.float32, n * vocab).reshape(n, vocab)
+        out[:] = 0.0
+        out[np.arange(n), self.succ[fed]] = 1.0
+
+    def close(self):
+        self._m.close()
+        for ids, rows in self._held:
+            ids.close()
+            rows.close()
+
+
+def test_the_ngram_drafter_at_depth_2_drafts_what_it_drafts_at_depth_1(host, no_leaks):
+    """At depth 2 a host drafter drafts in stream order, from the history with the ids the step
+    in flight emitted: on a model whose runs repeat, the n-gram drafter gets exactly depth 1's
+    acceptance, where drafting from the history without that step (as before) was accepted far
+    less often; the tokens are greedy decoding's either way."""
+    from metrale_feed.testing.reference import ReferenceModel
+
+    class Blind(NGramDrafter):  # the history without the step in flight, as before
+        def propose(self, batch, out, stream):
+            batch.ahead_cells = 0
+            super().propose(batch, out, stream)
+
+    vocab, k, rng = 16, 3, random.Random(3)
+    requests = [([rng.randrange(vocab) for _ in range(rng.randint(2, 8))], 40, (), None)
+                for _ in range(6)]
+    rates, tokens = {}, {}
+    for name, depth, drafter in ((1, 1, NGramDrafter(k)), (2, 2, NGramDrafter(k)),
+                                 ("blind", 2, Blind(k))):
+        model = _Successor(ReferenceModel(vocab, block_size=4, num_blocks=200, max_rows=4),
+                           vocab, 5)
+        try:
+            spec, stats = _run(model, requests, drafter, depth=depth)
+        finally:
+            model.close()
+        tokens[name] = [r.tokens for r in spec]
+        for req in spec:  # greedy: each id the successor of the one before it
+            assert all(int(model.succ[a]) == b for a, b in zip(req.tokens, req.tokens[1:]))
+        if depth == 2:
+            assert stats["host_syncs"] == stats["steps"] and stats["ahead_launches"] > 0
+        rates[name] = stats["accepted"] / stats["drafted"]
+    assert tokens[1] == tokens[2] == tokens["blind"]
+    assert rates[2] == rates[1] > 0.5, rates
+    assert rates["blind"] < 0.5 * rates[2], rates
