@@ -458,6 +458,42 @@ def test_a_fault_in_a_verify_step_fails_the_running_requests_only(host, no_leaks
             assert req.tokens == want and req.finish_reason == "length"
 
 
+def test_a_drafter_that_raises_in_stream_order_fails_its_step(host, no_leaks):
+    """At depth 2 a host drafter drafts the rows of the step in flight in a host function: an
+    error there is the step's fault, reported by its wait as a HostFunctionError naming the
+    drafter's exception; that step's requests fail, the others go on, no KV block is lost."""
+    from metrale_feed import RequestStatus
+    from metrale_feed.errors import HostFunctionError
+
+    class Flaky(ReferenceDrafter):
+        calls = 0
+
+        def draft(self, history, k, seed=0, mask=(NO_TOKEN, NO_TOKEN)):
+            Flaky.calls += 1
+            if Flaky.calls == 5:
+                raise RuntimeError("injected drafter fault")
+            return super().draft(history, k, seed, mask)
+
+    ps = prompts(5, seed=8)
+    with model_for(rows=2, num_blocks=120) as model:
+        with DecodePipeline(model, 2, depth=2, speculative=Flaky(VOCAB, 2, 0.5)) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=12) for p in ps]
+            with pytest.raises(HostFunctionError) as info:
+                while not pipe.idle:
+                    pipe.step()
+            assert "injected drafter fault" in str(info.value.__cause__)
+            failed = [r for r in reqs if r.status is RequestStatus.FINISHED_ERROR]
+            assert failed and all("injected drafter fault" in r.error for r in failed)
+            pipe.run()
+        assert model.pool.free_count == model.pool.num_blocks
+    for req, p in zip(reqs, ps):
+        want = greedy_tokens(p, 12, VOCAB)
+        if req.finish_reason == "error":
+            assert req.tokens == want[: len(req.tokens)]
+        else:
+            assert req.tokens == want and req.finish_reason == "length"
+
+
 class _Garbage(HostDrafter):
     """Drafts no model would accept: ids past the vocabulary, NO_TOKEN first on odd rows."""
 
