@@ -12,6 +12,7 @@ import pytest
 
 import metrale_feed as mf
 from helpers import spec_oracle as so
+from helpers.chisq import chi2, chi2_critical
 from metrale_feed import NO_TOKEN
 from metrale_feed.testing.oracle import reference_allowed, reference_argmax, reference_logprobs, reference_survivors
 
@@ -25,7 +26,8 @@ def np_dtype(name):
 
 
 def verify(dev, logits, drafts, k, *, params=None, masks=None, bitmask=None, vocab=None, stride=None,
-           logprobs=False, device_drafts=False, device_params=False, device_masks=False, draft_probs=None):
+           logprobs=False, device_drafts=False, device_params=False, device_masks=False, draft_probs=None,
+           advance=None):
     """Runs verify_to_feed on copies of the inputs; returns the (rows, k + 2) cells read back
     through dst (and the logprobs)."""
     drafts = np.ascontiguousarray(drafts, np.uint32).reshape(-1, k)
@@ -54,6 +56,9 @@ def verify(dev, logits, drafts, k, *, params=None, masks=None, bitmask=None, voc
     if draft_probs is not None:
         held.append(dev.upload(np.ascontiguousarray(draft_probs, np.float32)))
         kw["draft_probs"] = held[-1]
+    if advance is not None:
+        held.append(dev.upload(np.ascontiguousarray(advance, np.uint32)))
+        kw["advance"] = held[-1]
     lp_host = None
     if logprobs:
         held.append(mf.DeviceBuffer(rows * (k + 1) * 4))
@@ -250,20 +255,6 @@ def test_emitted_id_is_sample_to_feeds_unless_it_was_the_rejected_draft(backend,
     assert checked > rows // 2
 
 
-def chi2_critical(df):
-    """Wilson-Hilferty: the chi-square quantile at p = 1 - 3e-5 (z = 4)."""
-    z = 4.0
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def chi2(counts, probs):
-    n = counts.sum()
-    expected = n * probs
-    keep = expected > 0
-    assert counts[~keep].sum() == 0, "an id outside the survivors was emitted"
-    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()), int(keep.sum()) - 1
-
-
 @pytest.mark.parametrize("filters", [dict(), dict(top_k=4), dict(top_p=0.8)])
 def test_each_position_emits_the_target_distribution(backend, dev, filters):
     """Over many seeds: position 0's emitted id, and position 1's given that draft 0 was accepted,
@@ -337,6 +328,38 @@ def test_device_inputs_read_when_it_runs(backend, dev):
     plain = reference_argmax(logits).reshape(rows, k + 1)
     assert np.array_equal(got, greedy_oracle(plain, far, k))
     assert (got[:, 0] <= 2).all()
+
+
+def test_advance_moves_each_rows_positions_when_it_runs(backend, dev):
+    """``advance`` (device, a word a row) is added to each row's position when the kernel runs
+    (mod 2**32): the cells are those of the params moved by it on the host, with host or device
+    params, and the exact oracle's; greedy rows are unaffected. Refused without params or when
+    it holds fewer words than rows."""
+    rng = np.random.default_rng(23)
+    k, rows, vocab = 3, 12, 40
+    lrows = rows * (k + 1)
+    logits = (rng.standard_normal((lrows, vocab)) * 2).astype(np.float32)
+    params = filtered_params(rng, rows)
+    params["position"][0] = 2**32 - 2  # the counter wraps, as position + j does
+    best = reference_argmax(logits).reshape(rows, k + 1)
+    drafts = drafts_near(rng, best, k, vocab, hit=0.8)
+    advance = rng.integers(0, k + 2, rows).astype(np.uint32)
+    advance[0] = 5
+    moved = params.copy()
+    moved["position"] = (params["position"].astype(np.uint64) + advance) & 0xFFFFFFFF
+    want = verify(dev, logits, drafts, k, params=moved)
+    allowed = reference_allowed(None, None, lrows, vocab)
+    assert np.array_equal(want, so.verify_rows(logits, allowed, drafts, k, moved))
+    assert np.array_equal(verify(dev, logits, drafts, k, params=params, advance=advance), want)
+    assert np.array_equal(verify(dev, logits, drafts, k, params=params, advance=advance, device_params=True), want)
+    unmoved = verify(dev, logits, drafts, k, params=params)
+    sampled = (params["temperature"] > 0) & (advance > 0)
+    assert not np.array_equal(unmoved[sampled], want[sampled])  # the advance changed the draws
+    assert np.array_equal(unmoved[~sampled], want[~sampled])
+    with pytest.raises(ValueError, match="advance needs params"):
+        verify(dev, logits, drafts, k, advance=advance)
+    with pytest.raises(ValueError, match="advance"):
+        verify(dev, logits, drafts, k, params=params, advance=advance[:rows - 1])
 
 
 def test_resolve_verified_gives_last_id_and_advance(backend, dev):

@@ -47,7 +47,8 @@ constexpr uint32_t kArgmaxSizes[] = {offsetof(mf_argmax_args, select_cands_cap),
 constexpr uint32_t kCombineSizes[] = {sizeof(mf_combine_args)};
 // The descriptor before the device position advance (advance, advance_group) was appended.
 constexpr uint32_t kReferenceSizes[] = {offsetof(mf_reference_args, advance), sizeof(mf_reference_args)};
-constexpr uint32_t kVerifySizes[] = {sizeof(mf_verify_args)};
+// The descriptor before the device position advance (advance) was appended.
+constexpr uint32_t kVerifySizes[] = {offsetof(mf_verify_args, advance), sizeof(mf_verify_args)};
 constexpr uint32_t kPenaltySizes[] = {sizeof(mf_penalty_args)};
 constexpr uint32_t kTopSizes[] = {sizeof(mf_top_logprobs_args)};
 
@@ -339,6 +340,12 @@ mf_status check_verify(const mf_verify_args *a, Slot **event) {
     } else if (a->flags & MF_ARGS_PARAMS_DEVICE) {
         return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_PARAMS_DEVICE without params");
     }
+    if (a->advance) {  // device words read when the kernel runs
+        if (!a->params) return fail(MF_ERROR_INVALID_VALUE, "advance needs params (it moves their positions)");
+        if (!aligned(a->advance, 4)) return fail(MF_ERROR_INVALID_VALUE, "advance pointer is misaligned");
+        st = check_device_range(a->advance, (size_t)a->rows * 4, "advance");
+        if (st != MF_SUCCESS) return st;
+    }
     if (a->logprobs_dst && !a->logprobs)
         return fail(MF_ERROR_INVALID_VALUE, "logprobs_dst needs logprobs (the device floats it copies)");
     if (a->logprobs) {
@@ -369,6 +376,7 @@ mf_status check_verify(const mf_verify_args *a, Slot **event) {
             {(a->flags & MF_ARGS_MASKS_DEVICE) ? a->masks : nullptr, (size_t)logit_rows * 8, "masks", false},
             {a->bitmask, a->bitmask ? (size_t)logit_rows * mf_bitmask_words(a->vocab) * 4 : 0, "bitmask", false},
             {a->draft_probs, a->draft_probs ? (size_t)a->rows * a->k * a->vocab * 4 : 0, "draft_probs", false},
+            {a->advance, a->advance ? (size_t)a->rows * 4 : 0, "advance", false},
         };
         st = refuse_overlaps(spans);
     }

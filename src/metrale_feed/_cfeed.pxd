@@ -237,6 +237,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         float *logprobs
         void *logprobs_dst
         mf_event_t event
+        const uint32_t *advance
     void mf_verify_args_init(mf_verify_args *args)
     mf_status mf_verify_to_feed(const mf_verify_args *args, mf_stream_t stream)
     mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,

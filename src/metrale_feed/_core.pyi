@@ -246,7 +246,8 @@ def verify_to_feed(logits: _DeviceLike, drafts: _WordsLike | _DeviceLike, cells:
                    draft_probs: _DeviceLike | None = None, logprobs: _DeviceLike | None = None,
                    logprobs_dst: Buffer | int | None = None, rows: int | None = None,
                    vocab: int | None = None, dtype: _DType | None = None,
-                   row_stride: int | None = None, shard: None = None) -> int: ...
+                   row_stride: int | None = None, shard: None = None,
+                   advance: _DeviceLike | None = None) -> int: ...
 def resolve_verified(cells: _DeviceLike, out_ids: _DeviceLike | None, out_advance: _DeviceLike | None,
                      stream: _StreamLike = 0, *, rows: int | None = None, k: int | None = None) -> None: ...
 

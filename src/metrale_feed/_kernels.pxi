@@ -658,7 +658,7 @@ cdef class _VerifyInputs:
 
 def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None, bitmask=None,
                    params=None, draft_probs=None, logprobs=None, logprobs_dst=None, rows=None,
-                   vocab=None, dtype=None, row_stride=None, shard=None):
+                   vocab=None, dtype=None, row_stride=None, shard=None, advance=None):
     """Verify ``k`` draft tokens per row against the target's logits, into the feed cells.
 
     Speculative decoding's check (docs/kernels.md, "Verify"). Row ``r`` has the drafts
@@ -725,6 +725,11 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
         As for ``argmax_to_feed`` (``row_stride`` between logit rows).
     shard : None
         Not taken yet (a ``FeedError`` otherwise).
+    advance : device memory, optional
+        ``rows`` uint32 (needs ``params``): ``advance[r]`` is added to row ``r``'s ``position``
+        when the kernel runs. At depth 2 a step is queued before the last one's counts are read:
+        ``resolve_verified``'s ``out_advance`` (gathered per row) moves each sampled row's draws
+        to the positions that step reached (docs/speculative.md).
 
     Returns
     -------
@@ -836,6 +841,14 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
             fill_params(launch, &view, params, keep.pick)
             a.params = view.params
             a.flags |= view.flags & MF_ARGS_PARAMS_DEVICE
+        if advance is not None:
+            if params is None:
+                raise ValueError("advance needs params (it moves the sampled rows' positions)")
+            launch.device(advance, &ptr, &cells_len, "advance", False, True)
+            a.advance = <const uint32_t *>ptr
+            if cells_len != <size_t>-1 and cells_len < <size_t>a.rows * 4:
+                raise ValueError(f"advance: {cells_len} bytes, fewer than one uint32 for each of the "
+                                 f"{a.rows} rows")
         launch.device(cells, &ptr, &cells_len, "cells", True, True)
         a.cells = <uint32_t *>ptr
         a.cell_capacity = cells_capacity(cells, ptr, cells_len, a.rows * (a.k + 2))
@@ -857,7 +870,8 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
         launch.records(a.event)
         launch.writes_cells(a.cells, (a.rows, a.k))
         launch.queued(mf_verify_to_feed(&a, s),
-                      (logits, drafts, cells, dst, event, masks, bitmask, params, logprobs, logprobs_dst))
+                      (logits, drafts, cells, dst, event, masks, bitmask, params, logprobs, logprobs_dst,
+                       advance))
     finally:
         launch.close()
     return a.rows

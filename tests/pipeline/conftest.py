@@ -58,14 +58,15 @@ def sampled():
     return sampled_tokens
 
 
-def play(pipe, ops, submitted):
+def play(pipe, ops, submitted, **submit):
     """Run a drawn schedule on ``pipe`` (submit, step, abort ops), then ``run()``; appends each
-    submitted (request, its submit args) to ``submitted`` and checks every one finished once."""
+    submitted (request, its submit args) to ``submitted`` and checks every one finished once.
+    ``submit``: more arguments of every ``submit`` (sampling params)."""
     finished = []
     for kind, arg in ops:
         if kind == "submit":
             prompt, max_new, stops, ban = arg
-            req = pipe.submit(prompt, max_new_tokens=max_new, stop_ids=stops, ban=ban)
+            req = pipe.submit(prompt, max_new_tokens=max_new, stop_ids=stops, ban=ban, **submit)
             submitted.append((req, arg))
         elif kind == "step" and not pipe.idle:
             finished += pipe.step()

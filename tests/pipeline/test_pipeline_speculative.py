@@ -286,8 +286,6 @@ def test_what_the_pipeline_cannot_run_speculatively_is_refused(host, no_leaks):
                 pipe.submit([1] * 790, max_new_tokens=8)  # fits without the k drafted positions
             assert pipe.idle
         with DecodePipeline(model, 4, speculative=drafter) as pipe:  # depth 2, the default
-            with pytest.raises(ValueError, match="depth=1"):
-                pipe.submit([1, 2], max_new_tokens=3, temperature=0.5)
             with pytest.raises(ValueError, match="KV blocks"):  # 2k + 1 positions ahead
                 pipe.submit([1] * 788, max_new_tokens=8)
     drafter.close()
@@ -364,6 +362,54 @@ def test_schedules_match_greedy_decoding_with_speculation(host, schedule, k, acc
     assert mf.live_objects() == before
 
 
+@settings(max_examples=30, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(schedules(), st.integers(1, 6), st.sampled_from([0.0, 0.5, 1.0]),
+       st.sampled_from([0, 0, 50]), st.sampled_from([0.005, 0.02, 1.0]), st.integers(0, 2**40))
+def test_sampled_schedules_give_the_draws_of_depth_1(host, schedule, k, acceptance, lag_us,
+                                                     temperature, seed):
+    """Sampled requests through the property schedules (aborts, preemption, stops inside
+    accepted runs, bans, host lag) at depth 1 and 2: each request's tokens are those of the
+    verify rule over the request alone (a prefix where it was aborted), so depth 2's draws are
+    depth 1's; at depth 2 the host still waits once a step."""
+    from metrale_feed.testing.reference import ReferenceModel
+
+    vocab, dtype, block_size, max_rows, num_blocks, ops = schedule
+    longest = max([len(a[0]) + a[1] - 1 for kind, a in ops if kind == "submit"] + [1])
+    num_blocks = max(num_blocks, -(-(longest + 2 * k + 1) // block_size))
+    oracle_drafter = ReferenceDrafter(vocab, k, acceptance, dtype)
+    sampling = dict(temperature=temperature, seed=seed)
+    mf.configure_host(lag_us=lag_us)
+    before = mf.live_objects()
+    try:
+        for depth in (1, 2):
+            submitted = []
+            drafter = ReferenceDrafter(vocab, k, acceptance, dtype)
+            with ReferenceModel(vocab, block_size=block_size, num_blocks=num_blocks,
+                                max_rows=max_rows, logits_dtype=dtype) as model:
+                with DecodePipeline(model, max_rows, depth=depth, speculative=drafter) as pipe:
+                    play(pipe, ops, submitted, **sampling)
+                    stats = pipe.stats
+                    assert stats.host_syncs == stats.steps
+                assert model.pool.free_count == num_blocks, "KV blocks leaked"
+            for req, (prompt, max_new, stops, ban) in submitted:
+                expected = _sampled_spec_tokens(prompt, max_new, oracle_drafter, vocab=vocab,
+                                                dtype=dtype, stops=stops, ban=ban, **sampling)
+                assert req.finished
+                if req.finish_reason == "abort":
+                    assert req.tokens == expected[:len(req.tokens)]
+                else:
+                    assert req.tokens == expected, (depth, prompt)
+    finally:
+        mf.configure_host()
+        oracle_drafter.close()
+    import gc
+
+    gc.collect()
+    assert mf.live_objects() == before
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 def test_a_graphs_model_gives_the_same_tokens(host, no_leaks, depth):
     requests = _requests(5, seed=9)
@@ -408,6 +454,42 @@ def test_a_fault_in_a_verify_step_fails_the_running_requests_only(host, no_leaks
         want = greedy_tokens(p, 12, VOCAB)
         if req.finish_reason == "error":
             assert 1 <= len(req.tokens) < 12 and req.tokens == want[: len(req.tokens)]
+        else:
+            assert req.tokens == want and req.finish_reason == "length"
+
+
+def test_a_drafter_that_raises_in_stream_order_fails_its_step(host, no_leaks):
+    """At depth 2 a host drafter drafts the rows of the step in flight in a host function: an
+    error there is the step's fault, reported by its wait as a HostFunctionError naming the
+    drafter's exception; that step's requests fail, the others go on, no KV block is lost."""
+    from metrale_feed import RequestStatus
+    from metrale_feed.errors import HostFunctionError
+
+    class Flaky(ReferenceDrafter):
+        calls = 0
+
+        def draft(self, history, k, seed=0, mask=(NO_TOKEN, NO_TOKEN)):
+            Flaky.calls += 1
+            if Flaky.calls == 5:
+                raise RuntimeError("injected drafter fault")
+            return super().draft(history, k, seed, mask)
+
+    ps = prompts(5, seed=8)
+    with model_for(rows=2, num_blocks=120) as model:
+        with DecodePipeline(model, 2, depth=2, speculative=Flaky(VOCAB, 2, 0.5)) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=12) for p in ps]
+            with pytest.raises(HostFunctionError) as info:
+                while not pipe.idle:
+                    pipe.step()
+            assert "injected drafter fault" in str(info.value.__cause__)
+            failed = [r for r in reqs if r.status is RequestStatus.FINISHED_ERROR]
+            assert failed and all("injected drafter fault" in r.error for r in failed)
+            pipe.run()
+        assert model.pool.free_count == model.pool.num_blocks
+    for req, p in zip(reqs, ps):
+        want = greedy_tokens(p, 12, VOCAB)
+        if req.finish_reason == "error":
+            assert req.tokens == want[: len(req.tokens)]
         else:
             assert req.tokens == want and req.finish_reason == "length"
 
@@ -508,43 +590,190 @@ def test_kv_blocks_hold_the_committed_positions_after_every_step(host, no_leaks,
         assert req.tokens == greedy_tokens(p, 30, VOCAB)
 
 
-def _sampled_spec_tokens(prompt, max_new, drafter, *, temperature, top_k=0, top_p=1.0, seed=0):
+def _sampled_spec_tokens(prompt, max_new, drafter, *, temperature, top_k=0, top_p=1.0, seed=0,
+                         vocab=VOCAB, dtype="float32", stops=(), ban=None):
     """The oracle of a sampled request alone: each step, the drafter's drafts, the reference
     logits of its k + 1 positions (``host_logits``), one host ``verify_to_feed`` row with the
-    params' position at the first emitted id; the emitted ids committed up to max_new."""
+    params' position at the first emitted id; the emitted ids committed up to max_new or a
+    stop id (committed last)."""
     from metrale_feed.testing.reference import host_logits
 
     k, history, out = drafter.k, list(prompt), []
-    with mf.DeviceBuffer((k + 1) * VOCAB * 4) as logits, mf.DeviceBuffer((k + 2) * 4) as cells, \
+    mask = (NO_TOKEN, NO_TOKEN) if ban is None else tuple(ban)
+    with mf.DeviceBuffer((k + 1) * vocab * 4) as logits, mf.DeviceBuffer((k + 2) * 4) as cells, \
             mf.Event() as done:
         while len(out) < max_new:
-            drafts = drafter.draft(history, k, seed, (NO_TOKEN, NO_TOKEN))
-            rows = np.stack([host_logits(history + drafts[:j], VOCAB) for j in range(k + 1)])
-            mf.copy_h2d_async(logits, np.ascontiguousarray(rows, np.float32))
+            drafts = drafter.draft(history, k, seed, mask)
+            rows = np.stack([host_logits(history + drafts[:j], vocab, dtype) for j in range(k + 1)])
+            mf.copy_h2d_async(logits, np.ascontiguousarray(rows))
             params = mf.sampling_params(1, temperature=temperature, top_k=top_k, top_p=top_p,
                                         seed=seed, position=len(history))
             dst = np.zeros(k + 2, np.uint32)
             mf.verify_to_feed(logits, np.asarray(drafts, np.uint32), cells, dst, done, k=k,
-                              params=params, rows=1, vocab=VOCAB, dtype="float32")
+                              masks=[mask] * (k + 1), params=params, rows=1, vocab=vocab,
+                              dtype=dtype)
             done.synchronize()
             n = int(dst[0])
             for token in dst[1:1 + n].tolist():
-                if len(out) < max_new:
-                    out.append(token)
-                    history.append(token)
+                out.append(token)
+                history.append(token)
+                if token in stops or len(out) >= max_new:
+                    return out
     return out
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("filters", [dict(), dict(top_k=20), dict(top_p=0.5)])
-def test_sampled_rows_match_the_verify_rule_over_each_request_alone(host, no_leaks, filters):
+def test_sampled_rows_match_the_verify_rule_over_each_request_alone(host, no_leaks, filters,
+                                                                      depth):
     # The reference logits are close together in [0, 1): a low temperature makes the argmax
-    # likely enough that drafts are accepted as well as rejected.
+    # likely enough that drafts are accepted as well as rejected. At depth 2 each step's draws
+    # are keyed by the positions the step in flight reaches on the device: the same draws.
     drafter = ReferenceDrafter(VOCAB, 3, 0.5)
     requests = [(p, 10, (), None) for p in prompts(4, seed=31)]
     with model_for() as model:
-        spec, stats = _run(model, requests, drafter, temperature=0.01, seed=5, **filters)
+        spec, stats = _run(model, requests, drafter, depth=depth, temperature=0.01, seed=5,
+                           **filters)
     assert 0 < stats["accepted"] < stats["drafted"]
+    if depth == 2:
+        assert stats["host_syncs"] == stats["steps"] and stats["ahead_launches"] > 0
     for req, (p, m, s, ban) in zip(spec, requests):
         assert req.tokens == _sampled_spec_tokens(p, m, drafter, temperature=0.01, seed=5,
                                                   **filters)
         assert req.tokens != greedy_tokens(p, m, VOCAB) or filters.get("top_p") == 0.5
+
+
+def _first_ids_distributions(prompt, vocab, temperature, n, **filters):
+    """sample_to_feed's distribution of the first ``n`` generated ids of ``prompt`` over the
+    reference logits (float64 from the definitions, ``reference_survivors``), by enumerating
+    the prefixes: the marginal of each position, and the joint of the first two."""
+    from metrale_feed.testing.oracle import reference_survivors
+    from metrale_feed.testing.reference import host_logits
+
+    def target(history):
+        ids, p = reference_survivors(host_logits(history, vocab), np.ones(vocab, bool),
+                                     temperature, **filters)
+        full = np.zeros(vocab)
+        full[ids] = p
+        return full
+
+    marginals, joint, layer = [], None, {(): 1.0}
+    for _ in range(n):
+        marginal, deeper = np.zeros(vocab), {}
+        for prefix, weight in layer.items():
+            p = target(list(prompt) + list(prefix))
+            marginal += weight * p
+            for t in np.flatnonzero(p):
+                deeper[prefix + (int(t),)] = weight * p[t]
+        marginals.append(marginal)
+        layer = deeper
+        if len(marginals) == 2:
+            joint = np.zeros((vocab, vocab))
+            for (a, b), weight in layer.items():
+                joint[a, b] = weight
+    return marginals, joint
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("filters", [dict(), dict(top_k=5)], ids=["all", "top_k"])
+def test_sampled_speculation_emits_the_target_distribution(host, no_leaks, depth, filters):
+    """Many requests of one prompt (each its own seed) through the pipeline with the reference
+    drafter at acceptance 0.5: the ids at positions 1 to 3 (each an accepted draft, a residual
+    draw or a bonus) follow sample_to_feed's distribution there (chi-square per position, and
+    over the pairs of the first two ids), as without speculation."""
+    from helpers.chisq import chi2, chi2_critical
+    from metrale_feed.testing.reference import ReferenceModel
+
+    vocab, k, temperature, requests, new = 8, 3, 0.5, 2000, 3
+    prompt = [3, 1, 4, 1, 5]
+    marginals, joint = _first_ids_distributions(prompt, vocab, temperature, new, **filters)
+    with ReferenceModel(vocab, block_size=4, num_blocks=300, max_rows=64) as model:
+        with DecodePipeline(model, 64, depth=depth,
+                            speculative=ReferenceDrafter(vocab, k, 0.5)) as pipe:
+            reqs = [pipe.submit(prompt, max_new_tokens=new, temperature=temperature, seed=seed,
+                                **filters) for seed in range(requests)]
+            pipe.run()
+            stats = pipe.stats
+    tokens = np.array([r.tokens for r in reqs])
+    assert tokens.shape == (requests, new)
+    for j in range(new):
+        stat, df = chi2(np.bincount(tokens[:, j], minlength=vocab), marginals[j])
+        assert stat < chi2_critical(df), f"position {j + 1}: chi2 {stat:.1f} on {df} df"
+    pairs = np.bincount(tokens[:, 0] * vocab + tokens[:, 1], minlength=vocab * vocab)
+    stat, df = chi2(pairs, joint, pool=5.0)
+    assert stat < chi2_critical(df), f"pairs: chi2 {stat:.1f} on {df} df"
+    assert 0 < stats.accepted < stats.drafted  # drafts accepted and rejected alike
+
+
+class _Successor:
+    """A verify-capable model whose greedy id after input ``t`` is ``succ[t]`` (a permutation):
+    its runs cycle, so prompt lookup finds them, as it does on a real model's repetitive text
+    (the reference model hashes the whole history and never repeats). It wraps a
+    ``ReferenceModel`` (KV, pool, prefill) and rewrites each verify step's logits in stream
+    order from the ids the step was fed."""
+
+    def __init__(self, model, vocab, seed):
+        self._m, self.vocab = model, vocab
+        self.succ = np.random.default_rng(seed).permutation(vocab).astype(np.int64)
+        self._held = []
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def decode_batch_verify(self, input_ids, seqs, k, stream=None, advance=None):
+        extra = {} if advance is None else {"advance": advance}
+        logits = self._m.decode_batch_verify(input_ids, seqs, k, stream, **extra)
+        n, vocab = len(seqs) * (k + 1), self.vocab
+        ids, rows = mf.PinnedBuffer(n * 4), mf.PinnedBuffer(n * vocab * 4)
+        mf.copy_d2h_async(input_ids, ids, stream)
+        mf.launch_host_func(stream, self._fill, ids, rows, n, vocab)
+        mf.copy_h2d_async(logits, rows, stream)
+        self._held.append((ids, rows))  # until close: the stream reads them later
+        return logits
+
+    def _fill(self, ids, rows, n, vocab):
+        fed = np.minimum(np.frombuffer(ids, np.uint32, n).astype(np.int64), vocab - 1)
+        out = np.frombuffer(rows, np.float32, n * vocab).reshape(n, vocab)
+        out[:] = 0.0
+        out[np.arange(n), self.succ[fed]] = 1.0
+
+    def close(self):
+        self._m.close()
+        for ids, rows in self._held:
+            ids.close()
+            rows.close()
+
+
+def test_the_ngram_drafter_at_depth_2_drafts_what_it_drafts_at_depth_1(host, no_leaks):
+    """At depth 2 a host drafter drafts in stream order, from the history with the ids the step
+    in flight emitted: on a model whose runs repeat, the n-gram drafter gets exactly depth 1's
+    acceptance, where drafting from the history without that step (as before) was accepted far
+    less often; the tokens are greedy decoding's either way."""
+    from metrale_feed.testing.reference import ReferenceModel
+
+    class Blind(NGramDrafter):  # the history without the step in flight, as before
+        def propose(self, batch, out, stream):
+            batch.ahead_cells = 0
+            super().propose(batch, out, stream)
+
+    vocab, k, rng = 16, 3, random.Random(3)
+    requests = [([rng.randrange(vocab) for _ in range(rng.randint(2, 8))], 40, (), None)
+                for _ in range(6)]
+    rates, tokens = {}, {}
+    for name, depth, drafter in ((1, 1, NGramDrafter(k)), (2, 2, NGramDrafter(k)),
+                                 ("blind", 2, Blind(k))):
+        model = _Successor(ReferenceModel(vocab, block_size=4, num_blocks=200, max_rows=4),
+                           vocab, 5)
+        try:
+            spec, stats = _run(model, requests, drafter, depth=depth)
+        finally:
+            model.close()
+        tokens[name] = [r.tokens for r in spec]
+        for req in spec:  # greedy: each id the successor of the one before it
+            assert all(int(model.succ[a]) == b for a, b in zip(req.tokens, req.tokens[1:]))
+        if depth == 2:
+            assert stats["host_syncs"] == stats["steps"] and stats["ahead_launches"] > 0
+        rates[name] = stats["accepted"] / stats["drafted"]
+    assert tokens[1] == tokens[2] == tokens["blind"]
+    assert rates[2] == rates[1] > 0.5, rates
+    assert rates["blind"] < 0.5 * rates[2], rates

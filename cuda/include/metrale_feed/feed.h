@@ -370,7 +370,10 @@ MF_EXPORT mf_status mf_resolve_feed_flags(const uint32_t *sources, uint32_t n,
  * masks (rows*(k+1)*2 ids) and bitmask (rows*(k+1) rows of words) are per logit row; params one
  * record per row (position is position 0's). Host drafts are read and checked before the call
  * returns; with MF_VERIFY_DRAFTS_DEVICE they are device memory read when the kernel runs, where an
- * id >= vocab is never accepted. flags take MF_ARGS_MASKS_DEVICE and MF_ARGS_PARAMS_DEVICE too. */
+ * id >= vocab is never accepted. flags take MF_ARGS_MASKS_DEVICE and MF_ARGS_PARAMS_DEVICE too.
+ * advance (device, rows words, NULL: none; needs params) adds advance[r] to row r's position, read
+ * when the kernel runs: at depth 2 a step's first position follows the count the step before it
+ * emitted (resolve_verified's out_advance), which the host does not know when it queues the step. */
 #define MF_MAX_DRAFTS 64u
 enum { MF_VERIFY_DRAFTS_DEVICE = 0x10000u }; /* apart from the MF_ARGS_* bits it shares flags with */
 typedef struct mf_verify_args {
@@ -393,6 +396,7 @@ typedef struct mf_verify_args {
     float *logprobs;         /* device, rows*(k+1) floats, or NULL */
     void *logprobs_dst;      /* host, rows*(k+1)*4 bytes, or NULL (needs logprobs) */
     mf_event_t event;        /* 0: none */
+    const uint32_t *advance; /* appended: device, rows words added to the rows' positions; NULL: none */
 } mf_verify_args;
 /* Zero-fills *args (every option off) and sets its struct_size: call it first. */
 static inline void mf_verify_args_init(mf_verify_args *args) {

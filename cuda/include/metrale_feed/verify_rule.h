@@ -42,6 +42,15 @@ MF_HD uint32_t mf_verify_drafts(const uint32_t *drafts, uint32_t k) {
     return d;
 }
 
+/* Row r's params, its position advanced by advance[r] (advance NULL: as given). The advance is
+ * read where the rule runs, so a step queued before the last one's counts are known draws at the
+ * positions that step reached (mod 2**32, as the counter is). */
+MF_HD mf_sampling_params mf_verify_row_params(const mf_sampling_params *p, const uint32_t *advance, uint32_t r) {
+    mf_sampling_params q = *p;
+    if (advance) q.position = p->position + advance[r];
+    return q;
+}
+
 /* The params of position j of a row: the row's, at position + j (mod 2**32, as the counter is). */
 MF_HD mf_sampling_params mf_verify_params_at(const mf_sampling_params *p, uint32_t j) {
     mf_sampling_params q = *p;

@@ -120,6 +120,7 @@ void run_verify(const VerifyJob &job) {
             const uint32_t *x = drafts + (size_t)r * k;
             const uint32_t d = mf_verify_drafts(x, k);
             const bool sampled = params && params[r].temperature > 0.0f && params[r].temperature <= 3.4e38f;
+            const mf_sampling_params row_params = sampled ? mf_verify_row_params(&params[r], a.advance, r) : mf_sampling_params{};
             uint32_t n = 0;
             for (uint32_t j = 0; j <= d; ++j) {
                 const size_t lr = (size_t)r * (k + 1) + j;
@@ -130,7 +131,7 @@ void run_verify(const VerifyJob &job) {
                 bool accepted;
                 if (sampled) {
                     const float *q = a.draft_probs && j < d ? a.draft_probs + ((size_t)r * k + j) * a.vocab : nullptr;
-                    accepted = sampled_position(at, mf_verify_params_at(&params[r], j), draft, q, vector, &emit);
+                    accepted = sampled_position(at, mf_verify_params_at(&row_params, j), draft, q, vector, &emit);
                 } else {
                     emit = argmax_row(at.row, a.dtype, a.vocab, &rule);
                     accepted = mf_verify_accepts(1, emit, draft, 0u, 0u, 0u, 0u);

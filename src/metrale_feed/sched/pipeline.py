@@ -207,9 +207,9 @@ class DecodePipeline:
         every row in one forward, ``verify_to_feed`` keeps the accepted run, and the run is
         committed up to a stop or ``max_new_tokens``. Greedy requests get exactly the tokens of
         decoding without it. At depth 2 the next verify step is launched before the last one's
-        counts are read (its inputs and positions come from the device). Needs a model with
-        ``block_size`` and ``pool``, no shard, requests without penalties, and greedy requests
-        at depth 2. Default None: one token a row a step.
+        counts are read (its inputs and positions come from the device, and a sampled
+        request's draws are those of depth 1). Needs a model with ``block_size`` and ``pool``,
+        no shard, and requests without penalties. Default None: one token a row a step.
 
     Raises
     ------
@@ -490,9 +490,6 @@ class DecodePipeline:
         else:
             PipelinePenalties.check(self, prompt, max_new, stops, checked[4],
                                     self._penalty_capacity)
-        if sampling[0] > 0.0 and self._spec is not None and self.depth == 2:
-            raise ValueError("a sampled request with speculative decoding needs depth=1 (its "
-                             "draws' positions would be known on the device only)")
         lp = _checks.logprobs(logprobs, top_logprobs)
         if lp[1] > self.vocab:  # else the lists would end in (NO_TOKEN, NaN) placeholders
             raise ValueError(f"top_logprobs={lp[1]} is more than the vocabulary of {self.vocab} "

@@ -62,16 +62,22 @@ class DraftBatch:
         At depth 2, each row's index in the previous ``propose`` call's batch when that step is
         still in flight, so its history lacks what that step emits (its input and position
         are on the device); -1: the row's history is current.
+    ahead_cells : int
+        With rows ahead, the host address of the step in flight's cells as its verify copies
+        them (pinned memory, ``k + 2`` words a row of its batch: ``n``, then the ``n`` emitted
+        ids), written in stream order: a host function queued on the stream by ``propose``
+        (``launch_host_func``) reads them complete, the host thread may not. 0: none.
     """
 
-    __slots__ = ("rows", "k", "inputs", "histories", "seeds", "masks", "ahead")
+    __slots__ = ("rows", "k", "inputs", "histories", "seeds", "masks", "ahead", "ahead_cells")
 
     def __init__(self, rows: int, k: int, inputs: Any, histories: List[List[int]],
                  seeds: List[int], masks: List[Tuple[int, int]],
-                 ahead: Optional[List[int]] = None) -> None:
+                 ahead: Optional[List[int]] = None, ahead_cells: int = 0) -> None:
         self.rows, self.k, self.inputs = rows, k, inputs
         self.histories, self.seeds, self.masks = histories, seeds, masks
         self.ahead = ahead if ahead is not None else [-1] * rows
+        self.ahead_cells = ahead_cells
 
 
 @runtime_checkable
@@ -122,10 +128,34 @@ class _Upload:
         self.host_syncs = 0
 
     def send(self, words: List[int], out: Any, stream: Any) -> None:
+        nbytes = 4 * len(words)
+        slot = self._take(nbytes)
+        view = memoryview(slot[0]).cast("B")
+        try:
+            view[:nbytes] = array("I", words).tobytes()
+            _core.copy_h2d_async(out, view[:nbytes], stream)
+        finally:
+            view.release()
+        slot[1].record(stream)
+
+    def send_later(self, nwords: int, fill: Any, out: Any, stream: Any) -> None:
+        """``send(fill(), ...)`` with ``fill`` run in stream order (a host function), so it may
+        read what the work queued before it wrote; ``fill`` must return ``nwords`` ids."""
+        nbytes = 4 * nwords
+        slot = self._take(nbytes)
+        _core.launch_host_func(stream, _fill_pinned, slot[0], nbytes, fill)
+        view = memoryview(slot[0]).cast("B")
+        try:
+            _core.copy_h2d_async(out, view[:nbytes], stream)
+        finally:
+            view.release()
+        slot[1].record(stream)
+
+    def _take(self, nbytes: int) -> Tuple[Any, Any]:
+        """The next pinned slot of at least ``nbytes``, once its last copy has run."""
         at = self.next
         self.next = (at + 1) % self._SLOTS
         slot = self.slots[at]
-        nbytes = 4 * len(words)
         if slot is not None:
             if not slot[1].query():  # only with more than _SLOTS proposals queued
                 self.host_syncs += 1
@@ -138,13 +168,7 @@ class _Upload:
             self.slots[at] = None  # a failed allocation leaves no closed slot behind
             slot = (_core.PinnedBuffer(max(nbytes, 256)), _core.Event())
             self.slots[at] = slot
-        view = memoryview(slot[0]).cast("B")
-        try:
-            view[:nbytes] = array("I", words).tobytes()
-            _core.copy_h2d_async(out, view[:nbytes], stream)
-        finally:
-            view.release()
-        slot[1].record(stream)
+        return slot
 
     def close(self) -> None:
         for slot in self.slots:
@@ -152,6 +176,26 @@ class _Upload:
                 slot[0].close()
                 slot[1].close()
         self.slots = [None] * self._SLOTS
+
+
+def _fill_pinned(buf: Any, nbytes: int, fill: Any) -> None:
+    """A host function: write ``fill()``'s ids into the pinned ``buf`` before its copy runs."""
+    data = array("I", fill()).tobytes()
+    if len(data) != nbytes:
+        raise ValueError(f"a drafter's deferred drafts hold {len(data)} bytes, not {nbytes}")
+    view = memoryview(buf).cast("B")
+    try:
+        view[:nbytes] = data
+    finally:
+        view.release()
+
+
+def _extended(history: List[int], cells: Sequence[int], at: int, k: int) -> List[int]:
+    """``history`` followed by the ids row ``at`` of a verify step emitted (its cells)."""
+    n = cells[at * (k + 2)]
+    if not 1 <= n <= k + 1:  # not written by a verify that ran: nothing to add
+        return history
+    return history + list(cells[at * (k + 2) + 1:at * (k + 2) + 1 + n])
 
 
 class HostDrafter:
@@ -180,18 +224,45 @@ class HostDrafter:
               mask: Tuple[int, int]) -> List[int]:
         """At depth 2, a row's history once the step still in flight (whose input is
         ``history[-1]`` and whose drafts were ``drafts``) is committed, as far as the drafter
-        can tell. The default keeps the history as it is: the drafts are then for earlier
-        positions, still exact, less often accepted."""
+        can tell, where the batch gives no ``ahead_cells`` (``propose`` otherwise drafts in
+        stream order from the history itself). The default keeps the history as it is: the
+        drafts are then for earlier positions, still exact, less often accepted."""
         return list(history)
 
     def propose(self, batch: DraftBatch, out: Any, stream: Any) -> None:
-        """Write ``draft`` of every row into ``out`` in stream order (see ``Drafter``)."""
-        k, last = batch.k, self._last
-        words: List[int] = []
+        """Write ``draft`` of every row into ``out`` in stream order (see ``Drafter``).
+
+        With rows of the step still in flight and its cells given (``batch.ahead_cells``), the
+        rows are drafted in stream order, in a host function that runs once that step's verify
+        has written its cells: each such row's history then holds what that step emitted, so
+        the drafts are those of depth 1. Without the cells, ``after`` guesses that history."""
+        k = batch.k
+        if batch.ahead_cells and any(at >= 0 for at in batch.ahead):
+            histories = [list(h) for h in batch.histories]  # the host thread moves on meanwhile
+            seeds, masks, ahead = list(batch.seeds), list(batch.masks), list(batch.ahead)
+            cells_ptr, cell_words = batch.ahead_cells, (max(ahead) + 1) * (k + 2)
+
+            def fill() -> List[int]:
+                cells = _core.read_pinned_u32(cells_ptr, cell_words)
+                exact = [h if at < 0 else _extended(h, cells, at, k)
+                         for h, at in zip(histories, ahead)]
+                return self._words(exact, seeds, masks, k)
+
+            self._upload.send_later(batch.rows * k, fill, out, stream)
+            return
+        last = self._last
+        histories = list(batch.histories)
         for row, (history, seed, mask) in enumerate(zip(batch.histories, batch.seeds, batch.masks)):
             at = batch.ahead[row]
             if at >= 0 and len(last) >= (at + 1) * k:  # the step in flight: this drafter's
-                history = self.after(history, last[at * k:(at + 1) * k], seed, mask)
+                histories[row] = self.after(history, last[at * k:(at + 1) * k], seed, mask)
+        self._upload.send(self._words(histories, batch.seeds, batch.masks, k), out, stream)
+
+    def _words(self, histories: Sequence[Sequence[int]], seeds: Sequence[int],
+               masks: Sequence[Tuple[int, int]], k: int) -> List[int]:
+        """Each row's ``draft``, ``NO_TOKEN``-padded to ``k`` ids, checked to be uint32 ids."""
+        words: List[int] = []
+        for history, seed, mask in zip(histories, seeds, masks):
             ids = list(self.draft(history, k, seed, mask))[:k]
             words.extend(ids + [NO_TOKEN] * (k - len(ids)))
         try:
@@ -202,7 +273,7 @@ class HostDrafter:
             raise type(exc)(f"{type(self).__name__}.draft gave {bad!r}: a draft is a uint32 id "
                             f"(NO_TOKEN ends a row's drafts early)") from exc
         self._last = words
-        self._upload.send(words, out, stream)
+        return words
 
     @property
     def host_syncs(self) -> int:
@@ -464,7 +535,8 @@ class SpeculativeStep:
             _core.resolve_feed([FeedSource.host(h[-1]) for h in histories], slot.ids, inputs,
                                stream, prev_rows=1)
         self.drafter.propose(DraftBatch(n_rows, k, inputs, histories, [r.seed for r in rows],
-                                        masks, at), slot.drafts, stream)
+                                        masks, at, prev.slot.dst.ptr if advanced and prev else 0),
+                             slot.drafts, stream)
         # The fed ids, gathered on the device: row r's input, then its k drafts.
         sources: List[int] = []
         for row in range(n_rows):
@@ -478,7 +550,7 @@ class SpeculativeStep:
         if any(r._ban is not None for r in rows):
             vmasks = [m for m in masks for _ in range(k + 1)]  # one pair per logit row
         params = None
-        if any(r.temperature > 0.0 for r in rows):  # depth 1 only (submit refuses them at 2)
+        if any(r.temperature > 0.0 for r in rows):
             import numpy as np
 
             from ..sampling import SAMPLING_PARAMS_DTYPE
@@ -486,11 +558,15 @@ class SpeculativeStep:
             params = np.zeros(n_rows, SAMPLING_PARAMS_DTYPE)
             for field in ("temperature", "top_k", "top_p", "min_p", "seed"):
                 params[field] = [getattr(r, field) for r in rows]
-            params["position"] = [len(h) for h in histories]  # the first emitted id's position
+            # The first emitted id's position as far as the host knows; a row in the step in
+            # flight adds that step's count on the device (the advance its forward reads), so
+            # its draws are keyed as at depth 1.
+            params["position"] = [len(h) for h in histories]
         _core.verify_to_feed(logits, slot.drafts, slot.cells, slot.dst, slot.done, stream, k=k,
                              masks=vmasks, params=params, rows=n_rows, vocab=pipe.vocab,
                              dtype=pipe.info.logits_dtype,
-                             row_stride=getattr(model, "feed_row_stride", None))
+                             row_stride=getattr(model, "feed_row_stride", None),
+                             advance=slot.advance if advanced and params is not None else None)
         if self.depth > 1:  # what the next launch reads before this one's counts are known
             _core.resolve_verified(slot.cells, slot.ids, slot.adv, stream, rows=n_rows, k=k)
         self.next_slot = (self.next_slot + 1) % len(self.slots)

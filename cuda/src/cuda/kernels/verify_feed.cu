@@ -129,8 +129,8 @@ __global__ void __launch_bounds__(kThreads)
     mf_verify_kernel(const char *logits, int dtype, uint64_t row_bytes, uint32_t vocab, uint32_t k,
                      uint32_t *cells, float *logprobs, const uint32_t *device_drafts,
                      const uint32_t *device_masks, const mf_sampling_params *device_params,
-                     bool has_params, const uint32_t *bitmask, uint32_t bit_words, const float *draft_probs,
-                     const __grid_constant__ VerifyInputs in) {
+                     bool has_params, const uint32_t *advance, const uint32_t *bitmask, uint32_t bit_words,
+                     const float *draft_probs, const __grid_constant__ VerifyInputs in) {
     __shared__ uint32_t ids[MF_MAX_DRAFTS + 1];
     __shared__ float fslots[kThreads / 32];
     __shared__ double dslots[kThreads / 32];
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t *x = device_drafts ? device_drafts + (uint64_t)r * k : in.drafts + r * k;
     const uint32_t d = mf_verify_drafts(x, k);
     mf_sampling_params params{};
-    if (has_params) params = device_params ? device_params[r] : in.params[r];
+    if (has_params) params = mf_verify_row_params(device_params ? &device_params[r] : &in.params[r], advance, r);
     const bool sampled = has_params && !mf_plan_sampling(&params).greedy;
     uint32_t n = 0;
     for (uint32_t j = 0; j <= d; ++j) {
@@ -213,7 +213,8 @@ cudaError_t launch_verify(const mf_verify_args &a, cudaStream_t stream) {
             static_cast<const char *>(a.logits) + lr0 * a.row_stride * esize, (int)a.dtype, a.row_stride * esize,
             a.vocab, a.k, a.cells + (uint64_t)row0 * (a.k + 2), a.logprobs ? a.logprobs + lr0 : nullptr,
             ddrafts ? a.drafts + (uint64_t)row0 * a.k : nullptr, dmasks ? a.masks + 2 * lr0 : nullptr,
-            dparams ? a.params + row0 : nullptr, a.params != nullptr, a.bitmask ? a.bitmask + lr0 * words : nullptr,
+            dparams ? a.params + row0 : nullptr, a.params != nullptr, a.advance ? a.advance + row0 : nullptr,
+            a.bitmask ? a.bitmask + lr0 * words : nullptr,
             words, a.draft_probs ? a.draft_probs + (uint64_t)row0 * a.k * a.vocab : nullptr, in);
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
