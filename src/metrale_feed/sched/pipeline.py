@@ -19,7 +19,8 @@ import threading
 import warnings
 from collections import deque
 from functools import partial
-from typing import Any, Callable, Deque, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import (Any, Callable, Deque, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple,
+                    Union)
 
 from .. import _checks, _core
 from ..contract import BatchPrefill, HostTokenDecode, Prefill, feed_info_of, require
@@ -30,7 +31,7 @@ from ..trait import ModelDeviceFeed
 from .budget import KvBudget
 from .penalized import PipelinePenalties
 from .request import _PREEMPTED, _RUNNING, Request, RequestStatus, _order_of, _SeqView
-from .router import AsyncDeviceIo, SyncDeviceIo, Ticket, _DeviceIo
+from .router import AsyncDeviceIo, SyncDeviceIo, Ticket
 
 __all__ = ["DecodePipeline", "Request", "RequestStatus", "PipelineStats"]
 
@@ -111,6 +112,18 @@ class PipelineStats:
         spec_syncs = 0 if spec is None else spec.host_syncs + getattr(spec.drafter, "host_syncs", 0)
         return pipe.io.stats.host_syncs + model_syncs + spec_syncs
 
+    # A speculative step is launched by the pipeline's delegate, not through the ring: its
+    # launches are counted there and added to the router's, never written into them.
+    @property
+    def launches(self) -> int:
+        spec = self._pipe._spec
+        return self._pipe.io.stats.launches + (0 if spec is None else spec.launches)
+
+    @property
+    def ahead_launches(self) -> int:
+        spec = self._pipe._spec
+        return self._pipe.io.stats.ahead_launches + (0 if spec is None else spec.ahead_launches)
+
     def __getattr__(self, name: str) -> int:
         if name.startswith("_"):
             raise AttributeError(name)
@@ -128,7 +141,8 @@ class PipelineStats:
 
     def as_dict(self) -> Dict[str, int]:
         out = self._pipe.io.stats.as_dict()
-        out["host_syncs"] = self.host_syncs
+        for name in ("launches", "ahead_launches", "host_syncs"):
+            out[name] = getattr(self, name)
         out.update((name, getattr(self, name)) for name in self._OWN)
         return out
 
@@ -281,8 +295,9 @@ class DecodePipeline:
         self._pool = info.pool if info.block_size else None
         self._prefill_many = model.prefill_many if isinstance(model, BatchPrefill) else None
         self._model_syncs_at_start = getattr(model, "host_syncs", 0)
-        self.io: _DeviceIo = (AsyncDeviceIo(model, max_rows, stream=stream) if depth == 2
-                              else SyncDeviceIo(model, max_rows, stream=stream))
+        self.io: Union[AsyncDeviceIo, SyncDeviceIo] = (
+            AsyncDeviceIo(model, max_rows, stream=stream) if depth == 2
+            else SyncDeviceIo(model, max_rows, stream=stream))
         self.budget: KvBudget = self.io.budget  # the one owner of the blocks in flight
         self.stats = PipelineStats(self)
         self._waiting: Deque[Request] = deque()
@@ -808,8 +823,9 @@ class DecodePipeline:
         io = self.io
         queued = io.stats.launches
         try:
-            return io._launch(sources, self._seqs_of(rows), masks, fed, params, True, self._hook,
-                              self._lp is not None, self._top_n)
+            return io.launch(sources, self._seqs_of(rows), masks, fed=fed, params=params,
+                             trusted=True, hook=self._hook, logprobs=self._lp is not None,
+                             top_n=self._top_n)
         except BaseException as exc:
             if io.stats.launches != queued:
                 self._launches = launch + 1

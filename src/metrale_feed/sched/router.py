@@ -299,8 +299,12 @@ class _DeviceIo:
         return self._ring
 
     def launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any = None, *,
-               fed: bool, params: Any = None, trusted: bool = False) -> Ticket:
+               fed: bool, params: Any = None, trusted: bool = False, hook: Any = None,
+               logprobs: bool = False, top_n: int = 0) -> Ticket:
         """Launch one step: ``launch_fed`` (``fed=True``) or ``launch_decode`` (``fed=False``).
+
+        The one launch path: ``launch_fed``, ``launch_decode`` and the decode pipeline all come
+        here.
 
         Parameters
         ----------
@@ -317,6 +321,17 @@ class _DeviceIo:
             The caller (the decode pipeline) built inputs, masks and params from values it
             checked once, and reserved every row's block through this router's ``budget``: the
             per-row checks and the budget's ``cover`` are skipped.
+        hook : optional
+            The decode pipeline's penalties (docs/penalties.md), or None:
+            ``hook.apply(logits, stream)`` is queued between the forward and the feed method and
+            ``hook.update(stream)`` after it; with ``logprobs`` too,
+            ``hook.snapshot(logits, rows, stream)`` first, passed as ``raw_logits``.
+        logprobs : bool, optional
+            The feed method also writes each row's chosen-token logprob into the slot's
+            logprobs buffers, copied back with the ids before the event; ``await_result`` sets
+            ``ticket.logprobs``.
+        top_n : int, optional
+            With ``logprobs``: each row's ``top_n`` most likely ids too (``ticket.top``).
 
         Returns
         -------
@@ -328,19 +343,6 @@ class _DeviceIo:
             As ``launch_fed`` and ``launch_decode`` say. A refused launch leaves the pool and
             every block table as they were.
         """
-        return self._launch(inputs, seqs, masks, fed, params, trusted, None)
-
-    def _launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any,
-                fed: bool, params: Any, trusted: bool, hook: Any, logprobs: bool = False,
-                top_n: int = 0) -> Ticket:
-        """``launch``, with the decode pipeline's ``hook`` (its penalties, or None):
-        ``hook.apply(logits, stream)`` is queued between the forward and the feed method and
-        ``hook.update(stream)`` after it (docs/penalties.md); with logprobs too,
-        ``hook.snapshot(logits, rows, stream)`` first, passed as ``raw_logits``. ``logprobs``:
-        the feed method also writes each row's chosen-token logprob into the slot's logprobs
-        buffers, copied back with the ids before the event, and ``await_result`` sets
-        ``ticket.logprobs``; ``top_n`` (with it): each row's ``top_n`` most likely ids too,
-        ``ticket.top``."""
         ring = self._open_ring()
         rows = len(seqs)
         if not 1 <= rows <= self.max_rows:
@@ -737,13 +739,14 @@ class SyncDeviceIo(_DeviceIo):
         self._init_state(model, max_rows, stream, 1)
         self._results: Dict[int, List[int]] = {}
 
-    def _launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any,
-                fed: bool, params: Any, trusted: bool, hook: Any, logprobs: bool = False,
-                top_n: int = 0) -> Ticket:
+    def launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any = None, *,
+               fed: bool, params: Any = None, trusted: bool = False, hook: Any = None,
+               logprobs: bool = False, top_n: int = 0) -> Ticket:
         if fed and not self.model.supports_device_token_feed():
             raise FeedError("launch_fed needs the device feed; with a settled step the inputs are "
                             "host-known, so use launch_decode")
-        ticket = super()._launch(inputs, seqs, masks, fed, params, trusted, hook, logprobs, top_n)
+        ticket = super().launch(inputs, seqs, masks, fed=fed, params=params, trusted=trusted,
+                                hook=hook, logprobs=logprobs, top_n=top_n)
         self._results[ticket.step] = super().await_result(ticket)
         self.stats.ahead_launches = 0
         return ticket

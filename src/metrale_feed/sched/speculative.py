@@ -370,6 +370,7 @@ class SpeculativeStep:
         self.next_slot = 0
         self.inflight: Deque[_Flight] = deque()
         self.host_syncs = 0
+        self.launches = self.ahead_launches = 0  # PipelineStats adds them to the router's
         self._closed = False
 
     # ---- KV ----
@@ -483,9 +484,9 @@ class SpeculativeStep:
             _core.resolve_verified(slot.cells, slot.ids, slot.adv, stream, rows=n_rows, k=k)
         self.next_slot = (self.next_slot + 1) % len(self.slots)
         pipe._launches = launch + 1
-        pipe.io.stats.launches += 1
+        self.launches += 1
         if self.inflight:
-            pipe.io.stats.ahead_launches += 1
+            self.ahead_launches += 1
         self.inflight.append(_Flight(rows, slot, launch))
         return True
 
