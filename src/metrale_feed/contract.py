@@ -17,6 +17,8 @@ caller needs, naming it.
 ``DescribesFeed``        ``feed_info() -> FeedInfo``
 ``VerifyStep``           ``decode_batch_verify(input_ids, seqs, k, stream, advance=None)``:
                          a speculative step's forward over ``k + 1`` positions a row
+``ReservesAhead``        ``reserve_blocks_through(seq, last)``: the blocks up to position
+                         ``last``, all or none (a speculative step's reservation)
 =======================  ==============================================================
 
 Sampling is declared by ``FeedInfo.sampling``: a model whose ``sample_batch_to_feed`` draws (the
@@ -30,7 +32,7 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence, Tuple, runtime
 from .kv import BlockPool, SequenceState
 
 __all__ = ["FeedInfo", "DeviceTokenFeed", "HostTokenDecode", "Prefill", "BatchPrefill",
-           "DescribesFeed", "DefersForward", "VerifyStep", "require", "feed_info_of"]
+           "DescribesFeed", "DefersForward", "VerifyStep", "ReservesAhead", "require", "feed_info_of"]
 
 
 class FeedInfo(NamedTuple):
@@ -145,6 +147,16 @@ class VerifyStep(Protocol):
 
     def decode_batch_verify(self, input_ids: Any, seqs: Sequence[SequenceState], k: int,
                             stream: Any = None, advance: Any = None) -> int: ...
+
+
+@runtime_checkable
+class ReservesAhead(Protocol):
+    """A model whose blocks can be taken for positions past ``seq_len`` (a speculative step's
+    ``k + 1``, and at depth 2 the ones the step in flight writes): ``KvBudget.extend`` takes them
+    through it, all or none, so a refused extend leaves the pool and every block table as they
+    were (``PagedKvMixin`` has it)."""
+
+    def reserve_blocks_through(self, seq: SequenceState, last: int) -> int: ...
 
 
 def require(model: Any, who: str, *protocols: Any) -> None:

@@ -190,6 +190,20 @@ class PagedKvMixin:
             return 1
         return 0
 
+    def reserve_blocks_through(self, seq: SequenceState, last: int) -> int:
+        """The blocks ``seq``'s table lacks to cover position ``last`` (a speculative step's
+        ``k + 1`` positions), all or none: ``KvPoolExhausted`` leaves the table and the pool as
+        they were. Returns the blocks added."""
+        bs, table = self.block_size, seq.block_table
+        first = len(table)
+        try:
+            while last // bs >= len(table):
+                table.append(self.pool.alloc())
+        except BaseException:
+            self.release_decode_blocks(seq, len(table) - first)
+            raise
+        return len(table) - first
+
     def release_decode_blocks(self, seq: SequenceState, blocks: int) -> None:
         if not 0 <= blocks <= len(seq.block_table):
             raise ValueError(f"cannot release {blocks} of {len(seq.block_table)} blocks")

@@ -18,8 +18,9 @@ Two ways to account for a reservation, for two callers:
   no single entry to find.
 
 A speculative step (docs/speculative.md) writes up to ``2k + 2`` positions past a row's committed
-ones: ``extend`` covers them and ``trim`` gives back the blocks that hold only rejected positions
-once the step's counts are read.
+ones: ``extend`` covers them (through the model's ``reserve_blocks_through``, all or none) and
+``trim`` gives back the blocks that hold only rejected positions once the step's counts are read.
+The model's block calls are made from here only.
 """
 
 from __future__ import annotations
@@ -262,17 +263,12 @@ class KvBudget:
     # ---- by a speculative step ----
 
     def extend(self, seq: SequenceState, last: int) -> int:
-        """Blocks from the pool until ``seq``'s table covers position ``last``, counted as
-        reserved; the blocks added. ``KvPoolExhausted``: those added before it stay in the table
-        (the caller preempts, and ``free`` returns them)."""
-        bs, pool = self.block_size, self.pool
-        if bs is None or pool is None:
-            raise ValueError("KvBudget.extend needs the block size and the pool")
-        added = 0
-        while last // bs >= len(seq.block_table):
-            seq.block_table.append(pool.alloc())
-            self.reserved_blocks += 1
-            added += 1
+        """Blocks until ``seq``'s table covers position ``last``, taken through the model's
+        ``reserve_blocks_through`` (``ReservesAhead``) and counted as reserved; the blocks
+        added. All or none: ``KvPoolExhausted`` leaves the pool, the table and the counters as
+        they were (the caller preempts a row and asks again)."""
+        added: int = self.model.reserve_blocks_through(seq, last)
+        self.reserved_blocks += added
         return added
 
     def trim(self, seq: SequenceState, positions: int) -> int:

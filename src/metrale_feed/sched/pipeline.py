@@ -865,52 +865,59 @@ class DecodePipeline:
         return self._seqs
 
     def _reserve(self, rows: List[Request], launch: int) -> List[Request]:
-        """KV blocks for this launch's positions; when the pool runs dry, the youngest running
-        request gives its blocks back and waits to resume (recompute). Returns the rows left.
+        """KV blocks for this launch's positions, through the budget; returns the rows left
+        (``_reserve_or_preempt``).
 
         With a known block size the pipeline reserves only for the rows its schedule says cross
         a block boundary, and keeps the in-flight accounting itself: a discarded step's block
         always leaves with its request (finish, abort or preemption return every block), so
-        there is no single reservation to roll back and the router's ledger is not needed."""
-        bs = self._block_size
-        if bs is None:
-            return self._reserve_each(rows)
+        there is no single reservation to roll back and the router's ledger is not needed. A
+        model that does not say its block size decides per row, through the budget's ledger (so
+        a discarded step's reservation can be rolled back exactly)."""
+        if self._block_size is None:
+            budget = self.budget
+            return self._reserve_or_preempt(
+                rows, rows, lambda due: budget.reserve_many([r._seq for r in due]))  # type: ignore[misc]
         due = self._boundary.pop(launch, None)
         if not due:
             return rows
-        take = self.budget.take
-        added = 0
         for req in due:
             req._bound = -1
-            while req.status is _RUNNING:
-                try:
-                    if take(req._seq):  # type: ignore[arg-type]
-                        added += 1
-                        req._reserved_at = launch
-                    break
-                except KvPoolExhausted:
-                    victim = max((r for r in rows if r.status is _RUNNING), key=_order_of)
-                    if victim._reserved_at == launch:
-                        added -= 1  # its block for this launch goes back with the rest
-                        self.budget.untake(1)
-                    self._preempt(victim)
-                    rows = [r for r in rows if r is not victim]
-        self._added += added
-        self._reschedule(due, launch + bs)
+        rows = self._reserve_or_preempt(rows, due, self._take_due)
+        self._reschedule(due, launch + self._block_size)
         return rows
 
-    def _reserve_each(self, rows: List[Request]) -> List[Request]:
-        """A model that does not say its block size decides per row, through the router's
-        ledger (so a discarded step's reservation can be rolled back exactly)."""
-        due = list(rows)
+    def _take_due(self, due: List[Request]) -> int:
+        """The block of each of ``due`` for the launch being made (counted in ``_added``); the
+        index of the first the pool could not serve, or -1."""
+        take, launch = self.budget.take, self._launches
+        for at, req in enumerate(due):
+            try:
+                if take(req._seq):  # type: ignore[arg-type]
+                    self._added += 1
+                    req._reserved_at = launch
+            except KvPoolExhausted:
+                return at
+        return -1
+
+    def _reserve_or_preempt(self, rows: List[Request], due: List[Request],
+                            reserve: Callable[[List[Request]], int]) -> List[Request]:
+        """The one place a full pool preempts (the plain step's and the speculative step's):
+        ``reserve(due)`` takes the blocks of each of ``due`` in order and returns the index of
+        the first one the pool could not serve (-1: all served). Then the youngest running row
+        of ``rows`` gives its blocks back and waits to resume (recompute), and the rest of
+        ``due`` is asked again. Returns the rows left."""
         while due:
-            failed = self.budget.reserve_many([r._seq for r in due])  # type: ignore[misc]
+            failed = reserve(due)
             if failed < 0:
                 break
             victim = max((r for r in rows if r.status is _RUNNING), key=_order_of)
-            due = [r for r in due[failed:] if r is not victim]
+            if victim._reserved_at == self._launches:  # its block for the launch being made
+                self._added -= 1  # goes back with the rest of its blocks
+                self.budget.untake(1)
             self._preempt(victim)
             rows = [r for r in rows if r is not victim]
+            due = [r for r in due[failed:] if r is not victim]
         return rows
 
     def _reschedule(self, reqs: List[Request], launch: int) -> None:

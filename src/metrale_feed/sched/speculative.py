@@ -19,7 +19,7 @@ from typing import (TYPE_CHECKING, Any, Deque, List, Optional, Protocol, Sequenc
                     runtime_checkable)
 
 from .. import _checks, _core
-from ..contract import VerifyStep, require
+from ..contract import ReservesAhead, VerifyStep, require
 from ..errors import KvPoolExhausted
 from ..feed import NO_TOKEN, FeedSource
 from .request import _RUNNING, _RequestView
@@ -340,7 +340,7 @@ class SpeculativeStep:
     def __init__(self, pipe: "DecodePipeline", drafter: Any) -> None:
         k = check_drafter(drafter)
         model: Any = pipe.model
-        require(model, "speculative decoding", VerifyStep)
+        require(model, "speculative decoding", VerifyStep, ReservesAhead)
         if pipe.depth == 2 and not _takes(model.decode_batch_verify, "advance"):
             raise TypeError(f"speculative decoding at depth 2 needs decode_batch_verify(..., "
                             f"advance=) (positions advanced on the device); "
@@ -376,24 +376,20 @@ class SpeculativeStep:
     # ---- KV ----
 
     def _reserve(self, rows: List["Request"], reach: int) -> List["Request"]:
-        """Blocks for every row's positions up to ``_base + reach``; when the pool runs dry the
-        youngest running row gives its blocks back and waits to resume (recompute). Returns
+        """Blocks for every row's positions up to ``_base + reach``, through the budget; when
+        the pool runs dry the pipeline preempts the youngest (``_reserve_or_preempt``). Returns
         the rows left."""
-        from .request import _order_of
+        extend = self.pipe.budget.extend
 
-        pipe = self.pipe
-        for req in list(rows):
-            seq = req._seq
-            while req.status is _RUNNING:  # so it has a view (seq); a preempted one has none
+        def extend_each(due: List["Request"]) -> int:
+            for at, req in enumerate(due):
                 try:
-                    pipe.budget.extend(seq, req._base + reach)  # type: ignore[arg-type]
-                    break
+                    extend(req._seq, req._base + reach)  # type: ignore[arg-type]
                 except KvPoolExhausted:
-                    victim = max((r for r in rows if r.status is _RUNNING),
-                                 key=_order_of)
-                    pipe._preempt(victim)
-                    rows = [r for r in rows if r is not victim]
-        return rows
+                    return at
+            return -1
+
+        return self.pipe._reserve_or_preempt(rows, rows, extend_each)
 
     def _trim(self, req: "Request", ahead: bool) -> None:
         """Give back the blocks that hold only rejected positions: past ``_base``, or past
