@@ -468,9 +468,12 @@ def test_an_abort_posted_while_a_verify_step_runs(host, no_leaks, depth):
 def test_depth_2_needs_a_verify_step_that_takes_the_advance(host, no_leaks, greedy):
     from metrale_feed.testing.reference import ReferenceModel
 
-    class NoAdvance(ReferenceModel):
+    class NoAdvance(ReferenceModel):  # says so in its FeedInfo, as a model must
         def decode_batch_verify(self, input_ids, seqs, k, stream=None):
             return super().decode_batch_verify(input_ids, seqs, k, stream)
+
+        def feed_info(self):
+            return super().feed_info()._replace(verify_advance=False)
 
     drafter = ReferenceDrafter(VOCAB, 2, 0.5)
     with NoAdvance(VOCAB, block_size=4, num_blocks=50, max_rows=2) as model:

@@ -39,19 +39,6 @@ _drain: "partial[Deque[Any]]" = partial(deque, maxlen=0)  # runs an iterator out
 _IDENTITY: Dict[int, List[FeedSource]] = {}  # rows -> [feed(0), feed(1), ...], made once
 
 
-def _takes(method: Any, names: Tuple[str, ...]) -> bool:
-    """Whether a feed method accepts these keywords (or any keyword)."""
-    import inspect
-
-    try:
-        params = inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return True
-    return all(name in params for name in names)
-
-
 def _identity(rows: int) -> List[FeedSource]:
     sources = _IDENTITY.get(rows)
     if sources is None:
@@ -323,13 +310,6 @@ class DecodePipeline:
         # passes one params record per row (``_params``), rebuilt with the batch.
         self._can_sample = info.sampling
         self._params: Any = None  # SAMPLING_PARAMS_DTYPE records of self._rows, or None
-        # Logprobs: the feed methods must take the two keywords (both, as a step with any
-        # sampled row goes to sample_batch_to_feed).
-        feeds = [getattr(model, name, None) for name in ("argmax_batch_to_feed",
-                                                         "sample_batch_to_feed")]
-        self._can_logprobs = all(_takes(f, ("logprobs", "logprobs_dst")) for f in feeds)
-        self._can_top = all(_takes(f, ("top_logprobs", "top_logprobs_dst", "top_n")) for f in feeds)
-        self._can_raw = all(_takes(f, ("raw_logits",)) for f in feeds)
         # self._rows' (row, its logprobs, its top logprobs or None, its n) and the batch's n
         self._lp: Optional[List[Tuple[int, List[float], Any, int]]] = None
         self._top_n = 0
@@ -513,22 +493,25 @@ class DecodePipeline:
             raise ValueError(f"top_logprobs={lp[1]} is more than the vocabulary of {self.vocab} "
                              f"ids")
         if lp[1]:
-            if getattr(self.model, "feed_shard", None) is not None:
+            if self.info.shard is not None:
                 raise ValueError("top_logprobs over a split vocabulary (shard=) is not supported")
-            if not self._can_top:
+            if not self.info.top_logprobs:
                 raise FeedError(f"{type(self.model).__name__}'s feed methods take no "
-                                f"top_logprobs=: a request with top_logprobs > 0 cannot run on it")
+                                f"top_logprobs= (its feed_info() says top_logprobs=False): a "
+                                f"request with top_logprobs > 0 cannot run on it")
         if lp[0]:
-            if pen is not None and not self._can_raw:
-                raise FeedError(f"{type(self.model).__name__}'s feed methods take no raw_logits=: "
-                                f"logprobs=True with penalties, logit_bias or min_tokens cannot "
-                                f"run on it (the penalties change the logits in place)")
-            if pen is not None and getattr(self.model, "feed_shard", None) is not None:
+            if pen is not None and not self.info.raw_logits:
+                raise FeedError(f"{type(self.model).__name__}'s feed methods take no raw_logits= "
+                                f"(its feed_info() says raw_logits=False): logprobs=True with "
+                                f"penalties, logit_bias or min_tokens cannot run on it (the "
+                                f"penalties change the logits in place)")
+            if pen is not None and self.info.shard is not None:
                 raise ValueError("logprobs=True with penalties over a split vocabulary (shard=) "
                                  "is not supported")
-            if not self._can_logprobs:
+            if not self.info.logprobs:
                 raise FeedError(f"{type(self.model).__name__}'s feed methods take no logprobs= "
-                                f"and logprobs_dst=: a request with logprobs=True cannot run on it")
+                                f"and logprobs_dst= (its feed_info() says logprobs=False): a "
+                                f"request with logprobs=True cannot run on it")
         if (lp[0] or lp[1]) and self._spec is not None:
             raise ValueError("logprobs are not returned with speculative decoding yet: submit the "
                              "request without logprobs or top_logprobs")

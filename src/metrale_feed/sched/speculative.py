@@ -278,16 +278,6 @@ class _SpecView(_RequestView):
             self.req._base = value
 
 
-def _takes(fn: Any, name: str) -> bool:
-    import inspect
-
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return True  # no signature to read: the call itself will say
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
 class _Slot:
     """One launch's buffers: the drafts then the inputs (one device buffer, so one gather makes
     the fed ids), the fed ids, the advance, the verify cells and their pinned copy, and the
@@ -341,10 +331,11 @@ class SpeculativeStep:
         k = check_drafter(drafter)
         model: Any = pipe.model
         require(model, "speculative decoding", VerifyStep, ReservesAhead)
-        if pipe.depth == 2 and not _takes(model.decode_batch_verify, "advance"):
+        if pipe.depth == 2 and not pipe.info.verify_advance:
             raise TypeError(f"speculative decoding at depth 2 needs decode_batch_verify(..., "
                             f"advance=) (positions advanced on the device); "
-                            f"{type(model).__name__}'s has no advance: use depth=1")
+                            f"{type(model).__name__}'s has no advance (its feed_info() says "
+                            f"verify_advance=False): use depth=1")
         if pipe._block_size is None or pipe._pool is None:
             raise TypeError("speculative decoding needs a model with block_size and pool (a "
                             "BlockPool): the pipeline reserves the k + 1 positions itself")
