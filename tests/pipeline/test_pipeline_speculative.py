@@ -551,3 +551,31 @@ def test_sampled_rows_match_the_verify_rule_over_each_request_alone(host, no_lea
         assert req.tokens == _sampled_spec_tokens(p, m, drafter, temperature=0.01, seed=5,
                                                   **filters)
         assert req.tokens != greedy_tokens(p, m, VOCAB) or filters.get("top_p") == 0.5
+
+
+def test_logprobs_with_speculation_get_the_speculative_refusal_first(host, no_leaks):
+    """The most specific refusal wins: a speculative pipeline refuses logprobs because of the
+    speculation, whatever else the request or the model would have been refused for (a model
+    that declares no logprobs, a top_logprobs above the vocabulary, a sampled row at depth 2);
+    without speculation those other refusals remain."""
+    from metrale_feed.testing.reference import ReferenceModel
+
+    class NoLogprobs(ReferenceModel):
+        def feed_info(self):
+            return super().feed_info()._replace(logprobs=False, top_logprobs=False)
+
+    drafter = ReferenceDrafter(8, 2, 0.5)
+    with NoLogprobs(8, block_size=4, num_blocks=60, max_rows=2) as model:
+        for depth in (1, 2):
+            with DecodePipeline(model, 2, depth=depth, speculative=drafter) as pipe:
+                for kw in [dict(logprobs=True), dict(logprobs=True, top_logprobs=3),
+                           dict(logprobs=True, top_logprobs=12),  # above the vocabulary of 8
+                           dict(logprobs=True, temperature=0.7)]:
+                    with pytest.raises(ValueError, match="not returned with speculative"):
+                        pipe.submit([1, 2], max_new_tokens=3, **kw)
+                assert pipe.idle
+        with DecodePipeline(model, 2) as pipe:  # the model's own refusals, once no speculation
+            with pytest.raises(FeedError, match="logprobs=False"):
+                pipe.submit([1, 2], max_new_tokens=3, logprobs=True)
+            with pytest.raises(ValueError, match="more than the vocabulary"):
+                pipe.submit([1, 2], max_new_tokens=3, logprobs=True, top_logprobs=12)

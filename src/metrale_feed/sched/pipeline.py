@@ -474,59 +474,68 @@ class DecodePipeline:
         checked = _checks.penalties(
             repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens,
             self.vocab, max_new)
-        pen: Optional[_checks.Penalties] = checked
-        if checked == _checks.NO_PENALTIES:
-            pen = None
-        elif self._spec is not None:  # first: the penalty-only checks below would mislead
-            raise ValueError("penalties (repetition_penalty, presence_penalty, "
-                             "frequency_penalty), logit_bias and min_tokens are not applied with "
-                             "speculative decoding yet: submit the request without them (or to a "
-                             "pipeline without speculative=)")
-        else:
-            PipelinePenalties.check(self, prompt, max_new, stops, checked[4],
-                                    self._penalty_capacity)
-        if sampling[0] > 0.0 and self._spec is not None and self.depth == 2:
-            raise ValueError("a sampled request with speculative decoding needs depth=1 (its "
-                             "draws' positions would be known on the device only)")
+        pen = None if checked == _checks.NO_PENALTIES else checked
         lp = _checks.logprobs(logprobs, top_logprobs)
+        self._refuse_unrunnable(prompt, max_new, stops, sampling, pen, lp)
+        req = Request(self, prompt, max_new, stops, mask, 0, sampling, pen, lp)
+        self._post(self._enqueue, req)
+        return req
+
+    def _refuse_unrunnable(self, prompt: Tuple[int, ...], max_new: int, stops: FrozenSet[int],
+                           sampling: _checks.Sampling, pen: Optional[_checks.Penalties],
+                           lp: Tuple[bool, int]) -> None:
+        """Refuse a request whose parameters are valid (checked) but that this pipeline cannot
+        run, the most specific refusal first: what speculative decoding cannot run on any
+        model, then the vocabulary's and the shard's limits, then what this model declares it
+        lacks (its ``FeedInfo``), then what could never fit (the penalty table, the KV pool).
+        So a user is never sent after a fix that would not help."""
+        spec = self._spec
+        if spec is not None:
+            if pen is not None:  # before the penalty-only checks below, which would mislead
+                raise ValueError("penalties (repetition_penalty, presence_penalty, "
+                                 "frequency_penalty), logit_bias and min_tokens are not applied "
+                                 "with speculative decoding yet: submit the request without them "
+                                 "(or to a pipeline without speculative=)")
+            if lp[0] or lp[1]:  # before the model's logprobs capabilities and the vocabulary
+                raise ValueError("logprobs are not returned with speculative decoding yet: "
+                                 "submit the request without logprobs or top_logprobs (or to a "
+                                 "pipeline without speculative=)")
+            if sampling[0] > 0.0 and self.depth == 2:
+                raise ValueError("a sampled request with speculative decoding needs depth=1 "
+                                 "(its draws' positions would be known on the device only)")
+        info, name = self.info, type(self.model).__name__
         if lp[1] > self.vocab:  # else the lists would end in (NO_TOKEN, NaN) placeholders
             raise ValueError(f"top_logprobs={lp[1]} is more than the vocabulary of {self.vocab} "
                              f"ids")
-        if lp[1]:
-            if self.info.shard is not None:
-                raise ValueError("top_logprobs over a split vocabulary (shard=) is not supported")
-            if not self.info.top_logprobs:
-                raise FeedError(f"{type(self.model).__name__}'s feed methods take no "
-                                f"top_logprobs= (its feed_info() says top_logprobs=False): a "
-                                f"request with top_logprobs > 0 cannot run on it")
-        if lp[0]:
-            if pen is not None and not self.info.raw_logits:
-                raise FeedError(f"{type(self.model).__name__}'s feed methods take no raw_logits= "
-                                f"(its feed_info() says raw_logits=False): logprobs=True with "
-                                f"penalties, logit_bias or min_tokens cannot run on it (the "
-                                f"penalties change the logits in place)")
-            if pen is not None and self.info.shard is not None:
-                raise ValueError("logprobs=True with penalties over a split vocabulary (shard=) "
-                                 "is not supported")
-            if not self.info.logprobs:
-                raise FeedError(f"{type(self.model).__name__}'s feed methods take no logprobs= "
-                                f"and logprobs_dst= (its feed_info() says logprobs=False): a "
-                                f"request with logprobs=True cannot run on it")
-        if (lp[0] or lp[1]) and self._spec is not None:
-            raise ValueError("logprobs are not returned with speculative decoding yet: submit the "
-                             "request without logprobs or top_logprobs")
+        if lp[1] and info.shard is not None:
+            raise ValueError("top_logprobs over a split vocabulary (shard=) is not supported")
+        if lp[0] and pen is not None and info.shard is not None:
+            raise ValueError("logprobs=True with penalties over a split vocabulary (shard=) "
+                             "is not supported")
+        if lp[1] and not info.top_logprobs:
+            raise FeedError(f"{name}'s feed methods take no top_logprobs= (its feed_info() says "
+                            f"top_logprobs=False): a request with top_logprobs > 0 cannot run "
+                            f"on it")
+        if lp[0] and pen is not None and not info.raw_logits:
+            raise FeedError(f"{name}'s feed methods take no raw_logits= (its feed_info() says "
+                            f"raw_logits=False): logprobs=True with penalties, logit_bias or "
+                            f"min_tokens cannot run on it (the penalties change the logits in "
+                            f"place)")
+        if lp[0] and not info.logprobs:
+            raise FeedError(f"{name}'s feed methods take no logprobs= and logprobs_dst= (its "
+                            f"feed_info() says logprobs=False): a request with logprobs=True "
+                            f"cannot run on it")
         if sampling[0] > 0.0 and not self._can_sample:
-            raise FeedError(f"{type(self.model).__name__} declares no sampling (its feed_info() "
-                            "says sampling=False: no sample_batch_to_feed): a request with "
-                            "temperature > 0 cannot run on it")
+            raise FeedError(f"{name} declares no sampling (its feed_info() says sampling=False: "
+                            "no sample_batch_to_feed): a request with temperature > 0 cannot "
+                            "run on it")
+        if pen is not None:
+            PipelinePenalties.check(self, prompt, max_new, stops, pen[4], self._penalty_capacity)
         blocks = self._blocks_for(len(prompt) + max_new - 1 + self._extra_positions)
         if blocks is not None and self._pool is not None and blocks > self._pool.num_blocks:
             raise ValueError(f"the request needs {blocks} KV blocks at most (prompt "
                              f"{len(prompt)} + {max_new} new tokens); the pool has "
                              f"{self._pool.num_blocks}")
-        req = Request(self, prompt, max_new, stops, mask, 0, sampling, pen, lp)
-        self._post(self._enqueue, req)
-        return req
 
     def _enqueue(self, req: Request) -> None:
         if self._closed:  # submitted by another thread while close() ran
