@@ -110,3 +110,25 @@ def test_a_full_pool_preempts_the_youngest_running_request(host, no_leaks, specu
 def test_the_youngest_is_chosen_in_one_place():
     sources = "".join(path.read_text() for path in SCHED.glob("*.py"))
     assert len(re.findall(r"key=_order_of", sources)) == 1
+
+
+def test_an_abort_gives_back_the_block_of_its_step_in_flight(host, no_leaks):
+    """Block size 1: the step in flight took a block for each row. Aborting a row discards its
+    block of that step (counted once as rolled back); the other row keeps its tokens."""
+    with model_for(rows=2, block_size=1, num_blocks=80) as model, \
+            DecodePipeline(model, 2, depth=2) as pipe:
+        keep = pipe.submit([5, 6, 7], max_new_tokens=12)
+        gone = pipe.submit([8, 9], max_new_tokens=12)
+        pipe.step()
+        pipe.step()
+        assert len(pipe._inflight) == 1 and gone in pipe._inflight[0].rows
+        before = (pipe.stats.blocks_rolled_back, pipe.stats.reserved_in_flight)
+        pipe.abort(gone)
+        assert (pipe.stats.blocks_rolled_back, pipe.stats.reserved_in_flight) == \
+            (before[0] + 1, before[1] - 1)
+        pipe.run()
+        assert pipe.stats.reserved_in_flight == 0
+        assert model.pool.free_count == model.pool.num_blocks
+    assert keep.tokens == greedy_tokens([5, 6, 7], 12, VOCAB)
+    assert gone.finish_reason == "abort"
+    assert gone.tokens == greedy_tokens([8, 9], 12, VOCAB)[:len(gone.tokens)]

@@ -12,7 +12,7 @@ Two ways to account for a reservation, for two callers:
 - the **ledger** (``reserve``, ``cover``, ``attach``, ``commit``, ``rollback``, ``drop``): per
   sequence, its uncommitted reservations in launch order, so ``rollback(seq)`` returns exactly the
   latest one. The router's public calls use it.
-- **by the step** (``take``, ``settle``, ``discard``): the pipeline knows the block size, so it
+- **by the step** (``take``, ``take_many``, ``settle``, ``discard``): the pipeline knows the block size, so it
   knows which launch each block is for; it counts a step's blocks itself and settles or discards
   them as a whole. A discarded step's block always leaves with its request (``free``), so there is
   no single entry to find.
@@ -25,7 +25,7 @@ The model's block calls are made from here only.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import KvPoolExhausted
 from ..kv import SequenceState
@@ -243,6 +243,27 @@ class KvBudget:
         if added:
             self._count(added)
         return added
+
+    def take_many(self, seqs: Sequence[SequenceState]) -> Tuple[int, Sequence[int]]:
+        """``take`` for each of ``seqs`` in order, counted once (a step's boundary rows, in one
+        call). Returns ``(served, missed)``: the rows, from the first, whose block is there (all
+        of them unless the pool ran dry at row ``served``, which takes nothing), and the indices
+        among those that needed no new block (empty unless the model had it already)."""
+        reserve = self.model.reserve_decode_block
+        missed: Sequence[int] = ()
+        served = 0
+        try:
+            for seq in seqs:
+                if not reserve(seq):
+                    if not missed:
+                        missed = []
+                    missed.append(served)  # type: ignore[attr-defined]
+                served += 1
+        except KvPoolExhausted:
+            pass
+        if served - len(missed):
+            self._count(served - len(missed))
+        return served, missed
 
     def untake(self, blocks: int) -> None:
         """``blocks`` taken for a launch that will not use them (their request was preempted

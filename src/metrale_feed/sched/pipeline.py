@@ -19,8 +19,8 @@ import threading
 import warnings
 from collections import deque
 from functools import partial
-from typing import (Any, Callable, Deque, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple,
-                    Union)
+from typing import (Any, Callable, Deque, Dict, FrozenSet, Iterable, List, Optional, Sequence,
+                    Set, Tuple, Union)
 
 from .. import _checks, _core
 from ..contract import BatchPrefill, HostTokenDecode, Prefill, feed_info_of, require
@@ -49,7 +49,7 @@ class _Step:
     """A launched step: its ticket, its rows (requests), their sources, and the rows whose
     result will be thrown away (finished, aborted or preempted while it was in flight)."""
 
-    __slots__ = ("ticket", "launch", "rows", "lists", "sources", "dead", "debug_slot", "added",
+    __slots__ = ("ticket", "launch", "rows", "lists", "sources", "dead", "debug_slot", "taken",
                  "lp")
 
     def __init__(self, ticket: Ticket, launch: int, rows: List[Request], lists: List[List[int]],
@@ -61,7 +61,9 @@ class _Step:
         self.sources = sources
         self.dead: Optional[Set[int]] = None  # row indices
         self.debug_slot = -1
-        self.added = 0  # KV blocks reserved for it (known block size), still counted in flight
+        # The rows the budget gave a KV block for it (known block size), one block each, still
+        # counted in flight until it is read (a list only when there are some).
+        self.taken: Sequence[Request] = ()
         self.lp: Optional[List[Tuple[int, List[float], Any, int]]] = None  # DecodePipeline._lp
 
 
@@ -302,7 +304,7 @@ class DecodePipeline:
         self._seqs: Optional[List[SequenceState]] = None  # and their sequences
         self._lists: Optional[List[List[int]]] = None  # and their token lists
         self._masks: Any = None
-        self._added = 0  # blocks reserved for the launch being made
+        self._taking: List[Request] = []  # rows given a block for the launch being made
         self._prev_ids: List[int] = []  # debug: the last awaited step's ids
         self._closed = False
         self._debug = _Debug(self) if self.debug and self.fed else None
@@ -598,7 +600,8 @@ class DecodePipeline:
         with self._lock("step"):  # a second thread's step() waits for this one
             if self._closed:
                 raise FeedError("the pipeline is closed")
-            self._drain()
+            if self._inbox:  # checked here: most steps have nothing posted
+                self._drain()
             try:
                 spec = self._spec
                 if spec is not None:
@@ -617,10 +620,14 @@ class DecodePipeline:
                     head = self._waiting[0]
                     raise FeedError(f"cannot admit {head!r}: the KV pool has too few free blocks "
                                     f"({self.budget.free_count}) and nothing runs")
-                done, self._finished = self._finished, []
-                return done
+                done = self._finished
+                if done:
+                    self._finished = []
+                    return done
+                return []
             finally:
-                self._drain()  # what other threads posted during the step
+                if self._inbox:  # what other threads posted during the step
+                    self._drain()
 
     def run(self) -> List[Request]:
         """Step until idle; every request that finished, in finish order."""
@@ -752,7 +759,7 @@ class DecodePipeline:
             rows = [r for r in self._running if r._last >= launch]
         else:
             rows = self._rows
-        rows = self._reserve(rows, launch)  # adds to self._added
+        rows = self._reserve(rows, launch)  # adds to self._taking
         if not rows:
             return False
         if self._dirty or self._masks_dirty or rows is not self._rows:
@@ -799,7 +806,8 @@ class DecodePipeline:
         step.lp = self._lp
         # Blocks reserved for a launch that raised stay in their tables and count for the
         # launch that follows, so the in-flight figure comes back to 0.
-        step.added, self._added = self._added, 0
+        if self._taking:
+            step.taken, self._taking = self._taking, []
         if self._debug is not None:
             step.debug_slot = slot
         self._inflight.append(step)
@@ -821,9 +829,9 @@ class DecodePipeline:
         except BaseException as exc:
             if io.stats.launches != queued:
                 self._launches = launch + 1
-                added, self._added = self._added, 0
+                taken, self._taking = self._taking, []
                 self.stats.steps += 1
-                self._fault(launch, added, exc)
+                self._fault(launch, len(taken), exc)
             raise
 
     def _sampling_params(self, rows: List[Request]) -> Any:
@@ -873,24 +881,19 @@ class DecodePipeline:
         due = self._boundary.pop(launch, None)
         if not due:
             return rows
-        for req in due:
-            req._bound = -1
         rows = self._reserve_or_preempt(rows, due, self._take_due)
         self._reschedule(due, launch + self._block_size)
         return rows
 
     def _take_due(self, due: List[Request]) -> int:
-        """The block of each of ``due`` for the launch being made (counted in ``_added``); the
-        index of the first the pool could not serve, or -1."""
-        take, launch = self.budget.take, self._launches
-        for at, req in enumerate(due):
-            try:
-                if take(req._seq):  # type: ignore[arg-type]
-                    self._added += 1
-                    req._reserved_at = launch
-            except KvPoolExhausted:
-                return at
-        return -1
+        """The block of each of ``due`` for the launch being made, in one budget call (the
+        rows given one join ``_taking``); the index of the first the pool could not serve, or
+        -1."""
+        served, missed = self.budget.take_many([r._seq for r in due])  # type: ignore[misc]
+        if served:
+            self._taking += (due[:served] if not missed else
+                             [r for i, r in enumerate(due[:served]) if i not in missed])
+        return served if served < len(due) else -1
 
     def _reserve_or_preempt(self, rows: List[Request], due: List[Request],
                             reserve: Callable[[List[Request]], int]) -> List[Request]:
@@ -904,8 +907,8 @@ class DecodePipeline:
             if failed < 0:
                 break
             victim = max((r for r in rows if r.status is _RUNNING), key=_order_of)
-            if victim._reserved_at == self._launches:  # its block for the launch being made
-                self._added -= 1  # goes back with the rest of its blocks
+            if victim in self._taking:  # its block for the launch being made goes back with
+                self._taking.remove(victim)  # the rest of its blocks, never reserved for it
                 self.budget.untake(1)
             self._preempt(victim)
             rows = [r for r in rows if r is not victim]
@@ -913,11 +916,21 @@ class DecodePipeline:
         return rows
 
     def _reschedule(self, reqs: List[Request], launch: int) -> None:
-        keep = [r for r in reqs if r.status is _RUNNING and r._last >= launch]
-        if keep:
-            for r in keep:
+        """``reqs`` crossed a block boundary at this launch: the ones still running cross the
+        next one at ``launch``; the others are due nowhere (one pass: it runs every step)."""
+        keep = []
+        for r in reqs:
+            if r.status is _RUNNING and r._last >= launch:
                 r._bound = launch
-            self._boundary.setdefault(launch, []).extend(keep)
+                keep.append(r)
+            else:
+                r._bound = -1
+        if keep:
+            entries = self._boundary.get(launch)
+            if entries is None:
+                self._boundary[launch] = keep
+            else:
+                entries += keep
 
     def _await(self) -> None:
         step = self._inflight.popleft()
@@ -925,10 +938,10 @@ class DecodePipeline:
         try:
             ids = self.io.await_result(step.ticket)
         except BaseException as exc:
-            self._fault(step.launch, step.added, exc)
+            self._fault(step.launch, len(step.taken), exc)
             raise
-        if step.added:
-            self.budget.settle(step.added)
+        if step.taken:
+            self.budget.settle(len(step.taken))
         if self._debug is not None:
             try:
                 self._debug.check(step, self._prev_ids)
@@ -979,7 +992,7 @@ class DecodePipeline:
             except Exception:
                 pass  # the same fault, reported again: nothing of it is kept either way
             self.stats.steps += 1
-            budget.settle(later.added)
+            budget.settle(len(later.taken))
             self.stats.rows_discarded += len(later.rows) - len(later.dead or ())
         self._inflight.clear()
         reason = f"step {launch} failed: {type(exc).__name__}: {exc}"
@@ -1004,8 +1017,8 @@ class DecodePipeline:
                     step.dead = set()
                 step.dead.add(at)
                 self.stats.rows_discarded += 1
-                if req._reserved_at == step.launch:  # its block for this step goes back
-                    step.added -= 1
+                if req in step.taken:  # its block for this step goes back with the rest
+                    step.taken.remove(req)  # type: ignore[attr-defined]
                     self.budget.discard(1)
 
     def _release(self, req: Request) -> None:

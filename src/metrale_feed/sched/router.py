@@ -347,9 +347,11 @@ class _DeviceIo:
         rows = len(seqs)
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"a step takes 1 to {self.max_rows} rows, got {rows}")
-        if masks is None:
+        if masks is None:  # the shared buffer of unused masks: no count to read, no id to check
             masks = unmasked(rows)
-        mask_rows = _mask_rows(masks, rows)
+            mask_rows = rows
+        else:
+            mask_rows = _mask_rows(masks, rows)
         if len(inputs) != rows or mask_rows != rows:
             raise ValueError(f"{len(inputs)} inputs and {mask_rows} masks for {rows} rows")
         if not fed and not self._host_decode:
@@ -374,7 +376,9 @@ class _DeviceIo:
                 self.budget.uncover(covered)  # type: ignore[arg-type]
             raise
         try:
-            extra: Dict[str, Any] = {}
+            extra: Dict[str, Any] = _NO_EXTRA  # read only: a plain step builds no keywords
+            if hook is not None or logprobs:
+                extra = {}
             if hook is not None:
                 if self._defers:  # the logits must hold this step's forward before they change
                     model.flush_forward(self.stream)  # type: ignore[attr-defined]
@@ -762,6 +766,7 @@ class SyncDeviceIo(_DeviceIo):
 
 
 _UNMASKED: Dict[int, memoryview] = {}
+_NO_EXTRA: Dict[str, Any] = {}  # never written: the feed methods' keywords of a plain step
 
 
 def unmasked(rows: int) -> memoryview:
