@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from typing import (TYPE_CHECKING, Any, Deque, List, Optional, Protocol, Sequence, Set, Tuple,
-                    runtime_checkable)
+from typing import (TYPE_CHECKING, Any, Deque, Dict, List, Optional, Protocol, Sequence, Set,
+                    Tuple, runtime_checkable)
 
 from .. import _checks, _core
 from ..contract import ReservesAhead, VerifyStep, require
@@ -62,6 +62,10 @@ class DraftBatch:
         At depth 2, each row's index in the previous ``propose`` call's batch when that step is
         still in flight, so its history lacks what that step emits (its input and position
         are on the device); -1: the row's history is current.
+
+    The lists are the pipeline's, kept from step to step (a request's history grows as its
+    tokens are committed): read them during ``propose``, copy what is kept past it, change
+    none.
     """
 
     __slots__ = ("rows", "k", "inputs", "histories", "seeds", "masks", "ahead")
@@ -247,7 +251,7 @@ class NGramDrafter(HostDrafter):
 
     def lookup(self, history: Sequence[int], k: int) -> List[int]:
         """The ``k`` drafts after ``history`` (``NO_TOKEN`` past what the lookup found)."""
-        h = list(history)
+        h = history if isinstance(history, list) else list(history)  # read only: no copy
         for n in range(min(self.max_n, len(h) - 1), self.min_n - 1, -1):
             suffix = h[-n:]
             for start in range(len(h) - n - 1, -1, -1):  # the latest earlier occurrence first
@@ -299,15 +303,48 @@ class _Slot:
         self.done.close()
 
 
-class _Flight:
-    """A launched verify step: its rows, their row index, its slot, and the rows whose result
-    will be thrown away (finished, aborted or preempted while it was in flight)."""
+class _Batch:
+    """What a launch derives from its rows alone, kept while the rows and their bans stay the
+    same (a verify step of the same batch reuses it): their index, sequences, ban pairs (and
+    one per logit row), seeds, sampling records (positions set each launch) and, for row ``r``
+    of the step in flight being row ``r`` of this one, each row's index and
+    ``FeedSource.feed(r)``. Read only: a drafter is handed its lists."""
 
-    __slots__ = ("rows", "index", "slot", "launch", "dead")
+    __slots__ = ("rows", "index", "seqs", "masks", "vmasks", "seeds", "params", "identity",
+                 "feeds")
 
-    def __init__(self, rows: List["Request"], slot: _Slot, launch: int) -> None:
+    def __init__(self, rows: List["Request"], k: int) -> None:
         self.rows = rows
         self.index = {id(r): i for i, r in enumerate(rows)}
+        self.seqs = [r._seq for r in rows]
+        self.masks = [(int(r._mask[0]), int(r._mask[1])) for r in rows]
+        self.vmasks: Any = None
+        if any(r._ban is not None for r in rows):
+            self.vmasks = [m for m in self.masks for _ in range(k + 1)]  # a pair a logit row
+        self.seeds = [r.seed for r in rows]
+        self.params: Any = None
+        if any(r.temperature > 0.0 for r in rows):
+            import numpy as np
+
+            from ..sampling import SAMPLING_PARAMS_DTYPE
+
+            self.params = np.zeros(len(rows), SAMPLING_PARAMS_DTYPE)
+            for field in ("temperature", "top_k", "top_p", "min_p", "seed"):
+                self.params[field] = [getattr(r, field) for r in rows]
+        self.identity = list(range(len(rows)))
+        self.feeds = [FeedSource.feed(i) for i in self.identity]
+
+
+class _Flight:
+    """A launched verify step: its batch (rows, their row index), its slot, and the rows whose
+    result will be thrown away (finished, aborted or preempted while it was in flight)."""
+
+    __slots__ = ("batch", "rows", "index", "slot", "launch", "dead")
+
+    def __init__(self, batch: _Batch, slot: _Slot, launch: int) -> None:
+        self.batch = batch
+        self.rows = batch.rows
+        self.index = batch.index
         self.slot = slot
         self.launch = launch
         self.dead: Set[int] = set()
@@ -362,6 +399,10 @@ class SpeculativeStep:
         self.inflight: Deque[_Flight] = deque()
         self.host_syncs = 0
         self.launches = self.ahead_launches = 0  # PipelineStats adds them to the router's
+        self._batch: Optional[_Batch] = None  # the last launch's
+        self._history: Dict["Request", List[int]] = {}  # a running request's ids so far
+        self._gathers: Dict[int, List[int]] = {}  # rows -> the fed ids' sources
+        self._row_stride = getattr(model, "feed_row_stride", None)
         self._closed = False
 
     # ---- KV ----
@@ -392,6 +433,7 @@ class SpeculativeStep:
 
     def discard(self, req: "Request") -> None:
         """``req`` left the batch: its rows in the steps in flight are thrown away."""
+        self._history.pop(req, None)
         for flight in self.inflight:
             at = flight.index.get(id(req))
             if at is not None and at not in flight.dead:
@@ -418,55 +460,53 @@ class SpeculativeStep:
         # step still in flight to the next one.
         slot = self.slots[self.next_slot]
         n_rows, stream = len(rows), pipe.stream
-        histories = [list(r.prompt) + r.tokens for r in rows]
-        masks = [(int(r._mask[0]), int(r._mask[1])) for r in rows]
+        batch = self._batch
+        if batch is None or pipe._masks_dirty or batch.rows != rows:
+            batch = self._batch = _Batch(rows, k)
+            pipe._masks_dirty = False
+        histories = self._histories(rows)
         # Each row's index in the step in flight (its input and advance are there, on the
         # device), or -1: its committed history is current.
-        at: List[int] = []
-        for r in rows:
-            i = -1 if prev is None else prev.index.get(id(r), -1)
-            at.append(-1 if prev is None or i in prev.dead else i)
+        if prev is not None and prev.batch is batch and not prev.dead:
+            at = batch.identity  # the same rows as the step in flight: row r is its row r
+        else:
+            at = [-1] * n_rows
+            if prev is not None:
+                for row, r in enumerate(rows):
+                    i = prev.index.get(id(r), -1)
+                    if i not in prev.dead:
+                        at[row] = i
         inputs = slot.drafts.ptr + n_rows * k * 4
-        advanced = prev is not None and any(i >= 0 for i in at)
+        advanced = prev is not None and (at is batch.identity or any(i >= 0 for i in at))
         if advanced:
             assert prev is not None
-            ids = [FeedSource.feed(i) if i >= 0 else FeedSource.host(h[-1])
-                   for i, h in zip(at, histories)]
+            if at is batch.identity:  # every row's input and advance come from the step in flight
+                ids = steps = batch.feeds
+            else:
+                ids = [FeedSource.feed(i) if i >= 0 else FeedSource.host(h[-1])
+                       for i, h in zip(at, histories)]
+                steps = [FeedSource.feed(i) if i >= 0 else FeedSource.host(0) for i in at]
             _core.resolve_feed(ids, prev.slot.ids, inputs, stream, prev_rows=len(prev.rows))
-            steps = [FeedSource.feed(i) if i >= 0 else FeedSource.host(0) for i in at]
             _core.resolve_feed(steps, prev.slot.adv, slot.advance, stream,
                                prev_rows=len(prev.rows))
         else:
             _core.resolve_feed([FeedSource.host(h[-1]) for h in histories], slot.ids, inputs,
                                stream, prev_rows=1)
-        self.drafter.propose(DraftBatch(n_rows, k, inputs, histories, [r.seed for r in rows],
-                                        masks, at), slot.drafts, stream)
-        # The fed ids, gathered on the device: row r's input, then its k drafts.
-        sources: List[int] = []
-        for row in range(n_rows):
-            sources.append(FeedSource.feed(n_rows * k + row))
-            sources.extend(FeedSource.feed(row * k + j) for j in range(k))
-        _core.resolve_feed(sources, slot.drafts, slot.fed, stream, prev_rows=n_rows * (k + 1))
+        self.drafter.propose(DraftBatch(n_rows, k, inputs, histories, batch.seeds, batch.masks,
+                                        at), slot.drafts, stream)
+        _core.resolve_feed(self._gather(n_rows), slot.drafts, slot.fed, stream,
+                           prev_rows=n_rows * (k + 1))
         model: Any = pipe.model  # a verify-capable model (checked at construction)
         extra = {"advance": slot.advance} if advanced else {}
-        logits = model.decode_batch_verify(slot.fed, [r._seq for r in rows], k, stream, **extra)
-        vmasks = None
-        if any(r._ban is not None for r in rows):
-            vmasks = [m for m in masks for _ in range(k + 1)]  # one pair per logit row
-        params = None
-        if any(r.temperature > 0.0 for r in rows):  # depth 1 only (submit refuses them at 2)
-            import numpy as np
-
-            from ..sampling import SAMPLING_PARAMS_DTYPE
-
-            params = np.zeros(n_rows, SAMPLING_PARAMS_DTYPE)
-            for field in ("temperature", "top_k", "top_p", "min_p", "seed"):
-                params[field] = [getattr(r, field) for r in rows]
-            params["position"] = [len(h) for h in histories]  # the first emitted id's position
+        logits = model.decode_batch_verify(slot.fed, batch.seqs, k, stream, **extra)
+        params = batch.params
+        if params is not None:  # depth 1 only (submit refuses them at 2)
+            # Read before verify_to_feed returns, so rewriting it each launch changes no step
+            # in flight: the first emitted id's position.
+            params["position"] = [len(h) for h in histories]
         _core.verify_to_feed(logits, slot.drafts, slot.cells, slot.dst, slot.done, stream, k=k,
-                             masks=vmasks, params=params, rows=n_rows, vocab=pipe.vocab,
-                             dtype=pipe.info.logits_dtype,
-                             row_stride=getattr(model, "feed_row_stride", None))
+                             masks=batch.vmasks, params=params, rows=n_rows, vocab=pipe.vocab,
+                             dtype=pipe.info.logits_dtype, row_stride=self._row_stride)
         if self.depth > 1:  # what the next launch reads before this one's counts are known
             _core.resolve_verified(slot.cells, slot.ids, slot.adv, stream, rows=n_rows, k=k)
         self.next_slot = (self.next_slot + 1) % len(self.slots)
@@ -474,8 +514,36 @@ class SpeculativeStep:
         self.launches += 1
         if self.inflight:
             self.ahead_launches += 1
-        self.inflight.append(_Flight(rows, slot, launch))
+        self.inflight.append(_Flight(batch, slot, launch))
         return True
+
+    def _histories(self, rows: List["Request"]) -> List[List[int]]:
+        """Each row's ids so far (prompt and committed tokens), kept per request and extended
+        by the tokens committed since its last step, not copied whole each step. The drafter
+        reads them during ``propose`` (they grow after it)."""
+        kept = self._history
+        out = []
+        for r in rows:
+            h = kept.get(r)
+            if h is None:
+                h = kept[r] = list(r.prompt) + r.tokens
+            else:
+                new = len(r.prompt) + len(r.tokens) - len(h)
+                if new:  # committed tokens only grow while it runs, preempted or not
+                    h += r.tokens[-new:]
+            out.append(h)
+        return out
+
+    def _gather(self, n_rows: int) -> List[int]:
+        """The fed ids' sources, row r's input then its k drafts (the same for a row count)."""
+        sources = self._gathers.get(n_rows)
+        if sources is None:
+            k = self.k
+            sources = self._gathers[n_rows] = []
+            for row in range(n_rows):
+                sources.append(FeedSource.feed(n_rows * k + row))
+                sources.extend(FeedSource.feed(row * k + j) for j in range(k))
+        return sources
 
     # ---- awaiting ----
 
