@@ -253,12 +253,12 @@ class KvBudget:
         missed: Sequence[int] = ()
         served = 0
         try:
-            for seq in seqs:
+            for served, seq in enumerate(seqs):
                 if not reserve(seq):
                     if not missed:
                         missed = []
                     missed.append(served)  # type: ignore[attr-defined]
-                served += 1
+            served = len(seqs)
         except KvPoolExhausted:
             pass
         if served - len(missed):

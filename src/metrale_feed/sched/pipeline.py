@@ -30,7 +30,8 @@ from ..kv import SequenceState
 from ..trait import ModelDeviceFeed
 from .budget import KvBudget
 from .penalized import PipelinePenalties
-from .request import _PREEMPTED, _RUNNING, Request, RequestStatus, _order_of, _SeqView
+from .request import (_PREEMPTED, _RUNNING, _UNMASKED_PAIR, Request, RequestStatus, _order_of,
+                      _SeqView)
 from .router import AsyncDeviceIo, SyncDeviceIo, Ticket
 
 __all__ = ["DecodePipeline", "Request", "RequestStatus", "PipelineStats"]
@@ -315,6 +316,9 @@ class DecodePipeline:
         # self._rows' (row, its logprobs, its top logprobs or None, its n) and the batch's n
         self._lp: Optional[List[Tuple[int, List[float], Any, int]]] = None
         self._top_n = 0
+        # Running requests that sample and that keep logprobs: a batch rebuild scans its rows
+        # for either only while there are some.
+        self._sampled = self._with_lp = 0
         self._positions: Any = None  # per row: its position at launch 0 (int64)
         # Threads: the loop (step, run, admit, close) holds _lock for each call; submit and
         # abort post to _inbox (deque appends are atomic) and apply it at once when the lock is
@@ -738,6 +742,8 @@ class DecodePipeline:
         # from the launch number, and after a preemption it resumes from the committed tokens.
         req._pos0 = len(req.prompt) + len(req.tokens) - launch
         self._ending.setdefault(req._last, []).append(req)
+        self._sampled += req.temperature > 0.0
+        self._with_lp += req.logprobs is not None
         if req.stop_ids:
             self._stop_union = self._stop_union | req.stop_ids
         bs = self._block_size
@@ -762,18 +768,23 @@ class DecodePipeline:
         rows = self._reserve(rows, launch)  # adds to self._taking
         if not rows:
             return False
+        # A batch that changed is derived again, in C-speed passes where one will do: the rows
+        # without a ban share one pair object, so counting it finds whether any row has one,
+        # and the sampling and logprobs scans run only while a running request asks for them.
         if self._dirty or self._masks_dirty or rows is not self._rows:
-            masks = None
-            if any(r._ban is not None for r in rows):
-                masks = [r._mask for r in rows]
+            masks: Any = [r._mask for r in rows]
+            if masks.count(_UNMASKED_PAIR) == len(masks):
+                masks = None
             self._masks = masks
         masks = self._masks
         if self._dirty or rows is not self._rows:
             self._params = self._sampling_params(rows)
             self._hook = self._penalties(rows)
-            self._lp = [(i, r.logprobs, r.top_logprobs, r._top_n) for i, r in enumerate(rows)
-                        if r.logprobs is not None] or None
-            self._top_n = max((r._top_n for r in rows), default=0)
+            self._lp, self._top_n = None, 0
+            if self._with_lp:
+                self._lp = [(i, r.logprobs, r.top_logprobs, r._top_n)
+                            for i, r in enumerate(rows) if r.logprobs is not None] or None
+                self._top_n = max((r._top_n for r in rows), default=0)
         params = self._params
         if params is not None:
             # Host params are read before the feed method returns, so rewriting the one array
@@ -781,13 +792,20 @@ class DecodePipeline:
             params["position"] = self._positions + launch
         if self.fed:
             if self._dirty or rows is not self._rows:
-                prev = {id(r): i for i, r in enumerate(self._rows)} if self._launches else {}
-                sources: Any = [
-                    FeedSource(prev[id(r)]) if id(r) in prev and r._join < launch
-                    else FeedSource.host((r.tokens[-1] if r.tokens else r.prompt[-1]))
-                    for r in rows]
-                if all(s == i for i, s in enumerate(sources)):
-                    sources = _identity(len(rows))
+                # Each row's source: its row of the last launch (the kept FeedSource.feed(i)
+                # objects, made once), or its last committed id when it joined now.
+                old = self._rows if self._launches else []
+                get = dict(zip(map(id, old), _identity(len(old)))).get
+                sources: Any = [get(id(r), -1) if r._join < launch else -1 for r in rows]
+                if -1 in sources:  # joined now (at the end of the batch): the host's id
+                    for i in range(sources.index(-1), len(rows)):
+                        if sources[i] < 0:
+                            r = rows[i]
+                            sources[i] = FeedSource.host(r.tokens[-1] if r.tokens
+                                                         else r.prompt[-1])
+                identity = _identity(len(rows))
+                if sources == identity:
+                    sources = identity
             else:
                 sources = _identity(len(rows))
             debug = self._debug
@@ -837,7 +855,7 @@ class DecodePipeline:
     def _sampling_params(self, rows: List[Request]) -> Any:
         """One ``SAMPLING_PARAMS_DTYPE`` record per row when any row samples (positions are set
         at each launch), else None: an all-greedy step keeps the argmax and imports no numpy."""
-        if not any(r.temperature > 0.0 for r in rows):
+        if not self._sampled or not any(r.temperature > 0.0 for r in rows):
             self._positions = None
             return None
         import numpy as np
@@ -1036,6 +1054,8 @@ class DecodePipeline:
                 if not entries:
                     del table[key]
         req._bound = -1
+        self._sampled -= req.temperature > 0.0
+        self._with_lp -= req.logprobs is not None
         self._discard_in_flight(req)
         if self._spec is not None:
             self._spec.discard(req)

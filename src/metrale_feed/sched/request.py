@@ -301,8 +301,8 @@ class _SeqView(_RequestView):
         # Read by the model for every row it reserves or writes: plain comparisons, no min().
         req = self.req
         status = req.status
-        if status is _WAITING or status is _PREEMPTED:  # being prefilled
-            return req._base
+        if status is not _RUNNING and (status is _WAITING or status is _PREEMPTED):
+            return req._base  # being prefilled
         launched = req._pipe._launches
         if launched > req._last:
             launched = req._last + 1
