@@ -806,7 +806,7 @@ class DecodePipeline:
                 identity = _identity(len(rows))
                 if sources == identity:
                     sources = identity
-            else:
+            else:  # the same rows as the last launch: each reads its own row's cell
                 sources = _identity(len(rows))
             debug = self._debug
             if debug is not None:
@@ -841,7 +841,9 @@ class DecodePipeline:
         io = self.io
         queued = io.stats.launches
         try:
-            return io.launch(sources, self._seqs_of(rows), masks, fed=fed, params=params,
+            if rows is not self._rows or self._seqs is None:
+                self._seqs = [r._seq for r in rows]  # type: ignore[misc]
+            return io.launch(sources, self._seqs, masks, fed=fed, params=params,
                              trusted=True, hook=self._hook, logprobs=self._lp is not None,
                              top_n=self._top_n)
         except BaseException as exc:
@@ -876,11 +878,6 @@ class DecodePipeline:
                 return None
             pen = self._pen = PipelinePenalties(self, self._penalty_capacity)
         return pen.rows(rows)
-
-    def _seqs_of(self, rows: List[Request]) -> List[SequenceState]:
-        if rows is not self._rows or self._seqs is None:
-            self._seqs = [r._seq for r in rows]  # type: ignore[misc]
-        return self._seqs
 
     def _reserve(self, rows: List[Request], launch: int) -> List[Request]:
         """KV blocks for this launch's positions, through the budget; returns the rows left

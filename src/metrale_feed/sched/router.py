@@ -293,11 +293,6 @@ class _DeviceIo:
 
     # ---- launches ----
 
-    def _open_ring(self) -> _Ring:
-        if self._ring is None:
-            raise FeedError("the router has been torn down")
-        return self._ring
-
     def launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any = None, *,
                fed: bool, params: Any = None, trusted: bool = False, hook: Any = None,
                logprobs: bool = False, top_n: int = 0) -> Ticket:
@@ -343,7 +338,9 @@ class _DeviceIo:
             As ``launch_fed`` and ``launch_decode`` say. A refused launch leaves the pool and
             every block table as they were.
         """
-        ring = self._open_ring()
+        ring = self._ring  # the checks of launch and await_result are inline: they run each step
+        if ring is None:
+            raise FeedError("the router has been torn down")
         rows = len(seqs)
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"a step takes 1 to {self.max_rows} rows, got {rows}")
@@ -500,12 +497,6 @@ class _DeviceIo:
                 return
         model.event_synchronize(event)
 
-    def _check_ticket(self, ring: _Ring, ticket: Ticket) -> None:
-        if not isinstance(ticket, Ticket) or ticket.router is not self:
-            raise FeedError(f"{ticket!r} was not launched by this router")
-        if not ring.busy[ticket.slot] or ring.gen[ticket.slot] != ticket.gen:
-            raise FeedError(f"{ticket!r} was already awaited")
-
     def await_result(self, ticket: Ticket) -> List[int]:
         """The step's ids, one per row, once its event has completed.
 
@@ -529,8 +520,13 @@ class _DeviceIo:
             A ticket of another router, one already awaited (even when its slot now holds a
             newer step), or a failed wait.
         """
-        ring = self._open_ring()
-        self._check_ticket(ring, ticket)
+        ring = self._ring
+        if ring is None:
+            raise FeedError("the router has been torn down")
+        if not isinstance(ticket, Ticket) or ticket.router is not self:
+            raise FeedError(f"{ticket!r} was not launched by this router")
+        if not ring.busy[ticket.slot] or ring.gen[ticket.slot] != ticket.gen:
+            raise FeedError(f"{ticket!r} was already awaited")
         try:
             self._wait(ring.events[ticket.slot])
             ids = _core.read_pinned_u32(ring.ptrs[ticket.slot], ticket.rows)
