@@ -68,3 +68,14 @@ def test_speculative_launches_are_counted_beside_the_routers(host, no_leaks):
         assert pipe.io.stats.launches == 0  # no verify step went through the ring
         assert stats["launches"] == pipe.stats.launches == stats["steps"] > 0
         assert stats["ahead_launches"] == pipe.stats["ahead_launches"] > 0
+
+
+def test_requests_are_distinct_by_identity(host, no_leaks):
+    """The pipeline keys its maps by the request objects themselves: two requests with the
+    same parameters are two keys."""
+    with model_for(rows=2) as model, DecodePipeline(model, 2) as pipe:
+        a = pipe.submit([1, 2], max_new_tokens=2)
+        b = pipe.submit([1, 2], max_new_tokens=2)
+        assert a != b and len({a, b}) == 2
+        pipe.run()
+    assert a.tokens == b.tokens == greedy_tokens([1, 2], 2, VOCAB)

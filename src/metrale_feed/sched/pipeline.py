@@ -794,9 +794,10 @@ class DecodePipeline:
             if self._dirty or rows is not self._rows:
                 # Each row's source: its row of the last launch (the kept FeedSource.feed(i)
                 # objects, made once), or its last committed id when it joined now.
+                # (Requests hash by identity, so they key the map themselves: no id() call.)
                 old = self._rows if self._launches else []
-                get = dict(zip(map(id, old), _identity(len(old)))).get
-                sources: Any = [get(id(r), -1) if r._join < launch else -1 for r in rows]
+                get = dict(zip(old, _identity(len(old)))).get
+                sources: Any = [get(r, -1) if r._join < launch else -1 for r in rows]
                 if -1 in sources:  # joined now (at the end of the batch): the host's id
                     for i in range(sources.index(-1), len(rows)):
                         if sources[i] < 0:
@@ -964,13 +965,15 @@ class DecodePipeline:
                 self._fault(step.launch, 0, exc)
                 raise
             self._prev_ids = ids
-        rows, dead = step.rows, step.dead
+        rows, dead, lists = step.rows, step.dead, step.lists
         if dead is None:
-            _drain(map(list.append, step.lists, ids))  # each row's token, in a C loop
-        else:
-            for i, (req, token) in enumerate(zip(rows, ids)):
-                if i not in dead:
-                    req.tokens.append(token)
+            _drain(map(list.append, lists, ids))  # each row's token, in a C loop
+        else:  # the same C loop over the runs between the few rows thrown away
+            lo = 0
+            for at in sorted(dead):
+                _drain(map(list.append, lists[lo:at], ids[lo:at]))
+                lo = at + 1
+            _drain(map(list.append, lists[lo:], ids[lo:]))
         if step.lp is not None:  # with the tokens, so each list keeps one entry per token
             ticket = step.ticket
             values, top, n = ticket.logprobs, ticket.top, ticket.top_n
