@@ -248,3 +248,19 @@ def test_the_checker_takes_vllm_ranges():
 def test_limits_have_one_source():
     assert _checks.MAX_LOGIT_BIAS == MAX_LOGIT_BIAS == 300
     assert SLOT_DTYPE.itemsize == 32
+
+
+def test_set_checked_writes_what_set_writes(host):
+    """The pipeline's trusted write (values ``submit`` checked once) and the checking ``set``
+    give a slot the same record and table."""
+    kw = dict(repetition_penalty=1.5, presence_penalty=0.25, frequency_penalty=-0.5,
+              logit_bias={9: 1.0, 3: -2.0}, min_tokens=2)
+    prompt, generated, stops = [4, 4, 9, 1], [9, 2, 2, 7], [3, 11]
+    checked = _checks.penalties(kw["repetition_penalty"], kw["presence_penalty"],
+                                kw["frequency_penalty"], kw["logit_bias"], kw["min_tokens"],
+                                50, 10)
+    with PenaltyState(2, capacity=16) as state:
+        state.set(0, prompt=prompt, generated=generated, stop_ids=stops, vocab=50, **kw)
+        state.set_checked(1, prompt, generated, checked, frozenset(stops))
+        a, b = state.read(0), state.read(1)
+    assert a == b and a["entries"] == 5 and a["stops"] == 2 and a["biases"] == 2

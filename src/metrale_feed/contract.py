@@ -17,10 +17,18 @@ caller needs, naming it.
 ``DescribesFeed``        ``feed_info() -> FeedInfo``
 ``VerifyStep``           ``decode_batch_verify(input_ids, seqs, k, stream, advance=None)``:
                          a speculative step's forward over ``k + 1`` positions a row
+``ReservesAhead``        ``reserve_blocks_through(seq, last)``: the blocks up to position
+                         ``last``, all or none (a speculative step's reservation)
 =======================  ==============================================================
 
-Sampling is declared by ``FeedInfo.sampling``: a model whose ``sample_batch_to_feed`` draws (the
-runtime mixin's does) says True.
+What a model's methods accept beyond the Protocols' positional calls is declared too, in
+``FeedInfo``, never read from their signatures: ``sampling`` (its ``sample_batch_to_feed``
+draws), ``logprobs``, ``top_logprobs`` and ``raw_logits`` (its feed methods take those
+keywords), ``verify_advance`` (its ``decode_batch_verify`` takes ``advance=``). One rule gives
+each its default: what the trait and the Protocols above declare. The trait's feed methods and
+``VerifyStep`` take the keywords, so those default to True (a model whose methods lack them
+says False); the trait's ``sample_batch_to_feed`` draws nothing, so ``sampling`` defaults to
+False (the runtime mixin says True).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence, Tuple, runtime
 from .kv import BlockPool, SequenceState
 
 __all__ = ["FeedInfo", "DeviceTokenFeed", "HostTokenDecode", "Prefill", "BatchPrefill",
-           "DescribesFeed", "DefersForward", "VerifyStep", "require", "feed_info_of"]
+           "DescribesFeed", "DefersForward", "VerifyStep", "ReservesAhead", "require", "feed_info_of"]
 
 
 class FeedInfo(NamedTuple):
@@ -54,12 +62,26 @@ class FeedInfo(NamedTuple):
         The logits' dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``).
     sampling : bool
         Whether ``sample_batch_to_feed`` draws (else a sampled request is refused at submit).
+        Default False.
+    logprobs : bool
+        Whether both feed methods take ``logprobs=`` and ``logprobs_dst=`` (else
+        ``submit(logprobs=True)`` is refused). Default True, as the trait declares them.
+    top_logprobs : bool
+        Whether both take ``top_logprobs=``, ``top_logprobs_dst=`` and ``top_n=`` (else
+        ``top_logprobs > 0`` is refused). Default True.
+    raw_logits : bool
+        Whether both take ``raw_logits=`` (else logprobs with penalties are refused). Default
+        True.
+    verify_advance : bool
+        Whether ``decode_batch_verify`` takes ``advance=`` (else speculative decoding runs at
+        depth 1 only). Default True, as ``VerifyStep`` declares it.
 
     Examples
     --------
     >>> from metrale_feed.contract import FeedInfo
-    >>> FeedInfo(vocab=1000).block_size is None
-    True
+    >>> info = FeedInfo(vocab=1000)
+    >>> info.block_size is None, info.sampling, info.logprobs
+    (True, False, True)
     """
 
     vocab: int
@@ -69,6 +91,10 @@ class FeedInfo(NamedTuple):
     shard: Any = None
     logits_dtype: str = "float32"
     sampling: bool = False
+    logprobs: bool = True
+    top_logprobs: bool = True
+    raw_logits: bool = True
+    verify_advance: bool = True
 
 
 @runtime_checkable
@@ -145,6 +171,16 @@ class VerifyStep(Protocol):
 
     def decode_batch_verify(self, input_ids: Any, seqs: Sequence[SequenceState], k: int,
                             stream: Any = None, advance: Any = None) -> int: ...
+
+
+@runtime_checkable
+class ReservesAhead(Protocol):
+    """A model whose blocks can be taken for positions past ``seq_len`` (a speculative step's
+    ``k + 1``, and at depth 2 the ones the step in flight writes): ``KvBudget.extend`` takes them
+    through it, all or none, so a refused extend leaves the pool and every block table as they
+    were (``PagedKvMixin`` has it)."""
+
+    def reserve_blocks_through(self, seq: SequenceState, last: int) -> int: ...
 
 
 def require(model: Any, who: str, *protocols: Any) -> None:

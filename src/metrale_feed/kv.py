@@ -105,9 +105,11 @@ class BlockPool:
         KvPoolExhausted
             No block is free.
         """
-        if not self._free:
-            raise KvPoolExhausted(f"the KV block pool is exhausted ({self.num_blocks} blocks in use)")
-        block = self._free.pop()
+        try:  # a pop that fails costs nothing until the pool is empty
+            block = self._free.pop()
+        except IndexError:
+            raise KvPoolExhausted(f"the KV block pool is exhausted ({self.num_blocks} blocks in "
+                                  "use)") from None
         self._used[block] = 1
         return block
 
@@ -185,10 +187,25 @@ class PagedKvMixin:
         return info._replace(block_size=self.block_size, pool=self.pool)
 
     def reserve_decode_block(self, seq: SequenceState) -> int:
-        if seq.seq_len // self.block_size >= len(seq.block_table):
-            seq.block_table.append(self.pool.alloc())
+        table = seq.block_table
+        if seq.seq_len // self.block_size >= len(table):
+            table.append(self.pool.alloc())
             return 1
         return 0
+
+    def reserve_blocks_through(self, seq: SequenceState, last: int) -> int:
+        """The blocks ``seq``'s table lacks to cover position ``last`` (a speculative step's
+        ``k + 1`` positions), all or none: ``KvPoolExhausted`` leaves the table and the pool as
+        they were. Returns the blocks added."""
+        bs, table = self.block_size, seq.block_table
+        first = len(table)
+        try:
+            while last // bs >= len(table):
+                table.append(self.pool.alloc())
+        except BaseException:
+            self.release_decode_blocks(seq, len(table) - first)
+            raise
+        return len(table) - first
 
     def release_decode_blocks(self, seq: SequenceState, blocks: int) -> None:
         if not 0 <= blocks <= len(seq.block_table):

@@ -142,26 +142,34 @@ class PenaltyState:
         """
         slot = self._slot(slot)
         generated = [_checks.integer(t, "generated id") for t in generated]
-        rep, pres, freq, bias, mt = _checks.penalties(
+        checked = _checks.penalties(
             repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens, vocab,
             max(_checks.integer(min_tokens, "min_tokens"), 0))
-        counts = Counter(generated)
-        order: Dict[int, int] = {}
-        for t in prompt:
-            token = _checks.integer(t, "prompt id")
-            if not 0 <= token < vocab:
-                raise ValueError(f"prompt id {token} is outside the vocabulary of {vocab} ids")
-            order.setdefault(token, _PROMPT)
-        for t in generated:
-            if not 0 <= t < vocab:
-                raise ValueError(f"generated id {t} is outside the vocabulary of {vocab} ids")
-        for t, n in counts.items():
+        ids = [_checks.integer(t, "prompt id") for t in prompt]
+        for what, tokens in (("prompt", ids), ("generated", generated)):
+            for token in tokens:
+                if not 0 <= token < vocab:
+                    raise ValueError(f"{what} id {token} is outside the vocabulary of {vocab} ids")
+        stops = sorted({_checks.integer(t, "stop id") for t in stop_ids}) if checked[4] else []
+        if len(stops) > MAX_PENALTY_STOPS:
+            raise ValueError(f"min_tokens bans at most {MAX_PENALTY_STOPS} stop ids, got "
+                             f"{len(stops)}")
+        self.set_checked(slot, ids, generated, checked, stops)
+
+    def set_checked(self, slot: int, prompt: Iterable[int], generated: Sequence[int],
+                    penalties: "_checks.Penalties", stop_ids: Iterable[int]) -> None:
+        """``set`` of values already checked, as ``DecodePipeline.submit`` checks them once
+        (``_checks.penalties``, ids in the vocabulary, at most ``MAX_PENALTY_STOPS`` stop ids, a
+        table that fits): nothing is checked again but the table's bound, which keeps the
+        copies inside the slot's memory. ``penalties`` is ``_checks.penalties``'s tuple; the
+        stop ids are used only when its ``min_tokens`` is above 0."""
+        rep, pres, freq, bias, mt = penalties
+        order: Dict[int, int] = dict.fromkeys(prompt, _PROMPT)
+        for t, n in Counter(generated).items():
             order[t] = order.get(t, 0) | n
         if len(order) > self.capacity:
             raise ValueError(f"{len(order)} distinct ids do not fit a penalty table of {self.capacity}")
-        stops = sorted({_checks.integer(t, "stop id") for t in stop_ids}) if mt else []
-        if len(stops) > MAX_PENALTY_STOPS:
-            raise ValueError(f"min_tokens bans at most {MAX_PENALTY_STOPS} stop ids, got {len(stops)}")
+        stops = sorted(set(stop_ids)) if mt else []
         record = np.zeros(1, SLOT_DTYPE)
         record[0] = (rep, pres, freq, mt, len(generated), len(order), len(bias), len(stops))
         entries = np.empty(max(1, len(order)), ENTRY_DTYPE)

@@ -184,15 +184,22 @@ def test_a_model_whose_feed_methods_take_no_logprobs(host, no_leaks):
     """An older model's feed methods, without the keywords: logprobs=True is refused at submit,
     and everything else runs as before."""
 
-    class Old(ReferenceModel):
+    class Old(ReferenceModel):  # says what its feed methods lack (FeedInfo), as a model must
         def argmax_batch_to_feed(self, logits, masks, dst, event, stream):
             super().argmax_batch_to_feed(logits, masks, dst, event, stream)
+
+        def feed_info(self):
+            return super().feed_info()._replace(logprobs=False, top_logprobs=False,
+                                                raw_logits=False)
 
     class Middle(ReferenceModel):  # chosen-token logprobs, no top ones
         def argmax_batch_to_feed(self, logits, masks, dst, event, stream, *, logprobs=None,
                                  logprobs_dst=None):
             super().argmax_batch_to_feed(logits, masks, dst, event, stream, logprobs=logprobs,
                                          logprobs_dst=logprobs_dst)
+
+        def feed_info(self):
+            return super().feed_info()._replace(top_logprobs=False, raw_logits=False)
 
     with Old(VOCAB, max_rows=1) as model, DecodePipeline(model, 1) as pipe:
         with pytest.raises(FeedError, match="logprobs"):

@@ -221,9 +221,37 @@ def test_a_penalty_slot_whose_write_failed_is_given_back(host, no_leaks, monkeyp
         def failing_set(*args, **kwargs):
             raise RuntimeError("the slot's write failed")
 
-        monkeypatch.setattr(pen.state, "set", failing_set)
+        monkeypatch.setattr(pen.state, "set_checked", failing_set)  # the write a join makes
         with pytest.raises(RuntimeError, match="write failed"):
             while second._pslot < 0 and not pipe.idle:
                 pipe.step()
         assert second._pslot < 0
         assert pen.state.free == pen.state.slots - 1  # only the first request's slot is taken
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_penalties_are_checked_once_at_submit_and_trusted_at_every_join(host, no_leaks, depth,
+                                                                        monkeypatch):
+    """``submit`` checks a request's penalties (``_checks.penalties``) once; a join, and each
+    rejoin after a preemption, writes the slot from those values with no second check. The
+    tokens still follow the oracle of each request alone."""
+    from metrale_feed import _checks
+
+    calls = []
+    real = _checks.penalties
+
+    def counting(*args, **kw):
+        calls.append(args)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(_checks, "penalties", counting)
+    ps = prompts(5, seed=40 + depth, lo=3, hi=8)
+    with model_for(rows=3, block_size=2, num_blocks=16) as model, \
+            DecodePipeline(model, 3, depth=depth) as pipe:
+        reqs = [pipe.submit(p, max_new_tokens=10, **PEN[i % 4]) for i, p in enumerate(ps)]
+        assert len(calls) == len(reqs)
+        pipe.run()
+        assert pipe.stats.preemptions > 0, "no rejoin: the test checks nothing"
+    assert len(calls) == len(reqs)
+    for i, (req, p) in enumerate(zip(reqs, ps)):
+        assert req.tokens == oracle(p, 10, **PEN[i % 4])

@@ -550,9 +550,12 @@ def test_an_abort_posted_while_a_verify_step_runs(host, no_leaks, depth):
 def test_depth_2_needs_a_verify_step_that_takes_the_advance(host, no_leaks, greedy):
     from metrale_feed.testing.reference import ReferenceModel
 
-    class NoAdvance(ReferenceModel):
+    class NoAdvance(ReferenceModel):  # says so in its FeedInfo, as a model must
         def decode_batch_verify(self, input_ids, seqs, k, stream=None):
             return super().decode_batch_verify(input_ids, seqs, k, stream)
+
+        def feed_info(self):
+            return super().feed_info()._replace(verify_advance=False)
 
     drafter = ReferenceDrafter(VOCAB, 2, 0.5)
     with NoAdvance(VOCAB, block_size=4, num_blocks=50, max_rows=2) as model:
@@ -777,3 +780,31 @@ def test_the_ngram_drafter_at_depth_2_drafts_what_it_drafts_at_depth_1(host, no_
     assert tokens[1] == tokens[2] == tokens["blind"]
     assert rates[2] == rates[1] > 0.5, rates
     assert rates["blind"] < 0.5 * rates[2], rates
+
+
+def test_logprobs_with_speculation_get_the_speculative_refusal_first(host, no_leaks):
+    """The most specific refusal wins: a speculative pipeline refuses logprobs because of the
+    speculation, whatever else the request or the model would have been refused for (a model
+    that declares no logprobs, a top_logprobs above the vocabulary, a sampled row at depth 2);
+    without speculation those other refusals remain."""
+    from metrale_feed.testing.reference import ReferenceModel
+
+    class NoLogprobs(ReferenceModel):
+        def feed_info(self):
+            return super().feed_info()._replace(logprobs=False, top_logprobs=False)
+
+    drafter = ReferenceDrafter(8, 2, 0.5)
+    with NoLogprobs(8, block_size=4, num_blocks=60, max_rows=2) as model:
+        for depth in (1, 2):
+            with DecodePipeline(model, 2, depth=depth, speculative=drafter) as pipe:
+                for kw in [dict(logprobs=True), dict(logprobs=True, top_logprobs=3),
+                           dict(logprobs=True, top_logprobs=12),  # above the vocabulary of 8
+                           dict(logprobs=True, temperature=0.7)]:
+                    with pytest.raises(ValueError, match="not returned with speculative"):
+                        pipe.submit([1, 2], max_new_tokens=3, **kw)
+                assert pipe.idle
+        with DecodePipeline(model, 2) as pipe:  # the model's own refusals, once no speculation
+            with pytest.raises(FeedError, match="logprobs=False"):
+                pipe.submit([1, 2], max_new_tokens=3, logprobs=True)
+            with pytest.raises(ValueError, match="more than the vocabulary"):
+                pipe.submit([1, 2], max_new_tokens=3, logprobs=True, top_logprobs=12)

@@ -12,19 +12,20 @@ Two ways to account for a reservation, for two callers:
 - the **ledger** (``reserve``, ``cover``, ``attach``, ``commit``, ``rollback``, ``drop``): per
   sequence, its uncommitted reservations in launch order, so ``rollback(seq)`` returns exactly the
   latest one. The router's public calls use it.
-- **by the step** (``take``, ``settle``, ``discard``): the pipeline knows the block size, so it
+- **by the step** (``take``, ``take_many``, ``settle``, ``discard``): the pipeline knows the block size, so it
   knows which launch each block is for; it counts a step's blocks itself and settles or discards
   them as a whole. A discarded step's block always leaves with its request (``free``), so there is
   no single entry to find.
 
 A speculative step (docs/speculative.md) writes up to ``2k + 2`` positions past a row's committed
-ones: ``extend`` covers them and ``trim`` gives back the blocks that hold only rejected positions
-once the step's counts are read.
+ones: ``extend`` covers them (through the model's ``reserve_blocks_through``, all or none) and
+``trim`` gives back the blocks that hold only rejected positions once the step's counts are read.
+The model's block calls are made from here only.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import KvPoolExhausted
 from ..kv import SequenceState
@@ -243,6 +244,27 @@ class KvBudget:
             self._count(added)
         return added
 
+    def take_many(self, seqs: Sequence[SequenceState]) -> Tuple[int, Sequence[int]]:
+        """``take`` for each of ``seqs`` in order, counted once (a step's boundary rows, in one
+        call). Returns ``(served, missed)``: the rows, from the first, whose block is there (all
+        of them unless the pool ran dry at row ``served``, which takes nothing), and the indices
+        among those that needed no new block (empty unless the model had it already)."""
+        reserve = self.model.reserve_decode_block
+        missed: Sequence[int] = ()
+        served = 0
+        try:
+            for served, seq in enumerate(seqs):
+                if not reserve(seq):
+                    if not missed:
+                        missed = []
+                    missed.append(served)  # type: ignore[attr-defined]
+            served = len(seqs)
+        except KvPoolExhausted:
+            pass
+        if served - len(missed):
+            self._count(served - len(missed))
+        return served, missed
+
     def untake(self, blocks: int) -> None:
         """``blocks`` taken for a launch that will not use them (their request was preempted
         before it): uncounted, as if never reserved (they go back with ``free``)."""
@@ -262,17 +284,12 @@ class KvBudget:
     # ---- by a speculative step ----
 
     def extend(self, seq: SequenceState, last: int) -> int:
-        """Blocks from the pool until ``seq``'s table covers position ``last``, counted as
-        reserved; the blocks added. ``KvPoolExhausted``: those added before it stay in the table
-        (the caller preempts, and ``free`` returns them)."""
-        bs, pool = self.block_size, self.pool
-        if bs is None or pool is None:
-            raise ValueError("KvBudget.extend needs the block size and the pool")
-        added = 0
-        while last // bs >= len(seq.block_table):
-            seq.block_table.append(pool.alloc())
-            self.reserved_blocks += 1
-            added += 1
+        """Blocks until ``seq``'s table covers position ``last``, taken through the model's
+        ``reserve_blocks_through`` (``ReservesAhead``) and counted as reserved; the blocks
+        added. All or none: ``KvPoolExhausted`` leaves the pool, the table and the counters as
+        they were (the caller preempts a row and asks again)."""
+        added: int = self.model.reserve_blocks_through(seq, last)
+        self.reserved_blocks += added
         return added
 
     def trim(self, seq: SequenceState, positions: int) -> int:

@@ -74,12 +74,8 @@ class PipelinePenalties:
                 continue
             if req._pslot < 0:
                 slot = self.state.acquire()
-                rep, pres, freq, bias, mt = pen
-                try:
-                    self.state.set(slot, prompt=req.prompt, generated=req.tokens,
-                                   repetition_penalty=rep, presence_penalty=pres,
-                                   frequency_penalty=freq, logit_bias=dict(bias), min_tokens=mt,
-                                   stop_ids=req.stop_ids)
+                try:  # checked once, by submit (``check`` and ``_checks.penalties``)
+                    self.state.set_checked(slot, req.prompt, req.tokens, pen, req.stop_ids)
                 except BaseException:  # never a slot that was not written: it would do nothing
                     self.state.release(slot)
                     raise

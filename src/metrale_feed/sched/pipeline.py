@@ -19,7 +19,8 @@ import threading
 import warnings
 from collections import deque
 from functools import partial
-from typing import Any, Callable, Deque, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import (Any, Callable, Deque, Dict, FrozenSet, Iterable, List, Optional, Sequence,
+                    Set, Tuple, Union)
 
 from .. import _checks, _core
 from ..contract import BatchPrefill, HostTokenDecode, Prefill, feed_info_of, require
@@ -29,26 +30,14 @@ from ..kv import SequenceState
 from ..trait import ModelDeviceFeed
 from .budget import KvBudget
 from .penalized import PipelinePenalties
-from .request import _PREEMPTED, _RUNNING, Request, RequestStatus, _order_of, _SeqView
-from .router import AsyncDeviceIo, SyncDeviceIo, Ticket, _DeviceIo
+from .request import (_PREEMPTED, _RUNNING, _UNMASKED_PAIR, Request, RequestStatus, _order_of,
+                      _SeqView)
+from .router import AsyncDeviceIo, SyncDeviceIo, Ticket
 
 __all__ = ["DecodePipeline", "Request", "RequestStatus", "PipelineStats"]
 
 _drain: "partial[Deque[Any]]" = partial(deque, maxlen=0)  # runs an iterator out, keeping nothing
 _IDENTITY: Dict[int, List[FeedSource]] = {}  # rows -> [feed(0), feed(1), ...], made once
-
-
-def _takes(method: Any, names: Tuple[str, ...]) -> bool:
-    """Whether a feed method accepts these keywords (or any keyword)."""
-    import inspect
-
-    try:
-        params = inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return True
-    return all(name in params for name in names)
 
 
 def _identity(rows: int) -> List[FeedSource]:
@@ -61,7 +50,7 @@ class _Step:
     """A launched step: its ticket, its rows (requests), their sources, and the rows whose
     result will be thrown away (finished, aborted or preempted while it was in flight)."""
 
-    __slots__ = ("ticket", "launch", "rows", "lists", "sources", "dead", "debug_slot", "added",
+    __slots__ = ("ticket", "launch", "rows", "lists", "sources", "dead", "debug_slot", "taken",
                  "lp")
 
     def __init__(self, ticket: Ticket, launch: int, rows: List[Request], lists: List[List[int]],
@@ -73,7 +62,9 @@ class _Step:
         self.sources = sources
         self.dead: Optional[Set[int]] = None  # row indices
         self.debug_slot = -1
-        self.added = 0  # KV blocks reserved for it (known block size), still counted in flight
+        # The rows the budget gave a KV block for it (known block size), one block each, still
+        # counted in flight until it is read (a list only when there are some).
+        self.taken: Sequence[Request] = ()
         self.lp: Optional[List[Tuple[int, List[float], Any, int]]] = None  # DecodePipeline._lp
 
 
@@ -111,6 +102,18 @@ class PipelineStats:
         spec_syncs = 0 if spec is None else spec.host_syncs + getattr(spec.drafter, "host_syncs", 0)
         return pipe.io.stats.host_syncs + model_syncs + spec_syncs
 
+    # A speculative step is launched by the pipeline's delegate, not through the ring: its
+    # launches are counted there and added to the router's, never written into them.
+    @property
+    def launches(self) -> int:
+        spec = self._pipe._spec
+        return self._pipe.io.stats.launches + (0 if spec is None else spec.launches)
+
+    @property
+    def ahead_launches(self) -> int:
+        spec = self._pipe._spec
+        return self._pipe.io.stats.ahead_launches + (0 if spec is None else spec.ahead_launches)
+
     def __getattr__(self, name: str) -> int:
         if name.startswith("_"):
             raise AttributeError(name)
@@ -128,7 +131,8 @@ class PipelineStats:
 
     def as_dict(self) -> Dict[str, int]:
         out = self._pipe.io.stats.as_dict()
-        out["host_syncs"] = self.host_syncs
+        for name in ("launches", "ahead_launches", "host_syncs"):
+            out[name] = getattr(self, name)
         out.update((name, getattr(self, name)) for name in self._OWN)
         return out
 
@@ -281,8 +285,9 @@ class DecodePipeline:
         self._pool = info.pool if info.block_size else None
         self._prefill_many = model.prefill_many if isinstance(model, BatchPrefill) else None
         self._model_syncs_at_start = getattr(model, "host_syncs", 0)
-        self.io: _DeviceIo = (AsyncDeviceIo(model, max_rows, stream=stream) if depth == 2
-                              else SyncDeviceIo(model, max_rows, stream=stream))
+        self.io: Union[AsyncDeviceIo, SyncDeviceIo] = (
+            AsyncDeviceIo(model, max_rows, stream=stream) if depth == 2
+            else SyncDeviceIo(model, max_rows, stream=stream))
         self.budget: KvBudget = self.io.budget  # the one owner of the blocks in flight
         self.stats = PipelineStats(self)
         self._waiting: Deque[Request] = deque()
@@ -300,7 +305,7 @@ class DecodePipeline:
         self._seqs: Optional[List[SequenceState]] = None  # and their sequences
         self._lists: Optional[List[List[int]]] = None  # and their token lists
         self._masks: Any = None
-        self._added = 0  # blocks reserved for the launch being made
+        self._taking: List[Request] = []  # rows given a block for the launch being made
         self._prev_ids: List[int] = []  # debug: the last awaited step's ids
         self._closed = False
         self._debug = _Debug(self) if self.debug and self.fed else None
@@ -308,16 +313,12 @@ class DecodePipeline:
         # passes one params record per row (``_params``), rebuilt with the batch.
         self._can_sample = info.sampling
         self._params: Any = None  # SAMPLING_PARAMS_DTYPE records of self._rows, or None
-        # Logprobs: the feed methods must take the two keywords (both, as a step with any
-        # sampled row goes to sample_batch_to_feed).
-        feeds = [getattr(model, name, None) for name in ("argmax_batch_to_feed",
-                                                         "sample_batch_to_feed")]
-        self._can_logprobs = all(_takes(f, ("logprobs", "logprobs_dst")) for f in feeds)
-        self._can_top = all(_takes(f, ("top_logprobs", "top_logprobs_dst", "top_n")) for f in feeds)
-        self._can_raw = all(_takes(f, ("raw_logits",)) for f in feeds)
         # self._rows' (row, its logprobs, its top logprobs or None, its n) and the batch's n
         self._lp: Optional[List[Tuple[int, List[float], Any, int]]] = None
         self._top_n = 0
+        # Running requests that sample and that keep logprobs: a batch rebuild scans its rows
+        # for either only while there are some.
+        self._sampled = self._with_lp = 0
         self._positions: Any = None  # per row: its position at launch 0 (int64)
         # Threads: the loop (step, run, admit, close) holds _lock for each call; submit and
         # abort post to _inbox (deque appends are atomic) and apply it at once when the lock is
@@ -479,53 +480,65 @@ class DecodePipeline:
         checked = _checks.penalties(
             repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens,
             self.vocab, max_new)
-        pen: Optional[_checks.Penalties] = checked
-        if checked == _checks.NO_PENALTIES:
-            pen = None
-        elif self._spec is not None:  # first: the penalty-only checks below would mislead
-            raise ValueError("penalties (repetition_penalty, presence_penalty, "
-                             "frequency_penalty), logit_bias and min_tokens are not applied with "
-                             "speculative decoding yet: submit the request without them (or to a "
-                             "pipeline without speculative=)")
-        else:
-            PipelinePenalties.check(self, prompt, max_new, stops, checked[4],
-                                    self._penalty_capacity)
+        pen = None if checked == _checks.NO_PENALTIES else checked
         lp = _checks.logprobs(logprobs, top_logprobs)
+        self._refuse_unrunnable(prompt, max_new, stops, sampling, pen, lp)
+        req = Request(self, prompt, max_new, stops, mask, 0, sampling, pen, lp)
+        self._post(self._enqueue, req)
+        return req
+
+    def _refuse_unrunnable(self, prompt: Tuple[int, ...], max_new: int, stops: FrozenSet[int],
+                           sampling: _checks.Sampling, pen: Optional[_checks.Penalties],
+                           lp: Tuple[bool, int]) -> None:
+        """Refuse a request whose parameters are valid (checked) but that this pipeline cannot
+        run, the most specific refusal first: what speculative decoding cannot run on any
+        model, then the vocabulary's and the shard's limits, then what this model declares it
+        lacks (its ``FeedInfo``), then what could never fit (the penalty table, the KV pool).
+        So a user is never sent after a fix that would not help."""
+        spec = self._spec
+        if spec is not None:
+            if pen is not None:  # before the penalty-only checks below, which would mislead
+                raise ValueError("penalties (repetition_penalty, presence_penalty, "
+                                 "frequency_penalty), logit_bias and min_tokens are not applied "
+                                 "with speculative decoding yet: submit the request without them "
+                                 "(or to a pipeline without speculative=)")
+            if lp[0] or lp[1]:  # before the model's logprobs capabilities and the vocabulary
+                raise ValueError("logprobs are not returned with speculative decoding yet: "
+                                 "submit the request without logprobs or top_logprobs (or to a "
+                                 "pipeline without speculative=)")
+        info, name = self.info, type(self.model).__name__
         if lp[1] > self.vocab:  # else the lists would end in (NO_TOKEN, NaN) placeholders
             raise ValueError(f"top_logprobs={lp[1]} is more than the vocabulary of {self.vocab} "
                              f"ids")
-        if lp[1]:
-            if getattr(self.model, "feed_shard", None) is not None:
-                raise ValueError("top_logprobs over a split vocabulary (shard=) is not supported")
-            if not self._can_top:
-                raise FeedError(f"{type(self.model).__name__}'s feed methods take no "
-                                f"top_logprobs=: a request with top_logprobs > 0 cannot run on it")
-        if lp[0]:
-            if pen is not None and not self._can_raw:
-                raise FeedError(f"{type(self.model).__name__}'s feed methods take no raw_logits=: "
-                                f"logprobs=True with penalties, logit_bias or min_tokens cannot "
-                                f"run on it (the penalties change the logits in place)")
-            if pen is not None and getattr(self.model, "feed_shard", None) is not None:
-                raise ValueError("logprobs=True with penalties over a split vocabulary (shard=) "
-                                 "is not supported")
-            if not self._can_logprobs:
-                raise FeedError(f"{type(self.model).__name__}'s feed methods take no logprobs= "
-                                f"and logprobs_dst=: a request with logprobs=True cannot run on it")
-        if (lp[0] or lp[1]) and self._spec is not None:
-            raise ValueError("logprobs are not returned with speculative decoding yet: submit the "
-                             "request without logprobs or top_logprobs")
+        if lp[1] and info.shard is not None:
+            raise ValueError("top_logprobs over a split vocabulary (shard=) is not supported")
+        if lp[0] and pen is not None and info.shard is not None:
+            raise ValueError("logprobs=True with penalties over a split vocabulary (shard=) "
+                             "is not supported")
+        if lp[1] and not info.top_logprobs:
+            raise FeedError(f"{name}'s feed methods take no top_logprobs= (its feed_info() says "
+                            f"top_logprobs=False): a request with top_logprobs > 0 cannot run "
+                            f"on it")
+        if lp[0] and pen is not None and not info.raw_logits:
+            raise FeedError(f"{name}'s feed methods take no raw_logits= (its feed_info() says "
+                            f"raw_logits=False): logprobs=True with penalties, logit_bias or "
+                            f"min_tokens cannot run on it (the penalties change the logits in "
+                            f"place)")
+        if lp[0] and not info.logprobs:
+            raise FeedError(f"{name}'s feed methods take no logprobs= and logprobs_dst= (its "
+                            f"feed_info() says logprobs=False): a request with logprobs=True "
+                            f"cannot run on it")
         if sampling[0] > 0.0 and not self._can_sample:
-            raise FeedError(f"{type(self.model).__name__} declares no sampling (its feed_info() "
-                            "says sampling=False: no sample_batch_to_feed): a request with "
-                            "temperature > 0 cannot run on it")
+            raise FeedError(f"{name} declares no sampling (its feed_info() says sampling=False: "
+                            "no sample_batch_to_feed): a request with temperature > 0 cannot "
+                            "run on it")
+        if pen is not None:
+            PipelinePenalties.check(self, prompt, max_new, stops, pen[4], self._penalty_capacity)
         blocks = self._blocks_for(len(prompt) + max_new - 1 + self._extra_positions)
         if blocks is not None and self._pool is not None and blocks > self._pool.num_blocks:
             raise ValueError(f"the request needs {blocks} KV blocks at most (prompt "
                              f"{len(prompt)} + {max_new} new tokens); the pool has "
                              f"{self._pool.num_blocks}")
-        req = Request(self, prompt, max_new, stops, mask, 0, sampling, pen, lp)
-        self._post(self._enqueue, req)
-        return req
 
     def _enqueue(self, req: Request) -> None:
         if self._closed:  # submitted by another thread while close() ran
@@ -588,7 +601,8 @@ class DecodePipeline:
         with self._lock("step"):  # a second thread's step() waits for this one
             if self._closed:
                 raise FeedError("the pipeline is closed")
-            self._drain()
+            if self._inbox:  # checked here: most steps have nothing posted
+                self._drain()
             try:
                 spec = self._spec
                 if spec is not None:
@@ -607,10 +621,14 @@ class DecodePipeline:
                     head = self._waiting[0]
                     raise FeedError(f"cannot admit {head!r}: the KV pool has too few free blocks "
                                     f"({self.budget.free_count}) and nothing runs")
-                done, self._finished = self._finished, []
-                return done
+                done = self._finished
+                if done:
+                    self._finished = []
+                    return done
+                return []
             finally:
-                self._drain()  # what other threads posted during the step
+                if self._inbox:  # what other threads posted during the step
+                    self._drain()
 
     def run(self) -> List[Request]:
         """Step until idle; every request that finished, in finish order."""
@@ -721,6 +739,8 @@ class DecodePipeline:
         # from the launch number, and after a preemption it resumes from the committed tokens.
         req._pos0 = len(req.prompt) + len(req.tokens) - launch
         self._ending.setdefault(req._last, []).append(req)
+        self._sampled += req.temperature > 0.0
+        self._with_lp += req.logprobs is not None
         if req.stop_ids:
             self._stop_union = self._stop_union | req.stop_ids
         bs = self._block_size
@@ -742,21 +762,26 @@ class DecodePipeline:
             rows = [r for r in self._running if r._last >= launch]
         else:
             rows = self._rows
-        rows = self._reserve(rows, launch)  # adds to self._added
+        rows = self._reserve(rows, launch)  # adds to self._taking
         if not rows:
             return False
+        # A batch that changed is derived again, in C-speed passes where one will do: the rows
+        # without a ban share one pair object, so counting it finds whether any row has one,
+        # and the sampling and logprobs scans run only while a running request asks for them.
         if self._dirty or self._masks_dirty or rows is not self._rows:
-            masks = None
-            if any(r._ban is not None for r in rows):
-                masks = [r._mask for r in rows]
+            masks: Any = [r._mask for r in rows]
+            if masks.count(_UNMASKED_PAIR) == len(masks):
+                masks = None
             self._masks = masks
         masks = self._masks
         if self._dirty or rows is not self._rows:
             self._params = self._sampling_params(rows)
             self._hook = self._penalties(rows)
-            self._lp = [(i, r.logprobs, r.top_logprobs, r._top_n) for i, r in enumerate(rows)
-                        if r.logprobs is not None] or None
-            self._top_n = max((r._top_n for r in rows), default=0)
+            self._lp, self._top_n = None, 0
+            if self._with_lp:
+                self._lp = [(i, r.logprobs, r.top_logprobs, r._top_n)
+                            for i, r in enumerate(rows) if r.logprobs is not None] or None
+                self._top_n = max((r._top_n for r in rows), default=0)
         params = self._params
         if params is not None:
             # Host params are read before the feed method returns, so rewriting the one array
@@ -764,14 +789,22 @@ class DecodePipeline:
             params["position"] = self._positions + launch
         if self.fed:
             if self._dirty or rows is not self._rows:
-                prev = {id(r): i for i, r in enumerate(self._rows)} if self._launches else {}
-                sources: Any = [
-                    FeedSource(prev[id(r)]) if id(r) in prev and r._join < launch
-                    else FeedSource.host((r.tokens[-1] if r.tokens else r.prompt[-1]))
-                    for r in rows]
-                if all(s == i for i, s in enumerate(sources)):
-                    sources = _identity(len(rows))
-            else:
+                # Each row's source: its row of the last launch (the kept FeedSource.feed(i)
+                # objects, made once), or its last committed id when it joined now.
+                # (Requests hash by identity, so they key the map themselves: no id() call.)
+                old = self._rows if self._launches else []
+                get = dict(zip(old, _identity(len(old)))).get
+                sources: Any = [get(r, -1) if r._join < launch else -1 for r in rows]
+                if -1 in sources:  # joined now (at the end of the batch): the host's id
+                    for i in range(sources.index(-1), len(rows)):
+                        if sources[i] < 0:
+                            r = rows[i]
+                            sources[i] = FeedSource.host(r.tokens[-1] if r.tokens
+                                                         else r.prompt[-1])
+                identity = _identity(len(rows))
+                if sources == identity:
+                    sources = identity
+            else:  # the same rows as the last launch: each reads its own row's cell
                 sources = _identity(len(rows))
             debug = self._debug
             if debug is not None:
@@ -789,7 +822,8 @@ class DecodePipeline:
         step.lp = self._lp
         # Blocks reserved for a launch that raised stay in their tables and count for the
         # launch that follows, so the in-flight figure comes back to 0.
-        step.added, self._added = self._added, 0
+        if self._taking:
+            step.taken, self._taking = self._taking, []
         if self._debug is not None:
             step.debug_slot = slot
         self._inflight.append(step)
@@ -807,20 +841,23 @@ class DecodePipeline:
         io = self.io
         queued = io.stats.launches
         try:
-            return io._launch(sources, self._seqs_of(rows), masks, fed, params, True, self._hook,
-                              self._lp is not None, self._top_n)
+            if rows is not self._rows or self._seqs is None:
+                self._seqs = [r._seq for r in rows]  # type: ignore[misc]
+            return io.launch(sources, self._seqs, masks, fed=fed, params=params,
+                             trusted=True, hook=self._hook, logprobs=self._lp is not None,
+                             top_n=self._top_n)
         except BaseException as exc:
             if io.stats.launches != queued or isinstance(exc, DeviceError):
                 self._launches = launch + 1
-                added, self._added = self._added, 0
+                taken, self._taking = self._taking, []
                 self.stats.steps += 1
-                self._fault(launch, added, exc)
+                self._fault(launch, len(taken), exc)
             raise
 
     def _sampling_params(self, rows: List[Request]) -> Any:
         """One ``SAMPLING_PARAMS_DTYPE`` record per row when any row samples (positions are set
         at each launch), else None: an all-greedy step keeps the argmax and imports no numpy."""
-        if not any(r.temperature > 0.0 for r in rows):
+        if not self._sampled or not any(r.temperature > 0.0 for r in rows):
             self._positions = None
             return None
         import numpy as np
@@ -842,66 +879,73 @@ class DecodePipeline:
             pen = self._pen = PipelinePenalties(self, self._penalty_capacity)
         return pen.rows(rows)
 
-    def _seqs_of(self, rows: List[Request]) -> List[SequenceState]:
-        if rows is not self._rows or self._seqs is None:
-            self._seqs = [r._seq for r in rows]  # type: ignore[misc]
-        return self._seqs
-
     def _reserve(self, rows: List[Request], launch: int) -> List[Request]:
-        """KV blocks for this launch's positions; when the pool runs dry, the youngest running
-        request gives its blocks back and waits to resume (recompute). Returns the rows left.
+        """KV blocks for this launch's positions, through the budget; returns the rows left
+        (``_reserve_or_preempt``).
 
         With a known block size the pipeline reserves only for the rows its schedule says cross
         a block boundary, and keeps the in-flight accounting itself: a discarded step's block
         always leaves with its request (finish, abort or preemption return every block), so
-        there is no single reservation to roll back and the router's ledger is not needed."""
-        bs = self._block_size
-        if bs is None:
-            return self._reserve_each(rows)
+        there is no single reservation to roll back and the router's ledger is not needed. A
+        model that does not say its block size decides per row, through the budget's ledger (so
+        a discarded step's reservation can be rolled back exactly)."""
+        if self._block_size is None:
+            budget = self.budget
+            return self._reserve_or_preempt(
+                rows, rows, lambda due: budget.reserve_many([r._seq for r in due]))  # type: ignore[misc]
         due = self._boundary.pop(launch, None)
         if not due:
             return rows
-        take = self.budget.take
-        added = 0
-        for req in due:
-            req._bound = -1
-            while req.status is _RUNNING:
-                try:
-                    if take(req._seq):  # type: ignore[arg-type]
-                        added += 1
-                        req._reserved_at = launch
-                    break
-                except KvPoolExhausted:
-                    victim = max((r for r in rows if r.status is _RUNNING), key=_order_of)
-                    if victim._reserved_at == launch:
-                        added -= 1  # its block for this launch goes back with the rest
-                        self.budget.untake(1)
-                    self._preempt(victim)
-                    rows = [r for r in rows if r is not victim]
-        self._added += added
-        self._reschedule(due, launch + bs)
+        rows = self._reserve_or_preempt(rows, due, self._take_due)
+        self._reschedule(due, launch + self._block_size)
         return rows
 
-    def _reserve_each(self, rows: List[Request]) -> List[Request]:
-        """A model that does not say its block size decides per row, through the router's
-        ledger (so a discarded step's reservation can be rolled back exactly)."""
-        due = list(rows)
+    def _take_due(self, due: List[Request]) -> int:
+        """The block of each of ``due`` for the launch being made, in one budget call (the
+        rows given one join ``_taking``); the index of the first the pool could not serve, or
+        -1."""
+        served, missed = self.budget.take_many([r._seq for r in due])  # type: ignore[misc]
+        if served:
+            self._taking += (due[:served] if not missed else
+                             [r for i, r in enumerate(due[:served]) if i not in missed])
+        return served if served < len(due) else -1
+
+    def _reserve_or_preempt(self, rows: List[Request], due: List[Request],
+                            reserve: Callable[[List[Request]], int]) -> List[Request]:
+        """The one place a full pool preempts (the plain step's and the speculative step's):
+        ``reserve(due)`` takes the blocks of each of ``due`` in order and returns the index of
+        the first one the pool could not serve (-1: all served). Then the youngest running row
+        of ``rows`` gives its blocks back and waits to resume (recompute), and the rest of
+        ``due`` is asked again. Returns the rows left."""
         while due:
-            failed = self.budget.reserve_many([r._seq for r in due])  # type: ignore[misc]
+            failed = reserve(due)
             if failed < 0:
                 break
             victim = max((r for r in rows if r.status is _RUNNING), key=_order_of)
-            due = [r for r in due[failed:] if r is not victim]
+            if victim in self._taking:  # its block for the launch being made goes back with
+                self._taking.remove(victim)  # the rest of its blocks, never reserved for it
+                self.budget.untake(1)
             self._preempt(victim)
             rows = [r for r in rows if r is not victim]
+            due = [r for r in due[failed:] if r is not victim]
         return rows
 
     def _reschedule(self, reqs: List[Request], launch: int) -> None:
-        keep = [r for r in reqs if r.status is _RUNNING and r._last >= launch]
-        if keep:
-            for r in keep:
+        """``reqs`` crossed a block boundary at this launch: the ones still running cross the
+        next one at ``launch``; the others are due nowhere (one pass: it runs every step)."""
+        keep = []
+        for r in reqs:
+            if r.status is _RUNNING and r._last >= launch:
                 r._bound = launch
-            self._boundary.setdefault(launch, []).extend(keep)
+                keep.append(r)
+            else:
+                r._bound = -1
+        if keep:
+            entries = self._boundary.get(launch)
+            if entries is None:
+                self._boundary[launch] = keep
+            else:
+                entries += keep
 
     def _await(self) -> None:
         step = self._inflight.popleft()
@@ -909,10 +953,10 @@ class DecodePipeline:
         try:
             ids = self.io.await_result(step.ticket)
         except BaseException as exc:
-            self._fault(step.launch, step.added, exc)
+            self._fault(step.launch, len(step.taken), exc)
             raise
-        if step.added:
-            self.budget.settle(step.added)
+        if step.taken:
+            self.budget.settle(len(step.taken))
         if self._debug is not None:
             try:
                 self._debug.check(step, self._prev_ids)
@@ -920,13 +964,15 @@ class DecodePipeline:
                 self._fault(step.launch, 0, exc)
                 raise
             self._prev_ids = ids
-        rows, dead = step.rows, step.dead
+        rows, dead, lists = step.rows, step.dead, step.lists
         if dead is None:
-            _drain(map(list.append, step.lists, ids))  # each row's token, in a C loop
-        else:
-            for i, (req, token) in enumerate(zip(rows, ids)):
-                if i not in dead:
-                    req.tokens.append(token)
+            _drain(map(list.append, lists, ids))  # each row's token, in a C loop
+        else:  # the same C loop over the runs between the few rows thrown away
+            lo = 0
+            for at in sorted(dead):
+                _drain(map(list.append, lists[lo:at], ids[lo:at]))
+                lo = at + 1
+            _drain(map(list.append, lists[lo:], ids[lo:]))
         if step.lp is not None:  # with the tokens, so each list keeps one entry per token
             ticket = step.ticket
             values, top, n = ticket.logprobs, ticket.top, ticket.top_n
@@ -963,7 +1009,7 @@ class DecodePipeline:
             except Exception:
                 pass  # the same fault, reported again: nothing of it is kept either way
             self.stats.steps += 1
-            budget.settle(later.added)
+            budget.settle(len(later.taken))
             self.stats.rows_discarded += len(later.rows) - len(later.dead or ())
         self._inflight.clear()
         reason = f"step {launch} failed: {type(exc).__name__}: {exc}"
@@ -988,8 +1034,8 @@ class DecodePipeline:
                     step.dead = set()
                 step.dead.add(at)
                 self.stats.rows_discarded += 1
-                if req._reserved_at == step.launch:  # its block for this step goes back
-                    step.added -= 1
+                if req in step.taken:  # its block for this step goes back with the rest
+                    step.taken.remove(req)  # type: ignore[attr-defined]
                     self.budget.discard(1)
 
     def _release(self, req: Request) -> None:
@@ -1007,6 +1053,8 @@ class DecodePipeline:
                 if not entries:
                     del table[key]
         req._bound = -1
+        self._sampled -= req.temperature > 0.0
+        self._with_lp -= req.logprobs is not None
         self._discard_in_flight(req)
         if self._spec is not None:
             self._spec.discard(req)

@@ -138,7 +138,7 @@ class Request:
     """
 
     __slots__ = ("prompt", "tokens", "max_new_tokens", "stop_ids", "status", "error", "_ban", "_mask", "_pipe", "_seq", "_join", "_last", "_base", "_order", "_bound",
-                 "_reserved_at", "_pos0", "temperature", "top_k", "top_p", "min_p", "seed",
+                 "_pos0", "temperature", "top_k", "top_p", "min_p", "seed",
                  "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
                  "min_tokens", "_pen", "_pslot", "logprobs", "top_logprobs", "_top_n")
 
@@ -166,7 +166,6 @@ class Request:
         self._order = order  # submission order (set when the loop takes it in): the youngest
         # running one is preempted first
         self._bound = -1  # the launch at which its next KV block is reserved, if one is due
-        self._reserved_at = -1  # the last launch that reserved a block for it, if any
         self._pos0 = 0  # its position at launch L is _pos0 + L (set when it joins)
         self.temperature, self.top_k, self.top_p, self.min_p, self.seed = sampling
         # Penalties (docs/penalties.md): None when every one is neutral (no slot, no op).
@@ -299,12 +298,15 @@ class _SeqView(_RequestView):
 
     @property
     def seq_len(self) -> int:
+        # Read by the model for every row it reserves or writes: plain comparisons, no min().
         req = self.req
         status = req.status
-        if status is _WAITING or status is _PREEMPTED:  # being prefilled
-            return req._base
-        launched = min(req._pipe._launches, req._last + 1) - req._join
-        written = req._base + launched
+        if status is not _RUNNING and (status is _WAITING or status is _PREEMPTED):
+            return req._base  # being prefilled
+        launched = req._pipe._launches
+        if launched > req._last:
+            launched = req._last + 1
+        written = req._base + launched - req._join
         known = len(req.prompt) + len(req.tokens)
         return written if written < known else known
 

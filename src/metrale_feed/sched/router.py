@@ -293,14 +293,13 @@ class _DeviceIo:
 
     # ---- launches ----
 
-    def _open_ring(self) -> _Ring:
-        if self._ring is None:
-            raise FeedError("the router has been torn down")
-        return self._ring
-
     def launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any = None, *,
-               fed: bool, params: Any = None, trusted: bool = False) -> Ticket:
+               fed: bool, params: Any = None, trusted: bool = False, hook: Any = None,
+               logprobs: bool = False, top_n: int = 0) -> Ticket:
         """Launch one step: ``launch_fed`` (``fed=True``) or ``launch_decode`` (``fed=False``).
+
+        The one launch path: ``launch_fed``, ``launch_decode`` and the decode pipeline all come
+        here.
 
         Parameters
         ----------
@@ -317,6 +316,17 @@ class _DeviceIo:
             The caller (the decode pipeline) built inputs, masks and params from values it
             checked once, and reserved every row's block through this router's ``budget``: the
             per-row checks and the budget's ``cover`` are skipped.
+        hook : optional
+            The decode pipeline's penalties (docs/penalties.md), or None:
+            ``hook.apply(logits, stream)`` is queued between the forward and the feed method and
+            ``hook.update(stream)`` after it; with ``logprobs`` too,
+            ``hook.snapshot(logits, rows, stream)`` first, passed as ``raw_logits``.
+        logprobs : bool, optional
+            The feed method also writes each row's chosen-token logprob into the slot's
+            logprobs buffers, copied back with the ids before the event; ``await_result`` sets
+            ``ticket.logprobs``.
+        top_n : int, optional
+            With ``logprobs``: each row's ``top_n`` most likely ids too (``ticket.top``).
 
         Returns
         -------
@@ -328,26 +338,17 @@ class _DeviceIo:
             As ``launch_fed`` and ``launch_decode`` say. A refused launch leaves the pool and
             every block table as they were.
         """
-        return self._launch(inputs, seqs, masks, fed, params, trusted, None)
-
-    def _launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any,
-                fed: bool, params: Any, trusted: bool, hook: Any, logprobs: bool = False,
-                top_n: int = 0) -> Ticket:
-        """``launch``, with the decode pipeline's ``hook`` (its penalties, or None):
-        ``hook.apply(logits, stream)`` is queued between the forward and the feed method and
-        ``hook.update(stream)`` after it (docs/penalties.md); with logprobs too,
-        ``hook.snapshot(logits, rows, stream)`` first, passed as ``raw_logits``. ``logprobs``:
-        the feed method also writes each row's chosen-token logprob into the slot's logprobs
-        buffers, copied back with the ids before the event, and ``await_result`` sets
-        ``ticket.logprobs``; ``top_n`` (with it): each row's ``top_n`` most likely ids too,
-        ``ticket.top``."""
-        ring = self._open_ring()
+        ring = self._ring  # the checks of launch and await_result are inline: they run each step
+        if ring is None:
+            raise FeedError("the router has been torn down")
         rows = len(seqs)
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"a step takes 1 to {self.max_rows} rows, got {rows}")
-        if masks is None:
+        if masks is None:  # the shared buffer of unused masks: no count to read, no id to check
             masks = unmasked(rows)
-        mask_rows = _mask_rows(masks, rows)
+            mask_rows = rows
+        else:
+            mask_rows = _mask_rows(masks, rows)
         if len(inputs) != rows or mask_rows != rows:
             raise ValueError(f"{len(inputs)} inputs and {mask_rows} masks for {rows} rows")
         if not fed and not self._host_decode:
@@ -372,7 +373,9 @@ class _DeviceIo:
                 self.budget.uncover(covered)  # type: ignore[arg-type]
             raise
         try:
-            extra: Dict[str, Any] = {}
+            extra: Dict[str, Any] = _NO_EXTRA  # read only: a plain step builds no keywords
+            if hook is not None or logprobs:
+                extra = {}
             if hook is not None:
                 if self._defers:  # the logits must hold this step's forward before they change
                     model.flush_forward(self.stream)  # type: ignore[attr-defined]
@@ -494,12 +497,6 @@ class _DeviceIo:
                 return
         model.event_synchronize(event)
 
-    def _check_ticket(self, ring: _Ring, ticket: Ticket) -> None:
-        if not isinstance(ticket, Ticket) or ticket.router is not self:
-            raise FeedError(f"{ticket!r} was not launched by this router")
-        if not ring.busy[ticket.slot] or ring.gen[ticket.slot] != ticket.gen:
-            raise FeedError(f"{ticket!r} was already awaited")
-
     def await_result(self, ticket: Ticket) -> List[int]:
         """The step's ids, one per row, once its event has completed.
 
@@ -523,8 +520,13 @@ class _DeviceIo:
             A ticket of another router, one already awaited (even when its slot now holds a
             newer step), or a failed wait.
         """
-        ring = self._open_ring()
-        self._check_ticket(ring, ticket)
+        ring = self._ring
+        if ring is None:
+            raise FeedError("the router has been torn down")
+        if not isinstance(ticket, Ticket) or ticket.router is not self:
+            raise FeedError(f"{ticket!r} was not launched by this router")
+        if not ring.busy[ticket.slot] or ring.gen[ticket.slot] != ticket.gen:
+            raise FeedError(f"{ticket!r} was already awaited")
         try:
             self._wait(ring.events[ticket.slot])
             ids = _core.read_pinned_u32(ring.ptrs[ticket.slot], ticket.rows)
@@ -737,13 +739,14 @@ class SyncDeviceIo(_DeviceIo):
         self._init_state(model, max_rows, stream, 1)
         self._results: Dict[int, List[int]] = {}
 
-    def _launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any,
-                fed: bool, params: Any, trusted: bool, hook: Any, logprobs: bool = False,
-                top_n: int = 0) -> Ticket:
+    def launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any = None, *,
+               fed: bool, params: Any = None, trusted: bool = False, hook: Any = None,
+               logprobs: bool = False, top_n: int = 0) -> Ticket:
         if fed and not self.model.supports_device_token_feed():
             raise FeedError("launch_fed needs the device feed; with a settled step the inputs are "
                             "host-known, so use launch_decode")
-        ticket = super()._launch(inputs, seqs, masks, fed, params, trusted, hook, logprobs, top_n)
+        ticket = super().launch(inputs, seqs, masks, fed=fed, params=params, trusted=trusted,
+                                hook=hook, logprobs=logprobs, top_n=top_n)
         self._results[ticket.step] = super().await_result(ticket)
         self.stats.ahead_launches = 0
         return ticket
@@ -759,6 +762,7 @@ class SyncDeviceIo(_DeviceIo):
 
 
 _UNMASKED: Dict[int, memoryview] = {}
+_NO_EXTRA: Dict[str, Any] = {}  # never written: the feed methods' keywords of a plain step
 
 
 def unmasked(rows: int) -> memoryview:

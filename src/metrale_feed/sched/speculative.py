@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from typing import (TYPE_CHECKING, Any, Deque, List, Optional, Protocol, Sequence, Set, Tuple,
-                    runtime_checkable)
+from typing import (TYPE_CHECKING, Any, Deque, Dict, List, Optional, Protocol, Sequence, Set,
+                    Tuple, runtime_checkable)
 
 from .. import _checks, _core
-from ..contract import VerifyStep, require
+from ..contract import ReservesAhead, VerifyStep, require
 from ..errors import DeviceError, KvPoolExhausted
 from ..feed import NO_TOKEN, FeedSource
 from .request import _RUNNING, _RequestView
@@ -67,6 +67,10 @@ class DraftBatch:
         them (pinned memory, ``k + 2`` words a row of its batch: ``n``, then the ``n`` emitted
         ids), written in stream order: a host function queued on the stream by ``propose``
         (``launch_host_func``) reads them complete, the host thread may not. 0: none.
+
+    The lists are the pipeline's, kept from step to step (a request's history grows as its
+    tokens are committed): read them during ``propose``, copy what is kept past it, change
+    none.
     """
 
     __slots__ = ("rows", "k", "inputs", "histories", "seeds", "masks", "ahead", "ahead_cells")
@@ -318,7 +322,7 @@ class NGramDrafter(HostDrafter):
 
     def lookup(self, history: Sequence[int], k: int) -> List[int]:
         """The ``k`` drafts after ``history`` (``NO_TOKEN`` past what the lookup found)."""
-        h = list(history)
+        h = history if isinstance(history, list) else list(history)  # read only: no copy
         for n in range(min(self.max_n, len(h) - 1), self.min_n - 1, -1):
             suffix = h[-n:]
             for start in range(len(h) - n - 1, -1, -1):  # the latest earlier occurrence first
@@ -349,16 +353,6 @@ class _SpecView(_RequestView):
             self.req._base = value
 
 
-def _takes(fn: Any, name: str) -> bool:
-    import inspect
-
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return True  # no signature to read: the call itself will say
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
 class _Slot:
     """One launch's buffers: the drafts then the inputs (one device buffer, so one gather makes
     the fed ids), the fed ids, the advance, the verify cells and their pinned copy, and the
@@ -380,15 +374,48 @@ class _Slot:
         self.done.close()
 
 
-class _Flight:
-    """A launched verify step: its rows, their row index, its slot, and the rows whose result
-    will be thrown away (finished, aborted or preempted while it was in flight)."""
+class _Batch:
+    """What a launch derives from its rows alone, kept while the rows and their bans stay the
+    same (a verify step of the same batch reuses it): their index, sequences, ban pairs (and
+    one per logit row), seeds, sampling records (positions set each launch) and, for row ``r``
+    of the step in flight being row ``r`` of this one, each row's index and
+    ``FeedSource.feed(r)``. Read only: a drafter is handed its lists."""
 
-    __slots__ = ("rows", "index", "slot", "launch", "dead")
+    __slots__ = ("rows", "index", "seqs", "masks", "vmasks", "seeds", "params", "identity",
+                 "feeds")
 
-    def __init__(self, rows: List["Request"], slot: _Slot, launch: int) -> None:
+    def __init__(self, rows: List["Request"], k: int) -> None:
         self.rows = rows
         self.index = {id(r): i for i, r in enumerate(rows)}
+        self.seqs = [r._seq for r in rows]
+        self.masks = [(int(r._mask[0]), int(r._mask[1])) for r in rows]
+        self.vmasks: Any = None
+        if any(r._ban is not None for r in rows):
+            self.vmasks = [m for m in self.masks for _ in range(k + 1)]  # a pair a logit row
+        self.seeds = [r.seed for r in rows]
+        self.params: Any = None
+        if any(r.temperature > 0.0 for r in rows):
+            import numpy as np
+
+            from ..sampling import SAMPLING_PARAMS_DTYPE
+
+            self.params = np.zeros(len(rows), SAMPLING_PARAMS_DTYPE)
+            for field in ("temperature", "top_k", "top_p", "min_p", "seed"):
+                self.params[field] = [getattr(r, field) for r in rows]
+        self.identity = list(range(len(rows)))
+        self.feeds = [FeedSource.feed(i) for i in self.identity]
+
+
+class _Flight:
+    """A launched verify step: its batch (rows, their row index), its slot, and the rows whose
+    result will be thrown away (finished, aborted or preempted while it was in flight)."""
+
+    __slots__ = ("batch", "rows", "index", "slot", "launch", "dead")
+
+    def __init__(self, batch: _Batch, slot: _Slot, launch: int) -> None:
+        self.batch = batch
+        self.rows = batch.rows
+        self.index = batch.index
         self.slot = slot
         self.launch = launch
         self.dead: Set[int] = set()
@@ -411,11 +438,12 @@ class SpeculativeStep:
     def __init__(self, pipe: "DecodePipeline", drafter: Any) -> None:
         k = check_drafter(drafter)
         model: Any = pipe.model
-        require(model, "speculative decoding", VerifyStep)
-        if pipe.depth == 2 and not _takes(model.decode_batch_verify, "advance"):
+        require(model, "speculative decoding", VerifyStep, ReservesAhead)
+        if pipe.depth == 2 and not pipe.info.verify_advance:
             raise TypeError(f"speculative decoding at depth 2 needs decode_batch_verify(..., "
                             f"advance=) (positions advanced on the device); "
-                            f"{type(model).__name__}'s has no advance: use depth=1")
+                            f"{type(model).__name__}'s has no advance (its feed_info() says "
+                            f"verify_advance=False): use depth=1")
         if pipe._block_size is None or pipe._pool is None:
             raise TypeError("speculative decoding needs a model with block_size and pool (a "
                             "BlockPool): the pipeline reserves the k + 1 positions itself")
@@ -441,29 +469,30 @@ class SpeculativeStep:
         self.next_slot = 0
         self.inflight: Deque[_Flight] = deque()
         self.host_syncs = 0
+        self.launches = self.ahead_launches = 0  # PipelineStats adds them to the router's
+        self._batch: Optional[_Batch] = None  # the last launch's
+        self._history: Dict["Request", List[int]] = {}  # a running request's ids so far
+        self._gathers: Dict[int, List[int]] = {}  # rows -> the fed ids' sources
+        self._row_stride = getattr(model, "feed_row_stride", None)
         self._closed = False
 
     # ---- KV ----
 
     def _reserve(self, rows: List["Request"], reach: int) -> List["Request"]:
-        """Blocks for every row's positions up to ``_base + reach``; when the pool runs dry the
-        youngest running row gives its blocks back and waits to resume (recompute). Returns
+        """Blocks for every row's positions up to ``_base + reach``, through the budget; when
+        the pool runs dry the pipeline preempts the youngest (``_reserve_or_preempt``). Returns
         the rows left."""
-        from .request import _order_of
+        extend = self.pipe.budget.extend
 
-        pipe = self.pipe
-        for req in list(rows):
-            seq = req._seq
-            while req.status is _RUNNING:  # so it has a view (seq); a preempted one has none
+        def extend_each(due: List["Request"]) -> int:
+            for at, req in enumerate(due):
                 try:
-                    pipe.budget.extend(seq, req._base + reach)  # type: ignore[arg-type]
-                    break
+                    extend(req._seq, req._base + reach)  # type: ignore[arg-type]
                 except KvPoolExhausted:
-                    victim = max((r for r in rows if r.status is _RUNNING),
-                                 key=_order_of)
-                    pipe._preempt(victim)
-                    rows = [r for r in rows if r is not victim]
-        return rows
+                    return at
+            return -1
+
+        return self.pipe._reserve_or_preempt(rows, rows, extend_each)
 
     def _trim(self, req: "Request", ahead: bool) -> None:
         """Give back the blocks that hold only rejected positions: past ``_base``, or past
@@ -475,6 +504,7 @@ class SpeculativeStep:
 
     def discard(self, req: "Request") -> None:
         """``req`` left the batch: its rows in the steps in flight are thrown away."""
+        self._history.pop(req, None)
         for flight in self.inflight:
             at = flight.index.get(id(req))
             if at is not None and at not in flight.dead:
@@ -513,69 +543,94 @@ class SpeculativeStep:
         # step still in flight to the next one.
         slot = self.slots[self.next_slot]
         n_rows, stream = len(rows), pipe.stream
-        histories = [list(r.prompt) + r.tokens for r in rows]
-        masks = [(int(r._mask[0]), int(r._mask[1])) for r in rows]
+        batch = self._batch
+        if batch is None or pipe._masks_dirty or batch.rows != rows:
+            batch = self._batch = _Batch(rows, k)
+            pipe._masks_dirty = False
+        histories = self._histories(rows)
         # Each row's index in the step in flight (its input and advance are there, on the
         # device), or -1: its committed history is current.
-        at: List[int] = []
-        for r in rows:
-            i = -1 if prev is None else prev.index.get(id(r), -1)
-            at.append(-1 if prev is None or i in prev.dead else i)
+        if prev is not None and prev.batch is batch and not prev.dead:
+            at = batch.identity  # the same rows as the step in flight: row r is its row r
+        else:
+            at = [-1] * n_rows
+            if prev is not None:
+                for row, r in enumerate(rows):
+                    i = prev.index.get(id(r), -1)
+                    if i not in prev.dead:
+                        at[row] = i
         inputs = slot.drafts.ptr + n_rows * k * 4
-        advanced = prev is not None and any(i >= 0 for i in at)
+        advanced = prev is not None and (at is batch.identity or any(i >= 0 for i in at))
         if advanced:
             assert prev is not None
-            ids = [FeedSource.feed(i) if i >= 0 else FeedSource.host(h[-1])
-                   for i, h in zip(at, histories)]
+            if at is batch.identity:  # every row's input and advance come from the step in flight
+                ids = steps = batch.feeds
+            else:
+                ids = [FeedSource.feed(i) if i >= 0 else FeedSource.host(h[-1])
+                       for i, h in zip(at, histories)]
+                steps = [FeedSource.feed(i) if i >= 0 else FeedSource.host(0) for i in at]
             _core.resolve_feed(ids, prev.slot.ids, inputs, stream, prev_rows=len(prev.rows))
-            steps = [FeedSource.feed(i) if i >= 0 else FeedSource.host(0) for i in at]
             _core.resolve_feed(steps, prev.slot.adv, slot.advance, stream,
                                prev_rows=len(prev.rows))
         else:
             _core.resolve_feed([FeedSource.host(h[-1]) for h in histories], slot.ids, inputs,
                                stream, prev_rows=1)
-        self.drafter.propose(DraftBatch(n_rows, k, inputs, histories, [r.seed for r in rows],
-                                        masks, at, prev.slot.dst.ptr if advanced and prev else 0),
+        self.drafter.propose(DraftBatch(n_rows, k, inputs, histories, batch.seeds, batch.masks,
+                                        at, prev.slot.dst.ptr if advanced and prev else 0),
                              slot.drafts, stream)
-        # The fed ids, gathered on the device: row r's input, then its k drafts.
-        sources: List[int] = []
-        for row in range(n_rows):
-            sources.append(FeedSource.feed(n_rows * k + row))
-            sources.extend(FeedSource.feed(row * k + j) for j in range(k))
-        _core.resolve_feed(sources, slot.drafts, slot.fed, stream, prev_rows=n_rows * (k + 1))
+        _core.resolve_feed(self._gather(n_rows), slot.drafts, slot.fed, stream,
+                           prev_rows=n_rows * (k + 1))
         model: Any = pipe.model  # a verify-capable model (checked at construction)
         extra = {"advance": slot.advance} if advanced else {}
-        logits = model.decode_batch_verify(slot.fed, [r._seq for r in rows], k, stream, **extra)
-        vmasks = None
-        if any(r._ban is not None for r in rows):
-            vmasks = [m for m in masks for _ in range(k + 1)]  # one pair per logit row
-        params = None
-        if any(r.temperature > 0.0 for r in rows):
-            import numpy as np
-
-            from ..sampling import SAMPLING_PARAMS_DTYPE
-
-            params = np.zeros(n_rows, SAMPLING_PARAMS_DTYPE)
-            for field in ("temperature", "top_k", "top_p", "min_p", "seed"):
-                params[field] = [getattr(r, field) for r in rows]
-            # The first emitted id's position as far as the host knows; a row in the step in
-            # flight adds that step's count on the device (the advance its forward reads), so
-            # its draws are keyed as at depth 1.
+        logits = model.decode_batch_verify(slot.fed, batch.seqs, k, stream, **extra)
+        params = batch.params
+        if params is not None:
+            # Read before verify_to_feed returns, so rewriting it each launch changes no step
+            # in flight: the first emitted id's position as far as the host knows; a row in
+            # the step in flight adds that step's count on the device (the advance its forward
+            # reads), so its draws are keyed as at depth 1.
             params["position"] = [len(h) for h in histories]
         _core.verify_to_feed(logits, slot.drafts, slot.cells, slot.dst, slot.done, stream, k=k,
-                             masks=vmasks, params=params, rows=n_rows, vocab=pipe.vocab,
-                             dtype=pipe.info.logits_dtype,
-                             row_stride=getattr(model, "feed_row_stride", None),
+                             masks=batch.vmasks, params=params, rows=n_rows, vocab=pipe.vocab,
+                             dtype=pipe.info.logits_dtype, row_stride=self._row_stride,
                              advance=slot.advance if advanced and params is not None else None)
         if self.depth > 1:  # what the next launch reads before this one's counts are known
             _core.resolve_verified(slot.cells, slot.ids, slot.adv, stream, rows=n_rows, k=k)
         self.next_slot = (self.next_slot + 1) % len(self.slots)
         pipe._launches = launch + 1
-        pipe.io.stats.launches += 1
+        self.launches += 1
         if self.inflight:
-            pipe.io.stats.ahead_launches += 1
-        self.inflight.append(_Flight(rows, slot, launch))
+            self.ahead_launches += 1
+        self.inflight.append(_Flight(batch, slot, launch))
         return True
+
+    def _histories(self, rows: List["Request"]) -> List[List[int]]:
+        """Each row's ids so far (prompt and committed tokens), kept per request and extended
+        by the tokens committed since its last step, not copied whole each step. The drafter
+        reads them during ``propose`` (they grow after it)."""
+        kept = self._history
+        out = []
+        for r in rows:
+            h = kept.get(r)
+            if h is None:
+                h = kept[r] = list(r.prompt) + r.tokens
+            else:
+                new = len(r.prompt) + len(r.tokens) - len(h)
+                if new:  # committed tokens only grow while it runs, preempted or not
+                    h += r.tokens[-new:]
+            out.append(h)
+        return out
+
+    def _gather(self, n_rows: int) -> List[int]:
+        """The fed ids' sources, row r's input then its k drafts (the same for a row count)."""
+        sources = self._gathers.get(n_rows)
+        if sources is None:
+            k = self.k
+            sources = self._gathers[n_rows] = []
+            for row in range(n_rows):
+                sources.append(FeedSource.feed(n_rows * k + row))
+                sources.extend(FeedSource.feed(row * k + j) for j in range(k))
+        return sources
 
     # ---- awaiting ----
 

@@ -703,9 +703,11 @@ class _StubModel(mf.RuntimeFeedMixin, mf.ModelDeviceFeed):
         return 0
 
     def feed_info(self) -> Any:
+        # Its feed methods take none of the logprobs keywords: it says so.
+        lacks = dict(logprobs=False, top_logprobs=False, raw_logits=False)
         if getattr(self, "feed_cells", None) is not None:
-            return super().feed_info()
-        return FeedInfo(vocab=32000, sampling=True)  # the router's stub, with no feed cells
+            return super().feed_info()._replace(**lacks)
+        return FeedInfo(vocab=32000, sampling=True, **lacks)  # the router's stub, no feed cells
 
 
 class _StubPagedModel(PagedKvMixin, _StubModel):

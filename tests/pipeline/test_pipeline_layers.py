@@ -1,0 +1,81 @@
+"""The scheduler's layers talk through public calls (issue 24): the pipeline launches through
+the router's ``launch`` and reads nothing private of it; a speculative step's launches are
+counted beside the router's, not written into them."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+from metrale_feed import DecodePipeline
+from metrale_feed.sched.speculative import NGramDrafter
+
+from conftest import VOCAB, greedy_tokens, model_for, prompts
+
+SCHED = pathlib.Path(__file__).resolve().parents[2] / "src" / "metrale_feed" / "sched"
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_every_step_goes_through_the_routers_public_launch(host, no_leaks, depth):
+    calls = []
+    with model_for(rows=3) as model, DecodePipeline(model, 3, depth=depth) as pipe:
+        public = pipe.io.launch
+
+        def launch(*args, **kw):
+            calls.append(kw["fed"])
+            return public(*args, **kw)
+
+        pipe.io.launch = launch  # type: ignore[method-assign]
+        reqs = [pipe.submit(p, max_new_tokens=5) for p in prompts(3, seed=depth)]
+        pipe.run()
+        launches = pipe.stats.launches
+    assert len(calls) == launches > 0
+    assert all(calls)  # the reference model feeds at both depths
+    for req, prompt in zip(reqs, prompts(3, seed=depth)):
+        assert req.tokens == greedy_tokens(prompt, 5, VOCAB)
+
+
+def _private_uses(path, owners):
+    """``owner._name`` attribute reads in ``path`` where ``owner`` ends one of ``owners``
+    (``io``, ``self.io``, ``pipe.io``, ``router``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                and not node.attr.startswith("__"):
+            base = node.value
+            name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", None)
+            if name in owners:
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_pipeline_uses_no_private_member_of_the_router():
+    uses = []
+    for name in ("pipeline.py", "speculative.py", "penalized.py", "request.py"):
+        uses += _private_uses(SCHED / name, {"io", "router"})
+    assert uses == []
+
+
+def test_speculative_launches_are_counted_beside_the_routers(host, no_leaks):
+    with model_for(rows=2) as model, \
+            DecodePipeline(model, 2, speculative=NGramDrafter(2)) as pipe:
+        for p in prompts(2, seed=3):
+            pipe.submit(p, max_new_tokens=6)
+        pipe.run()
+        stats = pipe.stats.as_dict()
+        assert pipe.io.stats.launches == 0  # no verify step went through the ring
+        assert stats["launches"] == pipe.stats.launches == stats["steps"] > 0
+        assert stats["ahead_launches"] == pipe.stats["ahead_launches"] > 0
+
+
+def test_requests_are_distinct_by_identity(host, no_leaks):
+    """The pipeline keys its maps by the request objects themselves: two requests with the
+    same parameters are two keys."""
+    with model_for(rows=2) as model, DecodePipeline(model, 2) as pipe:
+        a = pipe.submit([1, 2], max_new_tokens=2)
+        b = pipe.submit([1, 2], max_new_tokens=2)
+        assert a != b and len({a, b}) == 2
+        pipe.run()
+    assert a.tokens == b.tokens == greedy_tokens([1, 2], 2, VOCAB)
