@@ -653,18 +653,12 @@ def scenario_pipeline():
             # Chosen-token logprobs on every third request: the combine's, read with the ids.
             reqs = [pipe.submit([3, 1, 4 + i], max_new_tokens=6 + i,
                                 ban=(7, 500) if i == 2 else None, seed=11 + i,
-                                logprobs=i % 3 == 0, **hot[i % 4])
+                                logprobs=i % 3 == 0, top_logprobs={0: 1, 3: 20, 6: 4}.get(i, 0),
+                                **hot[i % 4])
                     for i in range(10)]
-            if sharded and WORLD > 1:  # the ranks would have to merge their top lists
-                try:
-                    pipe.submit([3], max_new_tokens=1, logprobs=True, top_logprobs=2)
-                except ValueError as error:
-                    assert "split vocabulary" in str(error), error
-                else:
-                    raise AssertionError("top_logprobs with shard= was taken")
             pipe.run()
         model.close()
-        return [r.tokens for r in reqs], [r.logprobs for r in reqs]
+        return [r.tokens for r in reqs], [r.logprobs for r in reqs], [r.top_logprobs for r in reqs]
 
     # One forward: the rank's logits buffer holds the slice's columns, each its global id's logit.
     from metrale_feed.testing.reference import host_logits
@@ -682,9 +676,24 @@ def scenario_pipeline():
     from metrale_feed.testing.oracle import reference_logprobs
 
     for depth in (1, 2):
-        want, want_lp = decode(depth, False)
+        want, want_lp, want_top = decode(depth, False)
         before = shard.stats["collectives"]
-        got, got_lp = decode(depth, True)
+        got, got_lp, got_top = decode(depth, True)
+        # Top logprobs through the sharded pipeline: the unsharded lists' ids in their order, on
+        # every rank, and their logprobs within the contract.
+        for i, (mine, ref) in enumerate(zip(got_top, want_top)):
+            assert (mine is None) == (ref is None) == (i not in (0, 3, 6)), (i, mine, ref)
+            if mine is None:
+                continue
+            assert len(mine) == len(ref) == len(got[i]), (i, len(mine), len(ref))
+            for step, (a, b) in enumerate(zip(mine, ref)):
+                assert [t for t, _ in a] == [t for t, _ in b], (depth, i, step, a, b)
+                assert_close(np.array([x for _, x in a]), np.array([x for _, x in b], np.float64))
+                if i % 4 == 0:  # greedy: the chosen token heads the list, with its own logprob
+                    assert a[0][0] == got[i][step] and a[0][1] == got_lp[i][step], (a[0], got_lp[i][step])
+        every = [None] * WORLD
+        dist.all_gather_object(every, got_top)
+        assert all(e == got_top for e in every), "the ranks' top logprobs differ"
         for i, (tokens, lp, ref_lp) in enumerate(zip(want, got_lp, want_lp)):
             assert (lp is None) == (ref_lp is None) == (i % 3 != 0)
             if lp is not None:  # both within the contract of the float64 oracle
