@@ -124,7 +124,13 @@ class RuntimeFeedMixin:
         if top_logprobs is None:
             return
         if self.feed_shard is not None:
-            raise FeedError("top_logprobs over a split vocabulary is not supported")
+            # Each rank's own top n, merged alike on every rank (VocabShard.top_logprobs), queued
+            # before the sharded feed call on the same stream, as the shard's calls must be.
+            self.feed_shard.top_logprobs(logits, top_logprobs, stream, n=top_n, rows=rows,
+                                         dtype=self.feed_logits_dtype,
+                                         row_stride=self.feed_row_stride)
+            _core.copy_d2h_async(top_logprobs, top_logprobs_dst, stream)
+            return
         _core.top_logprobs(logits, top_logprobs, stream, n=top_n, rows=rows, vocab=self.feed_vocab,
                            dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride)
         _core.copy_d2h_async(top_logprobs, top_logprobs_dst, stream)

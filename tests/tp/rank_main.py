@@ -653,18 +653,12 @@ def scenario_pipeline():
             # Chosen-token logprobs on every third request: the combine's, read with the ids.
             reqs = [pipe.submit([3, 1, 4 + i], max_new_tokens=6 + i,
                                 ban=(7, 500) if i == 2 else None, seed=11 + i,
-                                logprobs=i % 3 == 0, **hot[i % 4])
+                                logprobs=i % 3 == 0, top_logprobs={0: 1, 3: 20, 6: 4}.get(i, 0),
+                                **hot[i % 4])
                     for i in range(10)]
-            if sharded and WORLD > 1:  # the ranks would have to merge their top lists
-                try:
-                    pipe.submit([3], max_new_tokens=1, logprobs=True, top_logprobs=2)
-                except ValueError as error:
-                    assert "split vocabulary" in str(error), error
-                else:
-                    raise AssertionError("top_logprobs with shard= was taken")
             pipe.run()
         model.close()
-        return [r.tokens for r in reqs], [r.logprobs for r in reqs]
+        return [r.tokens for r in reqs], [r.logprobs for r in reqs], [r.top_logprobs for r in reqs]
 
     # One forward: the rank's logits buffer holds the slice's columns, each its global id's logit.
     from metrale_feed.testing.reference import host_logits
@@ -682,9 +676,24 @@ def scenario_pipeline():
     from metrale_feed.testing.oracle import reference_logprobs
 
     for depth in (1, 2):
-        want, want_lp = decode(depth, False)
+        want, want_lp, want_top = decode(depth, False)
         before = shard.stats["collectives"]
-        got, got_lp = decode(depth, True)
+        got, got_lp, got_top = decode(depth, True)
+        # Top logprobs through the sharded pipeline: the unsharded lists' ids in their order, on
+        # every rank, and their logprobs within the contract.
+        for i, (mine, ref) in enumerate(zip(got_top, want_top)):
+            assert (mine is None) == (ref is None) == (i not in (0, 3, 6)), (i, mine, ref)
+            if mine is None:
+                continue
+            assert len(mine) == len(ref) == len(got[i]), (i, len(mine), len(ref))
+            for step, (a, b) in enumerate(zip(mine, ref)):
+                assert [t for t, _ in a] == [t for t, _ in b], (depth, i, step, a, b)
+                assert_close(np.array([x for _, x in a]), np.array([x for _, x in b], np.float64))
+                if i % 4 == 0:  # greedy: the chosen token heads the list, with its own logprob
+                    assert a[0][0] == got[i][step] and a[0][1] == got_lp[i][step], (a[0], got_lp[i][step])
+        every = [None] * WORLD
+        dist.all_gather_object(every, got_top)
+        assert all(e == got_top for e in every), "the ranks' top logprobs differ"
         for i, (tokens, lp, ref_lp) in enumerate(zip(want, got_lp, want_lp)):
             assert (lp is None) == (ref_lp is None) == (i % 3 != 0)
             if lp is not None:  # both within the contract of the float64 oracle
@@ -915,12 +924,131 @@ def scenario_graph_sample():
     stream.close()
 
 
+TOP = np.dtype([("id", "<u4"), ("logprob", "<f4")])
+
+
+def whole_top(logits, n):
+    """The unsharded top_logprobs on the whole rows."""
+    rows, vocab = logits.shape
+    buf, out = upload(logits), mf.DeviceBuffer(rows * n * 8)
+    from metrale_feed import _core
+
+    _core.top_logprobs(buf, out, n=n, rows=rows, vocab=vocab, dtype=np.dtype(logits.dtype).name)
+    host = np.zeros(rows * n, TOP)
+    mf.copy_d2h_async(out, host)
+    mf.stream_synchronize(0)
+    return host.reshape(rows, n)
+
+
+def oracle_top(logits, n):
+    """numpy, float64: the n first ids by (logit desc, id asc, NaN last) and log_softmax there
+    (NaN for a row with +inf or no finite logit, -inf at a NaN or -inf logit)."""
+    x = np.asarray(logits, np.float64)
+    rows, vocab = x.shape
+    ids = np.full((rows, n), mf.NO_TOKEN, np.uint32)
+    lp = np.full((rows, n), np.nan)
+    for r in range(rows):
+        v, nan = x[r], np.isnan(x[r])
+        order = np.lexsort((np.arange(vocab), -np.where(nan, 0.0, v), nan))[:n]
+        ids[r, : len(order)] = order
+        fin = np.isfinite(v)
+        if np.any(v == np.inf) or not fin.any():
+            continue
+        m = v[fin].max()
+        lse = m + np.log(np.exp(v[fin] - m).sum())
+        lp[r, : len(order)] = np.where(np.isfinite(v[order]), v[order] - lse, -np.inf)
+    return ids, lp
+
+
+def sharded_top(shard, logits, n, pad=0):
+    lo, hi = shard.start, shard.stop
+    rows = logits.shape[0]
+    part = np.zeros((rows, hi - lo + pad), logits.dtype)
+    part[:, : hi - lo] = logits[:, lo:hi]
+    sl = upload(part) if hi > lo else None
+    out = mf.DeviceBuffer(rows * n * 8)
+    with mf.Event() as done:
+        got = shard.top_logprobs(sl, out, n=n, rows=rows, dtype=np.dtype(logits.dtype).name,
+                                 row_stride=hi - lo + pad if pad and hi > lo else None, event=done)
+        assert got == rows, got
+        done.synchronize()
+    host = np.zeros(rows * n, TOP)
+    mf.copy_d2h_async(out, host)
+    mf.stream_synchronize(0)
+    return host.reshape(rows, n)
+
+
+def same_on_every_rank(array):
+    mine = zlib.crc32(np.ascontiguousarray(array).tobytes())
+    seen = [None] * WORLD
+    dist.all_gather_object(seen, mine)
+    assert len(set(seen)) == 1, seen
+
+
+def scenario_top():
+    vocab, rows = 1000, 10
+    for dtype in DTYPES:
+        for name, offsets in splits(vocab):
+            shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=16)
+            rng = np.random.default_rng(zlib.crc32(f"top{dtype}{name}".encode()))  # same on every rank
+            logits = nasty(rng, rows, vocab, DTYPES[dtype], shard.offsets).astype(np.float32)
+            b = boundary(shard.offsets, vocab)
+            logits[4] = 1.0                          # every id tied: the ids in order, across slices
+            logits[5] = np.nan                       # NaN below -inf, ties by id among each
+            logits[5, [b, 3, vocab - 1]] = -np.inf
+            logits[5, [b - 1, 900]] = [2.0, 2.0]
+            logits[6] = -3.0
+            logits[6, [b - 2, b - 1, b, b + 1]] = 7.0  # a four-way tie straddling the boundary
+            logits[6, 0] = -0.0
+            logits[6, 1] = 0.0                       # -0.0 and +0.0 tie, by id
+            logits[7, 10] = np.inf                   # +inf: ranked, NaN logprobs
+            logits = logits.astype(DTYPES[dtype])
+            # The chosen-token logprob of the same rows, sharded: the top entry must equal it.
+            chosen, chosen_lp, *_ = sharded(shard, logits)
+            sent = shard.stats["bytes_sent"]
+            for n in (1, 5, 20):
+                want = whole_top(logits, n)
+                o_ids, o_lp = oracle_top(logits, n)
+                for pad in (0, 3):
+                    got = sharded_top(shard, logits, n, pad)
+                    what = (dtype, name, n, pad)
+                    assert np.array_equal(got["id"], want["id"]), (what, got["id"], want["id"])
+                    assert np.array_equal(got["id"], o_ids), what
+                    assert_close(got["logprob"].ravel(), want["logprob"].astype(np.float64).ravel())
+                    assert_close(got["logprob"].ravel(), o_lp.ravel())
+                    top1 = got[:, 0]
+                    assert np.array_equal(top1["id"], chosen), (what, top1["id"], chosen)
+                    assert np.array_equal(top1["logprob"].view(np.uint32), chosen_lp.view(np.uint32)) \
+                        or np.array_equal(top1["logprob"], chosen_lp, equal_nan=True), \
+                        (what, top1["logprob"], chosen_lp)
+                    same_on_every_rank(got)
+                if WORLD > 1 or FORCE_EXCHANGE:
+                    per_call = 32 + 16 * 8 * (n + 1)
+                    assert shard.stats["bytes_sent"] - sent == 2 * per_call, (shard.stats, sent, n)
+                sent = shard.stats["bytes_sent"]
+            # Ranks that disagree on the rows: (NO_TOKEN, NaN) and a FeedError on every rank.
+            if name == "even" and dtype == "float32" and WORLD > 1:
+                part = logits[:, shard.start: shard.stop]
+                sl, out = upload(np.ascontiguousarray(part)), mf.DeviceBuffer(rows * 8 * 3)
+                done = mf.Event()
+                shard.top_logprobs(sl, out, n=3, rows=rows - RANK, dtype=dtype, event=done)
+                expect_fault(done, "another row count", "mismatched rows in a sharded top_logprobs")
+                host = np.zeros((rows - RANK) * 3, TOP)
+                mf.copy_d2h_async(out, host)
+                mf.stream_synchronize(0)
+                assert (host["id"] == mf.NO_TOKEN).all() and np.isnan(host["logprob"]).all()
+                expect_refused(lambda: shard.top_logprobs(sl, out, n=3, rows=rows, dtype=dtype),
+                               "the shard took a call after a top_logprobs fault")
+            shard.close()
+
+
 {"graph": scenario_graph, "graph-sample": scenario_graph_sample, "filters": scenario_filters,
  "collectives": scenario_collectives, "params-mismatch": scenario_params_mismatch,
  "exact": scenario_exact, "pipeline": scenario_pipeline, "late": scenario_late, "rows-mismatch": scenario_rows_mismatch,
  "logprobs-mismatch": scenario_logprobs_mismatch, "ring": scenario_ring,
  "vocab-mismatch": scenario_vocab_mismatch, "bad-offsets": scenario_bad_offsets,
- "dead": scenario_dead, "empty-tensor": scenario_empty_tensor, "hung-filtered": scenario_hung_filtered}[SCENARIO]()
+ "dead": scenario_dead, "empty-tensor": scenario_empty_tensor, "hung-filtered": scenario_hung_filtered,
+ "top": scenario_top}[SCENARIO]()
 print("OK", sys.argv[4], flush=True)
 
 os._exit(0)  # skip the process group's teardown: a dead peer would make it wait

@@ -48,7 +48,12 @@ def test_the_pipeline_spmd_gives_the_unsharded_tokens_on_every_rank(world):
     ranks(world, "pipeline")
 
 
-@pytest.mark.parametrize("scenario", ["exact+exchange", "pipeline+exchange", "graph+exchange",
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_top_logprobs_equal_the_unsharded_call_and_the_oracle(world):
+    ranks(world, "top", timeout=400)
+
+
+@pytest.mark.parametrize("scenario", ["exact+exchange", "top+exchange", "pipeline+exchange", "graph+exchange",
                                       "graph-sample+exchange"])
 def test_a_world_of_one_through_the_exchange_equals_the_unsharded_call(scenario):
     # The path of every world (partial, gloo all-gather, combine), on one rank.

@@ -342,6 +342,166 @@ class VocabShard:
             _core.event_record(event, stream)
         return n
 
+    def top_logprobs(self, logits: Any, out: Any, stream: Any = 0, *, n: int, rows: Any = None,
+                     dtype: Any = None, row_stride: Any = None, event: Any = None) -> int:
+        """Each row's ``n`` most likely ids of the whole raw distribution and their logprobs, from
+        this rank's slice, in stream order: ``_core.top_logprobs`` on the whole rows, split.
+
+        Every rank gets the same records in the same order: the argmax's order over global ids
+        (the greater logit first, ties by the smaller id, a NaN below ``-inf``), each logprob
+        ``log_softmax`` of the whole row at that id with the row's ``(M, S)`` combined as the
+        sharded chosen-token logprob's (docs/tensor-parallel.md, "Top logprobs"), so the chosen
+        id's entry equals ``argmax_to_feed(..., logprobs=, shard=)``'s bit for bit. Each rank
+        sends ``32 + 8 * (n + 1) * max_rows`` bytes (its own top ``n`` and its ``(m, s)`` a
+        row) in one all-gather; no host synchronisation. Host and simt backends; every rank makes
+        the same calls with the same ``n`` (it sizes the message), in the same order as its other
+        sharded calls. A world of one is the unsharded call.
+
+        Parameters
+        ----------
+        logits : DeviceBuffer, int, or a 2-D float tensor, or None
+            This rank's ``stop - start`` columns of each row, ``row_stride`` elements apart; None
+            (with ``dtype``) or a ``(rows, 0)`` tensor for an empty slice.
+        out : DeviceBuffer or int
+            ``rows * n`` records of a uint32 global id and a float32 logprob, row ``r``'s ``j``-th
+            at record ``r * n + j`` (``_core.top_logprobs``'s layout); ``(NO_TOKEN, NaN)`` ends a
+            row of fewer than ``n`` ids.
+        stream : Stream, int or stream-like, optional
+            The stream of this shard's other calls.
+        n : int
+            1 to 20.
+        rows : int, optional
+            1 to ``max_rows``; default the tensor's rows.
+        dtype : {"float32", "float16", "bfloat16"}, optional
+            Required unless ``logits`` is a tensor.
+        row_stride : int, optional
+            Elements between rows (default the slice's width).
+        event : Event, optional
+            Recorded after ``out`` is written.
+
+        Returns
+        -------
+        int
+            The rows.
+
+        Raises
+        ------
+        ValueError, TypeError
+            Bad ``n``, ``rows``, sizes or dtype; nothing is queued.
+        FeedError
+            On the cuda backend (not built there yet), after a fault, or a closed shard; before
+            anything is queued. Ranks whose calls disagree (rows, ``n``, the call order) get
+            ``(NO_TOKEN, NaN)`` records and a ``FeedError`` from the event on every rank.
+
+        Examples
+        --------
+        >>> shard = mf.VocabShard(None, 1000, max_rows=16)                # doctest: +SKIP
+        >>> shard.top_logprobs(part, out, n=5, rows=4, dtype="float32")   # doctest: +SKIP
+        4
+        """
+        with self._lock:
+            return self._top_locked(logits, out, stream, n, rows, dtype, row_stride, event)
+
+    def _top_locked(self, logits: Any, out: Any, stream: Any, n: Any, rows: Any, dtype: Any,
+                    row_stride: Any, event: Any) -> int:
+        from . import top_rounds
+
+        if self._fault is not None:
+            raise FeedError(f"VocabShard refuses further calls after a fault: {self._fault}")
+        if _core.backend() == "cuda":
+            raise FeedError("sharded top_logprobs is not built on the cuda backend yet (its merge "
+                            "runs on the stream's worker)")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 20:
+            raise ValueError(f"n must be an int in [1, 20], not {n!r}")
+        width = self.stop - self.start
+        shape = getattr(logits, "shape", None)
+        if shape is not None and rows is None:
+            rows = int(shape[0])
+        count = self._rows_of(None, None, None, rows)
+        ptr, dt, stride = _logits_at(logits, dtype, row_stride, width)
+        if shape is not None and int(shape[0]) < count:
+            raise ValueError(f"logits has {int(shape[0])} rows; rows={count}")
+        out_ptr, have = _device_at(out)
+        if have is not None and have < count * n * 8:
+            raise ValueError(f"out: {count} rows of {n} records need {count * n * 8} bytes; it has {have}")
+        handle = _stream_key(stream)
+        if _core.stream_capturing(stream):
+            raise FeedError("a sharded top_logprobs cannot be captured in a graph (its merge "
+                            "writes through a host function that a replay would not re-aim)")
+        self._reap()
+        if self._pending and handle != self._stream:
+            raise ValueError("a shard's calls go on one stream while earlier ones are pending "
+                             f"(stream {self._stream:#x}, now {handle:#x})")
+        if self.world == 1 and not self._force_exchange:  # the unsharded call, as the others
+            if width == 0:
+                raise ValueError("a world of one holds the whole vocabulary")
+            kw = {} if shape is not None else dict(rows=count, vocab=width, dtype=dt, row_stride=stride)
+            _core.top_logprobs(logits if shape is None or int(shape[0]) == count else logits[:count],
+                               out, stream, n=n, **kw)
+            if event is not None:
+                _core.event_record(event, stream)
+            return count
+        size = top_rounds.block_bytes(self.max_rows, n)
+        bufs = []
+        try:
+            for nbytes in (_core.PARTIAL_HEADER_BYTES + count * _RECORD_BYTES, max(1, count * n * 8),
+                           size, size * self.world):
+                bufs.append(_core.DeviceBuffer(nbytes))
+        except BaseException:
+            for b in bufs:
+                b.close()
+            raise
+        partial, local, block, gathered = bufs
+        call = self._calls + 1
+        src: Any = None if width == 0 else logits
+        if src is not None and shape is not None and int(shape[0]) != count:
+            src = logits[:count]
+        # A tensor tells its own sizes; raw memory takes them from the arguments.
+        sizes = {} if shape is not None else dict(rows=count, vocab=width, dtype=dt, row_stride=stride)
+        # The slice's (m, s): the partial argmax's logprob fields, the very numbers the sharded
+        # chosen-token logprob combines, so both logprobs of the chosen id agree to the bit.
+        try:
+            _core._argmax_partial(src, None, partial, None, stream, start=self.start, stop=self.stop,
+                                  vocab=self.vocab, dtype=dt if src is None or shape is None else None,
+                                  call=call, rows=count,
+                                  row_stride=None if src is None or shape is not None else stride,
+                                  logprobs=True)
+        except BaseException:
+            for b in bufs:
+                b.close()
+            raise
+        self._calls = call  # queued: from here every rank's collectives include this call
+        self._stream = handle
+        try:
+            if width:
+                _core.top_logprobs(src, local, stream, n=n, **sizes)
+            # (src rides along: the pack reads the listed logits, so they outlive it)
+            _core.launch_host_func(stream, top_rounds.pack, block, local, partial, ptr, dt, stride,
+                                   count, n, call, self.vocab, self.start, self.stop, self.max_rows,
+                                   src)
+            self._exchange(stream, block, gathered)
+            _core.launch_host_func(stream, self._top_merge, gathered, out_ptr, count, n, call)
+        except BaseException as exc:
+            self._fault = f"a sharded top_logprobs call failed on rank {self.rank}: {exc}"
+            raise
+        done = _core.Event()
+        _core.event_record(done, stream)
+        self._pending.append((done, tuple(bufs)))
+        if event is not None:
+            _core.event_record(event, stream)
+        return count
+
+    def _top_merge(self, gathered: Any, out_ptr: int, rows: int, n: int, call: int) -> None:
+        """On the stream's worker: the merge of the gathered lists; a fault is the event's error."""
+        from . import top_rounds
+
+        fault = top_rounds.merge(gathered, out_ptr, self.world, self.max_rows, rows, n, call,
+                                 self.vocab)
+        if fault is not None:
+            if self._fault is None:
+                self._fault = f"top_logprobs blocks refused: {fault}; every record got (NO_TOKEN, NaN)"
+            raise FeedError(self._fault)
+
     def _call_filtered(self, logits: Any, masks: Any, params: Any, cells: Any, dst: Any, event: Any,
                        stream: Any, n: int, dtype: Any, row_stride: Any, bitmask: Any,
                        logprobs: Any, logprobs_dst: Any, handle: int) -> int:
@@ -535,3 +695,49 @@ def _precheck_host(buf: Any, rows: int, what: str, fmt: str) -> None:
         raise ValueError(f"{what} holds {view.nbytes} bytes; {rows} rows need {rows * 4}")
     if fmt == "f" and view.format not in ("f", "<f", "=f", "B"):
         raise TypeError(f"{what} must be float32, not format {view.format!r}")
+
+
+_NAMES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+def _logits_at(logits: Any, dtype: Any, row_stride: Any, width: int) -> tuple[int, str, int]:
+    """(address, dtype name, row stride in elements) of a slice's logits on the host and simt
+    backends, where device memory is host memory: the merge's pack reads the listed ids there."""
+    given = None if dtype is None else str(getattr(dtype, "name", dtype)).replace("torch.", "")
+    if logits is None:
+        ptr, name, stride = 0, given, width
+    elif type(logits) is _core.DeviceBuffer or (isinstance(logits, int) and not isinstance(logits, bool)):
+        ptr, name, stride = int(logits.ptr if type(logits) is _core.DeviceBuffer else logits), given, width
+    elif hasattr(logits, "data_ptr"):  # a torch tensor
+        ptr, name = int(logits.data_ptr()), str(logits.dtype).replace("torch.", "")
+        stride = int(logits.stride(0)) if logits.dim() == 2 and logits.shape[0] > 1 else width
+    elif hasattr(logits, "__array_interface__"):
+        face = logits.__array_interface__
+        import numpy as np
+
+        arr = np.asarray(logits)
+        ptr, name = int(face["data"][0]), ("bfloat16" if arr.dtype.name == "bfloat16" else arr.dtype.name)
+        stride = arr.strides[0] // arr.itemsize if arr.ndim == 2 and arr.shape[0] > 1 else width
+    else:
+        raise TypeError(f"logits must be a DeviceBuffer, an int or a tensor, not {type(logits).__name__}")
+    if name is None:
+        raise TypeError("dtype is required unless logits is a tensor")
+    if given is not None and name != given:
+        raise ValueError(f"dtype={given!r} disagrees with the logits' {name}")
+    if name not in _NAMES:
+        raise (ValueError if given is not None else TypeError)(
+            f"logits must be float32, float16 or bfloat16, not {name}")
+    if row_stride is not None:
+        if isinstance(row_stride, bool) or not isinstance(row_stride, int) or row_stride < width:
+            raise ValueError(f"row_stride must be an int of at least the slice's width {width}")
+        stride = row_stride
+    return ptr, name, stride
+
+
+def _device_at(out: Any) -> tuple[int, int | None]:
+    """(address, bytes or None when unknown) of a top_logprobs destination."""
+    if type(out) is _core.DeviceBuffer:
+        return int(out.ptr), int(out.nbytes)
+    if isinstance(out, int) and not isinstance(out, bool):
+        return int(out), None
+    raise TypeError(f"out must be a DeviceBuffer or an int, not {type(out).__name__}")
