@@ -86,6 +86,32 @@ mf_status refuse_overlaps(const Span (&spans)[N]) {
     return refuse_overlaps(spans, N);
 }
 
+// A call made of several queued pieces (a kernel, the copies of its results, an event record)
+// queues all of them or none: on the host backend they are staged and published in one step by
+// close(MF_SUCCESS); close with a failure, or a throw that unwinds past it, takes back what was
+// staged (docs/host-backend.md, "A refused call queued nothing"). On cuda (no staging) nothing of
+// ours can fail between the pieces. Opened after every check and just before the first piece.
+class Staged {
+public:
+    // several: the call has more than one piece (a lone piece is queued whole or not at all,
+    // so it needs no staging, and the hot single-kernel calls pay nothing).
+    Staged(void *raw, bool several) : staging_(several && ops().stage_open ? ops().stage_open(raw) : nullptr) {}
+    ~Staged() {
+        if (staging_) ops().stage_close(staging_, MF_ERROR_INTERNAL);  // a throw unwound: take back
+    }
+    Staged(const Staged &) = delete;
+    Staged &operator=(const Staged &) = delete;
+    // The call's status after its last piece; the status to return.
+    mf_status close(mf_status status) {
+        void *staging = staging_;
+        staging_ = nullptr;
+        return staging ? ops().stage_close(staging, status) : status;
+    }
+
+private:
+    void *staging_;
+};
+
 // Graph captures (api_graph.cpp). Each asks the backend whether `raw` (a resolved stream) is
 // capturing, which costs a lock-free check on the host and one runtime query on cuda, so callers
 // ask only for operations that have host-side inputs.

@@ -416,13 +416,14 @@ mf_status mf_argmax_to_feed(const mf_argmax_args *caller, mf_stream_t stream) {
             local.masks = no_masks();
             args = &local;
         }
+        Staged staged(raw, args->host_dst || args->logprobs_dst || event);
         status = ops().argmax(args, raw);
         if (status == MF_SUCCESS && args->host_dst)
             status = ops().copy_async(args->host_dst, args->cells, (size_t)args->rows * 4, kD2H, raw);
         if (status == MF_SUCCESS && args->logprobs_dst)
             status = ops().copy_async(args->logprobs_dst, args->logprobs, (size_t)args->rows * 4, kD2H, raw);
         if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, (mf_stream_t)(uintptr_t)raw);
-        return status;
+        return staged.close(status);
     });
 }
 
@@ -519,6 +520,7 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
         if (status != MF_SUCCESS) return status;
         if (kept_for_graph(raw, [copy = *a](mf_stream_t s) { return mf_combine_partials(&copy, s); }))
             return MF_SUCCESS;
+        Staged staged(raw, a->host_dst || a->logprobs_dst || a->fault_dst || event);
         status = ops().combine(a, raw);
         if (status == MF_SUCCESS && a->host_dst)
             status = ops().copy_async(a->host_dst, a->cells, (size_t)a->rows * 4, kD2H, raw);
@@ -526,7 +528,7 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
             status = ops().copy_async(a->logprobs_dst, a->logprobs, (size_t)a->rows * 4, kD2H, raw);
         if (status == MF_SUCCESS && a->fault_dst) status = ops().copy_async(a->fault_dst, a->fault, 4, kD2H, raw);
         if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, (mf_stream_t)(uintptr_t)raw);
-        return status;
+        return staged.close(status);
     });
 }
 
@@ -656,13 +658,14 @@ mf_status mf_verify_to_feed(const mf_verify_args *caller, mf_stream_t stream) {
         mf_verify_args local = *args;
         if (!local.masks) local.masks = no_masks();  // rows * (k + 1) <= MF_MAX_ROWS unmasked rows
         const size_t cell_bytes = (size_t)args->rows * (args->k + 2) * 4, lp_bytes = (size_t)args->rows * (args->k + 1) * 4;
+        Staged staged(raw, args->host_dst || args->logprobs_dst || event);
         status = ops().verify(&local, raw);
         if (status == MF_SUCCESS && args->host_dst)
             status = ops().copy_async(args->host_dst, args->cells, cell_bytes, kD2H, raw);
         if (status == MF_SUCCESS && args->logprobs_dst)
             status = ops().copy_async(args->logprobs_dst, args->logprobs, lp_bytes, kD2H, raw);
         if (status == MF_SUCCESS && event) status = ops().event_record(event->raw, (mf_stream_t)(uintptr_t)raw);
-        return status;
+        return staged.close(status);
     });
 }
 

@@ -85,6 +85,14 @@ struct Ops {
     // Host only (nullptr on cuda, whose runtime records the calls itself): when `stream` is
     // capturing, keeps `replay` for the graph instead of running the call, and returns true.
     bool (*capture_keep)(void *stream, Replay &&replay);
+
+    // Host only (nullptr on cuda; see api.hpp, Staged): a call of several queued pieces opens a
+    // staging on its stream before the first piece (throws when out of memory, nothing staged);
+    // the pieces are then staged, not queued. stage_close publishes them all in one step when
+    // `status` is MF_SUCCESS (MF_ERROR_OUT_OF_MEMORY, and none, when that fails), or else takes
+    // back every one (an event record's ticket too) and returns `status`.
+    void *(*stage_open)(void *stream);
+    mf_status (*stage_close)(void *staging, mf_status status);
 };
 
 extern const Ops host_ops;

@@ -596,6 +596,10 @@ const Ops cuda_ops = {
     .graph_launch = cudag::graph_launch,
     .graph_destroy = cudag::graph_destroy,
     .capture_keep = nullptr,
+    // None: the pieces of a call are queued by the runtime, none after a failure of ours
+    // (docs/host-backend.md, "A refused call queued nothing").
+    .stage_open = nullptr,
+    .stage_close = nullptr,
 };
 
 }  // namespace mf

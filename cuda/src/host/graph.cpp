@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../registry.hpp"
+#include "queue.hpp"
 
 namespace mf::host {
 namespace {
@@ -131,7 +132,7 @@ bool capture_keep(void *stream, Replay &&replay) {
     return true;
 }
 
-mf_status graph_launch(void *raw, void *, mf_stream_t handle) {
+mf_status graph_launch(void *raw, void *raw_stream, mf_stream_t handle) {
     const Graph *graph = static_cast<const Graph *>(raw);
     // Two passes, so a launch is all or nothing: first each call is checked again (its memory
     // may have been freed, its event destroyed since the capture) and nothing is queued; then
@@ -145,10 +146,15 @@ mf_status graph_launch(void *raw, void *, mf_stream_t handle) {
         }
     }
     t_checking = false;
+    // The calls are staged on the launch stream (each call's own staging joins this one) and
+    // published together: a call refused now (a race with a free or destroy meanwhile, a fault,
+    // out of memory) leaves none of the launch queued.
+    Staging staging(stream_of(raw_stream));
     for (const Call &call : graph->calls) {
         mf_status status = call(handle);
-        if (status != MF_SUCCESS) return status;  // only a race with a free or destroy meanwhile
+        if (status != MF_SUCCESS) return status;  // ~Staging takes back the calls before it
     }
+    staging.commit();  // a throw (out of memory): none published, guard() makes it a status
     return MF_SUCCESS;
 }
 

@@ -76,6 +76,13 @@ mf_status event_destroy(void *raw) {
     return MF_SUCCESS;
 }
 
+// A staged record discarded before it was published (Staging): the event is as before.
+void take_back_record(void *raw, uint64_t ticket) {
+    Event *event = as_event(raw);
+    event->unrecord(ticket);
+    event->release();
+}
+
 mf_status event_record(void *raw, mf_stream_t stream) {
     Event *event = as_event(raw);
     Stream *on = stream_of((void *)(uintptr_t)stream);
@@ -85,10 +92,10 @@ mf_status event_record(void *raw, mf_stream_t stream) {
         on->enqueue("event_record", [event, ticket] {
             event->reach(ticket, now_ns());
             event->release();
-        });
+        }, Undo{take_back_record, event, ticket});
     } catch (...) {  // out of memory: nothing queued, so the record is taken back (api.hpp, guard)
-        event->release();
         event->unrecord(ticket);
+        event->release();
         throw;
     }
     return MF_SUCCESS;
@@ -171,6 +178,8 @@ mf_status stream_wait(void *raw, uint32_t timeout_us, uint64_t *mark, int *done)
     return MF_SUCCESS;
 }
 
+void take_back_wait(void *raw, uint64_t) { as_event(raw)->release(); }
+
 mf_status stream_wait_event(void *raw, void *event_raw) {
     Event *event = as_event(event_raw);
     uint64_t ticket = event->recorded.load(std::memory_order_acquire);
@@ -180,10 +189,24 @@ mf_status stream_wait_event(void *raw, void *event_raw) {
         stream->enqueue("stream_wait_event", [event, ticket] {
             event->wait(ticket);
             event->release();
-        });
+        }, Undo{take_back_wait, event, 0});
     } catch (...) {  // out of memory: nothing queued
         event->release();
         throw;
+    }
+    return MF_SUCCESS;
+}
+
+// A call of several queued pieces (api.hpp, Staged): staged on this thread, published at once.
+void *stage_open(void *stream) { return new Staging(stream_of(stream)); }
+
+mf_status stage_close(void *raw, mf_status status) {
+    std::unique_ptr<Staging> staging(static_cast<Staging *>(raw));  // a discard, unless committed
+    if (status != MF_SUCCESS) return status;
+    try {
+        staging->commit();
+    } catch (const std::bad_alloc &) {
+        return fail(MF_ERROR_OUT_OF_MEMORY, "out of memory while queueing the call: nothing of it was queued");
     }
     return MF_SUCCESS;
 }
@@ -387,6 +410,8 @@ const Ops host_ops = {
     .graph_launch = graph_launch,
     .graph_destroy = graph_destroy,
     .capture_keep = capture_keep,
+    .stage_open = stage_open,
+    .stage_close = stage_close,
 };
 }  // namespace mf
 

@@ -29,6 +29,8 @@ Shared *g_shared = new Shared;
 Shared &shared() { return *g_shared; }
 
 thread_local const Stream *t_current = nullptr;  // set by Stream::run around each op
+// The staging this thread has open (Staging), or none: enqueue() stages on its stream.
+thread_local Staging *t_staging = nullptr;
 }  // namespace
 
 const Stream *current_stream() { return t_current; }
@@ -134,22 +136,40 @@ void Stream::unregister_self() {
     s.streams.erase(this);
 }
 
-void Stream::push(const char *name, std::function<void()> op) {
-    int64_t queued = tracing() ? now_ns() : 0;
+void Stream::publish(Op *ops, size_t n) {
     {
         std::lock_guard<std::mutex> lock(mutex_);
-        queue_.push_back(Op{name, queued, std::move(op)});
-        ++enqueued_;
+        // Under the lock the worker sees none of them until all are in: a push that throws (a new
+        // block of the deque, out of memory) takes back the ones before it, and the queue is as
+        // it was.
+        size_t pushed = 0;
+        try {
+            for (; pushed < n; ++pushed)
+                queue_.push_back(Queued{ops[pushed].name, ops[pushed].queued_ns, std::move(ops[pushed].run)});
+        } catch (...) {
+            while (pushed--) queue_.pop_back();
+            throw;
+        }
+        enqueued_ += n;
     }
     work_.notify_one();
 }
 
-void Stream::enqueue(const char *name, std::function<void()> op) {
-    if (!blocking_ && !default_) return push(name, std::move(op));  // non-blocking: no ordering
+void Stream::enqueue(const char *name, std::function<void()> op, Undo undo) {
+    if (Staging *staging = t_staging; staging && staging->stream_ == this) {
+        staging->ops_.push_back(Op{name, tracing() ? now_ns() : 0, std::move(op), undo});
+        return;
+    }
+    Op one{name, tracing() ? now_ns() : 0, std::move(op), {}};
+    submit(&one, 1);
+}
+
+void Stream::submit(Op *ops, size_t n) {
+    if (!blocking_ && !default_) return publish(ops, n);  // non-blocking: no ordering
     // CUDA's legacy default stream: its work waits for all work queued before it on blocking
     // streams, and work on a blocking stream waits for all work queued before it on stream 0.
     Shared &s = shared();
-    if (default_ && s.blocking_count.load(std::memory_order_acquire) == 0) return push(name, std::move(op));
+    if (default_ && s.blocking_count.load(std::memory_order_acquire) == 0) return publish(ops, n);
     std::lock_guard<std::mutex> legacy(s.legacy_mutex);
     // Allocated before any stream is retained, and the retains given back if queueing throws
     // (out of memory): a refused op leaves no reference behind.
@@ -168,19 +188,58 @@ void Stream::enqueue(const char *name, std::function<void()> op) {
     } else if (Stream *d = s.default_stream.load(std::memory_order_acquire)) {
         consider(d);
     }
-    if (waits.empty()) return push(name, std::move(op));
+    if (waits.empty()) return publish(ops, n);
     try {
-        push(name, [waits, op = std::move(op)] {
+        // The first op waits; the others are behind it on this stream.
+        ops[0].run = [waits, op = std::move(ops[0].run)] {
             for (auto &[other, target] : waits) {
                 other->wait_until(target);
                 other->release();
             }
             op();
-        });
+        };
+        publish(ops, n);
     } catch (...) {
         for (auto &wait : waits) wait.first->release();
         throw;
     }
+}
+
+Staging::Staging(Stream *stream) : stream_(stream) {
+    if (t_staging && t_staging->stream_ == stream) {
+        outer_ = t_staging;
+        mark_ = outer_->ops_.size();
+        return;
+    }
+    ops_.reserve(4);  // a kernel, two copies and a record: one allocation for the usual call
+    prev_ = t_staging;
+    t_staging = this;
+}
+
+Staging::~Staging() {
+    if (!outer_ && t_staging == this) t_staging = prev_;
+    if (done_) return;
+    if (outer_)
+        outer_->discard_from(mark_);
+    else
+        discard_from(0);
+}
+
+void Staging::discard_from(size_t mark) noexcept {
+    for (size_t i = ops_.size(); i-- > mark;)
+        if (ops_[i].undo.fn) ops_[i].undo.fn(ops_[i].undo.ctx, ops_[i].undo.arg);
+    ops_.erase(ops_.begin() + (std::ptrdiff_t)mark, ops_.end());
+}
+
+void Staging::commit() {
+    if (outer_) {  // joined: the outermost one publishes
+        done_ = true;
+        return;
+    }
+    t_staging = prev_;  // what publishing queues is queued, not staged again
+    if (!ops_.empty()) stream_->submit(ops_.data(), ops_.size());  // a throw: ~Staging takes back all
+    done_ = true;
+    ops_.clear();
 }
 
 bool Stream::enqueue_if_busy(const char *name, std::function<void()> op) {
@@ -188,7 +247,7 @@ bool Stream::enqueue_if_busy(const char *name, std::function<void()> op) {
     // Under the lock: a busy stream's worker is still running, so it will reach the op.
     std::lock_guard<std::mutex> lock(mutex_);
     if (completed_ == enqueued_) return false;
-    queue_.push_back(Op{name, queued, std::move(op)});
+    queue_.push_back(Queued{name, queued, std::move(op)});
     ++enqueued_;
     work_.notify_one();
     return true;
@@ -229,7 +288,7 @@ void Stream::run() {
     for (;;) {
         work_.wait(lock, [&] { return !queue_.empty() || closing_; });
         if (queue_.empty()) break;  // closing, and drained
-        Op op = std::move(queue_.front());
+        Queued op = std::move(queue_.front());
         queue_.pop_front();
         lock.unlock();
         if (uint32_t lag = lag_us()) std::this_thread::sleep_for(std::chrono::microseconds(lag));

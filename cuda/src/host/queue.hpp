@@ -51,6 +51,16 @@ struct Event {
     const Stream *previous_on = nullptr;       // and of the one before it, for unrecord()
 };
 
+// What takes back a queued piece that is discarded before it was published (an event record's
+// ticket and reference): fn(ctx, arg), which must not throw. Empty for most pieces.
+struct Undo {
+    void (*fn)(void *ctx, uint64_t arg) = nullptr;
+    void *ctx = nullptr;
+    uint64_t arg = 0;
+};
+
+class Staging;
+
 class Stream {
 public:
     // blocking: a stream created without MF_STREAM_NON_BLOCKING, which orders against the legacy
@@ -62,8 +72,10 @@ public:
     void release() {
         if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
     }
-    // `name` (a string literal) labels the op in a trace (mf_trace_enable).
-    void enqueue(const char *name, std::function<void()> op);
+    // `name` (a string literal) labels the op in a trace (mf_trace_enable). While this thread
+    // stages pieces for this stream (Staging), the op is staged instead, and `undo` runs if the
+    // staging is discarded; otherwise it is queued at once and `undo` is not kept.
+    void enqueue(const char *name, std::function<void()> op, Undo undo = {});
     // Queues `op` behind the work queued so far, with no ordering against other streams, unless
     // the stream is idle (then false, and nothing is queued). A deferred free's marker.
     bool enqueue_if_busy(const char *name, std::function<void()> op);
@@ -74,23 +86,60 @@ public:
     void synchronize();
     void close();  // the worker drains the queue, then frees the stream
 
-private:
-    void run();
-    void register_self();    // in the registries; throws (registering nothing) when out of memory
-    void unregister_self();  // never throws
-    void push(const char *name, std::function<void()> op);
-    std::mutex mutex_;
-    std::condition_variable work_, idle_;
     struct Op {
         const char *name;
         int64_t queued_ns;
         std::function<void()> run;
+        Undo undo;  // staged pieces only; not kept in the queue
     };
-    std::deque<Op> queue_;
+
+private:
+    friend class Staging;
+    void run();
+    void register_self();    // in the registries; throws (registering nothing) when out of memory
+    void unregister_self();  // never throws
+    // Queues ops[0..n) behind the work queued so far, ordered against the legacy default stream
+    // as one call: all of them, or (a throw: out of memory) none.
+    void submit(Op *ops, size_t n);
+    void publish(Op *ops, size_t n);  // the same without the legacy ordering
+    std::mutex mutex_;
+    std::condition_variable work_, idle_;
+    struct Queued {
+        const char *name;
+        int64_t queued_ns;
+        std::function<void()> run;
+    };
+    std::deque<Queued> queue_;
     uint64_t enqueued_ = 0, completed_ = 0;
     bool closing_ = false;
     const bool blocking_, default_;
     std::atomic<int> refs_{1};
+};
+
+// A call made of several queued pieces (a kernel, the copies of its results, an event record;
+// a graph's calls) stages them on this thread and publishes them in one step, so a call refused
+// between two pieces (an injected fault, out of memory) queued none of them (docs/host-backend.md,
+// "A refused call queued nothing"). While one is open, this thread's enqueue() on its stream
+// stages instead of queueing. A staging opened on the same stream while one is open joins it:
+// its pieces are published with the outer one's, and discarding it takes back its own only.
+class Staging {
+public:
+    explicit Staging(Stream *stream);  // throws (nothing staged) when out of memory
+    ~Staging();                        // not committed: takes back what it staged, newest first
+    Staging(const Staging &) = delete;
+    Staging &operator=(const Staging &) = delete;
+    // Publishes every staged piece in one step. A throw (out of memory) takes them all back first.
+    void commit();
+
+private:
+    friend class Stream;
+    void discard_from(size_t mark) noexcept;
+    Stream *stream_;
+    Staging *outer_ = nullptr;  // the open staging this one joined (same stream), or none
+    Staging *prev_ = nullptr;   // the thread's open staging before this one (another stream)
+    size_t mark_ = 0;           // joined: where this one's pieces begin in the outer one's
+    bool done_ = false;
+    std::vector<Stream::Op> ops_;
 };
 
 Stream *default_stream();
