@@ -183,3 +183,28 @@ def test_resolve_feed(host, dev, on_device):
     from_prev = prev[np.minimum(sources, prev_rows - 1)]
     want = np.where(sources >> 31, sources & 0x7FFFFFFF, np.where(sources < prev_rows, from_prev, N))
     assert np.array_equal(got, want.astype(np.uint32))
+
+
+@pytest.mark.parametrize("settings", ["default", "split-parallel"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_sampled_with_a_device_advance_and_logprobs(host, dev, settings, dtype):
+    """verify_to_feed's cells and logprobs, sampled and greedy rows with filters, masks and a
+    device ``advance`` moving the sampled positions: the same bytes from the CUDA source on simt
+    as from the host backend's twin."""
+    from test_verify import drafts_near, filtered_params, verify
+
+    rng = np.random.default_rng(29)
+    k, rows, vocab = 3, 10, 300
+    logits = logits_for(rng, rows * (k + 1), vocab, dtype)
+    params = filtered_params(rng, rows)
+    best = reference_argmax(logits.astype(np.float32)).reshape(rows, k + 1)
+    drafts = drafts_near(rng, best, k, vocab, hit=0.7)
+    masks = masks_for(rng, rows * (k + 1), vocab)
+    advance = rng.integers(0, k + 2, rows).astype(np.uint32)
+
+    def run():
+        return verify(dev, logits, drafts, k, params=params, masks=masks, advance=advance,
+                      logprobs=True)
+
+    cells, _ = both(run, settings)
+    assert (cells[:, 0] >= 1).all() and (cells[:, 0] <= k + 1).all()  # every row emitted
