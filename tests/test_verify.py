@@ -12,6 +12,8 @@ import pytest
 
 import metrale_feed as mf
 from helpers import spec_oracle as so
+from helpers.accuracy import assert_close
+from helpers.calls import split
 from helpers.chisq import chi2, chi2_critical
 from metrale_feed import NO_TOKEN
 from metrale_feed.testing.oracle import reference_allowed, reference_argmax, reference_logprobs, reference_survivors
@@ -140,6 +142,85 @@ def test_greedy_matches_argmax_prefix_acceptance(backend, dev, dtype):
         again = verify(dev, logits, drafts, k, params=params, masks=masks, bitmask=bitmask, vocab=vocab,
                        stride=stride)
         assert np.array_equal(again, got)
+
+
+SPLIT_OFFSETS = (lambda v: [0, v], lambda v: [0, v // 2, v], lambda v: [0, 1, v // 3, v // 3, v])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_split_greedy_verify_combines_to_the_unsharded_cells(backend, dev, dtype):
+    """The combine of a sharded greedy verify (MF_COMBINE_VERIFY) over hand-made slices, empty
+    ones included: the unsharded call's cells; each emitted id's logprob is the split argmax's at
+    its position (so within the contract of the unsharded one), NaN past n."""
+    rng = np.random.default_rng(23)
+    pool = np.array([-np.inf, -2.0, -0.0, 0.0, 0.5, 1.0, 3.0, np.nan], np.float32)
+    for trial in range(9):
+        k, rows, vocab = int(rng.integers(1, 6)), int(rng.integers(1, 8)), int(rng.integers(3, 150))
+        lrows = rows * (k + 1)
+        values = (pool[rng.integers(0, len(pool), (lrows, vocab))] if trial % 3 == 0
+                  else rng.standard_normal((lrows, vocab)).astype(np.float32))
+        logits = values.astype(np_dtype(dtype))
+        masks, bitmask = random_rule(rng, lrows, vocab, trial % 2 == 0, trial % 4 < 2)
+        best = reference_argmax(logits, masks, bitmask).reshape(rows, k + 1)
+        drafts = drafts_near(rng, best, k, vocab)
+        want, want_lp = verify(dev, logits, drafts, k, masks=masks, bitmask=bitmask, logprobs=True)
+        offsets = SPLIT_OFFSETS[trial % 3](vocab)
+        cells, lp, fault = split(dev, logits, offsets, masks, bitmask, drafts=drafts, k=k)
+        mf._core._check_partials_fault(fault)
+        assert np.array_equal(cells.reshape(rows, k + 2), want), f"trial {trial}"
+        ids, lp_argmax, _ = split(dev, logits, offsets, masks, bitmask)
+        lp, lp_argmax, want_lp = (x.reshape(rows, k + 1) for x in (lp, lp_argmax, want_lp))
+        for r in range(rows):
+            n = int(want[r, 0])
+            assert np.array_equal(ids[r * (k + 1): r * (k + 1) + n], want[r, 1: 1 + n])
+            assert np.array_equal(lp[r, :n], lp_argmax[r, :n], equal_nan=True), (trial, r)
+            assert np.isnan(lp[r, n:]).all()
+            assert_close(lp[r, :n], want_lp[r, :n])
+
+
+def test_a_split_verify_whose_slices_disagree_is_a_fault_with_no_token_rows(host, dev):
+    k, rows, vocab = 2, 3, 40
+    logits = np.random.default_rng(4).standard_normal((rows * (k + 1), vocab)).astype(np.float32)
+    drafts = np.zeros((rows, k), np.uint32)
+    cells, lp, fault = split(dev, logits, [0, 20, vocab], drafts=drafts, k=k,
+                             tamper=lambda w: dict(call=12) if w else {})
+    with pytest.raises(mf.FeedError, match="call"):
+        mf._core._check_partials_fault(fault)
+    cells = cells.reshape(rows, k + 2)
+    assert (cells[:, 0] == 1).all() and (cells[:, 1:] == NO_TOKEN).all(), cells
+    assert np.isnan(lp).all()
+
+
+VERIFY_COMBINE_BAD = {
+    "k without drafts": (dict(k=2), ValueError, "together"),
+    "rows not a multiple of k + 1": (dict(k=2, rows=4), ValueError, "multiple"),
+    "k past MAX_DRAFTS": (dict(k=mf.MAX_DRAFTS + 1), ValueError, "k"),
+    "sampled partials": (dict(params=True), ValueError, "argmax"),
+    "cells too small": (dict(cells=8), ValueError, "capacity"),
+    "drafts too short": (dict(drafts=4), ValueError, "drafts"),
+}
+
+
+@pytest.mark.parametrize("case", list(VERIFY_COMBINE_BAD))
+def test_a_verify_combine_refuses_bad_input_before_queueing(host, dev, no_leaks, case):
+    change, error, match = VERIFY_COMBINE_BAD[case]
+    k, rows, vocab = 2, 6, 10  # 2 verified rows
+    parts = mf.DeviceBuffer(mf._core._partial_bytes(rows))
+    cells = mf.DeviceBuffer(change.get("cells", rows // (k + 1) * (k + 2) * 4))
+    drafts = mf.DeviceBuffer(change.get("drafts", rows // (k + 1) * k * 4))
+    fault = mf.PinnedBuffer(4)
+    kw = dict(rows=change.get("rows", rows), vocab=vocab, call=1, fault_dst=fault, k=change.get("k", k),
+              drafts=None if "k" in change and len(change) == 1 and change["k"] == 2 else drafts)
+    if change.get("params"):
+        kw["params"] = mf.sampling_params(rows, temperature=1.0)
+    sentinel = np.full(cells.nbytes // 4, 0xABCD, np.uint32)
+    dev.write(cells, sentinel)
+    with pytest.raises(error, match=match):
+        mf._core._combine_partials(parts, 1, cells, None, None, **kw)
+    mf.stream_synchronize(0)
+    assert np.array_equal(dev.download(cells, np.uint32), sentinel), "the combine ran"
+    for b in (parts, cells, drafts, fault):
+        b.close()
 
 
 def test_acceptance_none_and_all(backend, dev):
@@ -456,7 +537,7 @@ BAD = {
     "too many logit rows": (dict(k=64, rows=64), ValueError, "logit rows"),
     "draft_probs too small": (dict(draft_probs=8), ValueError, "draft_probs holds"),
     "draft_probs on the host": (dict(draft_probs=np.zeros(6 * 20, np.float32)), TypeError, "device memory"),
-    "shard": (dict(shard=object()), mf.FeedError, "shard"),
+    "shard not a VocabShard": (dict(shard=object()), TypeError, "VocabShard"),
     "drafts as floats": (dict(drafts=np.zeros(6, np.float32)), TypeError, "uint32"),
 }
 

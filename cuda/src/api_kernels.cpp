@@ -44,7 +44,8 @@ mf_status read_descriptor(const Args *in, Args *out, const char *name, const uin
 }
 // The descriptor before the select stages' candidate lists (select_cands_cap on) was appended.
 constexpr uint32_t kArgmaxSizes[] = {offsetof(mf_argmax_args, select_cands_cap), sizeof(mf_argmax_args)};
-constexpr uint32_t kCombineSizes[] = {sizeof(mf_combine_args)};
+// The descriptor before MF_COMBINE_VERIFY's fields (drafts, k) were appended.
+constexpr uint32_t kCombineSizes[] = {offsetof(mf_combine_args, drafts), sizeof(mf_combine_args)};
 // The descriptor before the device position advance (advance, advance_group) was appended.
 constexpr uint32_t kReferenceSizes[] = {offsetof(mf_reference_args, advance), sizeof(mf_reference_args)};
 // The descriptor before the device position advance (advance) was appended.
@@ -438,8 +439,24 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
             return fail(MF_ERROR_INVALID_VALUE, "world must be in [1, %u], got %u", MF_MAX_SLICES, a->world);
         if (a->rows == 0 || a->rows > kMaxRows)
             return fail(MF_ERROR_INVALID_VALUE, "rows must be in [1, %u], got %u", kMaxRows, a->rows);
-        if (a->rows > a->cell_capacity)
-            return fail(MF_ERROR_INVALID_VALUE, "%u rows exceed the feed cells' capacity of %u", a->rows,
+        const bool verify = a->flags & MF_COMBINE_VERIFY;
+        if (verify) {  // rows are logit rows: R verified rows of k + 1 positions (feed.h)
+            if (a->k == 0 || a->k > MF_MAX_DRAFTS)
+                return fail(MF_ERROR_INVALID_VALUE, "k must be in [1, %u], got %u", MF_MAX_DRAFTS, a->k);
+            if (a->rows % (a->k + 1))
+                return fail(MF_ERROR_INVALID_VALUE, "a verify combine's %u logit rows are not a multiple of k + 1 = %u",
+                            a->rows, a->k + 1);
+            if (a->op != MF_PARTIAL_ARGMAX)
+                return fail(MF_ERROR_INVALID_VALUE, "a verify combine takes argmax partials (greedy rows) only");
+            if (!a->drafts || !aligned(a->drafts, 4))
+                return fail(MF_ERROR_INVALID_VALUE, "a verify combine needs aligned device drafts");
+        } else if (a->drafts || a->k) {
+            return fail(MF_ERROR_INVALID_VALUE, "drafts and k are MF_COMBINE_VERIFY's");
+        }
+        // Words of cells and host_dst: one a row, or a verified row's k + 2.
+        const size_t cell_words = verify ? (size_t)a->rows / (a->k + 1) * (a->k + 2) : a->rows;
+        if (cell_words > a->cell_capacity)
+            return fail(MF_ERROR_INVALID_VALUE, "%zu cell words exceed the feed cells' capacity of %u", cell_words,
                         a->cell_capacity);
         if (a->vocab == 0 || a->vocab > kMaxVocab)
             return fail(MF_ERROR_INVALID_VALUE, "vocab must be in [1, 2**24], got %u", a->vocab);
@@ -450,7 +467,7 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
                         MF_PARTIAL_HEADER_RECORDS);
         if ((a->op != MF_PARTIAL_ARGMAX) != (a->params != nullptr))
             return fail(MF_ERROR_INVALID_VALUE, "params are required for a sampled combine, and only there");
-        if (a->flags & ~(uint32_t)MF_COMBINE_PARAMS_DEVICE)
+        if (a->flags & ~(uint32_t)(MF_COMBINE_PARAMS_DEVICE | MF_COMBINE_VERIFY))
             return fail(MF_ERROR_INVALID_VALUE, "unknown combine flags 0x%x", a->flags);
         const bool device_params = a->flags & MF_COMBINE_PARAMS_DEVICE;
         if (device_params && a->op != MF_PARTIAL_SAMPLE)  // FILTERED's thresholds came from host params
@@ -476,16 +493,18 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
         if (status == MF_SUCCESS) status = check_device_range(a->cells, (size_t)a->cell_capacity * 4, "feed cells");
         if (status == MF_SUCCESS) status = check_device_range(a->fault, 4, "fault word");
         if (status == MF_SUCCESS && a->logprobs) status = check_device_range(a->logprobs, (size_t)a->rows * 4, "logprobs");
+        if (status == MF_SUCCESS && verify)
+            status = check_device_range(a->drafts, (size_t)a->rows / (a->k + 1) * a->k * 4, "drafts");
         if (status == MF_SUCCESS && a->host_dst)
-            status = check_host_range(a->host_dst, (size_t)a->rows * 4, "combine destination");
+            status = check_host_range(a->host_dst, cell_words * 4, "combine destination");
         if (status == MF_SUCCESS && a->logprobs_dst)
             status = check_host_range(a->logprobs_dst, (size_t)a->rows * 4, "logprobs destination");
         if (status == MF_SUCCESS && a->fault_dst) status = check_host_range(a->fault_dst, 4, "fault destination");
         if (status == MF_SUCCESS) {
             const size_t rows = a->rows;
             const Span spans[] = {
-                {a->cells, rows * 4, "feed cells", true},
-                {a->host_dst, rows * 4, "combine destination", true},
+                {a->cells, cell_words * 4, "feed cells", true},
+                {a->host_dst, cell_words * 4, "combine destination", true},
                 {a->logprobs, rows * 4, "logprobs", true},
                 {a->logprobs_dst, rows * 4, "logprobs destination", true},
                 {device_params ? a->params : nullptr, rows * sizeof(mf_sampling_params),
@@ -493,13 +512,14 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
                 {a->partials, (size_t)a->world * a->slice_stride * 16, "partials", false},
                 {a->fault, 4, "fault word", true},
                 {a->fault_dst, 4, "fault destination", true},
+                {a->drafts, rows / (a->k + 1) * a->k * 4, "drafts", false},
             };
             // The fault word may be a reserved word of the partials' first header (the binding puts
             // it there): the combine checks every header before it writes the fault. So the last
             // two spans are checked against all but the partials.
             status = refuse_overlaps(spans, 6);
             if (status == MF_SUCCESS) {
-                const Span faults[] = {spans[0], spans[1], spans[2], spans[3], spans[4], spans[6], spans[7]};
+                const Span faults[] = {spans[0], spans[1], spans[2], spans[3], spans[4], spans[6], spans[7], spans[8]};
                 status = refuse_overlaps(faults);
             }
         }
@@ -523,7 +543,7 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
         Staged staged(raw, a->host_dst || a->logprobs_dst || a->fault_dst || event);
         status = ops().combine(a, raw);
         if (status == MF_SUCCESS && a->host_dst)
-            status = ops().copy_async(a->host_dst, a->cells, (size_t)a->rows * 4, kD2H, raw);
+            status = ops().copy_async(a->host_dst, a->cells, cell_words * 4, kD2H, raw);
         if (status == MF_SUCCESS && a->logprobs_dst)
             status = ops().copy_async(a->logprobs_dst, a->logprobs, (size_t)a->rows * 4, kD2H, raw);
         if (status == MF_SUCCESS && a->fault_dst) status = ops().copy_async(a->fault_dst, a->fault, 4, kD2H, raw);

@@ -204,8 +204,11 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint32_t *fault
         void *fault_dst
         mf_event_t event
+        const uint32_t *drafts
+        uint32_t k
     enum:
         MF_COMBINE_PARAMS_DEVICE
+        MF_COMBINE_VERIFY
     void mf_combine_args_init(mf_combine_args *args)
     mf_status mf_combine_partials(const mf_combine_args *args, mf_stream_t stream)
     mf_status mf_resolve_feed(const uint32_t *sources, uint32_t n, const uint32_t *cells,

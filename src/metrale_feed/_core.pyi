@@ -311,7 +311,8 @@ def _combine_partials(partials: _DeviceLike, world: int, cells: _DeviceLike,
                       stream: _StreamLike = 0, *, rows: int, vocab: int, call: int,
                       fault_dst: Buffer, params: Buffer | _DeviceLike | None = None,
                       logprobs: _DeviceLike | None = None, logprobs_dst: Buffer | int | None = None,
-                      slice_stride: int | None = None, filtered: bool = False) -> None: ...
+                      slice_stride: int | None = None, filtered: bool = False,
+                      drafts: _DeviceLike | None = None, k: int | None = None) -> None: ...
 def _check_partials_fault(fault_dst: Buffer) -> None: ...
 
 def reference_forward(input_ids: _DeviceLike, meta: _DeviceLike, tables: _DeviceLike,

@@ -723,8 +723,11 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
         (their length over ``k``) when None.
     vocab, dtype, row_stride
         As for ``argmax_to_feed`` (``row_stride`` between logit rows).
-    shard : None
-        Not taken yet (a ``FeedError`` otherwise).
+    shard : VocabShard, optional
+        A vocabulary split across ranks, as for ``argmax_to_feed``: greedy rows only (``params``
+        None, or host records at temperature 0), one-hot drafts, ``rows * (k + 1)`` at most
+        ``shard.max_rows``; every rank gets the unsharded call's cells and ``dst`` after one
+        all-gather of 16 bytes a position. Sampled rows and ``draft_probs`` raise ``FeedError``.
     advance : device memory, optional
         ``rows`` uint32 (needs ``params``): ``advance[r]`` is added to row ``r``'s ``position``
         when the kernel runs. At depth 2 a step is queued before the last one's counts are read:
@@ -746,7 +749,7 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
     TypeError
         An argument of the wrong kind.
     FeedError
-        ``shard`` given; a closed or unknown buffer, event or stream.
+        ``shard`` with sampled rows or ``draft_probs``; a closed or unknown buffer, event or stream.
 
     Examples
     --------
@@ -770,8 +773,12 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
     cdef _HeldBuffer held = None
     cdef _HeldBuffer held_lp = None
     cdef _VerifyInputs keep = _VerifyInputs.__new__(_VerifyInputs)
-    if shard is not None:
-        raise FeedError("verify_to_feed does not take shard= yet")
+    if shard is not None:  # greedy rows over a split vocabulary (docs/tensor-parallel.md)
+        if not hasattr(shard, "_verify"):
+            raise TypeError(f"shard must be a VocabShard, not {type(shard).__name__}")
+        return shard._verify(logits, drafts, cells, dst, event, stream, k, masks, bitmask, params,
+                             draft_probs, logprobs, logprobs_dst, rows, vocab, dtype, row_stride,
+                             advance)
     k = int_of(k, "k", 1, MF_MAX_DRAFTS)
     mf_verify_args_init(&a)  # every option off, struct_size set (feed.h, "descriptors")
     memset(&view, 0, sizeof(view))

@@ -248,7 +248,7 @@ def _select_partial(logits, params, partials, select, stage, stream=0, *, start,
 
 def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, vocab, call, fault_dst,
                       params=None, logprobs=None, logprobs_dst=None, slice_stride=None,
-                      filtered=False):
+                      filtered=False, drafts=None, k=None):
     """The feed cells (and logprobs) of whole rows from the partial blocks of their slices.
 
     ``partials`` holds ``world`` blocks, block ``w`` at byte ``w * slice_stride *
@@ -289,6 +289,13 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
         16-byte records between blocks, at least ``rows + 2`` (default ``rows + 2``).
     filtered : bool
         The blocks are ``_select_partial``'s ``"race"`` stage: ``params`` may hold filters.
+    drafts : device memory, optional
+        A greedy ``verify_to_feed`` over a split vocabulary: the blocks are argmax partials of
+        ``rows`` logit rows (``rows / (k + 1)`` verified rows), ``drafts`` their ``rows / (k + 1) * k``
+        draft ids, read when the combine runs, and ``cells``, ``dst``, ``logprobs`` and
+        ``logprobs_dst`` take ``verify_to_feed``'s layout.
+    k : int, optional
+        Drafts per row, with ``drafts``.
 
     Raises
     ------
@@ -309,6 +316,7 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
     cdef uint64_t s, e
     cdef void *ptr
     cdef size_t n = 0
+    cdef size_t words
     cdef _Launch launch
     mf_combine_args_init(&c)
     mf_argmax_args_init(&view)
@@ -321,6 +329,14 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
                                       else slice_stride, "slice_stride",
                                       c.rows + MF_PARTIAL_HEADER_RECORDS, 0xFFFFFFFF)
     c.op = MF_PARTIAL_ARGMAX
+    if (drafts is None) != (k is None):
+        raise ValueError("drafts and k go together (a verify combine)")
+    if k is not None:
+        c.k = <uint32_t>int_of(k, "k", 1, MF_MAX_DRAFTS)
+        if c.rows % (c.k + 1):
+            raise ValueError(f"a verify combine's {c.rows} logit rows are not a multiple of k + 1 = {c.k + 1}")
+        c.flags |= MF_COMBINE_VERIFY
+    words = c.rows // (c.k + 1) * (c.k + 2) if c.k else c.rows  # cell words: verify_to_feed's layout
     # A foreign params array is lent to the C layer for this call (host backend) and kept until
     # the work has run; the lending ends whatever happens (close()).
     launch = launch_on(s)
@@ -342,16 +358,18 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
         device_ptr_of(cells, &ptr)
         c.cells = <uint32_t *>ptr
         c.cell_capacity = cells_capacity(
-            cells, ptr, (<DeviceBuffer>cells)._nbytes if type(cells) is DeviceBuffer else <size_t>-1, c.rows)
+            cells, ptr, (<DeviceBuffer>cells)._nbytes if type(cells) is DeviceBuffer else <size_t>-1, words)
+        if c.k:
+            c.drafts = <const uint32_t *>device_input(launch, drafts, <size_t>c.rows // (c.k + 1) * c.k * 4, "drafts")
         if dst is not None:
             if isinstance(dst, int):
                 u64_of(dst, &e, "dst pointer")
-                pinned_range(e, c.rows * 4)
+                pinned_range(e, words * 4)
                 c.host_dst = <void *><size_t>e
             else:
                 launch.hold(host_ptr_of(dst, True, &c.host_dst, &n))
-                if n < c.rows * 4:
-                    raise ValueError(f"dst holds {n} bytes; {c.rows} ids need {c.rows * 4}")
+                if n < words * 4:
+                    raise ValueError(f"dst holds {n} bytes; {words} words need {words * 4}")
         launch.hold(fill_logprobs(&c.logprobs, &c.logprobs_dst, logprobs, logprobs_dst, c.rows))
         if isinstance(fault_dst, int):
             raise TypeError("fault_dst must be a buffer of at least 4 bytes, not an int")
@@ -360,9 +378,9 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
             raise ValueError(f"fault_dst holds {n} bytes, fewer than the fault word's 4")
         event_of(event, &c.event, True)
         launch.records(c.event)
-        launch.writes_cells(c.cells, c.rows)
+        launch.writes_cells(c.cells, (c.rows // (c.k + 1), c.k) if c.k else <object>c.rows)
         launch.queued(mf_combine_partials(&c, s),
-                      (partials, cells, dst, logprobs, logprobs_dst, fault_dst, event, params))
+                      (partials, cells, dst, logprobs, logprobs_dst, fault_dst, event, params, drafts))
     finally:
         launch.close()
 

@@ -33,16 +33,22 @@ def pick(dev, logits, masks=None, bitmask=None, params=None, with_logprobs=True,
 
 
 def split(dev, logits, offsets, masks=None, bitmask=None, params=None, pad=0, call=11,
-          tamper=None, logprobs=True):
+          tamper=None, logprobs=True, drafts=None, k=None):
     """The partial calls over the slices [offsets[w], offsets[w+1]) and their combine: (ids,
     logprobs or None, fault word). ``pad`` widens each slice's rows (a padded row stride);
     ``tamper(w)`` returns overrides for slice w's call; ``logprobs`` is asked of every partial call
-    and of the combine."""
+    and of the combine. ``drafts`` (uint32 ``rows / (k + 1) * k``) and ``k``: a greedy verify's
+    combine, whose ids are verify_to_feed's ``rows / (k + 1) * (k + 2)`` cell words."""
     rows, vocab = logits.shape
     world = len(offsets) - 1
     block = _core._partial_bytes(rows)
-    parts, cells, lp_dev = mf.DeviceBuffer(block * world), mf.DeviceBuffer(rows * 4), mf.DeviceBuffer(rows * 4)
+    words = rows if k is None else rows // (k + 1) * (k + 2)
+    parts, cells, lp_dev = mf.DeviceBuffer(block * world), mf.DeviceBuffer(words * 4), mf.DeviceBuffer(rows * 4)
     held = [parts, cells, lp_dev]
+    verify = {}
+    if k is not None:
+        verify = dict(drafts=dev.upload(np.ascontiguousarray(drafts, np.uint32)), k=k)
+        held.append(verify["drafts"])
     if bitmask is not None:
         bitmask = dev.upload(bitmask)
         held.append(bitmask)
@@ -62,12 +68,12 @@ def split(dev, logits, offsets, masks=None, bitmask=None, params=None, pad=0, ca
             _core._argmax_partial(sl, masks, parts.ptr + w * block, **kw)
         else:
             _core._sample_partial(sl, params, parts.ptr + w * block, masks=masks, **kw)
-    ids, lp = np.zeros(rows, np.uint32), np.full(rows, 7.0, np.float32) if logprobs else None
+    ids, lp = np.zeros(words, np.uint32), np.full(rows, 7.0, np.float32) if logprobs else None
     fault = mf.PinnedBuffer(4)
     with mf.Event() as done:
         _core._combine_partials(parts, world, cells, ids, done, rows=rows, vocab=vocab, call=call,
                                 fault_dst=fault, params=params, logprobs=lp_dev if logprobs else None,
-                                logprobs_dst=lp)
+                                logprobs_dst=lp, **verify)
         done.synchronize()
     for b in held:
         b.close()

@@ -1042,13 +1042,17 @@ def scenario_top():
             shard.close()
 
 
-{"graph": scenario_graph, "graph-sample": scenario_graph_sample, "filters": scenario_filters,
+import rank_verify  # noqa: E402  (beside this script)
+
+SCENARIOS = {"graph": scenario_graph, "graph-sample": scenario_graph_sample, "filters": scenario_filters,
  "collectives": scenario_collectives, "params-mismatch": scenario_params_mismatch,
  "exact": scenario_exact, "pipeline": scenario_pipeline, "late": scenario_late, "rows-mismatch": scenario_rows_mismatch,
  "logprobs-mismatch": scenario_logprobs_mismatch, "ring": scenario_ring,
  "vocab-mismatch": scenario_vocab_mismatch, "bad-offsets": scenario_bad_offsets,
  "dead": scenario_dead, "empty-tensor": scenario_empty_tensor, "hung-filtered": scenario_hung_filtered,
- "top": scenario_top}[SCENARIO]()
+ "top": scenario_top}
+SCENARIOS.update({name: (lambda f=f: f(sys.modules[__name__])) for name, f in rank_verify.SCENARIOS.items()})
+SCENARIOS[SCENARIO]()
 print("OK", sys.argv[4], flush=True)
 
 os._exit(0)  # skip the process group's teardown: a dead peer would make it wait

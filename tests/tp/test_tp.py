@@ -53,7 +53,8 @@ def test_sharded_top_logprobs_equal_the_unsharded_call_and_the_oracle(world):
     ranks(world, "top", timeout=400)
 
 
-@pytest.mark.parametrize("scenario", ["exact+exchange", "top+exchange", "pipeline+exchange", "graph+exchange",
+@pytest.mark.parametrize("scenario", ["exact+exchange", "top+exchange", "verify+exchange",
+                                      "pipeline-spec+exchange", "pipeline+exchange", "graph+exchange",
                                       "graph-sample+exchange"])
 def test_a_world_of_one_through_the_exchange_equals_the_unsharded_call(scenario):
     # The path of every world (partial, gloo all-gather, combine), on one rank.
@@ -143,3 +144,18 @@ def test_demo_tp_tokens_equal_the_single_rank_run(extra):
     done = run_python(argv=["-m", "metrale_feed.tools.cli", "demo", "--tp", "2", "--rows", "6",
                             "--tokens", "12", "--vocab", "5000", "--quiet", *extra], timeout=300)
     assert "tokens equal the single-rank run on all 2 ranks: yes" in done.stdout, done.describe()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_sharded_greedy_verify_equals_the_unsharded_call_and_the_oracle(world):
+    ranks(world, "verify", timeout=400)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_the_speculative_pipeline_spmd_gives_the_unsharded_greedy_tokens_on_every_rank(world):
+    ranks(world, "pipeline-spec", timeout=400)
+
+
+@pytest.mark.parametrize("scenario", ["verify-refused", "verify-mismatch"])
+def test_a_sharded_verify_refuses_sampled_rows_and_faults_on_mismatched_calls(scenario):
+    ranks(2, scenario)

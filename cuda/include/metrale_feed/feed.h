@@ -315,8 +315,15 @@ MF_EXPORT mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t st
  * 0, as in mf_argmax_to_feed, and a sampled row with a filter (top_k, top_p < 1 or min_p > 0,
  * the values the unsplit call would apply) gets NO_TOKEN and NaN and the fault
  * MF_FAULT_FILTERS | row << 8 (on the host backend the first such row, on cuda any), while the
- * other rows get their draws. */
-enum { MF_COMBINE_PARAMS_DEVICE = 1u };
+ * other rows get their draws.
+ * MF_COMBINE_VERIFY (appended: drafts, k) combines a greedy verify_to_feed over a split
+ * vocabulary: the blocks are MF_PARTIAL_ARGMAX partials of rows = R * (k + 1) logit rows (each
+ * rank's argmax over its slice of every position), drafts (device, R * k ids, read when the
+ * combine runs) are the R rows' drafts, and cells, host_dst, logprobs and logprobs_dst take
+ * verify_to_feed's layout (R * (k + 2) words, R * (k + 1) floats): each position's combined
+ * argmax is the rule's id there, so a row keeps its drafts while they equal it (verify_rule.h).
+ * A header fault leaves every row n = 1 with NO_TOKEN, as a row without candidates. */
+enum { MF_COMBINE_PARAMS_DEVICE = 1u, MF_COMBINE_VERIFY = 2u };
 typedef struct mf_combine_args {
     uint32_t struct_size;             /* sizeof(mf_combine_args) where the caller was built: _init */
     const void *partials;             /* device */
@@ -336,6 +343,8 @@ typedef struct mf_combine_args {
     uint32_t *fault;                  /* device, one word */
     void *fault_dst;                  /* host, one word, or NULL */
     mf_event_t event;                 /* 0: none */
+    const uint32_t *drafts;           /* appended: MF_COMBINE_VERIFY's device drafts, else NULL */
+    uint32_t k;                       /* appended: MF_COMBINE_VERIFY's drafts per row, else 0 */
 } mf_combine_args;
 static inline void mf_combine_args_init(mf_combine_args *args) {
     memset(args, 0, sizeof *args);

@@ -112,6 +112,14 @@ MF_HD uint32_t mf_combine_pick(const mf_partial_record *rec, uint32_t world, uin
     return mf_unpack_id(any_hot ? top_hot : all_cold ? top_all : race);
 }
 
+/* The logit bits the slice that holds `id` sent with it (0 for MF_NO_TOKEN), for its logprob. */
+MF_HD uint32_t mf_combine_bits(const mf_partial_record *rec, uint32_t world, uint32_t stride, uint32_t id) {
+    uint32_t bits = 0;
+    for (uint32_t w = 0; w < world; ++w)
+        if (id != MF_NO_TOKEN && rec[(uint64_t)w * stride].id == id) bits = rec[(uint64_t)w * stride].logit_bits;
+    return bits;
+}
+
 /* (M, S) of a row from its slices' records. */
 MF_HD void mf_combine_stats(const mf_partial_record *rec, uint32_t world, uint32_t stride, float *m,
                             double *s) {

@@ -21,6 +21,7 @@
 #define METRALE_FEED_VERIFY_RULE_H
 
 #include "metrale_feed/feed.h"
+#include "metrale_feed/logprob_rule.h"
 #include "metrale_feed/sample_rule.h"
 
 #define MF_VERIFY_STREAM 1u /* the third Philox counter word of the accept uniforms */
@@ -141,6 +142,34 @@ MF_HD void mf_verify_resolve(const uint32_t *row_cells, uint32_t k, uint32_t *id
     const int ok = c >= 1u && c <= k + 1u;
     *id = ok ? row_cells[c] : MF_NO_TOKEN;
     *n = ok ? c : 0u;
+}
+
+/* A greedy row verified over a split vocabulary (mf_combine_partials with MF_COMBINE_VERIFY): its
+ * position j's records are rec[j] (block 0; block w's `stride` records further), whose combined
+ * argmax is the rule's id t_j there, exactly as the unsplit argmax. The row keeps drafts x_j == t_j
+ * and emits t_j at the first mismatch, or after the last draft, so every emitted id is its
+ * position's t_j and its logprob that position's combined one. `fault`: the headers disagreed; every
+ * position then has no candidate (n = 1, MF_NO_TOKEN, NaN), as the plain combine writes. */
+MF_HD void mf_verify_combined_row(const mf_partial_record *rec, uint32_t world, uint32_t stride, uint32_t fault,
+                                  const uint32_t *x, uint32_t k, uint32_t *row_cells, float *row_logprobs) {
+    const uint32_t d = mf_verify_drafts(x, k);
+    uint32_t n = 0;
+    for (uint32_t j = 0; j <= d; ++j) {
+        const uint32_t t = fault ? MF_NO_TOKEN : mf_combine_pick(rec + j, world, stride, 0);
+        row_cells[1u + n++] = t;
+        if (row_logprobs) {
+            float m = mf_neg_inf();
+            double s = 0.0;
+            if (!fault) mf_combine_stats(rec + j, world, stride, &m, &s);
+            row_logprobs[j] = mf_logprob_finish(t, mf_combine_bits(rec + j, world, stride, t), m, s);
+        }
+        if (!mf_verify_accepts(1, t, j < d ? x[j] : MF_NO_TOKEN, 0u, 0u, 0u, 0u)) break;
+    }
+    row_cells[0] = n;
+    for (uint32_t i = n; i < k + 1u; ++i) {
+        row_cells[1u + i] = MF_NO_TOKEN;
+        if (row_logprobs) row_logprobs[i] = mf_nan();
+    }
 }
 
 #endif

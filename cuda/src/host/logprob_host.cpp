@@ -7,6 +7,7 @@
 
 #include "kernels.hpp"
 #include "metrale_feed/logprob_rule.h"
+#include "metrale_feed/verify_rule.h"
 #include "vec_exp.hpp"
 
 namespace mf::host {
@@ -104,6 +105,13 @@ void run_combine(const CombineJob &job) {
                                             mf_partial_op(a.op, a.logprobs != nullptr),
                                             a.rows, a.call, a.vocab);
     *a.fault = fault;
+    if (a.flags & MF_COMBINE_VERIFY) {  // a greedy verify over a split vocabulary (verify_rule.h)
+        const uint32_t k = a.k, rows = a.rows / (k + 1);
+        for (uint32_t r = 0; r < rows; ++r)
+            mf_verify_combined_row(records_of(a, r * (k + 1)), a.world, a.slice_stride, fault, a.drafts + (size_t)r * k,
+                                   k, a.cells + (size_t)r * (k + 2), a.logprobs ? a.logprobs + (size_t)r * (k + 1) : nullptr);
+        return;
+    }
     const mf_sampling_params *params = job.row_params();  // device ones: read now, at run time
     for (uint32_t r = 0; r < a.rows; ++r) {
         const mf_partial_record *rec = records_of(a, r);
@@ -117,9 +125,7 @@ void run_combine(const CombineJob &job) {
             if (!*a.fault) *a.fault = MF_FAULT_FILTERS | (r << 8);
         } else if (!fault) {
             id = mf_combine_pick(rec, a.world, a.slice_stride, sampled ? &plan : nullptr);
-            for (uint32_t w = 0; w < a.world; ++w)
-                if (id != MF_NO_TOKEN && rec[(uint64_t)w * a.slice_stride].id == id)
-                    bits = rec[(uint64_t)w * a.slice_stride].logit_bits;
+            bits = mf_combine_bits(rec, a.world, a.slice_stride, id);
             if (a.logprobs) mf_combine_stats(rec, a.world, a.slice_stride, &m, &s);
         }
         a.cells[r] = id;

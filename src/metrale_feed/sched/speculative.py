@@ -447,12 +447,11 @@ class SpeculativeStep:
         if pipe._block_size is None or pipe._pool is None:
             raise TypeError("speculative decoding needs a model with block_size and pool (a "
                             "BlockPool): the pipeline reserves the k + 1 positions itself")
-        if pipe.shard is not None:
-            raise ValueError("speculative decoding is not sharded yet (verify_to_feed takes no shard)")
         rows = pipe.max_rows
-        if rows * (k + 1) > _core.MAX_ROWS:
+        limit = _core.MAX_ROWS if pipe.shard is None else pipe.shard.max_rows
+        if rows * (k + 1) > limit:
             raise ValueError(f"max_rows x (k + 1) = {rows * (k + 1)} logit rows is more than "
-                             f"{_core.MAX_ROWS}")
+                             f"{limit}" + ("" if pipe.shard is None else " (the shard's max_rows)"))
         self.pipe, self.k, self.drafter = pipe, k, drafter
         self.depth = pipe.depth
         # Positions past a row's committed KV a step may write: its k + 1, after (depth 2) the
@@ -590,10 +589,13 @@ class SpeculativeStep:
             # the step in flight adds that step's count on the device (the advance its forward
             # reads), so its draws are keyed as at depth 1.
             params["position"] = [len(h) for h in histories]
+        shard = pipe.shard  # greedy rows only (submit refuses sampled ones): one exchange
         _core.verify_to_feed(logits, slot.drafts, slot.cells, slot.dst, slot.done, stream, k=k,
-                             masks=batch.vmasks, params=params, rows=n_rows, vocab=pipe.vocab,
+                             masks=batch.vmasks, params=params, rows=n_rows,
+                             vocab=pipe.vocab if shard is None else shard.stop - shard.start,
                              dtype=pipe.info.logits_dtype, row_stride=self._row_stride,
-                             advance=slot.advance if advanced and params is not None else None)
+                             advance=slot.advance if advanced and params is not None else None,
+                             shard=shard)
         if self.depth > 1:  # what the next launch reads before this one's counts are known
             _core.resolve_verified(slot.cells, slot.ids, slot.adv, stream, rows=n_rows, k=k)
         self.next_slot = (self.next_slot + 1) % len(self.slots)

@@ -281,13 +281,7 @@ class VocabShard:
         for buf, what in ((cells, "cells"), (logprobs, "logprobs")):
             if type(buf) is _core.DeviceBuffer and buf.nbytes < n * 4:
                 raise ValueError(f"{what} holds {buf.nbytes} bytes; {n} rows need {n * 4}")
-        handle = _stream_key(stream)
-        capturing = _core.stream_capturing(stream)  # a graph's call: see the end of this method
-        self._reap()
-        if self._pending and handle != self._stream and not capturing:
-            # Two streams' workers would issue this group's collectives in either order.
-            raise ValueError("a shard's calls go on one stream while earlier ones are pending "
-                             f"(stream {self._stream:#x}, now {handle:#x})")
+        handle, capturing = self._stream_check(stream)
         if (logprobs is None) != (logprobs_dst is None) and logprobs_dst is not None:
             raise ValueError("logprobs_dst needs logprobs (the device buffer it is copied from)")
         # An empty slice takes part with no candidate; a (rows, 0) tensor still gives its dtype
@@ -295,31 +289,114 @@ class VocabShard:
         if filtered:
             return self._call_filtered(logits, masks, params, cells, dst, event, stream, n, dtype,
                                        row_stride, bitmask, logprobs, logprobs_dst, handle)
-        slot = self._slot()
-        done, (block, gathered, fault) = slot
         call = self._calls + 1
         # logprobs: the records carry (m, s) only when asked for; the header says which, so ranks
         # that disagree get the combine's fault rather than a logprob from another's zero sum.
         kw = dict(start=self.start, stop=self.stop, vocab=self.vocab, dtype=dtype, call=call,
                   rows=n, row_stride=row_stride, bitmask=bitmask, logprobs=logprobs is not None)
-        try:
+
+        def partial(block: Any) -> None:
             if op == "argmax":
                 _core._argmax_partial(logits, masks, block, None, stream, **kw)
             else:
                 _core._sample_partial(logits, params, block, None, stream, masks=masks, **kw)
-        except BaseException:
-            self._ring.append(slot)  # refused before anything was queued: still free
-            raise
-        # Queued: from here every rank's collective sequence includes this call.
-        self._calls = call
-        if not capturing:
-            self._stream = handle
-        self._exchange(stream, block, gathered)
-        try:
+
+        def combine(gathered: Any, fault: Any) -> None:
             _core._combine_partials(gathered, self.world, cells, dst, None, stream, rows=n,
                                     vocab=self.vocab, call=call, fault_dst=fault,
                                     params=params if op == "sample" else None, logprobs=logprobs,
                                     logprobs_dst=logprobs_dst, slice_stride=self._block // _RECORD_BYTES)
+
+        self._exchanged(call, call, partial, combine, stream, handle, capturing, event)
+        return n
+
+    def _stream_check(self, stream: Any) -> tuple[int, bool]:
+        """(stream handle, whether it is capturing) of a call about to queue, once this shard's
+        calls on another stream have completed (a capture's call is a graph's: _exchanged)."""
+        handle = _stream_key(stream)
+        capturing = bool(_core.stream_capturing(stream))
+        self._reap()
+        if self._pending and handle != self._stream and not capturing:
+            # Two streams' workers would issue this group's collectives in either order.
+            raise ValueError("a shard's calls go on one stream while earlier ones are pending "
+                             f"(stream {self._stream:#x}, now {handle:#x})")
+        return handle, capturing
+
+    def _verify(self, logits: Any, drafts: Any, cells: Any, dst: Any, event: Any, stream: Any,
+                k: Any, masks: Any, bitmask: Any, params: Any, draft_probs: Any, logprobs: Any,
+                logprobs_dst: Any, rows: Any, vocab: Any, dtype: Any, row_stride: Any,
+                advance: Any) -> int:
+        """``verify_to_feed(..., shard=self)``: greedy rows over a split vocabulary
+        (docs/tensor-parallel.md, "Verify"). Each rank's argmax partial of every position, the
+        greedy call's one all-gather of 16 bytes a position, then a combine that keeps each row's
+        drafts while they equal the combined argmax: the unsharded call's cells on every rank."""
+        with self._lock:
+            if self._fault is not None:
+                raise FeedError(f"VocabShard refuses further calls after a fault: {self._fault}")
+            width = self.stop - self.start
+            if vocab is not None and vocab != width:
+                raise ValueError(f"with a shard, vocab is the slice's width {width}, not {vocab}")
+            if self.world == 1 and not self._force_exchange:  # the unsharded call
+                return int(_core.verify_to_feed(
+                    logits, drafts, cells, dst, event, stream, k=k, masks=masks, bitmask=bitmask,
+                    params=params, draft_probs=draft_probs, logprobs=logprobs,
+                    logprobs_dst=logprobs_dst, rows=rows, vocab=self.vocab, dtype=dtype,
+                    row_stride=row_stride, advance=advance))
+            from . import verify_args
+
+            v = verify_args.check(self, logits, drafts, cells, dst, k, params, draft_probs,
+                                  logprobs, logprobs_dst, rows)
+            handle, capturing = self._stream_check(stream)
+            if capturing and v.host_drafts is not None:
+                raise ValueError("a captured sharded verify_to_feed needs device drafts (a replay "
+                                 "reads them where they are)")
+            upload = _core.DeviceBuffer(v.host_drafts.nbytes) if v.host_drafts is not None else None
+            counter = self._calls + 1
+            call = verify_args.call_word(counter, v.k)  # a plain argmax's header differs
+            kw = dict(start=self.start, stop=self.stop, vocab=self.vocab, dtype=dtype, call=call,
+                      rows=v.logit_rows, row_stride=row_stride, bitmask=bitmask,
+                      logprobs=logprobs is not None)
+
+            def partial(block: Any) -> None:
+                _core._argmax_partial(logits, masks, block, None, stream, **kw)
+
+            def combine(gathered: Any, fault: Any) -> None:
+                if upload is not None:
+                    _core.copy_h2d_async(upload, v.host_drafts, stream)
+                _core._combine_partials(gathered, self.world, cells, dst, None, stream,
+                                        rows=v.logit_rows, vocab=self.vocab, call=call,
+                                        fault_dst=fault, logprobs=logprobs,
+                                        logprobs_dst=logprobs_dst,
+                                        slice_stride=self._block // _RECORD_BYTES,
+                                        drafts=drafts if upload is None else upload, k=v.k)
+
+            try:
+                self._exchanged(counter, call, partial, combine, stream, handle, capturing, event)
+            finally:
+                if upload is not None:
+                    upload.close()  # freed once the stream has passed the combine that reads it
+            return v.rows
+
+    def _exchanged(self, counter: int, call: int, partial: Any, combine: Any, stream: Any,
+                   handle: int, capturing: bool, event: Any) -> None:
+        """Queue one exchange's call on ``stream``: ``partial(block)`` (which checks every
+        argument and queues nothing when it raises), the all-gather, ``combine(gathered, fault)``,
+        the fault check, then ``event``. ``counter``: the shard's call count once it is queued;
+        ``call``: the word the blocks' headers carry."""
+        slot = self._slot()
+        done, (block, gathered, fault) = slot
+        try:
+            partial(block)
+        except BaseException:
+            self._ring.append(slot)  # refused before anything was queued: still free
+            raise
+        # Queued: from here every rank's collective sequence includes this call.
+        self._calls = counter
+        if not capturing:
+            self._stream = handle
+        self._exchange(stream, block, gathered)
+        try:
+            combine(gathered, fault)
         except BaseException as exc:
             # The collective is queued and the peers go on: this rank cannot follow them.
             self._fault = f"the combine was refused on rank {self.rank}: {exc}"
@@ -335,12 +412,11 @@ class VocabShard:
             # ring for good: neither the reaper nor close() may free or reuse what a replay writes.
             if event is not None:
                 _core.event_record(event, stream)
-            return n
+            return
         _core.event_record(done, stream)
         self._pending.append(slot)
         if event is not None:
             _core.event_record(event, stream)
-        return n
 
     def top_logprobs(self, logits: Any, out: Any, stream: Any = 0, *, n: int, rows: Any = None,
                      dtype: Any = None, row_stride: Any = None, event: Any = None) -> int:

@@ -7,6 +7,7 @@
 #include "cuda/block.cuh"
 #include "cuda/kernels.hpp"
 #include "metrale_feed/logprob_rule.h"
+#include "metrale_feed/verify_rule.h"
 
 namespace mf {
 namespace MF_KERNELS {
@@ -78,12 +79,26 @@ __global__ void mf_combine_kernel(const mf_partial_record *first, const mf_parti
     } else if (!f) {
         const mf_partial_record *rec = first + row0 + r;
         id = mf_combine_pick(rec, world, stride, sampled ? &plan : nullptr);
-        for (uint32_t w = 0; w < world; ++w)
-            if (id != MF_NO_TOKEN && rec[(uint64_t)w * stride].id == id) bits = rec[(uint64_t)w * stride].logit_bits;
+        bits = mf_combine_bits(rec, world, stride, id);
         if (logprobs) mf_combine_stats(rec, world, stride, &m, &s);
     }
     cells[row0 + r] = id;
     if (logprobs) logprobs[row0 + r] = mf_logprob_finish(id, bits, m, s);
+}
+
+// A greedy verify over a split vocabulary (MF_COMBINE_VERIFY): one thread per verified row, each
+// walking its k + 1 positions' records in order (verify_rule.h), as the host backend does.
+__global__ void mf_combine_verify_kernel(const mf_partial_record *first, const mf_partial_header *headers,
+                                         uint32_t world, uint32_t stride, uint32_t rows, uint64_t call,
+                                         uint32_t vocab, const uint32_t *drafts, uint32_t k, uint32_t *cells,
+                                         float *logprobs, uint32_t *fault) {
+    const uint32_t r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows / (k + 1)) return;
+    const uint32_t f = mf_check_headers(headers, world, stride, mf_partial_op(MF_PARTIAL_ARGMAX, logprobs != nullptr),
+                                        rows, call, vocab);
+    if (r == 0) *fault = f;
+    mf_verify_combined_row(first + (uint64_t)r * (k + 1), world, stride, f, drafts + (uint64_t)r * k, k,
+                           cells + (uint64_t)r * (k + 2), logprobs ? logprobs + (uint64_t)r * (k + 1) : nullptr);
 }
 
 }  // namespace
@@ -110,6 +125,13 @@ cudaError_t launch_combine(const mf_combine_args &a, cudaStream_t stream) {
     const auto *headers = static_cast<const mf_partial_header *>(a.partials);
     const auto *first = static_cast<const mf_partial_record *>(a.partials) + MF_PARTIAL_HEADER_RECORDS;
     // Device params are read by the kernel when it runs (a graph's replay sees their new values).
+    if (a.flags & MF_COMBINE_VERIFY) {
+        const uint32_t n = a.rows / (a.k + 1);
+        MF_LAUNCH((n + 127) / 128, 128, 0, stream, mf_combine_verify_kernel)(first, headers, a.world, a.slice_stride,
+                                                                     a.rows, a.call, a.vocab, a.drafts, a.k,
+                                                                     a.cells, a.logprobs, a.fault);
+        return cudaGetLastError();
+    }
     const mf_sampling_params *dparams = (a.flags & MF_COMBINE_PARAMS_DEVICE) ? a.params : nullptr;
     if (dparams) {
         cudaError_t e = cudaMemsetAsync(a.fault, 0, 4, stream);

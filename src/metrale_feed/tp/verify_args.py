@@ -1,0 +1,121 @@
+"""The arguments of a sharded ``verify_to_feed``, checked before anything is queued
+(docs/tensor-parallel.md, "Verify"). Only greedy rows are verified over a split vocabulary: their
+rule at a position is the argmax, which the greedy call's one exchange already combines exactly.
+A sampled row's acceptance needs its survivors' total mass against the global maximum, a second
+round that is not built; it is refused here, with one-hot drafts' ``draft_probs`` alongside."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import _core
+from ..errors import FeedError
+from ..sampling import SAMPLING_PARAMS_DTYPE
+
+# The high word of a verify call's header word: this bit and k. A rank that runs the plain argmax
+# over the same logit rows, or another k, then carries another word, which the combine refuses on
+# every rank (select_rounds.call_word sets the bit above it).
+_VERIFY_BIT = 0x40000000
+_MAX_F32 = 3.4028234663852886e38
+
+
+def call_word(counter: int, k: int) -> int:
+    """The word every block of a verify call carries: the call counter, and k above it."""
+    return (counter & 0xFFFFFFFF) | ((_VERIFY_BIT | k) << 32)
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    k: int
+    rows: int
+    logit_rows: int
+    host_drafts: np.ndarray | None  # None: device drafts, read when the combine runs
+
+
+def _index(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    return int(value)
+
+
+def _greedy_only(params: Any, draft_probs: Any) -> None:
+    from .shard import _device_params
+
+    if draft_probs is not None:
+        raise FeedError("a sharded verify_to_feed takes one-hot drafts (draft_probs is not built "
+                        "over a split vocabulary yet)")
+    if params is None:
+        return
+    if _device_params(params):
+        raise FeedError("a sharded verify_to_feed takes host params (its rows must be greedy; a "
+                        "sampled row is not built over a split vocabulary yet)")
+    if not isinstance(params, np.ndarray) or params.dtype != SAMPLING_PARAMS_DTYPE:
+        raise ValueError("params must be SAMPLING_PARAMS_DTYPE records")
+    t = params["temperature"]
+    if np.any((t > 0) & (t <= _MAX_F32)):
+        raise FeedError("a sharded verify_to_feed verifies greedy rows (temperature 0) only: "
+                        "sampled rows are not built over a split vocabulary yet")
+
+
+def _host_drafts(drafts: Any, vocab: int) -> np.ndarray | None:
+    """Host drafts as uint32, checked as the unsharded call checks them; None for device ones."""
+    from .shard import _device_params
+
+    if _device_params(drafts):  # the rule sample_to_feed's params follow: read when it runs
+        return None
+    arr = np.asarray(drafts)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"drafts must hold integer ids, not {arr.dtype}")
+    arr = arr.ravel()
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
+        raise ValueError("drafts must be uint32 ids")
+    arr = np.ascontiguousarray(arr, dtype=np.uint32)
+    bad = np.flatnonzero((arr >= vocab) & (arr != _core.NO_TOKEN))
+    if bad.size:
+        raise ValueError(f"draft {int(bad[0])} is id {int(arr[bad[0]])}, at or beyond vocab {vocab}")
+    return arr
+
+
+def check(shard: Any, logits: Any, drafts: Any, cells: Any, dst: Any, k: Any, params: Any,
+          draft_probs: Any, logprobs: Any, logprobs_dst: Any, rows: Any) -> VerifyCall:
+    """Every check of a sharded verify, before anything is queued."""
+    from .shard import _precheck_host
+
+    k = _index(k, "k")
+    if not 1 <= k <= _core.MAX_DRAFTS:
+        raise ValueError(f"k must be in [1, {_core.MAX_DRAFTS}], not {k}")
+    _greedy_only(params, draft_probs)
+    host = _host_drafts(drafts, shard.vocab)
+    if rows is None:
+        if hasattr(logits, "shape") and len(logits.shape) == 2:
+            if logits.shape[0] % (k + 1):
+                raise ValueError(f"the logits tensor has {logits.shape[0]} rows, not a multiple of "
+                                 f"k + 1 = {k + 1}")
+            rows = int(logits.shape[0]) // (k + 1)
+        elif host is not None:
+            if host.size % k:
+                raise ValueError(f"drafts hold {host.size} ids, not a multiple of k = {k}")
+            rows = host.size // k
+        else:
+            raise ValueError("rows is required with device-resident drafts and logits that are "
+                             "not a tensor")
+    rows = _index(rows, "rows")
+    logit_rows = rows * (k + 1)
+    if not 1 <= rows or logit_rows > shard.max_rows:
+        raise ValueError(f"rows * (k + 1) = {logit_rows} logit rows; a sharded call takes 1 to "
+                         f"max_rows={shard.max_rows}")
+    if host is not None:
+        if host.size < rows * k:
+            raise ValueError(f"drafts hold {host.size} ids; {rows} rows need {rows * k}")
+        host = host[: rows * k]
+    _precheck_host(dst, rows * (k + 2), "dst", "I")
+    _precheck_host(logprobs_dst, logit_rows, "logprobs_dst", "f")
+    for buf, what, words in ((cells, "cells", rows * (k + 2)), (logprobs, "logprobs", logit_rows)):
+        if type(buf) is _core.DeviceBuffer and buf.nbytes < words * 4:
+            raise ValueError(f"{what} holds {buf.nbytes} bytes; {words * 4} are needed")
+    if logprobs_dst is not None and logprobs is None:
+        raise ValueError("logprobs_dst needs logprobs (the device buffer it is copied from)")
+    return VerifyCall(k, rows, logit_rows, host)

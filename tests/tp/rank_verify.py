@@ -1,0 +1,274 @@
+"""The sharded ``verify_to_feed`` scenarios of one rank (rank_main.py runs them; ``h`` is that
+module, with the rank, the world and the shared helpers). Every rank checks its own cells against
+the unsharded call on the whole logits, computed in the same process, and a numpy oracle of the
+greedy verify rule built on ``reference_argmax``."""
+
+import zlib
+
+import numpy as np
+
+import metrale_feed as mf
+from metrale_feed.errors import FeedError
+from metrale_feed.testing.oracle import reference_argmax, reference_logprobs
+
+from helpers.accuracy import assert_close
+
+K = 3
+
+
+def oracle_cells(logits, masks, bitmask, drafts, rows, k, vocab):
+    """numpy: the greedy verify rule's cells, from the argmax rule at every position."""
+    t = reference_argmax(logits, masks, bitmask).reshape(rows, k + 1)
+    cells = np.full((rows, k + 2), mf.NO_TOKEN, np.uint32)
+    for r in range(rows):
+        n = 0
+        for j in range(k + 1):
+            x = drafts[r, j] if j < k else mf.NO_TOKEN
+            cells[r, 1 + n] = t[r, j]
+            n += 1
+            if x == mf.NO_TOKEN or x >= vocab or x != t[r, j] or t[r, j] == mf.NO_TOKEN:
+                break
+        cells[r, 0] = n
+        if any(drafts[r, j] == mf.NO_TOKEN for j in range(n - 1)):
+            raise AssertionError("the oracle walked past a row's last draft")
+    return cells
+
+
+def drafts_for(logits, masks, bitmask, rows, k, vocab, rng):
+    """Drafts that exercise every outcome: all accepted, a mismatch at each position, an early
+    NO_TOKEN, an id at or beyond vocab (device drafts only)."""
+    t = reference_argmax(logits, masks, bitmask).reshape(rows, k + 1)
+    d = t[:, :k].copy()
+    for r in range(rows):
+        kind = r % 4
+        if kind == 1:
+            j = int(rng.integers(0, k))
+            d[r, j] = (int(t[r, j]) + 1) % vocab
+        elif kind == 2:
+            d[r, int(rng.integers(1, k))] = mf.NO_TOKEN
+        elif kind == 3:
+            d[r, 0] = (int(t[r, 0]) + 7) % vocab
+    return d.astype(np.uint32)
+
+
+def whole_verify(h, logits, drafts, masks, bitmask, k, params=None):
+    rows_all, vocab = logits.shape
+    rows = rows_all // (k + 1)
+    buf, cells = h.upload(logits), mf.DeviceBuffer(rows * (k + 2) * 4)
+    bm = h.upload(bitmask) if bitmask is not None else None
+    lp_dev = mf.DeviceBuffer(rows_all * 4)
+    dst, lp = np.zeros(rows * (k + 2), np.uint32), np.full(rows_all, 7.0, np.float32)
+    with mf.Event() as done:
+        mf.verify_to_feed(buf, drafts.reshape(-1), cells, dst, done, k=k, masks=masks, bitmask=bm,
+                          params=params, logprobs=lp_dev, logprobs_dst=lp, rows=rows, vocab=vocab,
+                          dtype=np.dtype(logits.dtype).name)
+        done.synchronize()
+    return dst.reshape(rows, k + 2), lp.reshape(rows, k + 1)
+
+
+def sharded_verify(h, shard, logits, drafts, masks, bitmask, k, *, pad=0, device_drafts=False,
+                   params=None, rows=None, wait=True, logprobs=True):
+    lo, hi = shard.start, shard.stop
+    n = logits.shape[0]
+    nrows = n // (k + 1)
+    part = np.zeros((n, hi - lo + pad), logits.dtype)
+    part[:, : hi - lo] = logits[:, lo:hi]
+    sl = h.upload(part) if hi > lo else None
+    bm = h.upload(bitmask) if bitmask is not None else None
+    dr = h.upload(drafts) if device_drafts else drafts.reshape(-1)
+    cells = mf.DeviceBuffer(nrows * (k + 2) * 4)
+    lp_dev = mf.DeviceBuffer(n * 4) if logprobs else None
+    dst = np.zeros(nrows * (k + 2), np.uint32)
+    lp = np.full(n, 7.0, np.float32) if logprobs else None
+    done = mf.Event()
+    got = mf.verify_to_feed(sl, dr, cells, dst, done, k=k, masks=masks, bitmask=bm, params=params,
+                            logprobs=lp_dev, logprobs_dst=lp, rows=nrows if rows is None else rows,
+                            dtype=np.dtype(logits.dtype).name,
+                            row_stride=hi - lo + pad if pad and hi > lo else None, shard=shard)
+    assert got == (nrows if rows is None else rows), got
+    if wait:
+        done.synchronize()
+    return dst.reshape(nrows, k + 2), None if lp is None else lp.reshape(nrows, k + 1), done, (sl, bm, dr, cells, lp_dev)
+
+
+def scenario_verify(h):
+    """Greedy rows over every split: the unsharded cells on every rank, the oracle's, logprobs
+    those of the sharded argmax at the emitted positions, one exchange a call."""
+    vocab, rows, k = 1000, 4, K
+    n = rows * (k + 1)
+    for dtype in h.DTYPES:
+        for name, offsets in h.splits(vocab):
+            shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=16)
+            rng = np.random.default_rng(zlib.crc32(f"verify{dtype}{name}".encode()))  # every rank alike
+            logits = h.nasty(rng, n, vocab, h.DTYPES[dtype], shard.offsets)
+            masks = rng.integers(0, vocab, (n, 2)).astype(np.uint32)
+            masks[::3] = mf.NO_TOKEN
+            bitmask = rng.integers(-2**31, 2**31, (n, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+            bitmask[: k + 1] = -1
+            bitmask[k] = 0  # row 0 keeps its drafts; its bonus position has no candidate: NO_TOKEN
+            drafts = drafts_for(logits, masks, bitmask, rows, k, vocab, rng)
+            want, want_lp = whole_verify(h, logits, drafts, masks, bitmask, k)
+            oracle = oracle_cells(logits, masks, bitmask, drafts, rows, k, vocab)
+            assert np.array_equal(want, oracle), (dtype, name, want, oracle)
+            assert len({int(c) for c in want[:, 0]}) > 1, want  # rows end at different counts
+            # The sharded argmax over the same positions: the logprobs' reference bits.
+            ids, argmax_lp, *_ = h.sharded(shard, logits, masks, bitmask)
+            for pad, device in ((0, False), (3, True)):
+                before = shard.stats["collectives"]
+                got, lp, *_ = sharded_verify(h, shard, logits, drafts, masks, bitmask, k, pad=pad,
+                                             device_drafts=device)
+                assert np.array_equal(got, want), (dtype, name, pad, got, want)
+                assert shard.stats["collectives"] - before == (1 if WORLD_SPLIT(h) else 0)
+                for r in range(rows):
+                    m = int(got[r, 0])
+                    assert np.array_equal(lp[r, :m], argmax_lp[r * (k + 1): r * (k + 1) + m], equal_nan=True)
+                    assert np.isnan(lp[r, m:]).all(), lp[r]
+                    assert_close(lp[r, :m], reference_logprobs(logits[r * (k + 1): r * (k + 1) + m],
+                                                               got[r, 1: 1 + m]))
+            # Greedy host params (temperature 0) are the same call; an id past vocab in device
+            # drafts is never accepted.
+            bad = drafts.copy()
+            bad[0, 0] = vocab + 5
+            got, *_ = sharded_verify(h, shard, logits, bad, masks, bitmask, k, device_drafts=True,
+                                     params=mf.sampling_params(rows, temperature=0.0))
+            assert np.array_equal(got, oracle_cells(logits, masks, bitmask, bad, rows, k, vocab)), got
+            assert got[0, 0] == 1
+            shard.close()
+
+
+def WORLD_SPLIT(h):
+    return h.WORLD > 1 or h.FORCE_EXCHANGE
+
+
+def scenario_verify_refused(h):
+    """What a sharded verify refuses, before anything is queued (so every rank goes on alike)."""
+    vocab, rows, k = 1000, 2, K
+    n = rows * (k + 1)
+    shard = mf.VocabShard(None, vocab, max_rows=8)
+    rng = np.random.default_rng(3)
+    logits = h.nasty(rng, n, vocab, np.float32, shard.offsets)
+    drafts = drafts_for(logits, None, None, rows, k, vocab, rng)
+    sampled = mf.sampling_params(rows, temperature=0.7, seed=1)
+    cases = [
+        (FeedError, "greedy", dict(params=sampled)),
+        (ValueError, "max_rows", dict(rows=3)),  # 3 * 4 logit rows > 8
+    ]
+    for exc, needle, kw in cases:
+        before = dict(shard.stats)
+        try:
+            sharded_verify(h, shard, np.tile(logits, (2, 1)) if kw.get("rows") == 3 else logits,
+                           drafts if kw.get("rows") != 3 else np.tile(drafts, (2, 1)), None, None, k,
+                           **kw)
+        except exc as e:
+            assert needle in str(e), e
+        else:
+            raise AssertionError(f"{kw} was taken")
+        assert shard.stats == before, (shard.stats, before)
+    lo, hi = shard.start, shard.stop
+    sl = h.upload(np.ascontiguousarray(logits[:, lo:hi])) if hi > lo else None
+    with mf.DeviceBuffer(rows * (k + 2) * 4) as cells:
+        for exc, kw in ((FeedError, dict(draft_probs=mf.DeviceBuffer(rows * k * vocab * 4))),
+                        (ValueError, dict(drafts=np.array([[vocab, 0, 0]] * rows)))):
+            args = dict(k=k, rows=rows, dtype="float32", shard=shard)
+            args.update(kw)
+            try:
+                mf.verify_to_feed(sl, args.pop("drafts", drafts.reshape(-1)), cells, None, None, **args)
+            except exc:
+                pass
+            else:
+                raise AssertionError(f"{list(kw)} was taken")
+    # The shard is still usable: the refusals queued nothing.
+    got, *_ = sharded_verify(h, shard, logits, drafts, None, None, k)
+    assert np.array_equal(got, whole_verify(h, logits, drafts, None, None, k)[0]), got
+
+
+def scenario_verify_mismatch(h):
+    """Rank 0 verifies where the others run the plain argmax over the same logit rows (or another
+    k): the header words differ, so FeedError from the event on every rank, never a wrong token."""
+    vocab, rows, k = 1000, 2, K
+    n = rows * (k + 1)
+    rng = np.random.default_rng(4)
+    for other in ("argmax", "k"):
+        shard = mf.VocabShard(None, vocab, max_rows=16)
+        logits = h.nasty(rng, n, vocab, np.float32, shard.offsets)
+        drafts = drafts_for(logits, None, None, rows, k, vocab, rng)
+        if h.RANK == 0:
+            got, lp, done, held = sharded_verify(h, shard, logits, drafts, None, None, k, wait=False)
+            h.expect_fault(done, "", f"a verify against a plain argmax gave no error: {got}")
+            assert (got[:, 1] == mf.NO_TOKEN).all() and (got[:, 0] == 1).all(), got
+        elif other == "argmax":
+            ids, lp, done, *_ = h.sharded(shard, logits, wait=False)
+            h.expect_fault(done, "", f"an argmax against a verify gave no error: {ids}")
+            assert (ids == mf.NO_TOKEN).all(), ids
+        else:  # the same 8 logit rows as 4 rows of k = 1
+            got, lp, done, held = sharded_verify(h, shard, logits, np.zeros((4, 1), np.uint32), None,
+                                                 None, 1, wait=False)
+            h.expect_fault(done, "", f"another k gave no error: {got}")
+        h.expect_refused(lambda: h.sharded(shard, logits), "the shard took a call after a fault")
+
+
+SCENARIOS = {"verify": scenario_verify, "verify-refused": scenario_verify_refused,
+             "verify-mismatch": scenario_verify_mismatch}
+
+
+def scenario_pipeline_spec(h):
+    """The SPMD pipeline with speculative decoding over the split: every rank's greedy requests
+    get the tokens of the unsharded pipeline without speculation, at depth 1 and 2, with drafts
+    accepted and rejected, bans, stops inside accepted runs and a pool that preempts; one
+    exchange a verify step; a sampled request is refused at submit."""
+    from metrale_feed.sched.speculative import NGramDrafter
+    from metrale_feed.testing.drafter import ReferenceDrafter
+    from metrale_feed.testing.reference import ReferenceModel, host_next_token
+
+    vocab, k = 1000, 3
+    offsets = {1: None, 2: [0, 333, vocab], 3: [0, 600, vocab, vocab]}.get(h.WORLD)
+    shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=4 * (k + 1))
+
+    def decode(depth, sharded, drafter, blocks=64):
+        model = ReferenceModel(vocab, max_rows=4 * (k + 1), block_size=2, num_blocks=blocks,
+                               shard=shard if sharded else None)
+        with mf.DecodePipeline(model, 4, depth=depth, shard=shard if sharded else None,
+                               speculative=drafter) as pipe:
+            if sharded and drafter is not None:
+                try:
+                    pipe.submit([3, 1, 4], max_new_tokens=4, temperature=0.7)
+                except ValueError as exc:
+                    assert "greedy" in str(exc), exc
+                else:
+                    raise AssertionError("a sampled request was taken by a sharded speculative pipeline")
+            reqs = [pipe.submit([3, 1, 4 + i], max_new_tokens=5 + 2 * i,
+                                ban=(7, 500) if i == 2 else None,
+                                stop_ids=[want_stop[i]] if want_stop and i % 3 == 1 else ())
+                    for i in range(7)]
+            pipe.run()
+            stats = (pipe.stats.steps, pipe.stats.host_syncs, pipe.stats.accepted, pipe.stats.drafted,
+                     pipe.stats.preemptions)
+        model.close()
+        return [r.tokens for r in reqs], stats
+
+    want_stop = None
+    for depth in (1, 2):
+        want, _ = decode(depth, False, None)
+        want_stop = [t[len(t) // 2] if t else 0 for t in want]  # a stop inside most runs
+        want, _ = decode(depth, False, None)
+        hist = [3, 1, 4]
+        for t in decode(depth, False, None)[0][0]:
+            assert t == host_next_token(hist, vocab), (hist, t)
+            hist.append(t)
+        for drafter, blocks in ((ReferenceDrafter(vocab, k, 0.5), 64), (ReferenceDrafter(vocab, k, 1.0), 20),
+                                (NGramDrafter(k), 64)):
+            before = shard.stats["collectives"]
+            got, (steps, syncs, accepted, drafted, preempted) = decode(depth, True, drafter, blocks)
+            assert got == want, (depth, type(drafter).__name__, got, want)
+            assert (preempted > 0) == (blocks < 64), (blocks, preempted)  # the small pool preempts
+            if isinstance(drafter, ReferenceDrafter):
+                assert accepted > 0 and (drafted > accepted) == (drafter.acceptance < 1), (accepted, drafted)
+            if depth == 2:
+                assert syncs == steps, (syncs, steps)
+            assert h.WORLD == 1 or shard.stats["collectives"] - before >= steps, (shard.stats, steps)
+            every = [None] * h.WORLD
+            h.dist.all_gather_object(every, got)
+            assert all(e == got for e in every), "the ranks' tokens differ"
+
+
+SCENARIOS["pipeline-spec"] = scenario_pipeline_spec
