@@ -34,6 +34,36 @@ def greedy():
     return greedy_tokens
 
 
+def check_failed(reqs, running, reasons, most=None):
+    """After a fault in a step: exactly ``running`` finished with the error, whose message holds
+    every string of ``reasons``; each kept only ids committed before the fault, a prefix of greedy
+    decoding's shorter than its length (at most ``most`` ids when given); the others still wait.
+    Returns the failed ones."""
+    from metrale_feed import RequestStatus
+
+    failed = [r for r in reqs if r.status is RequestStatus.FINISHED_ERROR]
+    assert failed == running, [(r.status, r.error) for r in reqs]
+    rest = reqs[len(running):]  # they wait for rows: none was in a step that ran behind the fault
+    assert all(r.status is RequestStatus.WAITING for r in rest), [r.status for r in rest]
+    for r in failed:
+        assert r.finish_reason == "error" and all(s in r.error for s in reasons), r.error
+        want = greedy_tokens(r.prompt, r.max_new_tokens, VOCAB)
+        assert r.tokens == want[: len(r.tokens)] and len(r.tokens) < r.max_new_tokens, r
+        assert most is None or len(r.tokens) <= most, (len(r.tokens), most)
+    return failed
+
+
+def check_the_rest_run(pipe, reqs, running):
+    """The requests that waited through the fault then run to their length, exactly greedy
+    decoding's tokens, and nothing stays reserved."""
+    rest = reqs[len(running):]
+    pipe.run()
+    for r in rest:
+        assert r.finish_reason == "length", r
+        assert r.tokens == greedy_tokens(r.prompt, r.max_new_tokens, VOCAB), r
+    assert pipe.stats.reserved_in_flight == 0
+
+
 def sampled_tokens(prompt, max_new, vocab, dtype="float32", stops=(), ban=None, *, switch=None,
                    **sampling):
     """What decoding of the request alone gives: the shared oracle ``reference_tokens``, at each

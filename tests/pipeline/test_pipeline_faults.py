@@ -10,7 +10,7 @@ import metrale_feed as mf
 from metrale_feed import DecodePipeline, FeedError, RequestStatus
 from metrale_feed.testing.reference import ReferenceModel
 
-from conftest import VOCAB, prompts
+from conftest import VOCAB, check_failed, check_the_rest_run, prompts
 
 
 class ForwardFault(ReferenceModel):
@@ -79,32 +79,11 @@ def test_a_forward_fault_fails_the_running_requests_and_commits_nothing_wrong(
             with pytest.raises(FeedError, match="injected fault"):
                 for _ in range(100):
                     pipe.step()
-            failed = [r for r in reqs if r.status is RequestStatus.FINISHED_ERROR]
-            assert failed == running  # the ones in the faulted step (and in flight after it)
-            for r in failed:
-                assert r.finished and r.finish_reason == "error"
-                assert "injected fault" in r.error
-                assert len(r.tokens) < 9
-            assert all(r.status is RequestStatus.WAITING for r in reqs[3:])
+            # The ones in the faulted step (and in flight after it).
+            failed = check_failed(reqs, running, ["injected fault"])
             assert pipe.step() == failed  # reported by the next step
-            assert drive(pipe) == 0  # the waiting ones run on, on a clean batch
-            check_against_oracle(reqs, greedy)
-            assert [r.finish_reason for r in reqs[3:]] == ["length"] * 3
-            assert pipe.stats.reserved_in_flight == 0
+            check_the_rest_run(pipe, reqs, running)  # on a clean batch
         assert model.pool.free_count == model.pool.num_blocks
-
-
-def check_failed_then_the_rest(pipe, reqs, running, greedy, most):
-    """The requests running at the fault failed with its reason, keeping at most ``most`` ids
-    (those of the steps before it); the waiting ones then run to their length, exactly."""
-    failed = [r for r in reqs if r.status is RequestStatus.FINISHED_ERROR]
-    assert failed == running
-    for r in failed:
-        assert "injected fault" in r.error
-        assert len(r.tokens) <= most, r
-    assert drive(pipe) == 0  # the waiting ones run on, on a clean batch
-    check_against_oracle(reqs, greedy)
-    assert [r.finish_reason for r in reqs[len(running):]] == ["length"] * (len(reqs) - len(running))
 
 
 class WaitsFirst(ForwardFault):
@@ -133,7 +112,8 @@ def test_a_fault_that_surfaces_in_a_later_launch_is_still_a_fault(host, no_leaks
                 for _ in range(100):
                     pipe.step()
             assert pipe.stats.reserved_in_flight == 0
-            check_failed_then_the_rest(pipe, reqs, running, greedy, fault_at - 1)  # one id a step
+            check_failed(reqs, running, ["injected fault"], most=fault_at - 1)  # one id a step
+            check_the_rest_run(pipe, reqs, running)
         assert model.pool.free_count == model.pool.num_blocks
 
 
@@ -174,7 +154,8 @@ def test_a_speculative_fault_that_surfaces_in_a_later_launch_is_still_a_fault(
                 for _ in range(100):
                     pipe.step()
             # Each verify step emits 1 to k + 1 = 3 ids a row.
-            check_failed_then_the_rest(pipe, reqs, running, greedy, 3 * (fault_at - 1))
+            check_failed(reqs, running, ["injected fault"], most=3 * (fault_at - 1))
+            check_the_rest_run(pipe, reqs, running)
         assert model.pool.free_count == model.pool.num_blocks
 
 
