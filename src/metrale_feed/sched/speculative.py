@@ -132,15 +132,8 @@ class _Upload:
         self.host_syncs = 0
 
     def send(self, words: List[int], out: Any, stream: Any) -> None:
-        nbytes = 4 * len(words)
-        slot = self._take(nbytes)
-        view = memoryview(slot[0]).cast("B")
-        try:
-            view[:nbytes] = array("I", words).tobytes()
-            _core.copy_h2d_async(out, view[:nbytes], stream)
-        finally:
-            view.release()
-        slot[1].record(stream)
+        data = array("I", words).tobytes()
+        self._copy(self._take(len(data)), len(data), data, out, stream)
 
     def send_later(self, nwords: int, fill: Any, out: Any, stream: Any) -> None:
         """``send(fill(), ...)`` with ``fill`` run in stream order (a host function), so it may
@@ -148,8 +141,17 @@ class _Upload:
         nbytes = 4 * nwords
         slot = self._take(nbytes)
         _core.launch_host_func(stream, _fill_pinned, slot[0], nbytes, fill)
+        self._copy(slot, nbytes, None, out, stream)
+
+    @staticmethod
+    def _copy(slot: Tuple[Any, Any], nbytes: int, data: Optional[bytes], out: Any,
+              stream: Any) -> None:
+        """Write ``data`` (None: a host function queued before fills it) into the slot, queue its
+        copy to ``out`` and record the slot's event after it."""
         view = memoryview(slot[0]).cast("B")
         try:
+            if data is not None:
+                view[:nbytes] = data
             _core.copy_h2d_async(out, view[:nbytes], stream)
         finally:
             view.release()
