@@ -259,6 +259,14 @@ def penalties_apply(logits: _DeviceLike, slots: Any, state: _DeviceLike, table: 
 def penalties_update(ids: _DeviceLike, slots: Any, state: _DeviceLike, table: _DeviceLike,
                      items: _DeviceLike, stream: _StreamLike = 0, *, slot_count: int | None = None,
                      table_cap: int | None = None, item_cap: int | None = None) -> int: ...
+@final
+class PenaltyLaunch:
+    def __init__(self, slots: Any, state: _DeviceLike, table: _DeviceLike, items: _DeviceLike, *,
+                 slot_count: int | None = None, table_cap: int | None = None,
+                 item_cap: int | None = None, vocab: int | None = None, dtype: Any = None,
+                 row_stride: int | None = None, start: int = 0) -> None: ...
+    def apply(self, logits: _DeviceLike, stream: _StreamLike = 0) -> int: ...
+    def update(self, ids: _DeviceLike, stream: _StreamLike = 0) -> int: ...
 
 # ---- top logprobs (docs/kernels.md) ----
 def top_logprobs(logits: _DeviceLike, out: _DeviceLike | None, stream: _StreamLike = 0, *, n: int,

@@ -10,36 +10,45 @@ cdef uint32_t penalty_extent(object given, size_t have, size_t per, str what, ui
     return <uint32_t>int_of(given, what, 1, high)
 
 
+cdef int penalty_tables(_Launch launch, mf_penalty_args *a, object state, object table, object items,
+                        object slot_count, object table_cap, object item_cap) except -1:
+    """The tables' pointers and capacities into ``a``, each checked against its buffer's length."""
+    cdef void *ptr
+    cdef size_t have, state_have, table_have, items_have
+    launch.device(state, &ptr, &state_have, "state", True, False)
+    a.state = <mf_penalty_slot *>ptr
+    launch.device(table, &ptr, &table_have, "table", True, False)
+    a.table = <mf_penalty_entry *>ptr
+    launch.device(items, &ptr, &items_have, "items", False, False)
+    a.items = <const mf_penalty_item *>ptr
+    a.slot_count = penalty_extent(slot_count, state_have, sizeof(mf_penalty_slot), "slot_count",
+                                  MF_MAX_PENALTY_SLOTS)
+    a.table_cap = penalty_extent(table_cap, table_have // a.slot_count if table_have != <size_t>-1 else table_have,
+                                 8, "table_cap", MF_MAX_PENALTY_TABLE)
+    a.item_cap = penalty_extent(item_cap, items_have // a.slot_count if items_have != <size_t>-1 else items_have,
+                                8, "item_cap", 4 * MF_PENALTY_ITEMS)
+    for have, need, what in ((state_have, <size_t>a.slot_count * sizeof(mf_penalty_slot), "state"),
+                             (table_have, <size_t>a.slot_count * a.table_cap * 8, "table"),
+                             (items_have, <size_t>a.slot_count * a.item_cap * 8, "items")):
+        if have != <size_t>-1 and need > have:
+            raise ValueError(f"{what}: {need} bytes run past the end of its {have}")
+    return 0
+
+
 cdef object launch_penalties(bint update, object target, object slots, object state, object table, object items,
                              object stream, object slot_count, object table_cap, object item_cap, object rows,
                              object vocab, object dtype, object row_stride, object start):
     cdef uint64_t s
     cdef mf_penalty_args a
     cdef void *ptr
-    cdef size_t have, state_have, table_have, items_have
+    cdef size_t have
     cdef _Words words = None
     cdef _Foreign f
     mf_penalty_args_init(&a)
     stream_of(stream, &s)
     cdef _Launch launch = launch_on(s)
     try:
-        launch.device(state, &ptr, &state_have, "state", True, False)
-        a.state = <mf_penalty_slot *>ptr
-        launch.device(table, &ptr, &table_have, "table", True, False)
-        a.table = <mf_penalty_entry *>ptr
-        launch.device(items, &ptr, &items_have, "items", False, False)
-        a.items = <const mf_penalty_item *>ptr
-        a.slot_count = penalty_extent(slot_count, state_have, sizeof(mf_penalty_slot), "slot_count",
-                                      MF_MAX_PENALTY_SLOTS)
-        a.table_cap = penalty_extent(table_cap, table_have // a.slot_count if table_have != <size_t>-1 else table_have,
-                                     8, "table_cap", MF_MAX_PENALTY_TABLE)
-        a.item_cap = penalty_extent(item_cap, items_have // a.slot_count if items_have != <size_t>-1 else items_have,
-                                    8, "item_cap", 4 * MF_PENALTY_ITEMS)
-        for have, need, what in ((state_have, <size_t>a.slot_count * sizeof(mf_penalty_slot), "state"),
-                                 (table_have, <size_t>a.slot_count * a.table_cap * 8, "table"),
-                                 (items_have, <size_t>a.slot_count * a.item_cap * 8, "items")):
-            if have != <size_t>-1 and need > have:
-                raise ValueError(f"{what}: {need} bytes run past the end of its {have}")
+        penalty_tables(launch, &a, state, table, items, slot_count, table_cap, item_cap)
         if device_resident(slots, "slots"):
             launch.device(slots, &ptr, &have, "slots", False, True)
             if rows is None:
@@ -97,6 +106,121 @@ cdef object launch_penalties(bint update, object target, object slots, object st
     finally:
         launch.close()
     return a.rows
+
+
+@cython.final
+cdef class PenaltyLaunch:
+    """``penalties_apply`` and ``penalties_update`` of one batch's host slots, coerced once.
+
+    A decode loop queues both ops every step with the same slots and tables while its batch
+    keeps its rows; only the logits (or ids) and the stream change. Coercing the slots, the
+    tables and the logits' layout again at each call was most of each call's host cost
+    (docs/penalties.md, "Host cost"). This checks them once, as the two functions do; a call
+    then resolves its buffers (a closed one still raises) and queues, and the C layer checks
+    the descriptor at every call as before.
+
+    Parameters
+    ----------
+    slots : sequence of int or uint32 buffer
+        Each row's slot, copied here: later changes to the object do not reach the calls.
+    state, table, items : DeviceBuffer or int
+        As ``penalties_apply`` (tensors there go through the functions).
+    slot_count, table_cap, item_cap, vocab, dtype, row_stride, start : optional
+        As ``penalties_apply``; ``apply`` with a logits pointer needs ``vocab`` and ``dtype``.
+    """
+    cdef mf_penalty_args ap, up  # apply's and update's descriptors, all but the step's pointer
+    cdef uint32_t *words
+    cdef object slots, state, table, items, vocab, dtype, row_stride, start
+
+    def __dealloc__(self):
+        free(self.words)
+
+    def __init__(self, slots, state, table, items, *, slot_count=None, table_cap=None, item_cap=None,
+                 vocab=None, dtype=None, row_stride=None, start=0):
+        cdef _Words words
+        cdef _Launch launch = launch_on(0)
+        cdef Py_ssize_t i
+        for obj, what in ((state, "state"), (table, "table"), (items, "items")):
+            if is_foreign(obj):
+                raise TypeError(f"{what}: a PenaltyLaunch takes a DeviceBuffer or an int pointer, not a tensor")
+        if device_resident(slots, "slots"):
+            raise TypeError("a PenaltyLaunch takes host slots (a sequence or a uint32 buffer), not device memory")
+        mf_penalty_args_init(&self.up)
+        try:
+            penalty_tables(launch, &self.up, state, table, items, slot_count, table_cap, item_cap)
+        finally:
+            launch.close()
+        words = words_of(slots, False, "slots")
+        if words.n > MF_MAX_ROWS:
+            raise ValueError(f"rows must be at most {MF_MAX_ROWS}, got {words.n}")
+        self.ap = self.up
+        self.ap.start = <uint32_t>int_of(start, "start", 0, MF_MAX_VOCAB)
+        if vocab is not None:
+            self.ap.vocab = <uint32_t>int_of(vocab, "vocab", 0, MF_MAX_VOCAB)
+            self.ap.row_stride = self.ap.vocab if row_stride is None else int_of(row_stride, "row_stride", 0, UINT64_MAX)
+        if dtype is not None:
+            self.ap.dtype = dtype_of(dtype)
+        free(self.words)
+        self.words = <uint32_t *>malloc(words.n * 4 + 4)
+        if self.words == NULL:
+            raise MemoryError()
+        memcpy(self.words, words.data, words.n * 4)
+        self.up.rows = self.ap.rows = <uint32_t>words.n
+        self.up.slots = self.ap.slots = self.words
+        self.slots = [self.words[i] for i in range(words.n)]  # what a tensor's call and a graph get
+        self.state, self.table, self.items = state, table, items
+        self.vocab, self.dtype, self.row_stride, self.start = vocab, dtype, row_stride, start
+
+    cdef int reload(self) except -1:
+        """The tables' addresses now: a closed buffer raises here, as the functions' coercion does."""
+        cdef void *ptr
+        device_ptr_of(self.state, &ptr)
+        self.up.state = self.ap.state = <mf_penalty_slot *>ptr
+        device_ptr_of(self.table, &ptr)
+        self.up.table = self.ap.table = <mf_penalty_entry *>ptr
+        device_ptr_of(self.items, &ptr)
+        self.up.items = self.ap.items = <const mf_penalty_item *>ptr
+        return 0
+
+    def apply(self, logits, stream=0):
+        """``penalties_apply(logits, slots, ...)`` with the arguments given here; returns the rows."""
+        cdef uint64_t s
+        cdef void *ptr
+        cdef mf_penalty_args a
+        if is_foreign(logits):  # its shape, dtype and lending: the function's path
+            return launch_penalties(False, logits, self.slots, self.state, self.table, self.items, stream,
+                                    self.up.slot_count, self.up.table_cap, self.up.item_cap, None,
+                                    self.vocab, self.dtype, self.row_stride, self.start)
+        if self.vocab is None or self.dtype is None:
+            raise TypeError(f"{'vocab' if self.vocab is None else 'dtype'} is required unless logits is a tensor")
+        stream_of(stream, &s)
+        self.reload()
+        device_ptr_of(logits, &ptr)
+        a = self.ap
+        a.logits = ptr
+        # Buffers and pointers lend and hold nothing: queued_on is all of _Launch.queued here.
+        queued_on(s, mf_penalties_apply(&a, s), (logits, self.slots, self.state, self.table, self.items), 0)
+        return a.rows
+
+    def update(self, ids, stream=0):
+        """``penalties_update(ids, slots, ...)`` with the arguments given here; returns the rows."""
+        cdef uint64_t s
+        cdef void *ptr
+        cdef mf_penalty_args a
+        if is_foreign(ids):
+            return launch_penalties(True, ids, self.slots, self.state, self.table, self.items, stream,
+                                    self.up.slot_count, self.up.table_cap, self.up.item_cap, None,
+                                    None, None, None, 0)
+        stream_of(stream, &s)
+        self.reload()
+        device_ptr_of(ids, &ptr)
+        if type(ids) is DeviceBuffer and <size_t>self.up.rows * 4 > (<DeviceBuffer>ids)._nbytes:
+            raise ValueError(f"ids: {self.up.rows * 4} bytes run past the end of the array's "
+                             f"{(<DeviceBuffer>ids)._nbytes}")
+        a = self.up
+        a.ids = <const uint32_t *>ptr
+        queued_on(s, mf_penalties_update(&a, s), (ids, self.slots, self.state, self.table, self.items), 0)
+        return a.rows
 
 
 def penalties_apply(logits, slots, state, table, items, stream=0, *, slot_count=None, table_cap=None,

@@ -228,6 +228,15 @@ class PenaltyState:
                                      table_cap=self.capacity, item_cap=_ITEMS, vocab=vocab,
                                      dtype=dtype, row_stride=row_stride, start=start)
 
+    def prepare(self, slots: Any, *, vocab: Optional[int] = None, dtype: Any = None,
+                row_stride: Optional[int] = None, start: int = 0) -> "_core.PenaltyLaunch":
+        """``apply`` and ``update`` of ``slots`` (copied), coerced once for the steps of a
+        batch that keeps its rows: ``prepare(...).apply(logits, stream)`` queues what
+        ``apply(logits, slots, ...)`` does, at a fraction of the host cost."""
+        return _core.PenaltyLaunch(slots, self.state, self.table, self.items,
+                                   table_cap=self.capacity, item_cap=_ITEMS, vocab=vocab,
+                                   dtype=dtype, row_stride=row_stride, start=start)
+
     def update(self, ids: Any, slots: Any, *, stream: Any = None) -> int:
         """Count each row's id (device, read when it runs) into its slot (``penalties_update``)."""
         return _core.penalties_update(ids, slots, self.state, self.table, self.items,

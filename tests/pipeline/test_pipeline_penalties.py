@@ -255,3 +255,23 @@ def test_penalties_are_checked_once_at_submit_and_trusted_at_every_join(host, no
     assert len(calls) == len(reqs)
     for i, (req, p) in enumerate(zip(reqs, ps)):
         assert req.tokens == oracle(p, 10, **PEN[i % 4])
+
+
+def test_a_batch_coerces_its_penalty_ops_once(host, no_leaks):
+    """The two ops of every step reuse the batch's PenaltyLaunch while its rows keep their slots
+    (docs/penalties.md, "Host cost"); a batch with other slots gets a new one. Tokens: the
+    oracle's."""
+    ps = prompts(3, seed=11)
+    seen = []
+    with model_for(3) as model, DecodePipeline(model, 3, depth=2) as pipe:
+        reqs = [pipe.submit(p, max_new_tokens=n, **PEN[i])
+                for i, (p, n) in enumerate(zip(ps, (3, 12, 7)))]
+        while not pipe.idle:
+            pipe.step()
+            if pipe._pen is not None and pipe._pen.launch is not None:
+                seen.append((tuple(pipe._pen.slots), pipe._pen.launch))
+    for (slots, launch), (next_slots, next_launch) in zip(seen, seen[1:]):
+        assert (launch is next_launch) == (slots == next_slots)
+    assert len({id(launch) for _, launch in seen}) < len(seen) - 4, "no step reused a launch"
+    for i, (req, p) in enumerate(zip(reqs, ps)):
+        assert req.tokens == oracle(p, (3, 12, 7)[i], **PEN[i])

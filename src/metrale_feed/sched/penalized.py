@@ -43,6 +43,7 @@ class PipelinePenalties:
         self.row_stride = getattr(model, "feed_row_stride", None)
         self.state = PenaltyState(pipe.max_rows, capacity=capacity, stream=pipe.stream)
         self.slots: List[int] = []  # the last launch's rows' slots
+        self.launch: Any = None  # their two ops, coerced once (PenaltyState.prepare)
         self.max_rows = pipe.max_rows
         self.raw: Optional[Any] = None  # the raw logits of a step with logprobs (snapshot)
 
@@ -82,7 +83,10 @@ class PipelinePenalties:
                 req._pslot = slot
             slots.append(req._pslot)
             any_slot = True
-        self.slots = slots
+        if slots != self.slots or self.launch is None:  # a batch's steps reuse its coercion
+            self.launch = self.state.prepare(slots, vocab=self.vocab, dtype=self.dtype,
+                                             row_stride=self.row_stride, start=self.start)
+            self.slots = slots
         return self if any_slot else None
 
     def leave(self, req: Any) -> None:
@@ -109,11 +113,10 @@ class PipelinePenalties:
         return self.raw
 
     def apply(self, logits: Any, stream: Any) -> None:
-        self.state.apply(logits, self.slots, vocab=self.vocab, dtype=self.dtype,
-                         row_stride=self.row_stride, start=self.start, stream=stream)
+        self.launch.apply(logits, stream)
 
     def update(self, stream: Any) -> None:
-        self.state.update(self.cells, self.slots, stream=stream)
+        self.launch.update(self.cells, stream)
 
     def close(self) -> None:
         self.state.close()
