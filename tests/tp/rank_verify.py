@@ -207,7 +207,73 @@ def scenario_verify_mismatch(h):
         h.expect_refused(lambda: h.sharded(shard, logits), "the shard took a call after a fault")
 
 
-SCENARIOS = {"verify": scenario_verify, "verify-refused": scenario_verify_refused,
+def scenario_verify_graph(h):
+    """Every rank captures a sharded verify whose logits and drafts are copied in from pinned
+    buffers, then replays it on new ones: the unsharded cells and logprobs each time, one
+    collective each. Host drafts cannot be captured: refused before anything is queued."""
+    vocab, rows, k = 1000, 2, K
+    n = rows * (k + 1)
+    offsets = {1: None, 2: [0, 333, vocab], 3: [0, 600, vocab, vocab]}.get(h.WORLD)  # an empty slice
+    shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=n)
+    lo, hi = shard.start, shard.stop
+    width = max(1, hi - lo)
+    sl, staged = mf.DeviceBuffer(n * width * 4), mf.PinnedBuffer(n * width * 4)
+    drafts_dev, drafts_staged = mf.DeviceBuffer(rows * k * 4), mf.PinnedBuffer(rows * k * 4)
+    cells, lp_dev = mf.DeviceBuffer(rows * (k + 2) * 4), mf.DeviceBuffer(n * 4)
+    dst, lp = mf.PinnedBuffer(rows * (k + 2) * 4), mf.PinnedBuffer(n * 4)
+    done, stream = mf.Event(), mf.Stream()
+
+    def step(drafts=drafts_dev):
+        mf.copy_h2d_async(sl, staged, stream)  # pinned: read at each launch
+        mf.copy_h2d_async(drafts_dev, drafts_staged, stream)
+        mf.verify_to_feed(sl if hi > lo else None, drafts, cells, dst, done, stream, k=k, rows=rows,
+                          dtype="float32", logprobs=lp_dev, logprobs_dst=lp, shard=shard)
+
+    def fill(seed):
+        rng = np.random.default_rng(seed)
+        logits = h.nasty(rng, n, vocab, np.float32, shard.offsets)
+        drafts = drafts_for(logits, None, None, rows, k, vocab, rng)
+        np.frombuffer(staged, np.float32)[: n * (hi - lo)] = logits[:, lo:hi].ravel()
+        np.frombuffer(drafts_staged, np.uint32)[:] = drafts.ravel()
+        return logits, drafts
+
+    def check(logits, drafts):
+        got = np.frombuffer(dst, np.uint32).reshape(rows, k + 2).copy()
+        want, want_lp = whole_verify(h, logits, drafts, None, None, k)
+        assert np.array_equal(got, want), (got, want)
+        mine = np.frombuffer(lp, np.float32).reshape(rows, k + 1)
+        for r in range(rows):
+            m = int(want[r, 0])
+            assert np.isnan(mine[r, m:]).all()
+            assert_close(mine[r, :m], want_lp[r, :m])
+
+    step(fill(1)[1].ravel())  # once eagerly, with host drafts
+    done.synchronize()
+    before = dict(shard.stats)
+    with mf.graph_capture(stream) as graph:
+        step()
+    assert shard.stats == before, (shard.stats, before)  # a capture issues no collective
+    with mf.graph_capture(stream) as refused:
+        try:
+            step(np.zeros(rows * k, np.uint32))
+        except ValueError as exc:
+            assert "device drafts" in str(exc), exc
+        else:
+            raise AssertionError("a sharded verify with host drafts was captured")
+    refused.close()
+    assert shard.stats == before, (shard.stats, before)
+    for i in range(3):
+        logits, drafts = fill(100 + i)
+        graph.launch(stream)
+        done.synchronize()
+        check(logits, drafts)
+        split = h.WORLD > 1 or h.FORCE_EXCHANGE
+        assert shard.stats["collectives"] == before["collectives"] + (i + 1) * split, shard.stats
+    graph.close()
+    stream.close()
+
+
+SCENARIOS = {"verify": scenario_verify, "verify-graph": scenario_verify_graph, "verify-refused": scenario_verify_refused,
              "verify-mismatch": scenario_verify_mismatch}
 
 

@@ -151,6 +151,11 @@ def test_a_sharded_greedy_verify_equals_the_unsharded_call_and_the_oracle(world)
     ranks(world, "verify", timeout=400)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_captured_sharded_verify_replays_on_new_logits_and_drafts_on_every_rank(world):
+    ranks(world, "verify-graph")
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_the_speculative_pipeline_spmd_gives_the_unsharded_greedy_tokens_on_every_rank(world):
     ranks(world, "pipeline-spec", timeout=400)
