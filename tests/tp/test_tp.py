@@ -128,6 +128,11 @@ def test_bench_tp_checks_ids_and_counts_bytes(tmp_path):
         # of --quick's 3 timed calls.
         assert e["shard_stats"] == {"collectives": 1 + 3,
                                     "bytes_sent": 32 + 3 * e["sharded_bytes_per_step"]}, e
+        # A greedy verify over the same logit rows: the rule's cells, in the argmax's one exchange.
+        assert e["verify_checked"], e
+        assert e["verify_collectives_per_call"] == 1, e
+        assert e["verify_bytes_per_call"] == 16 * (e["rows"] + 2), e
+        assert e["verify_ms"] > 0 and e["verify_argmax_ms"] > 0, e
         # Sampling with top_k 50 and top_p: the unsharded ids (gathered and on one rank), in 3
         # exchanges: the first and last blocks and the candidate lists (50 of 8 bytes a row).
         assert e["filtered_checked"], e

@@ -1190,6 +1190,11 @@ def bench_tp(world: int, quick: bool) -> Dict[str, Any]:
         _row("  bytes sent per rank", f"{e['sharded_bytes_per_step']}",
              f"gather {e['gather_bytes_per_step']}", "", "",
              f"by hand {e['hand_bytes_per_step']}; ids {'checked' if e['checked'] else 'DIFFER'}")
+        _row(f"sharded verify {e['verify_rows']} rows k {e['verify_k']}", f"{e['verify_ms']:.2f} ms",
+             f"sharded argmax, same {e['rows']} rows {e['verify_argmax_ms']:.2f} ms",
+             f"{e['verify_ms'] / e['verify_argmax_ms']:.2f}x", "",
+             f"{e['verify_collectives_per_call']} collective, {e['verify_bytes_per_call']} B; cells "
+             f"{'checked' if e['verify_checked'] else 'DIFFER'}")
         _row(f"sharded top_k 50 top_p 0.9 {e['rows']} rows", f"{e['filtered_sharded_ms']:.2f} ms",
              f"gather logits + unsharded {e['filtered_gather_ms']:.2f} ms",
              f"{e['filtered_gather_ms'] / e['filtered_sharded_ms']:.2f}x", ">= 3x",

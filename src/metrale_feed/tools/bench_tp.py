@@ -4,7 +4,8 @@ N local ranks (separate processes, one gloo group on 127.0.0.1) each hold a slic
 ``rows x 152064`` float32 logits. Measured side by side, the same ranks and group, one run:
 the sharded ``argmax_to_feed`` (16 bytes a row), (a) all-gathering the logits then the argmax,
 (b) the same sharded reduction by hand with torch ops (local max, all-gather of (value, id),
-pick). Then sampling with ``top_k=50, top_p=0.9``: the sharded call (its exchange of per-row
+pick). Then a greedy ``verify_to_feed`` with k = 3 over the same logit rows beside the sharded argmax
+over them. Then sampling with ``top_k=50, top_p=0.9``: the sharded call (its exchange of per-row
 candidate lists) beside (a) all-gathering the logits then the unsharded ``sample_to_feed`` on every
 rank, and (b) the unsharded call on the whole rows on one rank; with its collectives per call and
 the cost of one small gloo collective on this machine (what each exchange's rendezvous costs).
@@ -84,6 +85,7 @@ def _rank(rank: int, world: int, port: int, sizes: List[int], repeats: int) -> N
                 times[name].append(time.perf_counter() - t0)
                 checked = checked and bool(np.array_equal(got, want))
         sent = dict(shard.stats)
+        verify = _verify(group, full, rows, repeats)
         filtered = _filtered(rank, group, full, rows, repeats)
         out["sizes"].append({
             "rows": rows, "vocab": VOCAB, "world": world, "checked": checked,
@@ -94,6 +96,7 @@ def _rank(rank: int, world: int, port: int, sizes: List[int], repeats: int) -> N
             "gather_bytes_per_step": rows * width * 4,
             "hand_bytes_per_step": rows * 16,
             "shard_stats": sent,
+            **verify,
             **filtered,
         })
         done.close(), cells.close(), buf.close()
@@ -101,6 +104,63 @@ def _rank(rank: int, world: int, port: int, sizes: List[int], repeats: int) -> N
         print("RESULT " + json.dumps(out), flush=True)
     sys.stdout.flush()
     os._exit(0)
+
+
+VERIFY_K = 3
+
+
+def _verify(group: Any, full: Any, rows: int, repeats: int) -> Dict[str, Any]:
+    """A greedy verify of ``rows / (k + 1)`` rows with k = 3 (the logits' rows are its positions;
+    every other row rejects its second draft) beside the sharded argmax over the same logit rows,
+    on the same shard: the one exchange both make, and what the verify combine adds."""
+    import numpy as np
+    import torch.distributed as dist
+
+    import metrale_feed as mf
+
+    k = VERIFY_K
+    n = rows // (k + 1)
+    shard = mf.VocabShard(group, VOCAB, max_rows=rows)
+    part = np.ascontiguousarray(full[:, shard.start:shard.stop])
+    buf = mf.DeviceBuffer(part.nbytes)
+    mf.copy_h2d_async(buf, part)
+    mf.stream_synchronize(0)
+    best = full[: n * (k + 1)].argmax(axis=1).reshape(n, k + 1)
+    drafts = best[:, :k].astype(np.uint32)
+    drafts[::2, 1] = (drafts[::2, 1] + 1) % VOCAB
+    want = np.full((n, k + 2), mf.NO_TOKEN, np.uint32)  # the greedy rule's cells
+    for r in range(n):
+        m = 2 if r % 2 == 0 else k + 1
+        want[r, 0], want[r, 1: 1 + m] = m, best[r, :m]
+    cells_v, dst_v = mf.DeviceBuffer(n * (k + 2) * 4), np.zeros(n * (k + 2), np.uint32)
+    cells_a, dst_a = mf.DeviceBuffer(n * (k + 1) * 4), np.zeros(n * (k + 1), np.uint32)
+    times: Dict[str, List[float]] = {"verify": [], "argmax": []}
+    sent = calls = 0
+    with mf.Event() as done:
+        for _ in range(repeats):
+            for name in ("verify", "argmax"):
+                dist.barrier()
+                before = dict(shard.stats)
+                t0 = time.perf_counter()
+                if name == "verify":
+                    mf.verify_to_feed(buf, drafts, cells_v, dst_v, done, k=k, rows=n, dtype="float32",
+                                      shard=shard)
+                else:
+                    mf.argmax_to_feed(buf, None, cells_a, dst_a, done, rows=n * (k + 1), dtype="float32",
+                                      shard=shard)
+                done.synchronize()
+                times[name].append(time.perf_counter() - t0)
+                if name == "verify":
+                    sent = shard.stats["bytes_sent"] - before["bytes_sent"]
+                    calls = shard.stats["collectives"] - before["collectives"]
+    shard.close()
+    cells_v.close(), cells_a.close(), buf.close()
+    return {"verify_rows": n, "verify_k": k,
+            "verify_ms": statistics.median(times["verify"]) * 1e3,
+            "verify_argmax_ms": statistics.median(times["argmax"]) * 1e3,
+            "verify_collectives_per_call": calls, "verify_bytes_per_call": sent,
+            "verify_checked": bool(np.array_equal(dst_v.reshape(n, k + 2), want))
+            and bool(np.array_equal(dst_a.reshape(n, k + 1), best))}
 
 
 def _filtered(rank: int, group: Any, full: Any, rows: int, repeats: int) -> Dict[str, Any]:
