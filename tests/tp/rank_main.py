@@ -118,6 +118,15 @@ def splits(vocab):
     return out
 
 
+def each_split(vocab, tag, max_rows=16):
+    """For every dtype and every split this world can have: (dtype, split name, a shard of that
+    split, an rng seeded by ``tag``, the dtype and the split, so the same on every rank)."""
+    for dtype in DTYPES:
+        for name, offsets in splits(vocab):
+            shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=max_rows)
+            yield dtype, name, shard, np.random.default_rng(zlib.crc32(f"{tag}{dtype}{name}".encode()))
+
+
 def boundary(offsets, vocab):
     return next((o for o in offsets[1:-1] if 0 < o < vocab), vocab // 2)
 
@@ -137,34 +146,31 @@ def nasty(rng, rows, vocab, dtype, offsets):
 
 def scenario_exact():
     vocab, rows = 1000, 9
-    for dtype in DTYPES:
-        for name, offsets in splits(vocab):
-            shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=16)
-            rng = np.random.default_rng(zlib.crc32(f"{dtype}{name}".encode()))  # same on every rank
-            logits = nasty(rng, rows, vocab, DTYPES[dtype], shard.offsets)
-            masks = rng.integers(0, vocab, (rows, 2)).astype(np.uint32)  # ids in every slice
-            masks[::3] = mf.NO_TOKEN
-            masks[3] = [shard.offsets[-2], vocab - 1]  # ids of the last rank's slice
-            bitmask = rng.integers(-2**31, 2**31, (rows, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
-            bitmask[0] = bitmask[1] = bitmask[3] = -1  # the full bitmask, its last word partial
-            bitmask[4] = 0                              # nothing allowed: NO_TOKEN on every rank
-            for pad in (0, 3):
-                want, want_lp = whole(logits, masks, bitmask)
-                ids, lp, *_ = sharded(shard, logits, masks, bitmask, pad=pad)
-                assert np.array_equal(ids, want), (dtype, name, pad, ids, want)
-                assert np.array_equal(ids, reference_argmax(logits, masks, bitmask)), (dtype, name)
-                assert ids[4] == mf.NO_TOKEN and np.isnan(lp[4])
-                assert ids[0] == boundary(shard.offsets, vocab) - 1, ids[0]  # the tie's lower id
-                assert_close(lp, reference_logprobs(logits, ids))
-            # Temperature-only sampling: the unsharded draw, whatever the split.
-            params = mf.sampling_params(rows, temperature=rng.uniform(0.3, 2.0, rows),
-                                        seed=rng.integers(0, 2**63, rows), position=rng.integers(0, 10**6, rows))
-            params["temperature"][5] = 0.0
-            want, _ = whole(logits, masks, bitmask, params)
-            ids, lp, *_ = sharded(shard, logits, masks, bitmask, params)
-            assert np.array_equal(ids, want), (dtype, name, ids, want)
+    for dtype, name, shard, rng in each_split(vocab, ""):
+        logits = nasty(rng, rows, vocab, DTYPES[dtype], shard.offsets)
+        masks = rng.integers(0, vocab, (rows, 2)).astype(np.uint32)  # ids in every slice
+        masks[::3] = mf.NO_TOKEN
+        masks[3] = [shard.offsets[-2], vocab - 1]  # ids of the last rank's slice
+        bitmask = rng.integers(-2**31, 2**31, (rows, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+        bitmask[0] = bitmask[1] = bitmask[3] = -1  # the full bitmask, its last word partial
+        bitmask[4] = 0                              # nothing allowed: NO_TOKEN on every rank
+        for pad in (0, 3):
+            want, want_lp = whole(logits, masks, bitmask)
+            ids, lp, *_ = sharded(shard, logits, masks, bitmask, pad=pad)
+            assert np.array_equal(ids, want), (dtype, name, pad, ids, want)
+            assert np.array_equal(ids, reference_argmax(logits, masks, bitmask)), (dtype, name)
+            assert ids[4] == mf.NO_TOKEN and np.isnan(lp[4])
+            assert ids[0] == boundary(shard.offsets, vocab) - 1, ids[0]  # the tie's lower id
             assert_close(lp, reference_logprobs(logits, ids))
-            assert shard.stats["bytes_sent"] >= 2 * 16 * (16 + 2) * (WORLD > 1)
+        # Temperature-only sampling: the unsharded draw, whatever the split.
+        params = mf.sampling_params(rows, temperature=rng.uniform(0.3, 2.0, rows),
+                                    seed=rng.integers(0, 2**63, rows), position=rng.integers(0, 10**6, rows))
+        params["temperature"][5] = 0.0
+        want, _ = whole(logits, masks, bitmask, params)
+        ids, lp, *_ = sharded(shard, logits, masks, bitmask, params)
+        assert np.array_equal(ids, want), (dtype, name, ids, want)
+        assert_close(lp, reference_logprobs(logits, ids))
+        assert shard.stats["bytes_sent"] >= 2 * 16 * (16 + 2) * (WORLD > 1)
 
 
 def filter_rows(rng, vocab, dtype, offsets):
@@ -987,59 +993,56 @@ def same_on_every_rank(array):
 
 def scenario_top():
     vocab, rows = 1000, 10
-    for dtype in DTYPES:
-        for name, offsets in splits(vocab):
-            shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=16)
-            rng = np.random.default_rng(zlib.crc32(f"top{dtype}{name}".encode()))  # same on every rank
-            logits = nasty(rng, rows, vocab, DTYPES[dtype], shard.offsets).astype(np.float32)
-            b = boundary(shard.offsets, vocab)
-            logits[4] = 1.0                          # every id tied: the ids in order, across slices
-            logits[5] = np.nan                       # NaN below -inf, ties by id among each
-            logits[5, [b, 3, vocab - 1]] = -np.inf
-            logits[5, [b - 1, 900]] = [2.0, 2.0]
-            logits[6] = -3.0
-            logits[6, [b - 2, b - 1, b, b + 1]] = 7.0  # a four-way tie straddling the boundary
-            logits[6, 0] = -0.0
-            logits[6, 1] = 0.0                       # -0.0 and +0.0 tie, by id
-            logits[7, 10] = np.inf                   # +inf: ranked, NaN logprobs
-            logits = logits.astype(DTYPES[dtype])
-            # The chosen-token logprob of the same rows, sharded: the top entry must equal it.
-            chosen, chosen_lp, *_ = sharded(shard, logits)
+    for dtype, name, shard, rng in each_split(vocab, "top"):
+        logits = nasty(rng, rows, vocab, DTYPES[dtype], shard.offsets).astype(np.float32)
+        b = boundary(shard.offsets, vocab)
+        logits[4] = 1.0                          # every id tied: the ids in order, across slices
+        logits[5] = np.nan                       # NaN below -inf, ties by id among each
+        logits[5, [b, 3, vocab - 1]] = -np.inf
+        logits[5, [b - 1, 900]] = [2.0, 2.0]
+        logits[6] = -3.0
+        logits[6, [b - 2, b - 1, b, b + 1]] = 7.0  # a four-way tie straddling the boundary
+        logits[6, 0] = -0.0
+        logits[6, 1] = 0.0                       # -0.0 and +0.0 tie, by id
+        logits[7, 10] = np.inf                   # +inf: ranked, NaN logprobs
+        logits = logits.astype(DTYPES[dtype])
+        # The chosen-token logprob of the same rows, sharded: the top entry must equal it.
+        chosen, chosen_lp, *_ = sharded(shard, logits)
+        sent = shard.stats["bytes_sent"]
+        for n in (1, 5, 20):
+            want = whole_top(logits, n)
+            o_ids, o_lp = oracle_top(logits, n)
+            for pad in (0, 3):
+                got = sharded_top(shard, logits, n, pad)
+                what = (dtype, name, n, pad)
+                assert np.array_equal(got["id"], want["id"]), (what, got["id"], want["id"])
+                assert np.array_equal(got["id"], o_ids), what
+                assert_close(got["logprob"].ravel(), want["logprob"].astype(np.float64).ravel())
+                assert_close(got["logprob"].ravel(), o_lp.ravel())
+                top1 = got[:, 0]
+                assert np.array_equal(top1["id"], chosen), (what, top1["id"], chosen)
+                assert np.array_equal(top1["logprob"].view(np.uint32), chosen_lp.view(np.uint32)) \
+                    or np.array_equal(top1["logprob"], chosen_lp, equal_nan=True), \
+                    (what, top1["logprob"], chosen_lp)
+                same_on_every_rank(got)
+            if WORLD > 1 or FORCE_EXCHANGE:
+                per_call = 32 + 16 * 8 * (n + 1)
+                assert shard.stats["bytes_sent"] - sent == 2 * per_call, (shard.stats, sent, n)
             sent = shard.stats["bytes_sent"]
-            for n in (1, 5, 20):
-                want = whole_top(logits, n)
-                o_ids, o_lp = oracle_top(logits, n)
-                for pad in (0, 3):
-                    got = sharded_top(shard, logits, n, pad)
-                    what = (dtype, name, n, pad)
-                    assert np.array_equal(got["id"], want["id"]), (what, got["id"], want["id"])
-                    assert np.array_equal(got["id"], o_ids), what
-                    assert_close(got["logprob"].ravel(), want["logprob"].astype(np.float64).ravel())
-                    assert_close(got["logprob"].ravel(), o_lp.ravel())
-                    top1 = got[:, 0]
-                    assert np.array_equal(top1["id"], chosen), (what, top1["id"], chosen)
-                    assert np.array_equal(top1["logprob"].view(np.uint32), chosen_lp.view(np.uint32)) \
-                        or np.array_equal(top1["logprob"], chosen_lp, equal_nan=True), \
-                        (what, top1["logprob"], chosen_lp)
-                    same_on_every_rank(got)
-                if WORLD > 1 or FORCE_EXCHANGE:
-                    per_call = 32 + 16 * 8 * (n + 1)
-                    assert shard.stats["bytes_sent"] - sent == 2 * per_call, (shard.stats, sent, n)
-                sent = shard.stats["bytes_sent"]
-            # Ranks that disagree on the rows: (NO_TOKEN, NaN) and a FeedError on every rank.
-            if name == "even" and dtype == "float32" and WORLD > 1:
-                part = logits[:, shard.start: shard.stop]
-                sl, out = upload(np.ascontiguousarray(part)), mf.DeviceBuffer(rows * 8 * 3)
-                done = mf.Event()
-                shard.top_logprobs(sl, out, n=3, rows=rows - RANK, dtype=dtype, event=done)
-                expect_fault(done, "another row count", "mismatched rows in a sharded top_logprobs")
-                host = np.zeros((rows - RANK) * 3, TOP)
-                mf.copy_d2h_async(out, host)
-                mf.stream_synchronize(0)
-                assert (host["id"] == mf.NO_TOKEN).all() and np.isnan(host["logprob"]).all()
-                expect_refused(lambda: shard.top_logprobs(sl, out, n=3, rows=rows, dtype=dtype),
-                               "the shard took a call after a top_logprobs fault")
-            shard.close()
+        # Ranks that disagree on the rows: (NO_TOKEN, NaN) and a FeedError on every rank.
+        if name == "even" and dtype == "float32" and WORLD > 1:
+            part = logits[:, shard.start: shard.stop]
+            sl, out = upload(np.ascontiguousarray(part)), mf.DeviceBuffer(rows * 8 * 3)
+            done = mf.Event()
+            shard.top_logprobs(sl, out, n=3, rows=rows - RANK, dtype=dtype, event=done)
+            expect_fault(done, "another row count", "mismatched rows in a sharded top_logprobs")
+            host = np.zeros((rows - RANK) * 3, TOP)
+            mf.copy_d2h_async(out, host)
+            mf.stream_synchronize(0)
+            assert (host["id"] == mf.NO_TOKEN).all() and np.isnan(host["logprob"]).all()
+            expect_refused(lambda: shard.top_logprobs(sl, out, n=3, rows=rows, dtype=dtype),
+                           "the shard took a call after a top_logprobs fault")
+        shard.close()
 
 
 import rank_verify  # noqa: E402  (beside this script)

@@ -3,8 +3,6 @@ module, with the rank, the world and the shared helpers). Every rank checks its 
 the unsharded call on the whole logits, computed in the same process, and a numpy oracle of the
 greedy verify rule built on ``reference_argmax``."""
 
-import zlib
-
 import numpy as np
 
 import metrale_feed as mf
@@ -96,44 +94,41 @@ def scenario_verify(h):
     those of the sharded argmax at the emitted positions, one exchange a call."""
     vocab, rows, k = 1000, 4, K
     n = rows * (k + 1)
-    for dtype in h.DTYPES:
-        for name, offsets in h.splits(vocab):
-            shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=16)
-            rng = np.random.default_rng(zlib.crc32(f"verify{dtype}{name}".encode()))  # every rank alike
-            logits = h.nasty(rng, n, vocab, h.DTYPES[dtype], shard.offsets)
-            masks = rng.integers(0, vocab, (n, 2)).astype(np.uint32)
-            masks[::3] = mf.NO_TOKEN
-            bitmask = rng.integers(-2**31, 2**31, (n, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
-            bitmask[: k + 1] = -1
-            bitmask[k] = 0  # row 0 keeps its drafts; its bonus position has no candidate: NO_TOKEN
-            drafts = drafts_for(logits, masks, bitmask, rows, k, vocab, rng)
-            want, want_lp = whole_verify(h, logits, drafts, masks, bitmask, k)
-            oracle = oracle_cells(logits, masks, bitmask, drafts, rows, k, vocab)
-            assert np.array_equal(want, oracle), (dtype, name, want, oracle)
-            assert len({int(c) for c in want[:, 0]}) > 1, want  # rows end at different counts
-            # The sharded argmax over the same positions: the logprobs' reference bits.
-            ids, argmax_lp, *_ = h.sharded(shard, logits, masks, bitmask)
-            for pad, device in ((0, False), (3, True)):
-                before = shard.stats["collectives"]
-                got, lp, *_ = sharded_verify(h, shard, logits, drafts, masks, bitmask, k, pad=pad,
-                                             device_drafts=device)
-                assert np.array_equal(got, want), (dtype, name, pad, got, want)
-                assert shard.stats["collectives"] - before == (1 if WORLD_SPLIT(h) else 0)
-                for r in range(rows):
-                    m = int(got[r, 0])
-                    assert np.array_equal(lp[r, :m], argmax_lp[r * (k + 1): r * (k + 1) + m], equal_nan=True)
-                    assert np.isnan(lp[r, m:]).all(), lp[r]
-                    assert_close(lp[r, :m], reference_logprobs(logits[r * (k + 1): r * (k + 1) + m],
-                                                               got[r, 1: 1 + m]))
-            # Greedy host params (temperature 0) are the same call; an id past vocab in device
-            # drafts is never accepted.
-            bad = drafts.copy()
-            bad[0, 0] = vocab + 5
-            got, *_ = sharded_verify(h, shard, logits, bad, masks, bitmask, k, device_drafts=True,
-                                     params=mf.sampling_params(rows, temperature=0.0))
-            assert np.array_equal(got, oracle_cells(logits, masks, bitmask, bad, rows, k, vocab)), got
-            assert got[0, 0] == 1
-            shard.close()
+    for dtype, name, shard, rng in h.each_split(vocab, "verify"):
+        logits = h.nasty(rng, n, vocab, h.DTYPES[dtype], shard.offsets)
+        masks = rng.integers(0, vocab, (n, 2)).astype(np.uint32)
+        masks[::3] = mf.NO_TOKEN
+        bitmask = rng.integers(-2**31, 2**31, (n, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+        bitmask[: k + 1] = -1
+        bitmask[k] = 0  # row 0 keeps its drafts; its bonus position has no candidate: NO_TOKEN
+        drafts = drafts_for(logits, masks, bitmask, rows, k, vocab, rng)
+        want, want_lp = whole_verify(h, logits, drafts, masks, bitmask, k)
+        oracle = oracle_cells(logits, masks, bitmask, drafts, rows, k, vocab)
+        assert np.array_equal(want, oracle), (dtype, name, want, oracle)
+        assert len({int(c) for c in want[:, 0]}) > 1, want  # rows end at different counts
+        # The sharded argmax over the same positions: the logprobs' reference bits.
+        ids, argmax_lp, *_ = h.sharded(shard, logits, masks, bitmask)
+        for pad, device in ((0, False), (3, True)):
+            before = shard.stats["collectives"]
+            got, lp, *_ = sharded_verify(h, shard, logits, drafts, masks, bitmask, k, pad=pad,
+                                         device_drafts=device)
+            assert np.array_equal(got, want), (dtype, name, pad, got, want)
+            assert shard.stats["collectives"] - before == (1 if WORLD_SPLIT(h) else 0)
+            for r in range(rows):
+                m = int(got[r, 0])
+                assert np.array_equal(lp[r, :m], argmax_lp[r * (k + 1): r * (k + 1) + m], equal_nan=True)
+                assert np.isnan(lp[r, m:]).all(), lp[r]
+                assert_close(lp[r, :m], reference_logprobs(logits[r * (k + 1): r * (k + 1) + m],
+                                                           got[r, 1: 1 + m]))
+        # Greedy host params (temperature 0) are the same call; an id past vocab in device
+        # drafts is never accepted.
+        bad = drafts.copy()
+        bad[0, 0] = vocab + 5
+        got, *_ = sharded_verify(h, shard, logits, bad, masks, bitmask, k, device_drafts=True,
+                                 params=mf.sampling_params(rows, temperature=0.0))
+        assert np.array_equal(got, oracle_cells(logits, masks, bitmask, bad, rows, k, vocab)), got
+        assert got[0, 0] == 1
+        shard.close()
 
 
 def WORLD_SPLIT(h):

@@ -262,8 +262,7 @@ class VocabShard:
     def _call_locked(self, op: str, logits: Any, masks: Any, params: Any, cells: Any, dst: Any,
                      event: Any, stream: Any, rows: Any, vocab: Any, dtype: Any, row_stride: Any,
                      bitmask: Any, logprobs: Any, logprobs_dst: Any) -> int:
-        if self._fault is not None:
-            raise FeedError(f"VocabShard refuses further calls after a fault: {self._fault}")
+        self._refuse_after_fault()
         width = self.stop - self.start
         if vocab is not None and vocab != width:
             raise ValueError(f"with a shard, vocab is the slice's width {width}, not {vocab}")
@@ -310,6 +309,10 @@ class VocabShard:
         self._exchanged(call, call, partial, combine, stream, handle, capturing, event)
         return n
 
+    def _refuse_after_fault(self) -> None:
+        if self._fault is not None:
+            raise FeedError(f"VocabShard refuses further calls after a fault: {self._fault}")
+
     def _stream_check(self, stream: Any) -> tuple[int, bool]:
         """(stream handle, whether it is capturing) of a call about to queue, once this shard's
         calls on another stream have completed (a capture's call is a graph's: _exchanged)."""
@@ -331,8 +334,7 @@ class VocabShard:
         greedy call's one all-gather of 16 bytes a position, then a combine that keeps each row's
         drafts while they equal the combined argmax: the unsharded call's cells on every rank."""
         with self._lock:
-            if self._fault is not None:
-                raise FeedError(f"VocabShard refuses further calls after a fault: {self._fault}")
+            self._refuse_after_fault()
             width = self.stop - self.start
             if vocab is not None and vocab != width:
                 raise ValueError(f"with a shard, vocab is the slice's width {width}, not {vocab}")
@@ -482,8 +484,7 @@ class VocabShard:
                     row_stride: Any, event: Any) -> int:
         from . import top_rounds
 
-        if self._fault is not None:
-            raise FeedError(f"VocabShard refuses further calls after a fault: {self._fault}")
+        self._refuse_after_fault()
         if _core.backend() == "cuda":
             raise FeedError("sharded top_logprobs is not built on the cuda backend yet (its merge "
                             "runs on the stream's worker)")
@@ -500,14 +501,10 @@ class VocabShard:
         out_ptr, have = _device_at(out)
         if have is not None and have < count * n * 8:
             raise ValueError(f"out: {count} rows of {n} records need {count * n * 8} bytes; it has {have}")
-        handle = _stream_key(stream)
         if _core.stream_capturing(stream):
             raise FeedError("a sharded top_logprobs cannot be captured in a graph (its merge "
                             "writes through a host function that a replay would not re-aim)")
-        self._reap()
-        if self._pending and handle != self._stream:
-            raise ValueError("a shard's calls go on one stream while earlier ones are pending "
-                             f"(stream {self._stream:#x}, now {handle:#x})")
+        handle, _ = self._stream_check(stream)
         if self.world == 1 and not self._force_exchange:  # the unsharded call, as the others
             if width == 0:
                 raise ValueError("a world of one holds the whole vocabulary")
