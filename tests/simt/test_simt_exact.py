@@ -160,6 +160,30 @@ def test_partial_blocks_and_their_combine(host, dev, settings, sampled, offsets)
         assert np.array_equal(ids, reference_argmax(logits, masks))
 
 
+@pytest.mark.parametrize("settings", ["default", "split"])
+@pytest.mark.parametrize("offsets", [(0, 1000, 2000, 3001), (0, 0, 3001)])
+def test_a_split_greedy_verify_combine(host, dev, settings, offsets):
+    # MF_COMBINE_VERIFY's kernel (mf_verify_combined_row): cells and logprobs, fault word included.
+    rng = np.random.default_rng(len(offsets))
+    k, rows, vocab = 3, 4, offsets[-1]
+    logits = logits_for(rng, rows * (k + 1), vocab, "float32")
+    masks = masks_for(rng, rows * (k + 1), vocab)
+    best = reference_argmax(logits, masks).reshape(rows, k + 1)
+    drafts = best[:, :k].astype(np.uint32)
+    drafts[1, 1] = (drafts[1, 1] + 1) % vocab  # one row rejects at its second draft
+    drafts[2, 0] = N                           # one row has no drafts
+
+    def run():
+        cells, lp, fault = split(dev, logits, list(offsets), masks=masks, drafts=drafts, k=k)
+        word = np.frombuffer(bytes(fault), np.uint32).copy()
+        fault.close()
+        return cells, lp, word
+
+    cells, lp, word = both(run, settings)
+    assert word[0] == 0
+    assert cells.reshape(rows, k + 2)[:, 0].tolist() == [k + 1, 2, 1, k + 1]
+
+
 @pytest.mark.parametrize("on_device", [False, True])
 def test_resolve_feed(host, dev, on_device):
     rng = np.random.default_rng(4)
