@@ -210,3 +210,121 @@ def test_ids_and_chosen_go_together(host):
         with pytest.raises(ValueError, match="overlap"):
             _core.top_logprobs(logits, None, n=0, rows=1, vocab=4, dtype="float32", ids=ids,
                                chosen=ids)
+
+
+# ---- a split vocabulary: each slice's block (MF_TOP_PARTIAL) and their combine ----
+
+SPLITS = (lambda v: [0, v], lambda v: [0, v // 2, v], lambda v: [0, 1, v // 3, v // 3, v],
+          lambda v: [0, v - 1, v, v])
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_a_split_combines_to_the_unsharded_records(backend, dev, dtype):
+    """Hand-made slices, empty ones included: the unsharded ids in its order (the oracle's),
+    logprobs within the contract, the chosen ids' logprobs equal to the split argmax's to the bit
+    (the same (m, s) and the same combine), NaN for NO_TOKEN and ids past the vocabulary."""
+    from helpers.calls import split, split_top
+
+    rng = np.random.default_rng(31)
+    for trial, (rows, vocab, n) in enumerate([(6, 40, 3), (5, 17, 20), (4, 1000, 7), (3, 2, 5)]):
+        logits = logits_for(rng, rows, vocab, dtype)
+        offsets = SPLITS[trial % len(SPLITS)](vocab)
+        want = top(dev, logits, n)
+        ids, lp = oracle(logits, n)
+        argmax_ids, argmax_lp, _ = split(dev, logits, offsets)
+        given = argmax_ids.copy()
+        given[0] = N
+        if rows > 1:
+            given[1] = vocab + 3
+        for pad in (0, 2):
+            recs, chosen, fault = split_top(dev, logits, offsets, n, ids=given, pad=pad)
+            _core._check_partials_fault(fault)
+            what = (trial, offsets, pad)
+            assert np.array_equal(recs["id"], want["id"]) and np.array_equal(recs["id"], ids), what
+            assert_close(recs["logprob"].ravel(), lp.ravel())
+            assert_close(recs["logprob"].ravel(), want["logprob"].astype(np.float64).ravel())
+            assert np.isnan(chosen[:2] if rows > 1 else chosen[:1]).all(), chosen
+            keep = slice(2 if rows > 1 else 1, None)
+            assert chosen[keep].tobytes() == argmax_lp[keep].tobytes(), (what, chosen, argmax_lp)
+            # The top entry is the argmax: its logprob is the split argmax's to the bit.
+            assert np.array_equal(recs["id"][:, 0], argmax_ids), what
+            assert recs["logprob"][:, 0].tobytes() == argmax_lp.tobytes(), what
+
+
+def test_a_split_of_chosen_ids_alone(backend, dev):
+    """n 0 with ids: the chosen logprobs alone, no records."""
+    from helpers.calls import split_top
+
+    logits = logits_for(np.random.default_rng(3), 4, 300, "float32")
+    given = np.array([0, 299, 150, 151], np.uint32)
+    recs, chosen, fault = split_top(dev, logits, [0, 151, 300], 0, ids=given)
+    _core._check_partials_fault(fault)
+    assert recs.size == 0
+    assert_close(chosen, reference_logprobs(logits, given))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(call=9), "call"), (dict(rows=3), "row count"), (dict(n=2), "operation"),
+    (dict(ids=None), "operation"), (dict(start=1), "tile")])
+def test_slices_that_disagree_give_no_records_and_a_fault(host, dev, change, match):
+    from helpers.calls import split_top
+
+    rows, vocab, n = 4, 60, 3
+    logits = logits_for(np.random.default_rng(2), rows, vocab, "float32")
+    given = np.arange(rows, dtype=np.uint32)
+
+    def tamper(w):
+        if w != 1:
+            return {}
+        got = dict(change)
+        if "start" in got:  # a hole in the tiling: the slice's own columns shifted by one
+            got["vocab"] = 29
+        return got
+
+    recs, chosen, fault = split_top(dev, logits, [0, 30, vocab], n, ids=given, tamper=tamper)
+    with pytest.raises(mf.FeedError, match=match):
+        _core._check_partials_fault(fault, "every record got (NO_TOKEN, NaN)")
+    assert (recs["id"] == N).all() and np.isnan(recs["logprob"]).all()
+    assert np.isnan(chosen).all()
+
+
+TOP_SPLIT_BAD = {
+    "partial: a slice outside the vocabulary": ("partial", dict(start=50), ValueError, "inside"),
+    "partial: a block too small": ("partial", dict(block=-16), ValueError, "partials"),
+    "partial: n 0 without ids": ("partial", dict(n=0, ids=False), ValueError, "n"),
+    "combine: slice_stride below a block": ("combine", dict(slice_stride=-1), ValueError, "slice_stride"),
+    "combine: out too small": ("combine", dict(out=-8), ValueError, "out"),
+    "combine: n 0 without chosen": ("combine", dict(n=0, chosen=False), ValueError, "n"),
+    "combine: chosen over the partials": ("combine", dict(chosen="partials"), ValueError, "overlap"),
+    "combine: world 0": ("combine", dict(world=0), ValueError, "world"),
+}
+
+
+@pytest.mark.parametrize("case", list(TOP_SPLIT_BAD))
+def test_a_split_refuses_bad_input_before_queueing(host, dev, no_leaks, case):
+    which, change, error, match = TOP_SPLIT_BAD[case]
+    rows, vocab, n = 2, 40, 3
+    block = _core._top_block_bytes(rows, n)
+    with dev.upload(np.zeros((rows, 20), np.float32)) as sl, mf.DeviceBuffer(2 * block) as parts, \
+            mf.DeviceBuffer(rows * n * 8) as out, mf.DeviceBuffer(rows * 4) as ids, \
+            mf.DeviceBuffer(rows * 4) as chosen:
+        before = dev.download(parts)
+        fault = mf.PinnedBuffer(4)
+        if which == "partial":
+            kw = dict(n=change.get("n", n), start=change.get("start", 20), vocab_total=vocab, call=1,
+                      rows=rows, vocab=20, dtype="float32", ids=None if change.get("ids") is False else ids)
+            with pytest.raises(error, match=match):
+                _core._top_partial(sl, parts if "block" not in change else
+                                   mf.DeviceBuffer(block + change["block"]), **kw)
+        else:
+            nn = change.get("n", n)
+            target = {"partials": parts.ptr + 8, False: None}.get(change.get("chosen"), chosen)
+            kw = dict(rows=rows, n=nn, vocab=vocab, call=1, fault_dst=fault, chosen=target,
+                      slice_stride=block // 16 + change.get("slice_stride", 0))
+            with pytest.raises(error, match=match):
+                _core._top_combine(parts, change.get("world", 2),
+                                   out if "out" not in change else mf.DeviceBuffer(rows * n * 8 + change["out"])
+                                   if nn else None, **kw)
+        mf.stream_synchronize(0)
+        assert dev.download(parts).tobytes() == before.tobytes()  # nothing ran
+        fault.close()

@@ -51,7 +51,9 @@ constexpr uint32_t kReferenceSizes[] = {offsetof(mf_reference_args, advance), si
 // The descriptor before the device position advance (advance) was appended.
 constexpr uint32_t kVerifySizes[] = {offsetof(mf_verify_args, advance), sizeof(mf_verify_args)};
 constexpr uint32_t kPenaltySizes[] = {sizeof(mf_penalty_args)};
-constexpr uint32_t kTopSizes[] = {sizeof(mf_top_logprobs_args)};
+// The descriptor before a split vocabulary's blocks (flags .. partials) were appended.
+constexpr uint32_t kTopSizes[] = {offsetof(mf_top_logprobs_args, flags), sizeof(mf_top_logprobs_args)};
+constexpr uint32_t kTopCombineSizes[] = {sizeof(mf_top_combine_args)};
 
 // Host masks of MF_MAX_ROWS unmasked rows: what masks NULL means. A constant, so a graph that
 // captured it replays the same (no) masks.
@@ -819,36 +821,53 @@ mf_status mf_top_logprobs(const mf_top_logprobs_args *caller, mf_stream_t stream
         mf_status st = read_descriptor(caller, &copied, "mf_top_logprobs_args", kTopSizes);
         if (st != MF_SUCCESS) return st;
         const mf_top_logprobs_args *a = &copied;
+        const bool partial = a->flags & MF_TOP_PARTIAL;
+        if (a->flags & ~(uint32_t)MF_TOP_PARTIAL)
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: unknown flags 0x%x", a->flags);
         if (a->rows > kMaxRows) return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: rows must be at most %u, got %u", kMaxRows, a->rows);
         if (a->n > MF_MAX_TOP_LOGPROBS || (a->n == 0 && !a->ids))
             return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: n must be in [1, %u] (0 only with ids), got %u",
                         MF_MAX_TOP_LOGPROBS, a->n);
-        if (!a->ids != !a->chosen) return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: ids and chosen go together");
+        if (!partial && !a->ids != !a->chosen) return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: ids and chosen go together");
+        if (partial && (a->out || a->chosen))
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: a slice's call (MF_TOP_PARTIAL) writes its block, not out or chosen");
+        if (!partial && (a->partials || a->vocab_total || a->start || a->call))
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: partials, vocab_total, start and call are MF_TOP_PARTIAL's");
         if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: unknown logits dtype %d", (int)a->dtype);
-        if (a->vocab == 0 || a->vocab > kMaxVocab)
-            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: vocab must be in [1, %u], got %u", kMaxVocab, a->vocab);
+        if ((a->vocab == 0 && !partial) || a->vocab > kMaxVocab)
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: vocab must be in [%u, %u], got %u", partial ? 0u : 1u,
+                        kMaxVocab, a->vocab);
+        if (partial && (a->vocab_total == 0 || a->vocab_total > kMaxVocab || a->start > a->vocab_total ||
+                        a->vocab > a->vocab_total - a->start))
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: the slice [%u, %u + %u) is not inside a vocabulary of %u "
+                        "(at most %u)", a->start, a->start, a->vocab, a->vocab_total, kMaxVocab);
         if (a->row_stride < a->vocab)
             return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: row_stride %llu is less than vocab %u",
                         (unsigned long long)a->row_stride, a->vocab);
         if (a->rows == 0) return MF_SUCCESS;
         const size_t esize = dtype_size(a->dtype);
-        if (!a->logits || !aligned(a->logits, esize) || (a->n && (!a->out || !aligned(a->out, 4))) ||
-            (a->ids && (!aligned(a->ids, 4) || !aligned(a->chosen, 4))))
-            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: logits, out, ids or chosen is a null or misaligned pointer");
-        const unsigned __int128 wide = ((unsigned __int128)(a->rows - 1) * a->row_stride + a->vocab) * esize;
+        const bool reads = a->vocab != 0;  // an empty slice reads no logits
+        if ((reads && (!a->logits || !aligned(a->logits, esize))) || (!partial && a->n && (!a->out || !aligned(a->out, 4))) ||
+            (a->ids && !aligned(a->ids, 4)) || (a->chosen && !aligned(a->chosen, 4)) ||
+            (partial && (!a->partials || !aligned(a->partials, 8))))
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: logits, out, ids, chosen or partials is a null or misaligned pointer");
+        const unsigned __int128 wide = reads ? ((unsigned __int128)(a->rows - 1) * a->row_stride + a->vocab) * esize : 0;
         if (wide > (unsigned __int128)(SIZE_MAX / 2))
             return fail(MF_ERROR_INVALID_VALUE, "top_logprobs: rows x row_stride spans more memory than exists");
-        const size_t logit_bytes = (size_t)wide, out_bytes = (size_t)a->rows * a->n * sizeof(mf_top_logprob);
+        const size_t logit_bytes = (size_t)wide, out_bytes = partial ? 0 : (size_t)a->rows * a->n * sizeof(mf_top_logprob);
         const size_t id_bytes = a->ids ? (size_t)a->rows * 4 : 0;
-        st = check_device_range(a->logits, logit_bytes, "logits");
-        if (st == MF_SUCCESS && a->n) st = check_device_range(a->out, out_bytes, "out");
+        const size_t block_bytes = partial ? (size_t)mf_top_block_records(a->rows, a->n) * MF_PARTIAL_RECORD_BYTES : 0;
+        if (reads) st = check_device_range(a->logits, logit_bytes, "logits");
+        if (st == MF_SUCCESS && out_bytes) st = check_device_range(a->out, out_bytes, "out");
         if (st == MF_SUCCESS && a->ids) st = check_device_range(a->ids, id_bytes, "ids");
-        if (st == MF_SUCCESS && a->ids) st = check_device_range(a->chosen, id_bytes, "chosen");
+        if (st == MF_SUCCESS && a->chosen) st = check_device_range(a->chosen, id_bytes, "chosen");
+        if (st == MF_SUCCESS && partial) st = check_device_range(a->partials, block_bytes, "partials");
         if (st == MF_SUCCESS) {
-            const Span spans[] = {{a->logits, logit_bytes, "logits", false},
-                                  {a->n ? a->out : nullptr, out_bytes, "out", true},
+            const Span spans[] = {{reads ? a->logits : nullptr, logit_bytes, "logits", false},
+                                  {a->out, out_bytes, "out", true},
                                   {a->ids, id_bytes, "ids", false},
-                                  {a->chosen, id_bytes, "chosen", true}};
+                                  {a->chosen, a->chosen ? id_bytes : 0, "chosen", true},
+                                  {a->partials, block_bytes, "partials", true}};
             st = refuse_overlaps(spans);
         }
         void *raw;
@@ -856,6 +875,72 @@ mf_status mf_top_logprobs(const mf_top_logprobs_args *caller, mf_stream_t stream
         if (st != MF_SUCCESS) return st;
         if (kept_for_graph(raw, [copy = *a](mf_stream_t s) { return mf_top_logprobs(&copy, s); })) return MF_SUCCESS;
         return ops().top_logprobs(a, raw);
+    });
+}
+
+// The top logprobs of a split vocabulary from gathered blocks (feed.h): checked once here.
+mf_status mf_top_logprobs_combine(const mf_top_combine_args *caller, mf_stream_t stream) {
+    return guard([&]() -> mf_status {
+        MF_RANGE("top_logprobs_combine");
+        mf_top_combine_args copied;
+        mf_status st = read_descriptor(caller, &copied, "mf_top_combine_args", kTopCombineSizes);
+        if (st != MF_SUCCESS) return st;
+        const mf_top_combine_args *a = &copied;
+        if (a->world == 0 || a->world > MF_MAX_SLICES)
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs_combine: world must be in [1, %u], got %u", MF_MAX_SLICES,
+                        a->world);
+        if (a->rows == 0 || a->rows > kMaxRows)
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs_combine: rows must be in [1, %u], got %u", kMaxRows, a->rows);
+        if (a->n > MF_MAX_TOP_LOGPROBS || (a->n == 0 && !a->chosen))
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs_combine: n must be in [1, %u] (0 only with chosen), got %u",
+                        MF_MAX_TOP_LOGPROBS, a->n);
+        if (a->vocab == 0 || a->vocab > kMaxVocab)
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs_combine: vocab must be in [1, %u], got %u", kMaxVocab, a->vocab);
+        if (a->slice_stride < mf_top_block_records(a->rows, a->n))
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs_combine: slice_stride %u records is less than a block of "
+                        "%u rows of %u ids (%llu)", a->slice_stride, a->rows, a->n,
+                        (unsigned long long)mf_top_block_records(a->rows, a->n));
+        if (!a->partials || !aligned(a->partials, 8) || (a->n && (!a->out || !aligned(a->out, 4))) ||
+            (!a->n && a->out) || (a->chosen && !aligned(a->chosen, 4)) || !a->fault || !aligned(a->fault, 4))
+            return fail(MF_ERROR_INVALID_VALUE, "top_logprobs_combine: partials, out, chosen or fault is a null or "
+                        "misaligned pointer");
+        // world <= MF_MAX_SLICES and slice_stride < 2**32: the product fits 64 bits.
+        const size_t part_bytes = (size_t)a->world * a->slice_stride * MF_PARTIAL_RECORD_BYTES;
+        const size_t out_bytes = (size_t)a->rows * a->n * sizeof(mf_top_logprob);
+        const size_t chosen_bytes = a->chosen ? (size_t)a->rows * 4 : 0;
+        st = check_device_range(a->partials, part_bytes, "partials");
+        if (st == MF_SUCCESS && a->n) st = check_device_range(a->out, out_bytes, "out");
+        if (st == MF_SUCCESS && a->chosen) st = check_device_range(a->chosen, chosen_bytes, "chosen");
+        if (st == MF_SUCCESS) st = check_device_range(a->fault, 4, "fault word");
+        if (st == MF_SUCCESS && a->fault_dst) st = check_host_range(a->fault_dst, 4, "fault destination");
+        if (st == MF_SUCCESS) {
+            const Span spans[] = {{a->out, out_bytes, "out", true},
+                                  {a->chosen, chosen_bytes, "chosen", true},
+                                  {a->partials, part_bytes, "partials", false},
+                                  {a->fault, 4, "fault word", true},
+                                  {a->fault_dst, 4, "fault destination", true}};
+            // The fault word may be a reserved word of the first header (as mf_combine_partials
+            // allows; the combine checks every header before it writes it): the outputs against
+            // the partials, then the fault words against the outputs.
+            st = refuse_overlaps(spans, 3);
+            if (st == MF_SUCCESS) {
+                const Span faults[] = {spans[0], spans[1], spans[3], spans[4]};
+                st = refuse_overlaps(faults);
+            }
+        }
+        Slot *event = nullptr;
+        if (st == MF_SUCCESS && a->event) st = resolve_event(a->event, &event);
+        void *raw;
+        if (st == MF_SUCCESS) st = resolve_stream(stream, &raw);
+        if (st == MF_SUCCESS && a->fault_dst) st = capture_host_check(raw, a->fault_dst, "top_logprobs_combine fault destination");
+        if (st != MF_SUCCESS) return st;
+        if (kept_for_graph(raw, [copy = *a](mf_stream_t s) { return mf_top_logprobs_combine(&copy, s); }))
+            return MF_SUCCESS;
+        Staged staged(raw, a->fault_dst || event);
+        st = ops().top_combine(a, raw);
+        if (st == MF_SUCCESS && a->fault_dst) st = ops().copy_async(a->fault_dst, a->fault, 4, kD2H, raw);
+        if (st == MF_SUCCESS && event) st = ops().event_record(event->raw, (mf_stream_t)(uintptr_t)raw);
+        return staged.close(st);
     });
 }
 

@@ -304,8 +304,31 @@ cdef extern from "metrale_feed/feed.h" nogil:
         mf_top_logprob *out
         const uint32_t *ids
         float *chosen
+        uint32_t flags
+        uint32_t vocab_total
+        uint32_t start
+        uint64_t call
+        void *partials
     void mf_top_logprobs_args_init(mf_top_logprobs_args *args)
     mf_status mf_top_logprobs(const mf_top_logprobs_args *args, mf_stream_t stream)
+    enum:
+        MF_TOP_PARTIAL
+    ctypedef struct mf_top_combine_args:
+        uint32_t struct_size
+        uint32_t world
+        const void *partials
+        uint32_t slice_stride
+        uint32_t rows
+        uint32_t vocab
+        uint32_t n
+        uint64_t call
+        mf_top_logprob *out
+        float *chosen
+        uint32_t *fault
+        void *fault_dst
+        mf_event_t event
+    void mf_top_combine_args_init(mf_top_combine_args *args)
+    mf_status mf_top_logprobs_combine(const mf_top_combine_args *args, mf_stream_t stream)
 
     ctypedef struct mf_reference_args:
         uint32_t struct_size
@@ -371,6 +394,7 @@ cdef extern from "metrale_feed/partial_layout.h" nogil:
     const uint32_t MF_RECORD_OFF_MAX
     const uint32_t MF_RECORD_OFF_SUM
     const uint32_t MF_PARTIAL_CAND_BYTES
+    uint64_t mf_top_block_records(uint32_t rows, uint32_t n)
 
 
 cdef extern from "metrale_feed/logprob_rule.h" nogil:
@@ -381,3 +405,4 @@ cdef extern from "metrale_feed/logprob_rule.h" nogil:
         MF_PARTIAL_TOP
         MF_PARTIAL_HIST
         MF_PARTIAL_CANDS
+        MF_PARTIAL_TOP_LOGPROBS

@@ -385,7 +385,7 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
         launch.close()
 
 
-def _check_partials_fault(fault_dst):
+def _check_partials_fault(fault_dst, outcome="every row got NO_TOKEN"):
     """Raise the fault a combine copied into ``fault_dst``, if any; read it only once the
     combine's event has completed.
 
@@ -393,6 +393,8 @@ def _check_partials_fault(fault_dst):
     ----------
     fault_dst : buffer
         The combine's ``fault_dst``.
+    outcome : str, optional
+        What the combine wrote instead, for the message.
 
     Raises
     ------
@@ -410,5 +412,4 @@ def _check_partials_fault(fault_dst):
                         "sampling with device params is temperature-only); it got NO_TOKEN")
     if word:
         reason = _FAULTS.get(word & 0xFF, f"fault {word & 0xFF}")
-        raise FeedError(f"partial blocks refused: slice {word >> 8} has {reason}; every row got "
-                        "NO_TOKEN")
+        raise FeedError(f"partial blocks refused: slice {word >> 8} has {reason}; {outcome}")

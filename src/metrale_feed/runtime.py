@@ -141,11 +141,19 @@ class RuntimeFeedMixin:
         """After an argmax or a draw over changed logits (no event recorded yet): the chosen
         ids' logprobs (the cells) and the top ids, from the raw copy, their copies back, then
         the event, so all are final when it completes."""
+        n = top_n if top_logprobs is not None else 0
         if self.feed_shard is not None:
-            raise FeedError("raw_logits over a split vocabulary is not supported")
-        _core.top_logprobs(raw_logits, top_logprobs, stream, n=top_n if top_logprobs is not None
-                           else 0, rows=rows, vocab=self.feed_vocab, dtype=self.feed_logits_dtype,
-                           row_stride=self.feed_row_stride, ids=self.feed_cells, chosen=logprobs)
+            # Each rank's slice of the raw copy, merged alike on every rank; the ids are the
+            # cells the sharded call just wrote, the same on every rank.
+            self.feed_shard.top_logprobs(raw_logits, top_logprobs, stream, n=n, rows=rows,
+                                         dtype=self.feed_logits_dtype,
+                                         row_stride=self.feed_row_stride, ids=self.feed_cells,
+                                         chosen=logprobs)
+        else:
+            _core.top_logprobs(raw_logits, top_logprobs, stream, n=n, rows=rows,
+                               vocab=self.feed_vocab, dtype=self.feed_logits_dtype,
+                               row_stride=self.feed_row_stride, ids=self.feed_cells,
+                               chosen=logprobs)
         _core.copy_d2h_async(logprobs, logprobs_dst, stream)
         if top_logprobs is not None:
             _core.copy_d2h_async(top_logprobs, top_logprobs_dst, stream)

@@ -78,3 +78,44 @@ def split(dev, logits, offsets, masks=None, bitmask=None, params=None, pad=0, ca
     for b in held:
         b.close()
     return ids, lp, fault
+
+
+TOP_RECORD = np.dtype([("id", "<u4"), ("logprob", "<f4")])
+
+
+def split_top(dev, logits, offsets, n, ids=None, call=5, pad=0, tamper=None):
+    """Each slice's top-logprobs block (``_top_partial``) and their combine (``_top_combine``):
+    (records ``(rows, n)``, chosen logprobs or None, fault word). ``ids``: global ids asked of
+    every slice; ``tamper(w)`` returns overrides for slice w's call (``rows``, ``n``, ``call``)."""
+    rows, vocab = logits.shape
+    world = len(offsets) - 1
+    block = _core._top_block_bytes(rows, n)
+    parts, out = mf.DeviceBuffer(block * world), mf.DeviceBuffer(max(1, rows * n * 8))
+    held = [parts, out]
+    ids_dev = chosen = None
+    if ids is not None:
+        ids_dev, chosen = dev.upload(np.ascontiguousarray(ids, np.uint32)), mf.DeviceBuffer(rows * 4)
+        held += [ids_dev, chosen]
+    dtype = np.dtype(logits.dtype).name
+    for w in range(world):
+        lo, hi = offsets[w], offsets[w + 1]
+        part = np.zeros((rows, hi - lo + pad), logits.dtype)
+        part[:, : hi - lo] = logits[:, lo:hi]
+        sl = dev.upload(part) if hi > lo else None
+        if sl is not None:
+            held.append(sl)
+        kw = dict(n=n, start=lo, vocab_total=vocab, call=call, rows=rows, vocab=hi - lo, dtype=dtype,
+                  row_stride=hi - lo + pad if pad else None, ids=ids_dev)
+        if tamper:
+            kw.update(tamper(w))
+        _core._top_partial(sl, parts.ptr + w * block, **kw)
+    fault = mf.PinnedBuffer(4)
+    with mf.Event() as done:
+        _core._top_combine(parts, world, out if n else None, rows=rows, n=n, vocab=vocab, call=call,
+                           slice_stride=block // 16, fault_dst=fault, chosen=chosen, event=done)
+        done.synchronize()
+    recs = dev.download(out, TOP_RECORD, rows * n).reshape(rows, n)
+    lp = dev.download(chosen, np.float32, rows) if chosen is not None else None
+    for b in held:
+        b.close()
+    return recs, lp, fault

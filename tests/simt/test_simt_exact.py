@@ -232,3 +232,26 @@ def test_verify_sampled_with_a_device_advance_and_logprobs(host, dev, settings, 
 
     cells, _ = both(run, settings)
     assert (cells[:, 0] >= 1).all() and (cells[:, 0] <= k + 1).all()  # every row emitted
+
+
+@pytest.mark.parametrize("settings", ["default", "split-parallel"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_split_top_logprobs_combine(host, dev, settings, dtype):
+    # MF_TOP_PARTIAL's kernel and mf_top_combine_kernel: the records, the chosen logprobs and the
+    # fault word, with an empty slice and ids in it, NO_TOKEN and past the vocabulary.
+    from helpers.calls import split_top
+
+    rng = np.random.default_rng(7)
+    rows, vocab, n = 5, 3001, 6
+    logits = logits_for(rng, rows, vocab, dtype)
+    given = np.array([0, 3000, N, vocab + 1, 1999], np.uint32)
+
+    def run():
+        recs, chosen, fault = split_top(dev, logits, [0, 1000, 1000, vocab], n, ids=given)
+        word = np.frombuffer(bytes(fault), np.uint32).copy()
+        fault.close()
+        return recs, chosen, word
+
+    recs, chosen, word = both(run, settings)
+    assert word[0] == 0
+    assert np.isnan(chosen[[2, 3]]).all() and not np.isnan(chosen[[0, 1, 4]]).any()

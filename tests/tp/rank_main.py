@@ -1026,7 +1026,9 @@ def scenario_top():
                     (what, top1["logprob"], chosen_lp)
                 same_on_every_rank(got)
             if WORLD > 1 or FORCE_EXCHANGE:
-                per_call = 32 + 16 * 8 * (n + 1)
+                # One block a call: the header, 16 bytes a row for (m, s), 8 for each listed id.
+                per_call = 16 * (2 + 16 + -(-16 * n // 2))
+                assert per_call == mf._core._top_block_bytes(16, n)
                 assert shard.stats["bytes_sent"] - sent == 2 * per_call, (shard.stats, sent, n)
             sent = shard.stats["bytes_sent"]
         # Ranks that disagree on the rows: (NO_TOKEN, NaN) and a FeedError on every rank.
@@ -1054,7 +1056,10 @@ SCENARIOS = {"graph": scenario_graph, "graph-sample": scenario_graph_sample, "fi
  "vocab-mismatch": scenario_vocab_mismatch, "bad-offsets": scenario_bad_offsets,
  "dead": scenario_dead, "empty-tensor": scenario_empty_tensor, "hung-filtered": scenario_hung_filtered,
  "top": scenario_top}
-SCENARIOS.update({name: (lambda f=f: f(sys.modules[__name__])) for name, f in rank_verify.SCENARIOS.items()})
+import rank_top  # noqa: E402
+
+for extra in (rank_verify.SCENARIOS, rank_top.SCENARIOS):
+    SCENARIOS.update({name: (lambda f=f: f(sys.modules[__name__])) for name, f in extra.items()})
 SCENARIOS[SCENARIO]()
 print("OK", sys.argv[4], flush=True)
 

@@ -53,7 +53,18 @@ def test_sharded_top_logprobs_equal_the_unsharded_call_and_the_oracle(world):
     ranks(world, "top", timeout=400)
 
 
-@pytest.mark.parametrize("scenario", ["exact+exchange", "top+exchange", "verify+exchange",
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_captured_sharded_top_logprobs_replays_the_unsharded_records(world):
+    ranks(world, "top-graph")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_pipeline_with_penalties_and_logprobs_over_the_split(world):
+    ranks(world, "pipeline-penalties", timeout=400)
+
+
+@pytest.mark.parametrize("scenario", ["exact+exchange", "top+exchange", "top-graph+exchange",
+                                      "pipeline-penalties+exchange", "verify+exchange",
                                       "pipeline-spec+exchange", "pipeline+exchange", "graph+exchange",
                                       "graph-sample+exchange"])
 def test_a_world_of_one_through_the_exchange_equals_the_unsharded_call(scenario):

@@ -498,7 +498,15 @@ MF_EXPORT mf_status mf_penalties_update(const mf_penalty_args *args, mf_stream_t
  * logits; no masks, no bitmask, no temperature: the distribution of the model's output.
  * With ids (device, read when the kernel runs: a step's feed cells), chosen[r] is the logprob of
  * ids[r] under row r, as argmax_to_feed's logprobs are (NaN for MF_NO_TOKEN or an id outside the
- * row): the raw logprob of a token chosen from other logits (the penalised ones). n may be 0 then. */
+ * row): the raw logprob of a token chosen from other logits (the penalised ones). n may be 0 then.
+ * MF_TOP_PARTIAL (appended: flags, vocab_total, start, call, partials): the logits are the slice
+ * [start, start + vocab) of rows of vocab_total ids (vocab may be 0, logits then unread), ids are
+ * global, and instead of out and chosen (both NULL) the call writes the slice's partial block to
+ * `partials` (partial_layout.h, "Top logprobs blocks": a header, per row a record of the slice's
+ * (m, s) and of the id of ids[r] if the slice holds it, then per row the slice's n greatest
+ * candidates), for mf_top_logprobs_combine. Every slice's call of one split takes the same n, rows,
+ * call and ids-or-not: the header's operation carries n and whether ids were given. */
+enum { MF_TOP_PARTIAL = 1u };
 #define MF_MAX_TOP_LOGPROBS 20u /* the OpenAI API's top_logprobs limit */
 typedef struct mf_top_logprob {
     uint32_t id;
@@ -515,12 +523,51 @@ typedef struct mf_top_logprobs_args {
     mf_top_logprob *out;  /* device, rows * n records (NULL when n is 0) */
     const uint32_t *ids;  /* device, rows ids, or NULL */
     float *chosen;        /* device, rows floats: with ids, and only with them */
+    uint32_t flags;       /* appended: MF_TOP_* (0: none) */
+    uint32_t vocab_total; /* appended, MF_TOP_PARTIAL: the whole vocabulary */
+    uint32_t start;       /* appended, MF_TOP_PARTIAL: the slice's first global id */
+    uint64_t call;        /* appended, MF_TOP_PARTIAL: the caller's call word (header) */
+    void *partials;       /* appended, MF_TOP_PARTIAL: device, mf_top_block_records(rows, n) records */
 } mf_top_logprobs_args;
 static inline void mf_top_logprobs_args_init(mf_top_logprobs_args *args) {
     memset(args, 0, sizeof *args);
     args->struct_size = (uint32_t)sizeof *args;
 }
 MF_EXPORT mf_status mf_top_logprobs(const mf_top_logprobs_args *args, mf_stream_t stream);
+
+/* The top logprobs of a split vocabulary from its slices' MF_TOP_PARTIAL blocks, gathered: block w
+ * starts at record w * slice_stride (records of 16 bytes), slices in id order. The combine checks
+ * every header against (rows, n, ids-or-not, call, vocab) and the slices' coverage of [0, vocab),
+ * as mf_combine_partials does, then writes out (rows * n records) and, when the slices had ids,
+ * chosen (rows floats) as the unsplit mf_top_logprobs would: the n greatest of the slices' lists
+ * by the argmax order of global ids, each logprob under the row's (M, S) combined from the slices'
+ * (mf_combine_stats), so bit for bit the sharded chosen-token logprob's. A mismatch writes
+ * (MF_NO_TOKEN, NaN) to every record, NaN to every chosen logprob, and the fault
+ * (MF_FAULT_* | slice << 8) to `fault` (device word, required; 0 when the headers agree), copied to
+ * fault_dst (host) if set; then event is recorded. Everything is read when the kernel runs, so the
+ * call can be captured in a graph. */
+typedef struct mf_top_combine_args {
+    uint32_t struct_size;   /* sizeof(mf_top_combine_args) where the caller was built: _init */
+    uint32_t world;         /* slices, >= 1 */
+    const void *partials;   /* device */
+    uint32_t slice_stride;  /* records between blocks, >= mf_top_block_records(rows, n) */
+    uint32_t rows;
+    uint32_t vocab;         /* the whole vocabulary */
+    uint32_t n;             /* as each slice's call: 0 .. MF_MAX_TOP_LOGPROBS, 0 only with chosen */
+    uint64_t call;
+    mf_top_logprob *out;    /* device, rows * n records (NULL when n is 0) */
+    float *chosen;          /* device, rows floats: exactly when the slices had ids */
+    uint32_t *fault;        /* device, one word */
+    void *fault_dst;        /* host, one word, or NULL */
+    mf_event_t event;       /* 0: none */
+} mf_top_combine_args;
+static inline void mf_top_combine_args_init(mf_top_combine_args *args) {
+    memset(args, 0, sizeof *args);
+    args->struct_size = (uint32_t)sizeof *args;
+}
+/* Outputs (out, chosen, fault, fault_dst) must not overlap each other or the partials (the fault
+ * word may be a header's reserved word, as mf_combine_partials allows). */
+MF_EXPORT mf_status mf_top_logprobs_combine(const mf_top_combine_args *args, mf_stream_t stream);
 
 /* The reference model's forward. Per row r (device arrays): meta[2r] = seq_len (the position
  * written), meta[2r+1] = offset of the row's block table in tables; input_ids[r] is written into

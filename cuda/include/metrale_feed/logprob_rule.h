@@ -17,10 +17,11 @@
 #include "metrale_feed/partial_layout.h"
 #include "metrale_feed/sample_rule.h"
 
-/* FILTERED: race winners over global thresholds (MF_ARGS_SELECT's RACE stage); TOP and HIST: its
- * other stages' blocks (feed.h). */
+/* FILTERED: race winners over global thresholds (MF_ARGS_SELECT's RACE stage); TOP, HIST and
+ * CANDS: its other stages' blocks (feed.h); TOP_LOGPROBS: mf_top_logprobs's MF_TOP_PARTIAL blocks
+ * (top_logprob_rule.h). */
 enum { MF_PARTIAL_ARGMAX = 1u, MF_PARTIAL_SAMPLE = 2u, MF_PARTIAL_FILTERED = 3u, MF_PARTIAL_TOP = 4u,
-       MF_PARTIAL_HIST = 5u, MF_PARTIAL_CANDS = 6u };
+       MF_PARTIAL_HIST = 5u, MF_PARTIAL_CANDS = 6u, MF_PARTIAL_TOP_LOGPROBS = 7u };
 /* Or'ed into a header's operation when its records carry (m, s) (MF_ARGS_PARTIAL_LOGPROBS): a
  * combine that writes logprobs expects it in every header and one that does not expects it in
  * none, so ranks that disagree on logprobs get a fault, never a logprob from a zero sum. A bit

@@ -64,6 +64,16 @@ typedef struct mf_partial_cand {
 } mf_partial_cand;
 #define MF_PARTIAL_CAND_BYTES 8u
 
+/* Top logprobs blocks (feed.h's MF_TOP_PARTIAL): the header, then rows mf_partial_records (the
+ * slice's (m, s) in max/sum; id/logit_bits the global id asked for in that row and its logit when
+ * the slice holds it, else MF_NO_TOKEN and 0), then rows * n mf_partial_cands (row r's list at
+ * entry r * n: the slice's greatest ids in the argmax order, MF_NO_TOKEN past its last), padded to
+ * whole records. Sized by the rows it holds: a shard sizes every block by its max_rows, so ranks
+ * making the same calls send the same bytes. */
+static inline uint64_t mf_top_block_records(uint32_t rows, uint32_t n) {
+    return MF_PARTIAL_HEADER_RECORDS + (uint64_t)rows + ((uint64_t)rows * n + 1u) / 2u;
+}
+
 #ifdef __cplusplus
 #define MF_LAYOUT_ASSERT(c, m) static_assert(c, m)
 #else

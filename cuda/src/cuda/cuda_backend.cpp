@@ -483,6 +483,11 @@ mf_status top_logprobs(const mf_top_logprobs_args *a, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status top_combine(const mf_top_combine_args *a, void *stream) {
+    MF_CUDA_TRY(cudak::launch_top_combine(*a, as_stream(stream)), "launching mf_top_combine_kernel");
+    return MF_SUCCESS;
+}
+
 mf_status resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                            uint32_t *out_advance, void *stream) {
     MF_CUDA_TRY(cudak::launch_resolve_verified(cells, rows, k, out_ids, out_advance, as_stream(stream)),
@@ -590,6 +595,7 @@ const Ops cuda_ops = {
     .resolve_verified = resolve_verified,
     .penalties = penalties,
     .top_logprobs = top_logprobs,
+    .top_combine = top_combine,
     .capture_begin = cudag::capture_begin,
     .capture_status = cudag::capture_status,
     .capture_end = cudag::capture_end,

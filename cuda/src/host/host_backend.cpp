@@ -361,6 +361,11 @@ mf_status top_logprobs(const mf_top_logprobs_args *args, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status top_combine(const mf_top_combine_args *args, void *stream) {
+    stream_of(stream)->enqueue("top_logprobs_combine", [a = *args] { run_top_combine(a); });
+    return MF_SUCCESS;
+}
+
 }  // namespace
 
 uint32_t lag_us() { return g_lag_us.load(std::memory_order_relaxed); }
@@ -404,6 +409,7 @@ const Ops host_ops = {
     .resolve_verified = resolve_verified,
     .penalties = penalties,
     .top_logprobs = top_logprobs,
+    .top_combine = top_combine,
     .capture_begin = capture_begin,
     .capture_status = capture_status,
     .capture_end = capture_end,

@@ -155,8 +155,10 @@ struct PenaltyJob {
 };
 void run_penalties(const PenaltyJob &job);
 
-// The top logprobs of each row (top_logprob_host.cpp): nothing host-side to copy.
+// The top logprobs of each row, or a slice's top block (top_logprob_host.cpp), and the combine of
+// gathered top blocks: nothing host-side to copy.
 void run_top_logprobs(const mf_top_logprobs_args &args);
+void run_top_combine(const mf_top_combine_args &args);
 
 // Clears FTZ/DAZ for the lifetime of the guard: the rules are defined on IEEE arithmetic with
 // subnormals, whatever a library loaded into the process did to this thread's MXCSR.

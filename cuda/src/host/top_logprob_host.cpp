@@ -60,18 +60,44 @@ void run_top_logprobs(const mf_top_logprobs_args &a) {
     IeeeFpGuard ieee;  // the exp polynomial needs subnormals
     const bool vector = std::strcmp(argmax_isa(), "portable") != 0;
     const size_t row_bytes = (size_t)a.row_stride * mf_dtype_size((int)a.dtype);
+    const int dt = (int)a.dtype;
+    auto *records = a.flags & MF_TOP_PARTIAL
+                        ? static_cast<mf_partial_record *>(a.partials) + MF_PARTIAL_HEADER_RECORDS
+                        : nullptr;
+    if (records)  // the header first: what the combine checks
+        *static_cast<mf_partial_header *>(a.partials) =
+            mf_partial_header{MF_PARTIAL_TAG ^ mf_top_partial_op(a.n, a.ids != nullptr), a.rows, a.call,
+                              a.vocab_total, a.start, a.start + a.vocab, 0u};
     parallel_rows(a.rows, [&](uint32_t begin, uint32_t end) {
         IeeeFpGuard pool_ieee;  // on each pool thread too
         for (uint32_t r = begin; r < end; ++r) {
-            const void *row = static_cast<const char *>(a.logits) + r * row_bytes;
+            // An empty slice (vocab 0, partial only) has no row to read: no ids, (m, s) = (-inf, 0).
+            const void *row = a.vocab ? static_cast<const char *>(a.logits) + r * row_bytes : nullptr;
             uint64_t list[MF_MAX_TOP_LOGPROBS] = {};
-            if (a.n) fill_list(list, a.n, row, a.dtype, a.vocab, vector);  // 0: the chosen ones alone
-            const RowStats st = row_stats(row, a.dtype, a.vocab, vector);
-            if (a.ids) a.chosen[r] = mf_top_chosen(row, (int)a.dtype, a.vocab, a.ids[r], st.m, st.s);
-            for (uint32_t j = 0; j < a.n; ++j)
-                a.out[(size_t)r * a.n + j] = mf_top_entry(list[j], row, (int)a.dtype, st.m, st.s);
+            if (a.n && a.vocab) fill_list(list, a.n, row, a.dtype, a.vocab, vector);  // 0: the chosen ones alone
+            const RowStats st = a.vocab ? row_stats(row, a.dtype, a.vocab, vector) : RowStats{mf_neg_inf(), 0.0};
+            if (records) {  // a slice of a split vocabulary: its block, for the combine
+                records[r] = mf_top_slice_record(row, dt, a.start, a.vocab, a.ids ? a.ids[r] : MF_NO_TOKEN, st.m, st.s);
+                mf_partial_cand *cands = mf_top_list(records, a.rows, a.n, r);
+                for (uint32_t j = 0; j < a.n; ++j) cands[j] = mf_top_cand(list[j], row, dt, a.start);
+                continue;
+            }
+            if (a.ids) a.chosen[r] = mf_top_chosen(row, dt, a.vocab, a.ids[r], st.m, st.s);
+            for (uint32_t j = 0; j < a.n; ++j) a.out[(size_t)r * a.n + j] = mf_top_entry(list[j], row, dt, st.m, st.s);
         }
     });
+}
+
+void run_top_combine(const mf_top_combine_args &a) {
+    IeeeFpGuard ieee;
+    const uint32_t fault = mf_check_headers(static_cast<const mf_partial_header *>(a.partials), a.world,
+                                            a.slice_stride, mf_top_partial_op(a.n, a.chosen != nullptr), a.rows,
+                                            a.call, a.vocab);
+    *a.fault = fault;
+    const auto *records = static_cast<const mf_partial_record *>(a.partials) + MF_PARTIAL_HEADER_RECORDS;
+    for (uint32_t r = 0; r < a.rows; ++r)
+        mf_top_combined_row(records, a.world, a.slice_stride, a.rows, a.n, r, fault, a.out + (size_t)r * a.n,
+                            a.chosen ? a.chosen + r : nullptr);
 }
 
 }  // namespace mf::host

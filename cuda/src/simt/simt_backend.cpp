@@ -200,6 +200,17 @@ mf_status top_logprobs(const mf_top_logprobs_args *args, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status top_combine(const mf_top_combine_args *args, void *stream) {
+    try {
+        host::stream_of(stream)->enqueue("top_logprobs_combine", [a = *args] {
+            check(simtk::launch_top_combine(a, nullptr), "mf_top_combine_kernel");
+        });
+    } catch (const std::bad_alloc &) {
+        return fail(MF_ERROR_OUT_OF_MEMORY, "top_logprobs_combine: out of memory");
+    }
+    return MF_SUCCESS;
+}
+
 mf_status device_name(int, char *buf, size_t buflen) {
     if (buflen) std::snprintf(buf, buflen, "simt (CUDA kernels on the CPU, %d SMs planned)", config().sm_count);
     return MF_SUCCESS;
@@ -218,6 +229,7 @@ Ops make_ops() {
     o.resolve_verified = resolve_verified;
     o.penalties = penalties;
     o.top_logprobs = top_logprobs;
+    o.top_combine = top_combine;
     return o;
 }
 

@@ -106,10 +106,11 @@ class PipelinePenalties:
 
         stride = self.row_stride or self.vocab
         itemsize = logits_dtype(self.dtype).itemsize
-        if self.raw is None:
-            self.raw = _core.DeviceBuffer(self.max_rows * stride * itemsize)
-        _core.copy_d2d_async(self.raw, logits, ((rows - 1) * stride + self.vocab) * itemsize,
-                             stream)
+        if self.raw is None:  # (an empty slice of a split vocabulary copies nothing)
+            self.raw = _core.DeviceBuffer(max(1, self.max_rows * stride * itemsize))
+        if self.vocab:
+            _core.copy_d2d_async(self.raw, logits, ((rows - 1) * stride + self.vocab) * itemsize,
+                                 stream)
         return self.raw
 
     def apply(self, logits: Any, stream: Any) -> None:

@@ -427,13 +427,14 @@ class DecodePipeline:
             temperature and the filters), computed by the feed method on the device and read
             back with the ids, so no step waits for it. With penalties, ``logit_bias`` or
             ``min_tokens`` too, the logits are copied before the penalties change them and the
-            logprobs taken from the copy (not over a split vocabulary). Default False.
+            logprobs taken from the copy (each rank's slice of it over a split vocabulary).
+            Default False.
         top_logprobs : int, optional
             In [0, 20], above 0 only with ``logprobs=True`` (the OpenAI API's rule): also keep,
             per committed token, the ``top_logprobs`` most likely ids of the raw distribution
             and their logprobs in ``Request.top_logprobs`` (ties by the smaller id); at most
             the vocabulary. With a split vocabulary (``shard=``), every rank gets the same lists
-            (``VocabShard.top_logprobs``; host and simt backends). Default 0.
+            (``VocabShard.top_logprobs``). Default 0.
 
         Returns
         -------
@@ -515,13 +516,6 @@ class DecodePipeline:
         if lp[1] > self.vocab:  # else the lists would end in (NO_TOKEN, NaN) placeholders
             raise ValueError(f"top_logprobs={lp[1]} is more than the vocabulary of {self.vocab} "
                              f"ids")
-        if lp[1] and info.shard is not None and _core.backend() == "cuda":
-            raise ValueError("top_logprobs over a split vocabulary (shard=) is not built on the "
-                             "cuda backend yet: the ranks' lists are merged on the stream's "
-                             "worker (host and simt backends)")
-        if lp[0] and pen is not None and info.shard is not None:
-            raise ValueError("logprobs=True with penalties over a split vocabulary (shard=) "
-                             "is not supported")
         if lp[1] and not info.top_logprobs:
             raise FeedError(f"{name}'s feed methods take no top_logprobs= (its feed_info() says "
                             f"top_logprobs=False): a request with top_logprobs > 0 cannot run "

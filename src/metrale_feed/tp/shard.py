@@ -232,20 +232,29 @@ class VocabShard:
         for p in self._pending:
             if not _core.event_query(p[0]):
                 pending.append(p)
-            elif len(p[1]) == _SLOT_BUFFERS and len(self._ring) < _RING:
-                self._ring.append(p)
             else:
-                _close_slot(p)
+                self._recycle(p)
         self._pending = pending
 
-    def _slot(self) -> tuple[Any, tuple[Any, ...]]:
+    def _recycle(self, slot: tuple[Any, tuple[Any, ...]]) -> None:
+        """A free slot back to the ring, when it is a ring slot and the ring has room; else freed
+        (a filtered call's buffers, a top_logprobs call's larger blocks)."""
+        held = slot[1]
+        if len(held) == _SLOT_BUFFERS and held[0].nbytes == self._block and len(self._ring) < _RING:
+            self._ring.append(slot)
+        else:
+            _close_slot(slot)
+
+    def _slot(self, nbytes: int | None = None) -> tuple[Any, tuple[Any, ...]]:
         """A call's (done event, (block, gathered, fault)): a completed call's from the ring, or
-        new ones sized by max_rows (so any call fits any slot)."""
-        if self._ring:
+        new ones sized by max_rows (so any call fits any slot); ``nbytes``: blocks of that size
+        instead, never from the ring."""
+        if self._ring and nbytes is None:
             return self._ring.pop()
-        block = _core.DeviceBuffer(self._block)
+        size = self._block if nbytes is None else nbytes
+        block = _core.DeviceBuffer(size)
         try:
-            gathered = _core.DeviceBuffer(self._block * self.world)
+            gathered = _core.DeviceBuffer(size * self.world)
             fault = _core.PinnedBuffer(4)
         except BaseException:
             block.close()
@@ -380,17 +389,19 @@ class VocabShard:
             return v.rows
 
     def _exchanged(self, counter: int, call: int, partial: Any, combine: Any, stream: Any,
-                   handle: int, capturing: bool, event: Any) -> None:
+                   handle: int, capturing: bool, event: Any, nbytes: int | None = None,
+                   outcome: str = "every row got NO_TOKEN") -> None:
         """Queue one exchange's call on ``stream``: ``partial(block)`` (which checks every
         argument and queues nothing when it raises), the all-gather, ``combine(gathered, fault)``,
         the fault check, then ``event``. ``counter``: the shard's call count once it is queued;
-        ``call``: the word the blocks' headers carry."""
-        slot = self._slot()
+        ``call``: the word the blocks' headers carry; ``nbytes``: blocks of another size than the
+        ring's; ``outcome``: what a refused combine wrote, for the fault's message."""
+        slot = self._slot(nbytes)
         done, (block, gathered, fault) = slot
         try:
             partial(block)
         except BaseException:
-            self._ring.append(slot)  # refused before anything was queued: still free
+            self._recycle(slot)  # refused before anything was queued: still free
             raise
         # Queued: from here every rank's collective sequence includes this call.
         self._calls = counter
@@ -406,7 +417,7 @@ class VocabShard:
                 _core.event_record(done, stream)  # the gather still writes the slot: close() waits
                 self._pending.append(slot)
             raise
-        _core.launch_host_func(stream, self._check, fault)
+        _core.launch_host_func(stream, self._check, fault, None, outcome)
         if capturing:
             # Captured (docs/graphs.md): the graph's operations name the buffers, so the graph
             # keeps them, and its replays reuse them, with this call's counter (every rank replays
@@ -421,7 +432,8 @@ class VocabShard:
             _core.event_record(event, stream)
 
     def top_logprobs(self, logits: Any, out: Any, stream: Any = 0, *, n: int, rows: Any = None,
-                     dtype: Any = None, row_stride: Any = None, event: Any = None) -> int:
+                     dtype: Any = None, row_stride: Any = None, event: Any = None,
+                     ids: Any = None, chosen: Any = None) -> int:
         """Each row's ``n`` most likely ids of the whole raw distribution and their logprobs, from
         this rank's slice, in stream order: ``_core.top_logprobs`` on the whole rows, split.
 
@@ -429,25 +441,29 @@ class VocabShard:
         (the greater logit first, ties by the smaller id, a NaN below ``-inf``), each logprob
         ``log_softmax`` of the whole row at that id with the row's ``(M, S)`` combined as the
         sharded chosen-token logprob's (docs/tensor-parallel.md, "Top logprobs"), so the chosen
-        id's entry equals ``argmax_to_feed(..., logprobs=, shard=)``'s bit for bit. Each rank
-        sends ``32 + 8 * (n + 1) * max_rows`` bytes (its own top ``n`` and its ``(m, s)`` a
-        row) in one all-gather; no host synchronisation. Host and simt backends; every rank makes
-        the same calls with the same ``n`` (it sizes the message), in the same order as its other
-        sharded calls. A world of one is the unsharded call.
+        id's entry equals ``argmax_to_feed(..., logprobs=, shard=)``'s bit for bit. With ``ids``
+        (global ids, a step's feed cells), ``chosen[r]`` is also the logprob of ``ids[r]``: the
+        raw logprob of a token chosen from logits changed since (penalties). Each rank sends one
+        block of ``_core._top_block_bytes(max_rows, n)`` bytes (16 a row for its ``(m, s)`` and
+        the asked-for id, 8 for each of its own top ``n``) in one all-gather; the merge is a
+        kernel on the stream (``mf_top_logprobs_combine``): no host synchronisation, on every
+        backend, and capturable in a graph. Every rank makes the same calls with the same ``n``
+        and ``ids``-or-not, in the same order as its other sharded calls. A world of one is the
+        unsharded call.
 
         Parameters
         ----------
         logits : DeviceBuffer, int, or a 2-D float tensor, or None
             This rank's ``stop - start`` columns of each row, ``row_stride`` elements apart; None
             (with ``dtype``) or a ``(rows, 0)`` tensor for an empty slice.
-        out : DeviceBuffer or int
+        out : DeviceBuffer, int, or None
             ``rows * n`` records of a uint32 global id and a float32 logprob, row ``r``'s ``j``-th
             at record ``r * n + j`` (``_core.top_logprobs``'s layout); ``(NO_TOKEN, NaN)`` ends a
-            row of fewer than ``n`` ids.
+            row of fewer than ``n`` ids. None only with ``n`` 0.
         stream : Stream, int or stream-like, optional
             The stream of this shard's other calls.
         n : int
-            1 to 20.
+            1 to 20; 0 with ``ids``: the chosen logprobs alone.
         rows : int, optional
             1 to ``max_rows``; default the tensor's rows.
         dtype : {"float32", "float16", "bfloat16"}, optional
@@ -455,7 +471,12 @@ class VocabShard:
         row_stride : int, optional
             Elements between rows (default the slice's width).
         event : Event, optional
-            Recorded after ``out`` is written.
+            Recorded after ``out`` and ``chosen`` are written.
+        ids : DeviceBuffer or int, optional
+            ``rows`` global uint32 ids, read when the kernel runs; with ``chosen``.
+        chosen : DeviceBuffer or int, optional
+            ``rows`` float32 logprobs of ``ids`` (NaN for ``NO_TOKEN`` or an id past the
+            vocabulary); with ``ids``.
 
         Returns
         -------
@@ -467,9 +488,9 @@ class VocabShard:
         ValueError, TypeError
             Bad ``n``, ``rows``, sizes or dtype; nothing is queued.
         FeedError
-            On the cuda backend (not built there yet), after a fault, or a closed shard; before
-            anything is queued. Ranks whose calls disagree (rows, ``n``, the call order) get
-            ``(NO_TOKEN, NaN)`` records and a ``FeedError`` from the event on every rank.
+            After a fault, or a closed shard; before anything is queued. Ranks whose calls
+            disagree (rows, ``n``, ``ids``-or-not, the call order) get ``(NO_TOKEN, NaN)`` records
+            and a ``FeedError`` from the event on every rank.
 
         Examples
         --------
@@ -478,102 +499,55 @@ class VocabShard:
         4
         """
         with self._lock:
-            return self._top_locked(logits, out, stream, n, rows, dtype, row_stride, event)
+            self._refuse_after_fault()
+            if isinstance(n, bool) or not isinstance(n, int) or not (0 if ids is not None else 1) <= n <= 20:
+                raise ValueError(f"n must be an int in [1, 20] (0 with ids), not {n!r}")
+            if (ids is None) != (chosen is None):
+                raise ValueError("ids and chosen go together")
+            width = self.stop - self.start
+            shape = getattr(logits, "shape", None)
+            if shape is not None and rows is None:
+                rows = int(shape[0])
+            count = self._rows_of(None, None, None, rows)
+            if shape is not None and int(shape[0]) < count:
+                raise ValueError(f"logits has {int(shape[0])} rows; rows={count}")
+            # A tensor tells its own sizes (checked against these); raw memory (or None for an
+            # empty slice) takes them from the arguments.
+            sizes = dict(vocab=width, dtype=dtype, row_stride=row_stride)
+            if shape is None:
+                if dtype is None:
+                    raise TypeError("dtype is required unless logits is a tensor")
+                sizes["rows"] = count
+            # The combine's outputs are checked before the slice's call is queued: a refusal
+            # there would leave this rank's collective behind its peers'.
+            for buf, what, need in ((out, "out", count * n * 8), (chosen, "chosen", count * 4)):
+                have = _device_at(buf, what)[1] if buf is not None else None
+                if have is not None and have < need:
+                    raise ValueError(f"{what}: {count} rows need {need} bytes; it has {have}")
+            if n and out is None:
+                raise TypeError("out is required unless n is 0")
+            src: Any = logits if shape is None or int(shape[0]) == count else logits[:count]
+            if self.world == 1 and not self._force_exchange:  # the unsharded call, as the others
+                _core.top_logprobs(src, out, stream, n=n, ids=ids, chosen=chosen, **sizes)
+                if event is not None:
+                    _core.event_record(event, stream)
+                return count
+            handle, capturing = self._stream_check(stream)
+            call = self._calls + 1
+            nbytes = _core._top_block_bytes(self.max_rows, n)
 
-    def _top_locked(self, logits: Any, out: Any, stream: Any, n: Any, rows: Any, dtype: Any,
-                    row_stride: Any, event: Any) -> int:
-        from . import top_rounds
+            def partial(block: Any) -> None:
+                _core._top_partial(src, block, stream, n=n, start=self.start, vocab_total=self.vocab,
+                                   call=call, ids=ids, **sizes)
 
-        self._refuse_after_fault()
-        if _core.backend() == "cuda":
-            raise FeedError("sharded top_logprobs is not built on the cuda backend yet (its merge "
-                            "runs on the stream's worker)")
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 20:
-            raise ValueError(f"n must be an int in [1, 20], not {n!r}")
-        width = self.stop - self.start
-        shape = getattr(logits, "shape", None)
-        if shape is not None and rows is None:
-            rows = int(shape[0])
-        count = self._rows_of(None, None, None, rows)
-        ptr, dt, stride = _logits_at(logits, dtype, row_stride, width)
-        if shape is not None and int(shape[0]) < count:
-            raise ValueError(f"logits has {int(shape[0])} rows; rows={count}")
-        out_ptr, have = _device_at(out)
-        if have is not None and have < count * n * 8:
-            raise ValueError(f"out: {count} rows of {n} records need {count * n * 8} bytes; it has {have}")
-        if _core.stream_capturing(stream):
-            raise FeedError("a sharded top_logprobs cannot be captured in a graph (its merge "
-                            "writes through a host function that a replay would not re-aim)")
-        handle, _ = self._stream_check(stream)
-        if self.world == 1 and not self._force_exchange:  # the unsharded call, as the others
-            if width == 0:
-                raise ValueError("a world of one holds the whole vocabulary")
-            kw = {} if shape is not None else dict(rows=count, vocab=width, dtype=dt, row_stride=stride)
-            _core.top_logprobs(logits if shape is None or int(shape[0]) == count else logits[:count],
-                               out, stream, n=n, **kw)
-            if event is not None:
-                _core.event_record(event, stream)
+            def combine(gathered: Any, fault: Any) -> None:
+                _core._top_combine(gathered, self.world, out if n else None, stream, rows=count, n=n,
+                                   vocab=self.vocab, call=call, slice_stride=nbytes // _RECORD_BYTES,
+                                   fault_dst=fault, chosen=chosen)
+
+            self._exchanged(call, call, partial, combine, stream, handle, capturing, event,
+                            nbytes=nbytes, outcome="every record got (NO_TOKEN, NaN)")
             return count
-        size = top_rounds.block_bytes(self.max_rows, n)
-        bufs = []
-        try:
-            for nbytes in (_core.PARTIAL_HEADER_BYTES + count * _RECORD_BYTES, max(1, count * n * 8),
-                           size, size * self.world):
-                bufs.append(_core.DeviceBuffer(nbytes))
-        except BaseException:
-            for b in bufs:
-                b.close()
-            raise
-        partial, local, block, gathered = bufs
-        call = self._calls + 1
-        src: Any = None if width == 0 else logits
-        if src is not None and shape is not None and int(shape[0]) != count:
-            src = logits[:count]
-        # A tensor tells its own sizes; raw memory takes them from the arguments.
-        sizes = {} if shape is not None else dict(rows=count, vocab=width, dtype=dt, row_stride=stride)
-        # The slice's (m, s): the partial argmax's logprob fields, the very numbers the sharded
-        # chosen-token logprob combines, so both logprobs of the chosen id agree to the bit.
-        try:
-            _core._argmax_partial(src, None, partial, None, stream, start=self.start, stop=self.stop,
-                                  vocab=self.vocab, dtype=dt if src is None or shape is None else None,
-                                  call=call, rows=count,
-                                  row_stride=None if src is None or shape is not None else stride,
-                                  logprobs=True)
-        except BaseException:
-            for b in bufs:
-                b.close()
-            raise
-        self._calls = call  # queued: from here every rank's collectives include this call
-        self._stream = handle
-        try:
-            if width:
-                _core.top_logprobs(src, local, stream, n=n, **sizes)
-            # (src rides along: the pack reads the listed logits, so they outlive it)
-            _core.launch_host_func(stream, top_rounds.pack, block, local, partial, ptr, dt, stride,
-                                   count, n, call, self.vocab, self.start, self.stop, self.max_rows,
-                                   src)
-            self._exchange(stream, block, gathered)
-            _core.launch_host_func(stream, self._top_merge, gathered, out_ptr, count, n, call)
-        except BaseException as exc:
-            self._fault = f"a sharded top_logprobs call failed on rank {self.rank}: {exc}"
-            raise
-        done = _core.Event()
-        _core.event_record(done, stream)
-        self._pending.append((done, tuple(bufs)))
-        if event is not None:
-            _core.event_record(event, stream)
-        return count
-
-    def _top_merge(self, gathered: Any, out_ptr: int, rows: int, n: int, call: int) -> None:
-        """On the stream's worker: the merge of the gathered lists; a fault is the event's error."""
-        from . import top_rounds
-
-        fault = top_rounds.merge(gathered, out_ptr, self.world, self.max_rows, rows, n, call,
-                                 self.vocab)
-        if fault is not None:
-            if self._fault is None:
-                self._fault = f"top_logprobs blocks refused: {fault}; every record got (NO_TOKEN, NaN)"
-            raise FeedError(self._fault)
 
     def _call_filtered(self, logits: Any, masks: Any, params: Any, cells: Any, dst: Any, event: Any,
                        stream: Any, n: int, dtype: Any, row_stride: Any, bitmask: Any,
@@ -698,13 +672,13 @@ class VocabShard:
                 call.fault = self._fault
             raise FeedError(self._fault) from exc
 
-    def _check(self, fault: Any, call: Any = None) -> None:
+    def _check(self, fault: Any, call: Any = None, outcome: str = "every row got NO_TOKEN") -> None:
         """On the stream's worker, after the combine: its fault word as an error of the event
         (once: a call whose rounds were refused has reported it already)."""
         if call is not None and call.fault is not None:
             return
         try:
-            _core._check_partials_fault(fault)
+            _core._check_partials_fault(fault, outcome)
         except FeedError as exc:
             if self._fault is None:
                 self._fault = str(exc)
@@ -770,47 +744,10 @@ def _precheck_host(buf: Any, rows: int, what: str, fmt: str) -> None:
         raise TypeError(f"{what} must be float32, not format {view.format!r}")
 
 
-_NAMES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
-
-
-def _logits_at(logits: Any, dtype: Any, row_stride: Any, width: int) -> tuple[int, str, int]:
-    """(address, dtype name, row stride in elements) of a slice's logits on the host and simt
-    backends, where device memory is host memory: the merge's pack reads the listed ids there."""
-    given = None if dtype is None else str(getattr(dtype, "name", dtype)).replace("torch.", "")
-    if logits is None:
-        ptr, name, stride = 0, given, width
-    elif type(logits) is _core.DeviceBuffer or (isinstance(logits, int) and not isinstance(logits, bool)):
-        ptr, name, stride = int(logits.ptr if type(logits) is _core.DeviceBuffer else logits), given, width
-    elif hasattr(logits, "data_ptr"):  # a torch tensor
-        ptr, name = int(logits.data_ptr()), str(logits.dtype).replace("torch.", "")
-        stride = int(logits.stride(0)) if logits.dim() == 2 and logits.shape[0] > 1 else width
-    elif hasattr(logits, "__array_interface__"):
-        face = logits.__array_interface__
-        import numpy as np
-
-        arr = np.asarray(logits)
-        ptr, name = int(face["data"][0]), ("bfloat16" if arr.dtype.name == "bfloat16" else arr.dtype.name)
-        stride = arr.strides[0] // arr.itemsize if arr.ndim == 2 and arr.shape[0] > 1 else width
-    else:
-        raise TypeError(f"logits must be a DeviceBuffer, an int or a tensor, not {type(logits).__name__}")
-    if name is None:
-        raise TypeError("dtype is required unless logits is a tensor")
-    if given is not None and name != given:
-        raise ValueError(f"dtype={given!r} disagrees with the logits' {name}")
-    if name not in _NAMES:
-        raise (ValueError if given is not None else TypeError)(
-            f"logits must be float32, float16 or bfloat16, not {name}")
-    if row_stride is not None:
-        if isinstance(row_stride, bool) or not isinstance(row_stride, int) or row_stride < width:
-            raise ValueError(f"row_stride must be an int of at least the slice's width {width}")
-        stride = row_stride
-    return ptr, name, stride
-
-
-def _device_at(out: Any) -> tuple[int, int | None]:
+def _device_at(buf: Any, what: str) -> tuple[int, int | None]:
     """(address, bytes or None when unknown) of a top_logprobs destination."""
-    if type(out) is _core.DeviceBuffer:
-        return int(out.ptr), int(out.nbytes)
-    if isinstance(out, int) and not isinstance(out, bool):
-        return int(out), None
-    raise TypeError(f"out must be a DeviceBuffer or an int, not {type(out).__name__}")
+    if type(buf) is _core.DeviceBuffer:
+        return int(buf.ptr), int(buf.nbytes)
+    if isinstance(buf, int) and not isinstance(buf, bool):
+        return int(buf), None
+    raise TypeError(f"{what} must be a DeviceBuffer or an int, not {type(buf).__name__}")
