@@ -95,7 +95,7 @@ def test_a_sharded_model_computes_only_its_slice(host, no_leaks, dtype, start, s
     from types import SimpleNamespace
 
     vocab, width = 777, stop - start
-    shard = SimpleNamespace(vocab=vocab, max_rows=8, start=start, stop=stop)
+    shard = SimpleNamespace(vocab=vocab, max_rows=8, start=start, stop=stop, width=stop - start)
     with ReferenceModel(vocab, block_size=4, num_blocks=64, max_rows=8, logits_dtype=dtype,
                         shard=shard) as model:
         assert model.logits.nbytes == 8 * width * (4 if dtype == "float32" else 2)
@@ -113,7 +113,7 @@ def test_a_sharded_model_computes_only_its_slice(host, no_leaks, dtype, start, s
 def test_an_empty_slice_writes_the_kv_cache_only(host, no_leaks):
     from types import SimpleNamespace
 
-    shard = SimpleNamespace(vocab=50, max_rows=2, start=50, stop=50)
+    shard = SimpleNamespace(vocab=50, max_rows=2, start=50, stop=50, width=0)
     with ReferenceModel(50, block_size=2, num_blocks=8, max_rows=2, shard=shard) as model, \
             ReferenceModel(50, block_size=2, num_blocks=8, max_rows=2) as whole:
         for m in (model, whole):

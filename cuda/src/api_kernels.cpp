@@ -455,8 +455,9 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
         } else if (a->drafts || a->k) {
             return fail(MF_ERROR_INVALID_VALUE, "drafts and k are MF_COMBINE_VERIFY's");
         }
-        // Words of cells and host_dst: one a row, or a verified row's k + 2.
+        // Words of cells and host_dst: one a row, or a verified row's k + 2; the drafts' bytes.
         const size_t cell_words = verify ? (size_t)a->rows / (a->k + 1) * (a->k + 2) : a->rows;
+        const size_t draft_bytes = verify ? (size_t)a->rows / (a->k + 1) * a->k * 4 : 0;
         if (cell_words > a->cell_capacity)
             return fail(MF_ERROR_INVALID_VALUE, "%zu cell words exceed the feed cells' capacity of %u", cell_words,
                         a->cell_capacity);
@@ -496,7 +497,7 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
         if (status == MF_SUCCESS) status = check_device_range(a->fault, 4, "fault word");
         if (status == MF_SUCCESS && a->logprobs) status = check_device_range(a->logprobs, (size_t)a->rows * 4, "logprobs");
         if (status == MF_SUCCESS && verify)
-            status = check_device_range(a->drafts, (size_t)a->rows / (a->k + 1) * a->k * 4, "drafts");
+            status = check_device_range(a->drafts, draft_bytes, "drafts");
         if (status == MF_SUCCESS && a->host_dst)
             status = check_host_range(a->host_dst, cell_words * 4, "combine destination");
         if (status == MF_SUCCESS && a->logprobs_dst)
@@ -514,7 +515,7 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
                 {a->partials, (size_t)a->world * a->slice_stride * 16, "partials", false},
                 {a->fault, 4, "fault word", true},
                 {a->fault_dst, 4, "fault destination", true},
-                {a->drafts, rows / (a->k + 1) * a->k * 4, "drafts", false},
+                {a->drafts, draft_bytes, "drafts", false},
             };
             // The fault word may be a reserved word of the partials' first header (the binding puts
             // it there): the combine checks every header before it writes the fault. So the last

@@ -35,6 +35,38 @@ cdef int penalty_tables(_Launch launch, mf_penalty_args *a, object state, object
     return 0
 
 
+cdef _Words host_slots(object slots):
+    """Host slots as words, at most MF_MAX_ROWS of them."""
+    cdef _Words words = words_of(slots, False, "slots")
+    if words.n > MF_MAX_ROWS:
+        raise ValueError(f"rows must be at most {MF_MAX_ROWS}, got {words.n}")
+    return words
+
+
+cdef int need_layout(object vocab, object dtype) except -1:
+    """A logits pointer tells no layout: vocab and dtype must be given."""
+    if vocab is None or dtype is None:
+        raise TypeError(f"{'vocab' if vocab is None else 'dtype'} is required unless logits is a tensor")
+    return 0
+
+
+cdef int logits_layout(mf_penalty_args *a, object vocab, object dtype, object row_stride) except -1:
+    """A logits pointer's layout into ``a``: each given value checked (one not given stays 0)."""
+    if vocab is not None:
+        a.vocab = <uint32_t>int_of(vocab, "vocab", 0, MF_MAX_VOCAB)
+        a.row_stride = a.vocab if row_stride is None else int_of(row_stride, "row_stride", 0, UINT64_MAX)
+    if dtype is not None:
+        a.dtype = dtype_of(dtype)
+    return 0
+
+
+cdef int ids_extent(size_t have, uint32_t rows) except -1:
+    """An update's ids hold a word a row (``have`` SIZE_MAX: unknown, an int pointer)."""
+    if have != <size_t>-1 and <size_t>rows * 4 > have:
+        raise ValueError(f"ids: {rows * 4} bytes run past the end of the array's {have}")
+    return 0
+
+
 cdef object launch_penalties(bint update, object target, object slots, object state, object table, object items,
                              object stream, object slot_count, object table_cap, object item_cap, object rows,
                              object vocab, object dtype, object row_stride, object start):
@@ -59,27 +91,21 @@ cdef object launch_penalties(bint update, object target, object slots, object st
             a.slots = <const uint32_t *>ptr
             a.flags = MF_PENALTY_SLOTS_DEVICE
         else:
-            words = words_of(slots, False, "slots")
-            if words.n > MF_MAX_ROWS:
-                raise ValueError(f"rows must be at most {MF_MAX_ROWS}, got {words.n}")
+            words = host_slots(slots)
             if rows is not None and rows != words.n:
                 raise ValueError(f"rows {rows} differs from the {words.n} slots given")
             a.rows = <uint32_t>words.n
             a.slots = words.data if words.n else <const uint32_t *>&_empty_target
         if update:
             launch.device(target, &ptr, &have, "ids", False, True)
-            if have != <size_t>-1 and <size_t>a.rows * 4 > have:
-                raise ValueError(f"ids: {a.rows * 4} bytes run past the end of the array's {have}")
+            ids_extent(have, a.rows)
             a.ids = <const uint32_t *>ptr
             launch.queued(mf_penalties_update(&a, s), (target, slots, state, table, items))
         else:
             a.start = <uint32_t>int_of(start, "start", 0, MF_MAX_VOCAB)
             if not is_foreign(target):
-                if vocab is None or dtype is None:
-                    raise TypeError(f"{'vocab' if vocab is None else 'dtype'} is required unless logits is a tensor")
-                a.vocab = <uint32_t>int_of(vocab, "vocab", 0, MF_MAX_VOCAB)
-                a.row_stride = a.vocab if row_stride is None else int_of(row_stride, "row_stride", 0, UINT64_MAX)
-                a.dtype = dtype_of(dtype)
+                need_layout(vocab, dtype)
+                logits_layout(&a, vocab, dtype, row_stride)
                 device_ptr_of(target, &ptr)
                 a.logits = ptr
             else:
@@ -150,16 +176,10 @@ cdef class PenaltyLaunch:
             penalty_tables(launch, &self.up, state, table, items, slot_count, table_cap, item_cap)
         finally:
             launch.close()
-        words = words_of(slots, False, "slots")
-        if words.n > MF_MAX_ROWS:
-            raise ValueError(f"rows must be at most {MF_MAX_ROWS}, got {words.n}")
+        words = host_slots(slots)
         self.ap = self.up
         self.ap.start = <uint32_t>int_of(start, "start", 0, MF_MAX_VOCAB)
-        if vocab is not None:
-            self.ap.vocab = <uint32_t>int_of(vocab, "vocab", 0, MF_MAX_VOCAB)
-            self.ap.row_stride = self.ap.vocab if row_stride is None else int_of(row_stride, "row_stride", 0, UINT64_MAX)
-        if dtype is not None:
-            self.ap.dtype = dtype_of(dtype)
+        logits_layout(&self.ap, vocab, dtype, row_stride)
         free(self.words)
         self.words = <uint32_t *>malloc(words.n * 4 + 4)
         if self.words == NULL:
@@ -191,8 +211,7 @@ cdef class PenaltyLaunch:
             return launch_penalties(False, logits, self.slots, self.state, self.table, self.items, stream,
                                     self.up.slot_count, self.up.table_cap, self.up.item_cap, None,
                                     self.vocab, self.dtype, self.row_stride, self.start)
-        if self.vocab is None or self.dtype is None:
-            raise TypeError(f"{'vocab' if self.vocab is None else 'dtype'} is required unless logits is a tensor")
+        need_layout(self.vocab, self.dtype)
         stream_of(stream, &s)
         self.reload()
         device_ptr_of(logits, &ptr)
@@ -214,9 +233,7 @@ cdef class PenaltyLaunch:
         stream_of(stream, &s)
         self.reload()
         device_ptr_of(ids, &ptr)
-        if type(ids) is DeviceBuffer and <size_t>self.up.rows * 4 > (<DeviceBuffer>ids)._nbytes:
-            raise ValueError(f"ids: {self.up.rows * 4} bytes run past the end of the array's "
-                             f"{(<DeviceBuffer>ids)._nbytes}")
+        ids_extent((<DeviceBuffer>ids)._nbytes if type(ids) is DeviceBuffer else <size_t>-1, self.up.rows)
         a = self.up
         a.ids = <const uint32_t *>ptr
         queued_on(s, mf_penalties_update(&a, s), (ids, self.slots, self.state, self.table, self.items), 0)

@@ -72,7 +72,7 @@ class RuntimeFeedMixin:
             The most rows a step may have, 1 to ``metrale_feed.MAX_ROWS`` (4096). Default 256.
         shard : VocabShard, optional
             A vocabulary split across ranks (docs/tensor-parallel.md), passed to both feed
-            methods: the logits then hold the slice's ``shard.stop - shard.start`` columns, while
+            methods: the logits then hold the slice's ``shard.width`` columns, while
             ``vocab`` stays the whole vocabulary (ids are global), equal to ``shard.vocab``.
         row_stride : int, optional
             Elements between the logits' rows when wider than their columns (padded heads).
@@ -178,7 +178,7 @@ class RuntimeFeedMixin:
         shard = self.feed_shard
         self.feed_prev_rows = _core.argmax_to_feed(
             logits, masks, self.feed_cells, dst, event, stream,
-            vocab=self.feed_vocab if shard is None else shard.stop - shard.start,
+            vocab=self.feed_vocab if shard is None else shard.width,
             dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride, shard=shard,
             logprobs=logprobs, logprobs_dst=logprobs_dst)
 
@@ -197,7 +197,7 @@ class RuntimeFeedMixin:
         shard = self.feed_shard
         self.feed_prev_rows = _core.sample_to_feed(
             logits, params, self.feed_cells, dst, event, stream, masks=masks,
-            vocab=self.feed_vocab if shard is None else shard.stop - shard.start,
+            vocab=self.feed_vocab if shard is None else shard.width,
             dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride, shard=shard,
             logprobs=logprobs, logprobs_dst=logprobs_dst)
 

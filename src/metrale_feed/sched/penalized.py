@@ -38,7 +38,7 @@ class PipelinePenalties:
                             f"RuntimeFeedMixin models have): penalties cannot be applied on it")
         shard = getattr(model, "feed_shard", None)
         self.start = 0 if shard is None else shard.start
-        self.vocab = model.feed_vocab if shard is None else shard.stop - shard.start
+        self.vocab = model.feed_vocab if shard is None else shard.width
         self.dtype = model.feed_logits_dtype
         self.row_stride = getattr(model, "feed_row_stride", None)
         self.state = PenaltyState(pipe.max_rows, capacity=capacity, stream=pipe.stream)

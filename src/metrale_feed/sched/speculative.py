@@ -594,7 +594,7 @@ class SpeculativeStep:
         shard = pipe.shard  # greedy rows only (submit refuses sampled ones): one exchange
         _core.verify_to_feed(logits, slot.drafts, slot.cells, slot.dst, slot.done, stream, k=k,
                              masks=batch.vmasks, params=params, rows=n_rows,
-                             vocab=pipe.vocab if shard is None else shard.stop - shard.start,
+                             vocab=pipe.vocab if shard is None else shard.width,
                              dtype=pipe.info.logits_dtype, row_stride=self._row_stride,
                              advance=slot.advance if advanced and params is not None else None,
                              shard=shard)

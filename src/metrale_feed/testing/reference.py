@@ -87,7 +87,7 @@ class ReferenceModel(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
         first, once their last launch has completed). Default 16.
     shard : VocabShard, optional
         A vocabulary split across ranks (docs/tensor-parallel.md): as a column-parallel LM head,
-        the forward computes only the slice's ``shard.stop - shard.start`` columns of each row
+        the forward computes only the slice's ``shard.width`` columns of each row
         (``logits`` holds ``max_rows`` rows of that width), and the feed goes through the
         sharded call, so every rank gets the same tokens as the unsharded model. A rank whose
         slice is empty writes the KV cache only.
@@ -124,7 +124,7 @@ class ReferenceModel(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
         self.init_paged_kv(block_size=block_size, num_blocks=num_blocks)  # before any allocation
         self.init_device_feed(vocab=vocab, logits_dtype=logits_dtype, max_rows=max_rows, shard=shard)
         # The logits' columns: the ids [start, start + width), the whole row without a shard.
-        self._start, self._width = (0, vocab) if shard is None else (shard.start, shard.stop - shard.start)
+        self._start, self._width = (0, vocab) if shard is None else (shard.start, shard.width)
         self.stream = stream
         self.settled_steps = 0
         self.host_syncs = 0  # times the host waited for the device (a full staging ring)

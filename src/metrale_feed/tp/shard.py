@@ -169,6 +169,12 @@ class VocabShard:
                         f"VocabShard: rank {r} disagrees with rank {rank} (vocab {b[0]} vs {a[0]}, "
                         f"offsets {'differ' if a[1] != b[1] else 'agree'}, max_rows {b[2]} vs {a[2]})")
 
+    @property
+    def width(self) -> int:
+        """The ids of this rank's slice, ``stop - start``: the columns its logits hold (0 for an
+        empty slice)."""
+        return self.stop - self.start
+
     def close(self) -> None:
         """Wait for this rank's pending sharded calls and free their buffers; the shard then
         refuses further calls. Idempotent.
@@ -272,7 +278,7 @@ class VocabShard:
                      event: Any, stream: Any, rows: Any, vocab: Any, dtype: Any, row_stride: Any,
                      bitmask: Any, logprobs: Any, logprobs_dst: Any) -> int:
         self._refuse_after_fault()
-        width = self.stop - self.start
+        width = self.width
         if vocab is not None and vocab != width:
             raise ValueError(f"with a shard, vocab is the slice's width {width}, not {vocab}")
         device_params = params is not None and _device_params(params)
@@ -344,7 +350,7 @@ class VocabShard:
         drafts while they equal the combined argmax: the unsharded call's cells on every rank."""
         with self._lock:
             self._refuse_after_fault()
-            width = self.stop - self.start
+            width = self.width
             if vocab is not None and vocab != width:
                 raise ValueError(f"with a shard, vocab is the slice's width {width}, not {vocab}")
             if self.world == 1 and not self._force_exchange:  # the unsharded call
@@ -504,7 +510,7 @@ class VocabShard:
                 raise ValueError(f"n must be an int in [1, 20] (0 with ids), not {n!r}")
             if (ids is None) != (chosen is None):
                 raise ValueError("ids and chosen go together")
-            width = self.stop - self.start
+            width = self.width
             shape = getattr(logits, "shape", None)
             if shape is not None and rows is None:
                 rows = int(shape[0])
