@@ -240,6 +240,31 @@ C_SOURCE = textwrap.dedent(
         return PyLong_FromLong(host_func_runs);
     }
 
+    /* Version 3's entries, each given a NULL descriptor (or no cells): their statuses. */
+    static PyObject *v3_null_statuses(PyObject *self, PyObject *args) {
+        return Py_BuildValue("(iiiiii)", (int)feed->verify_to_feed(NULL, 0),
+                             (int)feed->resolve_verified(NULL, 1, 1, NULL, NULL, 0),
+                             (int)feed->penalties_apply(NULL, 0), (int)feed->penalties_update(NULL, 0),
+                             (int)feed->top_logprobs(NULL, 0), (int)feed->top_logprobs_combine(NULL, 0));
+    }
+
+    /* top_logprobs through the table over device logits the caller made: out's address too. */
+    static PyObject *top_logprobs(PyObject *self, PyObject *args) {
+        unsigned long long logits, out;
+        unsigned rows, vocab, n;
+        mf_top_logprobs_args a;
+        if (!PyArg_ParseTuple(args, "KIIIK", &logits, &rows, &vocab, &n, &out)) return NULL;
+        mf_top_logprobs_args_init(&a);
+        a.logits = (const void *)(uintptr_t)logits;
+        a.dtype = MF_DTYPE_F32;
+        a.rows = rows;
+        a.vocab = vocab;
+        a.row_stride = vocab;
+        a.n = n;
+        a.out = (mf_top_logprob *)(uintptr_t)out;
+        return PyLong_FromLong((long)feed->top_logprobs(&a, 0));
+    }
+
     static PyMethodDef methods[] = {
         {"table_info", table_info, METH_NOARGS, NULL},
         {"active_backend", active_backend, METH_NOARGS, NULL},
@@ -254,6 +279,8 @@ C_SOURCE = textwrap.dedent(
         {"roundtrip", roundtrip, METH_VARARGS, NULL},
         {"argmax", argmax, METH_VARARGS, NULL},
         {"host_func_runs", host_func_runs_of, METH_NOARGS, NULL},
+        {"v3_null_statuses", v3_null_statuses, METH_NOARGS, NULL},
+        {"top_logprobs", top_logprobs, METH_VARARGS, NULL},
         {NULL, NULL, 0, NULL}};
 
     static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "mf_capi_user", NULL, -1, methods};
@@ -267,6 +294,7 @@ C_SOURCE = textwrap.dedent(
 )
 
 SUCCESS = 0
+INVALID_VALUE, INVALID_HANDLE = 1, 2  # MF_ERROR_INVALID_VALUE, MF_ERROR_INVALID_HANDLE (feed.h)
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +310,32 @@ def test_table_matches_header(capi):
     assert version >= 1
     assert size == compiled_size  # the package and this extension agree on the layout
     assert capi.active_backend() == {"host": 0, "cuda": 1, "simt": 2}[mf.backend()]
+
+
+def test_version_three_entries_are_the_c_layers(host, no_leaks, capi):
+    """Version 3's slots: each refuses a NULL descriptor as the C layer does, and top_logprobs
+    through the table writes what ``_core.top_logprobs`` writes."""
+    import numpy as np
+
+    assert capi.table_info()[0] >= 3
+    assert capi.v3_null_statuses() == (INVALID_VALUE,) * 6
+    logits = np.random.default_rng(3).standard_normal((3, 50)).astype(np.float32)
+    rec = np.dtype([("id", "<u4"), ("logprob", "<f4")])
+    with mf.DeviceBuffer(logits.nbytes) as dev, mf.DeviceBuffer(3 * 4 * 8) as out, \
+            mf.DeviceBuffer(3 * 4 * 8) as want:
+        addresses = dev.ptr, out.ptr
+        mf.copy_h2d_async(dev, logits)
+        assert capi.top_logprobs(dev.ptr, 3, 50, 4, out.ptr) == SUCCESS
+        mf._core.top_logprobs(dev, want, n=4, rows=3, vocab=50, dtype="float32")
+        got, ref = np.zeros(12, rec), np.zeros(12, rec)
+        mf.copy_d2h_async(out, got)
+        mf.copy_d2h_async(want, ref)
+        mf.stream_synchronize()
+    assert got.tobytes() == ref.tobytes()
+    assert got["id"].reshape(3, 4).tolist() == np.argsort(-logits, axis=1)[:, :4].tolist()
+    mf.stream_synchronize()  # the deferred frees done: the memory is the C layer's no more
+    assert capi.top_logprobs(addresses[0], 3, 50, 4, addresses[1]) == INVALID_HANDLE  # refused
+    assert "logits" in capi.last_error(), capi.last_error()
 
 
 def test_extension_does_not_link_the_c_layer(capi):

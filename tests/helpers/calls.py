@@ -32,6 +32,17 @@ def pick(dev, logits, masks=None, bitmask=None, params=None, with_logprobs=True,
     return ids, lp
 
 
+def upload_slice(dev, logits, lo, hi, pad, held):
+    """Columns [lo, hi) of every row on the device, each row padded to ``hi - lo + pad`` columns
+    (a padded row stride), kept in ``held``; None for an empty slice."""
+    if hi == lo:
+        return None
+    part = np.zeros((logits.shape[0], hi - lo + pad), logits.dtype)
+    part[:, : hi - lo] = logits[:, lo:hi]
+    held.append(dev.upload(part))
+    return held[-1]
+
+
 def split(dev, logits, offsets, masks=None, bitmask=None, params=None, pad=0, call=11,
           tamper=None, logprobs=True, drafts=None, k=None):
     """The partial calls over the slices [offsets[w], offsets[w+1]) and their combine: (ids,
@@ -55,11 +66,7 @@ def split(dev, logits, offsets, masks=None, bitmask=None, params=None, pad=0, ca
     dtype = np.dtype(logits.dtype).name
     for w in range(world):
         lo, hi = offsets[w], offsets[w + 1]
-        part = np.zeros((rows, hi - lo + pad), logits.dtype)
-        part[:, : hi - lo] = logits[:, lo:hi]
-        sl = dev.upload(part) if hi > lo else None
-        if sl is not None:
-            held.append(sl)
+        sl = upload_slice(dev, logits, lo, hi, pad, held)
         kw = dict(rows=rows, start=lo, stop=hi, vocab=vocab, dtype=dtype, call=call, bitmask=bitmask,
                   row_stride=hi - lo + pad if pad else None, logprobs=logprobs)
         if tamper:
@@ -99,11 +106,7 @@ def split_top(dev, logits, offsets, n, ids=None, call=5, pad=0, tamper=None):
     dtype = np.dtype(logits.dtype).name
     for w in range(world):
         lo, hi = offsets[w], offsets[w + 1]
-        part = np.zeros((rows, hi - lo + pad), logits.dtype)
-        part[:, : hi - lo] = logits[:, lo:hi]
-        sl = dev.upload(part) if hi > lo else None
-        if sl is not None:
-            held.append(sl)
+        sl = upload_slice(dev, logits, lo, hi, pad, held)
         kw = dict(n=n, start=lo, vocab_total=vocab, call=call, rows=rows, vocab=hi - lo, dtype=dtype,
                   row_stride=hi - lo + pad if pad else None, ids=ids_dev)
         if tamper:

@@ -144,6 +144,11 @@ def test_bench_tp_checks_ids_and_counts_bytes(tmp_path):
         assert e["verify_collectives_per_call"] == 1, e
         assert e["verify_bytes_per_call"] == 16 * (e["rows"] + 2), e
         assert e["verify_ms"] > 0 and e["verify_argmax_ms"] > 0, e
+        # Top logprobs (n 20): numpy's ids, one all-gather of the header, then 16 + 8 n bytes a row.
+        assert e["top_checked"], e
+        assert e["top_collectives_per_call"] == 1, e
+        assert e["top_bytes_per_call"] == 32 + e["rows"] * (16 + 8 * e["top_n"]), e
+        assert e["top_sharded_ms"] > 0 and e["top_gather_ms"] > 0, e
         # Sampling with top_k 50 and top_p: the unsharded ids (gathered and on one rank), in 3
         # exchanges: the first and last blocks and the candidate lists (50 of 8 bytes a row).
         assert e["filtered_checked"], e

@@ -13,6 +13,9 @@
  * shorter `mf_argmax_args_v1`. Its slot keeps that meaning (renamed `argmax_to_feed_v1`, reading
  * exactly the old fields), and `argmax_to_feed` is now a new slot that reads the whole descriptor.
  *
+ * Version 3 appended the ops of speculative decoding, penalties and top logprobs (verify_to_feed,
+ * resolve_verified, penalties_apply, penalties_update, top_logprobs, top_logprobs_combine).
+ *
  * Since version 2 every descriptor starts with `struct_size` (feed.h, "descriptors"): set one up
  * with its mf_*_args_init() (header-only, nothing to link), so later growth never reads past what
  * an extension built against an older header passes. A NULL descriptor is MF_ERROR_INVALID_VALUE
@@ -22,7 +25,7 @@
 
 #include "metrale_feed/feed.h"
 
-#define MF_CAPI_VERSION 2
+#define MF_CAPI_VERSION 3
 #define MF_CAPI_CAPSULE "metrale_feed._C_API"
 
 /* Version 1's descriptor (before struct_size): its fields are the first of mf_argmax_args's. */
@@ -76,6 +79,14 @@ typedef struct mf_capi {
     mf_status (*graph_end)(mf_stream_t stream, mf_graph_t *out);
     mf_status (*graph_launch)(mf_graph_t graph, mf_stream_t stream);
     mf_status (*graph_destroy)(mf_graph_t graph);
+    /* ---- version 3 ---- */
+    mf_status (*verify_to_feed)(const mf_verify_args *args, mf_stream_t stream);
+    mf_status (*resolve_verified)(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
+                                  uint32_t *out_advance, mf_stream_t stream);
+    mf_status (*penalties_apply)(const mf_penalty_args *args, mf_stream_t stream);
+    mf_status (*penalties_update)(const mf_penalty_args *args, mf_stream_t stream);
+    mf_status (*top_logprobs)(const mf_top_logprobs_args *args, mf_stream_t stream);
+    mf_status (*top_logprobs_combine)(const mf_top_combine_args *args, mf_stream_t stream);
 } mf_capi;
 
 #ifdef MF_CAPI_IMPLEMENTATION
@@ -143,6 +154,12 @@ static inline void mf_capi_fill(mf_capi *t) {
     t->graph_end = mf_graph_end;
     t->graph_launch = mf_graph_launch;
     t->graph_destroy = mf_graph_destroy;
+    t->verify_to_feed = mf_verify_to_feed;
+    t->resolve_verified = mf_resolve_verified;
+    t->penalties_apply = mf_penalties_apply;
+    t->penalties_update = mf_penalties_update;
+    t->top_logprobs = mf_top_logprobs;
+    t->top_logprobs_combine = mf_top_logprobs_combine;
 }
 #elif defined(Py_PYTHON_H)
 /* The table, or NULL with a Python exception set. Include Python.h first to get this helper. */

@@ -1195,6 +1195,11 @@ def bench_tp(world: int, quick: bool) -> Dict[str, Any]:
              f"{e['verify_ms'] / e['verify_argmax_ms']:.2f}x", "",
              f"{e['verify_collectives_per_call']} collective, {e['verify_bytes_per_call']} B; cells "
              f"{'checked' if e['verify_checked'] else 'DIFFER'}")
+        _row(f"sharded top_logprobs n {e['top_n']} {e['rows']} rows", f"{e['top_sharded_ms']:.2f} ms",
+             f"gather logits + unsharded {e['top_gather_ms']:.2f} ms",
+             f"{e['top_gather_ms'] / e['top_sharded_ms']:.2f}x", "",
+             f"{e['top_collectives_per_call']} collective, {e['top_bytes_per_call'] / e['rows']:.0f} B/row; "
+             f"ids {'checked' if e['top_checked'] else 'DIFFER'}")
         _row(f"sharded top_k 50 top_p 0.9 {e['rows']} rows", f"{e['filtered_sharded_ms']:.2f} ms",
              f"gather logits + unsharded {e['filtered_gather_ms']:.2f} ms",
              f"{e['filtered_gather_ms'] / e['filtered_sharded_ms']:.2f}x", ">= 3x",

@@ -5,7 +5,8 @@ N local ranks (separate processes, one gloo group on 127.0.0.1) each hold a slic
 the sharded ``argmax_to_feed`` (16 bytes a row), (a) all-gathering the logits then the argmax,
 (b) the same sharded reduction by hand with torch ops (local max, all-gather of (value, id),
 pick). Then a greedy ``verify_to_feed`` with k = 3 over the same logit rows beside the sharded argmax
-over them. Then sampling with ``top_k=50, top_p=0.9``: the sharded call (its exchange of per-row
+over them. Then the sharded ``top_logprobs`` (n = 20) beside all-gathering the logits then the
+unsharded call on every rank. Then sampling with ``top_k=50, top_p=0.9``: the sharded call (its exchange of per-row
 candidate lists) beside (a) all-gathering the logits then the unsharded ``sample_to_feed`` on every
 rank, and (b) the unsharded call on the whole rows on one rank; with its collectives per call and
 the cost of one small gloo collective on this machine (what each exchange's rendezvous costs).
@@ -86,6 +87,7 @@ def _rank(rank: int, world: int, port: int, sizes: List[int], repeats: int) -> N
                 checked = checked and bool(np.array_equal(got, want))
         sent = dict(shard.stats)
         verify = _verify(group, full, rows, repeats)
+        top = _top(group, full, rows, repeats)
         filtered = _filtered(rank, group, full, rows, repeats)
         out["sizes"].append({
             "rows": rows, "vocab": VOCAB, "world": world, "checked": checked,
@@ -97,6 +99,7 @@ def _rank(rank: int, world: int, port: int, sizes: List[int], repeats: int) -> N
             "hand_bytes_per_step": rows * 16,
             "shard_stats": sent,
             **verify,
+            **top,
             **filtered,
         })
         done.close(), cells.close(), buf.close()
@@ -161,6 +164,68 @@ def _verify(group: Any, full: Any, rows: int, repeats: int) -> Dict[str, Any]:
             "verify_collectives_per_call": calls, "verify_bytes_per_call": sent,
             "verify_checked": bool(np.array_equal(dst_v.reshape(n, k + 2), want))
             and bool(np.array_equal(dst_a.reshape(n, k + 1), best))}
+
+
+TOP_N = 20
+
+
+def _top(group: Any, full: Any, rows: int, repeats: int) -> Dict[str, Any]:
+    """The sharded top_logprobs (n = 20: each rank's own 20 ids and its (m, s), one all-gather,
+    the merge kernel) beside all-gathering the logits then the unsharded call on every rank; the
+    ids checked against numpy's order (ties by the smaller id)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import metrale_feed as mf
+    from metrale_feed import _core
+
+    n, world = TOP_N, dist.get_world_size(group)
+    shard = mf.VocabShard(group, VOCAB, max_rows=rows)
+    width = -(-VOCAB // world)
+    part = np.ascontiguousarray(full[:, shard.start:shard.stop])
+    mine = np.full((rows, width), -np.inf, np.float32)  # equal sizes for the gather: pad the slice
+    mine[:, : part.shape[1]] = part
+    buf, whole = mf.DeviceBuffer(part.nbytes), mf.DeviceBuffer(rows * VOCAB * 4)
+    mf.copy_h2d_async(buf, part)
+    mf.stream_synchronize(0)
+    want = np.argsort(-full, axis=1, kind="stable")[:, :n]
+    record = np.dtype([("id", "<u4"), ("logprob", "<f4")])
+    out, got = mf.DeviceBuffer(rows * n * 8), np.zeros(rows * n, record)
+    checked = True
+    times: Dict[str, List[float]] = {"sharded": [], "gather": []}
+    sent = calls = 0
+    with mf.Event() as done:
+        def sharded() -> None:
+            shard.top_logprobs(buf, out, n=n, rows=rows, dtype="float32", event=done)
+
+        def gather() -> None:
+            slices = [torch.empty((rows, width), dtype=torch.float32) for _ in range(world)]
+            dist.all_gather(slices, torch.from_numpy(mine), group=group)
+            joined = np.ascontiguousarray(torch.cat(slices, dim=1)[:, :VOCAB].numpy())
+            mf.copy_h2d_async(whole, joined)
+            _core.top_logprobs(whole, out, n=n, rows=rows, vocab=VOCAB, dtype="float32")
+            mf.event_record(done)
+
+        for _ in range(repeats):
+            for name, fn in (("sharded", sharded), ("gather", gather)):
+                dist.barrier()
+                before = dict(shard.stats)
+                t0 = time.perf_counter()
+                fn()
+                done.synchronize()
+                times[name].append(time.perf_counter() - t0)
+                mf.copy_d2h_async(out, got)
+                mf.stream_synchronize(0)
+                checked = checked and bool(np.array_equal(got["id"].reshape(rows, n), want))
+                if name == "sharded":
+                    sent = shard.stats["bytes_sent"] - before["bytes_sent"]
+                    calls = shard.stats["collectives"] - before["collectives"]
+    shard.close()
+    out.close(), whole.close(), buf.close()
+    return {"top_n": n, "top_sharded_ms": statistics.median(times["sharded"]) * 1e3,
+            "top_gather_ms": statistics.median(times["gather"]) * 1e3,
+            "top_collectives_per_call": calls, "top_bytes_per_call": sent, "top_checked": checked}
 
 
 def _filtered(rank: int, group: Any, full: Any, rows: int, repeats: int) -> Dict[str, Any]:
