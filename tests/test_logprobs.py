@@ -147,9 +147,13 @@ def test_bad_logprobs_buffers_raise_before_queueing(host, dev):
         b.close()
 
 
-def _select_state(rows, **fields):
-    from metrale_feed.tp.select_rounds import _STATE
+# feed.h's mf_select_row, as the tests write it (its size checked against the extension's).
+_STATE = np.dtype([("floor", "<u8"), ("cut_need", "<u8"), ("top_bits", "<u4"), ("cut_key", "<u4"),
+                   ("prefix", "<u4"), ("shift", "<u4"), ("flags", "<u4"), ("list_len", "<u4")])
+assert _STATE.itemsize == mf._core.SELECT_ROW_BYTES
 
+
+def _select_state(rows, **fields):
     state = np.zeros(rows, _STATE)
     for k, v in fields.items():
         state[k] = v

@@ -7,6 +7,7 @@
 #include "api.hpp"
 #include "metrale_feed/argmax_rule.h"
 #include "metrale_feed/logprob_rule.h"
+#include "metrale_feed/select_rule.h"
 #include "metrale_feed/verify_rule.h"
 
 using namespace mf;
@@ -54,6 +55,7 @@ constexpr uint32_t kPenaltySizes[] = {sizeof(mf_penalty_args)};
 // The descriptor before a split vocabulary's blocks (flags .. partials) were appended.
 constexpr uint32_t kTopSizes[] = {offsetof(mf_top_logprobs_args, flags), sizeof(mf_top_logprobs_args)};
 constexpr uint32_t kTopCombineSizes[] = {sizeof(mf_top_combine_args)};
+constexpr uint32_t kDecideSizes[] = {sizeof(mf_select_decide_args)};
 
 // Host masks of MF_MAX_ROWS unmasked rows: what masks NULL means. A constant, so a graph that
 // captured it replays the same (no) masks.
@@ -942,6 +944,61 @@ mf_status mf_top_logprobs_combine(const mf_top_combine_args *caller, mf_stream_t
         if (st == MF_SUCCESS && a->fault_dst) st = ops().copy_async(a->fault_dst, a->fault, 4, kD2H, raw);
         if (st == MF_SUCCESS && event) st = ops().event_record(event->raw, (mf_stream_t)(uintptr_t)raw);
         return staged.close(st);
+    });
+}
+
+// The decisions between a split row's filter stages (feed.h, select_rule.h): checked once here.
+mf_status mf_select_decide(const mf_select_decide_args *caller, mf_stream_t stream) {
+    return guard([&]() -> mf_status {
+        MF_RANGE("select_decide");
+        mf_select_decide_args copied;
+        mf_status st = read_descriptor(caller, &copied, "mf_select_decide_args", kDecideSizes);
+        if (st != MF_SUCCESS) return st;
+        const mf_select_decide_args *a = &copied;
+        const bool top = a->step == MF_DECIDE_TOP;
+        if (!top && a->step != MF_DECIDE_ROUND)
+            return fail(MF_ERROR_INVALID_VALUE, "select_decide: unknown step %u", a->step);
+        if (a->world == 0 || a->world > MF_MAX_SLICES || a->rank >= a->world)
+            return fail(MF_ERROR_INVALID_VALUE, "select_decide: world must be in [1, %u] and rank below it, got %u and %u",
+                        MF_MAX_SLICES, a->world, a->rank);
+        if (a->rows == 0 || a->rows > kMaxRows)
+            return fail(MF_ERROR_INVALID_VALUE, "select_decide: rows must be in [1, %u], got %u", kMaxRows, a->rows);
+        if (top && (a->vocab == 0 || a->vocab > kMaxVocab))
+            return fail(MF_ERROR_INVALID_VALUE, "select_decide: vocab must be in [1, %u], got %u", kMaxVocab, a->vocab);
+        const auto known = [](uint32_t sel) { return sel == MF_SELECT_K || sel == MF_SELECT_P; };
+        if (!top && (!known(a->select_k_p) || a->round >= MF_SELECT_ROUNDS))
+            return fail(MF_ERROR_INVALID_VALUE, "select_decide: a round needs its select (MF_SELECT_K or _P) and a "
+                        "round below %u, got %u and %u", MF_SELECT_ROUNDS, a->select_k_p, a->round);
+        if (a->next && !known(a->next))
+            return fail(MF_ERROR_INVALID_VALUE, "select_decide: next must be 0, MF_SELECT_K or MF_SELECT_P, got %u", a->next);
+        // A block: the header, then a record (TOP) or a histogram (ROUND) a row.
+        const uint64_t need = MF_PARTIAL_HEADER_BYTES + (uint64_t)a->rows * (top ? MF_PARTIAL_RECORD_BYTES : MF_SELECT_BINS * 8u);
+        if (a->block_bytes < need || a->block_bytes % MF_PARTIAL_RECORD_BYTES || a->block_bytes > SIZE_MAX / 2 / a->world)
+            return fail(MF_ERROR_INVALID_VALUE, "select_decide: block_bytes %llu is not a whole number of 16-byte records "
+                        "of at least %llu", (unsigned long long)a->block_bytes, (unsigned long long)need);
+        if (!a->gathered || !aligned(a->gathered, 16) || !a->params || !aligned(a->params, 8) || !a->select ||
+            !aligned(a->select, 8) || !a->plan || !aligned(a->plan, 8) || !a->fault || !aligned(a->fault, 4))
+            return fail(MF_ERROR_INVALID_VALUE, "select_decide: gathered, params, select, plan or fault is a null or "
+                        "misaligned pointer");
+        const size_t rows = a->rows, gathered = (size_t)a->world * a->block_bytes;
+        st = check_device_range(a->gathered, gathered, "gathered blocks");
+        if (st == MF_SUCCESS) st = check_device_range(a->params, rows * sizeof(mf_sampling_params), "params");
+        if (st == MF_SUCCESS) st = check_device_range(a->select, rows * sizeof(mf_select_row), "select state");
+        if (st == MF_SUCCESS) st = check_device_range(a->plan, rows * sizeof(mf_select_plan), "select plan");
+        if (st == MF_SUCCESS) st = check_device_range(a->fault, 4, "fault word");
+        if (st == MF_SUCCESS) {
+            const Span spans[] = {{a->gathered, gathered, "gathered blocks", false},
+                                  {a->params, rows * sizeof(mf_sampling_params), "params", false},
+                                  {a->select, rows * sizeof(mf_select_row), "select state", true},
+                                  {a->plan, rows * sizeof(mf_select_plan), "select plan", true},
+                                  {a->fault, 4, "fault word", true}};
+            st = refuse_overlaps(spans);
+        }
+        void *raw;
+        if (st == MF_SUCCESS) st = resolve_stream(stream, &raw);
+        if (st != MF_SUCCESS) return st;
+        if (kept_for_graph(raw, [copy = *a](mf_stream_t s) { return mf_select_decide(&copy, s); })) return MF_SUCCESS;
+        return ops().select_decide(a, raw);
     });
 }
 

@@ -77,6 +77,8 @@ struct Ops {
     // The top logprobs of a split vocabulary from gathered top blocks (top_logprob_rule.h): out,
     // chosen and the fault word; the copy and the record are composed by api_kernels.cpp.
     mf_status (*top_combine)(const mf_top_combine_args *args, void *stream);
+    // The decisions between a split row's filter stages (select_rule.h), in stream order.
+    mf_status (*select_decide)(const mf_select_decide_args *args, void *stream);
 
     // Graphs (api_graph.cpp checks the arguments). `graph` is the backend's own object (cuda: a
     // cudaGraphExec_t); capture_end with graph NULL discards the capture.

@@ -132,6 +132,35 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint32_t shift
         uint32_t flags
         uint32_t list_len
+    ctypedef struct mf_select_plan:
+        uint64_t target
+        uint64_t above
+        uint32_t prefix
+        uint32_t flags
+    enum:
+        MF_SELECT_K
+        MF_SELECT_P
+        MF_DECIDE_TOP
+        MF_DECIDE_ROUND
+    ctypedef struct mf_select_decide_args:
+        uint32_t struct_size
+        uint32_t step
+        const void *gathered
+        uint64_t block_bytes
+        uint32_t world
+        uint32_t rank
+        uint32_t rows
+        uint32_t vocab
+        uint64_t call
+        const mf_sampling_params *params
+        mf_select_row *select
+        mf_select_plan *plan
+        uint32_t *fault
+        uint32_t select_k_p
+        uint32_t round
+        uint32_t next
+    void mf_select_decide_args_init(mf_select_decide_args *args)
+    mf_status mf_select_decide(const mf_select_decide_args *args, mf_stream_t stream)
     # Descriptors start with struct_size: set one up with its mf_*_args_init() (feed.h).
     ctypedef struct mf_argmax_args:
         uint32_t struct_size

@@ -284,6 +284,8 @@ PARTIAL_RECORD_FIELDS: dict[str, tuple[int, str]]
 PARTIAL_TAG: int
 PARTIAL_OPS: dict[str, int]
 SELECT_ROW_BYTES: int
+SELECT_PLAN_BYTES: int
+SELECTS: dict[str, int]
 SELECT_HIST_BYTES: int
 SELECT_BINS: int
 SELECT_DIGIT_BITS: int
@@ -322,6 +324,10 @@ def _combine_partials(partials: _DeviceLike, world: int, cells: _DeviceLike,
                       slice_stride: int | None = None, filtered: bool = False,
                       drafts: _DeviceLike | None = None, k: int | None = None) -> None: ...
 def _check_partials_fault(fault_dst: Buffer, outcome: str = ...) -> None: ...
+def _select_decide(gathered: _DeviceLike, block_bytes: int, world: int, rank: int, rows: int,
+                   params: _DeviceLike, select: _DeviceLike, plan: _DeviceLike, fault: _DeviceLike,
+                   stream: _StreamLike = 0, *, step: str, vocab: int = 0, call: int = 0,
+                   sel: str | None = None, round: int = 0, next: str | None = None) -> None: ...
 def _top_block_bytes(rows: int, n: int) -> int: ...
 def _top_partial(logits: _DeviceLike | None, partials: _DeviceLike, stream: _StreamLike = 0, *,
                  n: int, start: int, vocab_total: int, call: int, rows: int | None = None,

@@ -37,6 +37,8 @@ SELECT_ROW_FLAGS = {"top": MF_SELECT_ROW_TOP, "hist": MF_SELECT_ROW_HIST, "mass"
 PARTIAL_OPS = {"argmax": MF_PARTIAL_ARGMAX, "sample": MF_PARTIAL_SAMPLE, "filtered": MF_PARTIAL_FILTERED,
                "top": MF_PARTIAL_TOP, "hist": MF_PARTIAL_HIST, "cands": MF_PARTIAL_CANDS}
 PARTIAL_TAG = MF_PARTIAL_TAG
+SELECT_PLAN_BYTES = sizeof(mf_select_plan)            # one row's decision state between rounds
+SELECTS = {"k": MF_SELECT_K, "p": MF_SELECT_P}          # the radix selects, in the order they run
 
 
 cdef int fill_partial(mf_argmax_args *a, object partial) except -1:
@@ -191,8 +193,8 @@ def _select_partial(logits, params, partials, select, stage, stream=0, *, start,
     """One stage of sampling with filters over the slice ``[start, stop)`` of each row.
 
     The filters need thresholds over the whole row (docs/kernels.md, "Filters need global
-    thresholds"): each stage writes a block the slices exchange, and the caller writes ``select``
-    between stages from the gathered blocks. ``"top"`` writes each row's greatest finite candidate
+    thresholds"): each stage writes a block the slices exchange, and ``_select_decide`` writes
+    ``select`` between stages from the gathered blocks. ``"top"`` writes each row's greatest finite candidate
     (a partial record), ``"hist"`` the weights of one 8-bit digit of the logit key
     (``SELECT_BINS`` uint64 a row after the header), ``"cands"`` each listed row's greatest ``min(top_k, count)``
     candidates (``cands_cap`` entries of ``PARTIAL_CAND_BYTES`` a row), ``"race"`` the race winner
@@ -383,6 +385,74 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
                       (partials, cells, dst, logprobs, logprobs_dst, fault_dst, event, params, drafts))
     finally:
         launch.close()
+
+
+def _select_decide(gathered, block_bytes, world, rank, rows, params, select, plan, fault, stream=0, *,
+                   step, vocab=0, call=0, sel=None, round=0, next=None):
+    """Queue one decision between a split row's filter stages (feed.h's mf_select_decide,
+    select_rule.h): after the ``"top"`` exchange or after round ``round`` of select ``sel``
+    (``"k"`` or ``"p"``), then start select ``next`` (None: none). Device state only: the host
+    does nothing between the rounds.
+
+    Parameters
+    ----------
+    gathered : DeviceBuffer or int
+        ``world`` blocks, ``block_bytes`` apart: the TOP stage's partial blocks, or a round's
+        histograms.
+    block_bytes, world, rank, rows : int
+    params : DeviceBuffer or int
+        ``rows`` SAMPLING_PARAMS_DTYPE records in device memory, read when the decision runs.
+    select, plan : DeviceBuffer or int
+        ``rows`` records of ``SELECT_ROW_BYTES`` and ``SELECT_PLAN_BYTES``.
+    fault : DeviceBuffer or int
+        A word: the TOP decision's header check writes it; a later decision after a fault changes
+        nothing.
+    stream : Stream, int or stream-like, optional
+    step : {"top", "round"}
+    vocab, call : int
+        ``"top"``: what the headers must carry.
+
+    Raises
+    ------
+    ValueError
+        Bad sizes, steps or selects, buffers too small or overlapping; nothing is queued.
+
+    Examples
+    --------
+    >>> _select_decide(gathered, block, 2, 0, 4, params, state, plan, fault, step="top",
+    ...                vocab=1000, call=call, next="k")   # doctest: +SKIP
+    """
+    cdef uint64_t s
+    cdef mf_select_decide_args a
+    cdef void *ptr
+    mf_select_decide_args_init(&a)
+    stream_of(stream, &s)
+    if step not in ("top", "round"):
+        raise ValueError(f"step must be 'top' or 'round', not {step!r}")
+    a.step = MF_DECIDE_TOP if step == "top" else MF_DECIDE_ROUND
+    for value, what in ((sel, "sel"), (next, "next")):
+        if value is not None and value not in SELECTS:
+            raise ValueError(f"{what} must be one of {sorted(SELECTS)} or None, not {value!r}")
+    a.select_k_p = SELECTS[sel] if sel is not None else 0
+    a.next = SELECTS[next] if next is not None else 0
+    a.round = <uint32_t>int_of(round, "round", 0, 0xFFFFFFFF)
+    u64_of(block_bytes, &a.block_bytes, "block_bytes")
+    a.world = <uint32_t>int_of(world, "world", 1, MF_MAX_SLICES)
+    a.rank = <uint32_t>int_of(rank, "rank", 0, MF_MAX_SLICES)
+    a.rows = <uint32_t>int_of(rows, "rows", 1, MF_MAX_ROWS)
+    a.vocab = <uint32_t>int_of(vocab, "vocab", 0, MF_MAX_VOCAB)
+    u64_of(call, &a.call, "call")
+    device_ptr_of(gathered, &ptr)
+    a.gathered = ptr
+    device_ptr_of(params, &ptr)
+    a.params = <const mf_sampling_params *>ptr
+    device_ptr_of(select, &ptr)
+    a.select = <mf_select_row *>ptr
+    device_ptr_of(plan, &ptr)
+    a.plan = <mf_select_plan *>ptr
+    device_ptr_of(fault, &ptr)
+    a.fault = <uint32_t *>ptr
+    queued_on(s, mf_select_decide(&a, s), (gathered, params, select, plan, fault), 0)
 
 
 def _check_partials_fault(fault_dst, outcome="every row got NO_TOKEN"):

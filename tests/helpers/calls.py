@@ -122,3 +122,73 @@ def split_top(dev, logits, offsets, n, ids=None, call=5, pad=0, tamper=None):
     for b in held:
         b.close()
     return recs, lp, fault
+
+
+def split_filtered(dev, logits, offsets, params, call=21):
+    """The split filters' protocol in one process (tp/select_rounds.py's, rank by rank): each
+    slice's stages into its own blocks, every exchange as copies of all the slices' blocks (zeros
+    once a slice's decision refused the call, as the shard's exchange does), each slice's
+    decisions (``_select_decide``) on its own state, then the combine of the race winners (every
+    slice's combine gives the same ids; slice 0's is returned, with the decisions' fault words of
+    every slice)."""
+    from types import SimpleNamespace
+
+    from metrale_feed.tp.select_rounds import LIST_CAP, ROUNDS, FilteredCall
+
+    rows, vocab = logits.shape
+    world = len(offsets) - 1
+    block = _core._partial_bytes(rows)
+    dtype = np.dtype(logits.dtype).name
+    calls = [FilteredCall(SimpleNamespace(_block=block, world=world, rank=w, vocab=vocab, _fault=None),
+                          params, rows, call) for w in range(world)]
+    held = []
+    slices = [upload_slice(dev, logits, offsets[w], offsets[w + 1], 0, held) for w in range(world)]
+
+    def stage(name, out):
+        for w, c in enumerate(calls):
+            kw = dict(start=offsets[w], stop=offsets[w + 1], vocab=vocab, dtype=dtype, call=call, rows=rows,
+                      id_list=c.id_list, list_cap=LIST_CAP)
+            if c.cap and name in ("cands", "race"):
+                kw.update(cands_cap=c.cap)
+                if name == "race":
+                    kw.update(cands=c.cgathered, cands_world=world, cands_stride=c.cblock)
+            _core._select_partial(slices[w], params, getattr(c, out), c.state_buf, name, **kw)
+
+    def exchange(src, dst, size):
+        for c in calls:
+            if dev.download(c.decided, np.uint32, 1)[0]:  # refused: no collective, zeroed (_gather)
+                dev.write(getattr(c, dst), np.zeros(world * size, np.uint8))
+                continue
+            for w, peer in enumerate(calls):
+                mf.copy_d2d_async(getattr(c, dst).ptr + w * size, getattr(peer, src), size)
+
+    first = calls[0]
+    for c in calls:
+        mf.copy_h2d_async(c.params_dev, c.params)
+    stage("top", "top")
+    exchange("top", "gathered", block)
+    for c in calls:
+        _core._select_decide(*c.world_args(c.gathered, block), step="top", vocab=vocab, call=call,
+                             next=c.selects[0] if c.selects else None)
+    if first.cap:
+        stage("cands", "cands")
+        exchange("cands", "cgathered", first.cblock)
+    for i, sel in enumerate(first.selects):
+        for j in range(ROUNDS):
+            stage("hist", "hist")
+            exchange("hist", "hgathered", first.hblock)
+            after = first.selects[i + 1] if j == ROUNDS - 1 and i + 1 < len(first.selects) else None
+            for c in calls:
+                _core._select_decide(*c.world_args(c.hgathered, c.hblock), step="round", sel=sel, round=j,
+                                     next=after)
+    stage("race", "top")
+    exchange("top", "gathered", block)
+    cells, ids, fault = mf.DeviceBuffer(rows * 4), np.zeros(rows, np.uint32), mf.PinnedBuffer(4)
+    with mf.Event() as done:
+        _core._combine_partials(first.gathered, world, cells, ids, done, rows=rows, vocab=vocab, call=call,
+                                fault_dst=fault, params=params, filtered=True)
+        done.synchronize()
+    words = [int(dev.download(c.decided, np.uint32, 1)[0]) for c in calls]
+    for b in held + [cells] + calls:
+        b.close()
+    return ids, fault, words

@@ -244,6 +244,7 @@ typedef struct mf_select_row {
 } mf_select_row;
 #define MF_SELECT_NO_LIST 0xFFFFFFFFu
 
+
 /* One row's sampling parameters (32 bytes; Python's SAMPLING_PARAMS_DTYPE has this layout). */
 typedef struct mf_sampling_params {
     float temperature; /* 0: the argmax rule exactly; else finite and > 0 */
@@ -254,6 +255,52 @@ typedef struct mf_sampling_params {
     uint32_t position; /* the Philox counter's position word (the token's index in its sequence) */
     uint32_t pad_;
 } mf_sampling_params;
+
+/* The decisions between a split row's filter stages (mf_select_decide; select_rule.h): one row's
+ * own state across the exchanges, written by the decisions alone. A row takes part in at most two
+ * radix selects, top_k's then top_p's (MF_SELECT_K, MF_SELECT_P), each 32 / 8 = 4 rounds. */
+enum { MF_SELECT_K = 1u, MF_SELECT_P = 2u };
+enum {
+    MF_PLAN_K = 1u,  /* the row's top_k takes a radix select (top_k > MF_SELECT_CANDS_MAX) */
+    MF_PLAN_P = 2u,  /* the row's top_p takes a radix select (no candidate list serves it) */
+    MF_PLAN_ON = 4u  /* the row takes part in the current select (its weight is not all kept) */
+};
+typedef struct mf_select_plan {
+    uint64_t target; /* the current select's weight to reach (top_k, or top_p's share of the mass) */
+    uint64_t above;  /* the weight of the greater digits selected so far */
+    uint32_t prefix; /* the key bits selected so far */
+    uint32_t flags;  /* MF_PLAN_* */
+} mf_select_plan;
+/* MF_DECIDE_TOP after the exchange of the TOP stage's blocks: checks their headers (a mismatch is
+ * the fault, every row's flags 0), then each row's zmax and which selects it takes, and starts the
+ * first select (`next`). MF_DECIDE_ROUND after round `round` of select `select`'s histograms: picks
+ * every taking row's digit as mf_select_digit does over the summed histograms; after the last
+ * round, its cut at the key found (the weight at that key of the slices before `rank`), then
+ * starts select `next` (0: none). A decision after a fault changes nothing. */
+enum { MF_DECIDE_TOP = 1u, MF_DECIDE_ROUND = 2u };
+typedef struct mf_select_decide_args {
+    uint32_t struct_size;       /* sizeof(mf_select_decide_args) where the caller was built: _init */
+    uint32_t step;              /* MF_DECIDE_* */
+    const void *gathered;       /* device: world blocks, block_bytes apart, slices in id order */
+    uint64_t block_bytes;
+    uint32_t world, rank;       /* the slices, and this caller's */
+    uint32_t rows;
+    uint32_t vocab;             /* TOP: the whole vocabulary (the headers' check) */
+    uint64_t call;              /* TOP: the call word the headers carry */
+    const mf_sampling_params *params; /* device, rows records, read when the kernel runs */
+    mf_select_row *select;      /* device, rows: the stages' state (written) */
+    mf_select_plan *plan;       /* device, rows: read and written */
+    uint32_t *fault;            /* device word: MF_FAULT_* | slice << 8 (TOP writes it) */
+    uint32_t select_k_p;        /* ROUND: the select of this round, MF_SELECT_K or MF_SELECT_P */
+    uint32_t round;             /* ROUND: 0 .. 3 */
+    uint32_t next;              /* the select that starts after this decision, 0: none */
+    uint32_t pad_;
+} mf_select_decide_args;
+static inline void mf_select_decide_args_init(mf_select_decide_args *args) {
+    memset(args, 0, sizeof *args);
+    args->struct_size = (uint32_t)sizeof *args;
+}
+MF_EXPORT mf_status mf_select_decide(const mf_select_decide_args *args, mf_stream_t stream);
 
 typedef struct mf_argmax_args {
     uint32_t struct_size;  /* sizeof(mf_argmax_args) where the caller was built: mf_argmax_args_init */

@@ -488,6 +488,11 @@ mf_status top_combine(const mf_top_combine_args *a, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status select_decide(const mf_select_decide_args *a, void *stream) {
+    MF_CUDA_TRY(cudak::launch_select_decide(*a, as_stream(stream)), "launching mf_select_decide_kernel");
+    return MF_SUCCESS;
+}
+
 mf_status resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                            uint32_t *out_advance, void *stream) {
     MF_CUDA_TRY(cudak::launch_resolve_verified(cells, rows, k, out_ids, out_advance, as_stream(stream)),
@@ -596,6 +601,7 @@ const Ops cuda_ops = {
     .penalties = penalties,
     .top_logprobs = top_logprobs,
     .top_combine = top_combine,
+    .select_decide = select_decide,
     .capture_begin = cudag::capture_begin,
     .capture_status = cudag::capture_status,
     .capture_end = cudag::capture_end,

@@ -96,6 +96,7 @@ cudaError_t launch_penalties(const mf_penalty_args &args, bool update, cudaStrea
 // The top logprobs of each row (top_logprob_feed.cu): one block per row, read-only on the logits.
 cudaError_t launch_top_logprobs(const mf_top_logprobs_args &args, cudaStream_t stream);
 cudaError_t launch_top_combine(const mf_top_combine_args &args, cudaStream_t stream);
+cudaError_t launch_select_decide(const mf_select_decide_args &args, cudaStream_t stream);
 
 cudaError_t launch_reference(const mf_reference_args &args, cudaStream_t stream);
 

@@ -361,6 +361,11 @@ mf_status top_logprobs(const mf_top_logprobs_args *args, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status select_decide(const mf_select_decide_args *args, void *stream) {
+    stream_of(stream)->enqueue("select_decide", [a = *args] { run_select_decide(a); });
+    return MF_SUCCESS;
+}
+
 mf_status top_combine(const mf_top_combine_args *args, void *stream) {
     stream_of(stream)->enqueue("top_logprobs_combine", [a = *args] { run_top_combine(a); });
     return MF_SUCCESS;
@@ -410,6 +415,7 @@ const Ops host_ops = {
     .penalties = penalties,
     .top_logprobs = top_logprobs,
     .top_combine = top_combine,
+    .select_decide = select_decide,
     .capture_begin = capture_begin,
     .capture_status = capture_status,
     .capture_end = capture_end,

@@ -160,6 +160,9 @@ void run_penalties(const PenaltyJob &job);
 void run_top_logprobs(const mf_top_logprobs_args &args);
 void run_top_combine(const mf_top_combine_args &args);
 
+// The decisions between a split row's filter stages (select_host.cpp): device state only.
+void run_select_decide(const mf_select_decide_args &args);
+
 // Clears FTZ/DAZ for the lifetime of the guard: the rules are defined on IEEE arithmetic with
 // subnormals, whatever a library loaded into the process did to this thread's MXCSR.
 struct IeeeFpGuard {

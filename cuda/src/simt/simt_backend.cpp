@@ -200,6 +200,17 @@ mf_status top_logprobs(const mf_top_logprobs_args *args, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status select_decide(const mf_select_decide_args *args, void *stream) {
+    try {
+        host::stream_of(stream)->enqueue("select_decide", [a = *args] {
+            check(simtk::launch_select_decide(a, nullptr), "mf_select_decide_kernel");
+        });
+    } catch (const std::bad_alloc &) {
+        return fail(MF_ERROR_OUT_OF_MEMORY, "select_decide: out of memory");
+    }
+    return MF_SUCCESS;
+}
+
 mf_status top_combine(const mf_top_combine_args *args, void *stream) {
     try {
         host::stream_of(stream)->enqueue("top_logprobs_combine", [a = *args] {
@@ -230,6 +241,7 @@ Ops make_ops() {
     o.penalties = penalties;
     o.top_logprobs = top_logprobs;
     o.top_combine = top_combine;
+    o.select_decide = select_decide;
     return o;
 }
 

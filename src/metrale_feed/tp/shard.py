@@ -617,8 +617,9 @@ class VocabShard:
         through here, in stream order, and is counted in ``stats`` when it is issued (so a graph's
         replays count too). Every rank must issue the same exchanges, with the same sizes, in the
         same order. ``call``: a filtered call (``select_rounds``) whose ``fault`` is set by the
-        time the exchange runs (the ranks disagreed) skips the collective on every rank alike and
-        zeroes ``dst`` (host backend; the cuda backend has no filtered calls).
+        time the exchange runs (the ranks disagreed: its first decision's fault word, or an
+        exchange that failed) skips the collective on every rank alike and zeroes ``dst`` (host
+        backend; the cuda backend has no filtered calls yet).
         """
         if dst.nbytes < src.nbytes * self.world:
             raise ValueError(f"the gathered buffer holds {dst.nbytes} bytes; {self.world} blocks "
@@ -664,6 +665,7 @@ class VocabShard:
         if call is not None and call.fault is not None:  # refused on every rank alike: no collective
             for o in outs:
                 o.zero_()
+            call.report()  # the event's error, once
             return
         self._count(n)
         try:
@@ -682,6 +684,7 @@ class VocabShard:
         """On the stream's worker, after the combine: its fault word as an error of the event
         (once: a call whose rounds were refused has reported it already)."""
         if call is not None and call.fault is not None:
+            call.report()  # unless an exchange has
             return
         try:
             _core._check_partials_fault(fault, outcome)
