@@ -189,37 +189,29 @@ mf_status penalties(const mf_penalty_args *args, bool update, void *stream) {
     return MF_SUCCESS;
 }
 
-mf_status top_logprobs(const mf_top_logprobs_args *args, void *stream) {
+// A kernel whose descriptor holds everything it reads (device memory only): the descriptor is
+// copied into the queued work, launched when the stream's worker reaches it.
+template <class Args>
+mf_status queue_kernel(const Args &args, void *stream, const char *op, const char *kernel,
+                       cudaError_t (*launch)(const Args &, cudaStream_t)) {
     try {
-        host::stream_of(stream)->enqueue("top_logprobs", [a = *args] {
-            check(simtk::launch_top_logprobs(a, nullptr), "mf_top_logprobs_kernel");
-        });
+        host::stream_of(stream)->enqueue(op, [a = args, kernel, launch] { check(launch(a, nullptr), kernel); });
     } catch (const std::bad_alloc &) {
-        return fail(MF_ERROR_OUT_OF_MEMORY, "top_logprobs: out of memory");
+        return fail(MF_ERROR_OUT_OF_MEMORY, "%s: out of memory", op);
     }
     return MF_SUCCESS;
 }
 
-mf_status select_decide(const mf_select_decide_args *args, void *stream) {
-    try {
-        host::stream_of(stream)->enqueue("select_decide", [a = *args] {
-            check(simtk::launch_select_decide(a, nullptr), "mf_select_decide_kernel");
-        });
-    } catch (const std::bad_alloc &) {
-        return fail(MF_ERROR_OUT_OF_MEMORY, "select_decide: out of memory");
-    }
-    return MF_SUCCESS;
+mf_status top_logprobs(const mf_top_logprobs_args *args, void *stream) {
+    return queue_kernel(*args, stream, "top_logprobs", "mf_top_logprobs_kernel", simtk::launch_top_logprobs);
 }
 
 mf_status top_combine(const mf_top_combine_args *args, void *stream) {
-    try {
-        host::stream_of(stream)->enqueue("top_logprobs_combine", [a = *args] {
-            check(simtk::launch_top_combine(a, nullptr), "mf_top_combine_kernel");
-        });
-    } catch (const std::bad_alloc &) {
-        return fail(MF_ERROR_OUT_OF_MEMORY, "top_logprobs_combine: out of memory");
-    }
-    return MF_SUCCESS;
+    return queue_kernel(*args, stream, "top_logprobs_combine", "mf_top_combine_kernel", simtk::launch_top_combine);
+}
+
+mf_status select_decide(const mf_select_decide_args *args, void *stream) {
+    return queue_kernel(*args, stream, "select_decide", "mf_select_decide_kernel", simtk::launch_select_decide);
 }
 
 mf_status device_name(int, char *buf, size_t buflen) {
