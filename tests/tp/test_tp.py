@@ -155,6 +155,11 @@ def test_bench_tp_checks_ids_and_counts_bytes(tmp_path):
         assert e["filtered_collectives_per_call"] == 3, e
         assert e["filtered_bytes_per_call"] == 2 * 16 * (e["rows"] + 2) + 32 + 400 * e["rows"], e
         assert e["gloo_collective_us"] > 0 and e["filtered_gather_ms"] > 0, e
+        # top_p alone: a radix select, its 4 rounds of 2048-byte histograms a row between the first
+        # and last blocks, each decided on the stream; the unsharded ids.
+        assert e["radix_checked"], e
+        assert e["radix_collectives_per_call"] == 6, e
+        assert e["radix_bytes_per_call"] == 2 * 16 * (e["rows"] + 2) + 4 * (32 + 2048 * e["rows"]), e
 
 
 @pytest.mark.parametrize("extra", [[], ["--temperature", "0.7"],

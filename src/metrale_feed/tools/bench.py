@@ -1209,6 +1209,14 @@ def bench_tp(world: int, quick: bool) -> Dict[str, Any]:
         _row("", "", f"unsharded, 1 rank {e['filtered_unsharded_ms']:.2f} ms",
              f"{e['filtered_unsharded_ms'] / e['filtered_sharded_ms']:.2f}x", "",
              f"one gloo all-gather of 16 B: {e['gloo_collective_us']:.0f} us")
+        _row(f"sharded top_p 0.9 alone {e['rows']} rows", f"{e['radix_sharded_ms']:.2f} ms",
+             f"gather logits + unsharded {e['radix_gather_ms']:.2f} ms",
+             f"{e['radix_gather_ms'] / e['radix_sharded_ms']:.2f}x", ">= 3x",
+             f"{e['radix_collectives_per_call']} collectives (4 rounds, decided on the stream), "
+             f"{e['radix_bytes_per_call'] / e['rows']:.0f} B/row; ids "
+             f"{'checked' if e['radix_checked'] else 'DIFFER'}")
+        _row("", "", f"unsharded, 1 rank {e['radix_unsharded_ms']:.2f} ms",
+             f"{e['radix_unsharded_ms'] / e['radix_sharded_ms']:.2f}x", "", "")
     return result
 
 

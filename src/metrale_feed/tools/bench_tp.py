@@ -9,7 +9,9 @@ over them. Then the sharded ``top_logprobs`` (n = 20) beside all-gathering the l
 unsharded call on every rank. Then sampling with ``top_k=50, top_p=0.9``: the sharded call (its exchange of per-row
 candidate lists) beside (a) all-gathering the logits then the unsharded ``sample_to_feed`` on every
 rank, and (b) the unsharded call on the whole rows on one rank; with its collectives per call and
-the cost of one small gloo collective on this machine (what each exchange's rendezvous costs).
+the cost of one small gloo collective on this machine (what each exchange's rendezvous costs); the
+same for ``top_p=0.9`` alone (a radix select: 4 rounds of histograms, each followed by a decision
+on the stream).
 Needs torch and numpy.
 """
 
@@ -89,6 +91,7 @@ def _rank(rank: int, world: int, port: int, sizes: List[int], repeats: int) -> N
         verify = _verify(group, full, rows, repeats)
         top = _top(group, full, rows, repeats)
         filtered = _filtered(rank, group, full, rows, repeats)
+        radix = _filtered(rank, group, full, rows, repeats, "radix", dict(top_p=0.9))
         out["sizes"].append({
             "rows": rows, "vocab": VOCAB, "world": world, "checked": checked,
             "sharded_ms": statistics.median(times["sharded"]) * 1e3,
@@ -101,6 +104,7 @@ def _rank(rank: int, world: int, port: int, sizes: List[int], repeats: int) -> N
             **verify,
             **top,
             **filtered,
+            **radix,
         })
         done.close(), cells.close(), buf.close()
     if rank == 0:
@@ -228,9 +232,11 @@ def _top(group: Any, full: Any, rows: int, repeats: int) -> Dict[str, Any]:
             "top_collectives_per_call": calls, "top_bytes_per_call": sent, "top_checked": checked}
 
 
-def _filtered(rank: int, group: Any, full: Any, rows: int, repeats: int) -> Dict[str, Any]:
-    """Sampling with top_k 50 and top_p 0.9: the sharded call on every rank, then the unsharded
-    call on rank 0 alone (the others wait at a barrier), the same ids."""
+def _filtered(rank: int, group: Any, full: Any, rows: int, repeats: int, name: str = "filtered",
+              filters: Any = None) -> Dict[str, Any]:
+    """Sampling with ``filters`` (default top_k 50 and top_p 0.9): the sharded call on every rank,
+    then the unsharded call on rank 0 alone (the others wait at a barrier), the same ids; the
+    figures' keys start with ``name``."""
     import numpy as np
     import torch.distributed as dist
 
@@ -245,8 +251,8 @@ def _filtered(rank: int, group: Any, full: Any, rows: int, repeats: int) -> Dict
     tpart = torch.from_numpy(part)
     gathered = mf.DeviceBuffer(rows * VOCAB * 4)
     gathered_ids = np.zeros(rows, np.uint32)
-    params = mf.sampling_params(rows, temperature=1.0, top_k=50, top_p=0.9, seed=np.arange(rows),
-                                position=np.arange(rows))
+    params = mf.sampling_params(rows, temperature=1.0, seed=np.arange(rows), position=np.arange(rows),
+                                **(filters or dict(top_k=50, top_p=0.9)))
     bufs = [mf.DeviceBuffer(max(1, a.nbytes)) for a in (part, full if rank == 0 else part[:0])]
     for b, a in zip(bufs, (part, full)):
         if a.nbytes and b.nbytes == a.nbytes:
@@ -301,13 +307,15 @@ def _filtered(rank: int, group: Any, full: Any, rows: int, repeats: int) -> Dict
                 whole_s.append(time.perf_counter() - t0)
     shard.close()
     cells.close(), bufs[0].close(), bufs[1].close(), gathered.close()
-    return {"filtered_sharded_ms": statistics.median(sharded_s) * 1e3,
-            "filtered_unsharded_ms": statistics.median(whole_s) * 1e3 if whole_s else None,
-            "filtered_gather_ms": statistics.median(gather_s) * 1e3,
-            "filtered_collectives_per_call": calls, "gloo_collective_us": statistics.median(small_s) * 1e6,
-            "filtered_bytes_per_call": sent,
-            "filtered_checked": bool(np.array_equal(ids, gathered_ids))
-            and (rank != 0 or bool(np.array_equal(ids, whole_ids)))}
+    figures = {"sharded_ms": statistics.median(sharded_s) * 1e3,
+               "unsharded_ms": statistics.median(whole_s) * 1e3 if whole_s else None,
+               "gather_ms": statistics.median(gather_s) * 1e3, "collectives_per_call": calls,
+               "bytes_per_call": sent,
+               "checked": bool(np.array_equal(ids, gathered_ids))
+               and (rank != 0 or bool(np.array_equal(ids, whole_ids)))}
+    out = {f"{name}_{k}": v for k, v in figures.items()}
+    out["gloo_collective_us"] = statistics.median(small_s) * 1e6
+    return out
 
 
 def run(world: int, quick: bool) -> Dict[str, Any]:
