@@ -328,3 +328,23 @@ def test_a_split_refuses_bad_input_before_queueing(host, dev, no_leaks, case):
         mf.stream_synchronize(0)
         assert dev.download(parts).tobytes() == before.tobytes()  # nothing ran
         fault.close()
+
+
+def test_slices_asked_other_ids_give_nan_and_a_fault(backend, dev):
+    """Every slice sends the id it was asked for: a row whose slices disagree gets a NaN chosen
+    logprob (never another rank's answer) and the fault names the row; the rest are right."""
+    from helpers.calls import split_top
+
+    rows, vocab, n = 4, 300, 2
+    logits = logits_for(np.random.default_rng(6), rows, vocab, "float32")
+    given = np.array([3, 250, N, 7], np.uint32)
+    other = given.copy()
+    other[1] = 251  # slice 1 was asked another id in row 1 (held by slice 1 either way)
+    with dev.upload(other) as theirs:
+        recs, chosen, fault = split_top(dev, logits, [0, 150, vocab], n, ids=given,
+                                        tamper=lambda w: dict(ids=theirs) if w == 1 else {})
+        with pytest.raises(mf.FeedError, match="row 1"):
+            _core._check_partials_fault(fault)
+    assert np.isnan(chosen[[1, 2]]).all()
+    assert_close(chosen[[0, 3]], reference_logprobs(logits[[0, 3]], given[[0, 3]]))
+    assert np.array_equal(recs["id"], oracle(logits, n)[0])  # the lists do not depend on the ids

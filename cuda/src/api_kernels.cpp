@@ -389,6 +389,17 @@ mf_status check_verify(const mf_verify_args *a, Slot **event) {
     if (st == MF_SUCCESS && a->event) st = resolve_event(a->event, event);
     return st;
 }
+
+// A combine's fault word may be the first header's reserved word (the binding puts it there: the
+// combine checks the headers before it writes it) but no other byte of the blocks it reads.
+mf_status check_fault_place(const void *partials, size_t part_bytes, const void *fault) {
+    const char *p = static_cast<const char *>(partials), *f = static_cast<const char *>(fault);
+    if (f + 4 > p && f < p + part_bytes && f != p + MF_PARTIAL_OFF_FAULT)
+        return fail(MF_ERROR_INVALID_VALUE, "the fault word overlaps the partial blocks other than at the first "
+                    "header's reserved word (offset %u)", MF_PARTIAL_OFF_FAULT);
+    return MF_SUCCESS;
+}
+
 }  // namespace
 
 extern "C" {
@@ -523,6 +534,8 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
             // it there): the combine checks every header before it writes the fault. So the last
             // two spans are checked against all but the partials.
             status = refuse_overlaps(spans, 6);
+            if (status == MF_SUCCESS)
+                status = check_fault_place(a->partials, (size_t)a->world * a->slice_stride * 16, a->fault);
             if (status == MF_SUCCESS) {
                 const Span faults[] = {spans[0], spans[1], spans[2], spans[3], spans[4], spans[6], spans[7], spans[8]};
                 status = refuse_overlaps(faults);
@@ -926,6 +939,7 @@ mf_status mf_top_logprobs_combine(const mf_top_combine_args *caller, mf_stream_t
             // allows; the combine checks every header before it writes it): the outputs against
             // the partials, then the fault words against the outputs.
             st = refuse_overlaps(spans, 3);
+            if (st == MF_SUCCESS) st = check_fault_place(a->partials, part_bytes, a->fault);
             if (st == MF_SUCCESS) {
                 const Span faults[] = {spans[0], spans[1], spans[3], spans[4]};
                 st = refuse_overlaps(faults);
@@ -973,7 +987,8 @@ mf_status mf_select_decide(const mf_select_decide_args *caller, mf_stream_t stre
             return fail(MF_ERROR_INVALID_VALUE, "select_decide: next must be 0, MF_SELECT_K or MF_SELECT_P, got %u", a->next);
         // A block: the header, then a record (TOP) or a histogram (ROUND) a row.
         const uint64_t need = MF_PARTIAL_HEADER_BYTES + (uint64_t)a->rows * (top ? MF_PARTIAL_RECORD_BYTES : MF_SELECT_BINS * 8u);
-        if (a->block_bytes < need || a->block_bytes % MF_PARTIAL_RECORD_BYTES || a->block_bytes > SIZE_MAX / 2 / a->world)
+        if (a->block_bytes < need || a->block_bytes % MF_PARTIAL_RECORD_BYTES ||
+            a->block_bytes / MF_PARTIAL_RECORD_BYTES > UINT32_MAX || a->block_bytes > SIZE_MAX / 2 / a->world)
             return fail(MF_ERROR_INVALID_VALUE, "select_decide: block_bytes %llu is not a whole number of 16-byte records "
                         "of at least %llu", (unsigned long long)a->block_bytes, (unsigned long long)need);
         if (!a->gathered || !aligned(a->gathered, 16) || !a->params || !aligned(a->params, 8) || !a->select ||

@@ -666,3 +666,15 @@ cdef mf_status copy_d2h_async_c(void *dst, const void *src, size_t nbytes, uint6
 
 cdef mf_status copy_h2d_async_c(void *dst, const void *src, size_t nbytes, uint64_t stream) noexcept nogil:
     return mf_copy_h2d_async(dst, src, nbytes, stream)
+
+
+def _device_bytes_left(ptr):
+    """Bytes of this package's device allocation from ``ptr`` to its end, or None where the layer
+    cannot say (a pointer it did not allocate on the cuda backend: foreign memory it trusts). On
+    the host and simt backends every device pointer is this package's, so an unknown one is 0."""
+    cdef uint64_t p
+    cdef size_t left = 0
+    u64_of(ptr, &p, "pointer")
+    if mf_mem_lookup(<void *><size_t>p, &left) == MF_MEM_DEVICE:
+        return left
+    return None if mf_active_backend() == MF_BACKEND_CUDA else 0

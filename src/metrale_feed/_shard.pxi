@@ -21,6 +21,7 @@ _FAULTS = {1: "another operation or not a partial block", 2: "another row count"
            5: "slices that do not tile the vocabulary in order",
            6: "the other logprobs setting (logprobs asked for on some slices only)"}
 _FAULT_FILTERS = 7  # bits 8+ hold a row, not a slice (feed.h, mf_combine_args)
+_FAULT_IDS = 8  # bits 8+ hold a row (mf_top_logprobs_combine)
 
 
 SELECT_ROW_BYTES = sizeof(mf_select_row)              # one row's state between filter stages
@@ -480,6 +481,9 @@ def _check_partials_fault(fault_dst, outcome="every row got NO_TOKEN"):
         raise FeedError(f"partial blocks refused: row {word >> 8} of the device-resident params "
                         "sets top_k, top_p or min_p, which a split row cannot apply (sharded "
                         "sampling with device params is temperature-only); it got NO_TOKEN")
+    if word & 0xFF == _FAULT_IDS:
+        raise FeedError(f"top logprobs blocks refused: the slices were asked other ids in row "
+                        f"{word >> 8} (every rank must pass the same ids); its chosen logprob is NaN")
     if word:
         reason = _FAULTS.get(word & 0xFF, f"fault {word & 0xFF}")
         raise FeedError(f"partial blocks refused: slice {word >> 8} has {reason}; {outcome}")

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "metrale_feed/feed.h"
+#include "metrale_feed/logprob_rule.h" /* MF_FAULT_*, and partial_layout.h's block sizes */
 
 static int failures = 0;
 
@@ -329,6 +330,42 @@ static void test_graphs(void) {
     OK(mf_stream_destroy(stream));
 }
 
+/* A top logprobs combine's fault word: the first header's reserved word, or memory of its own; any
+ * other byte of the blocks it reads is refused before anything is queued. */
+static void test_top_combine_fault_word(void) {
+    enum { ROWS = 2, N = 3 };
+    const uint64_t records = mf_top_block_records(ROWS, N);
+    void *parts = NULL, *out = NULL, *fault = NULL;
+    OK(mf_device_alloc(records * 16, &parts));
+    OK(mf_device_alloc(ROWS * N * 8, &out));
+    OK(mf_device_alloc(4, &fault));
+    mf_top_combine_args a;
+    mf_top_combine_args_init(&a);
+    a.partials = parts;
+    a.world = 1;
+    a.slice_stride = (uint32_t)records;
+    a.rows = ROWS;
+    a.vocab = 10;
+    a.n = N;
+    a.out = (mf_top_logprob *)out;
+    a.fault = (uint32_t *)((char *)parts + 32); /* row 0's record */
+    FAILS_WITH(mf_top_logprobs_combine(&a, 0), MF_ERROR_INVALID_VALUE);
+    a.fault = (uint32_t *)parts; /* the tag */
+    FAILS_WITH(mf_top_logprobs_combine(&a, 0), MF_ERROR_INVALID_VALUE);
+    a.fault = (uint32_t *)((char *)parts + MF_PARTIAL_OFF_FAULT); /* the reserved word: taken */
+    OK(mf_top_logprobs_combine(&a, 0));
+    a.fault = (uint32_t *)fault; /* a word of its own: taken */
+    OK(mf_top_logprobs_combine(&a, 0));
+    OK(mf_stream_synchronize(0));
+    uint32_t word = 0;
+    OK(mf_copy_d2h_async(&word, fault, 4, 0));
+    OK(mf_stream_synchronize(0));
+    CHECK((word & 0xFFu) == MF_FAULT_TAG); /* zeroed blocks: not a partial block */
+    OK(mf_device_free(parts));
+    OK(mf_device_free(out));
+    OK(mf_device_free(fault));
+}
+
 int main(void) {
     uint64_t events = 1, streams = 1, pinned = 1, device = 1;
 
@@ -339,6 +376,7 @@ int main(void) {
     test_memory_and_copies();
     test_argmax_and_resolve();
     test_graphs();
+    test_top_combine_fault_word();
     OK(mf_stream_synchronize(0));
     /* The same argmax, resolve and graphs with the CUDA kernels run by the simt executor, once
      * with the launch planning of 2 SMs, so few rows split and the last block combines. */

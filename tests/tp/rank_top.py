@@ -62,8 +62,21 @@ def scenario_top_graph(h):
         h.same_on_every_rank(got)
         h.same_on_every_rank(lp)
 
+    # The combine's outputs are checked before anything is queued (else this rank alone would
+    # fault after its collective, and its peers would wait for it at the next one).
+    before = dict(shard.stats)
+    for bad, match in ((dict(out=out, chosen=out), "overlap"), (dict(out=out, chosen=out.ptr + 1), "aligned"),
+                       (dict(out=out, chosen=0x1000), "need")):
+        try:
+            shard.top_logprobs(sl if width else None, n=n, rows=rows, dtype="float32", ids=ids_dev,
+                               stream=stream, **bad)
+        except ValueError as exc:
+            assert match in str(exc), exc
+        else:
+            raise AssertionError(f"{bad} was taken")
+    assert shard.stats == before, shard.stats
     logits, ids = fill(1)
-    step()  # once eagerly
+    step()  # once eagerly: the shard still takes calls
     done.synchronize()
     check(logits, ids)
     before = dict(shard.stats)

@@ -36,7 +36,8 @@ enum {
     MF_FAULT_VOCAB = 4u, /* another vocabulary */
     MF_FAULT_SPLIT = 5u, /* the slices do not tile [0, vocab) in order */
     MF_FAULT_LOGPROBS = 6u, /* the same operation with the other logprobs setting */
-    MF_FAULT_FILTERS = 7u   /* device params set a filter on a sampled split row (bits 8+: the row) */
+    MF_FAULT_FILTERS = 7u,  /* device params set a filter on a sampled split row (bits 8+: the row) */
+    MF_FAULT_IDS = 8u       /* a top logprobs combine's slices were asked other ids (bits 8+: the row) */
 };
 
 /* Whether a sampled row of a MF_PARTIAL_SAMPLE combine has a filter its slices could not apply:

@@ -69,36 +69,44 @@ MF_HD mf_partial_cand mf_top_cand(uint64_t w, const void *row, int dtype, uint32
     return c;
 }
 
-/* A slice's row record: (m, s) and the asked-for global id `id` (MF_NO_TOKEN: none asked) with its
- * logit when the slice [start, start + width) holds it. */
+/* Whether the slice of header `h` holds global id `id` (never MF_NO_TOKEN). */
+MF_HD int mf_top_holds(const mf_partial_header *h, uint32_t id) { return id - h->start < h->stop - h->start; }
+
+/* A slice's row record: (m, s), the asked-for global id `id` (MF_NO_TOKEN: none asked; every slice
+ * sends it, so the combine sees slices asked other ids) and its logit when the slice
+ * [start, start + width) holds it, else 0. */
 MF_HD mf_partial_record mf_top_slice_record(const void *row, int dtype, uint32_t start, uint32_t width,
                                             uint32_t id, float m, double s) {
     mf_partial_record rec;
     const int mine = id != MF_NO_TOKEN && id - start < width; /* wraps above width below start */
-    rec.id = mine ? id : MF_NO_TOKEN;
+    rec.id = id;
     rec.logit_bits = mine ? mf_logit_bits(row, dtype, id - start) : 0u;
     rec.max = m;
     rec.sum = (float)s;
     return rec;
 }
 
-/* Row r of a combine: `records` is slice 0's first row record, slice w's `stride` records further.
- * Writes out[0 .. n) and, when `chosen` is not NULL, *chosen; a header fault gives
- * (MF_NO_TOKEN, NaN) and NaN. */
-MF_HD void mf_top_combined_row(const mf_partial_record *records, uint32_t world, uint32_t stride,
-                               uint32_t rows, uint32_t n, uint32_t r, uint32_t fault,
-                               mf_top_logprob *out, float *chosen) {
+/* Row r of a combine: `records` is slice 0's first row record (its header the two records before
+ * it), slice w's `stride` records further. Writes out[0 .. n) and, when `chosen` is not NULL,
+ * *chosen; a header fault gives (MF_NO_TOKEN, NaN) and NaN. Returns whether the slices were asked
+ * other ids in this row (its chosen logprob is then NaN: no slice's answer is the row's). */
+MF_HD int mf_top_combined_row(const mf_partial_record *records, uint32_t world, uint32_t stride,
+                              uint32_t rows, uint32_t n, uint32_t r, uint32_t fault,
+                              mf_top_logprob *out, float *chosen) {
     uint64_t words[MF_MAX_TOP_LOGPROBS];
     uint32_t bits[MF_MAX_TOP_LOGPROBS];
     for (uint32_t j = 0; j < n; ++j) words[j] = 0, bits[j] = 0;
     float m = mf_neg_inf();
     double s = 0.0;
-    uint32_t id = MF_NO_TOKEN, id_bits = 0;
+    uint32_t id = fault ? MF_NO_TOKEN : records[r].id, id_bits = 0;
+    int differ = 0, held = 0; /* an id no slice holds (past the vocabulary) has no logprob */
     if (!fault) {
         mf_combine_stats(records + r, world, stride, &m, &s);
         for (uint32_t w = 0; w < world; ++w) {
             const mf_partial_record *slice = records + (uint64_t)w * stride;
-            if (slice[r].id != MF_NO_TOKEN) id = slice[r].id, id_bits = slice[r].logit_bits;
+            const mf_partial_header *h = (const mf_partial_header *)(slice - MF_PARTIAL_HEADER_RECORDS);
+            differ |= slice[r].id != id;
+            if (id != MF_NO_TOKEN && mf_top_holds(h, id)) id_bits = slice[r].logit_bits, held = 1;
             const mf_partial_cand *list = mf_top_list((mf_partial_record *)slice, rows, n, r);
             for (uint32_t j = 0; j < n && list[j].id != MF_NO_TOKEN; ++j) {
                 /* mf_top_insert, with each word's logit bits moved beside it */
@@ -119,7 +127,8 @@ MF_HD void mf_top_combined_row(const mf_partial_record *records, uint32_t world,
         out[j].id = words[j] ? mf_unpack_id(words[j]) : MF_NO_TOKEN;
         out[j].logprob = mf_logprob_finish(out[j].id, bits[j], m, s);
     }
-    if (chosen) *chosen = mf_logprob_finish(id, id_bits, m, s);
+    if (chosen) *chosen = mf_logprob_finish(differ || !held ? MF_NO_TOKEN : id, id_bits, m, s);
+    return differ;
 }
 
 #endif

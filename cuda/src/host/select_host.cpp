@@ -6,6 +6,7 @@
 namespace mf::host {
 
 void run_select_decide(const mf_select_decide_args &a) {
+    IeeeFpGuard ieee;  // the rule's float tests (a subnormal top_p is on) need IEEE mode
     const char *gathered = static_cast<const char *>(a.gathered);
     if (a.step == MF_DECIDE_TOP) {
         const uint32_t stride = (uint32_t)(a.block_bytes / MF_PARTIAL_RECORD_BYTES);

@@ -96,8 +96,10 @@ void run_top_combine(const mf_top_combine_args &a) {
     *a.fault = fault;
     const auto *records = static_cast<const mf_partial_record *>(a.partials) + MF_PARTIAL_HEADER_RECORDS;
     for (uint32_t r = 0; r < a.rows; ++r)
-        mf_top_combined_row(records, a.world, a.slice_stride, a.rows, a.n, r, fault, a.out + (size_t)r * a.n,
-                            a.chosen ? a.chosen + r : nullptr);
+        if (mf_top_combined_row(records, a.world, a.slice_stride, a.rows, a.n, r, fault, a.out + (size_t)r * a.n,
+                                a.chosen ? a.chosen + r : nullptr) &&
+            !*a.fault)
+            *a.fault = MF_FAULT_IDS | (r << 8);  // the first such row
 }
 
 }  // namespace mf::host

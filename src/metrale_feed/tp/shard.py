@@ -149,7 +149,9 @@ class VocabShard:
         self._force_exchange = False
         self._fault: str | None = None
         self._pending: list[tuple[Any, tuple[Any, ...]]] = []  # (done event, buffers it holds)
-        self._ring: list[tuple[Any, tuple[Any, ...]]] = []  # completed calls' (done, buffers)
+        # Completed calls' (done, buffers), by block size: the feed calls' (self._block), and a
+        # top_logprobs call's for each n it was called with.
+        self._rings: dict[int, list[tuple[Any, tuple[Any, ...]]]] = {}
         self._stream = 0  # the stream of the pending calls
         self._block = _core.PARTIAL_HEADER_BYTES + max_rows * _RECORD_BYTES
         # The agreement: every rank sends the same-sized record, so a disagreement is an error on
@@ -189,8 +191,8 @@ class VocabShard:
         >>> shard.close()  # doctest: +SKIP
         """
         with self._lock:  # after a call another thread is queueing
-            pending, self._pending = self._pending + self._ring, []
-            self._ring = []
+            pending, self._pending = self._pending + [s for ring in self._rings.values() for s in ring], []
+            self._rings = {}
             if self._fault is None:
                 self._fault = "the shard is closed"
         for done, held in pending:
@@ -243,21 +245,23 @@ class VocabShard:
         self._pending = pending
 
     def _recycle(self, slot: tuple[Any, tuple[Any, ...]]) -> None:
-        """A free slot back to the ring, when it is a ring slot and the ring has room; else freed
-        (a filtered call's buffers, a top_logprobs call's larger blocks)."""
+        """A free slot back to the ring of its block size while that ring has room; else freed
+        (a filtered call's buffers are never reused)."""
         held = slot[1]
-        if len(held) == _SLOT_BUFFERS and held[0].nbytes == self._block and len(self._ring) < _RING:
-            self._ring.append(slot)
+        ring = self._rings.setdefault(held[0].nbytes, []) if len(held) == _SLOT_BUFFERS else None
+        if ring is not None and len(ring) < _RING:
+            ring.append(slot)
         else:
             _close_slot(slot)
 
     def _slot(self, nbytes: int | None = None) -> tuple[Any, tuple[Any, ...]]:
-        """A call's (done event, (block, gathered, fault)): a completed call's from the ring, or
-        new ones sized by max_rows (so any call fits any slot); ``nbytes``: blocks of that size
-        instead, never from the ring."""
-        if self._ring and nbytes is None:
-            return self._ring.pop()
+        """A call's (done event, (block, gathered, fault)) with blocks of ``nbytes`` (default the
+        feed calls' size, set by max_rows so any call fits any slot): a completed call's from the
+        ring of that size, or new ones (so a depth-2 pipeline allocates nothing per step)."""
         size = self._block if nbytes is None else nbytes
+        ring = self._rings.get(size)
+        if ring:
+            return ring.pop()
         block = _core.DeviceBuffer(size)
         try:
             gathered = _core.DeviceBuffer(size * self.world)
@@ -526,12 +530,20 @@ class VocabShard:
                 sizes["rows"] = count
             # The combine's outputs are checked before the slice's call is queued: a refusal
             # there would leave this rank's collective behind its peers'.
-            for buf, what, need in ((out, "out", count * n * 8), (chosen, "chosen", count * 4)):
-                have = _device_at(buf, what)[1] if buf is not None else None
-                if have is not None and have < need:
-                    raise ValueError(f"{what}: {count} rows need {need} bytes; it has {have}")
             if n and out is None:
                 raise TypeError("out is required unless n is 0")
+            spans = []
+            for buf, what, need in ((out if n else None, "out", count * n * 8), (chosen, "chosen", count * 4)):
+                if buf is None:
+                    continue
+                at, have = _device_at(buf, what)
+                if have is not None and have < need:
+                    raise ValueError(f"{what}: {count} rows need {need} bytes; it has {have}")
+                if at % 4:
+                    raise ValueError(f"{what} is not 4-byte aligned")
+                spans.append((at, at + need, what))
+            if len(spans) == 2 and spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]:
+                raise ValueError("out and chosen overlap")
             src: Any = logits if shape is None or int(shape[0]) == count else logits[:count]
             if self.world == 1 and not self._force_exchange:  # the unsharded call, as the others
                 _core.top_logprobs(src, out, stream, n=n, ids=ids, chosen=chosen, **sizes)
@@ -754,9 +766,11 @@ def _precheck_host(buf: Any, rows: int, what: str, fmt: str) -> None:
 
 
 def _device_at(buf: Any, what: str) -> tuple[int, int | None]:
-    """(address, bytes or None when unknown) of a top_logprobs destination."""
+    """(address, bytes or None when unknown) of a top_logprobs destination: an int pointer's are
+    what is left of its allocation (0 for a pointer the layer does not know, None for foreign
+    memory on the cuda backend)."""
     if type(buf) is _core.DeviceBuffer:
         return int(buf.ptr), int(buf.nbytes)
     if isinstance(buf, int) and not isinstance(buf, bool):
-        return int(buf), None
+        return int(buf), _core._device_bytes_left(buf)
     raise TypeError(f"{what} must be a DeviceBuffer or an int, not {type(buf).__name__}")

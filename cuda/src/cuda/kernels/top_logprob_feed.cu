@@ -66,8 +66,11 @@ __global__ void mf_top_combine_kernel(const mf_partial_record *records, const mf
     if (r >= rows) return;
     const uint32_t f =
         mf_check_headers(headers, world, stride, mf_top_partial_op(n, chosen != nullptr), rows, call, vocab);
-    if (r == 0) *fault = f;
-    mf_top_combined_row(records, world, stride, rows, n, r, f, out + (uint64_t)r * n, chosen ? chosen + r : nullptr);
+    // The word was zeroed before the launch: row 0 writes a header fault (uniform: then no row
+    // compares ids), any row its ids' disagreement (the first to get there).
+    if (r == 0 && f) *fault = f;
+    if (mf_top_combined_row(records, world, stride, rows, n, r, f, out + (uint64_t)r * n, chosen ? chosen + r : nullptr))
+        atomicCAS(fault, 0u, MF_FAULT_IDS | (r << 8));
 }
 
 }  // namespace
@@ -92,6 +95,8 @@ cudaError_t launch_top_combine(const mf_top_combine_args &a, cudaStream_t stream
     (void)stream;
     const auto *headers = static_cast<const mf_partial_header *>(a.partials);
     const auto *records = static_cast<const mf_partial_record *>(a.partials) + MF_PARTIAL_HEADER_RECORDS;
+    cudaError_t e = cudaMemsetAsync(a.fault, 0, 4, stream);
+    if (e != cudaSuccess) return e;
     MF_LAUNCH((a.rows + 127) / 128, 128, 0, stream, mf_top_combine_kernel)(
         records, headers, a.world, a.slice_stride, a.rows, a.n, a.call, a.vocab, a.out, a.chosen, a.fault);
     return cudaGetLastError();
