@@ -1,5 +1,6 @@
 // Public entry points: the two feed kernels and the reference forward. Every argument is checked
 // here, before anything is queued, so a bad call launches nothing.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -390,14 +391,25 @@ mf_status check_verify(const mf_verify_args *a, Slot **event) {
     return st;
 }
 
-// A combine's fault word may be the first header's reserved word (the binding puts it there: the
-// combine checks the headers before it writes it) but no other byte of the blocks it reads.
-mf_status check_fault_place(const void *partials, size_t part_bytes, const void *fault) {
-    const char *p = static_cast<const char *>(partials), *f = static_cast<const char *>(fault);
-    if (f + 4 > p && f < p + part_bytes && f != p + MF_PARTIAL_OFF_FAULT)
-        return fail(MF_ERROR_INVALID_VALUE, "the fault word overlaps the partial blocks other than at the first "
-                    "header's reserved word (offset %u)", MF_PARTIAL_OFF_FAULT);
-    return MF_SUCCESS;
+// The spans of a combine of partial blocks: `spans` (its other inputs and outputs) must not overlap
+// each other or the partials; its fault word and the word's host copy must overlap none of `spans`,
+// and the fault word may lie in the partials only at the first header's reserved word (the binding
+// puts it there: the combine checks the headers before it writes it; any other byte would be read
+// as a header or a record while it is written).
+template <size_t N>
+mf_status refuse_combine_overlaps(const Span (&spans)[N], const Span &partials, const Span &fault,
+                                  const Span &fault_dst) {
+    Span all[N + 2];
+    std::copy(spans, spans + N, all);
+    all[N] = partials;
+    mf_status st = refuse_overlaps(all, N + 1);
+    const char *p = static_cast<const char *>(partials.ptr), *f = static_cast<const char *>(fault.ptr);
+    if (st == MF_SUCCESS && f + 4 > p && f < p + partials.nbytes && f != p + MF_PARTIAL_OFF_FAULT)
+        st = fail(MF_ERROR_INVALID_VALUE, "the fault word overlaps the partial blocks other than at the first "
+                  "header's reserved word (offset %u)", MF_PARTIAL_OFF_FAULT);
+    all[N] = fault;
+    all[N + 1] = fault_dst;
+    return st == MF_SUCCESS ? refuse_overlaps(all, N + 2) : st;
 }
 
 }  // namespace
@@ -525,21 +537,11 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
                 {a->logprobs_dst, rows * 4, "logprobs destination", true},
                 {device_params ? a->params : nullptr, rows * sizeof(mf_sampling_params),
                  "device-resident sampling params", false},
-                {a->partials, (size_t)a->world * a->slice_stride * 16, "partials", false},
-                {a->fault, 4, "fault word", true},
-                {a->fault_dst, 4, "fault destination", true},
                 {a->drafts, draft_bytes, "drafts", false},
             };
-            // The fault word may be a reserved word of the partials' first header (the binding puts
-            // it there): the combine checks every header before it writes the fault. So the last
-            // two spans are checked against all but the partials.
-            status = refuse_overlaps(spans, 6);
-            if (status == MF_SUCCESS)
-                status = check_fault_place(a->partials, (size_t)a->world * a->slice_stride * 16, a->fault);
-            if (status == MF_SUCCESS) {
-                const Span faults[] = {spans[0], spans[1], spans[2], spans[3], spans[4], spans[6], spans[7], spans[8]};
-                status = refuse_overlaps(faults);
-            }
+            status = refuse_combine_overlaps(spans, {a->partials, (size_t)a->world * a->slice_stride * 16, "partials", false},
+                                             {a->fault, 4, "fault word", true},
+                                             {a->fault_dst, 4, "fault destination", true});
         }
         Slot *event = nullptr;
         if (status == MF_SUCCESS && a->event) status = resolve_event(a->event, &event);
@@ -930,20 +932,9 @@ mf_status mf_top_logprobs_combine(const mf_top_combine_args *caller, mf_stream_t
         if (st == MF_SUCCESS) st = check_device_range(a->fault, 4, "fault word");
         if (st == MF_SUCCESS && a->fault_dst) st = check_host_range(a->fault_dst, 4, "fault destination");
         if (st == MF_SUCCESS) {
-            const Span spans[] = {{a->out, out_bytes, "out", true},
-                                  {a->chosen, chosen_bytes, "chosen", true},
-                                  {a->partials, part_bytes, "partials", false},
-                                  {a->fault, 4, "fault word", true},
-                                  {a->fault_dst, 4, "fault destination", true}};
-            // The fault word may be a reserved word of the first header (as mf_combine_partials
-            // allows; the combine checks every header before it writes it): the outputs against
-            // the partials, then the fault words against the outputs.
-            st = refuse_overlaps(spans, 3);
-            if (st == MF_SUCCESS) st = check_fault_place(a->partials, part_bytes, a->fault);
-            if (st == MF_SUCCESS) {
-                const Span faults[] = {spans[0], spans[1], spans[3], spans[4]};
-                st = refuse_overlaps(faults);
-            }
+            const Span spans[] = {{a->out, out_bytes, "out", true}, {a->chosen, chosen_bytes, "chosen", true}};
+            st = refuse_combine_overlaps(spans, {a->partials, part_bytes, "partials", false},
+                                         {a->fault, 4, "fault word", true}, {a->fault_dst, 4, "fault destination", true});
         }
         Slot *event = nullptr;
         if (st == MF_SUCCESS && a->event) st = resolve_event(a->event, &event);

@@ -118,12 +118,6 @@ class FilteredCall:
         for buf in self.buffers:
             buf.close()
 
-    def exchanges(self) -> int:
-        return 2 + (1 if self.cap else 0) + ROUNDS * len(self.selects)
-
-    def bytes_per_call(self) -> int:
-        return 2 * self.block + self.cblock + ROUNDS * len(self.selects) * self.hblock
-
     @property
     def fault(self) -> str | None:
         """Why the call's later exchanges are skipped (None: they run): a failed exchange, or the
