@@ -124,13 +124,14 @@ def split_top(dev, logits, offsets, n, ids=None, call=5, pad=0, tamper=None):
     return recs, lp, fault
 
 
-def split_filtered(dev, logits, offsets, params, call=21):
+def split_filtered(dev, logits, offsets, params, call=21, states=None):
     """The split filters' protocol in one process (tp/select_rounds.py's, rank by rank): each
     slice's stages into its own blocks, every exchange as copies of all the slices' blocks (zeros
     once a slice's decision refused the call, as the shard's exchange does), each slice's
     decisions (``_select_decide``) on its own state, then the combine of the race winners (every
     slice's combine gives the same ids; slice 0's is returned, with the decisions' fault words of
-    every slice)."""
+    every slice). ``states``: a list that gets each slice's final ``mf_select_row`` and
+    ``mf_select_plan`` bytes, what the decisions wrote."""
     from types import SimpleNamespace
 
     from metrale_feed.tp.select_rounds import LIST_CAP, ROUNDS, FilteredCall
@@ -189,6 +190,8 @@ def split_filtered(dev, logits, offsets, params, call=21):
                                 fault_dst=fault, params=params, filtered=True)
         done.synchronize()
     words = [int(dev.download(c.decided, np.uint32, 1)[0]) for c in calls]
+    if states is not None:
+        states.extend(dev.download(c.state_buf).tobytes() + dev.download(c.plan).tobytes() for c in calls)
     for b in held + [cells] + calls:
         b.close()
     return ids, fault, words

@@ -255,3 +255,28 @@ def test_a_split_top_logprobs_combine(host, dev, settings, dtype):
     recs, chosen, word = both(run, settings)
     assert word[0] == 0
     assert np.isnan(chosen[[2, 3]]).all() and not np.isnan(chosen[[0, 1, 4]]).any()
+
+
+@pytest.mark.parametrize("settings", ["default", "split-parallel"])
+def test_the_split_filters_decisions(host, dev, settings):
+    # mf_select_decide_kernel: every slice's final select state and plan (what the decisions
+    # wrote, through a top_k radix select, then a top_p one), its fault word and the draws.
+    from helpers.calls import split_filtered
+
+    rng = np.random.default_rng(9)
+    rows, vocab = 5, 2600
+    logits = logits_for(rng, rows, vocab, "float32")
+    params = mf.sampling_params(rows, temperature=rng.uniform(0.6, 1.4, rows), seed=np.arange(rows),
+                                top_k=[1500, 0, 1100, 2000, 0], top_p=[0.9, 0.7, 1.0, 0.5, 0.95],
+                                min_p=[0.0, 0.01, 0.0, 0.0, 0.02])
+
+    def run():
+        states = []
+        ids, fault, words = split_filtered(dev, logits, [0, 900, 900, vocab], params, states=states)
+        word = np.frombuffer(bytes(fault), np.uint32).copy()
+        fault.close()
+        return ids, word, np.array(words, np.uint32), np.frombuffer(b"".join(states), np.uint8)
+
+    ids, word, words, states = both(run, settings)
+    assert word[0] == 0 and not words.any()
+    assert not (ids == N).any()
