@@ -1179,8 +1179,9 @@ def bench_tp(world: int, quick: bool) -> Dict[str, Any]:
     """``--tp N``: the sharded argmax over N local ranks beside its two baselines (bench_tp.py)."""
     from . import bench_tp as tp
 
-    _section(f"tensor parallel, {world} ranks x {tp.VOCAB // world} ids, float32, gloo")
     result = tp.run(world, quick)
+    _section(f"tensor parallel, {world} ranks x {tp.VOCAB // world} ids, float32, gloo, "
+             f"ranks on the {result['backend']} backend")
     for e in result["sizes"]:
         name = f"sharded argmax {e['rows']}x{e['vocab']}"
         _row(name, f"{e['sharded_ms']:.2f} ms", f"gather logits {e['gather_ms']:.2f} ms",
@@ -1223,9 +1224,7 @@ def bench_tp(world: int, quick: bool) -> Dict[str, Any]:
 def main(args: Any) -> int:
     start = time.perf_counter()
     if getattr(args, "tp", None):
-        if mf.backend() != "host":
-            mf.set_backend("host")
-        print(f"metrale-feed bench --tp {args.tp}{' --quick' if args.quick else ''}: host backend")
+        print(f"metrale-feed bench --tp {args.tp}{' --quick' if args.quick else ''}")
         record = {"tp": bench_tp(args.tp, args.quick), "seconds": time.perf_counter() - start}
         missed = [name for name, mark in _VERDICTS if mark != "met"]
         print(f"\ntargets: {len(_VERDICTS) - len(missed)} of {len(_VERDICTS)} met"

@@ -41,7 +41,7 @@ def _rank(rank: int, world: int, port: int, sizes: List[int], repeats: int) -> N
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     group = dist.new_group(backend="gloo")  # the shard's own; the barriers use the default one
-    out: Dict[str, Any] = {"sizes": []}
+    out: Dict[str, Any] = {"sizes": [], "backend": mf.backend()}
     for rows in sizes:
         full = np.random.default_rng(rows).standard_normal((rows, VOCAB), dtype=np.float32)
         want = full.argmax(axis=1)
@@ -318,9 +318,18 @@ def _filtered(rank: int, group: Any, full: Any, rows: int, repeats: int, name: s
     return out
 
 
+# The rows of each measured size; --quick's smaller ones keep the check of every call's ids and
+# collectives under a minute on the simt backend, where the kernels run as CPU code.
+SIZES = (64, 256)
+QUICK_SIZES = (16, 64)
+
+
 def run(world: int, quick: bool) -> Dict[str, Any]:
-    """Start ``world`` ranks and return rank 0's figures."""
-    ranks = run_local_ranks("metrale_feed.tools.bench_tp", world, ["3" if quick else "7"])
+    """Start ``world`` ranks (on the backend METRALE_FEED_BACKEND gives them) and return rank 0's
+    figures."""
+    sizes = QUICK_SIZES if quick else SIZES
+    ranks = run_local_ranks("metrale_feed.tools.bench_tp", world,
+                            ["3" if quick else "7", ",".join(map(str, sizes))])
     for returncode, _, stderr in ranks:
         if returncode != 0:
             raise RuntimeError(f"a bench rank failed (exit {returncode}):\n{stderr[-2000:]}")
@@ -331,4 +340,5 @@ def run(world: int, quick: bool) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    _rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), [64, 256], int(sys.argv[4]))
+    _rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), [int(n) for n in sys.argv[5].split(",")],
+          int(sys.argv[4]))
