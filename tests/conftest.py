@@ -53,15 +53,33 @@ def pytest_runtest_setup(item):
 # Kernel name -> the test cases (in this process) that launched it on the simt backend, printed
 # at the end of the session: how much of the suite ran each CUDA kernel for real.
 _SIMT_CASES: dict = {}
+_SIMT_BEFORE = pytest.StashKey[dict]()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    before = metrale_feed.simt_config()["kernels"]
+    item.stash[_SIMT_BEFORE] = metrale_feed.simt_config()["kernels"]
     yield
-    for name, n in metrale_feed.simt_config()["kernels"].items():
-        if n > before.get(name, 0):
-            _SIMT_CASES[name] = _SIMT_CASES.get(name, 0) + 1
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # The kernels a test ran ride on its teardown report, so that under pytest-xdist the
+    # controller, which runs no test, still counts them.
+    outcome = yield
+    if call.when == "teardown" and _SIMT_BEFORE in item.stash:
+        before = item.stash[_SIMT_BEFORE]
+        ran = sorted(name for name, n in metrale_feed.simt_config()["kernels"].items()
+                     if n > before.get(name, 0))
+        outcome.get_result().user_properties.append(("simt_kernels", ran))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        for key, ran in report.user_properties:
+            if key == "simt_kernels":
+                for name in ran:
+                    _SIMT_CASES[name] = _SIMT_CASES.get(name, 0) + 1
 
 
 def pytest_terminal_summary(terminalreporter):

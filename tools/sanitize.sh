@@ -14,6 +14,8 @@
 #
 # METRALE_FEED_SANITIZE_DIR: where the venv and builds go (default build/sanitize in the repo).
 # METRALE_FEED_SANITIZE_TESTS: the pytest arguments of step 1 (default below).
+# METRALE_FEED_SANITIZE_VENV: a venv that has the build's and the tests' needs already, to build
+#   into (default: one of its own in the work folder, made on first use).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -37,7 +39,7 @@ simt_asan_tests=${METRALE_FEED_SIMT_ASAN_TESTS:-"tests/simt tests/test_reference
 simt_asan_select=${METRALE_FEED_SIMT_ASAN_SELECT:-"not 40000 and not 20000"}
 simt_tsan_select=${METRALE_FEED_SIMT_TSAN_SELECT:-"parallel"}
 
-venv="$work/venv"
+venv=${METRALE_FEED_SANITIZE_VENV:-$work/venv}
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
     "$venv/bin/python" -m pip install -q "scikit-build-core>=0.10" "cython>=3.0" ninja cmake \
