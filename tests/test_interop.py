@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import metrale_feed as mf
-from metrale_feed import NO_TOKEN, DeviceBuffer, Event, FeedError, PinnedBuffer, Stream
+from metrale_feed import NO_TOKEN, DeviceBuffer, Event, FeedError, PinnedBuffer, Stream, _core
 from metrale_feed.testing.oracle import reference_argmax
 from test_regressions import run_child
 
@@ -192,6 +192,43 @@ def test_argmax_refuses_bad_tensors_before_queueing():
         assert event.query()  # nothing recorded: nothing was queued
     mf.stream_synchronize()
     assert cells.tolist() == [9] * 4
+
+
+def _logits_readers():
+    """Every launcher that takes a logits tensor, as (name, call(logits)): each reads it through
+    the one check (the extension's tensor_rows)."""
+    from metrale_feed.penalties import PenaltyState
+
+    state = PenaltyState(2, capacity=8)
+    return state, [
+        ("argmax_to_feed", lambda t: mf.argmax_to_feed(t, None, np.zeros(2, np.uint32), None, None)),
+        ("top_logprobs", lambda t: _core.top_logprobs(t, _core.DeviceBuffer(2 * 8 * 2), n=2)),
+        ("penalties_apply", lambda t: state.apply(t, [0, mf.NO_TOKEN])),
+    ]
+
+
+@host_only
+@pytest.mark.parametrize("reader", ["argmax_to_feed", "top_logprobs", "penalties_apply"])
+def test_every_launcher_refuses_the_same_bad_logits_tensors(reader):
+    state, readers = _logits_readers()
+    call = dict(readers)[reader]
+    readonly = np.zeros((2, 8), np.float32)
+    readonly.flags.writeable = False
+    cases = [
+        (TypeError, "float32, float16 or bfloat16", np.zeros((2, 8), np.float64)),
+        (ValueError, "unit stride", np.zeros((2, 16), np.float32)[:, ::2]),
+        (ValueError, "overlap or run backwards",
+         np.lib.stride_tricks.as_strided(np.zeros(16, np.float32), (2, 8), (4, 4))),
+        (ValueError, "2-D", np.zeros((2, 1, 8), np.float32)),
+    ]
+    if reader == "penalties_apply":  # the one launcher that writes the logits
+        cases.append((ValueError, "read-only", readonly))
+    with state:
+        for exc, match, bad in cases:
+            with pytest.raises(exc, match=match):
+                call(bad)
+        call(np.zeros((2, 8), np.float32))  # the same call with a good tensor is queued
+        mf.stream_synchronize()
 
 
 @host_only

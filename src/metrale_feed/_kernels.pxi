@@ -16,15 +16,70 @@ cdef int agree(object given, object found, str what) except -1:
     return 0
 
 
+cdef struct TensorRows:
+    # A logits tensor's layout as the kernels read it: `rows` rows of `vocab` elements, `stride`
+    # elements apart, from `ptr`.
+    void *ptr
+    int64_t rows
+    int64_t vocab
+    int64_t stride
+    mf_dtype dtype
+    size_t itemsize
+
+
+cdef int tensor_rows(_Foreign f, TensorRows *t, object rows, object vocab, object dtype, object row_stride,
+                     bint one_dim, int64_t min_rows, int64_t min_vocab, bint writes) except -1:
+    """The one reading of a logits tensor for every launcher: its dtype, a 2-D (or, with
+    ``one_dim``, 1-D) shape with unit stride along the vocabulary, rows that neither overlap nor run
+    backwards, rows and vocab in range, and the given ``rows``, ``vocab``, ``row_stride`` and
+    ``dtype`` agreeing with it (None: not given). ``writes``: the launcher writes the logits."""
+    if f.entry is None or f.entry.code is None:
+        raise TypeError(f"logits must be float32, float16 or bfloat16, not {f.type_name()}")
+    if f.ndim == 1 and one_dim:
+        t.rows, t.vocab, t.stride = 1, f.shape[0], f.shape[0]
+        if f.shape[0] > 1 and f.strides[0] != 1:
+            raise ValueError("logits must have unit stride along the vocabulary")
+    elif f.ndim == 2:
+        t.rows, t.vocab, t.stride = f.shape[0], f.shape[1], f.strides[0]
+        if f.shape[1] > 1 and f.strides[1] != 1:
+            raise ValueError("logits must have unit stride along the vocabulary (the last dimension)")
+        if f.shape[0] <= 1:
+            t.stride = t.vocab
+        elif t.stride < t.vocab:
+            raise ValueError(f"logits rows overlap or run backwards (row stride {t.stride} < vocab {t.vocab})")
+    elif one_dim:
+        raise ValueError(f"logits must be 1-D (vocab,) or 2-D (rows, vocab), not {f.ndim}-D")
+    else:
+        raise ValueError(f"logits must be a 2-D (rows, vocab) tensor, not {f.ndim}-D")
+    if t.rows < min_rows or t.rows > MF_MAX_ROWS:
+        raise ValueError(f"the logits tensor has {t.rows} rows; rows must be in [{min_rows}, {MF_MAX_ROWS}]")
+    if t.vocab < min_vocab or t.vocab > MF_MAX_VOCAB:
+        raise ValueError(f"the logits tensor has vocab {t.vocab}; vocab must be in [{min_vocab}, 2**24]")
+    if writes and f.readonly:
+        raise ValueError("logits is read-only but this call writes it")
+    agree(rows, t.rows, "rows")
+    agree(vocab, t.vocab, "vocab")
+    agree(row_stride, t.stride, "row_stride")
+    if dtype is not None and dtype_entry(dtype) is not f.entry:
+        raise ValueError(f"dtype={dtype!r} disagrees with the logits tensor's {f.entry.name}")
+    t.ptr = f.ptr
+    t.dtype = <mf_dtype><int>f.entry.code
+    t.itemsize = <size_t>f.entry.itemsize
+    return 0
+
+
+cdef size_t tensor_extent(const TensorRows *t, int64_t rows):
+    """Bytes that ``rows`` of the tensor's rows span (what a launch lends the tensor for)."""
+    return 0 if rows <= 0 or t.vocab == 0 else ((rows - 1) * t.stride + t.vocab) * t.itemsize
+
+
 cdef int logits_of(_Launch launch, object logits, mf_argmax_args *a, object rows, object vocab,
                    object dtype, object row_stride) except -1:
     """Logits: a tensor gives its own rows, vocab, dtype and row stride (given ones must agree);
     a DeviceBuffer or an int pointer needs vocab and dtype. Sets a.logits, a.vocab, a.dtype,
     a.row_stride, and a.rows when the tensor says."""
     cdef void *ptr
-    cdef size_t nbytes
-    cdef _Foreign f
-    cdef int64_t t_rows, t_vocab, t_stride
+    cdef TensorRows t
     if not is_foreign(logits):
         if vocab is None or dtype is None:
             raise TypeError(f"{'vocab' if vocab is None else 'dtype'} is required unless logits is a tensor")
@@ -35,37 +90,13 @@ cdef int logits_of(_Launch launch, object logits, mf_argmax_args *a, object rows
         a.logits = ptr
         return 0
     f = launch.foreign(logits, "logits")
-    if f.entry is None or f.entry.code is None:
-        raise TypeError(f"logits must be float32, float16 or bfloat16, not {f.type_name()}")
-    if f.ndim == 1:
-        t_rows, t_vocab, t_stride = 1, f.shape[0], f.shape[0]
-        if f.shape[0] > 1 and f.strides[0] != 1:
-            raise ValueError("logits must have unit stride along the vocabulary")
-    elif f.ndim == 2:
-        t_rows, t_vocab, t_stride = f.shape[0], f.shape[1], f.strides[0]
-        if f.shape[1] > 1 and f.strides[1] != 1:
-            raise ValueError("logits must have unit stride along the vocabulary (the last dimension)")
-        if f.shape[0] == 1:
-            t_stride = t_vocab
-        elif t_stride < t_vocab:
-            raise ValueError(f"logits rows overlap or run backwards (row stride {t_stride} < vocab {t_vocab})")
-    else:
-        raise ValueError(f"logits must be 1-D (vocab,) or 2-D (rows, vocab), not {f.ndim}-D")
-    if t_rows < 1 or t_rows > MF_MAX_ROWS:
-        raise ValueError(f"the logits tensor has {t_rows} rows; rows must be in [1, {MF_MAX_ROWS}]")
-    if t_vocab < 1 or t_vocab > MF_MAX_VOCAB:
-        raise ValueError(f"the logits tensor has vocab {t_vocab}; vocab must be in [1, 2**24]")
-    agree(rows, t_rows, "rows")
-    agree(vocab, t_vocab, "vocab")
-    agree(row_stride, t_stride, "row_stride")
-    if dtype is not None and dtype_entry(dtype) is not f.entry:
-        raise ValueError(f"dtype={dtype!r} disagrees with the logits tensor's {f.entry.name}")
-    a.rows = <uint32_t>t_rows
-    a.vocab = <uint32_t>t_vocab
-    a.row_stride = <uint64_t>t_stride
-    a.dtype = <mf_dtype><int>f.entry.code
-    a.logits = f.ptr
-    launch.lend(f, ((t_rows - 1) * t_stride + t_vocab) * <size_t>f.entry.itemsize)
+    tensor_rows(f, &t, rows, vocab, dtype, row_stride, True, 1, 1, False)
+    a.rows = <uint32_t>t.rows
+    a.vocab = <uint32_t>t.vocab
+    a.row_stride = <uint64_t>t.stride
+    a.dtype = t.dtype
+    a.logits = t.ptr
+    launch.lend(f, tensor_extent(&t, t.rows))
     return 0
 
 

@@ -76,6 +76,7 @@ cdef object launch_penalties(bint update, object target, object slots, object st
     cdef size_t have
     cdef _Words words = None
     cdef _Foreign f
+    cdef TensorRows t
     mf_penalty_args_init(&a)
     stream_of(stream, &s)
     cdef _Launch launch = launch_on(s)
@@ -110,24 +111,14 @@ cdef object launch_penalties(bint update, object target, object slots, object st
                 a.logits = ptr
             else:
                 f = launch.foreign(target, "logits")
-                if f.entry is None or f.entry.code is None:
-                    raise TypeError(f"logits must be float32, float16 or bfloat16, not {f.type_name()}")
-                if f.ndim != 2 or (f.shape[1] > 1 and f.strides[1] != 1):
-                    raise ValueError("logits must be a 2-D (rows, vocab) tensor with unit stride along the vocabulary")
-                if f.readonly:
-                    raise ValueError("logits is read-only but penalties_apply writes it")
-                if f.shape[0] < a.rows:
-                    raise ValueError(f"the logits tensor has {f.shape[0]} rows; {a.rows} slots were given")
-                agree(vocab, f.shape[1], "vocab")
-                agree(row_stride, f.strides[0] if f.shape[0] > 1 else f.shape[1], "row_stride")
-                if dtype is not None and dtype_entry(dtype) is not f.entry:
-                    raise ValueError(f"dtype={dtype!r} disagrees with the logits tensor's {f.entry.name}")
-                a.vocab = <uint32_t>int_of(f.shape[1], "vocab", 0, MF_MAX_VOCAB)
-                a.row_stride = f.strides[0] if f.shape[0] > 1 else f.shape[1]
-                a.dtype = <mf_dtype><int>f.entry.code
-                a.logits = f.ptr
-                if a.rows:
-                    launch.lend(f, ((a.rows - 1) * a.row_stride + a.vocab) * <size_t>f.entry.itemsize)
+                tensor_rows(f, &t, None, vocab, dtype, row_stride, False, 0, 0, True)
+                if t.rows < a.rows:
+                    raise ValueError(f"the logits tensor has {t.rows} rows; {a.rows} slots were given")
+                a.vocab = <uint32_t>t.vocab
+                a.row_stride = <uint64_t>t.stride
+                a.dtype = t.dtype
+                a.logits = t.ptr
+                launch.lend(f, tensor_extent(&t, a.rows))
             launch.queued(mf_penalties_apply(&a, s), (target, slots, state, table, items))
     finally:
         launch.close()

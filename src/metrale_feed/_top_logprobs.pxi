@@ -70,6 +70,7 @@ cdef uint32_t queue_top(logits, out, stream, n, rows, vocab, dtype, row_stride, 
     cdef void *ptr
     cdef size_t have
     cdef _Foreign f
+    cdef TensorRows t
     mf_top_logprobs_args_init(&a)
     stream_of(stream, &s)
     a.n = <uint32_t>int_of(n, "n", 0 if ids is not None else 1, MF_MAX_TOP_LOGPROBS)
@@ -95,22 +96,13 @@ cdef uint32_t queue_top(logits, out, stream, n, rows, vocab, dtype, row_stride, 
                 a.logits = ptr
         else:
             f = launch.foreign(logits, "logits")
-            if f.entry is None or f.entry.code is None:
-                raise TypeError(f"logits must be float32, float16 or bfloat16, not {f.type_name()}")
-            if f.ndim != 2 or (f.shape[1] > 1 and f.strides[1] != 1):
-                raise ValueError("logits must be a 2-D (rows, vocab) tensor with unit stride along the vocabulary")
-            agree(rows, f.shape[0], "rows")
-            agree(vocab, f.shape[1], "vocab")
-            agree(row_stride, f.strides[0] if f.shape[0] > 1 else f.shape[1], "row_stride")
-            if dtype is not None and dtype_entry(dtype) is not f.entry:
-                raise ValueError(f"dtype={dtype!r} disagrees with the logits tensor's {f.entry.name}")
-            a.rows = <uint32_t>int_of(f.shape[0], "rows", 0, MF_MAX_ROWS)
-            a.vocab = <uint32_t>int_of(f.shape[1], "vocab", 0 if partial is not None else 1, MF_MAX_VOCAB)
-            a.row_stride = f.strides[0] if f.shape[0] > 1 else f.shape[1]
-            a.dtype = <mf_dtype><int>f.entry.code
-            a.logits = f.ptr
-            if a.rows and a.vocab:
-                launch.lend(f, ((a.rows - 1) * a.row_stride + a.vocab) * <size_t>f.entry.itemsize)
+            tensor_rows(f, &t, rows, vocab, dtype, row_stride, False, 0, 0 if partial is not None else 1, False)
+            a.rows = <uint32_t>t.rows
+            a.vocab = <uint32_t>t.vocab
+            a.row_stride = <uint64_t>t.stride
+            a.dtype = t.dtype
+            a.logits = t.ptr
+            launch.lend(f, tensor_extent(&t, t.rows))
         if partial is not None:
             launch.device(partial[0], &ptr, &have, "partials", True, False)
             if have != <size_t>-1 and mf_top_block_records(a.rows, a.n) * MF_PARTIAL_RECORD_BYTES > have:
