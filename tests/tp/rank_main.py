@@ -639,6 +639,24 @@ def scenario_hung_filtered():
     assert (ids == mf.NO_TOKEN).all(), ids
 
 
+def raw_logprobs(prompt, tokens, vocab):
+    """The float64 oracle's logprobs of ``tokens`` decoded after ``prompt`` by the reference model
+    (its raw logits at each step)."""
+    from metrale_feed.testing.reference import host_logits
+
+    hist, ref = list(prompt), []
+    for t in tokens:
+        ref.append(reference_logprobs(host_logits(hist, vocab)[None], [t])[0])
+        hist.append(t)
+    return np.array(ref)
+
+
+def assert_same_top(step_a, step_b, what):
+    """One step's top logprobs: the same ids in the same order, logprobs within the contract."""
+    assert [t for t, _ in step_a] == [t for t, _ in step_b], (what, step_a, step_b)
+    assert_close(np.array([x for _, x in step_a]), np.array([x for _, x in step_b], np.float64))
+
+
 def scenario_pipeline():
     from metrale_feed.testing.reference import ReferenceModel, host_next_token
 
@@ -679,7 +697,6 @@ def scenario_pipeline():
             mf.copy_d2h_async(model.logits, got.view(np.uint8))
         mf.stream_synchronize(0)
         assert np.array_equal(got, host_logits([3, 1, 4, 1], vocab)[shard.start:shard.stop])
-    from metrale_feed.testing.oracle import reference_logprobs
 
     for depth in (1, 2):
         want, want_lp, want_top = decode(depth, False)
@@ -693,8 +710,7 @@ def scenario_pipeline():
                 continue
             assert len(mine) == len(ref) == len(got[i]), (i, len(mine), len(ref))
             for step, (a, b) in enumerate(zip(mine, ref)):
-                assert [t for t, _ in a] == [t for t, _ in b], (depth, i, step, a, b)
-                assert_close(np.array([x for _, x in a]), np.array([x for _, x in b], np.float64))
+                assert_same_top(a, b, (depth, i, step))
                 if i % 4 == 0:  # greedy: the chosen token heads the list, with its own logprob
                     assert a[0][0] == got[i][step] and a[0][1] == got_lp[i][step], (a[0], got_lp[i][step])
         every = [None] * WORLD
@@ -703,12 +719,9 @@ def scenario_pipeline():
         for i, (tokens, lp, ref_lp) in enumerate(zip(want, got_lp, want_lp)):
             assert (lp is None) == (ref_lp is None) == (i % 3 != 0)
             if lp is not None:  # both within the contract of the float64 oracle
-                hist, ref = [3, 1, 4 + i], []
-                for t in tokens:
-                    ref.append(reference_logprobs(host_logits(hist, vocab)[None], [t])[0])
-                    hist.append(t)
-                assert_close(lp, np.array(ref))
-                assert_close(ref_lp, np.array(ref))
+                ref = raw_logprobs([3, 1, 4 + i], tokens, vocab)
+                assert_close(lp, ref)
+                assert_close(ref_lp, ref)
         assert WORLD == 1 or shard.stats["collectives"] - before >= 6, shard.stats  # a call a step
         assert got == want, (depth, got, want)
         # The greedy rows are the host prediction too.

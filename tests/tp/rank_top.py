@@ -114,7 +114,7 @@ def scenario_pipeline_penalties(h):
     logprobs and top logprobs of the unsharded pipeline, at depth 1 and 2, with a pool that
     preempts, and the logprobs are the raw distribution's (the oracle's), not the penalised one's;
     no host synchronisation beyond a step's."""
-    from metrale_feed.testing.reference import ReferenceModel, host_logits
+    from metrale_feed.testing.reference import ReferenceModel
 
     vocab = 1000
     offsets = {1: None, 2: [0, 333, vocab], 3: [0, 600, vocab, vocab]}.get(h.WORLD)
@@ -149,15 +149,11 @@ def scenario_pipeline_penalties(h):
                 if lp is None:
                     continue
                 # The raw distribution's logprobs (the oracle's, from the unpenalised logits).
-                hist, ref = [3, 1, 4 + i, 2 * i], []
-                for t in tokens:
-                    ref.append(reference_logprobs(host_logits(hist, vocab)[None], [t])[0])
-                    hist.append(t)
-                assert_close(np.array(lp), np.array(ref))
-                assert_close(np.array(w_lp), np.array(ref))
+                ref = h.raw_logprobs([3, 1, 4 + i, 2 * i], tokens, vocab)
+                assert_close(np.array(lp), ref)
+                assert_close(np.array(w_lp), ref)
                 for step, (a, b) in enumerate(zip(top or [], w_top or [])):
-                    assert [t for t, _ in a] == [t for t, _ in b], (what, step, a, b)
-                    assert_close(np.array([x for _, x in a]), np.array([x for _, x in b], np.float64))
+                    h.assert_same_top(a, b, (what, step))
                     raw_differs |= a[0][0] != tokens[step]
             every = [None] * h.WORLD
             h.dist.all_gather_object(every, got)

@@ -203,9 +203,9 @@ class _Ring:
             raise
 
     def acquire(self) -> int:
-        for index, busy in enumerate(self.busy):
+        for slot, busy in enumerate(self.busy):
             if not busy:
-                return index
+                return slot
         raise FeedError(f"readback ring exhausted: all {len(self.busy)} slots hold unread results; "
                         "await a ticket before launching another step")
 

@@ -404,8 +404,8 @@ class VocabShard:
         """Queue one exchange's call on ``stream``: ``partial(block)`` (which checks every
         argument and queues nothing when it raises), the all-gather, ``combine(gathered, fault)``,
         the fault check, then ``event``. ``counter``: the shard's call count once it is queued;
-        ``call``: the word the blocks' headers carry; ``nbytes``: blocks of another size than the
-        ring's; ``outcome``: what a refused combine wrote, for the fault's message."""
+        ``call``: the word the blocks' headers carry; ``nbytes``: blocks of this size instead of the
+        feed calls' (a ring of slots per size); ``outcome``: what a refused combine wrote, for the fault's message."""
         slot = self._slot(nbytes)
         done, (block, gathered, fault) = slot
         try:
