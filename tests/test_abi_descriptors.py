@@ -203,7 +203,16 @@ def test_initialised_descriptor_works(current, call):
     assert call.ids() == list(call.values.argmax(axis=1))
 
 
-@pytest.mark.parametrize("change", [8, -8, 1], ids=["newer-header", "older-unknown", "odd"])
+def test_the_size_before_penalties_is_read_as_without_them(current, call):
+    """A caller built before ``penalties`` was appended passes 8 bytes less: read, the field 0."""
+    status, message = current.initialised(*call.args, -8)
+    assert status == 0, message
+    call.event.synchronize()
+    assert call.ids() == list(call.values.argmax(axis=1))
+
+
+# (-8 would be the size before `penalties` was appended: an older version, which is read.)
+@pytest.mark.parametrize("change", [8, -16, 1], ids=["newer-header", "older-unknown", "odd"])
 def test_unknown_sizes_are_refused(current, call, change):
     status, message = current.initialised(*call.args, change)
     assert status == INVALID_VALUE and "struct_size" in message, message

@@ -93,3 +93,95 @@ def test_prepared_refusals_queue_nothing(host, dev):
     with pytest.raises(mf.FeedError, match="closed"):
         launch.update(ids)
     logits.close(), ids.close()
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["argmax", "sample"])
+def test_a_pick_with_penalties_queues_what_the_three_calls_queue(backend, dev, sampled):
+    """argmax_to_feed/sample_to_feed(penalties=launch) against launch.apply, the same pick, and
+    launch.update with its cells: the same logits, ids and counts, step after step (each step's
+    counts change the next step's logits)."""
+    rng = np.random.default_rng(7)
+    rows, vocab, stride = 5, 200, 203
+    slots = [3, NO, 0, 4, 1]
+    params = mf.sampling_params(rows, temperature=0.9, top_p=0.95, seed=np.arange(rows), position=0)
+    with PenaltyState(6, capacity=128) as a, PenaltyState(6, capacity=128) as b, \
+            mf.DeviceBuffer(rows * 4) as cells_a, mf.DeviceBuffer(rows * 4) as cells_b, \
+            mf.PinnedBuffer(rows * 4) as dst_a, mf.PinnedBuffer(rows * 4) as dst_b, mf.Event() as done:
+        for slot in slots:
+            if slot != NO:
+                req = request(rng, vocab)
+                a.set(slot, **req)
+                b.set(slot, **req)
+        separate = a.prepare(slots, vocab=vocab, dtype="float32", row_stride=stride)
+        fused = b.prepare(slots)  # the pick gives the layout
+        kw = dict(vocab=vocab, dtype="float32", row_stride=stride)
+        for step in range(4):
+            logits = (rng.normal(size=(rows, stride)) * 4).astype(np.float32)
+            la, lb = dev.upload(logits), dev.upload(logits)
+            if sampled:
+                params["position"] = step
+                separate.apply(la)
+                mf.sample_to_feed(la, params, cells_a, dst_a, None, **kw)
+                separate.update(cells_a)
+                assert mf.sample_to_feed(lb, params, cells_b, dst_b, done, penalties=fused, **kw) == rows
+            else:
+                separate.apply(la)
+                mf.argmax_to_feed(la, None, cells_a, dst_a, None, rows=rows, **kw)
+                separate.update(cells_a)
+                assert mf.argmax_to_feed(lb, None, cells_b, dst_b, done, rows=rows, penalties=fused,
+                                         **kw) == rows
+            done.synchronize()  # the event follows the update: the counts are final
+            mf.stream_synchronize(0)
+            assert bytes(dst_b) == bytes(dst_a)
+            want = dev.download(la, np.float32)
+            same_bits(dev.download(lb, np.float32), want)
+            assert not np.array_equal(want, logits.reshape(-1))  # the penalties did something
+            for slot in slots:
+                if slot != NO:
+                    assert b.read(slot) == a.read(slot)
+            la.close(), lb.close()
+        assert b.read(0)["generated"] == 9 + 4
+
+
+def test_a_pick_with_penalties_refused_queues_nothing(host, dev):
+    logits = dev.upload(np.ones((2, 8), np.float32))
+    cells, done = mf.DeviceBuffer(8), mf.Event()
+    with PenaltyState(3, capacity=8) as state:
+        state.set(0, prompt=[1], logit_bias={1: 1.0})
+        kw = dict(rows=2, vocab=8, dtype="float32")
+        cases = [
+            (ValueError, "3 rows; the call picks 2", dict(penalties=state.prepare([0, NO, 1]))),
+            (TypeError, "PenaltyLaunch", dict(penalties=object())),
+            (ValueError, "unsharded", dict(penalties=state.prepare([0, NO]),
+                                           shard=object())),  # refused before the shard is read
+        ]
+        readonly = np.ones((2, 8), np.float32)
+        readonly.flags.writeable = False
+        for exc, match, extra in cases:
+            with pytest.raises(exc, match=match):
+                mf.argmax_to_feed(logits, None, cells, None, done, **kw, **extra)
+        with pytest.raises(ValueError, match="read-only"):
+            mf.argmax_to_feed(readonly, None, cells, None, done, penalties=state.prepare([0, NO]))
+        params = mf.sampling_params(2, temperature=1.0)
+        with pytest.raises(ValueError, match="unsharded"):
+            mf.sample_to_feed(logits, params, cells, None, done, penalties=state.prepare([0, NO]),
+                              shard=object(), **kw)
+        assert done.query()  # nothing was recorded: nothing was queued
+        assert (dev.download(logits, np.float32) == 1).all()
+        assert state.read(0)["generated"] == 0
+        launch = state.prepare([0, NO])
+    with pytest.raises(mf.FeedError, match="closed"):  # the tables are resolved at each call
+        mf.argmax_to_feed(logits, None, cells, None, done, penalties=launch, **kw)
+    assert (dev.download(logits, np.float32) == 1).all()
+    logits.close(), cells.close(), done.close()
+
+
+def test_a_captured_pick_with_penalties_of_host_slots_is_refused(host):
+    with PenaltyState(2, capacity=8) as state, mf.DeviceBuffer(2 * 8 * 4) as logits, \
+            mf.DeviceBuffer(8) as cells, mf.Stream() as stream:
+        state.set(0, prompt=[1], logit_bias={1: 1.0})
+        launch = state.prepare([0, NO])
+        with pytest.raises(mf.FeedError, match="host-resident slots"):
+            with mf.graph_capture(stream):
+                mf.argmax_to_feed(logits, None, cells, None, None, stream, rows=2, vocab=8,
+                                  dtype="float32", penalties=launch)

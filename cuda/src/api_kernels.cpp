@@ -45,7 +45,8 @@ mf_status read_descriptor(const Args *in, Args *out, const char *name, const uin
     return MF_SUCCESS;
 }
 // The descriptor before the select stages' candidate lists (select_cands_cap on) was appended.
-constexpr uint32_t kArgmaxSizes[] = {offsetof(mf_argmax_args, select_cands_cap), sizeof(mf_argmax_args)};
+constexpr uint32_t kArgmaxSizes[] = {offsetof(mf_argmax_args, select_cands_cap), offsetof(mf_argmax_args, penalties),
+                                     sizeof(mf_argmax_args)};
 // The descriptor before MF_COMBINE_VERIFY's fields (drafts, k) were appended.
 constexpr uint32_t kCombineSizes[] = {offsetof(mf_combine_args, drafts), sizeof(mf_combine_args)};
 // The descriptor before the device position advance (advance, advance_group) was appended.
@@ -416,6 +417,39 @@ mf_status refuse_combine_overlaps(const Span (&spans)[N], const Span &partials, 
 
 extern "C" {
 
+static mf_status check_penalties(const mf_penalty_args *a, bool update);
+
+// A pick's penalties (mf_argmax_args.penalties): the apply over its logits and the update with
+// its cells, each checked as the two functions check theirs.
+static mf_status pick_penalties(const mf_argmax_args *args, mf_penalty_args *apply, mf_penalty_args *update) {
+    if (args->flags & (MF_ARGS_PARTIAL | MF_ARGS_SELECT))
+        return fail(MF_ERROR_INVALID_VALUE, "penalties with a partial call: each slice applies its own "
+                    "(mf_penalties_apply), and the update takes the combined ids");
+    mf_status st = read_descriptor(args->penalties, apply, "mf_penalty_args", kPenaltySizes);
+    if (st != MF_SUCCESS) return st;
+    if (apply->rows != args->rows)
+        return fail(MF_ERROR_INVALID_VALUE, "the penalties name %u rows; the call picks %u", apply->rows, args->rows);
+    apply->logits = const_cast<void *>(args->logits);  // changed in place, as penalties_apply does
+    apply->dtype = args->dtype;
+    apply->vocab = args->vocab;
+    apply->row_stride = args->row_stride;
+    apply->start = 0;
+    apply->ids = nullptr;
+    *update = *apply;
+    update->ids = args->cells;
+    st = check_penalties(apply, false);
+    if (st == MF_SUCCESS) st = check_penalties(update, true);
+    if (st == MF_SUCCESS && args->logprobs) {  // the other output the state could lie under
+        const Span spans[] = {
+            {args->logprobs, (size_t)args->rows * 4, "logprobs", true},
+            {apply->state, (size_t)apply->slot_count * sizeof(mf_penalty_slot), "penalty state", true},
+            {apply->table, (size_t)apply->slot_count * apply->table_cap * sizeof(mf_penalty_entry), "penalty table", true},
+        };
+        st = refuse_overlaps(spans);
+    }
+    return st;
+}
+
 mf_status mf_argmax_to_feed(const mf_argmax_args *caller, mf_stream_t stream) {
     return guard([&]() -> mf_status {
         MF_RANGE("argmax_to_feed");
@@ -426,7 +460,12 @@ mf_status mf_argmax_to_feed(const mf_argmax_args *caller, mf_stream_t stream) {
         void *raw;
         Slot *event;
         status = check_argmax(args, &event);
+        mf_penalty_args pen_apply, pen_update;
+        const bool penalised = args->penalties != nullptr;
+        if (status == MF_SUCCESS && penalised) status = pick_penalties(args, &pen_apply, &pen_update);
         if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+        if (status == MF_SUCCESS && penalised && !(pen_apply.flags & MF_PENALTY_SLOTS_DEVICE))
+            status = refuse_in_capture(raw, "argmax_to_feed with penalties of host-resident slots", true);
         if (status == MF_SUCCESS && args->masks && !(args->flags & MF_ARGS_MASKS_DEVICE))
             status = refuse_in_capture(raw, "argmax_to_feed with host-resident masks", true);
         if (status == MF_SUCCESS && args->params && !(args->flags & MF_ARGS_PARAMS_DEVICE))
@@ -436,7 +475,11 @@ mf_status mf_argmax_to_feed(const mf_argmax_args *caller, mf_stream_t stream) {
         if (status == MF_SUCCESS && args->logprobs_dst)
             status = capture_host_check(raw, args->logprobs_dst, "argmax_to_feed logprobs destination");
         if (status != MF_SUCCESS) return status;
-        if (kept_for_graph(raw, [copy = *args](mf_stream_t s) { return mf_argmax_to_feed(&copy, s); }))
+        // A replay's copy owns its penalty descriptor: the caller's may be gone by then.
+        if (kept_for_graph(raw, [copy = *args, pen = pen_apply, penalised](mf_stream_t s) mutable {
+                if (penalised) copy.penalties = &pen;
+                return mf_argmax_to_feed(&copy, s);
+            }))
             return MF_SUCCESS;
         mf_argmax_args local;
         if (!args->masks) {
@@ -444,8 +487,10 @@ mf_status mf_argmax_to_feed(const mf_argmax_args *caller, mf_stream_t stream) {
             local.masks = no_masks();
             args = &local;
         }
-        Staged staged(raw, args->host_dst || args->logprobs_dst || event);
-        status = ops().argmax(args, raw);
+        Staged staged(raw, penalised || args->host_dst || args->logprobs_dst || event);
+        status = penalised ? ops().penalties(&pen_apply, false, raw) : MF_SUCCESS;
+        if (status == MF_SUCCESS) status = ops().argmax(args, raw);
+        if (status == MF_SUCCESS && penalised) status = ops().penalties(&pen_update, true, raw);
         if (status == MF_SUCCESS && args->host_dst)
             status = ops().copy_async(args->host_dst, args->cells, (size_t)args->rows * 4, kD2H, raw);
         if (status == MF_SUCCESS && args->logprobs_dst)
@@ -731,13 +776,11 @@ mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, 
     });
 }
 
-// Both penalty ops: one descriptor, checked once here (docs/penalties.md).
-static mf_status penalties(const mf_penalty_args *caller, bool update, mf_stream_t stream) {
+// Both penalty ops' descriptor, checked once (docs/penalties.md): for the two functions and for
+// a pick that carries its step's penalties (mf_argmax_args.penalties).
+static mf_status check_penalties(const mf_penalty_args *a, bool update) {
     const char *name = update ? "penalties_update" : "penalties_apply";
-    mf_penalty_args copied;
-    mf_status st = read_descriptor(caller, &copied, "mf_penalty_args", kPenaltySizes);
-    if (st != MF_SUCCESS) return st;
-    const mf_penalty_args *a = &copied;
+    mf_status st;
     if (a->rows > kMaxRows) return fail(MF_ERROR_INVALID_VALUE, "%s: rows must be at most %u, got %u", name, kMaxRows, a->rows);
     if (a->flags & ~(uint32_t)MF_PENALTY_SLOTS_DEVICE)
         return fail(MF_ERROR_INVALID_VALUE, "%s: unknown flags %#x", name, a->flags);
@@ -804,6 +847,16 @@ static mf_status penalties(const mf_penalty_args *caller, bool update, mf_stream
         };
         st = refuse_overlaps(spans);
     }
+    return st;
+}
+
+static mf_status penalties(const mf_penalty_args *caller, bool update, mf_stream_t stream) {
+    mf_penalty_args copied;
+    mf_status st = read_descriptor(caller, &copied, "mf_penalty_args", kPenaltySizes);
+    if (st != MF_SUCCESS) return st;
+    const mf_penalty_args *a = &copied;
+    const bool dslots = a->flags & MF_PENALTY_SLOTS_DEVICE;
+    st = check_penalties(a, update);
     void *raw;
     if (st == MF_SUCCESS) st = resolve_stream(stream, &raw);
     if (st == MF_SUCCESS && !dslots) st = refuse_in_capture(raw, update ? "penalties_update with host-resident slots"

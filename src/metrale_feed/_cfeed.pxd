@@ -161,6 +161,39 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint32_t next
     void mf_select_decide_args_init(mf_select_decide_args *args)
     mf_status mf_select_decide(const mf_select_decide_args *args, mf_stream_t stream)
+    # The penalty descriptor (declared here: mf_argmax_args points to one).
+    ctypedef struct mf_penalty_slot:
+        float repetition
+        float presence
+        float frequency
+        uint32_t min_tokens
+        uint32_t generated
+        uint32_t entries
+        uint32_t biases
+        uint32_t stops
+    ctypedef struct mf_penalty_entry:
+        uint32_t id
+        uint32_t count
+    ctypedef struct mf_penalty_item:
+        uint32_t id
+        float value
+    ctypedef struct mf_penalty_args:
+        uint32_t struct_size
+        void *logits
+        mf_dtype dtype
+        uint32_t rows
+        uint32_t vocab
+        uint64_t row_stride
+        uint32_t start
+        uint32_t flags
+        const uint32_t *slots
+        mf_penalty_slot *state
+        uint32_t slot_count
+        uint32_t table_cap
+        mf_penalty_entry *table
+        const mf_penalty_item *items
+        uint32_t item_cap
+        const uint32_t *ids
     # Descriptors start with struct_size: set one up with its mf_*_args_init() (feed.h).
     ctypedef struct mf_argmax_args:
         uint32_t struct_size
@@ -191,6 +224,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint32_t select_cands_world
         uint64_t select_cands_stride
         const void *select_cands
+        const mf_penalty_args *penalties
     enum:
         MF_ARGS_MASKS_DEVICE
         MF_ARGS_PARAMS_DEVICE
@@ -282,38 +316,6 @@ cdef extern from "metrale_feed/feed.h" nogil:
     const uint32_t MF_MAX_PENALTY_SLOTS
     const uint32_t MF_PENALTY_PROMPT
     enum: MF_PENALTY_SLOTS_DEVICE
-    ctypedef struct mf_penalty_slot:
-        float repetition
-        float presence
-        float frequency
-        uint32_t min_tokens
-        uint32_t generated
-        uint32_t entries
-        uint32_t biases
-        uint32_t stops
-    ctypedef struct mf_penalty_entry:
-        uint32_t id
-        uint32_t count
-    ctypedef struct mf_penalty_item:
-        uint32_t id
-        float value
-    ctypedef struct mf_penalty_args:
-        uint32_t struct_size
-        void *logits
-        mf_dtype dtype
-        uint32_t rows
-        uint32_t vocab
-        uint64_t row_stride
-        uint32_t start
-        uint32_t flags
-        const uint32_t *slots
-        mf_penalty_slot *state
-        uint32_t slot_count
-        uint32_t table_cap
-        mf_penalty_entry *table
-        const mf_penalty_item *items
-        uint32_t item_cap
-        const uint32_t *ids
     void mf_penalty_args_init(mf_penalty_args *args)
     mf_status mf_penalties_apply(const mf_penalty_args *args, mf_stream_t stream)
     mf_status mf_penalties_update(const mf_penalty_args *args, mf_stream_t stream)

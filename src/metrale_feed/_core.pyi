@@ -227,14 +227,16 @@ def argmax_to_feed(logits: _DeviceLike, masks: _MasksLike | _DeviceLike | None, 
                    rows: int | None = None, vocab: int | None = None, dtype: _DType | None = None,
                    row_stride: int | None = None, bitmask: _DeviceLike | None = None,
                    logprobs: _DeviceLike | None = None,
-                   logprobs_dst: Buffer | int | None = None, shard: Any | None = None) -> int: ...
+                   logprobs_dst: Buffer | int | None = None, shard: Any | None = None,
+                   penalties: PenaltyLaunch | None = None) -> int: ...
 def sample_to_feed(logits: _DeviceLike, params: Buffer | _DeviceLike, cells: _DeviceLike,
                    dst: Buffer | int | None, event: _EventLike | None, stream: _StreamLike = 0, *,
                    masks: _MasksLike | _DeviceLike | None = None,
                    bitmask: _DeviceLike | None = None, rows: int | None = None,
                    vocab: int | None = None, dtype: _DType | None = None,
                    row_stride: int | None = None, logprobs: _DeviceLike | None = None,
-                   logprobs_dst: Buffer | int | None = None, shard: Any | None = None) -> int: ...
+                   logprobs_dst: Buffer | int | None = None, shard: Any | None = None,
+                   penalties: PenaltyLaunch | None = None) -> int: ...
 def resolve_feed(sources: _WordsLike | _DeviceLike, cells: _DeviceLike, out: _DeviceLike,
                  stream: _StreamLike = 0, *, prev_rows: int | None = None,
                  rows: int | None = None) -> None: ...

@@ -74,7 +74,7 @@ cdef size_t tensor_extent(const TensorRows *t, int64_t rows):
 
 
 cdef int logits_of(_Launch launch, object logits, mf_argmax_args *a, object rows, object vocab,
-                   object dtype, object row_stride) except -1:
+                   object dtype, object row_stride, bint writes=False) except -1:
     """Logits: a tensor gives its own rows, vocab, dtype and row stride (given ones must agree);
     a DeviceBuffer or an int pointer needs vocab and dtype. Sets a.logits, a.vocab, a.dtype,
     a.row_stride, and a.rows when the tensor says."""
@@ -90,7 +90,7 @@ cdef int logits_of(_Launch launch, object logits, mf_argmax_args *a, object rows
         a.logits = ptr
         return 0
     f = launch.foreign(logits, "logits")
-    tensor_rows(f, &t, rows, vocab, dtype, row_stride, True, 1, 1, False)
+    tensor_rows(f, &t, rows, vocab, dtype, row_stride, True, 1, 1, writes)
     a.rows = <uint32_t>t.rows
     a.vocab = <uint32_t>t.vocab
     a.row_stride = <uint64_t>t.stride
@@ -205,7 +205,7 @@ cdef int fill_params(_Launch launch, mf_argmax_args *a, object params, _PickInpu
 cdef object launch_pick(object logits, object masks, object cells, object dst, object event,
                         object stream, object bitmask, object params, object rows, object vocab,
                         object dtype, object row_stride, object logprobs=None,
-                        object logprobs_dst=None, object partial=None):
+                        object logprobs_dst=None, object partial=None, object penalties=None):
     """The one launcher under argmax_to_feed and sample_to_feed (and their partial calls, see
     _shard.pxi): one descriptor, one C call. Every argument is checked before the launch, which
     commits what the work needs or raises with nothing kept (_Launch.queued)."""
@@ -221,7 +221,7 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
     cdef _Launch launch = launch_on(s)
     try:
         if partial is None:
-            logits_of(launch, logits, &a, rows, vocab, dtype, row_stride)
+            logits_of(launch, logits, &a, rows, vocab, dtype, row_stride, penalties is not None)
         else:  # a slice [start, stop) of rows of `vocab` ids: the logits hold the slice's columns
             fill_partial(&a, partial)
             if a.vocab == 0:  # an empty slice reads nothing
@@ -283,8 +283,10 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
         launch.records(a.event)
         if partial is None:
             launch.writes_cells(a.cells, a.rows)
+        if penalties is not None:  # the launch keeps its tables alive until the work has run
+            pick_penalties(&a, penalties)
         launch.queued(mf_argmax_to_feed(&a, s),
-                      (logits, masks, cells, dst, event, bitmask, params, logprobs, logprobs_dst))
+                      (logits, masks, cells, dst, event, bitmask, params, logprobs, logprobs_dst, penalties))
     finally:
         launch.close()
     return a.rows
@@ -359,7 +361,7 @@ cdef int check_float_rows(object obj, uint32_t rows, str what, bint device) exce
 
 def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, vocab=None,
                    dtype=None, row_stride=None, bitmask=None, logprobs=None, logprobs_dst=None,
-                   shard=None):
+                   shard=None, penalties=None):
     """Masked argmax of each row into the feed cells, then an async readback and an event record.
 
     In stream order and with no host synchronisation: the argmax of each row (the rule is in
@@ -407,13 +409,6 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
         allows id ``v`` (the xgrammar convention), combined with ``masks``. Read when the kernel
         runs. A row with no allowed id gives ``NO_TOKEN``.
     logprobs : device memory, optional
-        float32, one per row: the chosen id's log-probability under the raw distribution,
-        ``log_softmax(logit)`` over all ``vocab`` ids (before masks and bitmask), final once
-        ``event`` has completed; ``-inf`` for a chosen id whose logit is ``-inf`` or NaN, NaN for a
-        ``NO_TOKEN`` row, a row with no finite logit or a ``+inf`` anywhere (docs/kernels.md).
-    logprobs_dst : PinnedBuffer, writable float32 buffer, int, or None
-        Where ``logprobs`` are copied, after ``dst`` and before the event record.
-    logprobs : device memory, optional
         One float32 per row: the chosen id's ``log_softmax`` over all ``vocab`` ids (temperature 1,
         before masks and bitmask; NaN logits count as ``-inf``), within 2e-5 or 2 float32 ulps of
         a float64 reference. A ``-inf`` or NaN choice gives ``-inf``; a ``NO_TOKEN`` row, a row with
@@ -426,6 +421,13 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
         rank's ``shard.stop - shard.start`` columns (``vocab``, if given, is that width), masks
         hold global ids, ``bitmask`` covers the whole vocabulary; every rank gets the unsharded
         call's cells, ids and logprobs. ``rows`` may not exceed ``shard.max_rows``.
+    penalties : PenaltyLaunch, optional
+        The step's penalties in the same call (docs/penalties.md, "One call a step"): what
+        ``penalties.apply(logits)`` queues before the pick and ``penalties.update(cells)`` after
+        it, queued by this call ahead of the copy and the event (on the host backend one hand-off
+        to the stream's worker instead of three). Its rows must be the call's; its layout is the
+        call's. Not with ``shard`` (each rank applies its own slice, and updates with the
+        combined ids).
 
     Returns
     -------
@@ -469,15 +471,16 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
     [2, 0]
     """
     if shard is not None:  # the tensor-parallel call (shard.py; torch is imported there only)
+        refuse_sharded_penalties(penalties)
         return shard._call("argmax", logits, masks, None, cells, dst, event, stream, rows, vocab,
                            dtype, row_stride, bitmask, logprobs, logprobs_dst)
     return launch_pick(logits, masks, cells, dst, event, stream, bitmask, None, rows, vocab, dtype,
-                       row_stride, logprobs, logprobs_dst)
+                       row_stride, logprobs, logprobs_dst, None, penalties)
 
 
 def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, bitmask=None,
                    rows=None, vocab=None, dtype=None, row_stride=None, logprobs=None,
-                   logprobs_dst=None, shard=None):
+                   logprobs_dst=None, shard=None, penalties=None):
     """``argmax_to_feed`` with a sampled id per row (``docs/kernels.md``, "Sampling").
 
     Parameters
@@ -486,7 +489,7 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
         One record per row (``temperature``, ``top_p``, ``min_p``, ``top_k``, ``seed``,
         ``position``). Host params are read and checked before this returns; device-resident
         ones when the kernel runs (an out-of-range value there means its neutral setting).
-    masks, bitmask, logprobs, logprobs_dst
+    masks, bitmask, logprobs, logprobs_dst, penalties
         As for ``argmax_to_feed``; the logprob is the sampled id's under the raw distribution
         (temperature 1, before top_k, top_p and min_p).
     shard : VocabShard, optional
@@ -516,6 +519,7 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
     2
     """
     if shard is not None:  # host params, or temperature-only device params (shard.py)
+        refuse_sharded_penalties(penalties)
         return shard._call("sample", logits, masks, params, cells, dst, event, stream, rows, vocab,
                            dtype, row_stride, bitmask, logprobs, logprobs_dst)
     if rows is None and masks is None and not (is_foreign(logits) and not isinstance(logits, (list, tuple))):
@@ -523,7 +527,14 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
             raise ValueError("rows is required with device-resident params and no masks")
         rows = len(params)
     return launch_pick(logits, masks, cells, dst, event, stream, bitmask, params, rows, vocab, dtype,
-                       row_stride, logprobs, logprobs_dst)
+                       row_stride, logprobs, logprobs_dst, None, penalties)
+
+
+cdef int refuse_sharded_penalties(object penalties) except -1:
+    if penalties is not None:
+        raise ValueError("penalties= takes the unsharded call: over a split vocabulary each rank "
+                         "applies its own slice (penalties_apply) and updates with the combined ids")
+    return 0
 
 
 def resolve_feed(sources, cells, out, stream=0, *, prev_rows=None, rows=None):

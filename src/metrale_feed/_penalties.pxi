@@ -231,6 +231,20 @@ cdef class PenaltyLaunch:
         return a.rows
 
 
+cdef int pick_penalties(mf_argmax_args *a, object penalties) except -1:
+    """A pick's ``penalties=``: the launch's apply descriptor, its tables' addresses read now (a
+    closed table raises here); the C layer takes its layout from the pick's."""
+    if type(penalties) is not PenaltyLaunch:
+        raise TypeError("penalties must be a PenaltyLaunch (PenaltyState.prepare), not "
+                        f"{type(penalties).__name__}")
+    cdef PenaltyLaunch launch = <PenaltyLaunch>penalties
+    if launch.ap.rows != a.rows:
+        raise ValueError(f"the penalties name {launch.ap.rows} rows; the call picks {a.rows}")
+    launch.reload()
+    a.penalties = &launch.ap
+    return 0
+
+
 def penalties_apply(logits, slots, state, table, items, stream=0, *, slot_count=None, table_cap=None,
                     item_cap=None, vocab=None, dtype=None, row_stride=None, start=0):
     """Apply each row's logit bias, min_tokens and penalties to its logits, in place, in stream order.

@@ -75,6 +75,11 @@ class FeedInfo(NamedTuple):
     verify_advance : bool
         Whether ``decode_batch_verify`` takes ``advance=`` (else speculative decoding runs at
         depth 1 only). Default True, as ``VerifyStep`` declares it.
+    penalties : bool
+        Whether both feed methods take ``penalties=`` (a ``PenaltyLaunch``, docs/penalties.md,
+        "One call a step"): the pipeline then hands them a step's penalties instead of queuing
+        the apply and the update around them. Default False (the trait's methods are older than
+        the keyword); ``RuntimeFeedMixin`` says True.
 
     Examples
     --------
@@ -95,6 +100,7 @@ class FeedInfo(NamedTuple):
     top_logprobs: bool = True
     raw_logits: bool = True
     verify_advance: bool = True
+    penalties: bool = False
 
 
 @runtime_checkable

@@ -65,7 +65,7 @@ class ModelDeviceFeed(abc.ABC):
     def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any,
                              stream: Any, *, logprobs: Any = None, logprobs_dst: Any = None,
                              top_logprobs: Any = None, top_logprobs_dst: Any = None,
-                             top_n: int = 0, raw_logits: Any = None) -> None:
+                             top_n: int = 0, raw_logits: Any = None, penalties: Any = None) -> None:
         """Masked argmax over ``len(masks)`` rows of ``logits`` into the feed cells, an async
         D2H copy of the ids into pinned ``dst`` and a record of ``event``, all on ``stream``. It
         never synchronises: ``dst`` is valid once ``event`` completes. ``logprobs`` (device,
@@ -76,13 +76,16 @@ class ModelDeviceFeed(abc.ABC):
         ``logprobs``): a copy of the logits before something changed them (the penalties), which
         both logprobs are then taken from, the ids still from ``logits``. The decode pipeline
         passes them only for a request that asks (``submit(logprobs=True, top_logprobs=n)``),
-        so a model may leave them out of its signature."""
+        so a model may leave them out of its signature. ``penalties``: a ``PenaltyLaunch`` of the
+        step's rows, applied to ``logits`` before the pick and updated with the chosen ids after
+        it (``argmax_to_feed(penalties=)``, docs/penalties.md); the pipeline passes it only to a
+        model whose feed methods name it, and queues the two calls around them otherwise."""
         raise _no_feed("argmax_batch_to_feed")
 
     def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
                              stream: Any, *, logprobs: Any = None, logprobs_dst: Any = None,
                              top_logprobs: Any = None, top_logprobs_dst: Any = None,
-                             top_n: int = 0, raw_logits: Any = None) -> None:
+                             top_n: int = 0, raw_logits: Any = None, penalties: Any = None) -> None:
         """As ``argmax_batch_to_feed`` with a sampled id per row: ``params`` holds one
         ``SAMPLING_PARAMS_DTYPE`` record per row (temperature 0 is the argmax)."""
         raise _no_feed("sample_batch_to_feed")

@@ -20,6 +20,7 @@ def test_the_defaults_are_what_the_trait_declares():
     # trait's sample_batch_to_feed draws nothing.
     assert (info.logprobs, info.top_logprobs, info.raw_logits, info.verify_advance) == (True,) * 4
     assert info.sampling is False
+    assert info.penalties is False  # a step's penalties as two calls around the feed method
 
 
 @pytest.mark.parametrize("field, submit, match", [

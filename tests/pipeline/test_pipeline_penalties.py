@@ -11,7 +11,8 @@ import pytest
 import metrale_feed as mf
 from metrale_feed import DecodePipeline, FeedError
 from metrale_feed.feed import NO_TOKEN
-from metrale_feed.testing.reference import _widened_logits
+from metrale_feed.sched.penalized import PipelinePenalties
+from metrale_feed.testing.reference import ReferenceModel, _widened_logits
 
 from conftest import VOCAB, model_for, prompts
 from helpers.penalty_oracle import penalize
@@ -275,3 +276,46 @@ def test_a_batch_coerces_its_penalty_ops_once(host, no_leaks):
     assert len({id(launch) for _, launch in seen}) < len(seen) - 4, "no step reused a launch"
     for i, (req, p) in enumerate(zip(reqs, ps)):
         assert req.tokens == oracle(p, (3, 12, 7)[i], **PEN[i])
+
+
+class _TwoCallModel(ReferenceModel):
+    """A model that says its feed methods do not take the step's penalties (its FeedInfo): the
+    pipeline queues the two calls around them."""
+
+    def feed_info(self):
+        return super().feed_info()._replace(penalties=False)
+
+
+@pytest.mark.parametrize("two_calls", [False, True], ids=["one-call", "two-calls"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_penalties_ride_on_the_pick_when_the_model_takes_them(host, no_leaks, monkeypatch,
+                                                                  depth, two_calls):
+    """The reference model's feed methods take ``penalties=`` (docs/penalties.md, "One call a
+    step"; its FeedInfo says so): no separate apply or update is queued, and the tokens are the
+    oracle's, greedy and sampled; a model that says they do not gets the two calls, with the same
+    tokens."""
+    calls = {"apply": 0, "update": 0}
+    for name in calls:
+        real = getattr(PipelinePenalties, name)
+
+        def counted(self, *a, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(self, *a)
+
+        monkeypatch.setattr(PipelinePenalties, name, counted)
+    ps = prompts(5, seed=21)
+    kws = [dict(kw) for kw in PEN]
+    kws[1].update(temperature=0.9, seed=2)
+    cls = _TwoCallModel if two_calls else ReferenceModel
+    with cls(VOCAB, block_size=4, num_blocks=200, max_rows=5) as model, \
+            DecodePipeline(model, 5, depth=depth) as pipe:
+        reqs = [pipe.submit(p, max_new_tokens=14, **kw) for p, kw in zip(ps, kws)]
+        pipe.run()
+        assert pipe._pen.fused is not two_calls
+        assert pipe.stats.host_syncs == pipe.stats.steps
+    if two_calls:
+        assert calls["apply"] == calls["update"] >= 14
+    else:
+        assert calls == {"apply": 0, "update": 0}
+    for req, p, kw in zip(reqs, ps, kws):
+        assert req.tokens == oracle(p, 14, **kw), kw

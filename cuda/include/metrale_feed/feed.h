@@ -196,7 +196,14 @@ MF_EXPORT mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t
  *   combine whose logprobs setting differs from a slice's refuses it (MF_FAULT_LOGPROBS).
  * - MF_ARGS_SELECT (with MF_ARGS_PARTIAL and host params, filters allowed): one stage of the split
  *   filters (docs/kernels.md, "Filters need global thresholds"): `select` holds rows
- *   mf_select_row, `select_stage` says what the block gets (MF_SELECT_*). Host backend only. */
+ *   mf_select_row, `select_stage` says what the block gets (MF_SELECT_*). Host backend only.
+ * - penalties (NULL: none; not with MF_ARGS_PARTIAL): a step's penalties in the same call, as
+ *   mf_penalties_apply over these logits before the pick and mf_penalties_update with the chosen
+ *   ids (the cells) after it, both queued by this call ahead of the copies and the event. Its
+ *   logits, dtype, vocab, row_stride and start fields are ignored (the call's own layout, start
+ *   0), as are ids (the cells); its rows must be the call's. The descriptor is read before the
+ *   call returns and checked as those two functions check theirs; a refusal queues nothing. */
+struct mf_penalty_args;
 enum {
     MF_ARGS_MASKS_DEVICE = 1u,
     MF_ARGS_PARAMS_DEVICE = 2u,
@@ -337,6 +344,7 @@ typedef struct mf_argmax_args {
     uint32_t select_cands_world;
     uint64_t select_cands_stride;
     const void *select_cands;
+    const struct mf_penalty_args *penalties; /* NULL: none; see above */
 } mf_argmax_args;
 /* Zero-fills *args (every option off) and sets its struct_size: call it first. */
 static inline void mf_argmax_args_init(mf_argmax_args *args) {

@@ -20,6 +20,7 @@ from ..penalties import MAX_PENALTY_STOPS, PenaltyState
 __all__ = ["PipelinePenalties"]
 
 
+
 class PipelinePenalties:
     """Made by the pipeline at the first request with penalties.
 
@@ -46,6 +47,9 @@ class PipelinePenalties:
         self.launch: Any = None  # their two ops, coerced once (PenaltyState.prepare)
         self.max_rows = pipe.max_rows
         self.raw: Optional[Any] = None  # the raw logits of a step with logprobs (snapshot)
+        # One call a step (docs/penalties.md): the feed method takes the launch and queues the
+        # apply and the update itself; over a split vocabulary the update needs the combined ids.
+        self.fused = shard is None and pipe.info.penalties
 
     @staticmethod
     def check(pipe: Any, prompt: Any, max_new_tokens: int, stop_ids: Any, min_tokens: int,
@@ -114,6 +118,7 @@ class PipelinePenalties:
         return self.raw
 
     def apply(self, logits: Any, stream: Any) -> None:
+        """The apply before the feed method (only when it does not take the launch itself)."""
         self.launch.apply(logits, stream)
 
     def update(self, stream: Any) -> None:

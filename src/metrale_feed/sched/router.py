@@ -319,7 +319,8 @@ class _DeviceIo:
         hook : optional
             The decode pipeline's penalties (docs/penalties.md), or None:
             ``hook.apply(logits, stream)`` is queued between the forward and the feed method and
-            ``hook.update(stream)`` after it; with ``logprobs`` too,
+            ``hook.update(stream)`` after it, or, when ``hook.fused``, the feed method takes
+            ``penalties=hook.launch`` and queues both itself; with ``logprobs`` too,
             ``hook.snapshot(logits, rows, stream)`` first, passed as ``raw_logits``.
         logprobs : bool, optional
             The feed method also writes each row's chosen-token logprob into the slot's
@@ -381,7 +382,10 @@ class _DeviceIo:
                     model.flush_forward(self.stream)  # type: ignore[attr-defined]
                 if logprobs:  # the raw logits, before the penalties change them
                     extra["raw_logits"] = hook.snapshot(logits, rows, self.stream)
-                hook.apply(logits, self.stream)
+                if hook.fused:  # the feed method queues the apply and the update itself
+                    extra["penalties"] = hook.launch
+                else:
+                    hook.apply(logits, self.stream)
             if logprobs:  # only then: a model's feed methods may not take the keywords
                 extra["logprobs"], extra["logprobs_dst"] = ring.logprobs(slot)
                 if top_n:
@@ -393,7 +397,7 @@ class _DeviceIo:
             else:
                 model.sample_batch_to_feed(logits, params, masks, ring.ptrs[slot],
                                            ring.events[slot], self.stream, **extra)
-            if hook is not None:
+            if hook is not None and not hook.fused:
                 hook.update(self.stream)
         except BaseException:
             if not fed:  # decode_batch pushed the inputs: a step that never ran pushes nothing

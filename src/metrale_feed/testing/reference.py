@@ -385,8 +385,8 @@ class ReferenceModel(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
 
     def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any,
                              **extra: Any) -> None:
-        if extra.get("logprobs") is not None or extra.get("top_logprobs") is not None:
-            self._flush_graph_step()  # the graphs capture no logprobs: the default path
+        if any(extra.get(k) is not None for k in ("logprobs", "top_logprobs", "penalties")):
+            self._flush_graph_step()  # the graphs capture no logprobs nor penalties: the default path
         elif self._fed_graphs is not None and self._fed_graphs.launch(masks, dst, event, stream):
             return
         super().argmax_batch_to_feed(logits, masks, dst, event, stream, **extra)
