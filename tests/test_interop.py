@@ -670,3 +670,20 @@ def test_numpy_asarray_of_a_device_buffer_is_its_memory():
     del a, v
     gc.collect()
     dev.close()
+
+
+@host_only
+def test_a_backend_switch_after_tensor_calls_is_not_refused(host):
+    """The keep-alive events of a numpy array's passed work are the module's own: a switch right
+    after such calls gives them back instead of refusing as if the caller held an event."""
+    logits, cells = np.ones((2, 8), np.float32), np.zeros(2, np.uint32)
+    for _ in range(3):
+        mf.argmax_to_feed(logits, None, cells, None, None)
+    mf.stream_synchronize(0)
+    before = mf.backend()
+    other = "simt" if before == "host" else "host"
+    mf.set_backend(other)
+    try:
+        assert mf.backend() == other
+    finally:
+        mf.set_backend(before)

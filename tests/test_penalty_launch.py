@@ -166,6 +166,16 @@ def test_a_pick_with_penalties_refused_queues_nothing(host, dev):
         with pytest.raises(ValueError, match="unsharded"):
             mf.sample_to_feed(logits, params, cells, None, done, penalties=state.prepare([0, NO]),
                               shard=object(), **kw)
+        # One call writes the logits, cells, logprobs and tables: none may land on another's
+        # input or output (the items and the cells, the logprobs and the items, ...).
+        pen = state.prepare([0, NO])
+        for what, over in (("cells", dict(cells=state.items)), ("logprobs", dict(logprobs=state.items)),
+                           ("cells", dict(cells=state.state))):
+            args = dict(cells=cells)
+            args.update(over)
+            with pytest.raises(ValueError, match="overlap"):
+                mf.argmax_to_feed(logits, None, args.pop("cells"), None, done, penalties=pen, **kw,
+                                  **args)
         assert done.query()  # nothing was recorded: nothing was queued
         assert (dev.download(logits, np.float32) == 1).all()
         assert state.read(0)["generated"] == 0
@@ -185,3 +195,17 @@ def test_a_captured_pick_with_penalties_of_host_slots_is_refused(host):
             with mf.graph_capture(stream):
                 mf.argmax_to_feed(logits, None, cells, None, None, stream, rows=2, vocab=8,
                                   dtype="float32", penalties=launch)
+
+
+def test_penalties_apply_reads_only_the_rows_of_its_slots(host):
+    """A tensor with more rows than the slots (past MAX_ROWS, or overlapping past them) is fine:
+    only the slots' rows are read and written."""
+    with PenaltyState(1, capacity=8) as state:
+        state.set(0, prompt=[1], logit_bias={2: 1.0})
+        big = np.zeros((mf.MAX_ROWS + 1, 8), np.float32)
+        state.apply(big, [0])
+        overlapping = np.lib.stride_tricks.as_strided(np.zeros(16, np.float32), (3, 8), (4, 4))
+        state.apply(overlapping, [0])
+        mf.stream_synchronize(0)
+    assert big[0, 2] == 1.0 and not big[1:].any()
+    assert overlapping[0, 2] == 1.0

@@ -44,7 +44,8 @@ mf_status read_descriptor(const Args *in, Args *out, const char *name, const uin
     std::memcpy(out, in, size);
     return MF_SUCCESS;
 }
-// The descriptor before the select stages' candidate lists (select_cands_cap on) was appended.
+// The descriptor before the select stages' candidate lists (select_cands_cap on) were appended,
+// then before the pick's penalties (penalties) was.
 constexpr uint32_t kArgmaxSizes[] = {offsetof(mf_argmax_args, select_cands_cap), offsetof(mf_argmax_args, penalties),
                                      sizeof(mf_argmax_args)};
 // The descriptor before MF_COMBINE_VERIFY's fields (drafts, k) were appended.
@@ -439,15 +440,26 @@ static mf_status pick_penalties(const mf_argmax_args *args, mf_penalty_args *app
     update->ids = args->cells;
     st = check_penalties(apply, false);
     if (st == MF_SUCCESS) st = check_penalties(update, true);
-    if (st == MF_SUCCESS && args->logprobs) {  // the other output the state could lie under
-        const Span spans[] = {
-            {args->logprobs, (size_t)args->rows * 4, "logprobs", true},
-            {apply->state, (size_t)apply->slot_count * sizeof(mf_penalty_slot), "penalty state", true},
-            {apply->table, (size_t)apply->slot_count * apply->table_cap * sizeof(mf_penalty_entry), "penalty table", true},
-        };
-        st = refuse_overlaps(spans);
-    }
-    return st;
+    if (st != MF_SUCCESS) return st;
+    // One call now writes the logits and the tables too: none of its writes may land on what
+    // another part of it reads or writes (each function checked only its own spans).
+    const bool dmasks = args->flags & MF_ARGS_MASKS_DEVICE, dparams = args->flags & MF_ARGS_PARAMS_DEVICE;
+    const bool dslots = apply->flags & MF_PENALTY_SLOTS_DEVICE;
+    const Span spans[] = {
+        {args->logits, ((size_t)(args->rows - 1) * args->row_stride + args->vocab) * dtype_size(args->dtype), "logits",
+         true},
+        {args->cells, (size_t)args->rows * 4, "cells", true},
+        {args->logprobs, (size_t)args->rows * 4, "logprobs", true},
+        {apply->state, (size_t)apply->slot_count * sizeof(mf_penalty_slot), "penalty state", true},
+        {apply->table, (size_t)apply->slot_count * apply->table_cap * sizeof(mf_penalty_entry), "penalty table", true},
+        {apply->items, (size_t)apply->slot_count * apply->item_cap * sizeof(mf_penalty_item), "penalty items", false},
+        {dslots ? apply->slots : nullptr, (size_t)args->rows * 4, "penalty slots", false},
+        {dmasks ? args->masks : nullptr, (size_t)args->rows * 8, "device-resident masks", false},
+        {args->bitmask, (size_t)args->rows * mf_bitmask_words(args->vocab) * 4, "bitmask", false},
+        {dparams ? args->params : nullptr, (size_t)args->rows * sizeof(mf_sampling_params), "device-resident params",
+         false},
+    };
+    return refuse_overlaps(spans);
 }
 
 mf_status mf_argmax_to_feed(const mf_argmax_args *caller, mf_stream_t stream) {
@@ -460,7 +472,7 @@ mf_status mf_argmax_to_feed(const mf_argmax_args *caller, mf_stream_t stream) {
         void *raw;
         Slot *event;
         status = check_argmax(args, &event);
-        mf_penalty_args pen_apply, pen_update;
+        mf_penalty_args pen_apply{}, pen_update{};
         const bool penalised = args->penalties != nullptr;
         if (status == MF_SUCCESS && penalised) status = pick_penalties(args, &pen_apply, &pen_update);
         if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);

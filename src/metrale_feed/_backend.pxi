@@ -19,6 +19,10 @@ def select_backend(str name):
     """
     if name not in _BACKENDS:
         raise ValueError(f"unknown backend {name!r}: use 'host', 'cuda' or 'simt'")
+    # The keep-alive events of foreign arrays whose work has passed are this module's, not the
+    # caller's: give them back first, as live_objects() does, or they alone refuse the switch.
+    release_passed()
+    drop_spare_events()
     check(mf_select_backend(<mf_backend>_BACKENDS[name]))
 
 

@@ -28,11 +28,14 @@ cdef struct TensorRows:
 
 
 cdef int tensor_rows(_Foreign f, TensorRows *t, object rows, object vocab, object dtype, object row_stride,
-                     bint one_dim, int64_t min_rows, int64_t min_vocab, bint writes) except -1:
+                     bint one_dim, int64_t min_rows, int64_t min_vocab, bint writes,
+                     int64_t used=-1) except -1:
     """The one reading of a logits tensor for every launcher: its dtype, a 2-D (or, with
     ``one_dim``, 1-D) shape with unit stride along the vocabulary, rows that neither overlap nor run
     backwards, rows and vocab in range, and the given ``rows``, ``vocab``, ``row_stride`` and
-    ``dtype`` agreeing with it (None: not given). ``writes``: the launcher writes the logits."""
+    ``dtype`` agreeing with it (None: not given). ``writes``: the launcher writes the logits.
+    ``used``: the leading rows the launcher touches, where it says (else all): the rows' range and
+    overlap are checked over those, and the tensor must have them."""
     if f.entry is None or f.entry.code is None:
         raise TypeError(f"logits must be float32, float16 or bfloat16, not {f.type_name()}")
     if f.ndim == 1 and one_dim:
@@ -45,14 +48,19 @@ cdef int tensor_rows(_Foreign f, TensorRows *t, object rows, object vocab, objec
             raise ValueError("logits must have unit stride along the vocabulary (the last dimension)")
         if f.shape[0] <= 1:
             t.stride = t.vocab
-        elif t.stride < t.vocab:
-            raise ValueError(f"logits rows overlap or run backwards (row stride {t.stride} < vocab {t.vocab})")
     elif one_dim:
         raise ValueError(f"logits must be 1-D (vocab,) or 2-D (rows, vocab), not {f.ndim}-D")
     else:
         raise ValueError(f"logits must be a 2-D (rows, vocab) tensor, not {f.ndim}-D")
-    if t.rows < min_rows or t.rows > MF_MAX_ROWS:
-        raise ValueError(f"the logits tensor has {t.rows} rows; rows must be in [{min_rows}, {MF_MAX_ROWS}]")
+    cdef int64_t n = t.rows if used < 0 else used
+    if used > t.rows:
+        raise ValueError(f"the logits tensor has {t.rows} rows; {used} are needed")
+    if t.stride < t.vocab:  # rows that overlap or run backwards: harmless only if one is used
+        if n > 1:
+            raise ValueError(f"logits rows overlap or run backwards (row stride {t.stride} < vocab {t.vocab})")
+        t.stride = t.vocab
+    if n < min_rows or n > MF_MAX_ROWS:
+        raise ValueError(f"the logits tensor has {n} rows; rows must be in [{min_rows}, {MF_MAX_ROWS}]")
     if t.vocab < min_vocab or t.vocab > MF_MAX_VOCAB:
         raise ValueError(f"the logits tensor has vocab {t.vocab}; vocab must be in [{min_vocab}, 2**24]")
     if writes and f.readonly:

@@ -111,9 +111,7 @@ cdef object launch_penalties(bint update, object target, object slots, object st
                 a.logits = ptr
             else:
                 f = launch.foreign(target, "logits")
-                tensor_rows(f, &t, None, vocab, dtype, row_stride, False, 0, 0, True)
-                if t.rows < a.rows:
-                    raise ValueError(f"the logits tensor has {t.rows} rows; {a.rows} slots were given")
+                tensor_rows(f, &t, None, vocab, dtype, row_stride, False, 0, 0, True, a.rows)
                 a.vocab = <uint32_t>t.vocab
                 a.row_stride = <uint64_t>t.stride
                 a.dtype = t.dtype

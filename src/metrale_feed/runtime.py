@@ -30,6 +30,13 @@ def _rows_of(masks: Any) -> int:
         return view.nbytes // 8
 
 
+def _top_before_penalties(penalties: Any) -> None:
+    # The top lists would be read before the call applies the penalties, the chosen id after.
+    if penalties is not None:
+        raise ValueError("top_logprobs with penalties= needs raw_logits (the logits before the "
+                         "penalties), which both logprobs are then taken from")
+
+
 class RuntimeFeedMixin:
     """The runtime half of ``ModelDeviceFeed`` on the active backend: events, async copies, pinned
     memory, and the masked argmax into this model's feed cells (``feed_cells``).
@@ -102,11 +109,14 @@ class RuntimeFeedMixin:
     def feed_info(self) -> FeedInfo:
         """What the scheduler reads once at construction (``metrale_feed.contract.FeedInfo``):
         the vocabulary, the row limit, the shard, the logits' dtype, sampling (True: the mixin's
-        ``sample_batch_to_feed`` draws) and penalties (True: both feed methods take
-        ``penalties=``; a subclass whose overrides do not pass it on says False).
-        ``PagedKvMixin`` adds the block size and pool."""
+        ``sample_batch_to_feed`` draws) and penalties (True while both feed methods are the
+        mixin's, which take ``penalties=``; a subclass that overrides one says so itself once its
+        override passes the keyword on). ``PagedKvMixin`` adds the block size and pool."""
+        cls = type(self)
+        own = (cls.argmax_batch_to_feed is RuntimeFeedMixin.argmax_batch_to_feed
+               and cls.sample_batch_to_feed is RuntimeFeedMixin.sample_batch_to_feed)
         return FeedInfo(vocab=self.feed_vocab, max_rows=self.feed_max_rows, shard=self.feed_shard,
-                        logits_dtype=self.feed_logits_dtype, sampling=True, penalties=True)
+                        logits_dtype=self.feed_logits_dtype, sampling=True, penalties=own)
 
     def close_device_feed(self) -> None:
         """Free the feed cells (after queued work). Idempotent.
@@ -174,6 +184,7 @@ class RuntimeFeedMixin:
                                top_logprobs_dst, top_n, event, stream)
             return
         if top_logprobs is not None:
+            _top_before_penalties(penalties)
             self._top_logprobs(logits, _rows_of(masks), top_logprobs, top_logprobs_dst, top_n,
                                stream)
         # Rows come from the masks: pairs, a (rows, 2) buffer or a flat one of 2 * rows ids.
@@ -196,6 +207,8 @@ class RuntimeFeedMixin:
             self._raw_logprobs(raw_logits, len(params), logprobs, logprobs_dst, top_logprobs,
                                top_logprobs_dst, top_n, event, stream)
             return
+        if top_logprobs is not None:
+            _top_before_penalties(penalties)
         self._top_logprobs(logits, len(params), top_logprobs, top_logprobs_dst, top_n, stream)
         shard = self.feed_shard
         self.feed_prev_rows = _core.sample_to_feed(

@@ -319,3 +319,45 @@ def test_the_penalties_ride_on_the_pick_when_the_model_takes_them(host, no_leaks
         assert calls == {"apply": 0, "update": 0}
     for req, p, kw in zip(reqs, ps, kws):
         assert req.tokens == oracle(p, 14, **kw), kw
+
+
+def test_the_mixin_says_it_takes_penalties_only_with_its_own_feed_methods():
+    """RuntimeFeedMixin.feed_info().penalties: True while both feed methods are the mixin's; a
+    subclass that overrides one (which may not pass the keyword on) gets the two calls unless it
+    says otherwise, as ReferenceModel does."""
+
+    class Plain(mf.RuntimeFeedMixin, mf.ModelDeviceFeed):
+        def __init__(self):
+            self.init_device_feed(vocab=16, max_rows=2)
+
+    class Overrides(Plain):
+        def argmax_batch_to_feed(self, logits, masks, dst, event, stream):
+            super().argmax_batch_to_feed(logits, masks, dst, event, stream)
+
+    for cls, want in ((Plain, True), (Overrides, False)):
+        model = cls()
+        try:
+            assert model.feed_info().penalties is want, cls
+        finally:
+            model.close_device_feed()
+    with ReferenceModel(VOCAB, block_size=4, num_blocks=8, max_rows=1) as model:
+        assert model.feed_info().penalties is True
+
+
+def test_top_logprobs_with_penalties_need_the_raw_logits(host, no_leaks):
+    """Without raw_logits the top lists would be read before the call applies the penalties and
+    the chosen id after: refused, nothing queued."""
+    from metrale_feed.penalties import PenaltyState
+
+    with ReferenceModel(VOCAB, block_size=4, num_blocks=8, max_rows=1) as model, \
+            PenaltyState(1, capacity=8) as state, mf.DeviceBuffer(16 * 8) as top, mf.Event() as done:
+        state.set(0, prompt=[1], logit_bias={2: 1.0})
+        logits = mf.DeviceBuffer(VOCAB * 4)
+        try:
+            with pytest.raises(ValueError, match="raw_logits"):
+                model.argmax_batch_to_feed(logits, [(NO_TOKEN, NO_TOKEN)], None, done, 0,
+                                           top_logprobs=top, top_n=2,
+                                           penalties=state.prepare([0]))
+            assert done.query()
+        finally:
+            logits.close()

@@ -49,7 +49,7 @@ class PipelinePenalties:
         self.raw: Optional[Any] = None  # the raw logits of a step with logprobs (snapshot)
         # One call a step (docs/penalties.md): the feed method takes the launch and queues the
         # apply and the update itself; over a split vocabulary the update needs the combined ids.
-        self.fused = shard is None and pipe.info.penalties
+        self.fused = pipe.info.shard is None and pipe.info.penalties
 
     @staticmethod
     def check(pipe: Any, prompt: Any, max_new_tokens: int, stop_ids: Any, min_tokens: int,

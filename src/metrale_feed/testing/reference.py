@@ -383,6 +383,10 @@ class ReferenceModel(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
             seq.tokens.extend(ids)
             seq.seq_len += len(ids)
 
+    def feed_info(self) -> Any:
+        # Both feed methods pass every keyword on to the mixin's, penalties= included.
+        return super().feed_info()._replace(penalties=True)
+
     def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any,
                              **extra: Any) -> None:
         if any(extra.get(k) is not None for k in ("logprobs", "top_logprobs", "penalties")):

@@ -704,7 +704,7 @@ class _StubModel(mf.RuntimeFeedMixin, mf.ModelDeviceFeed):
 
     def feed_info(self) -> Any:
         # Its feed methods take none of the logprobs keywords: it says so.
-        lacks = dict(logprobs=False, top_logprobs=False, raw_logits=False, penalties=False)
+        lacks = dict(logprobs=False, top_logprobs=False, raw_logits=False)
         if getattr(self, "feed_cells", None) is not None:
             return super().feed_info()._replace(**lacks)
         return FeedInfo(vocab=32000, sampling=True, **lacks)  # the router's stub, no feed cells
@@ -738,9 +738,6 @@ class _StubLogitsModel(_StubPagedModel):
 
     argmax_batch_to_feed = mf.RuntimeFeedMixin.argmax_batch_to_feed
     sample_batch_to_feed = mf.RuntimeFeedMixin.sample_batch_to_feed
-
-    def feed_info(self) -> Any:
-        return super().feed_info()._replace(penalties=True)  # the mixin's feed methods
 
     def close_device_feed(self) -> None:
         self.logits.close()
