@@ -437,9 +437,8 @@ static mf_status pick_penalties(const mf_argmax_args *args, mf_penalty_args *app
     apply->start = 0;
     apply->ids = nullptr;
     *update = *apply;
-    update->ids = args->cells;
+    update->ids = args->cells;  // checked with the call's cells: its own check would add nothing
     st = check_penalties(apply, false);
-    if (st == MF_SUCCESS) st = check_penalties(update, true);
     if (st != MF_SUCCESS) return st;
     // One call now writes the logits and the tables too: none of its writes may land on what
     // another part of it reads or writes (each function checked only its own spans).
