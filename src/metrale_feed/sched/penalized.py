@@ -1,12 +1,14 @@
 """The decode pipeline's penalties (docs/penalties.md): a ``PenaltyState`` slot per running
-request that has any, and the two ops of each step the router queues around the feed method.
+request that has any, and each step's apply and update of them.
 
 The pipeline calls it at two points: ``rows(rows)`` when a launch's batch changes (a request
 joining gets a slot, written from its prompt and committed tokens: a new request has none, one
 resuming after a preemption its committed ones) and ``leave(req)`` when a request leaves the
-batch (its slot is cleared in stream order and given back). The router calls ``apply`` between
-the forward and the argmax or sampler and ``update`` after it, both reading the slots the last
-``rows`` gave, so every step keeps its own rows' slots with no host synchronisation.
+batch (its slot is cleared in stream order and given back). Each step, the router hands the
+batch's ``launch`` to the feed method (``penalties=``, one call a step) when the model says it
+takes it (``fused``); otherwise it calls ``apply`` between the forward and the argmax or sampler
+and ``update`` after it. Either way both read the slots the last ``rows`` gave, so every step
+keeps its own rows' slots with no host synchronisation.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class PipelinePenalties:
         self.row_stride = getattr(model, "feed_row_stride", None)
         self.state = PenaltyState(pipe.max_rows, capacity=capacity, stream=pipe.stream)
         self.slots: List[int] = []  # the last launch's rows' slots
-        self.launch: Any = None  # their two ops, coerced once (PenaltyState.prepare)
+        self.launch: Any = None  # their apply and update, coerced once (PenaltyState.prepare)
         self.max_rows = pipe.max_rows
         self.raw: Optional[Any] = None  # the raw logits of a step with logprobs (snapshot)
         # One call a step (docs/penalties.md): the feed method takes the launch and queues the
