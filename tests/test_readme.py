@@ -85,6 +85,10 @@ def test_both_shell_blocks_run_in_order_in_a_fresh_copy():
                 shutil.copy2(source, clone / name)
         # The copy's own suite must not build a third copy: the gate is cleared by _env().
         env = {k: v for k, v in _env().items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+        # The build kind, where this pass was given one (CI's host-only pass: OFF), as a newcomer
+        # would set it; unset, the commands build what the machine allows (nvcc: the CUDA backend).
+        if "METRALE_FEED_CUDA" in os.environ:
+            env["METRALE_FEED_CUDA"] = os.environ["METRALE_FEED_CUDA"]
         # A newcomer runs the demo's command, then the tests' in the same checkout; the second
         # install finds the first one's build folder (pyproject's build-dir), as it would for them.
         done = subprocess.run(["bash", "-euo", "pipefail", "-c", demo], cwd=clone, env=env,
