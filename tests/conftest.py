@@ -15,11 +15,11 @@
 from __future__ import annotations
 
 import gc
-import time
 
 import pytest
 
 import metrale_feed
+from helpers.leaks import wait_for_counts
 
 
 def pytest_configure(config):
@@ -87,18 +87,6 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", "simt: test cases that ran each CUDA kernel")
         for name in sorted(_SIMT_CASES):
             terminalreporter.write_line(f"{_SIMT_CASES[name]:6d}  {name}")
-
-
-def wait_for_counts(expected, timeout=5.0):
-    """live_objects() once it equals ``expected`` (polled: work on other streams may still be
-    draining), else the last counts seen."""
-    deadline = time.monotonic() + timeout
-    while True:
-        gc.collect()
-        counts = metrale_feed.live_objects()
-        if counts == expected or time.monotonic() > deadline:
-            return counts
-        time.sleep(0.005)
 
 
 @pytest.fixture(params=["portable", "best"])

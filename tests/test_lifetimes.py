@@ -12,18 +12,7 @@ import pytest
 
 import metrale_feed as mf
 from helpers.child import run_python
-
-
-def wait_for_counts(expected, timeout=5.0):
-    """live_objects() once it equals ``expected`` (a deferred free is performed by a worker),
-    else the last counts seen."""
-    deadline = time.monotonic() + timeout
-    while True:
-        gc.collect()
-        counts = mf.live_objects()
-        if counts == expected or time.monotonic() > deadline:
-            return counts
-        time.sleep(0.005)
+from helpers.leaks import wait_for_counts
 
 
 # ---------------------------------------------------------------------------------------------

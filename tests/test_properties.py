@@ -29,6 +29,7 @@ from metrale_feed import DeviceBuffer, Event, FeedError, PinnedBuffer, Stream
 from metrale_feed.tools.demo import host_reference
 from metrale_feed.testing.oracle import reference_argmax
 from metrale_feed.testing.reference import ReferenceModel, host_next_token
+from helpers.leaks import assert_counts_back
 
 NT = mf.NO_TOKEN
 
@@ -324,12 +325,8 @@ class RuntimeMachine(RuleBasedStateMachine):
             mf.destroy_event(handle)
         for s in self.live_streams:
             s.close()
-        gc.collect()
         mf.stream_synchronize(0)
-        deadline = time.monotonic() + 5
-        while mf.live_objects() != self.base and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert mf.live_objects() == self.base, "objects left after the machine's teardown"
+        assert_counts_back(self.base, "objects left after the machine's teardown")
 
 
 def test_runtime_against_a_model(host):
@@ -473,5 +470,4 @@ def test_router_schedules_match_the_host(host, schedule, seed, block_size):
             assert pipe.stats.reserved_in_flight == 0
         assert model.pool.free_count == blocks, "KV blocks leaked"
     assert [reqs[i].tokens if i in reqs else None for i in range(rows)] == expected
-    gc.collect()
-    assert mf.live_objects() == before
+    assert_counts_back(before)

@@ -5,7 +5,6 @@ host lag, depth 1 and 2."""
 
 from __future__ import annotations
 
-import gc
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,6 +13,7 @@ import metrale_feed as mf
 from metrale_feed import DecodePipeline
 from metrale_feed.feed import NO_TOKEN
 from metrale_feed.testing.reference import ReferenceModel, host_next_token
+from helpers.leaks import assert_counts_back
 
 from conftest import check_greedy, greedy_tokens, play
 
@@ -77,8 +77,7 @@ def test_schedules_match_greedy_decoding(host, schedule, depth, lag_us, debug):
         check_greedy(submitted, vocab, dtype)
     finally:
         mf.configure_host()
-    gc.collect()
-    assert mf.live_objects() == before
+    assert_counts_back(before)
 
 
 def test_a_pool_that_forces_preemption_in_every_schedule_shape(host, no_leaks):

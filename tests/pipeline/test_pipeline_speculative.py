@@ -15,6 +15,7 @@ from metrale_feed import DecodePipeline, FeedError
 from metrale_feed.feed import NO_TOKEN
 from metrale_feed.sched.speculative import HostDrafter, NGramDrafter
 from metrale_feed.testing.drafter import ReferenceDrafter
+from helpers.leaks import assert_counts_back
 
 from conftest import VOCAB, check_greedy, greedy_tokens, model_for, play, prompts
 
@@ -356,10 +357,7 @@ def test_schedules_match_greedy_decoding_with_speculation(host, schedule, k, acc
         check_greedy(submitted, vocab, dtype)
     finally:
         mf.configure_host()
-    import gc
-
-    gc.collect()
-    assert mf.live_objects() == before
+    assert_counts_back(before)
 
 
 @settings(max_examples=30, deadline=None, database=None,
@@ -404,10 +402,7 @@ def test_sampled_schedules_give_the_draws_of_depth_1(host, schedule, k, acceptan
     finally:
         mf.configure_host()
         oracle_drafter.close()
-    import gc
-
-    gc.collect()
-    assert mf.live_objects() == before
+    assert_counts_back(before)
 
 
 @pytest.mark.parametrize("depth", [1, 2])
