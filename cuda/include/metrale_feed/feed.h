@@ -196,7 +196,7 @@ MF_EXPORT mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t
  *   combine whose logprobs setting differs from a slice's refuses it (MF_FAULT_LOGPROBS).
  * - MF_ARGS_SELECT (with MF_ARGS_PARTIAL and host params, filters allowed): one stage of the split
  *   filters (docs/kernels.md, "Filters need global thresholds"): `select` holds rows
- *   mf_select_row, `select_stage` says what the block gets (MF_SELECT_*). Host backend only.
+ *   mf_select_row, `select_stage` says what the block gets (MF_SELECT_*).
  * - penalties (NULL: none; not with MF_ARGS_PARTIAL): a step's penalties in the same call, as
  *   mf_penalties_apply over these logits before the pick and mf_penalties_update with the chosen
  *   ids (the cells) after it, both queued by this call ahead of the copies and the event. Its

@@ -144,6 +144,27 @@ MF_HD void mf_combine_stats(const mf_partial_record *rec, uint32_t world, uint32
  * (MF_PARTIAL_*) and whether its records carry (m, s). */
 MF_HD uint32_t mf_partial_op(uint32_t op, int logprobs) { return op | (logprobs ? MF_PARTIAL_LOGPROBS : 0u); }
 
+/* The operation of a partial call's block: its select stage's (MF_ARGS_SELECT: MF_SELECT_*, 0 for
+ * none), else a sampled call's or an argmax's. The one mapping the host loop and the kernels use. */
+MF_HD uint32_t mf_partial_call_op(uint32_t select_stage, int sampled) {
+    return select_stage == MF_SELECT_TOP     ? MF_PARTIAL_TOP
+           : select_stage == MF_SELECT_HIST  ? MF_PARTIAL_HIST
+           : select_stage == MF_SELECT_RACE  ? MF_PARTIAL_FILTERED
+           : select_stage == MF_SELECT_CANDS ? MF_PARTIAL_CANDS
+           : sampled                         ? MF_PARTIAL_SAMPLE
+                                             : MF_PARTIAL_ARGMAX;
+}
+
+/* The header of a partial call's block (mf_argmax_args with MF_ARGS_PARTIAL), as every backend
+ * writes it; `sampled`: the call has params (a backend may hold its copy of host params apart). */
+MF_HD mf_partial_header mf_partial_call_header(const mf_argmax_args *a, int sampled) {
+    const uint32_t stage = (a->flags & MF_ARGS_SELECT) ? a->select_stage : 0u;
+    const uint32_t op = mf_partial_call_op(stage, sampled);
+    mf_partial_header h = {MF_PARTIAL_TAG ^ mf_partial_op(op, (a->flags & MF_ARGS_PARTIAL_LOGPROBS) != 0),
+                           a->rows, a->call, a->vocab_total, a->start, a->start + a->vocab, 0u};
+    return h;
+}
+
 /* The fault of a set of headers (hdr[w * stride] in records), 0 when they agree. `op` is the
  * combine's own mf_partial_op: a header with the other logprobs bit is MF_FAULT_LOGPROBS. */
 MF_HD uint32_t mf_check_headers(const mf_partial_header *first, uint32_t world, uint32_t stride_records,

@@ -407,19 +407,18 @@ mf_status pick(const mf_argmax_args *a, void *stream);
 // The id of each row, then (logprobs, or a partial call's records) each row's (m, s) after it; a
 // partial call without MF_ARGS_PARTIAL_LOGPROBS gets its records and header there, without (m, s).
 mf_status argmax(const mf_argmax_args *a, void *stream) {
-    if (a->flags & MF_ARGS_SELECT)
-        return fail(MF_ERROR_UNAVAILABLE, "split sampling filters (MF_ARGS_SELECT) are not built on the "
-                    "cuda backend yet");
     if (a->rows == 0) return MF_SUCCESS;
-    mf_status st = pick(a, stream);
-    if (st == MF_SUCCESS && (a->logprobs || (a->flags & MF_ARGS_PARTIAL)))
+    mf_status st = MF_SUCCESS;
+    if (a->flags & MF_ARGS_SELECT)  // a stage of the split filters (select_feed.cu)
+        MF_CUDA_TRY(cudak::launch_select_stage(*a, as_stream(stream)), "launching mf_select_stage_kernel");
+    else
+        st = pick(a, stream);
+    if (st == MF_SUCCESS && (a->logprobs || (a->flags & MF_ARGS_PARTIAL)) && cudak::stage_has_records(*a))
         MF_CUDA_TRY(cudak::launch_logprob_stats(*a, as_stream(stream)), "launching mf_logprob_stats_kernel");
     return st;
 }
 
 mf_status combine(const mf_combine_args *a, void *stream) {
-    if (a->op == MF_PARTIAL_FILTERED)
-        return fail(MF_ERROR_UNAVAILABLE, "split sampling filters are not built on the cuda backend yet");
     MF_CUDA_TRY(cudak::launch_combine(*a, as_stream(stream)), "launching mf_combine_kernel");
     return MF_SUCCESS;
 }

@@ -96,6 +96,12 @@ cudaError_t launch_penalties(const mf_penalty_args &args, bool update, cudaStrea
 // The top logprobs of each row (top_logprob_feed.cu): one block per row, read-only on the logits.
 cudaError_t launch_top_logprobs(const mf_top_logprobs_args &args, cudaStream_t stream);
 cudaError_t launch_top_combine(const mf_top_combine_args &args, cudaStream_t stream);
+// One stage of a split row's filters (MF_ARGS_SELECT, select_feed.cu): one block a row. TOP and
+// RACE leave the ids for launch_logprob_stats, which writes their records (stage_has_records).
+cudaError_t launch_select_stage(const mf_argmax_args &args, cudaStream_t stream);
+inline bool stage_has_records(const mf_argmax_args &a) {
+    return !(a.flags & MF_ARGS_SELECT) || a.select_stage == MF_SELECT_TOP || a.select_stage == MF_SELECT_RACE;
+}
 cudaError_t launch_select_decide(const mf_select_decide_args &args, cudaStream_t stream);
 
 cudaError_t launch_reference(const mf_reference_args &args, cudaStream_t stream);

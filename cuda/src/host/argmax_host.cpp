@@ -304,14 +304,7 @@ void run_argmax(const ArgmaxJob &job) {
     mf_partial_record *records = nullptr;
     const uint32_t stage = (a.flags & MF_ARGS_SELECT) ? a.select_stage : 0u;
     if (partial) {  // the block's header first: what the combine checks
-        const uint32_t op = stage == MF_SELECT_TOP    ? MF_PARTIAL_TOP
-                            : stage == MF_SELECT_HIST ? MF_PARTIAL_HIST
-                            : stage == MF_SELECT_RACE ? MF_PARTIAL_FILTERED
-                            : stage == MF_SELECT_CANDS ? MF_PARTIAL_CANDS
-                            : params                  ? MF_PARTIAL_SAMPLE
-                                                      : MF_PARTIAL_ARGMAX;
-        mf_partial_header h{MF_PARTIAL_TAG ^ mf_partial_op(op, partial_stats), a.rows, a.call, a.vocab_total,
-                            a.start, a.start + a.vocab, 0u};
+        const mf_partial_header h = mf_partial_call_header(&a, params != nullptr);
         std::memcpy(a.partials, &h, sizeof h);
         records = (mf_partial_record *)a.partials + MF_PARTIAL_HEADER_RECORDS;
     }

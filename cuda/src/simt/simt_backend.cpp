@@ -62,7 +62,9 @@ void run_kernels(const host::ArgmaxJob &job) {
     // cuda backend passes the caller's.
     a.masks = job.mask_words();
     a.params = job.row_params();
-    if (a.params) {
+    if (a.flags & MF_ARGS_SELECT) {
+        check(simtk::launch_select_stage(a, nullptr), "mf_select_stage_kernel");
+    } else if (a.params) {
         check(simtk::launch_sample(a, nullptr), "mf_sample_kernel");
     } else {
         const int sms = config().sm_count;
@@ -71,13 +73,11 @@ void run_kernels(const host::ArgmaxJob &job) {
         if (plan.splits > 1) scratch = tl_scratch.view(sms);
         check(simtk::launch_argmax(a, plan, scratch, nullptr), "mf_argmax_kernel");
     }
-    if (a.logprobs || (a.flags & MF_ARGS_PARTIAL))
+    if ((a.logprobs || (a.flags & MF_ARGS_PARTIAL)) && simtk::stage_has_records(a))
         check(simtk::launch_logprob_stats(a, nullptr), "mf_logprob_stats_kernel");
 }
 
 mf_status argmax(const mf_argmax_args *a, void *stream) {
-    // The split filters' stages have no kernel yet: they run as the host backend runs them.
-    if (a->flags & MF_ARGS_SELECT) return g_host->argmax(a, stream);
     if (a->rows == 0) return MF_SUCCESS;
     if (!a->params) {
         const uintptr_t esize = mf_dtype_size(a->dtype);
@@ -131,7 +131,6 @@ mf_status reference_forward(const mf_reference_args *args, void *stream) {
 }
 
 mf_status combine(const mf_combine_args *args, void *stream) {
-    if (args->op == MF_PARTIAL_FILTERED) return g_host->combine(args, stream);  // no kernel yet
     try {
         host::CombineJob job(*args);
         host::stream_of(stream)->enqueue("combine_partials", [job = std::move(job)] {

@@ -575,7 +575,10 @@ class VocabShard:
         from . import select_rounds
 
         if _core.backend() == "cuda":
-            raise FeedError("sharded top_k, top_p and min_p are not built on the cuda backend yet")
+            # The stages and decisions are kernels there too; NCCL's collectives are issued at
+            # queue time, so ranks with other params would issue other rounds (docs/tensor-parallel.md).
+            raise FeedError("sharded top_k, top_p and min_p are not built on the cuda backend yet: "
+                            "their NCCL rounds would depend on each rank's params")
         call = select_rounds.call_word(self._calls + 1, params[:n])
         rounds = select_rounds.FilteredCall(self, params, n, call)
         kw = dict(start=self.start, stop=self.stop, vocab=self.vocab, dtype=dtype, call=call,
@@ -631,7 +634,7 @@ class VocabShard:
         same order. ``call``: a filtered call (``select_rounds``) whose ``fault`` is set by the
         time the exchange runs (the ranks disagreed: its first decision's fault word, or an
         exchange that failed) skips the collective on every rank alike and zeroes ``dst`` (host
-        backend; the cuda backend has no filtered calls yet).
+        backend; the cuda backend refuses filtered calls, see ``_call_filtered``).
         """
         if dst.nbytes < src.nbytes * self.world:
             raise ValueError(f"the gathered buffer holds {dst.nbytes} bytes; {self.world} blocks "

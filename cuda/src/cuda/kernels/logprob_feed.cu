@@ -71,10 +71,12 @@ __global__ void mf_combine_kernel(const mf_partial_record *first, const mf_parti
     float m = mf_neg_inf();
     double s = 0.0;
     mf_sample_plan plan;
+    // FILTERED records are race winners over the filters' global thresholds (MF_ARGS_SELECT): the
+    // filters were applied; a SAMPLE call's slices could not apply them.
     const bool sampled =
-        !f && op == MF_PARTIAL_SAMPLE &&
+        !f && (op == MF_PARTIAL_SAMPLE || op == MF_PARTIAL_FILTERED) &&
         !(plan = mf_plan_sampling(device_params ? &device_params[row0 + r] : &in.params[r])).greedy;
-    if (sampled && mf_plan_filtered(&plan)) {  // a filter the slices could not apply
+    if (sampled && op == MF_PARTIAL_SAMPLE && mf_plan_filtered(&plan)) {  // a filter the slices could not apply
         atomicCAS(fault, 0u, MF_FAULT_FILTERS | ((row0 + r) << 8));
     } else if (!f) {
         const mf_partial_record *rec = first + row0 + r;
@@ -107,12 +109,13 @@ cudaError_t launch_logprob_stats(const mf_argmax_args &a, cudaStream_t stream) {
     const uint64_t esize = a.dtype == MF_DTYPE_F32 ? 4u : 2u;
     const bool partial = a.flags & MF_ARGS_PARTIAL;
     const IdSink sink = id_sink(a);
-    const bool stats = !partial || (a.flags & MF_ARGS_PARTIAL_LOGPROBS);
+    // A select's TOP records carry the candidate alone, whatever the header says (select_rule.h).
+    const bool top = (a.flags & MF_ARGS_SELECT) && a.select_stage == MF_SELECT_TOP;
+    const bool stats = (!partial || (a.flags & MF_ARGS_PARTIAL_LOGPROBS)) && !top;
     mf_partial_header h{};
     mf_partial_record *records = nullptr;
     if (partial) {
-        h = mf_partial_header{MF_PARTIAL_TAG ^ mf_partial_op(a.params ? MF_PARTIAL_SAMPLE : MF_PARTIAL_ARGMAX, stats), a.rows,
-                              a.call, a.vocab_total, a.start, a.start + a.vocab, 0u};
+        h = mf_partial_call_header(&a, a.params != nullptr);
         records = static_cast<mf_partial_record *>(a.partials) + MF_PARTIAL_HEADER_RECORDS;
     }
     MF_LAUNCH(a.rows, stats ? kThreads : 32, 0, stream, mf_logprob_stats_kernel)(

@@ -1,12 +1,224 @@
-// The decisions between a split row's filter stages (select_rule.h): a thread a row. Each
-// decision is a few hundred integer operations a row (a ROUND sums `world` histograms of 256
-// weights), so one small launch after each exchange, on the stream, with no host in between.
+// A split row's filter stages (MF_ARGS_SELECT) and the decisions between them (select_rule.h).
+//
+// The stages: one block a row, with the candidates, weights, cut and race of the host backend's
+// select_row and cands_row (sample_host.cpp), so every backend writes the same blocks bit for bit
+// (the tests compare them). TOP and RACE leave each row's local id where the records go, for the
+// stats kernel to finish (logprob_feed.cu); HIST and CANDS write their block whole.
+//
+// The decisions: a thread a row. Each is a few hundred integer operations a row (a ROUND sums
+// `world` histograms of 256 weights), so one small launch after each exchange, on the stream,
+// with no host in between.
+#include <algorithm>
+
 #include "cuda/kernels.hpp"
 #include "metrale_feed/select_rule.h"
+#include "sample_block.cuh"
 
 namespace mf {
 namespace MF_KERNELS {
 namespace {
+
+constexpr uint32_t kSelectRowsPerLaunch = 256;  // 256 * (32 + 8) bytes of parameters
+
+struct SelectInputs {  // host params (a select takes no others) and host masks, by value
+    mf_sampling_params params[kSelectRowsPerLaunch];
+    uint32_t masks[2 * kSelectRowsPerLaunch];
+};
+
+// One launch's rows of a stage, every pointer at its first row.
+struct SelectStage {
+    const char *logits;
+    uint64_t row_bytes;
+    int dtype;
+    uint32_t vocab, start, stage, bit_words;
+    const uint32_t *device_masks;  // NULL: the inputs' host masks
+    const uint32_t *bitmask;
+    uint32_t *ids;                 // TOP, RACE: the local id of row r at ids[4 * r] (its record)
+    mf_select_row *select;
+    char *payload;                 // HIST: MF_SELECT_BINS weights a row; CANDS: cands_cap entries a row
+    uint32_t cands_cap, cands_world;
+    const char *cands;             // RACE: slice 0's gathered CANDS entries of row 0 (NULL: none)
+    uint64_t cands_stride;
+    mf_partial_header *header;     // HIST, CANDS: written by the first row's block (NULL: another launch's)
+    mf_partial_header h;
+};
+
+// What a select weighs a candidate: 1 (top_k), or its mass against the row's zmax (top_p).
+__device__ uint64_t select_weight(bool use_mass, uint32_t bits, float inv_t, float zmax) {
+    return use_mass ? mf_mass(mf_exp_neg(mf_fsub(mf_scaled(bits, inv_t), zmax))) : 1ull;
+}
+
+// The cut at `key` (select_rule.h): the lowest-id candidates at `key`, at or above `floor`, while
+// the weight taken before each is below `need`; the packed threshold that keeps them (and all
+// above `key`), never below `floor`. The ids go by in chunks of the block in id order: a chunk
+// whose weight does not reach `need` is taken whole, and in the one that does, a scan finds the id.
+__device__ uint64_t block_cut(const Row &row, bool use_mass, float inv_t, float zmax, uint64_t floor, uint32_t key,
+                              uint64_t need) {
+    __shared__ unsigned long long scan[kThreads];
+    __shared__ unsigned long long found;
+    if (!need) return mf_pack_max(mf_cut_none(key), floor);
+    if (threadIdx.x == 0) found = 0ull;
+    __syncthreads();
+    uint64_t taken = 0;
+    for (uint32_t c0 = 0; c0 < row.vocab; c0 += blockDim.x) {
+        const uint32_t i = c0 + threadIdx.x;
+        uint32_t bits;
+        uint64_t w = 0, packed = 0;
+        if (i < row.vocab && row.candidate(i, &bits) && mf_key_f32(bits) == key) {
+            packed = mf_pack(key, i);
+            if (packed >= floor) w = select_weight(use_mass, bits, inv_t, zmax);
+        }
+        const uint64_t sum = block_reduce(w, false);  // every thread gets it: the branch is uniform
+        if (taken + sum < need) {
+            taken += sum;
+            continue;
+        }
+        scan[threadIdx.x] = w;
+        __syncthreads();
+        for (uint32_t o = 1; o < blockDim.x; o <<= 1) {  // inclusive, in id order
+            const uint64_t before = threadIdx.x >= o ? scan[threadIdx.x - o] : 0ull;
+            __syncthreads();
+            scan[threadIdx.x] += before;
+            __syncthreads();
+        }
+        const uint64_t through = taken + scan[threadIdx.x];
+        if (w && through >= need && through - w < need) found = packed;  // the one id that reaches it
+        __syncthreads();
+        break;
+    }
+    return mf_pack_max(found ? found : mf_cut_all(key), floor);
+}
+
+// A CANDS row: the slice's greatest min(top_k, cap) candidates in the rule's order (packed words
+// descending) as global ids, padded with MF_NO_TOKEN. The k-th greatest word is a radix select
+// away (packed words are distinct), the words at or above it are listed, and each one's place is
+// the count of greater ones.
+__device__ void cands_row(const Row &row, uint32_t k, mf_partial_cand *out, uint32_t cap) {
+    __shared__ unsigned long long list[MF_SELECT_CANDS_MAX];
+    __shared__ unsigned int listed;
+    uint32_t len = 0;
+    if (k) {
+        const uint64_t count = top_and_count(row).count;
+        const uint64_t t = count > k ? block_select(row, 0, false, 1.0f, 0.0f, k) : 0ull;
+        if (threadIdx.x == 0) listed = 0u;
+        __syncthreads();
+        for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {
+            uint32_t bits;
+            if (!row.candidate(i, &bits)) continue;
+            const uint64_t packed = mf_pack(mf_key_f32(bits), i);
+            if (packed >= t) list[atomicAdd(&listed, 1u)] = packed;
+        }
+        __syncthreads();
+        len = listed;
+        for (uint32_t j = threadIdx.x; j < len; j += blockDim.x) {
+            uint32_t place = 0;
+            for (uint32_t x = 0; x < len; ++x) place += list[x] > list[j];
+            const uint32_t id = mf_unpack_id(list[j]);
+            out[place] = mf_partial_cand{row.base + id, mf_logit_bits(row.logits, row.dtype, id)};
+        }
+    }
+    for (uint32_t j = len + threadIdx.x; j < cap; j += blockDim.x) out[j] = mf_partial_cand{MF_NO_TOKEN, 0u};
+}
+
+// The race of a sampled row over its survivors (packed >= floor, and min_p against the whole
+// row's zmax); the slice's top candidate `top` is raced first, since its score bounds the others.
+// MF_NO_TOKEN when the top is filtered out (then nothing in the slice survives).
+__device__ uint32_t race_row(const Row &row, const mf_sample_plan &p, uint64_t top, float zmax, uint64_t floor) {
+    const uint32_t top_id = mf_unpack_id(top);
+    const float ztop = mf_scaled(mf_logit_bits(row.logits, row.dtype, top_id), p.inv_t);
+    if (!mf_finite_bits(mf_to_bits(ztop)) || !mf_finite_bits(mf_to_bits(zmax))) return top_id;  // the top is the draw
+    if (top < floor || (p.use_min_p && !(mf_exp_neg(mf_fsub(ztop, zmax)) >= p.min_p))) return MF_NO_TOKEN;
+    const float s0 = mf_fadd(ztop, mf_gumbel(p.seed, p.position, row.base + top_id));
+    uint64_t best = mf_pack(mf_key_f32(mf_to_bits(s0)), top_id);
+    for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {
+        uint32_t bits;
+        if (i == top_id || !row.candidate(i, &bits)) continue;
+        const float z = mf_scaled(bits, p.inv_t);
+        if (mf_fadd(z, MF_GUMBEL_BOUND) < s0) continue;  // its score cannot beat the top's
+        if (floor && mf_pack(mf_key_f32(bits), i) < floor) continue;
+        if (p.use_min_p && !(mf_exp_neg(mf_fsub(z, zmax)) >= p.min_p)) continue;
+        const float score = mf_fadd(z, mf_gumbel(p.seed, p.position, row.base + i));
+        best = mf_pack_max(best, mf_pack(mf_key_f32(mf_to_bits(score)), i));
+    }
+    return mf_unpack_id(block_reduce(best, true));
+}
+
+__global__ void __launch_bounds__(kThreads)
+    mf_select_stage_kernel(const SelectStage s, const __grid_constant__ SelectInputs in) {
+    __shared__ unsigned long long hist[MF_SELECT_BINS];
+    __shared__ unsigned long long cands_floor;
+    const uint32_t r = blockIdx.x;
+    const uint32_t *m = s.device_masks ? s.device_masks + 2 * r : in.masks + 2 * r;
+    const Row row{s.logits + r * s.row_bytes, s.dtype, s.vocab,
+                  mf_row_rule{m[0] - s.start, m[1] - s.start, s.bitmask ? s.bitmask + (uint64_t)r * s.bit_words : nullptr},
+                  s.start};
+    const mf_sample_plan p = mf_plan_sampling(&in.params[r]);
+    const bool sampled = s.vocab && !p.greedy;  // uniform across the block, as every branch below
+    if (s.header && r == 0 && threadIdx.x == 0) *s.header = s.h;
+    if (s.stage == MF_SELECT_CANDS) {
+        const bool listed = sampled && (s.select[r].flags & MF_SELECT_ROW_CANDS);
+        const uint32_t k = !listed ? 0u : p.top_k < s.cands_cap ? p.top_k : s.cands_cap;
+        cands_row(row, k, reinterpret_cast<mf_partial_cand *>(s.payload) + (uint64_t)r * s.cands_cap, s.cands_cap);
+        return;
+    }
+    uint64_t *bins = reinterpret_cast<uint64_t *>(s.payload) + (uint64_t)r * MF_SELECT_BINS;
+    if (!sampled) {  // a greedy row: no histogram, no TOP candidate, the argmax rule in the race
+        if (s.stage == MF_SELECT_HIST)
+            for (uint32_t d = threadIdx.x; d < MF_SELECT_BINS; d += blockDim.x) bins[d] = 0ull;
+        if (s.stage == MF_SELECT_HIST) return;
+        uint64_t best = 0;
+        if (s.stage == MF_SELECT_RACE) {
+            for (uint32_t i = threadIdx.x; i < s.vocab; i += blockDim.x)
+                if (i != row.rule.m0 && i != row.rule.m1 && mf_bit_allowed(row.rule.bits, s.start + i))
+                    best = mf_pack_max(best, mf_pack(mf_key_at(row.logits, s.dtype, i), i));
+            best = block_reduce(best, true);
+        }
+        if (threadIdx.x == 0) s.ids[4 * (uint64_t)r] = best ? mf_unpack_id(best) : MF_NO_TOKEN;
+        return;
+    }
+    const uint64_t top = top_and_count(row).top;
+    if (s.stage == MF_SELECT_TOP) {
+        if (threadIdx.x == 0) s.ids[4 * (uint64_t)r] = top ? mf_unpack_id(top) : MF_NO_TOKEN;
+        return;
+    }
+    mf_select_row st = s.select[r];  // every thread's copy; the block's thread 0 writes it back
+    const float zmax = (st.flags & MF_SELECT_ROW_TOP) ? mf_scaled(st.top_bits, p.inv_t) : mf_neg_inf();
+    if (s.stage == MF_SELECT_RACE && s.cands && (st.flags & MF_SELECT_ROW_CANDS)) {
+        if (threadIdx.x == 0)
+            cands_floor = mf_floor_local(mf_cands_threshold(s.cands + (uint64_t)r * s.cands_cap * MF_PARTIAL_CAND_BYTES,
+                                                            s.cands_stride, s.cands_world, s.cands_cap, &p, zmax),
+                                         s.start, s.vocab);
+        __syncthreads();
+        st.floor = mf_pack_max(st.floor, cands_floor);
+    }
+    if (st.flags & MF_SELECT_ROW_CUT) {
+        st.floor = block_cut(row, st.flags & MF_SELECT_ROW_CUT_MASS, p.inv_t, zmax, st.floor, st.cut_key, st.cut_need);
+        st.flags &= ~(uint32_t)MF_SELECT_ROW_CUT;
+    }
+    __syncthreads();  // every thread has read the row's state before it is written back
+    if (threadIdx.x == 0) s.select[r] = st;
+    if (s.stage == MF_SELECT_HIST) {
+        for (uint32_t d = threadIdx.x; d < MF_SELECT_BINS; d += blockDim.x) hist[d] = 0ull;
+        __syncthreads();
+        if (st.flags & MF_SELECT_ROW_HIST) {
+            const bool mass = st.flags & MF_SELECT_ROW_MASS;
+            const uint32_t mask = st.shift >= 24u ? 0u : ~0u << (st.shift + 8u), want = st.prefix & mask;
+            for (uint32_t i = threadIdx.x; i < s.vocab; i += blockDim.x) {
+                uint32_t bits;
+                if (!row.candidate(i, &bits)) continue;
+                const uint32_t key = mf_key_f32(bits);
+                if (mf_pack(key, i) < st.floor || (key & mask) != want) continue;
+                const uint64_t w = select_weight(mass, bits, p.inv_t, zmax);
+                if (w) atomicAdd(&hist[mf_select_digit8(key, st.shift)], (unsigned long long)w);
+            }
+        }
+        __syncthreads();
+        for (uint32_t d = threadIdx.x; d < MF_SELECT_BINS; d += blockDim.x) bins[d] = hist[d];
+        return;
+    }
+    const uint32_t id = top ? race_row(row, p, top, zmax, st.floor) : MF_NO_TOKEN;
+    if (threadIdx.x == 0) s.ids[4 * (uint64_t)r] = id;
+}
 
 __global__ void mf_select_decide_kernel(const char *gathered, uint64_t block_bytes, uint32_t world, uint32_t rank,
                                         uint32_t rows, uint32_t vocab, uint64_t call, uint32_t step,
@@ -31,6 +243,37 @@ __global__ void mf_select_decide_kernel(const char *gathered, uint64_t block_byt
 }
 
 }  // namespace
+
+cudaError_t launch_select_stage(const mf_argmax_args &a, cudaStream_t stream) {
+    const IdSink sink = id_sink(a);
+    const bool dmasks = a.flags & MF_ARGS_MASKS_DEVICE;
+    const uint64_t row_bytes = (uint64_t)a.row_stride * mf_dtype_size(a.dtype);
+    const uint64_t payload_row = a.select_stage == MF_SELECT_HIST    ? MF_SELECT_BINS * 8ull
+                                 : a.select_stage == MF_SELECT_CANDS ? (uint64_t)a.select_cands_cap * MF_PARTIAL_CAND_BYTES
+                                                                     : 0ull;
+    const uint64_t cands_row = (uint64_t)a.select_cands_cap * MF_PARTIAL_CAND_BYTES;
+    const char *cands = a.select_cands ? static_cast<const char *>(a.select_cands) + MF_PARTIAL_HEADER_BYTES : nullptr;
+    char *payload = static_cast<char *>(a.partials) + MF_PARTIAL_HEADER_BYTES;
+    for (uint32_t row0 = 0; row0 < a.rows; row0 += kSelectRowsPerLaunch) {
+        const uint32_t n = std::min(a.rows - row0, kSelectRowsPerLaunch);
+        SelectInputs in;
+        std::copy(a.params + row0, a.params + row0 + n, in.params);
+        if (!dmasks) std::copy(a.masks + 2 * (uint64_t)row0, a.masks + 2 * (uint64_t)(row0 + n), in.masks);
+        const uint32_t words = mf_bitmask_words(sink.total);
+        const SelectStage s{static_cast<const char *>(a.logits) + row0 * row_bytes, row_bytes, (int)a.dtype, a.vocab,
+                            a.start, a.select_stage, words, dmasks ? a.masks + 2 * (uint64_t)row0 : nullptr,
+                            a.bitmask ? a.bitmask + (uint64_t)row0 * words : nullptr,
+                            sink.ids + (uint64_t)row0 * sink.stride, a.select + row0, payload + row0 * payload_row,
+                            a.select_cands_cap, a.select_cands_world, cands ? cands + row0 * cands_row : nullptr,
+                            a.select_cands_stride,
+                            row0 == 0 && payload_row ? static_cast<mf_partial_header *>(a.partials) : nullptr,
+                            mf_partial_call_header(&a, true)};
+        MF_LAUNCH(n, kThreads, 0, stream, mf_select_stage_kernel)(s, in);
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
 
 cudaError_t launch_select_decide(const mf_select_decide_args &a, cudaStream_t stream) {
     (void)stream;  // unused by the simt launch
