@@ -418,7 +418,7 @@ mf_status refuse_combine_overlaps(const Span (&spans)[N], const Span &partials, 
 
 extern "C" {
 
-static mf_status check_penalties(const mf_penalty_args *a, bool update);
+static mf_status check_penalty_ranges(const mf_penalty_args *a, bool update, size_t *logit_bytes);
 
 // A pick's penalties (mf_argmax_args.penalties): the apply over its logits and the update with
 // its cells, each checked as the two functions check theirs.
@@ -438,15 +438,15 @@ static mf_status pick_penalties(const mf_argmax_args *args, mf_penalty_args *app
     apply->ids = nullptr;
     *update = *apply;
     update->ids = args->cells;  // checked with the call's cells: its own check would add nothing
-    st = check_penalties(apply, false);
+    size_t logit_bytes = 0;
+    st = check_penalty_ranges(apply, false, &logit_bytes);
     if (st != MF_SUCCESS) return st;
     // One call now writes the logits and the tables too: none of its writes may land on what
-    // another part of it reads or writes (each function checked only its own spans).
+    // another part of it reads or writes. These spans hold the apply's own (check_penalties').
     const bool dmasks = args->flags & MF_ARGS_MASKS_DEVICE, dparams = args->flags & MF_ARGS_PARAMS_DEVICE;
     const bool dslots = apply->flags & MF_PENALTY_SLOTS_DEVICE;
     const Span spans[] = {
-        {args->logits, ((size_t)(args->rows - 1) * args->row_stride + args->vocab) * dtype_size(args->dtype), "logits",
-         true},
+        {args->logits, logit_bytes, "logits", true},
         {args->cells, (size_t)args->rows * 4, "cells", true},
         {args->logprobs, (size_t)args->rows * 4, "logprobs", true},
         {apply->state, (size_t)apply->slot_count * sizeof(mf_penalty_slot), "penalty state", true},
@@ -787,9 +787,10 @@ mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, 
     });
 }
 
-// Both penalty ops' descriptor, checked once (docs/penalties.md): for the two functions and for
-// a pick that carries its step's penalties (mf_argmax_args.penalties).
-static mf_status check_penalties(const mf_penalty_args *a, bool update) {
+// Both penalty ops' descriptor, checked once (docs/penalties.md): its fields and ranges, for the
+// two functions and for a pick that carries its step's penalties (mf_argmax_args.penalties, which
+// then checks the overlaps of the whole call); `logit_bytes` gets the apply's span of logits.
+static mf_status check_penalty_ranges(const mf_penalty_args *a, bool update, size_t *logit_bytes) {
     const char *name = update ? "penalties_update" : "penalties_apply";
     mf_status st;
     if (a->rows > kMaxRows) return fail(MF_ERROR_INVALID_VALUE, "%s: rows must be at most %u, got %u", name, kMaxRows, a->rows);
@@ -824,7 +825,7 @@ static mf_status check_penalties(const mf_penalty_args *a, bool update) {
             seen[s] = true;
         }
     }
-    size_t logit_bytes = 0;
+    *logit_bytes = 0;
     if (update) {
         if (!a->ids || !aligned(a->ids, 4)) return fail(MF_ERROR_INVALID_VALUE, "%s: ids is a null or misaligned pointer", name);
         st = check_device_range(a->ids, (size_t)a->rows * 4, "ids");
@@ -843,22 +844,28 @@ static mf_status check_penalties(const mf_penalty_args *a, bool update) {
             const unsigned __int128 wide = ((unsigned __int128)(a->rows - 1) * a->row_stride + a->vocab) * esize;
             if (wide > (unsigned __int128)(SIZE_MAX / 2))
                 return fail(MF_ERROR_INVALID_VALUE, "%s: rows x row_stride spans more memory than exists", name);
-            logit_bytes = (size_t)wide;
-            st = check_device_range(a->logits, logit_bytes, "logits");
+            *logit_bytes = (size_t)wide;
+            st = check_device_range(a->logits, *logit_bytes, "logits");
         }
     }
-    if (st == MF_SUCCESS) {
-        const Span spans[] = {
-            {a->logits, logit_bytes, "logits", !update},
-            {a->state, state_bytes, "penalty state", update},
-            {a->table, table_bytes, "penalty table", update},
-            {a->items, item_bytes, "penalty items", false},
-            {dslots ? a->slots : nullptr, (size_t)a->rows * 4, "slots", false},
-            {update ? a->ids : nullptr, (size_t)a->rows * 4, "ids", false},
-        };
-        st = refuse_overlaps(spans);
-    }
     return st;
+}
+
+// A penalty function's descriptor: its ranges, then no write of it over another of its spans.
+static mf_status check_penalties(const mf_penalty_args *a, bool update) {
+    size_t logit_bytes = 0;
+    mf_status st = check_penalty_ranges(a, update, &logit_bytes);
+    if (st != MF_SUCCESS) return st;
+    const bool dslots = a->flags & MF_PENALTY_SLOTS_DEVICE;
+    const Span spans[] = {
+        {a->logits, logit_bytes, "logits", !update},
+        {a->state, (size_t)a->slot_count * sizeof(mf_penalty_slot), "penalty state", update},
+        {a->table, (size_t)a->slot_count * a->table_cap * sizeof(mf_penalty_entry), "penalty table", update},
+        {a->items, (size_t)a->slot_count * a->item_cap * sizeof(mf_penalty_item), "penalty items", false},
+        {dslots ? a->slots : nullptr, (size_t)a->rows * 4, "slots", false},
+        {update ? a->ids : nullptr, (size_t)a->rows * 4, "ids", false},
+    };
+    return refuse_overlaps(spans);
 }
 
 static mf_status penalties(const mf_penalty_args *caller, bool update, mf_stream_t stream) {

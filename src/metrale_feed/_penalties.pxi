@@ -236,9 +236,7 @@ cdef int pick_penalties(mf_argmax_args *a, object penalties) except -1:
         raise TypeError("penalties must be a PenaltyLaunch (PenaltyState.prepare), not "
                         f"{type(penalties).__name__}")
     cdef PenaltyLaunch launch = <PenaltyLaunch>penalties
-    if launch.ap.rows != a.rows:
-        raise ValueError(f"the penalties name {launch.ap.rows} rows; the call picks {a.rows}")
-    launch.reload()
+    launch.reload()  # the C layer checks the rest (rows included) with the pick's arguments
     a.penalties = &launch.ap
     return 0
 
