@@ -233,7 +233,7 @@ def _select_partial(logits, params, partials, select, stage, stream=0, *, start,
     ------
     ValueError
         A bad stage, buffers too small, device-resident params, and the errors of
-        ``_sample_partial``; before anything is queued. FeedError on the cuda backend (not built).
+        ``_sample_partial``; before anything is queued.
 
     Examples
     --------

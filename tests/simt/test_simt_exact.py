@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 import metrale_feed as mf
+from metrale_feed import _core
 from metrale_feed.testing.oracle import reference_argmax
 
-from helpers.calls import pick, split
+from helpers.calls import pick, split, upload_slice
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -280,3 +281,84 @@ def test_the_split_filters_decisions(host, dev, settings):
     ids, word, words, states = both(run, settings)
     assert word[0] == 0 and not words.any()
     assert not (ids == N).any()
+
+
+# mf_select_row (feed.h), as a numpy record: what a stage reads and writes back.
+SELECT_ROW = np.dtype([("floor", "<u8"), ("cut_need", "<u8"), ("top_bits", "<u4"), ("cut_key", "<u4"),
+                       ("prefix", "<u4"), ("shift", "<u4"), ("flags", "<u4"), ("list_len", "<u4")])
+
+
+def key_f32(bits):
+    """argmax_rule.h's mf_key_f32: the order of float32 bits as an unsigned key (NaN lowest)."""
+    bits = np.asarray(bits, np.uint32).astype(np.int64)
+    mag = bits & 0x7FFFFFFF
+    key = np.where(bits >> 31, 0x80000000 - mag, 0x80000000 + mag)
+    return np.where(mag > 0x7F800000, 0, np.where(mag == 0, 0x80000000, key)).astype(np.uint32)
+
+
+def select_states(rng, logits, lo, hi, masks):
+    """Each row's state between stages as the decisions could leave it: the whole row's zmax, a
+    floor and a cut at the key of one of the slice's candidates (needing none, one, some or more
+    than the key holds), a round's prefix and shift over another's, and mixes of the flags."""
+    f = _core.SELECT_ROW_FLAGS
+    rows = logits.shape[0]
+    st = np.zeros(rows, SELECT_ROW)
+    st["list_len"] = N
+    bits = logits.view(np.uint32)
+    for r in range(rows):
+        ok = np.isfinite(logits[r]) & ~np.isin(np.arange(logits.shape[1]), masks[r])
+        if not ok.any():
+            continue
+        st["top_bits"][r] = bits[r][ok][np.argmax(logits[r][ok])]  # the row's zmax, whichever slice
+        mine = np.flatnonzero(ok[lo:hi]) + lo
+        flags = f["top"] | [0, f["hist"], f["hist"] | f["mass"]][r % 3] | (f["cands"] if r % 2 else 0)
+        if mine.size:
+            one, other = rng.choice(mine, 2)
+            if r % 4:
+                flags |= f["cut"] | (f["cut_mass"] if r % 3 == 2 else 0)
+                st["cut_key"][r] = key_f32(bits[r, one])
+                st["cut_need"][r] = [0, 1, 3, 2**60][r % 4]
+            if r % 5 == 1:
+                st["floor"][r] = np.uint64((int(key_f32(bits[r, other])) << 32) | (~int(other - lo) & 0xFFFFFFFF))
+            shift = [24, 16, 8, 0][r % 4]
+            st["shift"][r] = shift
+            st["prefix"][r] = int(key_f32(bits[r, other])) & ~((1 << (shift + 8)) - 1) & 0xFFFFFFFF
+        st["flags"][r] = flags
+    return st
+
+
+@pytest.mark.parametrize("settings", ["default", "split-parallel"])
+@pytest.mark.parametrize("stage", ["top", "hist", "cands", "race"])
+def test_each_select_stage_writes_the_hosts_block_and_state(host, dev, settings, stage):
+    # mf_select_stage_kernel, one stage at a time, from states the decisions could leave: the
+    # block (header, records, bins or lists) and every row's state written back, byte for byte.
+    rng = np.random.default_rng(["top", "hist", "cands", "race"].index(stage))
+    rows, vocab, lo, hi = 9, 1800, 500, 1500
+    logits = logits_for(rng, rows, vocab, "float32")
+    logits[3] = np.round(logits[3])      # runs of equal keys: cuts inside them
+    logits[4, lo:hi] = np.nan            # a slice with no candidate
+    masks = masks_for(rng, rows, vocab)
+    params = mf.sampling_params(rows, temperature=rng.uniform(0.5, 1.5, rows), seed=np.arange(rows) + 1,
+                                position=3, top_k=[3, 0, 40, 700, 2, 1000, 0, 9, 5],
+                                top_p=[0.9, 0.6, 1.0, 0.8, 1.0, 0.95, 0.5, 1.0, 0.7],
+                                min_p=[0.0, 0.05, 0.0, 0.0, 0.1, 0.0, 0.01, 0.0, 0.0])
+    params["temperature"][7] = 0.0       # greedy: the argmax rule in the race, nothing elsewhere
+    states = select_states(rng, logits, lo, hi, masks)
+    cap = 64
+    size = {"hist": 32 + 2048 * rows, "cands": 32 + 8 * cap * rows}.get(stage, 32 + 16 * rows)
+
+    def run():
+        held = []
+        part = upload_slice(dev, logits, lo, hi, 3, held)
+        block, state = dev.upload(np.full(size, 0xAB, np.uint8)), dev.upload(states)
+        kw = dict(cands_cap=cap) if stage in ("cands", "race") else {}
+        _core._select_partial(part, params, block, state, stage, start=lo, stop=hi, vocab=vocab,
+                              dtype="float32", call=33, rows=rows, row_stride=hi - lo + 3,
+                              masks=masks, logprobs=stage == "race", **kw)
+        out = dev.download(block, np.uint8), dev.download(state, np.uint8)
+        for b in held + [block, state]:
+            b.close()
+        return out
+
+    block, state = both(run, settings)
+    assert not (block[32:] == 0xAB).all()  # the stage wrote its rows

@@ -213,9 +213,10 @@ enum {
 };
 
 /* The stages of a split row's filters, each writing a partial block (a header, then per row):
- * TOP the slice's greatest finite candidate and (m, s) (a partial record), HIST a histogram of
- * one 4-bit digit of the logit key (16 uint64 weights), RACE the race winner over the survivors
- * (a partial record, for mf_combine_partials with MF_PARTIAL_FILTERED). */
+ * TOP the slice's greatest finite candidate (a partial record, (m, s) 0), HIST a histogram of
+ * one 8-bit digit of the logit key (MF_SELECT_BINS uint64 weights), CANDS the slice's candidate
+ * list (below), RACE the race winner over the survivors (a partial record, for
+ * mf_combine_partials with MF_PARTIAL_FILTERED). */
 enum { MF_SELECT_TOP = 1u, MF_SELECT_HIST = 2u, MF_SELECT_RACE = 3u, MF_SELECT_CANDS = 4u };
 /* HIST: one digit of MF_SELECT_DIGIT_BITS bits a round, so a 32-bit key in 32 / 8 = 4 rounds. */
 #define MF_SELECT_DIGIT_BITS 8u
@@ -245,9 +246,9 @@ typedef struct mf_select_row {
     uint32_t top_bits; /* the whole row's greatest finite candidate logit (float32 bits): zmax */
     uint32_t cut_key;
     uint32_t prefix;   /* HIST: the key bits above the digit, already selected */
-    uint32_t shift;    /* HIST: the digit's lowest bit, 28, 24, ..., 0 */
+    uint32_t shift;    /* HIST: the digit's lowest bit, 24, 16, 8, 0 */
     uint32_t flags;    /* MF_SELECT_ROW_* */
-    uint32_t list_len; /* the row's list of candidates (see select_list); MF_SELECT_NO_LIST: none */
+    uint32_t list_len; /* host backend: the row's list (see select_list); MF_SELECT_NO_LIST: none */
 } mf_select_row;
 #define MF_SELECT_NO_LIST 0xFFFFFFFFu
 
@@ -334,7 +335,8 @@ typedef struct mf_argmax_args {
     uint32_t select_stage;             /* MF_ARGS_SELECT: MF_SELECT_* */
     /* MF_ARGS_SELECT, optional (NULL): device scratch of rows * select_list_cap ids. A round whose
      * key prefix fixes the top 8 bits lists the ids still in range there (when they fit), so the
-     * select's later rounds and its cut read the list instead of the whole slice. */
+     * select's later rounds and its cut read the list instead of the whole slice. The host
+     * backend's cache (with list_len): the kernels sweep the slice and leave both as they are. */
     uint32_t select_list_cap;
     uint32_t *select_list;
     /* MF_ARGS_SELECT: entries a row of a CANDS block (1 to MF_SELECT_CANDS_MAX; CANDS and a RACE

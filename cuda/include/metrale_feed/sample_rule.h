@@ -196,7 +196,8 @@ MF_HD uint32_t mf_select_digit(const uint64_t *bins, uint64_t *above, uint64_t t
 MF_HD int mf_select_in_prefix(uint32_t key, uint32_t prefix, uint32_t shift) {
     return shift >= 24u || (key >> (shift + 8u)) == (prefix >> (shift + 8u));
 }
-MF_HD uint32_t mf_select_digit8(uint32_t key, uint32_t shift) { return (key >> shift) & 255u; }
+/* A shift past the key (a state no decision writes) reads digit 0 on every backend alike. */
+MF_HD uint32_t mf_select_digit8(uint32_t key, uint32_t shift) { return shift < 32u ? (key >> shift) & 255u : 0u; }
 /* The packed threshold that keeps every candidate at key K, or none of them. */
 MF_HD uint64_t mf_cut_all(uint32_t key) { return (uint64_t)key << 32; }
 MF_HD uint64_t mf_cut_none(uint32_t key) { return ((uint64_t)key + 1u) << 32; }

@@ -176,8 +176,8 @@ __global__ void __launch_bounds__(kThreads)
         if (threadIdx.x == 0) s.ids[4 * (uint64_t)r] = best ? mf_unpack_id(best) : MF_NO_TOKEN;
         return;
     }
-    const uint64_t top = top_and_count(row).top;
     if (s.stage == MF_SELECT_TOP) {
+        const uint64_t top = top_and_count(row).top;
         if (threadIdx.x == 0) s.ids[4 * (uint64_t)r] = top ? mf_unpack_id(top) : MF_NO_TOKEN;
         return;
     }
@@ -216,6 +216,7 @@ __global__ void __launch_bounds__(kThreads)
         for (uint32_t d = threadIdx.x; d < MF_SELECT_BINS; d += blockDim.x) bins[d] = hist[d];
         return;
     }
+    const uint64_t top = top_and_count(row).top;
     const uint32_t id = top ? race_row(row, p, top, zmax, st.floor) : MF_NO_TOKEN;
     if (threadIdx.x == 0) s.ids[4 * (uint64_t)r] = id;
 }
