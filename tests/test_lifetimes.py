@@ -166,7 +166,7 @@ FREES_IN_HOST_FUNCS = """
         s.synchronize()
         assert not bufs
         graph.close()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 20  # polled: a margin for loaded machines
     while counts() != start and time.monotonic() < deadline:
         time.sleep(0.01)
     assert counts() == start, (start, counts())
@@ -200,7 +200,7 @@ def test_free_does_not_wait_for_unrelated_work():
             gate.set()
             blocked.synchronize()
             writer.synchronize()
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 20  # polled: a margin for loaded machines
             while mf.live_objects()["device_bytes"] != before["device_bytes"] - (1 << 20):
                 assert time.monotonic() < deadline, mf.live_objects()
                 time.sleep(0.005)
@@ -285,7 +285,7 @@ def test_host_function_error_on_a_closed_stream_frees_its_frame(host, no_leaks, 
     del big
     s.close()  # unsynchronised: both still queued
     gate.set()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 20  # polled: a margin for loaded machines
     while gone() is not None and time.monotonic() < deadline:
         time.sleep(0.01)
         gc.collect()
@@ -409,7 +409,7 @@ def test_fork_while_a_free_is_queued():
         assert os.waitstatus_to_exitcode(status) == 0, status
         gate.set()
         s.synchronize()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 20  # polled: a margin for loaded machines
         while mf.live_objects()["device_bytes"] != start:
             assert time.monotonic() < deadline, mf.live_objects()
             time.sleep(0.005)

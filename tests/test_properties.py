@@ -302,7 +302,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         for s in self.live_streams:
             s.synchronize()
         mf.stream_synchronize(0)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 20  # polled: a margin for loaded machines
         while True:
             got = mf.live_objects()
             if got == want or time.monotonic() > deadline:

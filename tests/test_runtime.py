@@ -1057,10 +1057,10 @@ def test_freeing_a_buffer_while_another_stream_works_never_waits(host, no_leaks)
         start = time.monotonic()
         del small  # __dealloc__
         waited = time.monotonic() - start
-        assert waited < 0.1, f"the free waited {waited:.2f} s"
+        assert waited < 0.2, f"the free waited {waited:.2f} s"  # a blocking free: >= 0.38 s
         assert mf.live_objects()["device_bytes"] == before  # not yet: `busy` has not passed it
         busy.synchronize()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 20  # polled: a margin for loaded machines
         while mf.live_objects()["device_bytes"] != before - 8 and time.monotonic() < deadline:
             time.sleep(0.005)
         assert mf.live_objects()["device_bytes"] == before - 8

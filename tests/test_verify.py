@@ -517,7 +517,7 @@ def test_call_returns_before_the_work_runs(host, dev, no_leaks):
         drafts[:] = (drafts + 1) % vocab  # a late read of the drafts would reject them all
         done.synchronize()
         waited = time.monotonic() - start
-    assert returned < 0.1 < waited, (returned, waited)
+    assert waited > 0.2 and returned < waited / 2, (returned, waited)  # a sync would wait the lag
     assert np.array_equal(np.frombuffer(out, np.uint32).reshape(rows, k + 2), want)
     for b in (buf, cells, out):
         b.close()
