@@ -34,6 +34,16 @@ struct Row {
     }
 };
 
+// The argmax rule over the row's allowed ids, whatever their values (a packed word; 0: every id
+// masked); every thread gets it.
+__device__ uint64_t block_argmax(const Row &row) {
+    uint64_t best = 0;
+    for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x)
+        if (i != row.rule.m0 && i != row.rule.m1 && mf_bit_allowed(row.rule.bits, row.base + i))
+            best = mf_pack_max(best, mf_pack(mf_key_at(row.logits, row.dtype, i), i));
+    return block_reduce(best, true);
+}
+
 // The row's greatest candidate (a packed word, 0: none) and how many it has; every thread gets both.
 struct TopCount {
     uint64_t top, count;

@@ -37,11 +37,7 @@ __global__ void __launch_bounds__(kThreads)
     const mf_sample_plan p = mf_plan_sampling(&params);
 
     if (p.greedy) {  // the argmax rule itself
-        uint64_t best = 0;
-        for (uint32_t i = threadIdx.x; i < vocab; i += blockDim.x)
-            if (i != row.rule.m0 && i != row.rule.m1 && mf_bit_allowed(row.rule.bits, id_base + i))
-                best = mf_pack_max(best, mf_pack(mf_key_at(row.logits, dtype, i), i));
-        best = block_reduce(best, true);
+        const uint64_t best = block_argmax(row);
         if (threadIdx.x == 0) cells[0] = mf_unpack_id(best);
         return;
     }

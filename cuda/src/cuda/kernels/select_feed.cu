@@ -163,16 +163,11 @@ __global__ void __launch_bounds__(kThreads)
     }
     uint64_t *bins = reinterpret_cast<uint64_t *>(s.payload) + (uint64_t)r * MF_SELECT_BINS;
     if (!sampled) {  // a greedy row: no histogram, no TOP candidate, the argmax rule in the race
-        if (s.stage == MF_SELECT_HIST)
+        if (s.stage == MF_SELECT_HIST) {
             for (uint32_t d = threadIdx.x; d < MF_SELECT_BINS; d += blockDim.x) bins[d] = 0ull;
-        if (s.stage == MF_SELECT_HIST) return;
-        uint64_t best = 0;
-        if (s.stage == MF_SELECT_RACE) {
-            for (uint32_t i = threadIdx.x; i < s.vocab; i += blockDim.x)
-                if (i != row.rule.m0 && i != row.rule.m1 && mf_bit_allowed(row.rule.bits, s.start + i))
-                    best = mf_pack_max(best, mf_pack(mf_key_at(row.logits, s.dtype, i), i));
-            best = block_reduce(best, true);
+            return;
         }
+        const uint64_t best = s.stage == MF_SELECT_RACE && s.vocab ? block_argmax(row) : 0ull;
         if (threadIdx.x == 0) s.ids[4 * (uint64_t)r] = best ? mf_unpack_id(best) : MF_NO_TOKEN;
         return;
     }
@@ -202,12 +197,11 @@ __global__ void __launch_bounds__(kThreads)
         __syncthreads();
         if (st.flags & MF_SELECT_ROW_HIST) {
             const bool mass = st.flags & MF_SELECT_ROW_MASS;
-            const uint32_t mask = st.shift >= 24u ? 0u : ~0u << (st.shift + 8u), want = st.prefix & mask;
             for (uint32_t i = threadIdx.x; i < s.vocab; i += blockDim.x) {
                 uint32_t bits;
                 if (!row.candidate(i, &bits)) continue;
                 const uint32_t key = mf_key_f32(bits);
-                if (mf_pack(key, i) < st.floor || (key & mask) != want) continue;
+                if (mf_pack(key, i) < st.floor || !mf_select_in_prefix(key, st.prefix, st.shift)) continue;
                 const uint64_t w = select_weight(mass, bits, p.inv_t, zmax);
                 if (w) atomicAdd(&hist[mf_select_digit8(key, st.shift)], (unsigned long long)w);
             }

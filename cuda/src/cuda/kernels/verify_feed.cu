@@ -27,15 +27,6 @@ struct VerifyInputs {
 };
 
 
-// The argmax rule over a logit row (every thread gets it).
-__device__ uint32_t block_argmax(const Row &row) {
-    uint64_t best = 0;
-    for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x)
-        if (i != row.rule.m0 && i != row.rule.m1 && mf_bit_allowed(row.rule.bits, i))
-            best = mf_pack_max(best, mf_pack(mf_key_at(row.logits, row.dtype, i), i));
-    return mf_unpack_id(block_reduce(best, true));
-}
-
 // The race over the survivors other than `skip` (MF_NO_TOKEN: none skipped), sample_rule.h's
 // scores; the top candidate's score, when it races, bounds which others can win.
 __device__ uint32_t block_race(const Row &row, const mf_sample_plan &p, uint32_t top_id, float zmax,
@@ -153,7 +144,7 @@ __global__ void __launch_bounds__(kThreads)
             const float *q = draft_probs && j < d ? draft_probs + ((uint64_t)r * k + j) * vocab : nullptr;
             accepted = sampled_position(row, mf_verify_params_at(&params, j), draft, q, &emit);
         } else {
-            emit = block_argmax(row);
+            emit = mf_unpack_id(block_argmax(row));
             accepted = mf_verify_accepts(1, emit, draft, 0u, 0u, 0u, 0u);
         }
         if (threadIdx.x == 0) ids[n] = accepted ? draft : emit;
