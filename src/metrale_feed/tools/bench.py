@@ -1199,7 +1199,8 @@ def bench_tp(world: int, quick: bool) -> Dict[str, Any]:
     from . import bench_tp as tp
 
     result = tp.run(world, quick)
-    _section(f"tensor parallel, {world} ranks x {tp.VOCAB // world} ids, float32, gloo, "
+    vocab = result["sizes"][0]["vocab"] if result["sizes"] else tp.VOCAB
+    _section(f"tensor parallel, {world} ranks x {vocab // world} ids, float32, gloo, "
              f"ranks on the {result['backend']} backend")
     for e in result["sizes"]:
         name = f"sharded argmax {e['rows']}x{e['vocab']}"
