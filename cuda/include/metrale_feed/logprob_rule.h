@@ -48,7 +48,6 @@ MF_HD int mf_plan_filtered(const mf_sample_plan *p) {
 }
 
 
-MF_HD float mf_neg_inf(void) { return mf_from_bits(0xFF800000u); }
 MF_HD float mf_nan(void) { return mf_from_bits(0x7FC00000u); }
 
 /* The logprob of a chosen id with logit `bits` under a row (or gathered slices) of (M, S); NaN

@@ -37,8 +37,6 @@ MF_HD void mf_penalty_store(void *row, int dtype, uint32_t i, float v) {
     else ((uint16_t *)row)[i] = dtype == 2 ? mf_round_bf16(bits) : mf_f32_to_f16(bits);
 }
 
-MF_HD float mf_neg_inf(void) { return mf_from_bits(0xFF800000u); }
-
 MF_HD int mf_penalty_is_nan(float l) { return (mf_to_bits(l) & 0x7FFFFFFFu) > 0x7F800000u; }
 
 /* Stage 3 for one id of the table: `count` is its mf_penalty_entry.count. */

@@ -49,6 +49,7 @@ MF_HD uint32_t mf_to_bits(float f) {
     c.f = f;
     return c.u;
 }
+MF_HD float mf_neg_inf(void) { return mf_from_bits(0xFF800000u); }
 
 #define MF_MASS_BITS 39
 /* Above every Gumbel variate this rule can produce: U >= 2**-25, so -log U >= ~2**-25 and
@@ -140,6 +141,11 @@ MF_HD float mf_scaled(uint32_t bits, float inv_t) { return mf_fmul(mf_from_bits(
  * 2**39, so it is the same integer as a direct unsigned conversion). */
 MF_HD uint64_t mf_mass(float e) { return (uint64_t)(int64_t)mf_fmul(e, 549755813888.0f); }
 
+/* A candidate's mass (logit `bits`): floor(exp(z - zmax) * 2**39), the weight top_p counts. */
+MF_HD uint64_t mf_survivor_mass(uint32_t bits, float inv_t, float zmax) {
+    return mf_mass(mf_exp_neg(mf_fsub(mf_scaled(bits, inv_t), zmax)));
+}
+
 /* ceil(total * top_p), at least 1, with top_p as a 32-bit binary fraction (integer math). */
 MF_HD uint64_t mf_top_p_target(uint64_t total, float top_p) {
     uint64_t frac = top_p >= 1.0f ? (1ull << 32) : (uint64_t)mf_fmul(top_p, 4294967296.0f);
@@ -174,6 +180,13 @@ MF_HD mf_sample_plan mf_plan_sampling(const mf_sampling_params *p) {
     s.use_top_p = s.top_p > 0.0f && s.top_p < 1.0f;
     s.use_min_p = s.min_p > 0.0f && s.min_p < 1.0f;
     return s;
+}
+
+/* Whether a candidate (finite logit `bits`, local id) survives the filters: packed >= the
+ * top_k/top_p threshold (0: none), and min_p against zmax. */
+MF_HD int mf_survives(uint32_t bits, uint32_t id, uint64_t threshold, const mf_sample_plan *p, float zmax) {
+    if (threshold && mf_pack(mf_key_f32(bits), id) < threshold) return 0;
+    return !p->use_min_p || mf_exp_neg(mf_fsub(mf_scaled(bits, p->inv_t), zmax)) >= p->min_p;
 }
 
 /* One radix-select step: `bins` holds the weight of each value of the digit at `shift` among the
@@ -261,7 +274,7 @@ MF_HD uint64_t mf_cands_threshold(const char *first, uint64_t stride, uint32_t w
         const uint64_t word = mf_cands_next(first, stride, world, cap, cur, &bits);
         if (!word) break;
         kth = word;
-        if (p->use_top_p) total += mf_mass(mf_exp_neg(mf_fsub(mf_scaled(bits, p->inv_t), zmax)));
+        if (p->use_top_p) total += mf_survivor_mass(bits, p->inv_t, zmax);
     }
     /* Fewer than k candidates in the whole row: top_k cuts nothing (the rule's "all of them
      * fit"); k of them: the k-th word keeps exactly them (the lists end at k, so whether more
@@ -273,7 +286,7 @@ MF_HD uint64_t mf_cands_threshold(const char *first, uint64_t stride, uint32_t w
     for (uint32_t w = 0; w < world; ++w) cur[w] = 0u;
     for (uint32_t j = 0; j < n; ++j) {
         const uint64_t word = mf_cands_next(first, stride, world, cap, cur, &bits);
-        taken += mf_mass(mf_exp_neg(mf_fsub(mf_scaled(bits, p->inv_t), zmax)));
+        taken += mf_survivor_mass(bits, p->inv_t, zmax);
         if (taken >= target) return word > t ? word : t;
     }
     return t;

@@ -59,18 +59,6 @@ MF_HD mf_sampling_params mf_verify_params_at(const mf_sampling_params *p, uint32
     return q;
 }
 
-/* Whether a candidate (finite logit `bits`, id) survives the filters: packed >= the top_k/top_p
- * threshold, and min_p against zmax (sample_rule.h). */
-MF_HD int mf_verify_survives(uint32_t bits, uint32_t id, uint64_t threshold, const mf_sample_plan *p,
-                             float zmax) {
-    if (threshold && mf_pack(mf_key_f32(bits), id) < threshold) return 0;
-    return !p->use_min_p || mf_exp_neg(mf_fsub(mf_scaled(bits, p->inv_t), zmax)) >= p->min_p;
-}
-
-/* A survivor's mass: floor(exp(z - zmax) * 2**39), the weight top_p counts. */
-MF_HD uint64_t mf_verify_mass(uint32_t bits, float inv_t, float zmax) {
-    return mf_mass(mf_exp_neg(mf_fsub(mf_scaled(bits, inv_t), zmax)));
-}
 
 /* Whether the accept uniform U = (u24 + 1/2) / 2**24 (u24 its top 24 bits, sample_rule.h's
  * mf_uniform) is below mass_x / total, in integers: (2 u24 + 1) * total < mass_x * 2**25. Both

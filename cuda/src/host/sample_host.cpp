@@ -291,7 +291,7 @@ MF_AVX2 void for_weighted_f32(const RowView &v, bool use_mass, float zmax, uint6
         uint32_t bits;
         if (!v.candidate(i, &bits)) continue;
         const uint64_t packed = mf_pack(mf_key_f32(bits), i);
-        const uint64_t wt = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
+        const uint64_t wt = use_mass ? mf_survivor_mass(bits, v.inv_t, zmax) : 1u;
         if (packed >= floor && wt && keys_in.takes(mf_key_f32(bits))) f(i, packed, wt);
     }
 }
@@ -337,7 +337,7 @@ MF_AVX2 void histogram_f32(const RowView &v, bool use_mass, float zmax, uint64_t
     for (; i < v.vocab; ++i) {
         uint32_t bits;
         if (!v.candidate(i, &bits)) continue;
-        const uint64_t wt = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
+        const uint64_t wt = use_mass ? mf_survivor_mass(bits, v.inv_t, zmax) : 1u;
         if (wt) hist[((mf_key_f32(bits) >> 20) << 2) | (i & 3u)] += wt;
     }
 }
@@ -358,7 +358,7 @@ void for_weighted(const RowView &v, bool use_mass, float zmax, uint64_t floor, K
         if (!v.candidate(i, &bits)) continue;
         const uint64_t packed = mf_pack(mf_key_f32(bits), i);
         if (packed < floor || !keys_in.takes(mf_key_f32(bits))) continue;
-        const uint64_t w = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
+        const uint64_t w = use_mass ? mf_survivor_mass(bits, v.inv_t, zmax) : 1u;
         if (w) f(i, packed, w);
     }
 }
@@ -465,7 +465,7 @@ void for_listed(const RowView &v, bool use_mass, float zmax, uint64_t floor, Key
         const uint32_t key = mf_key_f32(bits);
         const uint64_t packed = mf_pack(key, i);
         if (packed < floor || !keys_in.takes(key)) continue;
-        const uint64_t w = use_mass ? mf_mass(mf_exp_neg(mf_fsub(v.z(bits), zmax))) : 1u;
+        const uint64_t w = use_mass ? mf_survivor_mass(bits, v.inv_t, zmax) : 1u;
         if (w) f(i, packed, w);
     }
 }

@@ -36,7 +36,7 @@ uint32_t residual_draw(const Position &at, const mf_sampling_params &params, con
     float best_score = mf_neg_inf();
     for (uint32_t i = 0; i < at.vocab; ++i) {
         uint32_t bits;
-        if (i == x || !candidate(at, i, &bits) || !mf_verify_survives(bits, i, t.threshold, &p, t.zmax)) continue;
+        if (i == x || !candidate(at, i, &bits) || !mf_survives(bits, i, t.threshold, &p, t.zmax)) continue;
         const float z = mf_scaled(bits, p.inv_t);
         if (best && mf_fadd(z, MF_GUMBEL_BOUND) < best_score) continue;  // cannot win (sample_rule.h)
         const float score = mf_fadd(z, mf_gumbel(p.seed, p.position, i));
@@ -58,8 +58,8 @@ uint32_t residual_draw_q(const Position &at, const mf_sampling_params &params, c
     uint64_t best = 0;
     for (uint32_t i = 0; i < at.vocab; ++i) {
         uint32_t bits;
-        if (!candidate(at, i, &bits) || !mf_verify_survives(bits, i, t.threshold, &p, t.zmax)) continue;
-        const float w = mf_verify_residual(mf_verify_p(mf_verify_mass(bits, p.inv_t, t.zmax), total), mf_verify_q(q[i]));
+        if (!candidate(at, i, &bits) || !mf_survives(bits, i, t.threshold, &p, t.zmax)) continue;
+        const float w = mf_verify_residual(mf_verify_p(mf_survivor_mass(bits, p.inv_t, t.zmax), total), mf_verify_q(q[i]));
         if (w == 0.0f) continue;
         const float score = mf_verify_residual_score(w, p.seed, p.position, i);
         best = mf_pack_max(best, mf_pack(mf_key_f32(mf_to_bits(score)), i));
@@ -86,8 +86,8 @@ bool sampled_position(const Position &at, const mf_sampling_params &params, uint
     uint64_t mass_x = 0, total = 0;
     if (!exact) {
         uint32_t bits;
-        if (candidate(at, x, &bits) && mf_verify_survives(bits, x, t.threshold, &p, t.zmax))
-            mass_x = mf_verify_mass(bits, p.inv_t, t.zmax);
+        if (candidate(at, x, &bits) && mf_survives(bits, x, t.threshold, &p, t.zmax))
+            mass_x = mf_survivor_mass(bits, p.inv_t, t.zmax);
         // A one-hot draft that is no survivor is rejected whatever the total: skip the pass.
         if (mass_x || q) total = survivor_mass(at.row, at.dtype, at.vocab, at.rule, params, t, vector);
     }

@@ -60,6 +60,11 @@ __device__ TopCount top_and_count(const Row &row) {
     return TopCount{top, block_reduce(count, false)};
 }
 
+// What a select weighs a candidate: 1 (top_k), or its mass against the row's zmax (top_p).
+__device__ uint64_t select_weight(bool use_mass, uint32_t bits, float inv_t, float zmax) {
+    return use_mass ? mf_survivor_mass(bits, inv_t, zmax) : 1ull;
+}
+
 // The smallest packed threshold t with weight(packed >= t) >= target over the candidates with
 // packed >= floor; weight is 1 (use_mass false) or the mass exp(z - zmax) in 2**-39 units.
 __device__ uint64_t block_select(const Row &row, uint64_t floor, bool use_mass, float inv_t,
@@ -77,9 +82,7 @@ __device__ uint64_t block_select(const Row &row, uint64_t floor, bool use_mass, 
             const uint64_t packed = mf_pack(mf_key_f32(bits), i);
             if (packed < floor) continue;
             if (shift < 56 && (packed >> (shift + 8)) != (want >> (shift + 8))) continue;
-            const uint64_t w = use_mass ? mf_mass(mf_exp_neg(mf_fsub(
-                                              mf_scaled(bits, inv_t), zmax)))
-                                        : 1ull;
+            const uint64_t w = select_weight(use_mass, bits, inv_t, zmax);
             if (w) atomicAdd(&bins[(packed >> shift) & 0xFFu], (unsigned long long)w);
         }
         __syncthreads();
@@ -92,6 +95,45 @@ __device__ uint64_t block_select(const Row &row, uint64_t floor, bool use_mass, 
         __syncthreads();
     }
     return prefix;
+}
+
+// A sampled row's top_k then top_p threshold on the packed word (0: nothing cut), sample_rule.h's:
+// `count` candidates, the greatest scaled logit zmax (finite).
+__device__ uint64_t block_threshold(const Row &row, const mf_sample_plan &p, uint64_t count, float zmax) {
+    uint64_t threshold = 0;
+    if (p.top_k && count > p.top_k) threshold = block_select(row, 0, false, p.inv_t, zmax, p.top_k);
+    if (p.use_top_p) {
+        uint64_t total = 0;
+        for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {
+            uint32_t bits;
+            if (!row.candidate(i, &bits) || mf_pack(mf_key_f32(bits), i) < threshold) continue;
+            total += mf_survivor_mass(bits, p.inv_t, zmax);
+        }
+        total = block_reduce(total, false);
+        threshold = block_select(row, threshold, true, p.inv_t, zmax, mf_top_p_target(total, p.top_p));
+    }
+    return threshold;
+}
+
+// The race over the row's survivors (mf_survives: packed >= threshold, min_p against zmax) other
+// than `skip` (MF_NO_TOKEN: none skipped): sample_rule.h's score z + Gumbel at each global id
+// (row.base + id). The top candidate `top_id`, whose scaled logit is `ztop`, races first when it
+// is not skipped: its score bounds which others can still win. The winner's local id.
+__device__ uint32_t block_race(const Row &row, const mf_sample_plan &p, uint32_t top_id, float ztop, float zmax,
+                               uint64_t threshold, uint32_t skip) {
+    const bool first = top_id != skip;
+    const float s0 = first ? mf_fadd(ztop, mf_gumbel(p.seed, p.position, row.base + top_id)) : mf_neg_inf();
+    uint64_t best = first ? mf_pack(mf_key_f32(mf_to_bits(s0)), top_id) : 0ull;
+    for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {
+        uint32_t bits;
+        if (i == top_id || i == skip || !row.candidate(i, &bits)) continue;
+        const float z = mf_scaled(bits, p.inv_t);
+        if (mf_fadd(z, MF_GUMBEL_BOUND) < s0) continue;  // its score cannot beat the top's
+        if (!mf_survives(bits, i, threshold, &p, zmax)) continue;
+        const float score = mf_fadd(z, mf_gumbel(p.seed, p.position, row.base + i));
+        best = mf_pack_max(best, mf_pack(mf_key_f32(mf_to_bits(score)), i));
+    }
+    return mf_unpack_id(block_reduce(best, true));
 }
 
 }  // namespace

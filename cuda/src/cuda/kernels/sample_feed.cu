@@ -53,35 +53,10 @@ __global__ void __launch_bounds__(kThreads)
         if (threadIdx.x == 0) cells[0] = top_id;
         return;
     }
-    uint64_t threshold = 0;
-    if (p.top_k && count > p.top_k)
-        threshold = block_select(row, 0, false, p.inv_t, zmax, p.top_k);
-    if (p.use_top_p) {
-        uint64_t total = 0;
-        for (uint32_t i = threadIdx.x; i < vocab; i += blockDim.x) {
-            uint32_t bits;
-            if (!row.candidate(i, &bits) || mf_pack(mf_key_f32(bits), i) < threshold) continue;
-            total += mf_mass(mf_exp_neg(mf_fsub(mf_scaled(bits, p.inv_t), zmax)));
-        }
-        total = block_reduce(total, false);
-        threshold = block_select(row, threshold, true, p.inv_t, zmax,
-                                 mf_top_p_target(total, p.top_p));
-    }
-    // The race. The top candidate's score bounds the others: z + MF_GUMBEL_BOUND below it cannot win.
-    const float s0 = mf_fadd(zmax, mf_gumbel(p.seed, p.position, id_base + top_id));
-    uint64_t best = mf_pack(mf_key_f32(mf_to_bits(s0)), top_id);
-    for (uint32_t i = threadIdx.x; i < vocab; i += blockDim.x) {
-        uint32_t bits;
-        if (i == top_id || !row.candidate(i, &bits)) continue;
-        const float z = mf_scaled(bits, p.inv_t);
-        if (mf_fadd(z, MF_GUMBEL_BOUND) < s0) continue;
-        if (threshold && mf_pack(mf_key_f32(bits), i) < threshold) continue;
-        if (p.use_min_p && !(mf_exp_neg(mf_fsub(z, zmax)) >= p.min_p)) continue;
-        const float score = mf_fadd(z, mf_gumbel(p.seed, p.position, id_base + i));
-        best = mf_pack_max(best, mf_pack(mf_key_f32(mf_to_bits(score)), i));
-    }
-    best = block_reduce(best, true);
-    if (threadIdx.x == 0) cells[0] = mf_unpack_id(best);
+    const uint64_t threshold = block_threshold(row, p, count, zmax);
+    // The race, the top first (its z is zmax): its score bounds which others can win.
+    const uint32_t id = block_race(row, p, top_id, zmax, zmax, threshold, MF_NO_TOKEN);
+    if (threadIdx.x == 0) cells[0] = id;
 }
 
 }  // namespace

@@ -43,11 +43,6 @@ struct SelectStage {
     mf_partial_header h;
 };
 
-// What a select weighs a candidate: 1 (top_k), or its mass against the row's zmax (top_p).
-__device__ uint64_t select_weight(bool use_mass, uint32_t bits, float inv_t, float zmax) {
-    return use_mass ? mf_mass(mf_exp_neg(mf_fsub(mf_scaled(bits, inv_t), zmax))) : 1ull;
-}
-
 // The cut at `key` (select_rule.h): the lowest-id candidates at `key`, at or above `floor`, while
 // the weight taken before each is below `need`; the packed threshold that keeps them (and all
 // above `key`), never below `floor`. The ids go by in chunks of the block in id order: a chunk
@@ -124,23 +119,11 @@ __device__ void cands_row(const Row &row, uint32_t k, mf_partial_cand *out, uint
 // row's zmax); the slice's top candidate `top` is raced first, since its score bounds the others.
 // MF_NO_TOKEN when the top is filtered out (then nothing in the slice survives).
 __device__ uint32_t race_row(const Row &row, const mf_sample_plan &p, uint64_t top, float zmax, uint64_t floor) {
-    const uint32_t top_id = mf_unpack_id(top);
-    const float ztop = mf_scaled(mf_logit_bits(row.logits, row.dtype, top_id), p.inv_t);
+    const uint32_t top_id = mf_unpack_id(top), bits = mf_logit_bits(row.logits, row.dtype, top_id);
+    const float ztop = mf_scaled(bits, p.inv_t);
     if (!mf_finite_bits(mf_to_bits(ztop)) || !mf_finite_bits(mf_to_bits(zmax))) return top_id;  // the top is the draw
-    if (top < floor || (p.use_min_p && !(mf_exp_neg(mf_fsub(ztop, zmax)) >= p.min_p))) return MF_NO_TOKEN;
-    const float s0 = mf_fadd(ztop, mf_gumbel(p.seed, p.position, row.base + top_id));
-    uint64_t best = mf_pack(mf_key_f32(mf_to_bits(s0)), top_id);
-    for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {
-        uint32_t bits;
-        if (i == top_id || !row.candidate(i, &bits)) continue;
-        const float z = mf_scaled(bits, p.inv_t);
-        if (mf_fadd(z, MF_GUMBEL_BOUND) < s0) continue;  // its score cannot beat the top's
-        if (floor && mf_pack(mf_key_f32(bits), i) < floor) continue;
-        if (p.use_min_p && !(mf_exp_neg(mf_fsub(z, zmax)) >= p.min_p)) continue;
-        const float score = mf_fadd(z, mf_gumbel(p.seed, p.position, row.base + i));
-        best = mf_pack_max(best, mf_pack(mf_key_f32(mf_to_bits(score)), i));
-    }
-    return mf_unpack_id(block_reduce(best, true));
+    if (!mf_survives(bits, top_id, floor, &p, zmax)) return MF_NO_TOKEN;
+    return block_race(row, p, top_id, ztop, zmax, floor, MF_NO_TOKEN);
 }
 
 __global__ void __launch_bounds__(kThreads)

@@ -27,24 +27,6 @@ struct VerifyInputs {
 };
 
 
-// The race over the survivors other than `skip` (MF_NO_TOKEN: none skipped), sample_rule.h's
-// scores; the top candidate's score, when it races, bounds which others can win.
-__device__ uint32_t block_race(const Row &row, const mf_sample_plan &p, uint32_t top_id, float zmax,
-                               uint64_t threshold, uint32_t skip) {
-    const float s0 = top_id != skip ? mf_fadd(zmax, mf_gumbel(p.seed, p.position, top_id)) : mf_neg_inf();
-    uint64_t best = top_id != skip ? mf_pack(mf_key_f32(mf_to_bits(s0)), top_id) : 0ull;
-    for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {
-        uint32_t bits;
-        if (i == top_id || i == skip || !row.candidate(i, &bits)) continue;
-        const float z = mf_scaled(bits, p.inv_t);
-        if (mf_fadd(z, MF_GUMBEL_BOUND) < s0) continue;
-        if (!mf_verify_survives(bits, i, threshold, &p, zmax)) continue;
-        const float score = mf_fadd(z, mf_gumbel(p.seed, p.position, i));
-        best = mf_pack_max(best, mf_pack(mf_key_f32(mf_to_bits(score)), i));
-    }
-    return mf_unpack_id(block_reduce(best, true));
-}
-
 // The draw from max(0, p - q) after a rejection under a general draft distribution q
 // (verify_rule.h); none positive: the race over p (sample_to_feed's draw).
 __device__ uint32_t block_residual_race(const Row &row, const mf_sample_plan &p, uint32_t top_id, float zmax,
@@ -52,13 +34,13 @@ __device__ uint32_t block_residual_race(const Row &row, const mf_sample_plan &p,
     uint64_t best = 0;
     for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {
         uint32_t bits;
-        if (!row.candidate(i, &bits) || !mf_verify_survives(bits, i, threshold, &p, zmax)) continue;
-        const float w = mf_verify_residual(mf_verify_p(mf_verify_mass(bits, p.inv_t, zmax), total), mf_verify_q(q[i]));
+        if (!row.candidate(i, &bits) || !mf_survives(bits, i, threshold, &p, zmax)) continue;
+        const float w = mf_verify_residual(mf_verify_p(mf_survivor_mass(bits, p.inv_t, zmax), total), mf_verify_q(q[i]));
         if (w == 0.0f) continue;
         best = mf_pack_max(best, mf_pack(mf_key_f32(mf_to_bits(mf_verify_residual_score(w, p.seed, p.position, i))), i));
     }
     best = block_reduce(best, true);
-    return best ? mf_unpack_id(best) : block_race(row, p, top_id, zmax, threshold, MF_NO_TOKEN);
+    return best ? mf_unpack_id(best) : block_race(row, p, top_id, zmax, zmax, threshold, MF_NO_TOKEN);
 }
 
 // One sampled position with draft x (MF_NO_TOKEN: the bonus position) and the drafter's
@@ -79,29 +61,18 @@ __device__ bool sampled_position(const Row &row, const mf_sampling_params &param
         *emit = top_id;
         return mf_verify_accepts(1, top_id, x, 0u, 0u, 0u, 0u);
     }
-    uint64_t threshold = 0;
-    if (p.top_k && count > p.top_k) threshold = block_select(row, 0, false, p.inv_t, zmax, p.top_k);
-    if (p.use_top_p) {
-        uint64_t total = 0;
-        for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {
-            uint32_t bits;
-            if (!row.candidate(i, &bits) || mf_pack(mf_key_f32(bits), i) < threshold) continue;
-            total += mf_verify_mass(bits, p.inv_t, zmax);
-        }
-        total = block_reduce(total, false);
-        threshold = block_select(row, threshold, true, p.inv_t, zmax, mf_top_p_target(total, p.top_p));
-    }
+    const uint64_t threshold = block_threshold(row, p, count, zmax);
     if (x != MF_NO_TOKEN) {
         uint64_t total = 0;
         for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {
             uint32_t bits;
-            if (row.candidate(i, &bits) && mf_verify_survives(bits, i, threshold, &p, zmax))
-                total += mf_verify_mass(bits, p.inv_t, zmax);
+            if (row.candidate(i, &bits) && mf_survives(bits, i, threshold, &p, zmax))
+                total += mf_survivor_mass(bits, p.inv_t, zmax);
         }
         total = block_reduce(total, false);
         uint32_t bits;
-        const uint64_t mass_x = x < row.vocab && row.candidate(x, &bits) && mf_verify_survives(bits, x, threshold, &p, zmax)
-                                    ? mf_verify_mass(bits, p.inv_t, zmax)
+        const uint64_t mass_x = x < row.vocab && row.candidate(x, &bits) && mf_survives(bits, x, threshold, &p, zmax)
+                                    ? mf_survivor_mass(bits, p.inv_t, zmax)
                                     : 0u;
         if (!q) {
             if (mf_verify_accepts(0, top_id, x, p.seed, p.position, mass_x, total)) return true;
@@ -112,7 +83,7 @@ __device__ bool sampled_position(const Row &row, const mf_sampling_params &param
             return false;
         }
     }
-    *emit = block_race(row, p, top_id, zmax, threshold, x);
+    *emit = block_race(row, p, top_id, zmax, zmax, threshold, x);
     return false;
 }
 
