@@ -481,13 +481,10 @@ def test_a_filter_in_device_params_of_a_split_row_is_a_fault(host, dev):
         assert ids[0] == reference_argmax(logits[:1])[0]
 
 
-def test_device_params_refused_where_host_decisions_are_needed(host, dev):
+def test_device_params_shorter_than_the_rows_are_refused(host, dev):
     rows = 2
     parts, cells, fault = mf.DeviceBuffer(_core._partial_bytes(rows)), mf.DeviceBuffer(8), mf.PinnedBuffer(4)
     with dev.upload(mf.sampling_params(rows, temperature=1.0)) as dparams:
-        with pytest.raises(ValueError, match="filtered=True"):
-            _core._combine_partials(parts, 1, cells, None, None, rows=rows, vocab=10, call=1,
-                                    fault_dst=fault, params=dparams, filtered=True)
         with pytest.raises(ValueError, match="params holds 64 bytes; 96"):
             _core._combine_partials(parts, 1, cells, None, None, rows=3, vocab=10, call=1,
                                     fault_dst=fault, params=dparams, slice_stride=rows + 2 + 1)

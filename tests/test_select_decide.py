@@ -78,6 +78,71 @@ def test_slices_that_disagree_are_refused_by_every_slice(host, dev):
     assert (got == mf.NO_TOKEN).all(), got
 
 
+def test_fixed_rounds_carry_the_first_decisions_refusal_to_the_combine(backend, dev):
+    """Fixed rounds (FilterRounds; what NCCL needs): every exchange runs after a refused first
+    decision, and the later stages still write blocks whose headers agree, so only the combine's
+    ``refused`` word keeps their race winners out: every row NO_TOKEN, the decision's fault raised.
+    With slices that agree, the same protocol draws the unsharded ids."""
+    from helpers import calls
+
+    rng = np.random.default_rng(5)
+    rows, vocab = 4, 1000
+    logits = logits_for(rng, rows, vocab, "float32")
+    params = mf.sampling_params(rows, temperature=1.0, top_k=[3, 0, 40, 0], top_p=0.9, min_p=[0, 0.1, 0, 0],
+                                seed=np.arange(rows))
+    want, _ = pick(dev, logits, params=params, with_logprobs=False)
+    got, fault, words = split_filtered(dev, logits, [0, 400, vocab], params, skip=False)
+    _core._check_partials_fault(fault)
+    assert np.array_equal(got, want), (got, want)
+    real = calls.split_filtered.__globals__["_core"]._select_partial
+
+    def tampered(logits, params, partials, select, stage, *a, **kw):  # slice 1's TOP header's call
+        if stage == "top" and kw["start"] > 0:
+            kw = dict(kw, call=kw["call"] + 1)
+        return real(logits, params, partials, select, stage, *a, **kw)
+
+    calls.split_filtered.__globals__["_core"]._select_partial = tampered
+    try:
+        got, fault, words = split_filtered(dev, logits, [0, 400, vocab], params, skip=False)
+    finally:
+        calls.split_filtered.__globals__["_core"]._select_partial = real
+    assert (got == mf.NO_TOKEN).all(), got
+    with pytest.raises(mf.FeedError, match="another call"):
+        _core._check_partials_fault(fault)
+    assert bytes(fault)[:4] == np.uint32(words[0]).tobytes() and words[0] & 0xFF == 3, (bytes(fault), words)
+
+
+@pytest.mark.parametrize("top_p", [True, False])
+def test_fixed_rounds_read_device_params_and_refuse_rows_they_do_not_serve(backend, dev, top_p):
+    """Device params (a captured call's): the stages, decisions and the combine read them when they
+    run, and give the unsharded ids for the rows fixed rounds serve. A row they do not serve (a
+    top_k above their cap; top_p alone without their top_p select) is every slice's TOP decision
+    fault, MF_FAULT_ROUNDS with the row, and the combine's: every row NO_TOKEN, never a draw
+    without its filter."""
+    rng = np.random.default_rng(6)
+    rows, vocab = 5, 1500
+    logits = logits_for(rng, rows, vocab, "float32")
+    rounds = mf.FilterRounds(top_k=32, top_p=top_p)
+    params = mf.sampling_params(rows, temperature=rng.uniform(0.6, 1.4, rows), seed=np.arange(rows) + 3,
+                                top_k=[5, 32, 0, 1, 0], top_p=[0.9, 1.0, 0.8 if top_p else 1.0, 0.5, 1.0],
+                                min_p=[0.0, 0.05, 0.0, 0.0, 0.1])
+    want, _ = pick(dev, logits, params=params, with_logprobs=False)
+    for offsets in ([0, 700, vocab], [0, 1, 900, vocab]):
+        got, fault, words = split_filtered(dev, logits, offsets, params, skip=False, rounds=rounds, device=True)
+        _core._check_partials_fault(fault)
+        assert words == [0] * len(words) and np.array_equal(got, want), (offsets, words, got, want)
+    bad = params.copy()
+    if top_p:
+        bad["top_k"][3] = 33      # above the cap
+    else:
+        bad["top_k"][3], bad["top_p"][3] = 0, 0.5  # top_p alone
+    got, fault, words = split_filtered(dev, logits, [0, 700, vocab], bad, skip=False, rounds=rounds, device=True)
+    assert words == [9 | 3 << 8] * 2, words  # MF_FAULT_ROUNDS, row 3, on every slice
+    assert (got == mf.NO_TOKEN).all(), got
+    with pytest.raises(mf.FeedError, match="fixed rounds do not serve"):
+        _core._check_partials_fault(fault)
+
+
 def decide_args(rows=2, **change):
     """Buffers for 2 slices of 2 rows, and the arguments of a TOP decision over them, changed."""
     world, block = 2, _core._partial_bytes(rows)

@@ -49,7 +49,8 @@ mf_status read_descriptor(const Args *in, Args *out, const char *name, const uin
 constexpr uint32_t kArgmaxSizes[] = {offsetof(mf_argmax_args, select_cands_cap), offsetof(mf_argmax_args, penalties),
                                      sizeof(mf_argmax_args)};
 // The descriptor before MF_COMBINE_VERIFY's fields (drafts, k) were appended.
-constexpr uint32_t kCombineSizes[] = {offsetof(mf_combine_args, drafts), sizeof(mf_combine_args)};
+constexpr uint32_t kCombineSizes[] = {offsetof(mf_combine_args, drafts), offsetof(mf_combine_args, refused),
+                                       sizeof(mf_combine_args)};
 // The descriptor before the device position advance (advance, advance_group) was appended.
 constexpr uint32_t kReferenceSizes[] = {offsetof(mf_reference_args, advance), sizeof(mf_reference_args)};
 // The descriptor before the device position advance (advance) was appended.
@@ -127,10 +128,8 @@ mf_status check_partial(const mf_argmax_args *a) {
         return fail(MF_ERROR_INVALID_VALUE, "partials is a null or misaligned pointer");
     if (a->flags & MF_ARGS_SELECT) {
         // One stage of the split filters: the filters are applied through the select state, which
-        // the caller writes between stages from host decisions on host params.
+        // the decisions write between stages (device params: read when the stage runs).
         if (!a->params) return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_SELECT needs sampling params");
-        if (a->flags & MF_ARGS_PARAMS_DEVICE)
-            return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_SELECT takes host params (checked now)");
         if (a->select_stage < MF_SELECT_TOP || a->select_stage > MF_SELECT_CANDS)
             return fail(MF_ERROR_INVALID_VALUE, "unknown select stage %u", a->select_stage);
         if (!a->select || !aligned(a->select, 8))
@@ -554,11 +553,12 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
         if (a->flags & ~(uint32_t)(MF_COMBINE_PARAMS_DEVICE | MF_COMBINE_VERIFY))
             return fail(MF_ERROR_INVALID_VALUE, "unknown combine flags 0x%x", a->flags);
         const bool device_params = a->flags & MF_COMBINE_PARAMS_DEVICE;
-        if (device_params && a->op != MF_PARTIAL_SAMPLE)  // FILTERED's thresholds came from host params
-            return fail(MF_ERROR_INVALID_VALUE, "MF_COMBINE_PARAMS_DEVICE needs a temperature-only sampled combine");
+        if (device_params && a->op == MF_PARTIAL_ARGMAX)
+            return fail(MF_ERROR_INVALID_VALUE, "MF_COMBINE_PARAMS_DEVICE needs a sampled combine");
         if (!a->partials || !aligned(a->partials, 8) || !a->cells || !aligned(a->cells, 4) || !a->fault ||
-            !aligned(a->fault, 4) || (a->logprobs && !aligned(a->logprobs, 4)))
-            return fail(MF_ERROR_INVALID_VALUE, "partials, cells, fault or logprobs is a null or misaligned pointer");
+            !aligned(a->fault, 4) || (a->logprobs && !aligned(a->logprobs, 4)) || !aligned(a->refused, 4))
+            return fail(MF_ERROR_INVALID_VALUE,
+                        "partials, cells, fault, logprobs or refused is a null or misaligned pointer");
         if (a->logprobs_dst && !a->logprobs)
             return fail(MF_ERROR_INVALID_VALUE, "logprobs_dst needs logprobs (the device floats it copies)");
         if (a->params) {
@@ -579,6 +579,7 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
         if (status == MF_SUCCESS && a->logprobs) status = check_device_range(a->logprobs, (size_t)a->rows * 4, "logprobs");
         if (status == MF_SUCCESS && verify)
             status = check_device_range(a->drafts, draft_bytes, "drafts");
+        if (status == MF_SUCCESS && a->refused) status = check_device_range(a->refused, 4, "refused word");
         if (status == MF_SUCCESS && a->host_dst)
             status = check_host_range(a->host_dst, cell_words * 4, "combine destination");
         if (status == MF_SUCCESS && a->logprobs_dst)
@@ -594,6 +595,7 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
                 {device_params ? a->params : nullptr, rows * sizeof(mf_sampling_params),
                  "device-resident sampling params", false},
                 {a->drafts, draft_bytes, "drafts", false},
+                {a->refused, 4, "refused word", false},
             };
             status = refuse_combine_overlaps(spans, {a->partials, (size_t)a->world * a->slice_stride * 16, "partials", false},
                                              {a->fault, 4, "fault word", true},
@@ -1047,6 +1049,11 @@ mf_status mf_select_decide(const mf_select_decide_args *caller, mf_stream_t stre
                         "round below %u, got %u and %u", MF_SELECT_ROUNDS, a->select_k_p, a->round);
         if (a->next && !known(a->next))
             return fail(MF_ERROR_INVALID_VALUE, "select_decide: next must be 0, MF_SELECT_K or MF_SELECT_P, got %u", a->next);
+        const uint32_t cap = a->rounds & MF_ROUNDS_CAP_MASK;
+        if (a->rounds && (!top || !(a->rounds & MF_ROUNDS_FIXED) || cap > MF_SELECT_CANDS_MAX ||
+                          (a->rounds & ~(MF_ROUNDS_FIXED | MF_ROUNDS_TOP_P | MF_ROUNDS_CAP_MASK))))
+            return fail(MF_ERROR_INVALID_VALUE, "select_decide: rounds 0x%x: a TOP decision's MF_ROUNDS_FIXED, a cap up "
+                        "to %u and MF_ROUNDS_TOP_P, or 0", a->rounds, MF_SELECT_CANDS_MAX);
         // A block: the header, then a record (TOP) or a histogram (ROUND) a row.
         const uint64_t need = MF_PARTIAL_HEADER_BYTES + (uint64_t)a->rows * (top ? MF_PARTIAL_RECORD_BYTES : MF_SELECT_BINS * 8u);
         if (a->block_bytes < need || a->block_bytes % MF_PARTIAL_RECORD_BYTES ||

@@ -195,6 +195,7 @@ _LAZY = {
     "SAMPLING_PARAMS_DTYPE": ("sampling", "SAMPLING_PARAMS_DTYPE"),
     "sampling_params": ("sampling", "sampling_params"),
     "VocabShard": ("tp.shard", "VocabShard"),
+    "FilterRounds": ("tp.rounds", "FilterRounds"),
 }
 
 

@@ -159,6 +159,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint32_t select_k_p
         uint32_t round
         uint32_t next
+        uint32_t rounds
     void mf_select_decide_args_init(mf_select_decide_args *args)
     mf_status mf_select_decide(const mf_select_decide_args *args, mf_stream_t stream)
     # The penalty descriptor (declared here: mf_argmax_args points to one).
@@ -245,6 +246,8 @@ cdef extern from "metrale_feed/feed.h" nogil:
     const uint32_t MF_SELECT_BINS
     const uint32_t MF_SELECT_DIGIT_BITS
     const uint32_t MF_SELECT_CANDS_MAX
+    const uint32_t MF_ROUNDS_FIXED
+    const uint32_t MF_ROUNDS_TOP_P
     void mf_argmax_args_init(mf_argmax_args *args)
     mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream)
     const uint32_t MF_MAX_SLICES
@@ -269,6 +272,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         mf_event_t event
         const uint32_t *drafts
         uint32_t k
+        const uint32_t *refused
     enum:
         MF_COMBINE_PARAMS_DEVICE
         MF_COMBINE_VERIFY

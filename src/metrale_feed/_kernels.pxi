@@ -293,8 +293,11 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
             launch.writes_cells(a.cells, a.rows)
         if penalties is not None:  # the launch keeps its tables alive until the work has run
             pick_penalties(&a, penalties)
+        # `partial`: a partial call's block, and a select stage's state, list and gathered lists,
+        # which a captured graph keeps with the rest.
         launch.queued(mf_argmax_to_feed(&a, s),
-                      (logits, masks, cells, dst, event, bitmask, params, logprobs, logprobs_dst, penalties))
+                      (logits, masks, cells, dst, event, bitmask, params, logprobs, logprobs_dst, penalties,
+                       partial))
     finally:
         launch.close()
     return a.rows

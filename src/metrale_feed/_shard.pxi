@@ -22,6 +22,7 @@ _FAULTS = {1: "another operation or not a partial block", 2: "another row count"
            6: "the other logprobs setting (logprobs asked for on some slices only)"}
 _FAULT_FILTERS = 7  # bits 8+ hold a row, not a slice (feed.h, mf_combine_args)
 _FAULT_IDS = 8  # bits 8+ hold a row (mf_top_logprobs_combine)
+_FAULT_ROUNDS = 9  # bits 8+ hold a row (mf_select_decide with fixed rounds)
 
 
 SELECT_ROW_BYTES = sizeof(mf_select_row)              # one row's state between filter stages
@@ -251,7 +252,7 @@ def _select_partial(logits, params, partials, select, stage, stream=0, *, start,
 
 def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, vocab, call, fault_dst,
                       params=None, logprobs=None, logprobs_dst=None, slice_stride=None,
-                      filtered=False, drafts=None, k=None):
+                      filtered=False, drafts=None, k=None, refused=None):
     """The feed cells (and logprobs) of whole rows from the partial blocks of their slices.
 
     ``partials`` holds ``world`` blocks, block ``w`` at byte ``w * slice_stride *
@@ -283,11 +284,11 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
         Where the fault word is copied (0: the blocks agreed).
     params : SAMPLING_PARAMS_DTYPE array, or device memory holding such records, optional
         The sampled combine's records (temperature-only unless ``filtered``), the partial calls'
-        own. Host records are read and checked now. Device-resident ones (not with ``filtered``)
-        are read when the combine runs, so the call is capturable and a graph's replay draws with
-        what they hold then; a temperature out of range there is 0 (as in ``sample_to_feed``),
-        and a sampled row with a filter set gets ``NO_TOKEN`` and NaN and the fault ("a filter
-        the slices cannot apply"), the other rows their draws.
+        own. Host records are read and checked now. Device-resident ones are read when the
+        combine runs, so the call is capturable and a graph's replay draws with what they hold
+        then; a temperature out of range there is 0 (as in ``sample_to_feed``), and without
+        ``filtered`` a sampled row with a filter set gets ``NO_TOKEN`` and NaN and the fault ("a
+        filter the slices cannot apply"), the other rows their draws.
     slice_stride : int, optional
         16-byte records between blocks, at least ``rows + 2`` (default ``rows + 2``).
     filtered : bool
@@ -299,12 +300,16 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
         ``logprobs_dst`` take ``verify_to_feed``'s layout.
     k : int, optional
         Drafts per row, with ``drafts``.
+    refused : device memory, optional
+        A fault word found before the last exchange (a split filter's first decision), read when
+        the combine runs: nonzero, with headers that agree, it is the combine's fault (every row
+        ``NO_TOKEN`` and NaN), so rounds that every rank ran but did not agree on give no token.
 
     Raises
     ------
     ValueError
         A bad ``world``, ``rows``, ``vocab`` or ``slice_stride``, buffers too small, filters set in
-        host ``params``, device ``params`` with ``filtered``; before anything is queued.
+        host ``params`` without ``filtered``; before anything is queued.
     TypeError
         ``logprobs`` or ``logprobs_dst`` typed other than float32; a non-buffer ``fault_dst``.
 
@@ -346,10 +351,6 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
     try:
         if params is not None:
             view.rows = c.rows
-            if device_resident(params, "params"):
-                if filtered:
-                    raise ValueError("_combine_partials(filtered=True) takes host params (the filters' "
-                                     "thresholds came from them)")
             fill_params(launch, &view, params, keep)
             c.params = view.params
             if view.flags & MF_ARGS_PARAMS_DEVICE:
@@ -364,6 +365,8 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
             cells, ptr, (<DeviceBuffer>cells)._nbytes if type(cells) is DeviceBuffer else <size_t>-1, words)
         if c.k:
             c.drafts = <const uint32_t *>device_input(launch, drafts, <size_t>c.rows // (c.k + 1) * c.k * 4, "drafts")
+        if refused is not None:
+            c.refused = <const uint32_t *>device_input(launch, refused, 4, "refused")
         if dst is not None:
             if isinstance(dst, int):
                 u64_of(dst, &e, "dst pointer")
@@ -383,13 +386,13 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
         launch.records(c.event)
         launch.writes_cells(c.cells, (c.rows // (c.k + 1), c.k) if c.k else <object>c.rows)
         launch.queued(mf_combine_partials(&c, s),
-                      (partials, cells, dst, logprobs, logprobs_dst, fault_dst, event, params, drafts))
+                      (partials, cells, dst, logprobs, logprobs_dst, fault_dst, event, params, drafts, refused))
     finally:
         launch.close()
 
 
 def _select_decide(gathered, block_bytes, world, rank, rows, params, select, plan, fault, stream=0, *,
-                   step, vocab=0, call=0, sel=None, round=0, next=None):
+                   step, vocab=0, call=0, sel=None, round=0, next=None, rounds=None):
     """Queue one decision between a split row's filter stages (feed.h's mf_select_decide,
     select_rule.h): after the ``"top"`` exchange or after round ``round`` of select ``sel``
     (``"k"`` or ``"p"``), then start select ``next`` (None: none). Device state only: the host
@@ -412,6 +415,10 @@ def _select_decide(gathered, block_bytes, world, rank, rows, params, select, pla
     step : {"top", "round"}
     vocab, call : int
         ``"top"``: what the headers must carry.
+    rounds : (int, bool), optional
+        ``"top"``: fixed rounds (``FilterRounds``): the candidate lists' cap and whether top_p's
+        radix select runs; a sampled row they do not serve is the fault (``MF_FAULT_ROUNDS``).
+        None: the rounds follow the params.
 
     Raises
     ------
@@ -437,6 +444,10 @@ def _select_decide(gathered, block_bytes, world, rank, rows, params, select, pla
     a.select_k_p = SELECTS[sel] if sel is not None else 0
     a.next = SELECTS[next] if next is not None else 0
     a.round = <uint32_t>int_of(round, "round", 0, 0xFFFFFFFF)
+    if rounds is not None:
+        cap, top_p = rounds
+        a.rounds = (MF_ROUNDS_FIXED | <uint32_t>int_of(cap, "the rounds' cap", 0, MF_SELECT_CANDS_MAX)
+                    | (MF_ROUNDS_TOP_P if top_p else 0))
     u64_of(block_bytes, &a.block_bytes, "block_bytes")
     a.world = <uint32_t>int_of(world, "world", 1, MF_MAX_SLICES)
     a.rank = <uint32_t>int_of(rank, "rank", 0, MF_MAX_SLICES)
@@ -481,6 +492,10 @@ def _check_partials_fault(fault_dst, outcome="every row got NO_TOKEN"):
         raise FeedError(f"partial blocks refused: row {word >> 8} of the device-resident params "
                         "sets top_k, top_p or min_p, which a split row cannot apply (sharded "
                         "sampling with device params is temperature-only); it got NO_TOKEN")
+    if word & 0xFF == _FAULT_ROUNDS:
+        raise FeedError(f"partial blocks refused: row {word >> 8} of the device-resident params "
+                        "asks for a filter the shard's fixed rounds do not serve (a top_k above "
+                        "their top_k, or top_p alone without top_p=True); every row got NO_TOKEN")
     if word & 0xFF == _FAULT_IDS:
         raise FeedError(f"top logprobs blocks refused: the slices were asked other ids in row "
                         f"{word >> 8} (every rank must pass the same ids); its chosen logprob is NaN")

@@ -124,14 +124,19 @@ def split_top(dev, logits, offsets, n, ids=None, call=5, pad=0, tamper=None):
     return recs, lp, fault
 
 
-def split_filtered(dev, logits, offsets, params, call=21, states=None):
+def split_filtered(dev, logits, offsets, params, call=21, states=None, skip=True, rounds=None,
+                   device=False):
     """The split filters' protocol in one process (tp/select_rounds.py's, rank by rank): each
     slice's stages into its own blocks, every exchange as copies of all the slices' blocks (zeros
     once a slice's decision refused the call, as the shard's exchange does), each slice's
     decisions (``_select_decide``) on its own state, then the combine of the race winners (every
     slice's combine gives the same ids; slice 0's is returned, with the decisions' fault words of
     every slice). ``states``: a list that gets each slice's final ``mf_select_row`` and
-    ``mf_select_plan`` bytes, what the decisions wrote."""
+    ``mf_select_plan`` bytes, what the decisions wrote. ``skip=False``: fixed rounds' protocol, where
+    every exchange runs whatever the decisions found and the combine takes the first decision's
+    fault word (``refused``). ``rounds``: a ``FilterRounds`` (fixed rounds: their blocks, and the
+    TOP decision's check of the rows). ``device``: the stages and the combine read each slice's
+    params from its device copy, as a captured call does."""
     from types import SimpleNamespace
 
     from metrale_feed.tp.select_rounds import LIST_CAP, ROUNDS, FilteredCall
@@ -140,8 +145,8 @@ def split_filtered(dev, logits, offsets, params, call=21, states=None):
     world = len(offsets) - 1
     block = _core._partial_bytes(rows)
     dtype = np.dtype(logits.dtype).name
-    calls = [FilteredCall(SimpleNamespace(_block=block, world=world, rank=w, vocab=vocab, _fault=None),
-                          params, rows, call) for w in range(world)]
+    calls = [FilteredCall(SimpleNamespace(_block=block, world=world, rank=w, vocab=vocab, _fault=None,
+                                          max_rows=rows), params, rows, call, rounds) for w in range(world)]
     held = []
     slices = [upload_slice(dev, logits, offsets[w], offsets[w + 1], 0, held) for w in range(world)]
 
@@ -153,11 +158,12 @@ def split_filtered(dev, logits, offsets, params, call=21, states=None):
                 kw.update(cands_cap=c.cap)
                 if name == "race":
                     kw.update(cands=c.cgathered, cands_world=world, cands_stride=c.cblock)
-            _core._select_partial(slices[w], params, getattr(c, out), c.state_buf, name, **kw)
+            _core._select_partial(slices[w], c.params_dev if device else params, getattr(c, out), c.state_buf,
+                                  name, **kw)
 
     def exchange(src, dst, size):
         for c in calls:
-            if dev.download(c.decided, np.uint32, 1)[0]:  # refused: no collective, zeroed (_gather)
+            if skip and dev.download(c.decided, np.uint32, 1)[0]:  # refused: no collective, zeroed (_gather)
                 dev.write(getattr(c, dst), np.zeros(world * size, np.uint8))
                 continue
             for w, peer in enumerate(calls):
@@ -170,7 +176,8 @@ def split_filtered(dev, logits, offsets, params, call=21, states=None):
     exchange("top", "gathered", block)
     for c in calls:
         _core._select_decide(*c.world_args(c.gathered, block), step="top", vocab=vocab, call=call,
-                             next=c.selects[0] if c.selects else None)
+                             next=c.selects[0] if c.selects else None,
+                             rounds=None if rounds is None else (rounds.top_k, rounds.top_p))
     if first.cap:
         stage("cands", "cands")
         exchange("cands", "cgathered", first.cblock)
@@ -187,7 +194,8 @@ def split_filtered(dev, logits, offsets, params, call=21, states=None):
     cells, ids, fault = mf.DeviceBuffer(rows * 4), np.zeros(rows, np.uint32), mf.PinnedBuffer(4)
     with mf.Event() as done:
         _core._combine_partials(first.gathered, world, cells, ids, done, rows=rows, vocab=vocab, call=call,
-                                fault_dst=fault, params=params, filtered=True)
+                                fault_dst=fault, params=first.params_dev if device else params, filtered=True,
+                                refused=None if skip else first.decided)
         done.synchronize()
     words = [int(dev.download(c.decided, np.uint32, 1)[0]) for c in calls]
     if states is not None:

@@ -663,7 +663,9 @@ def scenario_pipeline():
     vocab = 1000
     # An uneven split whose last slice is empty on 3 ranks: the model feeds whatever its slice is.
     offsets = {1: None, 2: [0, 333, vocab], 3: [0, 600, vocab, vocab]}.get(WORLD)
-    shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=8)
+    # Fixed rounds (what NCCL needs): every sampled step makes the same exchanges, in flight at
+    # depth 2 with the shard's buffers reused.
+    shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=8, filters=mf.FilterRounds(top_k=8, top_p=True))
 
     def decode(depth, sharded):
         model = ReferenceModel(vocab, max_rows=8, shard=shard if sharded else None)
@@ -1069,9 +1071,10 @@ SCENARIOS = {"graph": scenario_graph, "graph-sample": scenario_graph_sample, "fi
  "vocab-mismatch": scenario_vocab_mismatch, "bad-offsets": scenario_bad_offsets,
  "dead": scenario_dead, "empty-tensor": scenario_empty_tensor, "hung-filtered": scenario_hung_filtered,
  "top": scenario_top}
+import rank_rounds  # noqa: E402
 import rank_top  # noqa: E402
 
-for extra in (rank_verify.SCENARIOS, rank_top.SCENARIOS):
+for extra in (rank_verify.SCENARIOS, rank_top.SCENARIOS, rank_rounds.SCENARIOS):
     SCENARIOS.update({name: (lambda f=f: f(sys.modules[__name__])) for name, f in extra.items()})
 SCENARIOS[SCENARIO]()
 print("OK", sys.argv[4], flush=True)

@@ -44,6 +44,21 @@ def test_mismatched_filters_are_a_feed_error_on_every_rank(world):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
+def test_fixed_filter_rounds_give_the_unsharded_ids_in_one_shape_of_exchanges(world):
+    ranks(world, "fixed", timeout=400)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fixed_filter_rounds_with_mismatched_params_fault_every_rank_after_every_exchange(world):
+    ranks(world, "fixed-mismatch")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_captured_filtered_sample_replays_with_new_device_params_in_fixed_rounds(world):
+    ranks(world, "fixed-graph")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_the_pipeline_spmd_gives_the_unsharded_tokens_on_every_rank(world):
     ranks(world, "pipeline")
 
@@ -66,7 +81,7 @@ def test_the_pipeline_with_penalties_and_logprobs_over_the_split(world):
 @pytest.mark.parametrize("scenario", ["exact+exchange", "top+exchange", "top-graph+exchange",
                                       "pipeline-penalties+exchange", "verify+exchange",
                                       "pipeline-spec+exchange", "pipeline+exchange", "graph+exchange",
-                                      "graph-sample+exchange"])
+                                      "graph-sample+exchange", "fixed+exchange", "fixed-graph+exchange"])
 def test_a_world_of_one_through_the_exchange_equals_the_unsharded_call(scenario):
     # The path of every world (partial, gloo all-gather, combine), on one rank.
     ranks(1, scenario)
@@ -138,10 +153,10 @@ def test_bench_tp_checks_ids_and_counts_bytes(tmp_path):
     for e in sizes:
         assert e["checked"], e
         assert e["sharded_bytes_per_step"] == 16 * (e["rows"] + 2)
-        # The shard's own count: its agreement at construction (4 int64), then one block for each
+        # The shard's own count: its agreement at construction (5 int64), then one block for each
         # of --quick's 3 timed calls.
         assert e["shard_stats"] == {"collectives": 1 + 3,
-                                    "bytes_sent": 32 + 3 * e["sharded_bytes_per_step"]}, e
+                                    "bytes_sent": 40 + 3 * e["sharded_bytes_per_step"]}, e
         # A greedy verify over the same logit rows: the rule's cells, in the argmax's one exchange.
         assert e["verify_checked"], e
         assert e["verify_collectives_per_call"] == 1, e

@@ -27,7 +27,7 @@ def nccl_ready():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scenario", ["exact", "graph", "pipeline", "top", "top-graph"])
+@pytest.mark.parametrize("scenario", ["exact", "graph", "pipeline", "top", "top-graph", "fixed", "fixed-graph"])
 def test_nccl_world_of_one_through_the_exchange_equals_the_unsharded_call(scenario):
     if not nccl_ready():
         pytest.fail("a GPU is here but this torch has no CUDA or no NCCL: install a CUDA torch")

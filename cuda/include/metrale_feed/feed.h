@@ -194,9 +194,10 @@ MF_EXPORT mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t
  *   and sum of exponentials, for a combine that writes logprobs; without it they hold 0 and the
  *   partial call costs what the argmax over the slice costs. The header records the choice, so a
  *   combine whose logprobs setting differs from a slice's refuses it (MF_FAULT_LOGPROBS).
- * - MF_ARGS_SELECT (with MF_ARGS_PARTIAL and host params, filters allowed): one stage of the split
- *   filters (docs/kernels.md, "Filters need global thresholds"): `select` holds rows
- *   mf_select_row, `select_stage` says what the block gets (MF_SELECT_*).
+ * - MF_ARGS_SELECT (with MF_ARGS_PARTIAL and params, filters allowed; device params are read
+ *   when the kernel runs, so the stage is capturable): one stage of the split filters
+ *   (docs/kernels.md, "Filters need global thresholds"): `select` holds rows mf_select_row,
+ *   `select_stage` says what the block gets (MF_SELECT_*).
  * - penalties (NULL: none; not with MF_ARGS_PARTIAL): a step's penalties in the same call, as
  *   mf_penalties_apply over these logits before the pick and mf_penalties_update with the chosen
  *   ids (the cells) after it, both queued by this call ahead of the copies and the event. Its
@@ -286,6 +287,14 @@ typedef struct mf_select_plan {
  * round, its cut at the key found (the weight at that key of the slices before `rank`), then
  * starts select `next` (0: none). A decision after a fault changes nothing. */
 enum { MF_DECIDE_TOP = 1u, MF_DECIDE_ROUND = 2u };
+/* Fixed rounds (a shard's FilterRounds): MF_ROUNDS_FIXED | the candidate lists' cap (0 to
+ * MF_SELECT_CANDS_MAX) | MF_ROUNDS_TOP_P when top_p's radix select runs. The TOP decision then
+ * checks each sampled row against them: a row with a top_k above the cap, or with top_p alone and
+ * no such select, is the fault MF_FAULT_ROUNDS | row << 8 (on the host backend the first such
+ * row, on cuda any), which the combine takes (mf_combine_args.refused). */
+#define MF_ROUNDS_FIXED 0x80000000u
+#define MF_ROUNDS_TOP_P 0x40000000u
+#define MF_ROUNDS_CAP_MASK 0x7FFu
 typedef struct mf_select_decide_args {
     uint32_t struct_size;       /* sizeof(mf_select_decide_args) where the caller was built: _init */
     uint32_t step;              /* MF_DECIDE_* */
@@ -302,7 +311,7 @@ typedef struct mf_select_decide_args {
     uint32_t select_k_p;        /* ROUND: the select of this round, MF_SELECT_K or MF_SELECT_P */
     uint32_t round;             /* ROUND: 0 .. 3 */
     uint32_t next;              /* the select that starts after this decision, 0: none */
-    uint32_t pad_;
+    uint32_t rounds;            /* TOP: fixed rounds (MF_ROUNDS_*, below), 0: they follow the params */
 } mf_select_decide_args;
 static inline void mf_select_decide_args_init(mf_select_decide_args *args) {
     memset(args, 0, sizeof *args);
@@ -368,18 +377,23 @@ MF_EXPORT mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t st
  * `fault` (device word, required; 0 when the headers agree), copied to fault_dst (host) if set.
  * params: host records, read (and checked) before the call returns, or with
  * MF_COMBINE_PARAMS_DEVICE in `flags` device records, read when the combine runs (so a graph's
- * replay uses what they hold then; MF_PARTIAL_SAMPLE only). There a temperature out of range is
- * 0, as in mf_argmax_to_feed, and a sampled row with a filter (top_k, top_p < 1 or min_p > 0,
- * the values the unsplit call would apply) gets NO_TOKEN and NaN and the fault
+ * replay uses what they hold then; sampled ops). There a temperature out of range is 0, as in
+ * mf_argmax_to_feed, and with MF_PARTIAL_SAMPLE a sampled row with a filter (top_k, top_p < 1 or
+ * min_p > 0, the values the unsplit call would apply) gets NO_TOKEN and NaN and the fault
  * MF_FAULT_FILTERS | row << 8 (on the host backend the first such row, on cuda any), while the
- * other rows get their draws.
+ * other rows get their draws (MF_PARTIAL_FILTERED's slices applied the filters).
  * MF_COMBINE_VERIFY (appended: drafts, k) combines a greedy verify_to_feed over a split
  * vocabulary: the blocks are MF_PARTIAL_ARGMAX partials of rows = R * (k + 1) logit rows (each
  * rank's argmax over its slice of every position), drafts (device, R * k ids, read when the
  * combine runs) are the R rows' drafts, and cells, host_dst, logprobs and logprobs_dst take
  * verify_to_feed's layout (R * (k + 2) words, R * (k + 1) floats): each position's combined
  * argmax is the rule's id there, so a row keeps its drafts while they equal it (verify_rule.h).
- * A header fault leaves every row n = 1 with NO_TOKEN, as a row without candidates. */
+ * A header fault leaves every row n = 1 with NO_TOKEN, as a row without candidates.
+ * refused (appended; device word, read when the combine runs, or NULL): a fault found before the
+ * last exchange, such as a split filter's first decision (mf_select_decide's `fault`). When the
+ * headers agree and it is nonzero, the combine writes what a header fault writes, with this word
+ * as the fault: so a call whose exchanges all ran (NCCL cannot skip one that is queued) never
+ * draws a token from rounds the ranks did not agree on. */
 enum { MF_COMBINE_PARAMS_DEVICE = 1u, MF_COMBINE_VERIFY = 2u };
 typedef struct mf_combine_args {
     uint32_t struct_size;             /* sizeof(mf_combine_args) where the caller was built: _init */
@@ -402,6 +416,7 @@ typedef struct mf_combine_args {
     mf_event_t event;                 /* 0: none */
     const uint32_t *drafts;           /* appended: MF_COMBINE_VERIFY's device drafts, else NULL */
     uint32_t k;                       /* appended: MF_COMBINE_VERIFY's drafts per row, else 0 */
+    const uint32_t *refused;          /* appended: device word or NULL (below) */
 } mf_combine_args;
 static inline void mf_combine_args_init(mf_combine_args *args) {
     memset(args, 0, sizeof *args);

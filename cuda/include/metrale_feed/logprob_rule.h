@@ -37,7 +37,8 @@ enum {
     MF_FAULT_SPLIT = 5u, /* the slices do not tile [0, vocab) in order */
     MF_FAULT_LOGPROBS = 6u, /* the same operation with the other logprobs setting */
     MF_FAULT_FILTERS = 7u,  /* device params set a filter on a sampled split row (bits 8+: the row) */
-    MF_FAULT_IDS = 8u       /* a top logprobs combine's slices were asked other ids (bits 8+: the row) */
+    MF_FAULT_IDS = 8u,      /* a top logprobs combine's slices were asked other ids (bits 8+: the row) */
+    MF_FAULT_ROUNDS = 9u    /* device params ask a split row for a filter its fixed rounds do not serve (bits 8+: the row) */
 };
 
 /* Whether a sampled row of a MF_PARTIAL_SAMPLE combine has a filter its slices could not apply:
@@ -185,6 +186,12 @@ MF_HD uint32_t mf_check_headers(const mf_partial_header *first, uint32_t world, 
         expect_start = h->stop;
     }
     return MF_FAULT_NONE;
+}
+
+/* The fault a combine acts on: its headers' (`headers`), else one found before the last exchange
+ * (mf_combine_args.refused, NULL: none), whose rounds every rank still ran. */
+MF_HD uint32_t mf_combine_fault(uint32_t headers, const uint32_t *refused) {
+    return headers ? headers : refused ? *refused : MF_FAULT_NONE;
 }
 
 #endif

@@ -37,11 +37,22 @@ MF_HD void mf_select_start(mf_select_row *st, mf_select_plan *plan, uint32_t sel
     mf_select_round_state(st, plan, sel, 0u);
 }
 
+/* Whether fixed rounds (`rounds`, MF_ROUNDS_*; 0: none) serve a sampled row's filters: its top_k
+ * from the candidate lists, its top_p alone from top_p's radix select (min_p needs no round). */
+MF_HD int mf_rounds_serve(uint32_t rounds, const mf_sample_plan *s) {
+    if (!(rounds & MF_ROUNDS_FIXED) || s->greedy) return 1;
+    if (s->top_k != 0u) return s->top_k <= (rounds & MF_ROUNDS_CAP_MASK);
+    return !s->use_top_p || (rounds & MF_ROUNDS_TOP_P) != 0u;
+}
+
 /* After the TOP exchange, row r (`rec`: slice 0's record of the row, slice w's `stride` records
  * further; `fault`: the headers' check): the whole row's greatest finite candidate, and the
- * selects the row takes. A row whose zmax is not finite, or that has no candidate, takes none. */
-MF_HD void mf_decide_top_row(const mf_partial_record *rec, uint32_t world, uint32_t stride, uint32_t fault,
-                             const mf_sampling_params *p, uint32_t next, mf_select_row *st, mf_select_plan *plan) {
+ * selects the row takes. A row whose zmax is not finite, or that has no candidate, takes none.
+ * Returns 0, or 1 when fixed `rounds` do not serve the row (it then takes none: the call is
+ * refused, MF_FAULT_ROUNDS). */
+MF_HD int mf_decide_top_row(const mf_partial_record *rec, uint32_t world, uint32_t stride, uint32_t fault,
+                            const mf_sampling_params *p, uint32_t next, uint32_t rounds, mf_select_row *st,
+                            mf_select_plan *plan) {
     uint32_t best = 0, bits = rec[0].logit_bits;
     for (uint32_t w = 0; w < world; ++w) {
         const mf_partial_record *x = rec + (uint64_t)w * stride;
@@ -56,8 +67,12 @@ MF_HD void mf_decide_top_row(const mf_partial_record *rec, uint32_t world, uint3
     plan->target = plan->above = 0u;
     plan->prefix = 0u;
     plan->flags = 0u;
-    if (fault) return; /* refused on every rank alike: the stages left do nothing that matters */
+    if (fault) return 0; /* refused on every rank alike: the stages left do nothing that matters */
     const mf_sample_plan s = mf_plan_sampling(p);
+    if (!mf_rounds_serve(rounds, &s)) {
+        st->flags = 0u;
+        return 1;
+    }
     /* A sampled row whose zmax is not finite draws its top whatever the filters (sample_rule.h). */
     if (best && !s.greedy && mf_finite_bits(mf_to_bits(mf_scaled(bits, s.inv_t)))) {
         const int listed = s.top_k != 0u && s.top_k <= MF_SELECT_CANDS_MAX;
@@ -66,6 +81,7 @@ MF_HD void mf_decide_top_row(const mf_partial_record *rec, uint32_t world, uint3
         if (s.use_top_p && !listed) plan->flags |= MF_PLAN_P;
     }
     mf_select_start(st, plan, next);
+    return 0;
 }
 
 /* After round `round` of select `sel`, row r: `bins` is slice 0's histogram of the row, slice w's

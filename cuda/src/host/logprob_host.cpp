@@ -101,9 +101,10 @@ RowStats row_stats(const void *row, mf_dtype dtype, uint32_t n, bool vector) {
 void run_combine(const CombineJob &job) {
     const mf_combine_args &a = job.args;
     IeeeFpGuard ieee;
-    const uint32_t fault = mf_check_headers((const mf_partial_header *)a.partials, a.world, a.slice_stride,
-                                            mf_partial_op(a.op, a.logprobs != nullptr),
-                                            a.rows, a.call, a.vocab);
+    const uint32_t fault = mf_combine_fault(mf_check_headers((const mf_partial_header *)a.partials, a.world,
+                                                             a.slice_stride, mf_partial_op(a.op, a.logprobs != nullptr),
+                                                             a.rows, a.call, a.vocab),
+                                            a.refused);
     *a.fault = fault;
     if (a.flags & MF_COMBINE_VERIFY) {  // a greedy verify over a split vocabulary (verify_rule.h)
         const uint32_t k = a.k, rows = a.rows / (k + 1);

@@ -42,9 +42,9 @@ import numpy as np
 
 from .. import _core
 from ..errors import FeedError
+from ..sampling import SAMPLING_PARAMS_DTYPE
+from .rounds import CANDS_MAX, ROUNDS, FilterRounds
 
-ROUNDS = 32 // _core.SELECT_DIGIT_BITS  # rounds of one select: the 32-bit logit key, a digit at a time
-CANDS_MAX = _core.SELECT_CANDS_MAX  # the largest top_k that the candidate lists serve
 _HEADER = _core.PARTIAL_HEADER_BYTES
 # Ids a row's list holds (the candidates left once the key's top 8 bits are fixed): 8 KiB a row of
 # scratch; a row whose ids do not fit rescans its slice in the later rounds.
@@ -69,42 +69,53 @@ def filters_of(params: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             sampled & (params["min_p"] > 0) & (params["min_p"] < 1))
 
 
-def call_word(counter: int, params: np.ndarray) -> int:
+def call_word(counter: int, params: np.ndarray | None) -> int:
     """The call counter with a digest of the params above it: what the first exchange's header
-    carries, so that ranks with other params (so other rounds) see the difference there."""
-    digest = int.from_bytes(hashlib.blake2b(params.tobytes(), digest_size=4).digest(), "little")
+    carries, so that ranks with other params (so other rounds) see the difference there. None:
+    device params, which the host cannot read (one digest for all of them: a rank with host params
+    still differs)."""
+    data = b"device params" if params is None else params.tobytes()
+    digest = int.from_bytes(hashlib.blake2b(data, digest_size=4).digest(), "little")
     return (counter & 0xFFFFFFFF) | ((digest | 0x80000000) << 32)
 
 
 class FilteredCall:
     """One sharded ``sample_to_feed`` with filters: its buffers, and the stages, exchanges and
-    decisions it queues."""
+    decisions it queues. ``rounds`` (a ``FilterRounds``): the shard's fixed rounds, buffers sized
+    by ``max_rows`` and reused from call to call (``start``); None: rounds and buffers follow
+    this call's params and rows. ``device``: ``params`` are device memory (fixed rounds only)."""
 
-    def __init__(self, shard: Any, params: np.ndarray, rows: int, call: int) -> None:
-        self.shard, self.rows, self.call = shard, rows, call
-        self.params = np.ascontiguousarray(params[:rows])  # uploaded in stream order
-        top_k, top_p, _ = filters_of(self.params)
-        k = self.params["top_k"]
-        # Which selects run is the same on every rank whose params agree (the digest): the
-        # candidate lists serve top_k <= CANDS_MAX (and top_p with it); radix selects the rest.
-        cands_rows = top_k & (k <= CANDS_MAX)
-        self.cap = int(k[cands_rows].max()) if cands_rows.any() else 0
-        radix = {"k": top_k & ~cands_rows, "p": top_p & ~cands_rows}
-        self.selects = [s for s in _core.SELECTS if radix[s].any()]
-        self._why: str | None = None  # a fault seen here (a failed exchange, a refused decision)
-        self._reported = False  # whether an event has carried it yet
+    def __init__(self, shard: Any, params: Any, rows: int, call: int,
+                 rounds: FilterRounds | None = None, device: bool = False) -> None:
+        self.shard = shard
+        self.fixed = rounds is not None
+        if rounds is not None:
+            capacity, self.cap, self.selects = shard.max_rows, rounds.top_k, list(rounds.selects)
+        else:
+            capacity = rows
+            head = params[:rows]
+            top_k, top_p, _ = filters_of(head)
+            k = head["top_k"]
+            # Which selects run is the same on every rank whose params agree (the digest): the
+            # candidate lists serve top_k <= CANDS_MAX (and top_p with it); radix selects the rest.
+            cands_rows = top_k & (k <= CANDS_MAX)
+            self.cap = int(k[cands_rows].max()) if cands_rows.any() else 0
+            radix = {"k": top_k & ~cands_rows, "p": top_p & ~cands_rows}
+            self.selects = [s for s in _core.SELECTS if radix[s].any()]
         self.decided: Any = None
         self.block = shard._block
-        # Blocks after the first are sized by `rows` and the params, which the first exchange
-        # checks across the group (a disagreement skips the rest on every rank alike).
-        self.hblock = hist_block_bytes(rows) if self.selects else 0
-        self.cblock = cands_block_bytes(rows, self.cap) if self.cap else 0
+        # Blocks after the first are sized by the capacity and the rounds: with fixed rounds the
+        # shard's; else this call's, which the first exchange checks across the group (a
+        # disagreement skips the rest on every rank alike, host backend).
+        self.hblock = hist_block_bytes(capacity) if self.selects else 0
+        self.cblock = cands_block_bytes(capacity, self.cap) if self.cap else 0
         world = shard.world
         self.buffers = []
         try:
-            for size in (rows * _core.SELECT_ROW_BYTES, self.block, self.block * world, self.hblock,
-                         self.hblock * world, self.cblock, self.cblock * world, rows * LIST_CAP * 4,
-                         rows * _core.SELECT_PLAN_BYTES, self.params.nbytes, 4):
+            for size in (capacity * _core.SELECT_ROW_BYTES, self.block, self.block * world, self.hblock,
+                         self.hblock * world, self.cblock, self.cblock * world, capacity * LIST_CAP * 4,
+                         capacity * _core.SELECT_PLAN_BYTES, capacity * SAMPLING_PARAMS_DTYPE.itemsize,
+                         4):
                 self.buffers.append(_core.DeviceBuffer(max(size, 8)))
             self.buffers.append(_core.PinnedBuffer(4))
         except BaseException:
@@ -113,6 +124,19 @@ class FilteredCall:
         (self.state_buf, self.top, self.gathered, self.hist, self.hgathered, self.cands,
          self.cgathered, self.id_list, self.plan, self.params_dev, self.decided,
          self.fault_word) = self.buffers
+        self.start(params, rows, call, device)
+
+    def start(self, params: Any, rows: int, call: int, device: bool = False) -> None:
+        """Take the next call: its params (copied into ``params_dev`` in stream order, so kept
+        until the call completes: host records, or device memory), rows and call word."""
+        self.params = params if device else np.ascontiguousarray(params[:rows])
+        self.device = device
+        self.rows, self.call = rows, call
+        self._why: str | None = None  # a fault seen here (a failed exchange, a refused decision)
+        self._reported = False  # whether an event has carried it yet
+
+    def __iter__(self) -> Any:
+        return iter(self.buffers)
 
     def close(self) -> None:
         for buf in self.buffers:
@@ -150,24 +174,31 @@ class FilteredCall:
         queues one stage's kernel. The first launch checks every argument; a later failure leaves
         the peers ahead of this rank, so the caller treats it as a fault of the shard."""
         shard = self.shard
+        # Fixed rounds run every exchange whatever the decisions found (their fault reaches the
+        # combine on the device); the rounds of one call's params may skip the rest (host backend).
+        skip = None if self.fixed else self
+        if self.device:  # read by every stage, decision and the combine, when they run
+            _core.copy_d2d_async(self.params_dev, self.params, self.rows * SAMPLING_PARAMS_DTYPE.itemsize, stream)
         launch("top", self.top)
-        _core.copy_h2d_async(self.params_dev, self.params, stream)  # read by the decisions
-        shard._exchange(stream, self.top, self.gathered, self)
+        if not self.device:
+            _core.copy_h2d_async(self.params_dev, self.params, stream)  # read by the decisions
+        shard._exchange(stream, self.top, self.gathered, skip)
         _core._select_decide(*self.world_args(self.gathered, self.block), stream, step="top",
                              vocab=shard.vocab, call=self.call,
-                             next=self.selects[0] if self.selects else None)
+                             next=self.selects[0] if self.selects else None,
+                             rounds=(self.cap, "p" in self.selects) if self.fixed else None)
         if self.cap:
             launch("cands", self.cands)
-            shard._exchange(stream, self.cands, self.cgathered, self)
+            shard._exchange(stream, self.cands, self.cgathered, skip)
         for i, sel in enumerate(self.selects):
             for j in range(ROUNDS):
                 launch("hist", self.hist)
-                shard._exchange(stream, self.hist, self.hgathered, self)
+                shard._exchange(stream, self.hist, self.hgathered, skip)
                 after = self.selects[i + 1] if j == ROUNDS - 1 and i + 1 < len(self.selects) else None
                 _core._select_decide(*self.world_args(self.hgathered, self.hblock), stream, step="round",
                                      sel=sel, round=j, next=after)
         launch("race", self.top)
-        shard._exchange(stream, self.top, self.gathered, self)
+        shard._exchange(stream, self.top, self.gathered, skip)
 
     def world_args(self, gathered: Any, block: int) -> tuple[Any, ...]:
         """A decision's positional arguments over ``gathered`` blocks of ``block`` bytes."""

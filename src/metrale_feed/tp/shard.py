@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from .. import _core
 from ..errors import FeedError
+from .rounds import FilterRounds
 
 _EXTRA = "pip install 'metrale-feed[torch]'"
 # A partial block: a header (the fingerprint the combine checks) and a record a row; its layout
@@ -27,7 +28,7 @@ _RECORD_BYTES = _core.PARTIAL_RECORD_BYTES
 # Completed calls' buffers kept for reuse: pending calls beyond this many get fresh ones, so a
 # depth-2 pipeline allocates nothing per step (on the cuda backend a free synchronises the device).
 _RING = 4
-_SLOT_BUFFERS = 3  # a ring slot holds (block, gathered, fault); a filtered call's are never reused
+_FILTERED = "filtered"  # the ring of fixed rounds' FilteredCalls (the others are keyed by block size)
 
 
 def _torch() -> Any:
@@ -91,15 +92,20 @@ class VocabShard:
     max_rows : int
         The most rows a call may have (1 to ``MAX_ROWS``); it sizes every message, so that no
         per-call argument can make two ranks' messages differ.
+    filters : FilterRounds, optional
+        The filters that sampling calls apply, in exchanges of one shape whatever the params
+        (``metrale_feed.tp.select_rounds.FilterRounds``; required for ``top_k``, ``top_p`` and
+        ``min_p`` on the cuda backend, whose NCCL collectives are queued with the call). None:
+        each call's rounds follow its params (host backend).
 
     Raises
     ------
     ImportError
         torch is missing (the message names the extra).
     ValueError
-        Bad ``vocab``, ``offsets`` or ``max_rows``; checked before any collective.
+        Bad ``vocab``, ``offsets``, ``max_rows`` or ``filters``; checked before any collective.
     FeedError
-        The ranks disagree on ``vocab``, ``offsets`` or ``max_rows`` (on every rank); a group
+        The ranks disagree on ``vocab``, ``offsets``, ``max_rows`` or ``filters`` (on every rank); a group
         whose backend does not match the package's (NCCL on the cuda backend, gloo on the host
         backend).
 
@@ -113,11 +119,13 @@ class VocabShard:
     """
 
     def __init__(self, group: Any, vocab: int, *, offsets: Sequence[int] | None = None,
-                 max_rows: int = 256) -> None:
+                 max_rows: int = 256, filters: FilterRounds | None = None) -> None:
         if isinstance(vocab, bool) or not isinstance(vocab, int) or not 1 <= vocab <= _core.MAX_VOCAB:
             raise ValueError(f"vocab must be an int in [1, {_core.MAX_VOCAB}], not {vocab!r}")
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= _core.MAX_ROWS:
             raise ValueError(f"max_rows must be an int in [1, {_core.MAX_ROWS}], not {max_rows!r}")
+        if filters is not None and not isinstance(filters, FilterRounds):
+            raise ValueError(f"filters must be a FilterRounds or None, not {filters!r}")
         torch, dist = _torch()
         if not dist.is_available() or not dist.is_initialized():
             raise FeedError("VocabShard needs an initialised torch.distributed process group")
@@ -136,6 +144,7 @@ class VocabShard:
                               vocab, world)
         self._torch, self._dist, self._group = torch, dist, group
         self.vocab, self.world, self.rank, self.max_rows = vocab, world, rank, max_rows
+        self.filters = filters
         self.offsets = tuple(offs)
         self.start, self.stop = offs[rank], offs[rank + 1]
         self.stats = {"collectives": 0, "bytes_sent": 0}
@@ -151,13 +160,14 @@ class VocabShard:
         self._pending: list[tuple[Any, tuple[Any, ...]]] = []  # (done event, buffers it holds)
         # Completed calls' (done, buffers), by block size: the feed calls' (self._block), and a
         # top_logprobs call's for each n it was called with.
-        self._rings: dict[int, list[tuple[Any, tuple[Any, ...]]]] = {}
+        self._rings: dict[Any, list[tuple[Any, tuple[Any, ...]]]] = {}
         self._stream = 0  # the stream of the pending calls
         self._block = _core.PARTIAL_HEADER_BYTES + max_rows * _RECORD_BYTES
         # The agreement: every rank sends the same-sized record, so a disagreement is an error on
         # every rank instead of mismatched collectives later.
         digest = hashlib.blake2b(struct.pack(f"<{len(offs)}q", *offs), digest_size=7).digest()
-        mine = torch.tensor([vocab, int.from_bytes(digest, "little"), max_rows, world], dtype=torch.int64,
+        code = -1 if filters is None else filters.code
+        mine = torch.tensor([vocab, int.from_bytes(digest, "little"), max_rows, world, code], dtype=torch.int64,
                             device=f"cuda:{torch.cuda.current_device()}" if self._nccl else "cpu")
         self._streams: dict[int, Any] = {}  # torch's wrappers of the caller's streams (NCCL)
         if world > 1:
@@ -169,7 +179,8 @@ class VocabShard:
                     a, b = mine.tolist(), theirs.tolist()
                     raise FeedError(
                         f"VocabShard: rank {r} disagrees with rank {rank} (vocab {b[0]} vs {a[0]}, "
-                        f"offsets {'differ' if a[1] != b[1] else 'agree'}, max_rows {b[2]} vs {a[2]})")
+                        f"offsets {'differ' if a[1] != b[1] else 'agree'}, max_rows {b[2]} vs {a[2]}, "
+                        f"filters {'differ' if a[4] != b[4] else 'agree'})")
 
     @property
     def width(self) -> int:
@@ -210,7 +221,7 @@ class VocabShard:
 
     def __repr__(self) -> str:
         return (f"VocabShard(rank={self.rank}, world={self.world}, start={self.start}, "
-                f"stop={self.stop}, vocab={self.vocab}, max_rows={self.max_rows})")
+                f"stop={self.stop}, vocab={self.vocab}, max_rows={self.max_rows}, filters={self.filters})")
 
     # ---- the calls (argmax_to_feed / sample_to_feed with shard=self dispatch here) ----
 
@@ -244,11 +255,15 @@ class VocabShard:
                 self._recycle(p)
         self._pending = pending
 
-    def _recycle(self, slot: tuple[Any, tuple[Any, ...]]) -> None:
-        """A free slot back to the ring of its block size while that ring has room; else freed
-        (a filtered call's buffers are never reused)."""
+    def _recycle(self, slot: tuple[Any, Any]) -> None:
+        """A free slot back to the ring of its block size while that ring has room; else freed.
+        A filtered call's buffers (a ``FilteredCall``) are reused with fixed rounds only, whose
+        sizes are the shard's."""
         held = slot[1]
-        ring = self._rings.setdefault(held[0].nbytes, []) if len(held) == _SLOT_BUFFERS else None
+        if isinstance(held, tuple):
+            ring = self._rings.setdefault(held[0].nbytes, [])
+        else:
+            ring = self._rings.setdefault(_FILTERED, []) if held.fixed else None
         if ring is not None and len(ring) < _RING:
             ring.append(slot)
         else:
@@ -286,7 +301,13 @@ class VocabShard:
         if vocab is not None and vocab != width:
             raise ValueError(f"with a shard, vocab is the slice's width {width}, not {vocab}")
         device_params = params is not None and _device_params(params)
-        filtered = params is not None and not device_params and _check_host_params(params)
+        host_filters = params is not None and not device_params and _check_host_params(params)
+        # With fixed rounds every sampled call takes them, filters on or not, host or device
+        # params: so no rank's params can change the collectives (NCCL issues them as the call is
+        # queued). Without them, host params with a filter do.
+        filtered = params is not None and (self.filters is not None or host_filters)
+        if filtered and self.filters is not None and not device_params:  # served? (any world)
+            self.filters.refuse(params if rows is None else params[:rows])
         if self.world == 1 and not self._force_exchange:  # the unsharded call
             kw = dict(rows=rows, vocab=self.vocab, dtype=dtype, row_stride=row_stride,
                       bitmask=bitmask, logprobs=logprobs, logprobs_dst=logprobs_dst)
@@ -306,7 +327,8 @@ class VocabShard:
         # (the partial call reads it, and nothing else, from the tensor).
         if filtered:
             return self._call_filtered(logits, masks, params, cells, dst, event, stream, n, dtype,
-                                       row_stride, bitmask, logprobs, logprobs_dst, handle)
+                                       row_stride, bitmask, logprobs, logprobs_dst, handle, capturing,
+                                       device_params)
         call = self._calls + 1
         # logprobs: the records carry (m, s) only when asked for; the header says which, so ranks
         # that disagree get the combine's fault rather than a logprob from another's zero sum.
@@ -569,18 +591,33 @@ class VocabShard:
 
     def _call_filtered(self, logits: Any, masks: Any, params: Any, cells: Any, dst: Any, event: Any,
                        stream: Any, n: int, dtype: Any, row_stride: Any, bitmask: Any,
-                       logprobs: Any, logprobs_dst: Any, handle: int) -> int:
-        """A sampled call with top_k, top_p or min_p: the rounds of select_rounds, then the
-        ordinary combine of the race winners."""
+                       logprobs: Any, logprobs_dst: Any, handle: int, capturing: bool,
+                       device_params: bool) -> int:
+        """A sampled call with top_k, top_p or min_p (or any sampled call, with fixed rounds):
+        the rounds of select_rounds, then the ordinary combine of the race winners. Device params
+        (fixed rounds only) are copied into the call's own buffer in stream order, which every
+        stage, decision and the combine read when they run: so the call is capturable."""
         from . import select_rounds
 
-        if _core.backend() == "cuda":
-            # The stages and decisions are kernels there too; NCCL's collectives are issued at
-            # queue time, so ranks with other params would issue other rounds (docs/tensor-parallel.md).
-            raise FeedError("sharded top_k, top_p and min_p are not built on the cuda backend yet: "
-                            "their NCCL rounds would depend on each rank's params")
-        call = select_rounds.call_word(self._calls + 1, params[:n])
-        rounds = select_rounds.FilteredCall(self, params, n, call)
+        fixed = self.filters
+        if fixed is None and self._nccl:
+            # NCCL's collectives are issued at queue time: rounds that followed each rank's params
+            # would differ between ranks whose params do (docs/tensor-parallel.md).
+            raise FeedError("sharded top_k, top_p and min_p on the cuda backend need rounds of one shape: "
+                            "make the shard with filters=FilterRounds(top_k=..., top_p=...)")
+        if capturing and not device_params:
+            raise ValueError("a captured sharded sample_to_feed takes device params (a replay would "
+                             "reuse the capture's seeds and positions)")
+        call = select_rounds.call_word(self._calls + 1, None if device_params else params[:n])
+        ring = self._rings.get(_FILTERED) if fixed is not None else None
+        if ring:  # a completed call's (done, rounds): the ring holds fixed rounds only
+            done, rounds = ring.pop()
+            rounds.start(params, n, call, device_params)
+        else:
+            rounds = select_rounds.FilteredCall(self, params, n, call, fixed, device_params)
+            done = _core.Event()
+        # What the stages and the combine read: the host records (checked now), or the call's copy.
+        read = rounds.params_dev if device_params else params
         kw = dict(start=self.start, stop=self.stop, vocab=self.vocab, dtype=dtype, call=call,
                   rows=n, row_stride=row_stride, bitmask=bitmask, masks=masks)
         queued = False
@@ -595,31 +632,41 @@ class VocabShard:
                 if stage == "race":
                     lists.update(cands=rounds.cgathered, cands_world=self.world,
                                  cands_stride=rounds.cblock)
-            _core._select_partial(logits, params, partials, rounds.state_buf, stage, stream,
+            _core._select_partial(logits, read, partials, rounds.state_buf, stage, stream,
                                   id_list=rounds.id_list, list_cap=select_rounds.LIST_CAP,
                                   logprobs=stage == "race" and logprobs is not None, **lists, **kw)
             if not queued:  # the first stage checked every argument: the call is on
                 queued = True
                 self._calls += 1
-                self._stream = handle
+                if not capturing:
+                    self._stream = handle
 
         try:
             rounds.queue(stream, launch)
             _core._combine_partials(rounds.gathered, self.world, cells, dst, None, stream, rows=n,
                                     vocab=self.vocab, call=call, fault_dst=rounds.fault_word,
-                                    params=params, logprobs=logprobs, logprobs_dst=logprobs_dst,
-                                    slice_stride=self._block // _RECORD_BYTES, filtered=True)
+                                    params=read, logprobs=logprobs, logprobs_dst=logprobs_dst,
+                                    slice_stride=self._block // _RECORD_BYTES, filtered=True,
+                                    refused=rounds.decided)
         except BaseException as exc:
-            if not queued:
-                rounds.close()
+            if not queued:  # refused before anything was queued: still free
+                self._recycle((done, rounds))
                 raise
             # Some exchanges are queued and the peers go on: this rank cannot follow them.
             self._fault = f"a sharded sampling call failed on rank {self.rank}: {exc}"
             raise
-        _core.launch_host_func(stream, self._check, rounds.fault_word, rounds)
-        done = _core.Event()
+        # Fixed rounds: a decision's fault is the combine's (refused=). Else the exchanges that
+        # skipped report it, read on the worker from the decision's word.
+        _core.launch_host_func(stream, self._check, rounds.fault_word, None if fixed else rounds)
+        if capturing:
+            # Captured (docs/graphs.md): the graph's operations name the call's buffers and keep
+            # them; they leave the ring for good, and each replay re-runs every round.
+            done.close()
+            if event is not None:
+                _core.event_record(event, stream)
+            return n
         _core.event_record(done, stream)
-        self._pending.append((done, tuple(rounds.buffers)))
+        self._pending.append((done, rounds))
         if event is not None:
             _core.event_record(event, stream)
         return n

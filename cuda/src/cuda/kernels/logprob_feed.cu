@@ -57,13 +57,13 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void mf_combine_kernel(const mf_partial_record *first, const mf_partial_header *headers,
                                   uint32_t world, uint32_t stride, uint32_t rows, uint32_t op,
                                   uint64_t call, uint32_t vocab, uint32_t *cells, float *logprobs,
-                                  uint32_t *fault, uint32_t row0,
+                                  uint32_t *fault, const uint32_t *refused, uint32_t row0,
                                   const mf_sampling_params *device_params,
                                   const __grid_constant__ CombineParams in) {
     const uint32_t r = blockIdx.x * blockDim.x + threadIdx.x;  // within this launch
     if (row0 + r >= rows || r >= kCombineRowsPerLaunch) return;
-    const uint32_t f = mf_check_headers(headers, world, stride, mf_partial_op(op, logprobs != nullptr),
-                                        rows, call, vocab);
+    const uint32_t f = mf_combine_fault(
+        mf_check_headers(headers, world, stride, mf_partial_op(op, logprobs != nullptr), rows, call, vocab), refused);
     // With device params the word was zeroed before the launches and a filtered row may set it
     // from any block: row 0 then writes only a header fault (which no row overrides).
     if (row0 + r == 0 && (f || !device_params)) *fault = f;
@@ -93,11 +93,12 @@ __global__ void mf_combine_kernel(const mf_partial_record *first, const mf_parti
 __global__ void mf_combine_verify_kernel(const mf_partial_record *first, const mf_partial_header *headers,
                                          uint32_t world, uint32_t stride, uint32_t rows, uint64_t call,
                                          uint32_t vocab, const uint32_t *drafts, uint32_t k, uint32_t *cells,
-                                         float *logprobs, uint32_t *fault) {
+                                         float *logprobs, uint32_t *fault, const uint32_t *refused) {
     const uint32_t r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows / (k + 1)) return;
-    const uint32_t f = mf_check_headers(headers, world, stride, mf_partial_op(MF_PARTIAL_ARGMAX, logprobs != nullptr),
-                                        rows, call, vocab);
+    const uint32_t f = mf_combine_fault(
+        mf_check_headers(headers, world, stride, mf_partial_op(MF_PARTIAL_ARGMAX, logprobs != nullptr), rows, call, vocab),
+        refused);
     if (r == 0) *fault = f;
     mf_verify_combined_row(first + (uint64_t)r * (k + 1), world, stride, f, drafts + (uint64_t)r * k, k,
                            cells + (uint64_t)r * (k + 2), logprobs ? logprobs + (uint64_t)r * (k + 1) : nullptr);
@@ -132,7 +133,7 @@ cudaError_t launch_combine(const mf_combine_args &a, cudaStream_t stream) {
         const uint32_t n = a.rows / (a.k + 1);
         MF_LAUNCH((n + 127) / 128, 128, 0, stream, mf_combine_verify_kernel)(first, headers, a.world, a.slice_stride,
                                                                      a.rows, a.call, a.vocab, a.drafts, a.k,
-                                                                     a.cells, a.logprobs, a.fault);
+                                                                     a.cells, a.logprobs, a.fault, a.refused);
         return cudaGetLastError();
     }
     const mf_sampling_params *dparams = (a.flags & MF_COMBINE_PARAMS_DEVICE) ? a.params : nullptr;
@@ -146,7 +147,7 @@ cudaError_t launch_combine(const mf_combine_args &a, cudaStream_t stream) {
         if (a.params && !dparams) std::copy(a.params + row0, a.params + row0 + n, in.params);
         MF_LAUNCH((n + 127) / 128, 128, 0, stream, mf_combine_kernel)(first, headers, a.world, a.slice_stride,
                                                               a.rows, a.op, a.call, a.vocab, a.cells,
-                                                              a.logprobs, a.fault, row0, dparams, in);
+                                                              a.logprobs, a.fault, a.refused, row0, dparams, in);
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
     }

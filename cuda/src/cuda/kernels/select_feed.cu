@@ -20,7 +20,7 @@ namespace {
 
 constexpr uint32_t kSelectRowsPerLaunch = 256;  // 256 * (32 + 8) bytes of parameters
 
-struct SelectInputs {  // host params (a select takes no others) and host masks, by value
+struct SelectInputs {  // host params and host masks, by value
     mf_sampling_params params[kSelectRowsPerLaunch];
     uint32_t masks[2 * kSelectRowsPerLaunch];
 };
@@ -32,6 +32,7 @@ struct SelectStage {
     int dtype;
     uint32_t vocab, start, stage, bit_words;
     const uint32_t *device_masks;  // NULL: the inputs' host masks
+    const mf_sampling_params *device_params;  // NULL: the inputs' host params
     const uint32_t *bitmask;
     uint32_t *ids;                 // TOP, RACE: the local id of row r at ids[4 * r] (its record)
     mf_select_row *select;
@@ -135,7 +136,7 @@ __global__ void __launch_bounds__(kThreads)
     const Row row{s.logits + r * s.row_bytes, s.dtype, s.vocab,
                   mf_row_rule{m[0] - s.start, m[1] - s.start, s.bitmask ? s.bitmask + (uint64_t)r * s.bit_words : nullptr},
                   s.start};
-    const mf_sample_plan p = mf_plan_sampling(&in.params[r]);
+    const mf_sample_plan p = mf_plan_sampling(s.device_params ? &s.device_params[r] : &in.params[r]);
     const bool sampled = s.vocab && !p.greedy;  // uniform across the block, as every branch below
     if (s.header && r == 0 && threadIdx.x == 0) *s.header = s.h;
     if (s.stage == MF_SELECT_CANDS) {
@@ -202,17 +203,20 @@ __global__ void mf_select_decide_kernel(const char *gathered, uint64_t block_byt
                                         uint32_t rows, uint32_t vocab, uint64_t call, uint32_t step,
                                         const mf_sampling_params *params, mf_select_row *select,
                                         mf_select_plan *plan, uint32_t *fault, uint32_t sel, uint32_t round,
-                                        uint32_t next) {
+                                        uint32_t next, uint32_t rounds) {
     const uint32_t r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
     if (step == MF_DECIDE_TOP) {
         const uint32_t f = mf_check_headers(reinterpret_cast<const mf_partial_header *>(gathered), world,
                                             (uint32_t)(block_bytes / MF_PARTIAL_RECORD_BYTES),
                                             mf_partial_op(MF_PARTIAL_TOP, 0), rows, call, vocab);
-        if (r == 0) *fault = f;
+        // The word was zeroed before the launch: a header fault is written by row 0 alone (every
+        // row sees it, and none then checks the rounds); else any unserved row may set it.
+        if (r == 0 && f) *fault = f;
         const auto *rec = reinterpret_cast<const mf_partial_record *>(gathered) + MF_PARTIAL_HEADER_RECORDS + r;
-        mf_decide_top_row(rec, world, (uint32_t)(block_bytes / MF_PARTIAL_RECORD_BYTES), f, &params[r], next,
-                          &select[r], &plan[r]);
+        if (mf_decide_top_row(rec, world, (uint32_t)(block_bytes / MF_PARTIAL_RECORD_BYTES), f, &params[r], next,
+                              rounds, &select[r], &plan[r]))
+            atomicCAS(fault, 0u, MF_FAULT_ROUNDS | (r << 8));
         return;
     }
     if (*fault) return;  // refused at the TOP decision: nothing changes any more
@@ -224,7 +228,7 @@ __global__ void mf_select_decide_kernel(const char *gathered, uint64_t block_byt
 
 cudaError_t launch_select_stage(const mf_argmax_args &a, cudaStream_t stream) {
     const IdSink sink = id_sink(a);
-    const bool dmasks = a.flags & MF_ARGS_MASKS_DEVICE;
+    const bool dmasks = a.flags & MF_ARGS_MASKS_DEVICE, dparams = a.flags & MF_ARGS_PARAMS_DEVICE;
     const uint64_t row_bytes = (uint64_t)a.row_stride * mf_dtype_size(a.dtype);
     const uint64_t payload_row = a.select_stage == MF_SELECT_HIST    ? MF_SELECT_BINS * 8ull
                                  : a.select_stage == MF_SELECT_CANDS ? (uint64_t)a.select_cands_cap * MF_PARTIAL_CAND_BYTES
@@ -235,11 +239,12 @@ cudaError_t launch_select_stage(const mf_argmax_args &a, cudaStream_t stream) {
     for (uint32_t row0 = 0; row0 < a.rows; row0 += kSelectRowsPerLaunch) {
         const uint32_t n = std::min(a.rows - row0, kSelectRowsPerLaunch);
         SelectInputs in;
-        std::copy(a.params + row0, a.params + row0 + n, in.params);
+        if (!dparams) std::copy(a.params + row0, a.params + row0 + n, in.params);
         if (!dmasks) std::copy(a.masks + 2 * (uint64_t)row0, a.masks + 2 * (uint64_t)(row0 + n), in.masks);
         const uint32_t words = mf_bitmask_words(sink.total);
         const SelectStage s{static_cast<const char *>(a.logits) + row0 * row_bytes, row_bytes, (int)a.dtype, a.vocab,
                             a.start, a.select_stage, words, dmasks ? a.masks + 2 * (uint64_t)row0 : nullptr,
+                            dparams ? a.params + row0 : nullptr,
                             a.bitmask ? a.bitmask + (uint64_t)row0 * words : nullptr,
                             sink.ids + (uint64_t)row0 * sink.stride, a.select + row0, payload + row0 * payload_row,
                             a.select_cands_cap, a.select_cands_world, cands ? cands + row0 * cands_row : nullptr,
@@ -255,9 +260,13 @@ cudaError_t launch_select_stage(const mf_argmax_args &a, cudaStream_t stream) {
 
 cudaError_t launch_select_decide(const mf_select_decide_args &a, cudaStream_t stream) {
     (void)stream;  // unused by the simt launch
+    if (a.step == MF_DECIDE_TOP) {
+        const cudaError_t e = cudaMemsetAsync(a.fault, 0, 4, stream);
+        if (e != cudaSuccess) return e;
+    }
     MF_LAUNCH((a.rows + 127) / 128, 128, 0, stream, mf_select_decide_kernel)(
         static_cast<const char *>(a.gathered), a.block_bytes, a.world, a.rank, a.rows, a.vocab, a.call, a.step,
-        a.params, a.select, a.plan, a.fault, a.select_k_p, a.round, a.next);
+        a.params, a.select, a.plan, a.fault, a.select_k_p, a.round, a.next, a.rounds);
     return cudaGetLastError();
 }
 

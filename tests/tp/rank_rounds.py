@@ -1,0 +1,228 @@
+"""Sharded filters in fixed rounds (``VocabShard(..., filters=FilterRounds(...))``), which the cuda
+backend's NCCL exchange needs: every filtered call makes the same exchanges, sized by the shard,
+whatever its params; a decision's fault reaches the combine on the device instead of skipping
+exchanges (rank_main.py runs them; ``h`` is that module, with the rank, the world and the helpers)."""
+
+import numpy as np
+
+import metrale_feed as mf
+from metrale_feed.errors import FeedError
+from metrale_feed.testing.oracle import reference_logprobs
+from metrale_feed.tp import select_rounds
+from metrale_feed.tp.select_rounds import FilterRounds
+
+from helpers.accuracy import assert_close
+
+
+def _through(shard):
+    """Whether the shard's calls go through the exchange (a world of one is the unsharded call,
+    unless forced through it, as the NCCL world of one on a GPU is)."""
+    return shard.world > 1 or shard._force_exchange
+
+
+def _delta(shard, before):
+    return (shard.stats["collectives"] - before["collectives"], shard.stats["bytes_sent"] - before["bytes_sent"])
+
+
+def scenario_fixed(h):
+    """The unsharded ids for every filter mix the rounds serve, with masks, a bitmask and
+    logprobs; the same collectives and bytes for every call (min_p alone and a temperature-only
+    call with filters off included); rows the rounds cannot serve refused before anything is
+    queued, the shard still usable; completed calls' buffers reused (no allocation a step)."""
+    vocab = 1000
+    rounds = FilterRounds(top_k=64, top_p=True)
+    for dtype in h.DTYPES:
+        for name, offsets in h.splits(vocab):
+            shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=16, filters=rounds)
+            rng = np.random.default_rng(h.zlib.crc32(f"fixed{dtype}{name}".encode()))
+            logits, params = h.filter_rows(rng, vocab, h.DTYPES[dtype], shard.offsets)
+            params["top_k"] = np.minimum(params["top_k"], 64)  # what the rounds serve
+            rows = logits.shape[0]
+            masks = rng.integers(0, vocab, (rows, 2)).astype(np.uint32)
+            masks[::4] = mf.NO_TOKEN
+            bitmask = np.full((rows, (vocab + 31) // 32), -1, np.int32)
+            bitmask[15] = 0
+            mp = mf.sampling_params(rows, temperature=1.0, min_p=0.3, seed=np.arange(rows))
+            plain = mf.sampling_params(rows, temperature=0.7, seed=np.arange(rows))  # no filter at all
+            spent = set()
+            for trial, p in enumerate((params, mp, plain, params)):
+                p = p.copy()
+                p["seed"] = rng.integers(0, 2**63, rows)
+                want, _ = h.whole(logits, masks, bitmask, p)
+                before = dict(shard.stats)
+                ids, lp, *_ = h.sharded(shard, logits, masks, bitmask, p, pad=3 if trial else 0)
+                assert np.array_equal(ids, want), (dtype, name, trial, ids, want)
+                assert_close(lp, reference_logprobs(logits, ids))
+                spent.add(_delta(shard, before))
+            # One shape for every call: the rounds' collectives, and bytes set by max_rows alone.
+            if _through(shard):
+                assert len(spent) == 1 and next(iter(spent))[0] == rounds.collectives, spent
+            # Refused before anything is queued: a top_k above the declared one, top_p alone with
+            # rounds that do not serve it. The shard goes on.
+            bad = params.copy()
+            bad["top_k"][4] = 65
+            before = dict(shard.stats)
+            try:
+                h.sharded(shard, logits, masks, bitmask, bad)
+            except ValueError as exc:
+                assert "top_k 65" in str(exc) and "row 4" in str(exc), exc
+            else:
+                raise AssertionError("a top_k above the rounds' was accepted")
+            assert shard.stats == before, (shard.stats, before)
+            ids, *_ = h.sharded(shard, logits, masks, bitmask, params)
+            assert np.array_equal(ids, h.whole(logits, masks, bitmask, params)[0])
+            shard.close()
+    # top_p alone needs FilterRounds(top_p=True).
+    shard = mf.VocabShard(None, vocab, max_rows=4, filters=FilterRounds(top_k=8))
+    x = np.random.default_rng(3).standard_normal((4, vocab)).astype(np.float32)
+    try:
+        h.sharded(shard, x, params=mf.sampling_params(4, temperature=1.0, top_p=0.5))
+    except ValueError as exc:
+        assert "top_p without top_k" in str(exc), exc
+    else:
+        raise AssertionError("top_p alone was accepted by rounds without it")
+    ids, *_ = h.sharded(shard, x, params=mf.sampling_params(4, temperature=1.0, top_k=8, top_p=0.5))
+    assert np.array_equal(ids, h.whole(x, params=mf.sampling_params(4, temperature=1.0, top_k=8, top_p=0.5))[0])
+    assert not _through(shard) or shard.stats["collectives"] == (h.WORLD > 1) + 3  # the agreement, 3 exchanges
+    shard.close()
+    # Steady state: the filtered calls reuse completed calls' buffers (on the cuda backend a free
+    # would synchronise the device): one set of them for calls that each complete before the next.
+    shard = mf.VocabShard(None, vocab, max_rows=8, filters=FilterRounds(top_k=16))
+    x = np.random.default_rng(4).standard_normal((8, vocab)).astype(np.float32)
+    p = mf.sampling_params(8, temperature=0.8, top_k=16, min_p=0.01, seed=np.arange(8))
+    made = []
+    init = select_rounds.FilteredCall.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(1)
+        init(self, *args, **kwargs)
+
+    select_rounds.FilteredCall.__init__ = counting
+    try:
+        for _ in range(6):
+            ids, *_ = h.sharded(shard, x, params=p)  # waits for its event: the call is complete
+            assert np.array_equal(ids, h.whole(x, params=p)[0])
+    finally:
+        select_rounds.FilteredCall.__init__ = init
+    assert len(made) == _through(shard), made
+    shard.close()
+
+
+def scenario_fixed_mismatch(h):
+    """Fixed rounds with params that differ between ranks: every rank still makes the rounds'
+    collectives (NCCL could not skip them), gets NO_TOKEN rows and a FeedError from the event,
+    and the shard then refuses calls. Ranks that declare other rounds cannot make a shard."""
+    vocab = 1000
+    rounds = FilterRounds(top_k=8, top_p=True)
+    shard = mf.VocabShard(None, vocab, max_rows=8, filters=rounds)
+    logits = h.nasty(np.random.default_rng(8), 5, vocab, np.float32, shard.offsets)
+    params = mf.sampling_params(5, temperature=1.0, top_k=3 if h.RANK == 0 else 0,
+                                top_p=0.9 if h.RANK == h.WORLD - 1 else 1.0)
+    before = dict(shard.stats)
+    ids, lp, done, held, took = h.sharded(shard, logits, params=params, wait=False)
+    h.expect_fault(done, "refused", f"mismatched params gave no error: {ids}")
+    assert (ids == mf.NO_TOKEN).all() and np.isnan(lp).all(), (ids, lp)
+    assert _delta(shard, before)[0] == rounds.collectives, (shard.stats, before)
+    h.expect_refused(lambda: h.sharded(shard, logits), "the shard took a call after a fault")
+    shard.close()
+    try:
+        mf.VocabShard(None, vocab, max_rows=8, filters=FilterRounds(top_k=8 + (h.RANK == 0)))
+    except FeedError as exc:
+        assert "filters differ" in str(exc), exc
+    else:
+        raise AssertionError("ranks declaring other rounds made a shard")
+
+
+def scenario_fixed_graph(h):
+    """A sharded sample_to_feed with filters in device params, captured whole with fixed rounds:
+    each replay reads the logits and the params the buffers hold then (new filters, seeds and
+    temperatures each time) and draws the unsharded ids, making the rounds' collectives again.
+    Host params are refused in a capture; a replay whose params ask for a filter the rounds do not
+    serve is a FeedError on every rank with NO_TOKEN rows, never a draw without its filter."""
+    vocab, rows = 1000, 6
+    offsets = {2: [0, 333, vocab], 3: [0, 600, vocab, vocab]}.get(h.WORLD)  # 3: an empty slice
+    rounds = FilterRounds(top_k=16, top_p=True)
+    shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=8, filters=rounds)
+    lo, hi = shard.start, shard.stop
+    width = max(1, hi - lo)
+    sl, staged = mf.DeviceBuffer(rows * width * 4), mf.PinnedBuffer(rows * width * 4)
+    pdev, pstaged = mf.DeviceBuffer(rows * 32), mf.PinnedBuffer(rows * 32)
+    cells, lp_dev = mf.DeviceBuffer(rows * 4), mf.DeviceBuffer(rows * 4)
+    ids, lp = mf.PinnedBuffer(rows * 4), mf.PinnedBuffer(rows * 4)
+    done, stream = mf.Event(), mf.Stream()
+
+    def launch(params):
+        mf.sample_to_feed(sl if hi > lo else None, params, cells, ids, done, stream, rows=rows,
+                          dtype="float32", logprobs=lp_dev, logprobs_dst=lp, shard=shard)
+
+    def step():
+        mf.copy_h2d_async(sl, staged, stream)  # pinned: read at each launch
+        mf.copy_h2d_async(pdev, pstaged, stream)
+        launch(pdev)
+
+    def fill(seed, **change):
+        """New logits and params with filters (the same on every rank: one seed), staged."""
+        rng = np.random.default_rng(seed)
+        logits = h.nasty(rng, rows, vocab, np.float32, shard.offsets)
+        params = mf.sampling_params(rows, temperature=rng.uniform(0.5, 2.0, rows),
+                                    top_k=rng.choice([0, 1, 5, 16], rows), top_p=rng.choice([1.0, 0.9, 0.6], rows),
+                                    min_p=rng.choice([0.0, 0.05], rows), seed=rng.integers(0, 2**63, rows),
+                                    position=rng.integers(0, 10**6, rows))
+        params["temperature"][1] = 0.0  # greedy
+        params["top_k"][4], params["top_p"][4] = 0, 0.7  # top_p alone: its radix select
+        for field, (row, value) in change.items():
+            params[field][row] = value
+        np.frombuffer(staged, np.float32)[: rows * (hi - lo)] = logits[:, lo:hi].ravel()
+        np.frombuffer(pstaged, params.dtype)[:] = params
+        return logits, params
+
+    def unsharded(logits, params):
+        with h.upload(params) as dparams:
+            return h.whole(logits, params=dparams)[0]
+
+    def check(logits, params):
+        got = np.frombuffer(ids, np.uint32).copy()
+        assert np.array_equal(got, unsharded(logits, params)), (got, unsharded(logits, params))
+        assert_close(np.frombuffer(lp, np.float32).copy(), reference_logprobs(logits, got))
+        return got
+
+    logits, params = fill(1)
+    step()  # once eagerly (an NCCL communicator exists before the capture)
+    done.synchronize()
+    check(logits, params)
+    capture_params = params
+    before = dict(shard.stats)
+    with mf.graph_capture(stream) as graph:
+        step()
+    assert shard.stats == before, (shard.stats, before)  # a capture issues no collective
+    stale = 0
+    for k in range(3):
+        logits, params = fill(100 + k)
+        graph.launch(stream)
+        done.synchronize()
+        got = check(logits, params)
+        stale += not np.array_equal(got, unsharded(logits, capture_params))
+        if _through(shard):
+            assert shard.stats["collectives"] == before["collectives"] + (k + 1) * rounds.collectives, shard.stats
+    assert stale >= 2, stale
+    # Host params in a capture: refused before anything is queued (a replay would reuse them).
+    with mf.graph_capture(stream) as refused:
+        try:
+            launch(params)
+        except (ValueError, FeedError) as exc:
+            assert "captur" in str(exc), exc
+        else:
+            raise AssertionError("a sharded sample with host params was captured")
+    refused.close()
+    # A replay whose params ask for more than the rounds serve: a fault on every rank.
+    logits, params = fill(300, top_k=(3, 17))
+    graph.launch(stream)
+    if _through(shard):
+        h.expect_fault(done, "fixed rounds do not serve", "a top_k above the rounds' was drawn")
+        assert (np.frombuffer(ids, np.uint32) == mf.NO_TOKEN).all()
+        h.expect_refused(step, "the shard took a call after a rounds fault")
+    graph.close()
+    stream.close()
+
+
+SCENARIOS = {"fixed": scenario_fixed, "fixed-mismatch": scenario_fixed_mismatch, "fixed-graph": scenario_fixed_graph}
