@@ -178,6 +178,11 @@ def test_bench_tp_checks_ids_and_counts_bytes(tmp_path):
         assert e["radix_checked"], e
         assert e["radix_collectives_per_call"] == 6, e
         assert e["radix_bytes_per_call"] == 2 * 16 * (e["rows"] + 2) + 4 * (32 + 2048 * e["rows"]), e
+        # Fixed rounds (top_k 64, top_p): 7 exchanges, each sized by max_rows (the rows here), the
+        # candidate lists 64 entries a row whatever the call's top_k.
+        assert e["fixed_checked"], e
+        assert e["fixed_collectives_per_call"] == 7, e
+        assert e["fixed_bytes_per_call"] == 2 * 16 * (e["rows"] + 2) + 32 + 512 * e["rows"] + 4 * (32 + 2048 * e["rows"]), e
 
 
 @pytest.mark.parametrize("extra", [[], ["--temperature", "0.7"],

@@ -1238,6 +1238,12 @@ def bench_tp(world: int, quick: bool) -> Dict[str, Any]:
              f"{'checked' if e['radix_checked'] else 'DIFFER'}")
         _row("", "", f"unsharded, 1 rank {e['radix_unsharded_ms']:.2f} ms",
              f"{e['radix_unsharded_ms'] / e['radix_sharded_ms']:.2f}x", "", "")
+        _row(f"sharded top_k 50 top_p 0.9, fixed rounds (top_k 64, top_p) {e['rows']} rows",
+             f"{e['fixed_sharded_ms']:.2f} ms", f"gather logits + unsharded {e['fixed_gather_ms']:.2f} ms",
+             f"{e['fixed_gather_ms'] / e['fixed_sharded_ms']:.2f}x", ">= 3x",
+             f"{e['fixed_collectives_per_call']} collectives whatever the params, "
+             f"{e['fixed_bytes_per_call'] / e['rows']:.0f} B/row; ids "
+             f"{'checked' if e['fixed_checked'] else 'DIFFER'}")
     return result
 
 

@@ -11,7 +11,8 @@ candidate lists) beside (a) all-gathering the logits then the unsharded ``sample
 rank, and (b) the unsharded call on the whole rows on one rank; with its collectives per call and
 the cost of one small gloo collective on this machine (what each exchange's rendezvous costs); the
 same for ``top_p=0.9`` alone (a radix select: 4 rounds of histograms, each followed by a decision
-on the stream).
+on the stream), and for ``top_k=50, top_p=0.9`` in a shard's fixed rounds
+(``FilterRounds(top_k=64, top_p=True)``: 7 exchanges whatever the params, what NCCL needs).
 Needs torch and numpy.
 """
 
@@ -96,6 +97,8 @@ def _rank(rank: int, world: int, port: int, sizes: List[int], repeats: int) -> N
         top = _top(group, full, rows, repeats)
         filtered = _filtered(rank, group, full, rows, repeats)
         radix = _filtered(rank, group, full, rows, repeats, "radix", dict(top_p=0.9))
+        fixed = _filtered(rank, group, full, rows, repeats, "fixed", None,
+                          mf.FilterRounds(top_k=64, top_p=True))
         out["sizes"].append({
             "rows": rows, "vocab": vocab, "world": world, "checked": checked,
             "sharded_ms": statistics.median(times["sharded"]) * 1e3,
@@ -109,6 +112,7 @@ def _rank(rank: int, world: int, port: int, sizes: List[int], repeats: int) -> N
             **top,
             **filtered,
             **radix,
+            **fixed,
         })
         done.close(), cells.close(), buf.close()
     if rank == 0:
@@ -239,10 +243,10 @@ def _top(group: Any, full: Any, rows: int, repeats: int) -> Dict[str, Any]:
 
 
 def _filtered(rank: int, group: Any, full: Any, rows: int, repeats: int, name: str = "filtered",
-              filters: Any = None) -> Dict[str, Any]:
-    """Sampling with ``filters`` (default top_k 50 and top_p 0.9): the sharded call on every rank,
-    then the unsharded call on rank 0 alone (the others wait at a barrier), the same ids; the
-    figures' keys start with ``name``."""
+              filters: Any = None, rounds: Any = None) -> Dict[str, Any]:
+    """Sampling with ``filters`` (default top_k 50 and top_p 0.9): the sharded call on every rank
+    (a shard with fixed ``rounds``, or none), then the unsharded call on rank 0 alone (the others
+    wait at a barrier), the same ids; the figures' keys start with ``name``."""
     import numpy as np
     import torch.distributed as dist
 
@@ -251,7 +255,7 @@ def _filtered(rank: int, group: Any, full: Any, rows: int, repeats: int, name: s
     import torch
 
     vocab = full.shape[1]
-    shard = mf.VocabShard(group, vocab, max_rows=rows)
+    shard = mf.VocabShard(group, vocab, max_rows=rows, filters=rounds)
     world = shard.world
     part = np.ascontiguousarray(full[:, shard.start:shard.stop])
     width = -(-vocab // world)
