@@ -139,9 +139,12 @@ C_SOURCE = textwrap.dedent(
         mf_status st;
         host_func_runs = 0;
         if ((st = feed->stream_create(MF_STREAM_NON_BLOCKING, &stream))) return st;
+        /* The caller copied the logits on stream 0, which this non-blocking stream does not wait
+         * for: wait for that copy here, or the graph's launches may read the logits before it. */
         if (!(st = feed->device_alloc(a.rows * 8u, &masks)) &&
             !(st = feed->copy_h2d_async(masks, a.masks, a.rows * 8u, stream)) &&
-            !(st = feed->stream_synchronize(stream)) && !(st = feed->graph_begin(stream))) {
+            !(st = feed->stream_synchronize(stream)) && !(st = feed->stream_synchronize(0)) &&
+            !(st = feed->graph_begin(stream))) {
             a.masks = (const uint32_t *)masks;
             a.flags |= MF_ARGS_MASKS_DEVICE;
             mf_status queued = feed->argmax_to_feed(&a, stream);
