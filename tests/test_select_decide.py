@@ -143,6 +143,29 @@ def test_fixed_rounds_read_device_params_and_refuse_rows_they_do_not_serve(backe
         _core._check_partials_fault(fault)
 
 
+@pytest.mark.parametrize("device", [False, True])
+def test_slices_that_sample_a_row_with_other_params_are_refused_by_every_slice(backend, dev, device):
+    """Each TOP record carries a digest of its row's params, so the first decision of every slice
+    sees a row whose params differ between slices (device params too, which the call word cannot
+    digest): MF_FAULT_PARAMS with the row on every slice, every row NO_TOKEN, whichever slice
+    differs and however little (one seed bit, or a filter one slice's rounds would not serve)."""
+    rng = np.random.default_rng(8)
+    rows, vocab = 4, 1200
+    logits = logits_for(rng, rows, vocab, "float32")
+    params = mf.sampling_params(rows, temperature=1.0, top_k=[4, 0, 8, 0], top_p=[1.0, 0.9, 0.5, 1.0],
+                                seed=np.arange(rows) + 11)
+    rounds = mf.FilterRounds(top_k=8, top_p=True)
+    for row, field, value in ((2, "seed", params["seed"][2] ^ 1), (1, "top_k", 9), (3, "temperature", 0.0)):
+        other = params.copy()
+        other[field][row] = value
+        got, fault, words = split_filtered(dev, logits, [0, 500, 900, vocab], params, skip=False, rounds=rounds,
+                                           device=device, slice_params=[params, params, other])
+        assert words == [10 | row << 8] * 3, (field, words)  # MF_FAULT_PARAMS, that row, every slice
+        assert (got == mf.NO_TOKEN).all(), got
+        with pytest.raises(mf.FeedError, match=f"row {row} with other params"):
+            _core._check_partials_fault(fault)
+
+
 def decide_args(rows=2, **change):
     """Buffers for 2 slices of 2 rows, and the arguments of a TOP decision over them, changed."""
     world, block = 2, _core._partial_bytes(rows)

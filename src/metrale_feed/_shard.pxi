@@ -17,12 +17,14 @@ PARTIAL_RECORD_FIELDS = {"id": (MF_RECORD_OFF_ID, "<u4"), "logit_bits": (MF_RECO
                          "max": (MF_RECORD_OFF_MAX, "<f4"), "sum": (MF_RECORD_OFF_SUM, "<f4")}
 
 _FAULTS = {1: "another operation or not a partial block", 2: "another row count",
-           3: "another call counter", 4: "another vocabulary",
+           3: "another call counter (or, sampling with host params, other params: their digest is in it)",
+           4: "another vocabulary",
            5: "slices that do not tile the vocabulary in order",
            6: "the other logprobs setting (logprobs asked for on some slices only)"}
 _FAULT_FILTERS = 7  # bits 8+ hold a row, not a slice (feed.h, mf_combine_args)
 _FAULT_IDS = 8  # bits 8+ hold a row (mf_top_logprobs_combine)
 _FAULT_ROUNDS = 9  # bits 8+ hold a row (mf_select_decide with fixed rounds)
+_FAULT_PARAMS = 10  # bits 8+ hold a row (mf_select_decide: the slices' params digests differ)
 
 
 SELECT_ROW_BYTES = sizeof(mf_select_row)              # one row's state between filter stages
@@ -493,9 +495,12 @@ def _check_partials_fault(fault_dst, outcome="every row got NO_TOKEN"):
                         "sets top_k, top_p or min_p, which a split row cannot apply (sharded "
                         "sampling with device params is temperature-only); it got NO_TOKEN")
     if word & 0xFF == _FAULT_ROUNDS:
-        raise FeedError(f"partial blocks refused: row {word >> 8} of the device-resident params "
-                        "asks for a filter the shard's fixed rounds do not serve (a top_k above "
-                        "their top_k, or top_p alone without top_p=True); every row got NO_TOKEN")
+        raise FeedError(f"partial blocks refused: row {word >> 8} of the params asks for a filter "
+                        "the shard's fixed rounds do not serve (a top_k above their top_k, or top_p "
+                        "alone without top_p=True); every row got NO_TOKEN")
+    if word & 0xFF == _FAULT_PARAMS:
+        raise FeedError(f"partial blocks refused: the ranks sampled row {word >> 8} with other params "
+                        "(every rank must pass the same); every row got NO_TOKEN")
     if word & 0xFF == _FAULT_IDS:
         raise FeedError(f"top logprobs blocks refused: the slices were asked other ids in row "
                         f"{word >> 8} (every rank must pass the same ids); its chosen logprob is NaN")

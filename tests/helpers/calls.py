@@ -125,7 +125,7 @@ def split_top(dev, logits, offsets, n, ids=None, call=5, pad=0, tamper=None):
 
 
 def split_filtered(dev, logits, offsets, params, call=21, states=None, skip=True, rounds=None,
-                   device=False):
+                   device=False, slice_params=None):
     """The split filters' protocol in one process (tp/select_rounds.py's, rank by rank): each
     slice's stages into its own blocks, every exchange as copies of all the slices' blocks (zeros
     once a slice's decision refused the call, as the shard's exchange does), each slice's
@@ -136,7 +136,8 @@ def split_filtered(dev, logits, offsets, params, call=21, states=None, skip=True
     every exchange runs whatever the decisions found and the combine takes the first decision's
     fault word (``refused``). ``rounds``: a ``FilterRounds`` (fixed rounds: their blocks, and the
     TOP decision's check of the rows). ``device``: the stages and the combine read each slice's
-    params from its device copy, as a captured call does."""
+    params from its device copy, as a captured call does. ``slice_params``: slice w's params,
+    ``slice_params[w]`` (default ``params`` on every slice; the combine takes slice 0's)."""
     from types import SimpleNamespace
 
     from metrale_feed.tp.select_rounds import LIST_CAP, ROUNDS, FilteredCall
@@ -145,8 +146,9 @@ def split_filtered(dev, logits, offsets, params, call=21, states=None, skip=True
     world = len(offsets) - 1
     block = _core._partial_bytes(rows)
     dtype = np.dtype(logits.dtype).name
+    own = slice_params or [params] * world
     calls = [FilteredCall(SimpleNamespace(_block=block, world=world, rank=w, vocab=vocab, _fault=None,
-                                          max_rows=rows), params, rows, call, rounds) for w in range(world)]
+                                          max_rows=rows), own[w], rows, call, rounds) for w in range(world)]
     held = []
     slices = [upload_slice(dev, logits, offsets[w], offsets[w + 1], 0, held) for w in range(world)]
 
@@ -158,7 +160,7 @@ def split_filtered(dev, logits, offsets, params, call=21, states=None, skip=True
                 kw.update(cands_cap=c.cap)
                 if name == "race":
                     kw.update(cands=c.cgathered, cands_world=world, cands_stride=c.cblock)
-            _core._select_partial(slices[w], c.params_dev if device else params, getattr(c, out), c.state_buf,
+            _core._select_partial(slices[w], c.params_dev if device else own[w], getattr(c, out), c.state_buf,
                                   name, **kw)
 
     def exchange(src, dst, size):

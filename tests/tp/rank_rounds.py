@@ -24,11 +24,27 @@ def _delta(shard, before):
     return (shard.stats["collectives"] - before["collectives"], shard.stats["bytes_sent"] - before["bytes_sent"])
 
 
+def _expect_rounds_fault(h, shard, rounds, logits, params, masks=None, bitmask=None):
+    """A call with a row the rounds do not serve: through the exchange, the rounds' collectives,
+    then NO_TOKEN rows and a FeedError on every rank, and the shard refuses calls; a world of one
+    (the unsharded call) draws the unsharded ids."""
+    if not _through(shard):
+        ids, *_ = h.sharded(shard, logits, masks, bitmask, params)
+        assert np.array_equal(ids, h.whole(logits, masks, bitmask, params)[0])
+        return
+    before = dict(shard.stats)
+    ids, lp, done, *_ = h.sharded(shard, logits, masks, bitmask, params, wait=False)
+    h.expect_fault(done, "fixed rounds do not serve", f"a row the rounds do not serve was drawn: {ids}")
+    assert (ids == mf.NO_TOKEN).all(), ids
+    assert _delta(shard, before)[0] == rounds.collectives, (shard.stats, before)
+    h.expect_refused(lambda: h.sharded(shard, logits), "the shard took a call after a fault")
+
+
 def scenario_fixed(h):
     """The unsharded ids for every filter mix the rounds serve, with masks, a bitmask and
     logprobs; the same collectives and bytes for every call (min_p alone and a temperature-only
-    call with filters off included); rows the rounds cannot serve refused before anything is
-    queued, the shard still usable; completed calls' buffers reused (no allocation a step)."""
+    call with filters off included); a row the rounds cannot serve a fault on every rank;
+    completed calls' buffers reused (no allocation a step)."""
     vocab = 1000
     rounds = FilterRounds(top_k=64, top_p=True)
     for dtype in h.DTYPES:
@@ -57,33 +73,20 @@ def scenario_fixed(h):
             # One shape for every call: the rounds' collectives, and bytes set by max_rows alone.
             if _through(shard):
                 assert len(spent) == 1 and next(iter(spent))[0] == rounds.collectives, spent
-            # Refused before anything is queued: a top_k above the declared one, top_p alone with
-            # rounds that do not serve it. The shard goes on.
+            # A row the rounds do not serve (a top_k above theirs): a fault on every rank after
+            # the rounds' collectives, never a draw (a world of one is the unsharded call).
             bad = params.copy()
             bad["top_k"][4] = 65
-            before = dict(shard.stats)
-            try:
-                h.sharded(shard, logits, masks, bitmask, bad)
-            except ValueError as exc:
-                assert "top_k 65" in str(exc) and "row 4" in str(exc), exc
-            else:
-                raise AssertionError("a top_k above the rounds' was accepted")
-            assert shard.stats == before, (shard.stats, before)
-            ids, *_ = h.sharded(shard, logits, masks, bitmask, params)
-            assert np.array_equal(ids, h.whole(logits, masks, bitmask, params)[0])
+            _expect_rounds_fault(h, shard, rounds, logits, bad, masks, bitmask)
             shard.close()
-    # top_p alone needs FilterRounds(top_p=True).
+    # top_p alone is served by rounds with top_p only.
     shard = mf.VocabShard(None, vocab, max_rows=4, filters=FilterRounds(top_k=8))
     x = np.random.default_rng(3).standard_normal((4, vocab)).astype(np.float32)
-    try:
-        h.sharded(shard, x, params=mf.sampling_params(4, temperature=1.0, top_p=0.5))
-    except ValueError as exc:
-        assert "top_p without top_k" in str(exc), exc
-    else:
-        raise AssertionError("top_p alone was accepted by rounds without it")
-    ids, *_ = h.sharded(shard, x, params=mf.sampling_params(4, temperature=1.0, top_k=8, top_p=0.5))
-    assert np.array_equal(ids, h.whole(x, params=mf.sampling_params(4, temperature=1.0, top_k=8, top_p=0.5))[0])
+    both = mf.sampling_params(4, temperature=1.0, top_k=8, top_p=0.5)
+    ids, *_ = h.sharded(shard, x, params=both)
+    assert np.array_equal(ids, h.whole(x, params=both)[0])
     assert not _through(shard) or shard.stats["collectives"] == (h.WORLD > 1) + 3  # the agreement, 3 exchanges
+    _expect_rounds_fault(h, shard, FilterRounds(top_k=8), x, mf.sampling_params(4, temperature=1.0, top_p=0.5))
     shard.close()
     # Steady state: the filtered calls reuse completed calls' buffers (on the cuda backend a free
     # would synchronise the device): one set of them for calls that each complete before the next.
@@ -125,6 +128,24 @@ def scenario_fixed_mismatch(h):
     assert _delta(shard, before)[0] == rounds.collectives, (shard.stats, before)
     h.expect_refused(lambda: h.sharded(shard, logits), "the shard took a call after a fault")
     shard.close()
+    # A rank whose params ask for more than the rounds serve, the others' not (host params, then
+    # device ones, whose differences only the first records' digests show): no rank refuses
+    # alone, so the collectives still match, and every rank gets the fault.
+    for device in (False, True):
+        shard = mf.VocabShard(None, vocab, max_rows=8, filters=rounds)
+        params = mf.sampling_params(5, temperature=5.0 if h.RANK == 0 else 1.0,
+                                    top_k=1 if h.RANK == 0 else 9, seed=np.arange(5))
+        before = dict(shard.stats)
+        held = h.upload(params) if device else None
+        ids, lp, done, *_ = h.sharded(shard, logits, params=held if device else params, wait=False)
+        h.expect_fault(done, "with other params" if device else "refused",
+                       f"params that differ between ranks gave no error ({device}): {ids}")
+        assert (ids == mf.NO_TOKEN).all(), ids
+        assert _delta(shard, before)[0] == rounds.collectives, (shard.stats, before)
+        h.expect_refused(lambda: h.sharded(shard, logits), "the shard took a call after a fault")
+        shard.close()
+        if held is not None:
+            held.close()
     try:
         mf.VocabShard(None, vocab, max_rows=8, filters=FilterRounds(top_k=8 + (h.RANK == 0)))
     except FeedError as exc:

@@ -214,10 +214,10 @@ enum {
 };
 
 /* The stages of a split row's filters, each writing a partial block (a header, then per row):
- * TOP the slice's greatest finite candidate (a partial record, (m, s) 0), HIST a histogram of
- * one 8-bit digit of the logit key (MF_SELECT_BINS uint64 weights), CANDS the slice's candidate
- * list (below), RACE the race winner over the survivors (a partial record, for
- * mf_combine_partials with MF_PARTIAL_FILTERED). */
+ * TOP the slice's greatest finite candidate (a partial record whose m is 0 and whose s word holds
+ * the row's params digest, mf_params_digest), HIST a histogram of one 8-bit digit of the logit
+ * key (MF_SELECT_BINS uint64 weights), CANDS the slice's candidate list (below), RACE the race
+ * winner over the survivors (a partial record, for mf_combine_partials with MF_PARTIAL_FILTERED). */
 enum { MF_SELECT_TOP = 1u, MF_SELECT_HIST = 2u, MF_SELECT_RACE = 3u, MF_SELECT_CANDS = 4u };
 /* HIST: one digit of MF_SELECT_DIGIT_BITS bits a round, so a 32-bit key in 32 / 8 = 4 rounds. */
 #define MF_SELECT_DIGIT_BITS 8u

@@ -38,7 +38,8 @@ enum {
     MF_FAULT_LOGPROBS = 6u, /* the same operation with the other logprobs setting */
     MF_FAULT_FILTERS = 7u,  /* device params set a filter on a sampled split row (bits 8+: the row) */
     MF_FAULT_IDS = 8u,      /* a top logprobs combine's slices were asked other ids (bits 8+: the row) */
-    MF_FAULT_ROUNDS = 9u    /* device params ask a split row for a filter its fixed rounds do not serve (bits 8+: the row) */
+    MF_FAULT_ROUNDS = 9u,   /* params ask a split row for a filter its fixed rounds do not serve (bits 8+: the row) */
+    MF_FAULT_PARAMS = 10u   /* the slices' params of a split row differ (bits 8+: the row) */
 };
 
 /* Whether a sampled row of a MF_PARTIAL_SAMPLE combine has a filter its slices could not apply:

@@ -37,6 +37,29 @@ MF_HD void mf_select_start(mf_select_row *st, mf_select_plan *plan, uint32_t sel
     mf_select_round_state(st, plan, sel, 0u);
 }
 
+/* A digest of one row's params (every field but the padding): the TOP stage's records carry it in
+ * their free `sum` word (their `max` is 0), so the first decision sees, on every rank alike,
+ * whether the slices sampled a row with the same params, host or device ones. */
+MF_HD uint32_t mf_params_digest(const mf_sampling_params *p) {
+    const uint32_t w[7] = {mf_to_bits(p->temperature), mf_to_bits(p->top_p), mf_to_bits(p->min_p), p->top_k,
+                           (uint32_t)p->seed, (uint32_t)(p->seed >> 32), p->position};
+    uint32_t h = 0x9E3779B9u;
+    for (int i = 0; i < 7; ++i) { /* a multiply-xorshift per word (murmur3's finaliser) */
+        h ^= w[i];
+        h ^= h >> 16;
+        h *= 0x85EBCA6Bu;
+        h ^= h >> 13;
+        h *= 0xC2B2AE35u;
+        h ^= h >> 16;
+    }
+    return h;
+}
+
+/* The digest a TOP record carries (its fourth word). */
+MF_HD uint32_t mf_top_record_digest(const mf_partial_record *rec) {
+    return ((const uint32_t *)rec)[3];
+}
+
 /* Whether fixed rounds (`rounds`, MF_ROUNDS_*; 0: none) serve a sampled row's filters: its top_k
  * from the candidate lists, its top_p alone from top_p's radix select (min_p needs no round). */
 MF_HD int mf_rounds_serve(uint32_t rounds, const mf_sample_plan *s) {
@@ -48,9 +71,11 @@ MF_HD int mf_rounds_serve(uint32_t rounds, const mf_sample_plan *s) {
 /* After the TOP exchange, row r (`rec`: slice 0's record of the row, slice w's `stride` records
  * further; `fault`: the headers' check): the whole row's greatest finite candidate, and the
  * selects the row takes. A row whose zmax is not finite, or that has no candidate, takes none.
- * Returns 0, or 1 when fixed `rounds` do not serve the row (it then takes none: the call is
- * refused, MF_FAULT_ROUNDS). */
-MF_HD int mf_decide_top_row(const mf_partial_record *rec, uint32_t world, uint32_t stride, uint32_t fault,
+ * Returns 0, or the row's fault (the row then takes none and the call is refused): MF_FAULT_PARAMS
+ * when the slices' params digests differ, MF_FAULT_ROUNDS when fixed `rounds` do not serve the
+ * row. Both read only what every rank holds alike (the gathered records; the params, equal on
+ * every rank once their digests are), so every rank finds the same faults. */
+MF_HD uint32_t mf_decide_top_row(const mf_partial_record *rec, uint32_t world, uint32_t stride, uint32_t fault,
                             const mf_sampling_params *p, uint32_t next, uint32_t rounds, mf_select_row *st,
                             mf_select_plan *plan) {
     uint32_t best = 0, bits = rec[0].logit_bits;
@@ -67,11 +92,16 @@ MF_HD int mf_decide_top_row(const mf_partial_record *rec, uint32_t world, uint32
     plan->target = plan->above = 0u;
     plan->prefix = 0u;
     plan->flags = 0u;
-    if (fault) return 0; /* refused on every rank alike: the stages left do nothing that matters */
+    if (fault) return 0u; /* refused on every rank alike: the stages left do nothing that matters */
+    for (uint32_t w = 1; w < world; ++w)
+        if (mf_top_record_digest(rec + (uint64_t)w * stride) != mf_top_record_digest(rec)) {
+            st->flags = 0u;
+            return MF_FAULT_PARAMS;
+        }
     const mf_sample_plan s = mf_plan_sampling(p);
     if (!mf_rounds_serve(rounds, &s)) {
         st->flags = 0u;
-        return 1;
+        return MF_FAULT_ROUNDS;
     }
     /* A sampled row whose zmax is not finite draws its top whatever the filters (sample_rule.h). */
     if (best && !s.greedy && mf_finite_bits(mf_to_bits(mf_scaled(bits, s.inv_t)))) {
@@ -81,7 +111,7 @@ MF_HD int mf_decide_top_row(const mf_partial_record *rec, uint32_t world, uint32
         if (s.use_top_p && !listed) plan->flags |= MF_PLAN_P;
     }
     mf_select_start(st, plan, next);
-    return 0;
+    return 0u;
 }
 
 /* After round `round` of select `sel`, row r: `bins` is slice 0's histogram of the row, slice w's

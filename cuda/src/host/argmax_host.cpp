@@ -11,6 +11,7 @@
 
 #include "kernels.hpp"
 #include "metrale_feed/logprob_rule.h"
+#include "metrale_feed/select_rule.h"
 #include "queue.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -345,10 +346,12 @@ void run_argmax(const ArgmaxJob &job) {
                           : stage      ? select_row(row, a.dtype, a.vocab, &rule, params[r], vector, start, stage,
                                                     a.select[r], nullptr, list_of(a, r), a.select_list_cap, cands)
                                        : sample_row(row, a.dtype, a.vocab, &rule, params[r], vector, start);
-            if (stage == MF_SELECT_TOP) {  // the candidate only: (m, s) come with the race's records
+            if (stage == MF_SELECT_TOP) {  // the candidate, then the params' digest (select_rule.h)
                 records[r] = mf_partial_record{id == MF_NO_TOKEN ? MF_NO_TOKEN : start + id,
                                                id == MF_NO_TOKEN ? 0u : mf_logit_bits(row, (int)a.dtype, id),
                                                0.0f, 0.0f};
+                const uint32_t digest = mf_params_digest(&params[r]);
+                std::memcpy(&records[r].sum, &digest, 4);
                 continue;
             }
             if (!partial) {

@@ -14,11 +14,11 @@ void run_select_decide(const mf_select_decide_args &a) {
                                                 stride, mf_partial_op(MF_PARTIAL_TOP, 0), a.rows, a.call, a.vocab);
         *a.fault = fault;
         const auto *rec = reinterpret_cast<const mf_partial_record *>(gathered) + MF_PARTIAL_HEADER_RECORDS;
-        for (uint32_t r = 0; r < a.rows; ++r)
-            if (mf_decide_top_row(rec + r, a.world, stride, fault, &a.params[r], a.next, a.rounds, &a.select[r],
-                                  &a.plan[r]) &&
-                !*a.fault)
-                *a.fault = MF_FAULT_ROUNDS | (r << 8);  // the first row the fixed rounds do not serve
+        for (uint32_t r = 0; r < a.rows; ++r) {
+            const uint32_t row_fault = mf_decide_top_row(rec + r, a.world, stride, fault, &a.params[r], a.next,
+                                                         a.rounds, &a.select[r], &a.plan[r]);
+            if (row_fault && !*a.fault) *a.fault = row_fault | (r << 8);  // the first such row
+        }
         return;
     }
     if (*a.fault) return;  // refused at the TOP decision: nothing changes any more

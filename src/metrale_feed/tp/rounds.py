@@ -5,7 +5,6 @@ resolve without them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from .. import _core
 
@@ -20,13 +19,15 @@ class FilterRounds:
     Without it (``VocabShard(..., filters=None)``) a filtered call's rounds follow its params: the
     fewest exchanges, but ranks whose params disagree would issue different collectives, which
     only the host backend's exchange can skip (the stream's worker sees the first decision's
-    fault before the next collective). With it, every sampled call with host params (filters on
-    or not) makes the same exchanges, sized by ``max_rows``: 2, plus 1 for ``top_k``, plus 4 for
-    ``top_p``. A fault found at the first decision (ranks whose params differ) is then carried to
-    the combine on the device: every row ``NO_TOKEN`` and a ``FeedError`` on every rank, after
+    fault before the next collective). With it, every sampled call (host or device params, filters
+    on or not) makes the same exchanges, sized by ``max_rows``: 2, plus 1 for ``top_k``, plus 4 for
+    ``top_p``. The first decision finds, on every rank alike, a row whose params differ between
+    ranks (each slice's first record carries a digest of the row's params) or that the rounds do
+    not serve (a ``top_k`` above theirs, ``top_p`` alone without it); the fault is carried to the
+    combine on the device: every row ``NO_TOKEN`` and a ``FeedError`` on every rank, after
     collectives that still matched. The cuda backend, whose NCCL collectives are queued with the
     call, needs it for ``top_k``, ``top_p`` and ``min_p``. What ranks must still agree on is the
-    sequence of calls and their operations (argmax, or sampling with host or device params).
+    sequence of calls and their operations (argmax or sampling).
 
     Parameters
     ----------
@@ -68,20 +69,3 @@ class FilterRounds:
     def code(self) -> int:
         """What the shard's agreement compares across ranks."""
         return self.top_k | (int(self.top_p) << 16)
-
-    def refuse(self, params: Any) -> None:
-        """Raise ``ValueError`` for the first row of ``params`` (``SAMPLING_PARAMS_DTYPE``
-        records) these rounds cannot serve: checked before anything is queued, from the host params
-        every rank shares."""
-        import numpy as np
-
-        from .select_rounds import filters_of
-
-        top_k, top_p, _ = filters_of(params)
-        over = top_k & (params["top_k"] > self.top_k)
-        alone = top_p & ~top_k & (not self.top_p)
-        for bad, why in ((over, lambda r: f"top_k {int(params['top_k'][r])} > the declared {self.top_k}"),
-                         (alone, lambda r: "top_p without top_k, which needs FilterRounds(top_p=True)")):
-            if bad.any():
-                r = int(np.flatnonzero(bad)[0])
-                raise ValueError(f"params row {r}: {why(r)}; the shard's {self!r} cannot serve it")

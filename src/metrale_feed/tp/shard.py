@@ -305,9 +305,9 @@ class VocabShard:
         # With fixed rounds every sampled call takes them, filters on or not, host or device
         # params: so no rank's params can change the collectives (NCCL issues them as the call is
         # queued). Without them, host params with a filter do.
+        # A row the fixed rounds do not serve is found on the device, by every rank alike (a
+        # refusal here would make one rank's collectives depend on its own params).
         filtered = params is not None and (self.filters is not None or host_filters)
-        if filtered and self.filters is not None and not device_params:  # served? (any world)
-            self.filters.refuse(params if rows is None else params[:rows])
         if self.world == 1 and not self._force_exchange:  # the unsharded call
             kw = dict(rows=rows, vocab=self.vocab, dtype=dtype, row_stride=row_stride,
                       bitmask=bitmask, logprobs=logprobs, logprobs_dst=logprobs_dst)
@@ -649,8 +649,13 @@ class VocabShard:
                                     slice_stride=self._block // _RECORD_BYTES, filtered=True,
                                     refused=rounds.decided)
         except BaseException as exc:
-            if not queued:  # refused before anything was queued: still free
-                self._recycle((done, rounds))
+            if not queued:  # refused before any collective was queued
+                if not device_params:
+                    self._recycle((done, rounds))  # nothing queued: still free
+                elif not capturing:  # the params' copy was queued: free once it has run
+                    _core.event_record(done, stream)
+                    self._pending.append((done, rounds))
+                # (in a capture the graph keeps the copy's buffers: they leave the ring for good)
                 raise
             # Some exchanges are queued and the peers go on: this rank cannot follow them.
             self._fault = f"a sharded sampling call failed on rank {self.rank}: {exc}"

@@ -27,7 +27,7 @@ struct CombineParams {
 __global__ void __launch_bounds__(kThreads)
     mf_logprob_stats_kernel(const char *logits, int dtype, uint64_t row_bytes, uint32_t width,
                             const uint32_t *ids, uint32_t id_stride, float *logprobs,
-                            mf_partial_record *records, mf_partial_header header, bool stats) {
+                            mf_partial_record *records, mf_partial_header header, bool stats, bool top) {
     __shared__ float fslots[kThreads / 32];
     __shared__ double dslots[kThreads / 32];
     const uint32_t r = blockIdx.x;
@@ -50,7 +50,12 @@ __global__ void __launch_bounds__(kThreads)
         logprobs[r] = mf_logprob_finish(id, bits, m, s);
         return;
     }
-    records[r] = mf_partial_record{id == MF_NO_TOKEN ? MF_NO_TOKEN : header.start + id, bits, m, (float)s};
+    if (top) {  // a select's TOP record: the candidate; the stage wrote the free words (select_rule.h)
+        records[r].id = id == MF_NO_TOKEN ? MF_NO_TOKEN : header.start + id;
+        records[r].logit_bits = bits;
+    } else {
+        records[r] = mf_partial_record{id == MF_NO_TOKEN ? MF_NO_TOKEN : header.start + id, bits, m, (float)s};
+    }
     if (r == 0) reinterpret_cast<mf_partial_header *>(records)[-1] = header;  // the two records before row 0
 }
 
@@ -110,7 +115,7 @@ cudaError_t launch_logprob_stats(const mf_argmax_args &a, cudaStream_t stream) {
     const uint64_t esize = a.dtype == MF_DTYPE_F32 ? 4u : 2u;
     const bool partial = a.flags & MF_ARGS_PARTIAL;
     const IdSink sink = id_sink(a);
-    // A select's TOP records carry the candidate alone, whatever the header says (select_rule.h).
+    // A select's TOP records: the candidate, no stats; the stage wrote their free words (select_rule.h).
     const bool top = (a.flags & MF_ARGS_SELECT) && a.select_stage == MF_SELECT_TOP;
     const bool stats = (!partial || (a.flags & MF_ARGS_PARTIAL_LOGPROBS)) && !top;
     mf_partial_header h{};
@@ -121,7 +126,7 @@ cudaError_t launch_logprob_stats(const mf_argmax_args &a, cudaStream_t stream) {
     }
     MF_LAUNCH(a.rows, stats ? kThreads : 32, 0, stream, mf_logprob_stats_kernel)(
         static_cast<const char *>(a.logits), (int)a.dtype, a.row_stride * esize, a.vocab, sink.ids,
-        sink.stride, a.logprobs, records, h, stats);
+        sink.stride, a.logprobs, records, h, stats, top);
     return cudaGetLastError();
 }
 

@@ -136,9 +136,14 @@ __global__ void __launch_bounds__(kThreads)
     const Row row{s.logits + r * s.row_bytes, s.dtype, s.vocab,
                   mf_row_rule{m[0] - s.start, m[1] - s.start, s.bitmask ? s.bitmask + (uint64_t)r * s.bit_words : nullptr},
                   s.start};
-    const mf_sample_plan p = mf_plan_sampling(s.device_params ? &s.device_params[r] : &in.params[r]);
+    const mf_sampling_params *params = s.device_params ? &s.device_params[r] : &in.params[r];
+    const mf_sample_plan p = mf_plan_sampling(params);
     const bool sampled = s.vocab && !p.greedy;  // uniform across the block, as every branch below
     if (s.header && r == 0 && threadIdx.x == 0) *s.header = s.h;
+    if (s.stage == MF_SELECT_TOP && threadIdx.x == 0) {  // the record's free words (select_rule.h)
+        s.ids[4 * (uint64_t)r + 2] = 0u;
+        s.ids[4 * (uint64_t)r + 3] = mf_params_digest(params);
+    }
     if (s.stage == MF_SELECT_CANDS) {
         const bool listed = sampled && (s.select[r].flags & MF_SELECT_ROW_CANDS);
         const uint32_t k = !listed ? 0u : p.top_k < s.cands_cap ? p.top_k : s.cands_cap;
@@ -214,9 +219,9 @@ __global__ void mf_select_decide_kernel(const char *gathered, uint64_t block_byt
         // row sees it, and none then checks the rounds); else any unserved row may set it.
         if (r == 0 && f) *fault = f;
         const auto *rec = reinterpret_cast<const mf_partial_record *>(gathered) + MF_PARTIAL_HEADER_RECORDS + r;
-        if (mf_decide_top_row(rec, world, (uint32_t)(block_bytes / MF_PARTIAL_RECORD_BYTES), f, &params[r], next,
-                              rounds, &select[r], &plan[r]))
-            atomicCAS(fault, 0u, MF_FAULT_ROUNDS | (r << 8));
+        const uint32_t row_fault = mf_decide_top_row(rec, world, (uint32_t)(block_bytes / MF_PARTIAL_RECORD_BYTES), f,
+                                                     &params[r], next, rounds, &select[r], &plan[r]);
+        if (row_fault) atomicCAS(fault, 0u, row_fault | (r << 8));
         return;
     }
     if (*fault) return;  // refused at the TOP decision: nothing changes any more
