@@ -53,27 +53,33 @@ def test_the_protocol_draws_the_unsharded_ids(backend, dev, dtype, name):
         assert np.array_equal(got, want), (name, trial, got, want)
 
 
-def test_slices_that_disagree_are_refused_by_every_slice(host, dev):
-    """A slice whose params differ (so its call word differs): every slice's first decision sees
-    the header's call and refuses (its fault word); the combine's rows are NO_TOKEN."""
+def split_with_a_later_call(dev, logits, offsets, params, **kw):
+    """split_filtered with the TOP header of every slice after the first carrying the next call's
+    word (as a rank one call ahead would)."""
     from helpers import calls
 
-    rng = np.random.default_rng(2)
-    rows, vocab = 4, 1000
-    logits = logits_for(rng, rows, vocab, "float32")
-    params = mf.sampling_params(rows, temperature=1.0, top_k=1500, top_p=0.9)
     real = calls.split_filtered.__globals__["_core"]._select_partial
 
-    def tampered(logits, params, partials, select, stage, *a, **kw):  # slice 1's TOP header's call
+    def tampered(logits, params, partials, select, stage, *a, **kw):
         if stage == "top" and kw["start"] > 0:
             kw = dict(kw, call=kw["call"] + 1)
         return real(logits, params, partials, select, stage, *a, **kw)
 
     calls.split_filtered.__globals__["_core"]._select_partial = tampered
     try:
-        got, fault, words = split_filtered(dev, logits, [0, 500, vocab], params)
+        return split_filtered(dev, logits, offsets, params, **kw)
     finally:
         calls.split_filtered.__globals__["_core"]._select_partial = real
+
+
+def test_slices_that_disagree_are_refused_by_every_slice(host, dev):
+    """A slice whose params differ (so its call word differs): every slice's first decision sees
+    the header's call and refuses (its fault word); the combine's rows are NO_TOKEN."""
+    rng = np.random.default_rng(2)
+    rows, vocab = 4, 1000
+    logits = logits_for(rng, rows, vocab, "float32")
+    params = mf.sampling_params(rows, temperature=1.0, top_k=1500, top_p=0.9)
+    got, fault, words = split_with_a_later_call(dev, logits, [0, 500, vocab], params)
     assert words[0] == words[1] and words[0] & 0xFF == 3 and words[0] >> 8 == 1, words  # the call, slice 1
     assert (got == mf.NO_TOKEN).all(), got
 
@@ -83,8 +89,6 @@ def test_fixed_rounds_carry_the_first_decisions_refusal_to_the_combine(backend, 
     decision, and the later stages still write blocks whose headers agree, so only the combine's
     ``refused`` word keeps their race winners out: every row NO_TOKEN, the decision's fault raised.
     With slices that agree, the same protocol draws the unsharded ids."""
-    from helpers import calls
-
     rng = np.random.default_rng(5)
     rows, vocab = 4, 1000
     logits = logits_for(rng, rows, vocab, "float32")
@@ -94,18 +98,7 @@ def test_fixed_rounds_carry_the_first_decisions_refusal_to_the_combine(backend, 
     got, fault, words = split_filtered(dev, logits, [0, 400, vocab], params, skip=False)
     _core._check_partials_fault(fault)
     assert np.array_equal(got, want), (got, want)
-    real = calls.split_filtered.__globals__["_core"]._select_partial
-
-    def tampered(logits, params, partials, select, stage, *a, **kw):  # slice 1's TOP header's call
-        if stage == "top" and kw["start"] > 0:
-            kw = dict(kw, call=kw["call"] + 1)
-        return real(logits, params, partials, select, stage, *a, **kw)
-
-    calls.split_filtered.__globals__["_core"]._select_partial = tampered
-    try:
-        got, fault, words = split_filtered(dev, logits, [0, 400, vocab], params, skip=False)
-    finally:
-        calls.split_filtered.__globals__["_core"]._select_partial = real
+    got, fault, words = split_with_a_later_call(dev, logits, [0, 400, vocab], params, skip=False)
     assert (got == mf.NO_TOKEN).all(), got
     with pytest.raises(mf.FeedError, match="another call"):
         _core._check_partials_fault(fault)

@@ -60,11 +60,18 @@ def scenario_fixed(h):
             bitmask[15] = 0
             mp = mf.sampling_params(rows, temperature=1.0, min_p=0.3, seed=np.arange(rows))
             plain = mf.sampling_params(rows, temperature=0.7, seed=np.arange(rows))  # no filter at all
+            # Host params are read as device ones are: a value out of range is its neutral
+            # setting (NaN temperature: greedy; top_p 0: off), never a refusal on one rank.
+            odd = params.copy()
+            odd["temperature"][3], odd["top_p"][4] = np.nan, 0.0
             spent = set()
-            for trial, p in enumerate((params, mp, plain, params)):
+            # (A world of one is the unsharded call, which refuses them.)
+            trials = (params, mp, plain, odd, params) if _through(shard) else (params, mp, plain, params)
+            for trial, p in enumerate(trials):
                 p = p.copy()
                 p["seed"] = rng.integers(0, 2**63, rows)
-                want, _ = h.whole(logits, masks, bitmask, p)
+                with h.upload(p) as dparams:
+                    want, _ = h.whole(logits, masks, bitmask, dparams)
                 before = dict(shard.stats)
                 ids, lp, *_ = h.sharded(shard, logits, masks, bitmask, p, pad=3 if trial else 0)
                 assert np.array_equal(ids, want), (dtype, name, trial, ids, want)
@@ -129,17 +136,21 @@ def scenario_fixed_mismatch(h):
     h.expect_refused(lambda: h.sharded(shard, logits), "the shard took a call after a fault")
     shard.close()
     # A rank whose params ask for more than the rounds serve, the others' not (host params, then
-    # device ones, whose differences only the first records' digests show): no rank refuses
-    # alone, so the collectives still match, and every rank gets the fault.
-    for device in (False, True):
+    # device ones), or whose host params hold a value out of range (which would be a ValueError
+    # unsharded): no rank refuses alone, so the collectives still match; the first records'
+    # digests show the difference, and every rank gets the fault.
+    for case in ("host", "device", "out of range"):
         shard = mf.VocabShard(None, vocab, max_rows=8, filters=rounds)
         params = mf.sampling_params(5, temperature=5.0 if h.RANK == 0 else 1.0,
                                     top_k=1 if h.RANK == 0 else 9, seed=np.arange(5))
+        if case == "out of range":
+            params = mf.sampling_params(5, temperature=1.0, top_k=2, seed=np.arange(5))
+            if h.RANK == h.WORLD - 1:
+                params["top_p"][2] = 0.0
         before = dict(shard.stats)
-        held = h.upload(params) if device else None
-        ids, lp, done, *_ = h.sharded(shard, logits, params=held if device else params, wait=False)
-        h.expect_fault(done, "with other params" if device else "refused",
-                       f"params that differ between ranks gave no error ({device}): {ids}")
+        held = h.upload(params) if case == "device" else None
+        ids, lp, done, *_ = h.sharded(shard, logits, params=held if held is not None else params, wait=False)
+        h.expect_fault(done, "with other params", f"params that differ between ranks gave no error ({case}): {ids}")
         assert (ids == mf.NO_TOKEN).all(), ids
         assert _delta(shard, before)[0] == rounds.collectives, (shard.stats, before)
         h.expect_refused(lambda: h.sharded(shard, logits), "the shard took a call after a fault")

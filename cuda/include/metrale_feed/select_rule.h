@@ -44,14 +44,7 @@ MF_HD uint32_t mf_params_digest(const mf_sampling_params *p) {
     const uint32_t w[7] = {mf_to_bits(p->temperature), mf_to_bits(p->top_p), mf_to_bits(p->min_p), p->top_k,
                            (uint32_t)p->seed, (uint32_t)(p->seed >> 32), p->position};
     uint32_t h = 0x9E3779B9u;
-    for (int i = 0; i < 7; ++i) { /* a multiply-xorshift per word (murmur3's finaliser) */
-        h ^= w[i];
-        h ^= h >> 16;
-        h *= 0x85EBCA6Bu;
-        h ^= h >> 13;
-        h *= 0xC2B2AE35u;
-        h ^= h >> 16;
-    }
+    for (int i = 0; i < 7; ++i) h = mf_fmix32(h ^ w[i]); /* argmax_rule.h's mixer, a word at a time */
     return h;
 }
 

@@ -24,11 +24,13 @@ gathered blocks and the params in device memory and writing the stages' state. N
 between the rounds; this module only sizes the buffers and queues the stages, exchanges and
 decisions.
 
-Every exchange has a size fixed by the shard (``max_rows``), and the number of rounds follows
-from the params, which every rank must share: the first exchange carries a digest of them in its
-call word, so ranks that disagree all see it there (the first decision's header check), and all
-skip the rest of the call (its rows get ``NO_TOKEN`` and its event a ``FeedError``) instead of
-issuing mismatched collectives.
+Without fixed rounds, every exchange has a size fixed by the shard (``max_rows``) and the number
+of rounds follows from the params, which every rank must share: the first exchange carries a
+digest of them in its call word, so ranks that disagree all see it there (the first decision's
+header check), and all skip the rest of the call (its rows get ``NO_TOKEN`` and its event a
+``FeedError``) instead of issuing mismatched collectives (host backend). With fixed rounds
+(``FilterRounds``, rounds.py) every exchange runs, each sized by the shard, and the first
+decision's fault (each TOP record carries its row's params digest) reaches the combine instead.
 """
 
 from __future__ import annotations
@@ -127,9 +129,10 @@ class FilteredCall:
         self.start(params, rows, call, device)
 
     def start(self, params: Any, rows: int, call: int, device: bool = False) -> None:
-        """Take the next call: its params (copied into ``params_dev`` in stream order, so kept
-        until the call completes: host records, or device memory), rows and call word."""
-        self.params = params if device else np.ascontiguousarray(params[:rows])
+        """Take the next call: its params (copied into ``params_dev`` in stream order: device
+        memory, kept until the call completes, or host records, copied here first so that the
+        caller may refill its array at once), rows and call word."""
+        self.params = params if device else np.array(params[:rows], copy=True)
         self.device = device
         self.rows, self.call = rows, call
         self._why: str | None = None  # a fault seen here (a failed exchange, a refused decision)
@@ -177,11 +180,16 @@ class FilteredCall:
         # Fixed rounds run every exchange whatever the decisions found (their fault reaches the
         # combine on the device); the rounds of one call's params may skip the rest (host backend).
         skip = None if self.fixed else self
-        if self.device:  # read by every stage, decision and the combine, when they run
+        # Fixed rounds: every stage, decision and the combine read the call's copy when they run,
+        # host params as device ones (no check on one rank alone may refuse them). Else the
+        # stages take the host records, and the decisions read the copy.
+        if self.device:
             _core.copy_d2d_async(self.params_dev, self.params, self.rows * SAMPLING_PARAMS_DTYPE.itemsize, stream)
+        elif self.fixed:
+            _core.copy_h2d_async(self.params_dev, self.params, stream)
         launch("top", self.top)
-        if not self.device:
-            _core.copy_h2d_async(self.params_dev, self.params, stream)  # read by the decisions
+        if not self.device and not self.fixed:
+            _core.copy_h2d_async(self.params_dev, self.params, stream)
         shard._exchange(stream, self.top, self.gathered, skip)
         _core._select_decide(*self.world_args(self.gathered, self.block), stream, step="top",
                              vocab=shard.vocab, call=self.call,

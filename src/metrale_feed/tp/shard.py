@@ -608,7 +608,8 @@ class VocabShard:
         if capturing and not device_params:
             raise ValueError("a captured sharded sample_to_feed takes device params (a replay would "
                              "reuse the capture's seeds and positions)")
-        call = select_rounds.call_word(self._calls + 1, None if device_params else params[:n])
+        # Fixed rounds: the params' place and values are in each row's digest instead (TOP records).
+        call = select_rounds.call_word(self._calls + 1, None if device_params or fixed else params[:n])
         ring = self._rings.get(_FILTERED) if fixed is not None else None
         if ring:  # a completed call's (done, rounds): the ring holds fixed rounds only
             done, rounds = ring.pop()
@@ -616,8 +617,9 @@ class VocabShard:
         else:
             rounds = select_rounds.FilteredCall(self, params, n, call, fixed, device_params)
             done = _core.Event()
-        # What the stages and the combine read: the host records (checked now), or the call's copy.
-        read = rounds.params_dev if device_params else params
+        # What the stages and the combine read: the call's copy with fixed rounds (read as device
+        # params are: no value refused on this rank alone), else the host records (checked now).
+        read = rounds.params_dev if fixed is not None else params
         kw = dict(start=self.start, stop=self.stop, vocab=self.vocab, dtype=dtype, call=call,
                   rows=n, row_stride=row_stride, bitmask=bitmask, masks=masks)
         queued = False
@@ -650,11 +652,14 @@ class VocabShard:
                                     refused=rounds.decided)
         except BaseException as exc:
             if not queued:  # refused before any collective was queued
-                if not device_params:
+                if fixed is None:
                     self._recycle((done, rounds))  # nothing queued: still free
                 elif not capturing:  # the params' copy was queued: free once it has run
-                    _core.event_record(done, stream)
                     self._pending.append((done, rounds))
+                    try:
+                        _core.event_record(done, stream)
+                    except Exception:  # noqa: S110 (the refusal above is the error to raise)
+                        pass
                 # (in a capture the graph keeps the copy's buffers: they leave the ring for good)
                 raise
             # Some exchanges are queued and the peers go on: this rank cannot follow them.
