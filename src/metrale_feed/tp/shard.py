@@ -594,9 +594,10 @@ class VocabShard:
                        logprobs: Any, logprobs_dst: Any, handle: int, capturing: bool,
                        device_params: bool) -> int:
         """A sampled call with top_k, top_p or min_p (or any sampled call, with fixed rounds):
-        the rounds of select_rounds, then the ordinary combine of the race winners. Device params
-        (fixed rounds only) are copied into the call's own buffer in stream order, which every
-        stage, decision and the combine read when they run: so the call is capturable."""
+        the rounds of select_rounds, then the ordinary combine of the race winners. With fixed
+        rounds the params, host or device ones, are copied into the call's own buffer in stream
+        order, which every stage, decision and the combine read when they run (so a call with
+        device params is capturable)."""
         from . import select_rounds
 
         fixed = self.filters
@@ -660,7 +661,8 @@ class VocabShard:
                         _core.event_record(done, stream)
                     except Exception:  # noqa: S110 (the refusal above is the error to raise)
                         pass
-                # (in a capture the graph keeps the copy's buffers: they leave the ring for good)
+                else:  # the graph keeps the copy's buffers: they leave the ring for good
+                    done.close()
                 raise
             # Some exchanges are queued and the peers go on: this rank cannot follow them.
             self._fault = f"a sharded sampling call failed on rank {self.rank}: {exc}"
