@@ -834,6 +834,33 @@ def scenario_graph():
     stream.close()
 
 
+def capture_and_replay(shard, stream, done, step, fill, check, drawn, replays, per_replay):
+    """A sharded sample with device params, once eagerly (an NCCL communicator exists before the
+    capture), then captured (which issues no collective) and replayed ``replays`` times on new
+    logits and params (``fill(seed)``, staged where ``step`` reads them), each replay checked
+    (``check``) and making ``per_replay`` collectives. Returns the graph and how many replays drew
+    other ids than the capture's params would have (``drawn(logits, params)``: the unsharded ids),
+    which a replay that kept them would not."""
+    logits, params = fill(1)
+    step()
+    done.synchronize()
+    check(logits, params)
+    capture_params = params
+    before = dict(shard.stats)
+    with mf.graph_capture(stream) as graph:
+        step()
+    assert shard.stats == before, (shard.stats, before)
+    stale = 0
+    for k in range(replays):
+        logits, params = fill(100 + k)
+        graph.launch(stream)
+        done.synchronize()
+        got = check(logits, params)
+        stale += not np.array_equal(got, drawn(logits, capture_params))
+        assert shard.stats["collectives"] == before["collectives"] + (k + 1) * per_replay, shard.stats
+    return graph, stale
+
+
 def scenario_graph_sample():
     """Every rank captures a sharded temperature-only sample_to_feed whose params are device memory,
     then replays it with new logits and new params (seed, position, temperature) written into the
@@ -889,24 +916,8 @@ def scenario_graph_sample():
         assert_close(np.frombuffer(lp, np.float32).copy(), reference_logprobs(logits, got))
         return got
 
-    logits, params = fill(1)
-    step()  # once eagerly
-    done.synchronize()
-    check(logits, params)
-    capture_params = params
-    before = dict(shard.stats)
-    with mf.graph_capture(stream) as graph:
-        step()
-    assert shard.stats == before, (shard.stats, before)  # a capture issues no collective
-    stale = 0
-    for k in range(4):
-        logits, params = fill(100 + k)
-        graph.launch(stream)
-        done.synchronize()
-        got = check(logits, params)
-        # What a replay that kept the capture's params would have drawn: the test can tell.
-        stale += not np.array_equal(got, unsharded(logits, capture_params)[0])
-        assert shard.stats["collectives"] == before["collectives"] + (k + 1), shard.stats
+    graph, stale = capture_and_replay(shard, stream, done, step, fill, check,
+                                      lambda logits, params: unsharded(logits, params)[0], 4, 1)
     assert stale >= 3, stale
     # Eager calls with device params and with host params interleave with replays: the same draws.
     logits, params = fill(200)

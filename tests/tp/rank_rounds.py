@@ -218,26 +218,11 @@ def scenario_fixed_graph(h):
         assert_close(np.frombuffer(lp, np.float32).copy(), reference_logprobs(logits, got))
         return got
 
-    logits, params = fill(1)
-    step()  # once eagerly (an NCCL communicator exists before the capture)
-    done.synchronize()
-    check(logits, params)
-    capture_params = params
-    before = dict(shard.stats)
-    with mf.graph_capture(stream) as graph:
-        step()
-    assert shard.stats == before, (shard.stats, before)  # a capture issues no collective
-    stale = 0
-    for k in range(3):
-        logits, params = fill(100 + k)
-        graph.launch(stream)
-        done.synchronize()
-        got = check(logits, params)
-        stale += not np.array_equal(got, unsharded(logits, capture_params))
-        if _through(shard):
-            assert shard.stats["collectives"] == before["collectives"] + (k + 1) * rounds.collectives, shard.stats
+    graph, stale = h.capture_and_replay(shard, stream, done, step, fill, check, unsharded, 3,
+                                        rounds.collectives if _through(shard) else 0)
     assert stale >= 2, stale
     # Host params in a capture: refused before anything is queued (a replay would reuse them).
+    _, params = fill(200)
     with mf.graph_capture(stream) as refused:
         try:
             launch(params)

@@ -180,16 +180,14 @@ class FilteredCall:
         # Fixed rounds run every exchange whatever the decisions found (their fault reaches the
         # combine on the device); the rounds of one call's params may skip the rest (host backend).
         skip = None if self.fixed else self
-        # Fixed rounds: every stage, decision and the combine read the call's copy when they run,
-        # host params as device ones (no check on one rank alone may refuse them). Else the
-        # stages take the host records, and the decisions read the copy.
+        # The call's copy of the params: the decisions read it, and with fixed rounds the stages
+        # and the combine too, host params as device ones (no check on one rank alone may refuse
+        # them); without, the stages take the host records.
         if self.device:
             _core.copy_d2d_async(self.params_dev, self.params, self.rows * SAMPLING_PARAMS_DTYPE.itemsize, stream)
-        elif self.fixed:
+        else:
             _core.copy_h2d_async(self.params_dev, self.params, stream)
         launch("top", self.top)
-        if not self.device and not self.fixed:
-            _core.copy_h2d_async(self.params_dev, self.params, stream)
         shard._exchange(stream, self.top, self.gathered, skip)
         _core._select_decide(*self.world_args(self.gathered, self.block), stream, step="top",
                              vocab=shard.vocab, call=self.call,

@@ -94,7 +94,7 @@ class VocabShard:
         per-call argument can make two ranks' messages differ.
     filters : FilterRounds, optional
         The filters that sampling calls apply, in exchanges of one shape whatever the params
-        (``metrale_feed.tp.select_rounds.FilterRounds``; required for ``top_k``, ``top_p`` and
+        (``metrale_feed.FilterRounds``; required for ``top_k``, ``top_p`` and
         ``min_p`` on the cuda backend, whose NCCL collectives are queued with the call). None:
         each call's rounds follow its params (host backend).
 
@@ -303,10 +303,9 @@ class VocabShard:
         device_params = params is not None and _device_params(params)
         host_filters = params is not None and not device_params and _check_host_params(params)
         # With fixed rounds every sampled call takes them, filters on or not, host or device
-        # params: so no rank's params can change the collectives (NCCL issues them as the call is
-        # queued). Without them, host params with a filter do.
-        # A row the fixed rounds do not serve is found on the device, by every rank alike (a
-        # refusal here would make one rank's collectives depend on its own params).
+        # params, and nothing about the params is refused here: so no rank's params can change
+        # the collectives (NCCL issues them as the call is queued); the device finds a row they
+        # do not serve, on every rank alike. Without them, host params with a filter do.
         filtered = params is not None and (self.filters is not None or host_filters)
         if self.world == 1 and not self._force_exchange:  # the unsharded call
             kw = dict(rows=rows, vocab=self.vocab, dtype=dtype, row_stride=row_stride,
@@ -652,10 +651,10 @@ class VocabShard:
                                     slice_stride=self._block // _RECORD_BYTES, filtered=True,
                                     refused=rounds.decided)
         except BaseException as exc:
-            if not queued:  # refused before any collective was queued
-                if fixed is None:
-                    self._recycle((done, rounds))  # nothing queued: still free
-                elif not capturing:  # the params' copy was queued: free once it has run
+            if not queued:  # refused before any collective, after the params' copy was queued
+                if fixed is None:  # closed (a buffer that queued work reads is freed once it has run)
+                    self._recycle((done, rounds))
+                elif not capturing:  # back to the ring once the copy has run
                     self._pending.append((done, rounds))
                     try:
                         _core.event_record(done, stream)
