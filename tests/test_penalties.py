@@ -143,6 +143,51 @@ def test_a_shard_applies_its_own_slice(backend, dev, world):
             same(got, want[:, lo:hi])
 
 
+@pytest.mark.parametrize("lo, hi", [(0, 900), (200, 900), (200, 700)])
+def test_both_host_paths_give_the_oracle_bits(path, dev, lo, hi):
+    """The host applies float32 stages 1 and 3 eight ids at a time where the CPU can: that path
+    and the portable one against the oracle, bit for bit, on what a lane could get wrong, placed
+    on penalised ids (biased ones, table ones, both) in the slice: NaN payloads, infinities, signed
+    zeros, subnormals, results past the largest float32 (saturated), counts with and without the
+    prompt's bit; and ids outside a shard's slice [lo, hi), below and above it, more biases and
+    entries than a multiple of eight."""
+    rng = np.random.default_rng(12)
+    rows, vocab = 3, 900
+    logits = (rng.normal(size=(rows, vocab)) * 4).astype(np.float32)
+    big = np.finfo(np.float32).max
+    awkward = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45, 1e-39, -1e-39,
+                        big, -big, 1e38, -1e38, 3e38, -3e38], np.float32)
+    reqs = []
+    for r in range(rows):
+        ids = lo + rng.permutation(hi - lo)  # every id named below is in the slice
+        outside = [i for i in range(vocab) if not lo <= i < hi]
+        prompt, generated = ids[:60], np.repeat(ids[40:120], rng.integers(1, 4, 80))
+        biased = ids[100:141]  # 20 of them in the table too
+        for chosen in (prompt[:16], generated[-16:], biased[:16], biased[-16:]):
+            logits[r, chosen] = awkward
+        logits.view(np.uint32)[r, biased[16:18]] = [0x7FC12345, 0x7F800001]  # payloads, biased
+        logits.view(np.uint32)[r, prompt[20:22]] = [0xFFC0BEEF, 0x7F800001]  # and in the table
+        bias = {int(t): float(b) for t, b in zip(biased, rng.normal(size=41) * [1e38, 5, 2][r])}
+        bias.update({int(biased[10]): 3e38, int(biased[11]): -3e38})  # on 1e38 and -1e38: saturate
+        if outside:  # ids of the other slices, in both lists
+            bias.update({int(t): 1.0 for t in rng.choice(outside, 9, replace=False)})
+            prompt = np.concatenate([prompt, rng.choice(outside, 11, replace=False)])
+        reqs.append(dict(prompt=prompt.tolist(), generated=generated.tolist(),
+                         repetition_penalty=[0.5, 1.7, 1e-30][r], presence_penalty=[-0.5, 1.25, 2.0][r],
+                         frequency_penalty=[0.75, -2.0, 1e-3][r], logit_bias=bias,
+                         min_tokens=[0, 10**6, 0][r], stop_ids=ids[200:203].tolist()))
+    with np.errstate(invalid="ignore"):  # the oracle's arithmetic on the NaNs
+        want = np.stack([penalize(logits[r], **reqs[r]) for r in range(rows)])
+    assert (np.abs(want[np.isfinite(logits)]) == big).sum() > 3  # some results saturated
+    with PenaltyState(rows, capacity=512) as state:
+        for r in range(rows):
+            state.set(r, **reqs[r])
+        got = run_apply(dev, state, logits[:, lo:hi], [0, 1, 2], "float32", start=lo)
+    nan = np.isnan(logits[:, lo:hi])
+    assert got.view(np.uint32)[nan].tolist() == logits[:, lo:hi].view(np.uint32)[nan].tolist()
+    same(got, want[:, lo:hi])
+
+
 def test_update_counts_what_a_rebuild_writes(backend, dev):
     rng = np.random.default_rng(9)
     vocab, steps = 50, 40

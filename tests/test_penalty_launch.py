@@ -95,11 +95,17 @@ def test_prepared_refusals_queue_nothing(host, dev):
     logits.close(), ids.close()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["argmax", "sample"])
-def test_a_pick_with_penalties_queues_what_the_three_calls_queue(backend, dev, sampled):
+def test_a_pick_with_penalties_queues_what_the_three_calls_queue(backend, dev, sampled, dtype):
     """argmax_to_feed/sample_to_feed(penalties=launch) against launch.apply, the same pick, and
     launch.update with its cells: the same logits, ids and counts, step after step (each step's
-    counts change the next step's logits)."""
+    counts change the next step's logits). The host runs the one call as one piece of work (each
+    row's apply just before its pick, the counts after), its float32 apply eight ids at a time."""
+    import ml_dtypes
+
+    store = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    bits = np.uint32 if dtype == "float32" else np.uint16
     rng = np.random.default_rng(7)
     rows, vocab, stride = 5, 200, 203
     slots = [3, NO, 0, 4, 1]
@@ -112,11 +118,11 @@ def test_a_pick_with_penalties_queues_what_the_three_calls_queue(backend, dev, s
                 req = request(rng, vocab)
                 a.set(slot, **req)
                 b.set(slot, **req)
-        separate = a.prepare(slots, vocab=vocab, dtype="float32", row_stride=stride)
+        separate = a.prepare(slots, vocab=vocab, dtype=dtype, row_stride=stride)
         fused = b.prepare(slots)  # the pick gives the layout
-        kw = dict(vocab=vocab, dtype="float32", row_stride=stride)
+        kw = dict(vocab=vocab, dtype=dtype, row_stride=stride)
         for step in range(4):
-            logits = (rng.normal(size=(rows, stride)) * 4).astype(np.float32)
+            logits = (rng.normal(size=(rows, stride)) * 4).astype(store)
             la, lb = dev.upload(logits), dev.upload(logits)
             if sampled:
                 params["position"] = step
@@ -133,9 +139,9 @@ def test_a_pick_with_penalties_queues_what_the_three_calls_queue(backend, dev, s
             done.synchronize()  # the event follows the update: the counts are final
             mf.stream_synchronize(0)
             assert bytes(dst_b) == bytes(dst_a)
-            want = dev.download(la, np.float32)
-            same_bits(dev.download(lb, np.float32), want)
-            assert not np.array_equal(want, logits.reshape(-1))  # the penalties did something
+            want = dev.download(la, bits)
+            same_bits(dev.download(lb, bits), want)
+            assert not np.array_equal(want, logits.view(bits).reshape(-1))  # the penalties did something
             for slot in slots:
                 if slot != NO:
                     assert b.read(slot) == a.read(slot)

@@ -498,9 +498,13 @@ mf_status mf_argmax_to_feed(const mf_argmax_args *caller, mf_stream_t stream) {
             args = &local;
         }
         Staged staged(raw, penalised || args->host_dst || args->logprobs_dst || event);
-        status = penalised ? ops().penalties(&pen_apply, false, raw) : MF_SUCCESS;
-        if (status == MF_SUCCESS) status = ops().argmax(args, raw);
-        if (status == MF_SUCCESS && penalised) status = ops().penalties(&pen_update, true, raw);
+        if (penalised && ops().argmax_penalised) {
+            status = ops().argmax_penalised(args, &pen_apply, raw);
+        } else {
+            status = penalised ? ops().penalties(&pen_apply, false, raw) : MF_SUCCESS;
+            if (status == MF_SUCCESS) status = ops().argmax(args, raw);
+            if (status == MF_SUCCESS && penalised) status = ops().penalties(&pen_update, true, raw);
+        }
         if (status == MF_SUCCESS && args->host_dst)
             status = ops().copy_async(args->host_dst, args->cells, (size_t)args->rows * 4, kD2H, raw);
         if (status == MF_SUCCESS && args->logprobs_dst)

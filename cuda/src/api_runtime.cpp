@@ -45,7 +45,7 @@ constexpr auto kForked = [](auto...) { return forked(); };
 // Designated initialisers leave a field that is not named null, so a new Ops entry missing here
 // would crash a forked child instead of failing. The host and cuda tables name theirs too, but
 // this one is easy to forget: adding a field to Ops must come here and change this count.
-static_assert(sizeof(Ops) == 44 * sizeof(void *),
+static_assert(sizeof(Ops) == 45 * sizeof(void *),
               "Ops changed: give forked_cuda_ops the new entry (kForked), then update this count");
 const Ops forked_cuda_ops = {
     .name = "cuda (forked)",
@@ -81,6 +81,7 @@ const Ops forked_cuda_ops = {
     .verify = kForked,
     .resolve_verified = kForked,
     .penalties = kForked,
+    .argmax_penalised = nullptr,  // the pick's pieces one by one: the first fails
     .top_logprobs = kForked,
     .top_combine = kForked,
     .select_decide = kForked,

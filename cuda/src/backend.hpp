@@ -71,6 +71,12 @@ struct Ops {
     // Penalties (penalty_rule.h): apply to the logits in place, or (update) count the step's ids.
     // Host slots are consumed before return.
     mf_status (*penalties)(const mf_penalty_args *args, bool update, void *stream);
+    // A pick with its step's penalties as one piece of work: args->penalties checked into `apply`
+    // (the update is the same descriptor counting args->cells). nullptr: api_kernels.cpp queues
+    // the two penalty ops around the pick instead. The host backend applies each row's penalties
+    // just before its pick, so one thread's apply (latency-bound) overlaps another's pick
+    // (bandwidth-bound) instead of all of them waiting on the same resource at once.
+    mf_status (*argmax_penalised)(const mf_argmax_args *args, const mf_penalty_args *apply, void *stream);
 
     // The top logprobs of each row (top_logprob_rule.h), read-only on the logits.
     mf_status (*top_logprobs)(const mf_top_logprobs_args *args, void *stream);

@@ -503,6 +503,9 @@ MF_EXPORT mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, ui
  * - table: table_cap mf_penalty_entry per slot (slot s at s * table_cap), one per distinct id the
  *   request has seen: its generated count and MF_PENALTY_PROMPT when the prompt holds it;
  * - items: item_cap mf_penalty_item per slot: `biases` logit biases, then `stops` stop ids.
+ * The ids of a slot's table are distinct, and so are those of its biases and of its stops (the
+ * caller's contract, as PenaltyState writes them: the kernels change the ids of a stage at once, so
+ * an id twice in one list is applied once or twice as the lanes fall).
  * mf_penalties_apply changes the logits of this call's slice [start, start + vocab) only (a rank
  * of a split vocabulary applies its own columns; ids outside are skipped). Float32 arithmetic, one
  * IEEE operation at a time; float16/bfloat16 logits are rounded back to their dtype after each of

@@ -598,6 +598,7 @@ const Ops cuda_ops = {
     .verify = verify,
     .resolve_verified = resolve_verified,
     .penalties = penalties,
+    .argmax_penalised = nullptr,  // the kernels' order: apply, pick, update
     .top_logprobs = top_logprobs,
     .top_combine = top_combine,
     .select_decide = select_decide,

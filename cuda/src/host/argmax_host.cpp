@@ -261,6 +261,8 @@ uint32_t argmax_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_ro
     return g_row_fn.load(std::memory_order_relaxed)(row, dtype, vocab, rule);
 }
 
+bool vector_paths() { return g_row_fn.load(std::memory_order_relaxed) != argmax_row_portable; }
+
 const char *argmax_isa() {
     return g_row_fn.load(std::memory_order_relaxed) == argmax_row_portable ? "portable" : "avx2";
 }
@@ -309,10 +311,13 @@ void run_argmax(const ArgmaxJob &job) {
         std::memcpy(a.partials, &h, sizeof h);
         records = (mf_partial_record *)a.partials + MF_PARTIAL_HEADER_RECORDS;
     }
+    const mf_penalty_args *pen = job.penalties ? &job.penalties->args : nullptr;  // NULL: none
+    const uint32_t *pen_slots = job.penalties ? job.penalties->slot_words() : nullptr;
     parallel_rows(a.rows, [&](uint32_t begin, uint32_t end) {
         IeeeFpGuard ieee;  // on each pool thread: the sampler's arithmetic needs subnormals
         std::vector<uint32_t> local_bits;
         for (uint32_t r = begin; r < end; ++r) {
+            if (pen && pen_slots[r] < pen->slot_count) apply_penalties_row(*pen, r, pen_slots[r]);
             const uint32_t *row_bits = a.bitmask ? a.bitmask + r * words : nullptr;
             const mf_row_rule rule = slice_rule(masks[2 * r], masks[2 * r + 1], row_bits, (uint32_t)words,
                                                 start, a.vocab, local_bits);
@@ -369,6 +374,11 @@ void run_argmax(const ArgmaxJob &job) {
                                            st.m, (float)st.s};
         }
     });
+    if (pen) {  // the update, with this pick's ids
+        mf_penalty_args update = *pen;
+        update.ids = a.cells;
+        count_penalties(update, pen_slots);
+    }
 }
 
 void run_resolve(const uint32_t *sources, uint32_t n, const uint32_t *cells, uint32_t prev_rows,

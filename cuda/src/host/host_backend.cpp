@@ -356,6 +356,12 @@ mf_status penalties(const mf_penalty_args *args, bool update, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status argmax_penalised(const mf_argmax_args *args, const mf_penalty_args *apply, void *stream) {
+    ArgmaxJob job(*args, apply);  // host masks, params and slots are copied here
+    stream_of(stream)->enqueue("argmax", [job = std::move(job)] { run_argmax(job); });
+    return MF_SUCCESS;
+}
+
 mf_status top_logprobs(const mf_top_logprobs_args *args, void *stream) {
     stream_of(stream)->enqueue("top_logprobs", [a = *args] { run_top_logprobs(a); });
     return MF_SUCCESS;
@@ -413,6 +419,7 @@ const Ops host_ops = {
     .verify = verify,
     .resolve_verified = resolve_verified,
     .penalties = penalties,
+    .argmax_penalised = argmax_penalised,
     .top_logprobs = top_logprobs,
     .top_combine = top_combine,
     .select_decide = select_decide,

@@ -1,6 +1,7 @@
 // The host twins of the CUDA kernels. They run on a stream's worker, spread over the pool.
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "metrale_feed/argmax_rule.h"
@@ -9,11 +10,27 @@
 
 namespace mf::host {
 
+// One penalty launch (penalty_host.cpp): host slots copied, device ones read when it runs.
+struct PenaltyJob {
+    PenaltyJob(const mf_penalty_args &a, bool upd) : args(a), update(upd) {
+        if (!(a.flags & MF_PENALTY_SLOTS_DEVICE)) {
+            slots.assign(a.slots, a.slots + a.rows);
+            args.slots = nullptr;
+        }
+    }
+    const uint32_t *slot_words() const { return args.slots ? args.slots : slots.data(); }
+    mf_penalty_args args;
+    bool update;
+    std::vector<uint32_t> slots;
+};
 // What one argmax/sample launch needs when the worker runs it. Host-resident masks and params are
 // copied here (the caller may reuse them once the launch returns); device-resident ones stay
-// pointers and are read when the job runs, as the GPU kernel reads them.
+// pointers and are read when the job runs, as the GPU kernel reads them. `apply`: the step's
+// penalties in the same job (Ops::argmax_penalised), their host slots copied too.
 struct ArgmaxJob {
-    explicit ArgmaxJob(const mf_argmax_args &a) : args(a) {
+    explicit ArgmaxJob(const mf_argmax_args &a, const mf_penalty_args *apply = nullptr) : args(a) {
+        args.penalties = nullptr;  // the caller's descriptor: `penalties` holds the checked one
+        if (apply) penalties.emplace(*apply, false);
         if (!(a.flags & MF_ARGS_MASKS_DEVICE)) {
             masks.assign(a.masks, a.masks + 2 * (size_t)a.rows);
             args.masks = nullptr;
@@ -30,6 +47,7 @@ struct ArgmaxJob {
     mf_argmax_args args;
     std::vector<uint32_t> masks;
     std::vector<mf_sampling_params> params;
+    std::optional<PenaltyJob> penalties;
 };
 
 void run_argmax(const ArgmaxJob &job);
@@ -42,6 +60,7 @@ uint32_t argmax_row_portable(const void *row, mf_dtype dtype, uint32_t vocab, co
 uint32_t argmax_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule);
 const char *argmax_isa();
 bool use_portable_argmax(bool portable);  // for tests of both paths; false: no vector path here
+bool vector_paths();                      // the vector paths run now (none forced portable)
 
 // One sampled row (sample_host.cpp); temperature 0 never reaches it. `vector`: the AVX2 helpers
 // may decide what to skip (the portable path when the argmax path is forced portable). `base`:
@@ -140,20 +159,11 @@ void run_verify(const VerifyJob &job);
 void run_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                           uint32_t *out_advance);
 
-// One penalty launch (penalty_host.cpp): host slots copied, device ones read when it runs.
-struct PenaltyJob {
-    PenaltyJob(const mf_penalty_args &a, bool upd) : args(a), update(upd) {
-        if (!(a.flags & MF_PENALTY_SLOTS_DEVICE)) {
-            slots.assign(a.slots, a.slots + a.rows);
-            args.slots = nullptr;
-        }
-    }
-    const uint32_t *slot_words() const { return args.slots ? args.slots : slots.data(); }
-    mf_penalty_args args;
-    bool update;
-    std::vector<uint32_t> slots;
-};
 void run_penalties(const PenaltyJob &job);
+// A pick's penalties (ArgmaxJob::penalties): row r's apply, on the pool thread that picks it, and
+// the update once every row is picked (args.ids: the pick's cells).
+void apply_penalties_row(const mf_penalty_args &args, uint32_t r, uint32_t slot);
+void count_penalties(const mf_penalty_args &args, const uint32_t *slots);
 
 // The top logprobs of each row, or a slice's top block (top_logprob_host.cpp), and the combine of
 // gathered top blocks: nothing host-side to copy.

@@ -1,13 +1,147 @@
 // The host twins of the penalty kernels (penalty_feed.cu): the same rule (penalty_rule.h), the
-// same stage order; the rows spread over the pool.
+// same stage order; the rows spread over the pool. A pick that carries its step's penalties
+// (Ops::argmax_penalised) calls apply_penalties_row for each row just before it picks the row, and
+// count_penalties once every row is picked (argmax_host.cpp, run_argmax).
 #include "host/kernels.hpp"
 #include "host/queue.hpp"
 #include "metrale_feed/penalty_rule.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define MF_X86 1
+#endif
+
 namespace mf::host {
 namespace {
 
-void apply_row(const mf_penalty_args &a, uint32_t r, uint32_t slot) {
+#ifdef MF_X86
+// Stages 1 and 3 of penalty_rule.h eight ids at a time on a float32 row: the same operations in
+// the same order give every logit the bits the scalar rule gives it (tests compare both paths:
+// use_portable_argmax), without the scalar rule's branch on the sign of a logit, which picks
+// division or multiplication and mispredicts half the time. A slot's ids are distinct within a
+// stage, so no two lanes write one column.
+struct Lanes8 {
+    __m256i cols;  // the ids' columns in the slice
+    __m256i in;    // col < vocab (unsigned: an id below start wraps above vocab); the others are not touched
+};
+
+__attribute__((target("avx2"))) inline Lanes8 lanes8(__m256i ids, uint32_t start, uint32_t vocab) {
+    const __m256i cols = _mm256_sub_epi32(ids, _mm256_set1_epi32((int)start));
+    const __m256i flip = _mm256_set1_epi32(INT32_MIN);
+    return Lanes8{cols, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(vocab ^ 0x80000000u)), _mm256_xor_si256(cols, flip))};
+}
+
+__attribute__((target("avx2"))) inline __m256i gather8(const uint32_t *row, const Lanes8 &at) {
+    return _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)row, at.cols, at.in, 4);
+}
+
+// mf_penalty_saturate, and a NaN left as it was: the words to store for logits `bits` whose rule
+// result is v.
+__attribute__((target("avx2"))) inline __m256i finish8(__m256i bits, __m256 v) {
+    const __m256 top = _mm256_set1_ps(mf_penalty_max(0)), bottom = _mm256_set1_ps(-mf_penalty_max(0));
+    const __m256i inf = _mm256_set1_epi32(0x7F800000);
+    const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+    __m256 clamped = _mm256_blendv_ps(v, top, _mm256_cmp_ps(v, top, _CMP_GT_OQ));
+    clamped = _mm256_blendv_ps(clamped, bottom, _mm256_cmp_ps(v, bottom, _CMP_LT_OQ));
+    v = _mm256_blendv_ps(v, clamped, _mm256_castsi256_ps(_mm256_cmpgt_epi32(inf, mag)));  // finite before
+    return _mm256_blendv_epi8(_mm256_castps_si256(v), bits, _mm256_cmpgt_epi32(mag, inf));
+}
+
+__attribute__((target("avx2"))) inline void scatter8(uint32_t *row, const Lanes8 &at, __m256i words) {
+    alignas(32) uint32_t w[8], c[8];
+    _mm256_store_si256((__m256i *)w, words);
+    _mm256_store_si256((__m256i *)c, at.cols);
+    const unsigned stored = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(at.in));
+    for (unsigned j = 0; j < 8; ++j)
+        if (stored >> j & 1u) row[c[j]] = w[j];
+}
+
+// Eight 8-byte (id, 32-bit word) records, split into their ids and their words.
+__attribute__((target("avx2"))) inline void split8(const void *records, __m256i &ids, __m256i &words) {
+    const __m256i evens = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256i e0 = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)records), evens);
+    const __m256i e1 = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)records + 1), evens);
+    ids = _mm256_permute2x128_si256(e0, e1, 0x20);
+    words = _mm256_permute2x128_si256(e0, e1, 0x31);
+}
+
+// The lines of eight records' ids, asked for kAhead groups of eight before the gathers need them:
+// the misses of several groups overlap (a gather waits for its own eight), without asking for so
+// many at once that the CPU's outstanding misses are full. An id outside the slice asks for a line
+// it will not touch: harmless (the address is formed as an integer, a prefetch never faults).
+constexpr uint32_t kAhead = 4;
+template <class Record>
+inline void prefetch8(const uint32_t *row, const Record *records, uint32_t start) {
+    for (int j = 0; j < 8; ++j)
+        __builtin_prefetch((const void *)((uintptr_t)row + (uintptr_t)(records[j].id - start) * 4u), 1);
+}
+
+// A stage over records [0, 8 * floor(n / 8)) eight at a time: rule(l, words) is the stage's
+// result for the logits l of eight records whose second words are `words`. Returns the records done.
+template <class Record, class Rule>
+__attribute__((target("avx2"))) inline uint32_t stage8(uint32_t *row, const Record *records, uint32_t n,
+                                                       uint32_t start, uint32_t vocab, const Rule &rule) {
+    static_assert(sizeof(Record) == 8, "split8 reads 8-byte records");
+    uint32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        if (i + 8 * kAhead + 8 <= n) prefetch8(row, records + i + 8 * kAhead, start);
+        __m256i ids, words;
+        split8(records + i, ids, words);
+        const Lanes8 at = lanes8(ids, start, vocab);
+        const __m256i bits = gather8(row, at);
+        scatter8(row, at, finish8(bits, rule(_mm256_castsi256_ps(bits), words)));
+    }
+    return i;
+}
+
+// Stage 1: l + bias (the item's second word).
+struct Bias8 {
+    __attribute__((target("avx2"))) __m256 operator()(__m256 l, __m256i bias) const {
+        return _mm256_add_ps(l, _mm256_castsi256_ps(bias));
+    }
+};
+
+// Stage 3: l > 0 ? l / rep : l * rep, then, with a count n (the entry's second word, less
+// MF_PENALTY_PROMPT), (l - freq * n) - presence.
+struct Penalty8 {
+    const mf_penalty_slot &s;
+    __attribute__((target("avx2"))) __m256 operator()(__m256 l, __m256i counts) const {
+        const __m256 rep = _mm256_set1_ps(s.repetition);
+        const __m256 v = _mm256_blendv_ps(_mm256_mul_ps(l, rep), _mm256_div_ps(l, rep),
+                                          _mm256_cmp_ps(l, _mm256_setzero_ps(), _CMP_GT_OQ));
+        const __m256i n = _mm256_and_si256(counts, _mm256_set1_epi32((int)~MF_PENALTY_PROMPT));  // below 2**31:
+        const __m256 nf = _mm256_cvtepi32_ps(n);  // converts as the unsigned count does
+        const __m256 counted = _mm256_sub_ps(_mm256_sub_ps(v, _mm256_mul_ps(_mm256_set1_ps(s.frequency), nf)),
+                                             _mm256_set1_ps(s.presence));
+        return _mm256_blendv_ps(v, counted, _mm256_castsi256_ps(_mm256_cmpgt_epi32(n, _mm256_setzero_si256())));
+    }
+};
+
+// The first of table entries [0, 8 * floor(n / 8)) that holds id, or that bound when none does.
+__attribute__((target("avx2"))) uint32_t find_avx2(const mf_penalty_entry *table, uint32_t n, uint32_t id) {
+    const __m256i want = _mm256_set1_epi32((int)id);
+    uint32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i ids, counts;
+        split8(table + i, ids, counts);
+        const unsigned hits = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(ids, want)));
+        if (hits) return i + (uint32_t)__builtin_ctz(hits);
+    }
+    return i;
+}
+#endif
+
+// Whether the eight-id paths may run: the CPU has AVX2 and no test forced the portable paths.
+bool eight_ids() {
+#ifdef MF_X86
+    static const bool avx2 = __builtin_cpu_supports("avx2");
+    return avx2 && vector_paths();
+#else
+    return false;
+#endif
+}
+
+void apply_row(const mf_penalty_args &a, uint32_t r, uint32_t slot, bool vector) {
     const mf_penalty_slot s = mf_penalty_clamped(a.state[slot], a.table_cap, a.item_cap);
     const mf_penalty_item *items = a.items + (size_t)slot * a.item_cap;
     const mf_penalty_entry *table = a.table + (size_t)slot * a.table_cap;
@@ -15,13 +149,19 @@ void apply_row(const mf_penalty_args &a, uint32_t r, uint32_t slot) {
     const size_t esize = mf_dtype_size(dtype);
     char *row = static_cast<char *>(a.logits) + (size_t)r * a.row_stride * esize;
     const uint32_t start = a.start, vocab = a.vocab;
-    // The ids are scattered over the row: ask for every line first, so the misses overlap
-    // instead of costing one memory latency per id (a row's few thousand lines fit in L2).
-    for (uint32_t i = 0; i < s.biases; ++i)
+    const bool f32x8 = vector && dtype == MF_DTYPE_F32;
+    // The ids are scattered over the row: the scalar path asks for every line first, so the misses
+    // overlap instead of costing one memory latency per id. (The eight-id path asks a few groups
+    // ahead instead: a thousand prefetches at once cost more instructions than they hide.)
+    for (uint32_t i = 0; i < s.biases && !f32x8; ++i)
         if (items[i].id - start < vocab) __builtin_prefetch(row + (size_t)(items[i].id - start) * esize, 1);
-    for (uint32_t i = 0; i < s.entries; ++i)
+    for (uint32_t i = 0; i < s.entries && !f32x8; ++i)
         if (table[i].id - start < vocab) __builtin_prefetch(row + (size_t)(table[i].id - start) * esize, 1);
-    for (uint32_t i = 0; i < s.biases; ++i) {  // 1. logit_bias
+    uint32_t i = 0;  // 1. logit_bias
+#ifdef MF_X86
+    if (f32x8) i = stage8(reinterpret_cast<uint32_t *>(row), items, s.biases, start, vocab, Bias8{});
+#endif
+    for (; i < s.biases; ++i) {
         const uint32_t col = items[i].id - start;  // wraps above vocab for ids below start
         if (col < vocab) mf_penalty_bias_at(row, dtype, col, items[i].value);
     }
@@ -30,23 +170,29 @@ void apply_row(const mf_penalty_args &a, uint32_t r, uint32_t slot) {
             const uint32_t col = items[i].id - start;
             if (col < vocab) mf_penalty_store(row, dtype, col, mf_neg_inf());
         }
-    for (uint32_t i = 0; i < s.entries; ++i) {  // 3. repetition, frequency, presence
+    i = 0;  // 3. repetition, frequency, presence
+#ifdef MF_X86
+    if (f32x8) i = stage8(reinterpret_cast<uint32_t *>(row), table, s.entries, start, vocab, Penalty8{s});
+#else
+    (void)f32x8;
+#endif
+    for (; i < s.entries; ++i) {
         const uint32_t col = table[i].id - start;
         if (col < vocab) mf_penalize_at(row, dtype, col, &s, table[i].count);
     }
 }
 
-void count_row(const mf_penalty_args &a, uint32_t r, uint32_t slot) {
+void count_row(const mf_penalty_args &a, uint32_t r, uint32_t slot, bool vector) {
     const uint32_t id = a.ids[r];
     if (id == MF_NO_TOKEN) return;
     mf_penalty_slot s = mf_penalty_clamped(a.state[slot], a.table_cap, a.item_cap);
     mf_penalty_entry *table = a.table + (size_t)slot * a.table_cap;
-    uint32_t found = a.table_cap;
-    for (uint32_t i = 0; i < s.entries; ++i)
-        if (table[i].id == id) {
-            found = i;
-            break;
-        }
+    uint32_t i = 0;
+#ifdef MF_X86
+    if (vector) i = find_avx2(table, s.entries, id);
+#endif
+    while (i < s.entries && table[i].id != id) ++i;
+    const uint32_t found = i < s.entries ? i : a.table_cap;
     mf_penalty_count(&s, table, a.table_cap, id, found);
     a.state[slot].generated = s.generated;
     a.state[slot].entries = s.entries;
@@ -54,20 +200,29 @@ void count_row(const mf_penalty_args &a, uint32_t r, uint32_t slot) {
 
 }  // namespace
 
+void apply_penalties_row(const mf_penalty_args &args, uint32_t r, uint32_t slot) {
+    apply_row(args, r, slot, eight_ids());
+}
+
+// A scan of each row's table: cheap. Rows may name one slot (device slots are not checked when
+// queued), so one thread counts them, in row order.
+void count_penalties(const mf_penalty_args &args, const uint32_t *slots) {
+    const bool vector = eight_ids();
+    for (uint32_t r = 0; r < args.rows; ++r)
+        if (slots[r] < args.slot_count) count_row(args, r, slots[r], vector);
+}
+
 void run_penalties(const PenaltyJob &job) {
     IeeeFpGuard ieee;  // the rule's arithmetic needs subnormals
     const mf_penalty_args &a = job.args;
     const uint32_t *slots = job.slot_words();
-    if (job.update) {  // a scan of each row's table: cheap, and rows may not share a slot
-        for (uint32_t r = 0; r < a.rows; ++r)
-            if (slots[r] < a.slot_count) count_row(a, r, slots[r]);
-        return;
-    }
+    if (job.update) return count_penalties(a, slots);
+    const bool vector = eight_ids();
     // Rows are independent (each writes its own logits), so they spread over the pool.
     parallel_rows(a.rows, [&](uint32_t begin, uint32_t end) {
         IeeeFpGuard pool_ieee;  // on each pool thread too
         for (uint32_t r = begin; r < end; ++r)
-            if (slots[r] < a.slot_count) apply_row(a, r, slots[r]);  // NO_TOKEN: no penalties
+            if (slots[r] < a.slot_count) apply_row(a, r, slots[r], vector);  // NO_TOKEN: no penalties
     });
 }
 

@@ -1,7 +1,6 @@
 // The host twin of the top-logprobs kernel (top_logprob_feed.cu): the same rule
 // (top_logprob_rule.h) in one pass a row, a sorted list of n packed words, and the row's (m, s)
 // from row_stats, whose sum has the kernel's order; the rows spread over the pool.
-#include <cstring>
 
 #include "host/kernels.hpp"
 #include "host/queue.hpp"
@@ -58,7 +57,7 @@ void fill_list(uint64_t *list, uint32_t n, const void *row, mf_dtype dtype, uint
 
 void run_top_logprobs(const mf_top_logprobs_args &a) {
     IeeeFpGuard ieee;  // the exp polynomial needs subnormals
-    const bool vector = std::strcmp(argmax_isa(), "portable") != 0;
+    const bool vector = vector_paths();
     const size_t row_bytes = (size_t)a.row_stride * mf_dtype_size((int)a.dtype);
     const int dt = (int)a.dtype;
     auto *records = a.flags & MF_TOP_PARTIAL

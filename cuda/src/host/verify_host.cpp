@@ -1,7 +1,6 @@
 // Speculative verification on the CPU (verify_rule.h): each row's positions in order, each under
 // the machinery of one argmax or sample row (argmax_row, sample_row, sample_target), until the
 // first position that emits an id of its own.
-#include <string_view>
 
 #include "kernels.hpp"
 #include "metrale_feed/logprob_rule.h"
@@ -112,7 +111,7 @@ void run_verify(const VerifyJob &job) {
     const uint32_t *masks = job.mask_words();
     const uint32_t *drafts = job.draft_ids();
     const mf_sampling_params *params = job.row_params();
-    const bool vector = std::string_view(argmax_isa()) != "portable";
+    const bool vector = vector_paths();
     parallel_rows(a.rows, [&](uint32_t begin, uint32_t end) {
         IeeeFpGuard ieee;  // the sampler's arithmetic needs subnormals on every pool thread
         uint32_t ids[MF_MAX_DRAFTS + 1];  // no allocation on the worker

@@ -230,6 +230,7 @@ Ops make_ops() {
     o.verify = verify;
     o.resolve_verified = resolve_verified;
     o.penalties = penalties;
+    o.argmax_penalised = nullptr;  // the kernels' order: apply, pick, update
     o.top_logprobs = top_logprobs;
     o.top_combine = top_combine;
     o.select_decide = select_decide;
