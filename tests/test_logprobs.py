@@ -12,6 +12,7 @@ from metrale_feed.testing.oracle import reference_argmax, reference_logprobs
 
 from helpers.accuracy import assert_close
 from helpers.calls import pick, split
+from helpers.records import SELECT_ROW
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -148,9 +149,7 @@ def test_bad_logprobs_buffers_raise_before_queueing(host, dev):
 
 
 # feed.h's mf_select_row, as the tests write it (its size checked against the extension's).
-_STATE = np.dtype([("floor", "<u8"), ("cut_need", "<u8"), ("top_bits", "<u4"), ("cut_key", "<u4"),
-                   ("prefix", "<u4"), ("shift", "<u4"), ("flags", "<u4"), ("list_len", "<u4")])
-assert _STATE.itemsize == mf._core.SELECT_ROW_BYTES
+_STATE = SELECT_ROW  # mf_select_row
 
 
 def _select_state(rows, **fields):

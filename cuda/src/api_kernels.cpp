@@ -45,12 +45,13 @@ mf_status read_descriptor(const Args *in, Args *out, const char *name, const uin
     return MF_SUCCESS;
 }
 // The descriptor before the select stages' candidate lists (select_cands_cap on) were appended,
-// then before the pick's penalties (penalties) was.
+// then before the pick's penalties (penalties), then before a verify's drafts (select_drafts on).
 constexpr uint32_t kArgmaxSizes[] = {offsetof(mf_argmax_args, select_cands_cap), offsetof(mf_argmax_args, penalties),
-                                     sizeof(mf_argmax_args)};
-// The descriptor before MF_COMBINE_VERIFY's fields (drafts, k) were appended.
+                                     offsetof(mf_argmax_args, select_drafts), sizeof(mf_argmax_args)};
+// The descriptor before MF_COMBINE_VERIFY's fields (drafts, k) were appended, then before refused,
+// then before a sampled verify's select state.
 constexpr uint32_t kCombineSizes[] = {offsetof(mf_combine_args, drafts), offsetof(mf_combine_args, refused),
-                                       sizeof(mf_combine_args)};
+                                       offsetof(mf_combine_args, select), sizeof(mf_combine_args)};
 // The descriptor before the device position advance (advance, advance_group) was appended.
 constexpr uint32_t kReferenceSizes[] = {offsetof(mf_reference_args, advance), sizeof(mf_reference_args)};
 // The descriptor before the device position advance (advance) was appended.
@@ -157,8 +158,26 @@ mf_status check_partial(const mf_argmax_args *a) {
                                     "select cands");
             if (st != MF_SUCCESS) return st;
         }
+        if (a->select_drafts) {  // a sampled verify's stages (verify_rule.h): rows are R * (k + 1)
+            if (a->select_k == 0 || a->select_k > MF_MAX_DRAFTS)
+                return fail(MF_ERROR_INVALID_VALUE, "select_k must be in [1, %u], got %u", MF_MAX_DRAFTS, a->select_k);
+            if (a->rows % (a->select_k + 1))
+                return fail(MF_ERROR_INVALID_VALUE, "a verify's %u logit rows are not a multiple of k + 1 = %u",
+                            a->rows, a->select_k + 1);
+            if (a->flags & MF_ARGS_PARTIAL_LOGPROBS)
+                return fail(MF_ERROR_INVALID_VALUE, "a verify's select stages carry masses, not logprobs");
+            if (!aligned(a->select_drafts, 4))
+                return fail(MF_ERROR_INVALID_VALUE, "select_drafts is a misaligned pointer");
+            st = check_device_range(a->select_drafts, (size_t)a->rows / (a->select_k + 1) * a->select_k * 4,
+                                    "select drafts");
+            if (st != MF_SUCCESS) return st;
+        } else if (a->select_k) {
+            return fail(MF_ERROR_INVALID_VALUE, "select_k is select_drafts'");
+        }
         if (a->select_stage == MF_SELECT_HIST || a->select_stage == MF_SELECT_CANDS)
             return check_device_range(a->partials, partial_block_bytes(a), "partials");
+    } else if (a->select_drafts || a->select_k) {
+        return fail(MF_ERROR_INVALID_VALUE, "select_drafts and select_k are MF_ARGS_SELECT's");
     } else if (a->params && !(a->flags & MF_ARGS_PARAMS_DEVICE)) {
         // Device params are read when the kernel runs: a filter there is the combine's fault.
         mf_status st = check_temperature_only(a->params, a->rows);
@@ -193,6 +212,8 @@ mf_status refuse_argmax_overlaps(const mf_argmax_args *a, size_t logits_bytes) {
          "select cands", false},
         {(a->flags & MF_ARGS_PARAMS_DEVICE) ? a->params : nullptr, rows * sizeof(mf_sampling_params),
          "device-resident sampling params", false},
+        {select ? a->select_drafts : nullptr, a->select_k ? rows / (a->select_k + 1) * a->select_k * 4 : 0,
+         "select drafts", false},
     };
     return refuse_overlaps(spans);
 }
@@ -251,6 +272,8 @@ mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
     if (partial) {
         mf_status st = check_partial(a);
         if (st != MF_SUCCESS) return st;
+    } else if (a->select_drafts || a->select_k) {
+        return fail(MF_ERROR_INVALID_VALUE, "select_drafts and select_k are MF_ARGS_SELECT's");
     } else if (a->logprobs_dst && !a->logprobs) {
         return fail(MF_ERROR_INVALID_VALUE, "logprobs_dst needs logprobs (the device floats it copies)");
     }
@@ -532,12 +555,18 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
             if (a->rows % (a->k + 1))
                 return fail(MF_ERROR_INVALID_VALUE, "a verify combine's %u logit rows are not a multiple of k + 1 = %u",
                             a->rows, a->k + 1);
-            if (a->op != MF_PARTIAL_ARGMAX)
-                return fail(MF_ERROR_INVALID_VALUE, "a verify combine takes argmax partials (greedy rows) only");
+            if (a->op == MF_PARTIAL_SAMPLE)
+                return fail(MF_ERROR_INVALID_VALUE, "a verify combine takes argmax partials (greedy rows) or a "
+                            "verify's RACE blocks (MF_PARTIAL_FILTERED)");
             if (!a->drafts || !aligned(a->drafts, 4))
                 return fail(MF_ERROR_INVALID_VALUE, "a verify combine needs aligned device drafts");
-        } else if (a->drafts || a->k) {
-            return fail(MF_ERROR_INVALID_VALUE, "drafts and k are MF_COMBINE_VERIFY's");
+            if ((a->op == MF_PARTIAL_FILTERED) != (a->select != nullptr) || !aligned(a->select, 8))
+                return fail(MF_ERROR_INVALID_VALUE, "a sampled verify combine needs its aligned select state, and "
+                            "only it takes one");
+            if (a->op == MF_PARTIAL_FILTERED && (a->logprobs || a->logprobs_dst))
+                return fail(MF_ERROR_INVALID_VALUE, "a sampled verify over a split vocabulary has no logprobs");
+        } else if (a->drafts || a->k || a->select) {
+            return fail(MF_ERROR_INVALID_VALUE, "drafts, k and select are MF_COMBINE_VERIFY's");
         }
         // Words of cells and host_dst: one a row, or a verified row's k + 2; the drafts' bytes.
         const size_t cell_words = verify ? (size_t)a->rows / (a->k + 1) * (a->k + 2) : a->rows;
@@ -557,6 +586,9 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
         if (a->flags & ~(uint32_t)(MF_COMBINE_PARAMS_DEVICE | MF_COMBINE_VERIFY))
             return fail(MF_ERROR_INVALID_VALUE, "unknown combine flags 0x%x", a->flags);
         const bool device_params = a->flags & MF_COMBINE_PARAMS_DEVICE;
+        if (verify && a->op == MF_PARTIAL_FILTERED && !device_params)
+            return fail(MF_ERROR_INVALID_VALUE, "a sampled verify combine reads device params (MF_COMBINE_PARAMS_DEVICE): "
+                        "the logit rows' own, position j's at position + j");
         if (device_params && a->op == MF_PARTIAL_ARGMAX)
             return fail(MF_ERROR_INVALID_VALUE, "MF_COMBINE_PARAMS_DEVICE needs a sampled combine");
         if (!a->partials || !aligned(a->partials, 8) || !a->cells || !aligned(a->cells, 4) || !a->fault ||
@@ -583,6 +615,8 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
         if (status == MF_SUCCESS && a->logprobs) status = check_device_range(a->logprobs, (size_t)a->rows * 4, "logprobs");
         if (status == MF_SUCCESS && verify)
             status = check_device_range(a->drafts, draft_bytes, "drafts");
+        if (status == MF_SUCCESS && a->select)
+            status = check_device_range(a->select, (size_t)a->rows * sizeof(mf_select_row), "select state");
         if (status == MF_SUCCESS && a->refused) status = check_device_range(a->refused, 4, "refused word");
         if (status == MF_SUCCESS && a->host_dst)
             status = check_host_range(a->host_dst, cell_words * 4, "combine destination");
@@ -600,6 +634,7 @@ mf_status mf_combine_partials(const mf_combine_args *caller, mf_stream_t stream)
                  "device-resident sampling params", false},
                 {a->drafts, draft_bytes, "drafts", false},
                 {a->refused, 4, "refused word", false},
+                {a->select, a->select ? rows * sizeof(mf_select_row) : 0, "select state", false},
             };
             status = refuse_combine_overlaps(spans, {a->partials, (size_t)a->world * a->slice_stride * 16, "partials", false},
                                              {a->fault, 4, "fault word", true},

@@ -132,6 +132,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint32_t shift
         uint32_t flags
         uint32_t list_len
+        uint32_t draft_bits
     ctypedef struct mf_select_plan:
         uint64_t target
         uint64_t above
@@ -226,6 +227,8 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint64_t select_cands_stride
         const void *select_cands
         const mf_penalty_args *penalties
+        const uint32_t *select_drafts
+        uint32_t select_k
     enum:
         MF_ARGS_MASKS_DEVICE
         MF_ARGS_PARAMS_DEVICE
@@ -273,6 +276,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         const uint32_t *drafts
         uint32_t k
         const uint32_t *refused
+        const mf_select_row *select
     enum:
         MF_COMBINE_PARAMS_DEVICE
         MF_COMBINE_VERIFY

@@ -317,7 +317,8 @@ def _select_partial(logits: _DeviceLike | None, params: Buffer, partials: _Devic
                     row_stride: int | None = None, bitmask: _DeviceLike | None = None,
                     id_list: _DeviceLike | None = None, list_cap: int = 0,
                     logprobs: bool = False, cands: _DeviceLike | None = None,
-                    cands_cap: int = 0, cands_world: int = 0, cands_stride: int = 0) -> int: ...
+                    cands_cap: int = 0, cands_world: int = 0, cands_stride: int = 0,
+                    drafts: _DeviceLike | None = None, k: int | None = None) -> int: ...
 def _combine_partials(partials: _DeviceLike, world: int, cells: _DeviceLike,
                       dst: Buffer | int | None, event: _EventLike | None,
                       stream: _StreamLike = 0, *, rows: int, vocab: int, call: int,
@@ -325,7 +326,7 @@ def _combine_partials(partials: _DeviceLike, world: int, cells: _DeviceLike,
                       logprobs: _DeviceLike | None = None, logprobs_dst: Buffer | int | None = None,
                       slice_stride: int | None = None, filtered: bool = False,
                       drafts: _DeviceLike | None = None, k: int | None = None,
-                      refused: _DeviceLike | None = None) -> None: ...
+                      refused: _DeviceLike | None = None, select: _DeviceLike | None = None) -> None: ...
 def _check_partials_fault(fault_dst: Buffer, outcome: str = ...) -> None: ...
 def _select_decide(gathered: _DeviceLike, block_bytes: int, world: int, rank: int, rows: int,
                    params: _DeviceLike, select: _DeviceLike, plan: _DeviceLike, fault: _DeviceLike,

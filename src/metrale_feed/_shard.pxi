@@ -47,15 +47,16 @@ SELECTS = {"k": MF_SELECT_K, "p": MF_SELECT_P}          # the radix selects, in 
 
 cdef int fill_partial(mf_argmax_args *a, object partial) except -1:
     """The slice of a partial call: ``partial`` is (partials, start, stop, vocab, call, logprobs)
-    and, for a stage of the split filters, (select, stage, id_list, list_cap, cands) after them,
-    ``cands`` None or (gathered lists or None, cap, world, stride)."""
+    and, for a stage of the split filters, (select, stage, id_list, list_cap, cands, drafts) after
+    them, ``cands`` None or (gathered lists or None, cap, world, stride), ``drafts`` None or a
+    sampled verify's (device drafts, k)."""
     cdef void *ptr
     cdef uint64_t call
     partials, start, stop, vocab, call_obj, logprobs = partial[:6]
     if logprobs is not True and logprobs is not False:
         raise TypeError(f"logprobs must be True or False, not {logprobs!r}")
-    if len(partial) == 11:
-        select, stage, id_list, list_cap, cands = partial[6:]
+    if len(partial) == 12:
+        select, stage, id_list, list_cap, cands, drafts = partial[6:]
         if stage not in SELECT_STAGES:
             raise ValueError(f"stage must be one of {sorted(SELECT_STAGES)}, not {stage!r}")
         device_ptr_of(select, &ptr)
@@ -74,6 +75,11 @@ cdef int fill_partial(mf_argmax_args *a, object partial) except -1:
                 a.select_cands_stride = <uint64_t>int_of(stride, "cands_stride", 1, 0xFFFFFFFFFFFF)
                 device_ptr_of(lists, &ptr)
                 a.select_cands = ptr
+        if drafts is not None:
+            ids, k = drafts
+            a.select_k = <uint32_t>int_of(k, "k", 1, MF_MAX_DRAFTS)
+            device_ptr_of(ids, &ptr)
+            a.select_drafts = <const uint32_t *>ptr
     total = int_of(vocab, "vocab", 1, MF_MAX_VOCAB)
     lo = int_of(start, "start", 0, total)
     hi = int_of(stop, "stop", lo, total)
@@ -193,7 +199,7 @@ def _sample_partial(logits, params, partials, event=None, stream=0, *, start, st
 def _select_partial(logits, params, partials, select, stage, stream=0, *, start, stop, vocab, dtype,
                     call, masks=None, rows=None, row_stride=None, bitmask=None, id_list=None,
                     list_cap=0, logprobs=False, cands=None, cands_cap=0, cands_world=0,
-                    cands_stride=0):
+                    cands_stride=0, drafts=None, k=None):
     """One stage of sampling with filters over the slice ``[start, stop)`` of each row.
 
     The filters need thresholds over the whole row (docs/kernels.md, "Filters need global
@@ -224,6 +230,14 @@ def _select_partial(logits, params, partials, select, stage, stream=0, *, start,
         Entries a row of a ``"cands"`` block (1 to ``SELECT_CANDS_MAX``), for both stages.
     cands_world, cands_stride : int
         With ``cands``.
+    drafts : device memory, optional
+        A sampled ``verify_to_feed`` over a split vocabulary (docs/tensor-parallel.md, "Verify"):
+        ``rows`` is ``R * (k + 1)`` logit rows and ``drafts`` the ``R * k`` drafts, read when the
+        kernel runs. ``"top"`` then carries each position's draft's logit bits from the slice
+        that holds it, ``"race"`` races without the draft and carries the slice's survivors'
+        total mass (verify_rule.h; no ``logprobs``).
+    k : int, optional
+        Drafts per row, with ``drafts``.
     logits, params, partials, stream, start, stop, vocab, dtype, call, masks, rows, row_stride, bitmask
         As for ``_sample_partial`` (filters allowed; host params).
 
@@ -246,15 +260,18 @@ def _select_partial(logits, params, partials, select, stage, stream=0, *, start,
     """
     if rows is None and masks is None:
         rows = len(params)
+    if (drafts is None) != (k is None):
+        raise ValueError("drafts and k go together (a sampled verify's stages)")
     return launch_pick(logits, masks, None, None, None, stream, bitmask, params, rows, vocab, dtype,
                        row_stride, None, None,
                        (partials, start, stop, vocab, call, logprobs, select, stage, id_list, list_cap,
-                        (cands, cands_cap, cands_world, cands_stride) if cands_cap else None))
+                        (cands, cands_cap, cands_world, cands_stride) if cands_cap else None,
+                        None if drafts is None else (drafts, k)))
 
 
 def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, vocab, call, fault_dst,
                       params=None, logprobs=None, logprobs_dst=None, slice_stride=None,
-                      filtered=False, drafts=None, k=None, refused=None):
+                      filtered=False, drafts=None, k=None, refused=None, select=None):
     """The feed cells (and logprobs) of whole rows from the partial blocks of their slices.
 
     ``partials`` holds ``world`` blocks, block ``w`` at byte ``w * slice_stride *
@@ -300,8 +317,14 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
         ``rows`` logit rows (``rows / (k + 1)`` verified rows), ``drafts`` their ``rows / (k + 1) * k``
         draft ids, read when the combine runs, and ``cells``, ``dst``, ``logprobs`` and
         ``logprobs_dst`` take ``verify_to_feed``'s layout.
+        With ``filtered`` (and device ``params``, the logit rows' own: position ``j``'s at
+        ``position + j``), a sampled verify: the blocks are the ``"race"`` blocks of its stages
+        (``_select_partial(..., drafts=)``) and ``select`` this rank's state after them; no
+        logprobs.
     k : int, optional
         Drafts per row, with ``drafts``.
+    select : device memory, optional
+        A sampled verify's ``rows`` records of ``SELECT_ROW_BYTES`` (with ``filtered``).
     refused : device memory, optional
         A fault word found before the last exchange (a split filter's first decision), read when
         the combine runs: nonzero, with headers that agree, it is the combine's fault (every row
@@ -369,6 +392,9 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
             c.drafts = <const uint32_t *>device_input(launch, drafts, <size_t>c.rows // (c.k + 1) * c.k * 4, "drafts")
         if refused is not None:
             c.refused = <const uint32_t *>device_input(launch, refused, 4, "refused")
+        if select is not None:
+            c.select = <const mf_select_row *>device_input(launch, select, <size_t>c.rows * sizeof(mf_select_row),
+                                                           "select")
         if dst is not None:
             if isinstance(dst, int):
                 u64_of(dst, &e, "dst pointer")
@@ -388,7 +414,8 @@ def _combine_partials(partials, world, cells, dst, event, stream=0, *, rows, voc
         launch.records(c.event)
         launch.writes_cells(c.cells, (c.rows // (c.k + 1), c.k) if c.k else <object>c.rows)
         launch.queued(mf_combine_partials(&c, s),
-                      (partials, cells, dst, logprobs, logprobs_dst, fault_dst, event, params, drafts, refused))
+                      (partials, cells, dst, logprobs, logprobs_dst, fault_dst, event, params, drafts, refused,
+                       select))
     finally:
         launch.close()
 

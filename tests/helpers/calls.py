@@ -125,7 +125,7 @@ def split_top(dev, logits, offsets, n, ids=None, call=5, pad=0, tamper=None):
 
 
 def split_filtered(dev, logits, offsets, params, call=21, states=None, skip=True, rounds=None,
-                   device=False, slice_params=None):
+                   device=False, slice_params=None, drafts=None, k=None):
     """The split filters' protocol in one process (tp/select_rounds.py's, rank by rank): each
     slice's stages into its own blocks, every exchange as copies of all the slices' blocks (zeros
     once a slice's decision refused the call, as the shard's exchange does), each slice's
@@ -137,7 +137,10 @@ def split_filtered(dev, logits, offsets, params, call=21, states=None, skip=True
     fault word (``refused``). ``rounds``: a ``FilterRounds`` (fixed rounds: their blocks, and the
     TOP decision's check of the rows). ``device``: the stages and the combine read each slice's
     params from its device copy, as a captured call does. ``slice_params``: slice w's params,
-    ``slice_params[w]`` (default ``params`` on every slice; the combine takes slice 0's)."""
+    ``slice_params[w]`` (default ``params`` on every slice; the combine takes slice 0's).
+    ``drafts`` (host uint32, ``rows / (k + 1) * k`` ids) and ``k``: a sampled verify, the logits
+    its ``rows`` logit rows and ``params`` theirs (position j's at position + j); returns its cells
+    (``verify_to_feed``'s layout) instead of one id a row."""
     from types import SimpleNamespace
 
     from metrale_feed.tp.select_rounds import LIST_CAP, ROUNDS, FilteredCall
@@ -151,6 +154,8 @@ def split_filtered(dev, logits, offsets, params, call=21, states=None, skip=True
                                           max_rows=rows), own[w], rows, call, rounds) for w in range(world)]
     held = []
     slices = [upload_slice(dev, logits, offsets[w], offsets[w + 1], 0, held) for w in range(world)]
+    verify = {} if drafts is None else dict(drafts=dev.upload(np.asarray(drafts, np.uint32)), k=k)
+    held.extend([verify["drafts"]] if verify else [])
 
     def stage(name, out):
         for w, c in enumerate(calls):
@@ -160,6 +165,8 @@ def split_filtered(dev, logits, offsets, params, call=21, states=None, skip=True
                 kw.update(cands_cap=c.cap)
                 if name == "race":
                     kw.update(cands=c.cgathered, cands_world=world, cands_stride=c.cblock)
+            if verify and name in ("top", "race"):
+                kw.update(verify)
             _core._select_partial(slices[w], c.params_dev if device else own[w], getattr(c, out), c.state_buf,
                                   name, **kw)
 
@@ -193,11 +200,15 @@ def split_filtered(dev, logits, offsets, params, call=21, states=None, skip=True
                                      next=after)
     stage("race", "top")
     exchange("top", "gathered", block)
-    cells, ids, fault = mf.DeviceBuffer(rows * 4), np.zeros(rows, np.uint32), mf.PinnedBuffer(4)
+    words = rows // (k + 1) * (k + 2) if verify else rows
+    cells, ids, fault = mf.DeviceBuffer(words * 4), np.zeros(words, np.uint32), mf.PinnedBuffer(4)
     with mf.Event() as done:
+        if verify:  # the logit rows' params from the device: a sampled verify's combine reads them there
+            more = dict(params=first.params_dev, select=first.state_buf, **verify)
+        else:
+            more = dict(params=first.params_dev if device else params)
         _core._combine_partials(first.gathered, world, cells, ids, done, rows=rows, vocab=vocab, call=call,
-                                fault_dst=fault, params=first.params_dev if device else params, filtered=True,
-                                refused=None if skip else first.decided)
+                                fault_dst=fault, filtered=True, refused=None if skip else first.decided, **more)
         done.synchronize()
     words = [int(dev.download(c.decided, np.uint32, 1)[0]) for c in calls]
     if states is not None:

@@ -14,6 +14,7 @@ from metrale_feed import _core
 from metrale_feed.testing.oracle import reference_argmax
 
 from helpers.calls import pick, split, upload_slice
+from helpers.records import SELECT_ROW
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -283,9 +284,6 @@ def test_the_split_filters_decisions(host, dev, settings):
     assert not (ids == N).any()
 
 
-# mf_select_row (feed.h), as a numpy record: what a stage reads and writes back.
-SELECT_ROW = np.dtype([("floor", "<u8"), ("cut_need", "<u8"), ("top_bits", "<u4"), ("cut_key", "<u4"),
-                       ("prefix", "<u4"), ("shift", "<u4"), ("flags", "<u4"), ("list_len", "<u4")])
 
 
 def key_f32(bits):

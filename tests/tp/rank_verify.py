@@ -135,6 +135,79 @@ def WORLD_SPLIT(h):
     return h.WORLD > 1 or h.FORCE_EXCHANGE
 
 
+SAMPLED_FILTERS = (  # per row: temperature-only, candidate lists, a radix select with top_p, min_p
+    dict(),
+    dict(top_k=[5, 1, 40, 3, 0, 0], top_p=[1.0, 1.0, 0.8, 0.6, 0.9, 1.0]),
+    dict(top_k=[0, 700, 0, 0, 0, 0], top_p=[0.9, 1.0, 0.5, 1.0, 1.0, 0.99], min_p=[0.0, 0.0, 0.0, 0.1, 0.02, 0.0]),
+)
+
+
+def sampled_drafts(h, logits, rows, k, params, rng):
+    """Drafts a sampled verify judges every way: the position's argmax (mostly kept), its own draw
+    (rejected now and then, then raced without), an unlikely id, an early NO_TOKEN."""
+    n, vocab = logits.shape
+    whole = h.upload(logits)
+    own = np.zeros(n, np.uint32)
+    with mf.DeviceBuffer(n * 4) as cells, mf.Event() as done:
+        from metrale_feed.tp.verify_args import logit_row_params
+
+        mf.sample_to_feed(whole, logit_row_params(params, rows, k), cells, own, done, vocab=vocab,
+                          dtype=np.dtype(logits.dtype).name)
+        done.synchronize()
+    top = reference_argmax(logits, None, None)
+    d = np.empty((rows, k), np.uint32)
+    for r in range(rows):
+        for j in range(k):
+            lr = r * (k + 1) + j
+            d[r, j] = (top[lr], own[lr], rng.integers(0, vocab))[int(rng.integers(0, 3))]
+    d[1, 1] = mf.NO_TOKEN
+    return d
+
+
+def scenario_verify_sampled(h):
+    """Sampled rows over every split, with every kind of filter round, greedy rows and a row whose
+    zmax is infinite in the call: every rank gets the unsharded call's cells, bit for bit."""
+    vocab, rows, k = 1000, 6, K
+    n = rows * (k + 1)
+    judged = 0
+    for dtype, name, shard, rng in h.each_split(vocab, "verify-sampled", max_rows=32):
+        logits = h.nasty(rng, n, vocab, h.DTYPES[dtype], shard.offsets)
+        masks = rng.integers(0, vocab, (n, 2)).astype(np.uint32)
+        masks[::3] = mf.NO_TOKEN
+        for i, filters in enumerate(SAMPLED_FILTERS):
+            params = mf.sampling_params(rows, temperature=[0.8, 1.0, 0.0, 1.3, 1e-38, 0.6],
+                                        seed=rng.integers(0, 2**40, rows), position=rng.integers(0, 10**6, rows),
+                                        **filters)
+            drafts = sampled_drafts(h, logits, rows, k, params, rng)
+            want, _ = whole_verify(h, logits, drafts, masks, None, k, params=params)
+            before = dict(shard.stats)
+            got, *_ = sharded_verify(h, shard, logits, drafts, masks, None, k, params=params, logprobs=False,
+                                     device_drafts=bool(i % 2))
+            assert np.array_equal(got, want), (dtype, name, filters, got, want)
+            calls = shard.stats["collectives"] - before["collectives"]
+            assert (calls >= 2) == WORLD_SPLIT(h)  # TOP, the filters' rounds, RACE
+            if not filters and WORLD_SPLIT(h):  # temperature only: two 16-byte records a position
+                sent = shard.stats["bytes_sent"] - before["bytes_sent"]
+                assert calls == 2 and sent == 2 * 16 * (shard.max_rows + 2), (calls, sent)
+            judged += int(want[:, 0].sum())
+        shard.close()
+    assert judged > 0
+    # Fixed rounds (the cuda backend's only way): the same cells, the rounds' collectives each call.
+    rounds = mf.FilterRounds(top_k=64, top_p=True)
+    shard = mf.VocabShard(None, vocab, max_rows=32, filters=rounds)
+    rng = np.random.default_rng(77)
+    logits = h.nasty(rng, n, vocab, np.float32, shard.offsets)
+    for filters in SAMPLED_FILTERS[:2]:
+        params = mf.sampling_params(rows, temperature=[0.8, 1.0, 0.0, 1.3, 1e-38, 0.6], seed=5, position=9, **filters)
+        drafts = sampled_drafts(h, logits, rows, k, params, rng)
+        want, _ = whole_verify(h, logits, drafts, None, None, k, params=params)
+        before = shard.stats["collectives"]
+        got, *_ = sharded_verify(h, shard, logits, drafts, None, None, k, params=params, logprobs=False)
+        assert np.array_equal(got, want), (filters, got, want)
+        assert shard.stats["collectives"] - before == (rounds.collectives if WORLD_SPLIT(h) else 0)
+    shard.close()
+
+
 def scenario_verify_refused(h):
     """What a sharded verify refuses, before anything is queued (so every rank goes on alike)."""
     vocab, rows, k = 1000, 2, K
@@ -145,7 +218,7 @@ def scenario_verify_refused(h):
     drafts = drafts_for(logits, None, None, rows, k, vocab, rng)
     sampled = mf.sampling_params(rows, temperature=0.7, seed=1)
     cases = [
-        (FeedError, "greedy", dict(params=sampled)),
+        (FeedError, "no logprobs", dict(params=sampled)),  # sampled rows: logprobs not built
         (ValueError, "max_rows", dict(rows=3)),  # 3 * 4 logit rows > 8
     ]
     for exc, needle, kw in cases:
@@ -269,7 +342,7 @@ def scenario_verify_graph(h):
 
 
 SCENARIOS = {"verify": scenario_verify, "verify-graph": scenario_verify_graph, "verify-refused": scenario_verify_refused,
-             "verify-mismatch": scenario_verify_mismatch}
+             "verify-mismatch": scenario_verify_mismatch, "verify-sampled": scenario_verify_sampled}
 
 
 def scenario_pipeline_spec(h):

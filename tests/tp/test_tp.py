@@ -79,7 +79,7 @@ def test_the_pipeline_with_penalties_and_logprobs_over_the_split(world):
 
 
 @pytest.mark.parametrize("scenario", ["exact+exchange", "top+exchange", "top-graph+exchange",
-                                      "pipeline-penalties+exchange", "verify+exchange",
+                                      "pipeline-penalties+exchange", "verify+exchange", "verify-sampled+exchange",
                                       "pipeline-spec+exchange", "pipeline+exchange", "graph+exchange",
                                       "graph-sample+exchange", "fixed+exchange", "fixed-graph+exchange"])
 def test_a_world_of_one_through_the_exchange_equals_the_unsharded_call(scenario):
@@ -201,6 +201,11 @@ def test_a_sharded_greedy_verify_equals_the_unsharded_call_and_the_oracle(world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
+def test_a_sharded_sampled_verify_equals_the_unsharded_call(world):
+    ranks(world, "verify-sampled", timeout=400)
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_a_captured_sharded_verify_replays_on_new_logits_and_drafts_on_every_rank(world):
     ranks(world, "verify-graph")
 
@@ -211,5 +216,5 @@ def test_the_speculative_pipeline_spmd_gives_the_unsharded_greedy_tokens_on_ever
 
 
 @pytest.mark.parametrize("scenario", ["verify-refused", "verify-mismatch"])
-def test_a_sharded_verify_refuses_sampled_rows_and_faults_on_mismatched_calls(scenario):
+def test_a_sharded_verify_refuses_what_it_does_not_take_and_faults_on_mismatched_calls(scenario):
     ranks(2, scenario)

@@ -250,7 +250,12 @@ typedef struct mf_select_row {
     uint32_t shift;    /* HIST: the digit's lowest bit, 24, 16, 8, 0 */
     uint32_t flags;    /* MF_SELECT_ROW_* */
     uint32_t list_len; /* host backend: the row's list (see select_list); MF_SELECT_NO_LIST: none */
+    uint32_t draft_bits; /* a verify's draft at this position: its logit bits from the TOP records
+                          * (mf_decide_top_row), MF_VERIFY_NO_BITS when no slice holds it as a
+                          * finite candidate (or the call verifies nothing) */
+    uint32_t pad_;
 } mf_select_row;
+#define MF_VERIFY_NO_BITS 0x7FC00000u /* a quiet NaN: never a finite candidate's bits */
 #define MF_SELECT_NO_LIST 0xFFFFFFFFu
 
 
@@ -356,6 +361,17 @@ typedef struct mf_argmax_args {
     uint64_t select_cands_stride;
     const void *select_cands;
     const struct mf_penalty_args *penalties; /* NULL: none; see above */
+    /* MF_ARGS_SELECT, appended, optional (NULL): a sampled verify_to_feed over a split vocabulary
+     * (docs/tensor-parallel.md, "Verify"). rows is R * (k + 1) logit rows, logit row r * (k + 1)
+     * + j position j of row r, whose draft is mf_verify_draft_at (verify_rule.h): select_drafts
+     * holds the R rows' k drafts (device, read when the kernel runs), select_k is k. TOP then
+     * writes into its record's m word the draft's logit bits where this slice holds the draft and
+     * it is a finite candidate (else MF_VERIFY_NO_BITS); RACE, for a sampled position with a
+     * draft and a finite zmax, races without the draft and writes into the record's last 8 bytes
+     * the slice's survivors' total mass (sample_rule.h's integer masses), MF_VERIFY_SURVIVES set
+     * when the draft is this slice's and survives (verify_rule.h). No logprobs then. */
+    const uint32_t *select_drafts;
+    uint32_t select_k;
 } mf_argmax_args;
 /* Zero-fills *args (every option off) and sets its struct_size: call it first. */
 static inline void mf_argmax_args_init(mf_argmax_args *args) {
@@ -389,6 +405,13 @@ MF_EXPORT mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t st
  * verify_to_feed's layout (R * (k + 2) words, R * (k + 1) floats): each position's combined
  * argmax is the rule's id there, so a row keeps its drafts while they equal it (verify_rule.h).
  * A header fault leaves every row n = 1 with NO_TOKEN, as a row without candidates.
+ * With MF_PARTIAL_FILTERED instead (appended: select), the rows may be sampled: the blocks are the
+ * RACE blocks of a verify's select stages (mf_argmax_args.select_drafts), params are the logit
+ * rows' own (position j's at position + j), and select is this rank's state of the logit rows
+ * after those stages (device, read when the combine runs: zmax and the draft's bits). A sampled
+ * position keeps its draft with probability mass / total and otherwise emits the race without it,
+ * as the unsplit call does, bit for bit (verify_rule.h, mf_verify_sampled_combined_row). No
+ * logprobs.
  * refused (appended; device word, read when the combine runs, or NULL): a fault found before the
  * last exchange, such as a split filter's first decision (mf_select_decide's `fault`). When the
  * headers agree and it is nonzero, the combine writes what a header fault writes, with this word
@@ -417,6 +440,7 @@ typedef struct mf_combine_args {
     const uint32_t *drafts;           /* appended: MF_COMBINE_VERIFY's device drafts, else NULL */
     uint32_t k;                       /* appended: MF_COMBINE_VERIFY's drafts per row, else 0 */
     const uint32_t *refused;          /* appended: device word or NULL (below) */
+    const mf_select_row *select;      /* appended: MF_COMBINE_VERIFY with MF_PARTIAL_FILTERED (below) */
 } mf_combine_args;
 static inline void mf_combine_args_init(mf_combine_args *args) {
     memset(args, 0, sizeof *args);

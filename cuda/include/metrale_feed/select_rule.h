@@ -13,6 +13,7 @@
 
 #include "metrale_feed/feed.h"
 #include "metrale_feed/logprob_rule.h"
+#include "metrale_feed/verify_rule.h"
 
 #define MF_SELECT_ROUNDS (32u / MF_SELECT_DIGIT_BITS)
 
@@ -53,6 +54,13 @@ MF_HD uint32_t mf_top_record_digest(const mf_partial_record *rec) {
     return ((const uint32_t *)rec)[3];
 }
 
+/* A TOP record's third word: a verify's draft's logit bits from the slice that holds it as a
+ * finite candidate (mf_argmax_args.select_drafts), else MF_VERIFY_NO_BITS. */
+MF_HD uint32_t mf_top_record_draft_bits(const mf_partial_record *rec) {
+    return ((const uint32_t *)rec)[2];
+}
+
+
 /* Whether fixed rounds (`rounds`, MF_ROUNDS_*; 0: none) serve a sampled row's filters: its top_k
  * from the candidate lists, its top_p alone from top_p's radix select (min_p needs no round). */
 MF_HD int mf_rounds_serve(uint32_t rounds, const mf_sample_plan *s) {
@@ -71,12 +79,16 @@ MF_HD int mf_rounds_serve(uint32_t rounds, const mf_sample_plan *s) {
 MF_HD uint32_t mf_decide_top_row(const mf_partial_record *rec, uint32_t world, uint32_t stride, uint32_t fault,
                             const mf_sampling_params *p, uint32_t next, uint32_t rounds, mf_select_row *st,
                             mf_select_plan *plan) {
-    uint32_t best = 0, bits = rec[0].logit_bits;
+    uint32_t best = 0, bits = rec[0].logit_bits, draft_bits = MF_VERIFY_NO_BITS;
     for (uint32_t w = 0; w < world; ++w) {
         const mf_partial_record *x = rec + (uint64_t)w * stride;
         const uint32_t key = x->id == MF_NO_TOKEN ? 0u : mf_key_f32(x->logit_bits);
         if (key > best) best = key, bits = x->logit_bits; /* the first greatest: the lowest slice */
+        const uint32_t drafted = mf_top_record_draft_bits(x);
+        if (drafted != MF_VERIFY_NO_BITS) draft_bits = drafted; /* one slice holds a draft */
     }
+    st->draft_bits = draft_bits;
+    st->pad_ = 0u;
     st->floor = 0u;
     st->cut_need = 0u;
     st->list_len = MF_SELECT_NO_LIST;

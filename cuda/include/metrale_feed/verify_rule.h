@@ -132,6 +132,115 @@ MF_HD void mf_verify_resolve(const uint32_t *row_cells, uint32_t k, uint32_t *id
     *n = ok ? c : 0u;
 }
 
+/* ---- sampled rows over a split vocabulary (docs/tensor-parallel.md, "Verify") ----
+ * The select stages of the sampled call run over the R * (k + 1) logit rows, each logit row with
+ * its position's params and its draft (mf_verify_draft_at). The TOP records carry the draft's
+ * logit bits from the slice that holds it, which the first decision keeps in the row's state
+ * (draft_bits); the RACE records carry each slice's race without the draft, and in their last 8
+ * bytes the slice's survivors' total mass, bit 63 set by the slice whose draft survives. So the
+ * combine has, on every rank alike, all that the unsplit position uses: the draft's mass (from its
+ * bits and zmax), the survivors' total (an integer sum, the same in any order), and the race
+ * without the draft, the greatest packed score over the slices' winners. */
+#define MF_VERIFY_SURVIVES 0x8000000000000000ull
+
+/* The draft of logit row lr of a verify with k drafts a row: position j = lr % (k + 1) of row
+ * r = lr / (k + 1) has draft x_j while j is below the row's drafts in use, else none (its bonus
+ * position, or past an early MF_NO_TOKEN). */
+MF_HD uint32_t mf_verify_draft_at(const uint32_t *drafts, uint32_t k, uint64_t lr) {
+    const uint64_t r = lr / (k + 1u);
+    const uint32_t j = (uint32_t)(lr % (k + 1u));
+    return j < mf_verify_drafts(drafts + r * k, k) ? drafts[r * k + j] : MF_NO_TOKEN;
+}
+
+/* The draft of logit row lr in the slice [start, start + vocab) as the slice's own id: at or above
+ * vocab when the position has none, or when it is another slice's (drafts NULL: none). A TOP record
+ * carries the draft's logit bits in its third word when it is a finite candidate there, else
+ * MF_VERIFY_NO_BITS (select_rule.h, mf_top_record_draft_bits). */
+MF_HD uint32_t mf_verify_local_draft(const uint32_t *drafts, uint32_t k, uint64_t lr, uint32_t start) {
+    return drafts ? mf_verify_draft_at(drafts, k, lr) - start : MF_NO_TOKEN; /* wraps above vocab */
+}
+
+/* A RACE record's last 8 bytes (its m and s words), as the mass word of a verify. */
+MF_HD uint64_t mf_verify_mass_word(const mf_partial_record *rec) {
+    const uint32_t *w = (const uint32_t *)rec;
+    return (uint64_t)w[2] | ((uint64_t)w[3] << 32);
+}
+MF_HD void mf_verify_set_mass_word(mf_partial_record *rec, uint64_t word) {
+    uint32_t *w = (uint32_t *)rec;
+    w[2] = (uint32_t)word;
+    w[3] = (uint32_t)(word >> 32);
+}
+
+/* The race over the slices' winners: the greatest packed score (sample_rule.h's race), which is
+ * the race over the survivors every slice raced (0: none). Unlike mf_combine_pick this has no
+ * early answer for scores that are not finite: with zmax finite only the draft could have been
+ * hot, and a race without it over survivors whose scores are all -inf takes the lowest id, as the
+ * unsplit race does. */
+MF_HD uint32_t mf_verify_race_pick(const mf_partial_record *rec, uint32_t world, uint32_t stride,
+                                   const mf_sample_plan *p) {
+    uint64_t race = 0;
+    for (uint32_t w = 0; w < world; ++w) {
+        const mf_partial_record *r = rec + (uint64_t)w * stride;
+        if (!mf_record_logit_key(r)) continue;
+        const float score = mf_fadd(mf_scaled(r->logit_bits, p->inv_t), mf_gumbel(p->seed, p->position, r->id));
+        race = mf_pack_max(race, mf_pack(mf_key_f32(mf_to_bits(score)), r->id));
+    }
+    return mf_unpack_id(race);
+}
+
+/* One position of a row verified over a split vocabulary: its RACE records `rec`, its params (at
+ * its position), this rank's state there, its draft x (MF_NO_TOKEN: the bonus position). Returns
+ * whether x is accepted; else *emit is the position's own id: what the unsplit verify decides. */
+MF_HD int mf_verify_sampled_position(const mf_partial_record *rec, uint32_t world, uint32_t stride,
+                                     const mf_sampling_params *params, const mf_select_row *st, uint32_t x,
+                                     uint32_t *emit) {
+    const mf_sample_plan p = mf_plan_sampling(params);
+    if (p.greedy) { /* a greedy row of the call: its RACE records are argmax partials */
+        *emit = mf_combine_pick(rec, world, stride, 0);
+        return mf_verify_accepts(1, *emit, x, 0u, 0u, 0u, 0u);
+    }
+    *emit = mf_combine_pick(rec, world, stride, &p); /* sample_to_feed's draw there */
+    if (x == MF_NO_TOKEN) return 0;
+    if (!(st->flags & MF_SELECT_ROW_TOP)) { /* no candidate at all */
+        *emit = MF_NO_TOKEN;
+        return 0;
+    }
+    const float zmax = mf_scaled(st->top_bits, p.inv_t);
+    if (!mf_finite_bits(mf_to_bits(zmax))) /* exact: the draw is the top, no slice left the draft out */
+        return mf_verify_accepts(1, *emit, x, 0u, 0u, 0u, 0u);
+    uint64_t total = 0;
+    int survives = 0;
+    for (uint32_t w = 0; w < world; ++w) {
+        const uint64_t word = mf_verify_mass_word(rec + (uint64_t)w * stride);
+        survives |= (word & MF_VERIFY_SURVIVES) != 0u;
+        total += word & ~MF_VERIFY_SURVIVES;
+    }
+    const uint64_t mass_x = survives ? mf_survivor_mass(st->draft_bits, p.inv_t, zmax) : 0u;
+    if (mf_verify_accepts(0, MF_NO_TOKEN, x, p.seed, p.position, mass_x, total)) return 1;
+    *emit = mf_verify_race_pick(rec, world, stride, &p); /* the race without the draft */
+    return 0;
+}
+
+/* A row of a sampled verify over a split vocabulary (MF_COMBINE_VERIFY with MF_PARTIAL_FILTERED):
+ * position j's records rec[j], params[j] and state st[j]; `fault`: every position then has no
+ * candidate (n = 1, MF_NO_TOKEN), as mf_verify_combined_row writes. */
+MF_HD void mf_verify_sampled_combined_row(const mf_partial_record *rec, uint32_t world, uint32_t stride,
+                                          uint32_t fault, const mf_sampling_params *params,
+                                          const mf_select_row *st, const uint32_t *x, uint32_t k,
+                                          uint32_t *row_cells) {
+    const uint32_t d = mf_verify_drafts(x, k);
+    uint32_t n = 0;
+    for (uint32_t j = 0; j <= d; ++j) {
+        const uint32_t draft = j < d ? x[j] : MF_NO_TOKEN;
+        uint32_t emit = MF_NO_TOKEN;
+        const int accepted = !fault && mf_verify_sampled_position(rec + j, world, stride, &params[j], &st[j], draft, &emit);
+        row_cells[1u + n++] = accepted ? draft : emit;
+        if (!accepted) break;
+    }
+    row_cells[0] = n;
+    for (uint32_t i = n; i < k + 1u; ++i) row_cells[1u + i] = MF_NO_TOKEN;
+}
+
 /* A greedy row verified over a split vocabulary (mf_combine_partials with MF_COMBINE_VERIFY): its
  * position j's records are rec[j] (block 0; block w's `stride` records further), whose combined
  * argmax is the rule's id t_j there, exactly as the unsplit argmax. The row keeps drafts x_j == t_j

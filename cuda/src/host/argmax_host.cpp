@@ -12,6 +12,7 @@
 #include "kernels.hpp"
 #include "metrale_feed/logprob_rule.h"
 #include "metrale_feed/select_rule.h"
+#include "metrale_feed/verify_rule.h"
 #include "queue.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -346,17 +347,29 @@ void run_argmax(const ArgmaxJob &job) {
                                list_of(a, r), a.select_list_cap, cands);
                 continue;
             }
-            uint32_t id = a.vocab == 0 ? MF_NO_TOKEN
-                          : !sampled   ? (stage == MF_SELECT_TOP ? MF_NO_TOKEN : row_fn(row, a.dtype, a.vocab, &rule))
-                          : stage      ? select_row(row, a.dtype, a.vocab, &rule, params[r], vector, start, stage,
-                                                    a.select[r], nullptr, list_of(a, r), a.select_list_cap, cands)
-                                       : sample_row(row, a.dtype, a.vocab, &rule, params[r], vector, start);
-            if (stage == MF_SELECT_TOP) {  // the candidate, then the params' digest (select_rule.h)
+            // A sampled verify's RACE (select_drafts): the race without the position's draft, and
+            // the slice's survivors' mass in the record's last 8 bytes (verify_rule.h).
+            const bool verify_race = stage == MF_SELECT_RACE && a.select_drafts;
+            uint64_t mass = 0;
+            uint32_t id = a.vocab == 0   ? MF_NO_TOKEN
+                          : !sampled     ? (stage == MF_SELECT_TOP ? MF_NO_TOKEN : row_fn(row, a.dtype, a.vocab, &rule))
+                          : verify_race  ? verify_race_row(row, a.dtype, a.vocab, &rule, params[r], vector, start,
+                                                           a.select[r], list_of(a, r), a.select_list_cap, cands,
+                                                           mf_verify_draft_at(a.select_drafts, a.select_k, r), &mass)
+                          : stage        ? select_row(row, a.dtype, a.vocab, &rule, params[r], vector, start, stage,
+                                                      a.select[r], nullptr, list_of(a, r), a.select_list_cap, cands)
+                                         : sample_row(row, a.dtype, a.vocab, &rule, params[r], vector, start);
+            if (stage == MF_SELECT_TOP) {  // the candidate, a verify's draft bits, the params' digest (select_rule.h)
                 records[r] = mf_partial_record{id == MF_NO_TOKEN ? MF_NO_TOKEN : start + id,
                                                id == MF_NO_TOKEN ? 0u : mf_logit_bits(row, (int)a.dtype, id),
                                                0.0f, 0.0f};
-                const uint32_t digest = mf_params_digest(&params[r]);
-                std::memcpy(&records[r].sum, &digest, 4);
+                const uint32_t draft = mf_verify_local_draft(a.select_drafts, a.select_k, r, start);
+                uint32_t draft_bits = MF_VERIFY_NO_BITS;
+                if (draft < a.vocab && draft != rule.m0 && draft != rule.m1 && mf_bit_allowed(rule.bits, draft) &&
+                    mf_finite_bits(mf_logit_bits(row, (int)a.dtype, draft)))
+                    draft_bits = mf_logit_bits(row, (int)a.dtype, draft);  // a finite candidate of this slice
+                const uint32_t words[2] = {draft_bits, mf_params_digest(&params[r])};
+                std::memcpy(&records[r].max, words, 8);
                 continue;
             }
             if (!partial) {
@@ -372,6 +385,7 @@ void run_argmax(const ArgmaxJob &job) {
             records[r] = mf_partial_record{id == MF_NO_TOKEN ? MF_NO_TOKEN : start + id,
                                            id == MF_NO_TOKEN ? 0u : mf_logit_bits(row, (int)a.dtype, id),
                                            st.m, (float)st.s};
+            if (verify_race) mf_verify_set_mass_word(&records[r], mass);  // no logprobs there (feed.h)
         }
     });
     if (pen) {  // the update, with this pick's ids

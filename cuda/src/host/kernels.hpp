@@ -99,6 +99,12 @@ struct CandsView {
 uint32_t select_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
                     const mf_sampling_params &p, bool vector, uint32_t base, uint32_t stage,
                     mf_select_row &st, uint64_t *bins, uint32_t *list, uint32_t list_cap, CandsView cands);
+// A RACE stage's row of a sampled verify (mf_argmax_args.select_drafts): select_row's race without
+// the draft x (global id, or MF_NO_TOKEN), and *mass the slice's survivors' total mass with
+// MF_VERIFY_SURVIVES when x is this slice's and survives (verify_rule.h).
+uint32_t verify_race_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
+                         const mf_sampling_params &params, bool vector, uint32_t base, mf_select_row &st,
+                         uint32_t *list_ids, uint32_t list_cap, CandsView cands, uint32_t x, uint64_t *mass);
 // A CANDS stage's row: the slice's greatest min(top_k, count) candidates (global ids, the rule's
 // order) in out[0, cap), padded with MF_NO_TOKEN.
 void cands_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,

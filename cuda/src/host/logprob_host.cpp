@@ -106,11 +106,20 @@ void run_combine(const CombineJob &job) {
                                                              a.rows, a.call, a.vocab),
                                             a.refused);
     *a.fault = fault;
-    if (a.flags & MF_COMBINE_VERIFY) {  // a greedy verify over a split vocabulary (verify_rule.h)
+    if (a.flags & MF_COMBINE_VERIFY) {  // a verify over a split vocabulary (verify_rule.h)
         const uint32_t k = a.k, rows = a.rows / (k + 1);
-        for (uint32_t r = 0; r < rows; ++r)
-            mf_verify_combined_row(records_of(a, r * (k + 1)), a.world, a.slice_stride, fault, a.drafts + (size_t)r * k,
-                                   k, a.cells + (size_t)r * (k + 2), a.logprobs ? a.logprobs + (size_t)r * (k + 1) : nullptr);
+        const mf_sampling_params *params = job.row_params();  // the logit rows' own; device: read now
+        for (uint32_t r = 0; r < rows; ++r) {
+            const size_t first = (size_t)r * (k + 1);
+            uint32_t *cells = a.cells + (size_t)r * (k + 2);
+            if (a.op == MF_PARTIAL_FILTERED)
+                mf_verify_sampled_combined_row(records_of(a, (uint32_t)first), a.world, a.slice_stride, fault,
+                                               params + first, a.select + first, a.drafts + (size_t)r * k, k, cells);
+            else
+                mf_verify_combined_row(records_of(a, (uint32_t)first), a.world, a.slice_stride, fault,
+                                       a.drafts + (size_t)r * k, k, cells,
+                                       a.logprobs ? a.logprobs + first : nullptr);
+        }
         return;
     }
     const mf_sampling_params *params = job.row_params();  // device ones: read now, at run time

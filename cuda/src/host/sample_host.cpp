@@ -19,6 +19,7 @@
 #include "kernels.hpp"
 #include "metrale_feed/logprob_rule.h"
 #include "metrale_feed/sample_rule.h"
+#include "metrale_feed/verify_rule.h"
 #include "vec_exp.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -919,6 +920,36 @@ uint64_t survivor_mass(const void *row, mf_dtype dtype, uint32_t vocab, const mf
         total += w;
     });
     return total;
+}
+
+// A RACE stage's row of a sampled verify over a split vocabulary (mf_argmax_args.select_drafts,
+// verify_rule.h): select_row's race, but without the position's draft x (a global id; MF_NO_TOKEN:
+// none, the bonus position), and into *mass the slice's survivors' total mass, MF_VERIFY_SURVIVES
+// set when x is this slice's and survives. A row whose zmax is not finite draws its top as
+// select_row does, draft or not, and sends no mass (the combine needs none there).
+uint32_t verify_race_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule,
+                         const mf_sampling_params &params, bool vector, uint32_t base, mf_select_row &st,
+                         uint32_t *list_ids, uint32_t list_cap, CandsView cands, uint32_t x, uint64_t *mass) {
+    *mass = 0;
+    uint32_t id = select_row(row, dtype, vocab, rule, params, vector, base, MF_SELECT_RACE, st, nullptr, list_ids,
+                             list_cap, cands);  // st.floor now holds the slice's whole threshold
+    if (x == MF_NO_TOKEN || !(st.flags & MF_SELECT_ROW_TOP)) return id;
+    const mf_sample_plan p = mf_plan_sampling(&params);
+    const float zmax = mf_scaled(st.top_bits, p.inv_t);
+    if (!mf_finite_bits(mf_to_bits(zmax))) return id;
+    row = widened(row, &dtype, vocab, &vector);
+    const RowView v{row, (int)dtype, vocab, rule, p.inv_t, base};
+    const SampleTarget slice{0u, zmax, st.floor};
+    *mass = survivor_mass(row, dtype, vocab, rule, params, slice, vector);
+    const uint32_t local = x - base;  // wraps above vocab for a draft below the slice
+    uint32_t bits;
+    if (local < vocab && v.candidate(local, &bits) && mf_survives(bits, local, st.floor, &p, zmax))
+        *mass |= MF_VERIFY_SURVIVES;
+    if (id != local || local >= vocab) return id;  // the winner is not the draft: it wins without it too
+    Race race{v, p, zmax, st.floor, 0u, mf_neg_inf()};
+    for (uint32_t i = 0; i < vocab; ++i)
+        if (i != local) race.offer(i);
+    return race.best ? mf_unpack_id(race.best) : MF_NO_TOKEN;
 }
 
 }  // namespace mf::host

@@ -71,12 +71,12 @@ def filters_of(params: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             sampled & (params["min_p"] > 0) & (params["min_p"] < 1))
 
 
-def call_word(counter: int, params: np.ndarray | None) -> int:
+def call_word(counter: int, params: np.ndarray | None, tag: bytes = b"") -> int:
     """The call counter with a digest of the params above it: what the first exchange's header
     carries, so that ranks with other params (so other rounds) see the difference there. None:
     device params, which the host cannot read (one digest for all of them: a rank with host params
-    still differs)."""
-    data = b"device params" if params is None else params.tobytes()
+    still differs). ``tag``: what else the ranks must agree on (a verify's k)."""
+    data = (b"device params" if params is None else params.tobytes()) + tag
     digest = int.from_bytes(hashlib.blake2b(data, digest_size=4).digest(), "little")
     return (counter & 0xFFFFFFFF) | ((digest | 0x80000000) << 32)
 

@@ -387,12 +387,23 @@ class VocabShard:
             from . import verify_args
 
             v = verify_args.check(self, logits, drafts, cells, dst, k, params, draft_probs,
-                                  logprobs, logprobs_dst, rows)
+                                  logprobs, logprobs_dst, rows, advance)
             handle, capturing = self._stream_check(stream)
             if capturing and v.host_drafts is not None:
                 raise ValueError("a captured sharded verify_to_feed needs device drafts (a replay "
                                  "reads them where they are)")
             upload = _core.DeviceBuffer(v.host_drafts.nbytes) if v.host_drafts is not None else None
+            if v.sampled is not None:  # sampled rows: a sampled call's rounds, with the drafts
+                try:
+                    if upload is not None:  # before the first stage, which reads them
+                        _core.copy_h2d_async(upload, v.host_drafts, stream)
+                    self._call_filtered(logits, masks, v.sampled, cells, dst, event, stream, v.logit_rows, dtype,
+                                        row_stride, bitmask, None, None, handle, capturing, False,
+                                        verify=(drafts if upload is None else upload, v.k))
+                finally:
+                    if upload is not None:
+                        upload.close()  # freed once the stream has passed the work that reads it
+                return v.rows
             counter = self._calls + 1
             call = verify_args.call_word(counter, v.k)  # a plain argmax's header differs
             kw = dict(start=self.start, stop=self.stop, vocab=self.vocab, dtype=dtype, call=call,
@@ -591,25 +602,30 @@ class VocabShard:
     def _call_filtered(self, logits: Any, masks: Any, params: Any, cells: Any, dst: Any, event: Any,
                        stream: Any, n: int, dtype: Any, row_stride: Any, bitmask: Any,
                        logprobs: Any, logprobs_dst: Any, handle: int, capturing: bool,
-                       device_params: bool) -> int:
+                       device_params: bool, verify: tuple[Any, int] | None = None) -> int:
         """A sampled call with top_k, top_p or min_p (or any sampled call, with fixed rounds):
         the rounds of select_rounds, then the ordinary combine of the race winners. With fixed
         rounds the params, host or device ones, are copied into the call's own buffer in stream
         order, which every stage, decision and the combine read when they run (so a call with
-        device params is capturable)."""
+        device params is capturable). ``verify``: (device drafts, k) of a sampled verify over
+        ``n`` logit rows (``params`` theirs): its first and last stages take the drafts, and the
+        combine verifies (verify_rule.h)."""
         from . import select_rounds
 
         fixed = self.filters
         if fixed is None and self._nccl:
             # NCCL's collectives are issued at queue time: rounds that followed each rank's params
             # would differ between ranks whose params do (docs/tensor-parallel.md).
-            raise FeedError("sharded top_k, top_p and min_p on the cuda backend need rounds of one shape: "
+            what = "a verify with sampled rows" if verify else "top_k, top_p and min_p"
+            raise FeedError(f"sharded {what} on the cuda backend need rounds of one shape: "
                             "make the shard with filters=FilterRounds(top_k=..., top_p=...)")
         if capturing and not device_params:
             raise ValueError("a captured sharded sample_to_feed takes device params (a replay would "
                              "reuse the capture's seeds and positions)")
         # Fixed rounds: the params' place and values are in each row's digest instead (TOP records).
-        call = select_rounds.call_word(self._calls + 1, None if device_params or fixed else params[:n])
+        # A verify's word differs from a plain sampled call's, and by k.
+        call = select_rounds.call_word(self._calls + 1, None if device_params or fixed else params[:n],
+                                       b"" if verify is None else b"verify k=%d" % verify[1])
         ring = self._rings.get(_FILTERED) if fixed is not None else None
         if ring:  # a completed call's (done, rounds): the ring holds fixed rounds only
             done, rounds = ring.pop()
@@ -634,6 +650,8 @@ class VocabShard:
                 if stage == "race":
                     lists.update(cands=rounds.cgathered, cands_world=self.world,
                                  cands_stride=rounds.cblock)
+            if verify is not None and stage in ("top", "race"):
+                lists.update(drafts=verify[0], k=verify[1])
             _core._select_partial(logits, read, partials, rounds.state_buf, stage, stream,
                                   id_list=rounds.id_list, list_cap=select_rounds.LIST_CAP,
                                   logprobs=stage == "race" and logprobs is not None, **lists, **kw)
@@ -645,11 +663,13 @@ class VocabShard:
 
         try:
             rounds.queue(stream, launch)
+            # A verify's combine reads the logit rows' params from the call's copy, and its state.
+            more = {} if verify is None else dict(drafts=verify[0], k=verify[1], select=rounds.state_buf)
             _core._combine_partials(rounds.gathered, self.world, cells, dst, None, stream, rows=n,
                                     vocab=self.vocab, call=call, fault_dst=rounds.fault_word,
-                                    params=read, logprobs=logprobs, logprobs_dst=logprobs_dst,
-                                    slice_stride=self._block // _RECORD_BYTES, filtered=True,
-                                    refused=rounds.decided)
+                                    params=read if verify is None else rounds.params_dev, logprobs=logprobs,
+                                    logprobs_dst=logprobs_dst, slice_stride=self._block // _RECORD_BYTES,
+                                    filtered=True, refused=rounds.decided, **more)
         except BaseException as exc:
             if not queued:  # refused before any collective, after the params' copy was queued
                 if fixed is None:  # closed (a buffer that queued work reads is freed once it has run)

@@ -1,8 +1,9 @@
 """The arguments of a sharded ``verify_to_feed``, checked before anything is queued
-(docs/tensor-parallel.md, "Verify"). Only greedy rows are verified over a split vocabulary: their
-rule at a position is the argmax, which the greedy call's one exchange already combines exactly.
-A sampled row's acceptance needs its survivors' total mass against the global maximum, a second
-round that is not built; it is refused here, with one-hot drafts' ``draft_probs`` alongside."""
+(docs/tensor-parallel.md, "Verify"). Greedy rows take the greedy call's one exchange: their rule
+at a position is the argmax, which it combines exactly. A call with sampled rows takes the rounds
+of a sampled call over its ``rows * (k + 1)`` logit rows, with the drafts in their first and last
+stages (verify_rule.h): host params (their positions advance with j here), one-hot drafts, no
+logprobs and no device ``advance``, which are refused here."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class VerifyCall:
     rows: int
     logit_rows: int
     host_drafts: np.ndarray | None  # None: device drafts, read when the combine runs
+    sampled: np.ndarray | None  # a call with sampled rows: the logit rows' params; None: greedy
 
 
 def _index(value: Any, what: str) -> int:
@@ -41,23 +43,38 @@ def _index(value: Any, what: str) -> int:
     return int(value)
 
 
-def _greedy_only(params: Any, draft_probs: Any) -> None:
+def _sampled(params: Any, draft_probs: Any, logprobs: Any, advance: Any) -> bool:
+    """Whether the call has sampled rows; refuses what a split verify does not take."""
     from .shard import _device_params
 
     if draft_probs is not None:
         raise FeedError("a sharded verify_to_feed takes one-hot drafts (draft_probs is not built "
                         "over a split vocabulary yet)")
     if params is None:
-        return
+        return False
     if _device_params(params):
-        raise FeedError("a sharded verify_to_feed takes host params (its rows must be greedy; a "
-                        "sampled row is not built over a split vocabulary yet)")
+        raise FeedError("a sharded verify_to_feed takes host params (device ones are not built over "
+                        "a split vocabulary yet)")
     if not isinstance(params, np.ndarray) or params.dtype != SAMPLING_PARAMS_DTYPE:
         raise ValueError("params must be SAMPLING_PARAMS_DTYPE records")
     t = params["temperature"]
-    if np.any((t > 0) & (t <= _MAX_F32)):
-        raise FeedError("a sharded verify_to_feed verifies greedy rows (temperature 0) only: "
-                        "sampled rows are not built over a split vocabulary yet")
+    if not np.any((t > 0) & (t <= _MAX_F32)):
+        return False
+    if logprobs is not None:
+        raise FeedError("a sharded verify_to_feed with sampled rows has no logprobs yet (its records "
+                        "carry the survivors' masses)")
+    if advance is not None:
+        raise FeedError("a sharded verify_to_feed with sampled rows takes its positions from the params "
+                        "(a device advance is not built over a split vocabulary yet)")
+    return True
+
+
+def logit_row_params(params: np.ndarray, rows: int, k: int) -> np.ndarray:
+    """The params of the ``rows * (k + 1)`` logit rows: row r's at position + j for its position j
+    (mod 2**32, as the counter is), what the stages and the combine of a split verify read."""
+    out = np.repeat(params[:rows], k + 1)
+    out["position"] += np.tile(np.arange(k + 1, dtype=np.uint32), rows)
+    return out
 
 
 def _host_drafts(drafts: Any, vocab: int) -> np.ndarray | None:
@@ -80,14 +97,14 @@ def _host_drafts(drafts: Any, vocab: int) -> np.ndarray | None:
 
 
 def check(shard: Any, logits: Any, drafts: Any, cells: Any, dst: Any, k: Any, params: Any,
-          draft_probs: Any, logprobs: Any, logprobs_dst: Any, rows: Any) -> VerifyCall:
+          draft_probs: Any, logprobs: Any, logprobs_dst: Any, rows: Any, advance: Any = None) -> VerifyCall:
     """Every check of a sharded verify, before anything is queued."""
     from .shard import _precheck_host
 
     k = _index(k, "k")
     if not 1 <= k <= _core.MAX_DRAFTS:
         raise ValueError(f"k must be in [1, {_core.MAX_DRAFTS}], not {k}")
-    _greedy_only(params, draft_probs)
+    sampled = _sampled(params, draft_probs, logprobs, advance)
     host = _host_drafts(drafts, shard.vocab)
     if rows is None:
         if hasattr(logits, "shape") and len(logits.shape) == 2:
@@ -118,4 +135,6 @@ def check(shard: Any, logits: Any, drafts: Any, cells: Any, dst: Any, k: Any, pa
             raise ValueError(f"{what} holds {buf.nbytes} bytes; {words * 4} are needed")
     if logprobs_dst is not None and logprobs is None:
         raise ValueError("logprobs_dst needs logprobs (the device buffer it is copied from)")
-    return VerifyCall(k, rows, logit_rows, host)
+    if sampled and len(params) < rows:
+        raise ValueError(f"params hold {len(params)} records; {rows} rows need {rows}")
+    return VerifyCall(k, rows, logit_rows, host, logit_row_params(params, rows, k) if sampled else None)

@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kThreads)
         logprobs[r] = mf_logprob_finish(id, bits, m, s);
         return;
     }
-    if (top) {  // a select's TOP record: the candidate; the stage wrote the free words (select_rule.h)
+    if (top) {  // the candidate; the stage wrote the free words (select_rule.h, verify_rule.h)
         records[r].id = id == MF_NO_TOKEN ? MF_NO_TOKEN : header.start + id;
         records[r].logit_bits = bits;
     } else {
@@ -96,17 +96,22 @@ __global__ void mf_combine_kernel(const mf_partial_record *first, const mf_parti
 // A greedy verify over a split vocabulary (MF_COMBINE_VERIFY): one thread per verified row, each
 // walking its k + 1 positions' records in order (verify_rule.h), as the host backend does.
 __global__ void mf_combine_verify_kernel(const mf_partial_record *first, const mf_partial_header *headers,
-                                         uint32_t world, uint32_t stride, uint32_t rows, uint64_t call,
+                                         uint32_t world, uint32_t stride, uint32_t rows, uint32_t op, uint64_t call,
                                          uint32_t vocab, const uint32_t *drafts, uint32_t k, uint32_t *cells,
-                                         float *logprobs, uint32_t *fault, const uint32_t *refused) {
+                                         float *logprobs, uint32_t *fault, const uint32_t *refused,
+                                         const mf_sampling_params *params, const mf_select_row *select) {
     const uint32_t r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows / (k + 1)) return;
     const uint32_t f = mf_combine_fault(
-        mf_check_headers(headers, world, stride, mf_partial_op(MF_PARTIAL_ARGMAX, logprobs != nullptr), rows, call, vocab),
-        refused);
+        mf_check_headers(headers, world, stride, mf_partial_op(op, logprobs != nullptr), rows, call, vocab), refused);
     if (r == 0) *fault = f;
-    mf_verify_combined_row(first + (uint64_t)r * (k + 1), world, stride, f, drafts + (uint64_t)r * k, k,
-                           cells + (uint64_t)r * (k + 2), logprobs ? logprobs + (uint64_t)r * (k + 1) : nullptr);
+    const uint64_t lr = (uint64_t)r * (k + 1);
+    if (op == MF_PARTIAL_FILTERED)  // sampled rows: the RACE records of a verify's stages
+        mf_verify_sampled_combined_row(first + lr, world, stride, f, params + lr, select + lr,
+                                       drafts + (uint64_t)r * k, k, cells + (uint64_t)r * (k + 2));
+    else
+        mf_verify_combined_row(first + lr, world, stride, f, drafts + (uint64_t)r * k, k, cells + (uint64_t)r * (k + 2),
+                               logprobs ? logprobs + lr : nullptr);
 }
 
 }  // namespace
@@ -115,8 +120,10 @@ cudaError_t launch_logprob_stats(const mf_argmax_args &a, cudaStream_t stream) {
     const uint64_t esize = a.dtype == MF_DTYPE_F32 ? 4u : 2u;
     const bool partial = a.flags & MF_ARGS_PARTIAL;
     const IdSink sink = id_sink(a);
-    // A select's TOP records: the candidate, no stats; the stage wrote their free words (select_rule.h).
-    const bool top = (a.flags & MF_ARGS_SELECT) && a.select_stage == MF_SELECT_TOP;
+    // A select's TOP records, and a sampled verify's RACE records: the candidate, no stats; the
+    // stage wrote their free words (select_rule.h, verify_rule.h).
+    const bool top = (a.flags & MF_ARGS_SELECT) &&
+                     (a.select_stage == MF_SELECT_TOP || (a.select_stage == MF_SELECT_RACE && a.select_drafts));
     const bool stats = (!partial || (a.flags & MF_ARGS_PARTIAL_LOGPROBS)) && !top;
     mf_partial_header h{};
     mf_partial_record *records = nullptr;
@@ -136,9 +143,11 @@ cudaError_t launch_combine(const mf_combine_args &a, cudaStream_t stream) {
     // Device params are read by the kernel when it runs (a graph's replay sees their new values).
     if (a.flags & MF_COMBINE_VERIFY) {
         const uint32_t n = a.rows / (a.k + 1);
+        // A sampled verify's params are device ones (api_kernels.cpp), read when the kernel runs.
         MF_LAUNCH((n + 127) / 128, 128, 0, stream, mf_combine_verify_kernel)(first, headers, a.world, a.slice_stride,
-                                                                     a.rows, a.call, a.vocab, a.drafts, a.k,
-                                                                     a.cells, a.logprobs, a.fault, a.refused);
+                                                                     a.rows, a.op, a.call, a.vocab, a.drafts, a.k,
+                                                                     a.cells, a.logprobs, a.fault, a.refused,
+                                                                     a.params, a.select);
         return cudaGetLastError();
     }
     const mf_sampling_params *dparams = (a.flags & MF_COMBINE_PARAMS_DEVICE) ? a.params : nullptr;

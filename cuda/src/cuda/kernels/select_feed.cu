@@ -12,6 +12,7 @@
 
 #include "cuda/kernels.hpp"
 #include "metrale_feed/select_rule.h"
+#include "metrale_feed/verify_rule.h"
 #include "sample_block.cuh"
 
 namespace mf {
@@ -42,6 +43,8 @@ struct SelectStage {
     uint64_t cands_stride;
     mf_partial_header *header;     // HIST, CANDS: written by the first row's block (NULL: another launch's)
     mf_partial_header h;
+    const uint32_t *drafts;        // a sampled verify's drafts (select_drafts; NULL: none), k a row
+    uint32_t k, row0;              // row0: this launch's first logit row
 };
 
 // The cut at `key` (select_rule.h): the lowest-id candidates at `key`, at or above `floor`, while
@@ -140,9 +143,16 @@ __global__ void __launch_bounds__(kThreads)
     const mf_sample_plan p = mf_plan_sampling(params);
     const bool sampled = s.vocab && !p.greedy;  // uniform across the block, as every branch below
     if (s.header && r == 0 && threadIdx.x == 0) *s.header = s.h;
+    // A sampled verify's draft at this position, as this slice's id (>= vocab: none here).
+    const uint32_t draft = mf_verify_local_draft(s.drafts, s.k, (uint64_t)s.row0 + r, s.start);
     if (s.stage == MF_SELECT_TOP && threadIdx.x == 0) {  // the record's free words (select_rule.h)
-        s.ids[4 * (uint64_t)r + 2] = 0u;
+        uint32_t bits;
+        s.ids[4 * (uint64_t)r + 2] = draft < s.vocab && row.candidate(draft, &bits) ? bits : MF_VERIFY_NO_BITS;
         s.ids[4 * (uint64_t)r + 3] = mf_params_digest(params);
+    }
+    if (s.stage == MF_SELECT_RACE && s.drafts && threadIdx.x == 0) {  // a verify's mass word: none yet
+        s.ids[4 * (uint64_t)r + 2] = 0u;
+        s.ids[4 * (uint64_t)r + 3] = 0u;
     }
     if (s.stage == MF_SELECT_CANDS) {
         const bool listed = sampled && (s.select[r].flags & MF_SELECT_ROW_CANDS);
@@ -200,7 +210,31 @@ __global__ void __launch_bounds__(kThreads)
         return;
     }
     const uint64_t top = top_and_count(row).top;
-    const uint32_t id = top ? race_row(row, p, top, zmax, st.floor) : MF_NO_TOKEN;
+    uint32_t id = top ? race_row(row, p, top, zmax, st.floor) : MF_NO_TOKEN;
+    if (s.drafts && s.stage == MF_SELECT_RACE) {  // a sampled verify's race (verify_rule.h)
+        uint64_t mass = 0;
+        if (mf_verify_draft_at(s.drafts, s.k, (uint64_t)s.row0 + r) != MF_NO_TOKEN && (st.flags & MF_SELECT_ROW_TOP) &&
+            mf_finite_bits(mf_to_bits(zmax))) {
+            for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {  // the slice's survivors' total mass
+                uint32_t bits;
+                if (row.candidate(i, &bits) && mf_survives(bits, i, st.floor, &p, zmax))
+                    mass += mf_survivor_mass(bits, p.inv_t, zmax);
+            }
+            mass = block_reduce(mass, false);
+            uint32_t bits;
+            if (draft < row.vocab && row.candidate(draft, &bits) && mf_survives(bits, draft, st.floor, &p, zmax))
+                mass |= MF_VERIFY_SURVIVES;
+            if (id == draft && draft < row.vocab) {  // the winner is the draft: the race again without it
+                const uint32_t top_id = mf_unpack_id(top);
+                id = block_race(row, p, top_id, mf_scaled(mf_logit_bits(row.logits, row.dtype, top_id), p.inv_t), zmax,
+                                st.floor, draft);
+            }
+        }
+        if (threadIdx.x == 0) {  // (after the zeros above, by the same thread)
+            s.ids[4 * (uint64_t)r + 2] = (uint32_t)mass;
+            s.ids[4 * (uint64_t)r + 3] = (uint32_t)(mass >> 32);
+        }
+    }
     if (threadIdx.x == 0) s.ids[4 * (uint64_t)r] = id;
 }
 
@@ -255,7 +289,7 @@ cudaError_t launch_select_stage(const mf_argmax_args &a, cudaStream_t stream) {
                             a.select_cands_cap, a.select_cands_world, cands ? cands + row0 * cands_row : nullptr,
                             a.select_cands_stride,
                             row0 == 0 && payload_row ? static_cast<mf_partial_header *>(a.partials) : nullptr,
-                            mf_partial_call_header(&a, true)};
+                            mf_partial_call_header(&a, true), a.select_drafts, a.select_k, row0};
         MF_LAUNCH(n, kThreads, 0, stream, mf_select_stage_kernel)(s, in);
         cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;

@@ -1,0 +1,145 @@
+"""A sampled ``verify_to_feed`` over a split vocabulary through the whole protocol in one process
+(helpers.calls.split_filtered with drafts: every slice's TOP stage with the drafts' logit bits,
+the exchanges as copies, every slice's decisions, the RACE stage without the drafts and with the
+slices' survivors' masses, then the verify combine): the unsharded ``verify_to_feed``'s cells, bit
+for bit, for every split, on host and simt, with and without filters; and the checks of the new
+arguments (docs/tensor-parallel.md, "Verify")."""
+
+import numpy as np
+import pytest
+
+import metrale_feed as mf
+from metrale_feed import _core
+
+from helpers.calls import split_filtered
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+NO = mf.NO_TOKEN
+SPLITS = (lambda v: [0, v], lambda v: [0, v // 2, v], lambda v: [0, 1, v // 3, v // 3, v],
+          lambda v: [0, 700, 1900, v])
+FILTERS = {  # per verified row: rows of one call mix them
+    "temperature": {},
+    "top_k lists": dict(top_k=[5, 1, 40, 3, 200, 2]),
+    "top_k radix + top_p": dict(top_k=[1500, 1200, 0, 1700, 1030, 0], top_p=[0.8, 0.95, 0.6, 1.0, 0.5, 0.9]),
+    "everything": dict(top_k=[0, 7, 1500, 0, 30, 2000], top_p=[0.9, 1.0, 0.7, 0.5, 0.8, 0.95],
+                       min_p=[0.05, 0.0, 0.01, 0.2, 0.0, 0.001]),
+}
+ROWS, K, VOCAB = 6, 3, 3000
+
+
+def expanded(params, k):
+    """The logit rows' params: row r's at position + j for its position j (what the stages and the
+    combine of a split verify read)."""
+    out = np.repeat(params, k + 1)
+    out["position"] += np.tile(np.arange(k + 1, dtype=np.uint32), len(params))
+    return out
+
+
+def case(seed, name, dtype):
+    """Logits, drafts and params of ROWS rows of K drafts: flat and peaked rows, ties across slice
+    boundaries, NaN and -inf logits, one greedy row and one whose temperature makes zmax infinite
+    (its draw is the top); the drafts mix likely ids, the rows' own draws (a rejected draft that is
+    the race's winner: the race without it), non-candidates and an early NO_TOKEN."""
+    rng = np.random.default_rng(seed)
+    n = ROWS * (K + 1)
+    x = (rng.standard_normal((n, VOCAB)) * rng.choice([1.0, 4.0], (n, 1))).astype(np.float32)
+    x[0:4, 690:710] = 5.0                   # ties at the top across a slice boundary
+    x[4, rng.integers(0, VOCAB, 40)] = -np.inf
+    x[5, rng.integers(0, VOCAB, 40)] = np.nan
+    x = x.astype({"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype])
+    params = mf.sampling_params(ROWS, temperature=[0.8, 1.0, 0.0, 1.3, 1e-38, 0.6], seed=rng.integers(0, 2**40, ROWS),
+                                position=rng.integers(0, 1000, ROWS), **FILTERS[name])
+    flat = x.astype(np.float32)
+    drafts = np.empty((ROWS, K), np.uint32)
+    for r in range(ROWS):
+        for j in range(K):
+            row = flat[r * (K + 1) + j]
+            kind = rng.integers(0, 4)
+            drafts[r, j] = (int(np.nanargmax(np.where(np.isinf(row), -np.inf, row))) if kind == 0  # likely
+                            else int(rng.integers(0, VOCAB)) if kind == 1                           # unlikely
+                            else int(np.flatnonzero(~np.isfinite(row))[0]) if kind == 2 and not np.isfinite(row).all()
+                            else NO)                                                              # then replaced
+    drafts[1, 1] = NO  # ends row 1's drafts early
+    return x, drafts.ravel(), params
+
+
+def own_draws(dev, x, params):
+    """sample_to_feed's id at every logit row: a draft equal to it is the race's own winner."""
+    ids = np.zeros(len(x), np.uint32)
+    buf = dev.upload(x)
+    with mf.DeviceBuffer(len(x) * 4) as cells, mf.Event() as done:
+        mf.sample_to_feed(buf, expanded(params, K), cells, ids, done, vocab=VOCAB,
+                          dtype=np.dtype(x.dtype).name)
+        done.synchronize()
+    buf.close()
+    return ids
+
+
+def unsharded(dev, x, drafts, params):
+    buf = dev.upload(x)
+    words = ROWS * (K + 2)
+    out = np.zeros(words, np.uint32)
+    with mf.DeviceBuffer(words * 4) as cells, mf.Event() as done:
+        assert mf.verify_to_feed(buf, drafts, cells, out, done, k=K, params=params, vocab=VOCAB,
+                                 dtype=np.dtype(x.dtype).name) == ROWS
+        done.synchronize()
+    buf.close()
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(FILTERS))
+def test_the_protocol_verifies_as_the_unsharded_call(backend, dev, dtype, name):
+    accepted = rejected = 0
+    for seed in range(3):
+        x, drafts, params = case(seed, name, dtype)
+        draws = own_draws(dev, x, params)
+        d = drafts.reshape(ROWS, K)
+        for r in range(ROWS):  # the "then replaced" drafts: the position's own draw
+            for j in range(K):
+                if d[r, j] == NO and not (r == 1 and j >= 1):
+                    d[r, j] = draws[r * (K + 1) + j]
+        want = unsharded(dev, x, drafts, params)
+        n = want.reshape(ROWS, K + 2)[:, 0].astype(int)
+        in_use = [K if NO not in d[r] else list(d[r]).index(NO) for r in range(ROWS)]
+        accepted += int((n - 1).sum())
+        rejected += sum(int(n[r] <= in_use[r]) for r in range(ROWS))  # stopped at a draft
+        for split in SPLITS:
+            got, fault, words = split_filtered(dev, x, split(VOCAB), expanded(params, K), drafts=drafts, k=K)
+            assert bytes(fault) == b"\0" * 4 and words == [0] * (len(split(VOCAB)) - 1)
+            assert got.tolist() == want.tolist(), (seed, split(VOCAB))
+    assert accepted > 0 and rejected > 0  # both outcomes were judged
+
+
+def test_a_rejected_draft_that_wins_the_race_is_raced_without(backend, dev):
+    """Flat rows whose drafts are their own race winners: mostly rejected, each rejection emits the
+    race without the draft, found by the slice that holds it racing again."""
+    rng = np.random.default_rng(9)
+    n = ROWS * (K + 1)
+    x = rng.standard_normal((n, VOCAB)).astype(np.float32)
+    params = mf.sampling_params(ROWS, temperature=1.0, seed=rng.integers(0, 2**40, ROWS), position=7)
+    drafts = own_draws(dev, x, params).reshape(ROWS, K + 1)[:, :K].ravel().copy()
+    want = unsharded(dev, x, drafts, params)
+    rows = want.reshape(ROWS, K + 2)
+    assert (rows[:, 0] == 1).sum() >= 3  # rejected at once ...
+    assert all(rows[r, 1] != drafts[r * K] for r in range(ROWS) if rows[r, 0] == 1)  # ... with another id
+    for split in SPLITS:
+        got, _, _ = split_filtered(dev, x, split(VOCAB), expanded(params, K), drafts=drafts, k=K)
+        assert got.tolist() == want.tolist()
+
+
+def test_the_new_arguments_are_checked_before_queueing(host, dev):
+    x = np.zeros((8, 100), np.float32)
+    buf = dev.upload(x)
+    params = mf.sampling_params(8, temperature=1.0)
+    with mf.DeviceBuffer(_core._partial_bytes(8)) as part, mf.DeviceBuffer(8 * _core.SELECT_ROW_BYTES) as state, \
+            mf.DeviceBuffer(64) as drafts:
+        kw = dict(start=0, stop=100, vocab=100, dtype="float32", call=3)
+        for bad, match in ((dict(k=3), "go together"), (dict(drafts=drafts, k=0), "k"),
+                           (dict(drafts=drafts, k=2), "multiple of k"),
+                           (dict(drafts=drafts, k=3, logprobs=True), "masses, not logprobs"),
+                           (dict(drafts=mf.DeviceBuffer(4), k=3), "select drafts")):
+            with pytest.raises(ValueError, match=match):
+                _core._select_partial(buf, params, part, state, "race", **kw, **bad)
+    buf.close()
