@@ -162,6 +162,10 @@ def test_bench_tp_checks_ids_and_counts_bytes(tmp_path):
         assert e["verify_collectives_per_call"] == 1, e
         assert e["verify_bytes_per_call"] == 16 * (e["rows"] + 2), e
         assert e["verify_ms"] > 0 and e["verify_argmax_ms"] > 0, e
+        # A sampled verify: the unsharded cells, in a sampled call's two exchanges (TOP, RACE).
+        assert e["verify_sampled_checked"], e
+        assert e["verify_sampled_collectives_per_call"] == 2, e
+        assert e["verify_sampled_bytes_per_call"] == 2 * 16 * (e["rows"] + 2), e
         # Top logprobs (n 20): numpy's ids, one all-gather of the header, then 16 + 8 n bytes a row.
         assert e["top_checked"], e
         assert e["top_collectives_per_call"] == 1, e

@@ -1244,6 +1244,11 @@ def bench_tp(world: int, quick: bool) -> Dict[str, Any]:
              f"{e['verify_ms'] / e['verify_argmax_ms']:.2f}x", "",
              f"{e['verify_collectives_per_call']} collective, {e['verify_bytes_per_call']} B; cells "
              f"{'checked' if e['verify_checked'] else 'DIFFER'}")
+        _row("  sampled, temperature 0.8", f"{e['verify_sampled_ms']:.2f} ms",
+             f"sharded sample, same {e['rows']} rows {e['verify_sample_ms']:.2f} ms",
+             f"{e['verify_sampled_ms'] / e['verify_sample_ms']:.2f}x", "",
+             f"{e['verify_sampled_collectives_per_call']} collectives, {e['verify_sampled_bytes_per_call']} B; "
+             f"cells {'checked' if e['verify_sampled_checked'] else 'DIFFER'}")
         _row(f"sharded top_logprobs n {e['top_n']} {e['rows']} rows", f"{e['top_sharded_ms']:.2f} ms",
              f"gather logits + unsharded {e['top_gather_ms']:.2f} ms",
              f"{e['top_gather_ms'] / e['top_sharded_ms']:.2f}x", "",

@@ -169,14 +169,63 @@ def _verify(group: Any, full: Any, rows: int, repeats: int) -> Dict[str, Any]:
                 if name == "verify":
                     sent = shard.stats["bytes_sent"] - before["bytes_sent"]
                     calls = shard.stats["collectives"] - before["collectives"]
+    sampled = _verify_sampled(shard, buf, full, n, k, repeats)
     shard.close()
     cells_v.close(), cells_a.close(), buf.close()
-    return {"verify_rows": n, "verify_k": k,
+    return {**sampled, "verify_rows": n, "verify_k": k,
             "verify_ms": statistics.median(times["verify"]) * 1e3,
             "verify_argmax_ms": statistics.median(times["argmax"]) * 1e3,
             "verify_collectives_per_call": calls, "verify_bytes_per_call": sent,
             "verify_checked": bool(np.array_equal(dst_v.reshape(n, k + 2), want))
             and bool(np.array_equal(dst_a.reshape(n, k + 1), best))}
+
+
+def _verify_sampled(shard: Any, buf: Any, full: Any, n: int, k: int, repeats: int) -> Dict[str, Any]:
+    """A sampled verify (temperature 0.8, drafts the positions' argmax) beside the sharded
+    sample_to_feed over the same logit rows on the same shard: the same two exchanges (TOP and
+    RACE), and what the drafts add (the survivors' masses, the race without a draft, the verify
+    combine). Cells checked against the unsharded verify on the whole logits."""
+    import numpy as np
+    import torch.distributed as dist
+
+    import metrale_feed as mf
+    from ..tp.verify_args import logit_row_params
+
+    params = mf.sampling_params(n, temperature=0.8, seed=np.arange(n) + 11, position=5)
+    each = logit_row_params(params, n, k)
+    drafts = full[: n * (k + 1)].argmax(axis=1).reshape(n, k + 1)[:, :k].astype(np.uint32).ravel()
+    whole = mf.DeviceBuffer(full[: n * (k + 1)].nbytes)
+    mf.copy_h2d_async(whole, np.ascontiguousarray(full[: n * (k + 1)]))
+    want = np.zeros(n * (k + 2), np.uint32)
+    cells_v, dst_v = mf.DeviceBuffer(n * (k + 2) * 4), np.zeros(n * (k + 2), np.uint32)
+    cells_s, dst_s = mf.DeviceBuffer(n * (k + 1) * 4), np.zeros(n * (k + 1), np.uint32)
+    times: Dict[str, List[float]] = {"verify": [], "sample": []}
+    sent = calls = 0
+    with mf.Event() as done:
+        mf.verify_to_feed(whole, drafts, cells_v, want, done, k=k, rows=n, params=params, vocab=full.shape[1],
+                          dtype="float32")
+        done.synchronize()
+        for _ in range(repeats):
+            for name in ("verify", "sample"):
+                dist.barrier()
+                before = dict(shard.stats)
+                t0 = time.perf_counter()
+                if name == "verify":
+                    mf.verify_to_feed(buf, drafts, cells_v, dst_v, done, k=k, rows=n, params=params,
+                                      dtype="float32", shard=shard)
+                else:
+                    mf.sample_to_feed(buf, each, cells_s, dst_s, done, dtype="float32", shard=shard)
+                done.synchronize()
+                times[name].append(time.perf_counter() - t0)
+                if name == "verify":
+                    sent = shard.stats["bytes_sent"] - before["bytes_sent"]
+                    calls = shard.stats["collectives"] - before["collectives"]
+    for b in (whole, cells_v, cells_s):
+        b.close()
+    return {"verify_sampled_ms": statistics.median(times["verify"]) * 1e3,
+            "verify_sample_ms": statistics.median(times["sample"]) * 1e3,
+            "verify_sampled_collectives_per_call": calls, "verify_sampled_bytes_per_call": sent,
+            "verify_sampled_checked": bool(np.array_equal(dst_v, want))}
 
 
 TOP_N = 20
