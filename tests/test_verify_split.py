@@ -37,79 +37,114 @@ def expanded(params, k):
 
 
 def case(seed, name, dtype):
-    """Logits, drafts and params of ROWS rows of K drafts: flat and peaked rows, ties across slice
-    boundaries, NaN and -inf logits, one greedy row and one whose temperature makes zmax infinite
-    (its draw is the top); the drafts mix likely ids, the rows' own draws (a rejected draft that is
-    the race's winner: the race without it), non-candidates and an early NO_TOKEN."""
+    """Logits, drafts, params, masks and bitmask of ROWS rows of K drafts: flat and peaked rows,
+    ties across slice boundaries, NaN and -inf logits, one greedy row and one whose temperature
+    makes zmax infinite (its draw is the top). Position j of row r takes, by (r + j) % 4, the
+    likeliest id, an unlikely one, one that is no candidate (a masked id, a bitmask's disallowed
+    id, or a NaN or -inf logit), or NO_TOKEN, which the caller replaces by the position's own draw
+    (a draft that wins the race: rejected, then raced without); row 1's drafts end early."""
     rng = np.random.default_rng(seed)
     n = ROWS * (K + 1)
     x = (rng.standard_normal((n, VOCAB)) * rng.choice([1.0, 4.0], (n, 1))).astype(np.float32)
     x[0:4, 690:710] = 5.0                   # ties at the top across a slice boundary
-    x[4, rng.integers(0, VOCAB, 40)] = -np.inf
-    x[5, rng.integers(0, VOCAB, 40)] = np.nan
+    x[4:8, rng.integers(0, VOCAB, 40)] = -np.inf
+    x[8:12, rng.integers(0, VOCAB, 40)] = np.nan
     x = x.astype({"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype])
     params = mf.sampling_params(ROWS, temperature=[0.8, 1.0, 0.0, 1.3, 1e-38, 0.6], seed=rng.integers(0, 2**40, ROWS),
                                 position=rng.integers(0, 1000, ROWS), **FILTERS[name])
+    masks = rng.integers(0, VOCAB, (n, 2)).astype(np.uint32)
+    masks[::2] = NO
+    bitmask = np.full((n, (VOCAB + 31) // 32), 0xFFFFFFFF, np.uint32)
+    bitmask[1::3, rng.integers(0, len(bitmask[0]), 20)] = 0  # some rows disallow a few words
     flat = x.astype(np.float32)
     drafts = np.empty((ROWS, K), np.uint32)
     for r in range(ROWS):
         for j in range(K):
-            row = flat[r * (K + 1) + j]
-            kind = rng.integers(0, 4)
-            drafts[r, j] = (int(np.nanargmax(np.where(np.isinf(row), -np.inf, row))) if kind == 0  # likely
-                            else int(rng.integers(0, VOCAB)) if kind == 1                           # unlikely
-                            else int(np.flatnonzero(~np.isfinite(row))[0]) if kind == 2 and not np.isfinite(row).all()
-                            else NO)                                                              # then replaced
-    drafts[1, 1] = NO  # ends row 1's drafts early
-    return x, drafts.ravel(), params
+            lr = r * (K + 1) + j
+            row = np.where(np.isfinite(flat[lr]), flat[lr], -np.inf)
+            kind = (r + 2 * j + 2) % 4  # rows 0 and 4 (sampled) start with no candidate
+            if kind == 0:
+                drafts[r, j] = int(np.argmax(row))
+            elif kind == 1:
+                drafts[r, j] = int(rng.integers(0, VOCAB))
+            elif kind == 2:  # no candidate here: masked, disallowed, or not finite
+                how = (r * K + j) % 3
+                if how == 0:
+                    masks[lr, 0] = drafts[r, j] = int(rng.integers(0, VOCAB))
+                elif how == 1:
+                    drafts[r, j] = int(rng.integers(0, VOCAB))
+                    bitmask[lr, drafts[r, j] // 32] &= ~np.uint32(1 << int(drafts[r, j] % 32))
+                else:
+                    bad = np.flatnonzero(~np.isfinite(flat[lr]))
+                    drafts[r, j] = int(bad[0]) if bad.size else int(rng.integers(0, VOCAB))
+            else:
+                drafts[r, j] = NO
+    drafts[1, 1:] = NO  # ends row 1's drafts early
+    return x, drafts.ravel(), params, masks, bitmask.view(np.int32)
 
 
-def own_draws(dev, x, params):
+def candidate(x, masks, bitmask, lr, i):
+    """Whether id i is a candidate of logit row lr (the rule's masks, bitmask, a finite logit)."""
+    bits = bitmask.view(np.uint32)[lr, i // 32]
+    return i not in masks[lr] and bool(bits >> np.uint32(i % 32) & 1) and bool(np.isfinite(np.float32(x[lr, i])))
+
+
+def own_draws(dev, x, params, masks=None, bitmask=None):
     """sample_to_feed's id at every logit row: a draft equal to it is the race's own winner."""
     ids = np.zeros(len(x), np.uint32)
     buf = dev.upload(x)
+    bm = dev.upload(bitmask) if bitmask is not None else None
     with mf.DeviceBuffer(len(x) * 4) as cells, mf.Event() as done:
-        mf.sample_to_feed(buf, expanded(params, K), cells, ids, done, vocab=VOCAB,
+        mf.sample_to_feed(buf, expanded(params, K), cells, ids, done, masks=masks, bitmask=bm, vocab=VOCAB,
                           dtype=np.dtype(x.dtype).name)
         done.synchronize()
     buf.close()
+    if bm is not None:
+        bm.close()
     return ids
 
 
-def unsharded(dev, x, drafts, params):
+def unsharded(dev, x, drafts, params, masks=None, bitmask=None, vocab=VOCAB, k=K):
+    rows = len(x) // (k + 1)
     buf = dev.upload(x)
-    words = ROWS * (K + 2)
+    bm = dev.upload(bitmask) if bitmask is not None else None
+    words = rows * (k + 2)
     out = np.zeros(words, np.uint32)
     with mf.DeviceBuffer(words * 4) as cells, mf.Event() as done:
-        assert mf.verify_to_feed(buf, drafts, cells, out, done, k=K, params=params, vocab=VOCAB,
-                                 dtype=np.dtype(x.dtype).name) == ROWS
+        assert mf.verify_to_feed(buf, drafts, cells, out, done, k=k, params=params, masks=masks, bitmask=bm,
+                                 vocab=vocab, dtype=np.dtype(x.dtype).name) == rows
         done.synchronize()
     buf.close()
+    if bm is not None:
+        bm.close()
     return out
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(FILTERS))
 def test_the_protocol_verifies_as_the_unsharded_call(backend, dev, dtype, name):
-    accepted = rejected = 0
+    accepted = rejected = outsiders = 0
     for seed in range(3):
-        x, drafts, params = case(seed, name, dtype)
-        draws = own_draws(dev, x, params)
+        x, drafts, params, masks, bitmask = case(seed, name, dtype)
+        draws = own_draws(dev, x, params, masks, bitmask)
         d = drafts.reshape(ROWS, K)
-        for r in range(ROWS):  # the "then replaced" drafts: the position's own draw
+        for r in range(ROWS):  # the NO_TOKEN drafts but row 1's last: the position's own draw
             for j in range(K):
                 if d[r, j] == NO and not (r == 1 and j >= 1):
                     d[r, j] = draws[r * (K + 1) + j]
-        want = unsharded(dev, x, drafts, params)
+        want = unsharded(dev, x, drafts, params, masks, bitmask)
         n = want.reshape(ROWS, K + 2)[:, 0].astype(int)
         in_use = [K if NO not in d[r] else list(d[r]).index(NO) for r in range(ROWS)]
         accepted += int((n - 1).sum())
         rejected += sum(int(n[r] <= in_use[r]) for r in range(ROWS))  # stopped at a draft
+        outsiders += sum(not candidate(x, masks, bitmask, r * (K + 1) + j, int(d[r, j]))  # judged, no candidate
+                         for r in range(ROWS) if params["temperature"][r] > 0 for j in range(min(n[r], in_use[r])))
         for split in SPLITS:
-            got, fault, words = split_filtered(dev, x, split(VOCAB), expanded(params, K), drafts=drafts, k=K)
+            got, fault, words = split_filtered(dev, x, split(VOCAB), expanded(params, K), drafts=drafts, k=K,
+                                               masks=masks, bitmask=bitmask)
             assert bytes(fault) == b"\0" * 4 and words == [0] * (len(split(VOCAB)) - 1)
             assert got.tolist() == want.tolist(), (seed, split(VOCAB))
-    assert accepted > 0 and rejected > 0  # both outcomes were judged
+    assert accepted > 0 and rejected > 0 and outsiders > 0  # every outcome was judged
 
 
 def test_a_rejected_draft_that_wins_the_race_is_raced_without(backend, dev):
@@ -143,3 +178,33 @@ def test_the_new_arguments_are_checked_before_queueing(host, dev):
             with pytest.raises(ValueError, match=match):
                 _core._select_partial(buf, params, part, state, "race", **kw, **bad)
     buf.close()
+
+
+def test_a_slice_whose_survivors_weigh_two_to_the_63_is_read_as_such(host, dev):
+    """A slice of 2**24 ids all at zmax sends a total of 2**63, the survival bit's own pattern: it is
+    read as that total (the unsharded call's), never as a surviving draft of total 0, which would
+    accept every draft (verify_rule.h)."""
+    vocab, k = 1 << 24, 1
+    x = np.zeros((k + 1, vocab), np.float32)  # every id has mass 2**39
+    params = mf.sampling_params(1, temperature=1.0, seed=1234, position=7)
+    drafts = np.array([5], np.uint32)
+    want = unsharded(dev, x, drafts, params, vocab=vocab, k=k)
+    assert want[0] == 1  # accepted with probability 2**-24: rejected here
+    for split in ([0, vocab], [0, vocab, vocab], [0, 1, vocab]):
+        got, _, _ = split_filtered(dev, x, split, expanded(params, k), drafts=drafts, k=k)
+        assert got.tolist() == want.tolist(), split
+
+
+def test_the_verify_combine_refuses_what_it_cannot_read(host, dev):
+    rows, k, vocab = 4, 1, 100
+    params = expanded(mf.sampling_params(2, temperature=1.0), k)
+    with mf.DeviceBuffer(_core._partial_bytes(rows)) as parts, mf.DeviceBuffer(2 * (k + 2) * 4) as cells, \
+            mf.DeviceBuffer(8) as drafts, mf.DeviceBuffer(rows * _core.SELECT_ROW_BYTES) as state, \
+            mf.DeviceBuffer(params.nbytes) as dparams, mf.DeviceBuffer(rows * 4) as lp, mf.PinnedBuffer(4) as fault:
+        kw = dict(rows=rows, vocab=vocab, call=1, fault_dst=fault, filtered=True)
+        for bad, match in ((dict(params=params, drafts=drafts, k=k, select=state), "device params"),
+                           (dict(params=dparams, drafts=drafts, k=k), "select state"),
+                           (dict(params=dparams, select=state), "MF_COMBINE_VERIFY"),
+                           (dict(params=dparams, drafts=drafts, k=k, select=state, logprobs=lp), "no logprobs")):
+            with pytest.raises(ValueError, match=match):
+                _core._combine_partials(parts, 1, cells, None, None, **kw, **bad)

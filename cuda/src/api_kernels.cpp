@@ -129,7 +129,12 @@ mf_status check_partial(const mf_argmax_args *a) {
         return fail(MF_ERROR_INVALID_VALUE, "partials is a null or misaligned pointer");
     if (a->flags & MF_ARGS_SELECT) {
         // One stage of the split filters: the filters are applied through the select state, which
-        // the decisions write between stages (device params: read when the stage runs).
+        // the decisions write between stages (device params: read when the stage runs). A caller
+        // built before select_drafts laid the state out with a smaller mf_select_row.
+        if (a->struct_size < sizeof(mf_argmax_args))
+            return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_SELECT with an mf_argmax_args of %u bytes: built against an "
+                        "older feed.h, whose mf_select_row is smaller than this build's %zu bytes; rebuild",
+                        a->struct_size, sizeof(mf_select_row));
         if (!a->params) return fail(MF_ERROR_INVALID_VALUE, "MF_ARGS_SELECT needs sampling params");
         if (a->select_stage < MF_SELECT_TOP || a->select_stage > MF_SELECT_CANDS)
             return fail(MF_ERROR_INVALID_VALUE, "unknown select stage %u", a->select_stage);
@@ -1072,6 +1077,10 @@ mf_status mf_select_decide(const mf_select_decide_args *caller, mf_stream_t stre
         mf_status st = read_descriptor(caller, &copied, "mf_select_decide_args", kDecideSizes);
         if (st != MF_SUCCESS) return st;
         const mf_select_decide_args *a = &copied;
+        if (a->select_row_bytes != sizeof(mf_select_row))
+            return fail(MF_ERROR_INVALID_VALUE, "select_decide: select_row_bytes is %u, not this build's "
+                        "sizeof(mf_select_row) = %zu: set the descriptor up with mf_select_decide_args_init()",
+                        a->select_row_bytes, sizeof(mf_select_row));
         const bool top = a->step == MF_DECIDE_TOP;
         if (!top && a->step != MF_DECIDE_ROUND)
             return fail(MF_ERROR_INVALID_VALUE, "select_decide: unknown step %u", a->step);

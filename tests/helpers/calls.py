@@ -125,7 +125,7 @@ def split_top(dev, logits, offsets, n, ids=None, call=5, pad=0, tamper=None):
 
 
 def split_filtered(dev, logits, offsets, params, call=21, states=None, skip=True, rounds=None,
-                   device=False, slice_params=None, drafts=None, k=None):
+                   device=False, slice_params=None, drafts=None, k=None, masks=None, bitmask=None):
     """The split filters' protocol in one process (tp/select_rounds.py's, rank by rank): each
     slice's stages into its own blocks, every exchange as copies of all the slices' blocks (zeros
     once a slice's decision refused the call, as the shard's exchange does), each slice's
@@ -140,7 +140,9 @@ def split_filtered(dev, logits, offsets, params, call=21, states=None, skip=True
     ``slice_params[w]`` (default ``params`` on every slice; the combine takes slice 0's).
     ``drafts`` (host uint32, ``rows / (k + 1) * k`` ids) and ``k``: a sampled verify, the logits
     its ``rows`` logit rows and ``params`` theirs (position j's at position + j); returns its cells
-    (``verify_to_feed``'s layout) instead of one id a row."""
+    (``verify_to_feed``'s layout) instead of one id a row, after checking that every slice's combine
+    (each with its own state) writes the same. ``masks`` (host, a pair a row) and ``bitmask`` (host
+    words of the whole rows): the rows' rule, as the unsharded call takes them."""
     from types import SimpleNamespace
 
     from metrale_feed.tp.select_rounds import LIST_CAP, ROUNDS, FilteredCall
@@ -156,6 +158,10 @@ def split_filtered(dev, logits, offsets, params, call=21, states=None, skip=True
     slices = [upload_slice(dev, logits, offsets[w], offsets[w + 1], 0, held) for w in range(world)]
     verify = {} if drafts is None else dict(drafts=dev.upload(np.asarray(drafts, np.uint32)), k=k)
     held.extend([verify["drafts"]] if verify else [])
+    rule = {} if masks is None else dict(masks=np.ascontiguousarray(masks, np.uint32))
+    if bitmask is not None:
+        rule["bitmask"] = dev.upload(np.ascontiguousarray(bitmask, np.int32))
+        held.append(rule["bitmask"])
 
     def stage(name, out):
         for w, c in enumerate(calls):
@@ -167,6 +173,7 @@ def split_filtered(dev, logits, offsets, params, call=21, states=None, skip=True
                     kw.update(cands=c.cgathered, cands_world=world, cands_stride=c.cblock)
             if verify and name in ("top", "race"):
                 kw.update(verify)
+            kw.update(rule)
             _core._select_partial(slices[w], c.params_dev if device else own[w], getattr(c, out), c.state_buf,
                                   name, **kw)
 
@@ -202,14 +209,20 @@ def split_filtered(dev, logits, offsets, params, call=21, states=None, skip=True
     exchange("top", "gathered", block)
     words = rows // (k + 1) * (k + 2) if verify else rows
     cells, ids, fault = mf.DeviceBuffer(words * 4), np.zeros(words, np.uint32), mf.PinnedBuffer(4)
-    with mf.Event() as done:
-        if verify:  # the logit rows' params from the device: a sampled verify's combine reads them there
-            more = dict(params=first.params_dev, select=first.state_buf, **verify)
-        else:
-            more = dict(params=first.params_dev if device else params)
-        _core._combine_partials(first.gathered, world, cells, ids, done, rows=rows, vocab=vocab, call=call,
-                                fault_dst=fault, filtered=True, refused=None if skip else first.decided, **more)
-        done.synchronize()
+    # A verify's combine reads each slice's own state (the draft's bits, zmax): every slice's.
+    for c in calls if verify else [first]:
+        out = np.zeros(words, np.uint32)
+        with mf.Event() as done:
+            if verify:  # the logit rows' params from the device: a sampled verify's combine reads them there
+                more = dict(params=c.params_dev, select=c.state_buf, **verify)
+            else:
+                more = dict(params=first.params_dev if device else params)
+            _core._combine_partials(c.gathered, world, cells, out, done, rows=rows, vocab=vocab, call=call,
+                                    fault_dst=fault, filtered=True, refused=None if skip else c.decided, **more)
+            done.synchronize()
+        if c is first:
+            ids[:] = out
+        assert out.tolist() == ids.tolist(), "the slices' combines differ"
     words = [int(dev.download(c.decided, np.uint32, 1)[0]) for c in calls]
     if states is not None:
         states.extend(dev.download(c.state_buf).tobytes() + dev.download(c.plan).tobytes() for c in calls)

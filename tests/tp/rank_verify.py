@@ -235,16 +235,21 @@ def scenario_verify_refused(h):
     lo, hi = shard.start, shard.stop
     sl = h.upload(np.ascontiguousarray(logits[:, lo:hi])) if hi > lo else None
     with mf.DeviceBuffer(rows * (k + 2) * 4) as cells:
+        device_params = h.upload(sampled)
         for exc, kw in ((FeedError, dict(draft_probs=mf.DeviceBuffer(rows * k * vocab * 4))),
-                        (ValueError, dict(drafts=np.array([[vocab, 0, 0]] * rows)))):
+                        (ValueError, dict(drafts=np.array([[vocab, 0, 0]] * rows))),
+                        (FeedError, dict(params=device_params)),  # device params: not built split
+                        (FeedError, dict(params=sampled, advance=h.upload(np.ones(rows, np.uint32))))):
             args = dict(k=k, rows=rows, dtype="float32", shard=shard)
             args.update(kw)
+            before = dict(shard.stats)
             try:
                 mf.verify_to_feed(sl, args.pop("drafts", drafts.reshape(-1)), cells, None, None, **args)
             except exc:
                 pass
             else:
                 raise AssertionError(f"{list(kw)} was taken")
+            assert shard.stats == before, (kw, shard.stats, before)
     # The shard is still usable: the refusals queued nothing.
     got, *_ = sharded_verify(h, shard, logits, drafts, None, None, k)
     assert np.array_equal(got, whole_verify(h, logits, drafts, None, None, k)[0]), got

@@ -317,10 +317,15 @@ typedef struct mf_select_decide_args {
     uint32_t round;             /* ROUND: 0 .. 3 */
     uint32_t next;              /* the select that starts after this decision, 0: none */
     uint32_t rounds;            /* TOP: fixed rounds (MF_ROUNDS_*, below), 0: they follow the params */
+    /* appended with mf_select_row.draft_bits: sizeof(mf_select_row) where the caller was built
+     * (_init sets it), so state laid out by an older header is refused, never read past its rows */
+    uint32_t select_row_bytes;
+    uint32_t reserved_;
 } mf_select_decide_args;
 static inline void mf_select_decide_args_init(mf_select_decide_args *args) {
     memset(args, 0, sizeof *args);
     args->struct_size = (uint32_t)sizeof *args;
+    args->select_row_bytes = (uint32_t)sizeof(mf_select_row);
 }
 MF_EXPORT mf_status mf_select_decide(const mf_select_decide_args *args, mf_stream_t stream);
 
@@ -369,9 +374,11 @@ typedef struct mf_argmax_args {
      * it is a finite candidate (else MF_VERIFY_NO_BITS); RACE, for a sampled position with a
      * draft and a finite zmax, races without the draft and writes into the record's last 8 bytes
      * the slice's survivors' total mass (sample_rule.h's integer masses), MF_VERIFY_SURVIVES set
-     * when the draft is this slice's and survives (verify_rule.h). No logprobs then. */
+     * when the draft is this slice's and survives (verify_rule.h). No logprobs then. A descriptor
+     * older than these fields was built with a smaller mf_select_row: MF_ARGS_SELECT refuses it. */
     const uint32_t *select_drafts;
     uint32_t select_k;
+    uint32_t reserved_; /* 0: the next appended field changes the size */
 } mf_argmax_args;
 /* Zero-fills *args (every option off) and sets its struct_size: call it first. */
 static inline void mf_argmax_args_init(mf_argmax_args *args) {

@@ -39,8 +39,9 @@ MF_HD void mf_select_start(mf_select_row *st, mf_select_plan *plan, uint32_t sel
 }
 
 /* A digest of one row's params (every field but the padding): the TOP stage's records carry it in
- * their free `sum` word (their `max` is 0), so the first decision sees, on every rank alike,
- * whether the slices sampled a row with the same params, host or device ones. */
+ * their free `sum` word (their `max` holds a verify's draft bits, or MF_VERIFY_NO_BITS), so the
+ * first decision sees, on every rank alike, whether the slices sampled a row with the same params,
+ * host or device ones. */
 MF_HD uint32_t mf_params_digest(const mf_sampling_params *p) {
     const uint32_t w[7] = {mf_to_bits(p->temperature), mf_to_bits(p->top_p), mf_to_bits(p->min_p), p->top_k,
                            (uint32_t)p->seed, (uint32_t)(p->seed >> 32), p->position};

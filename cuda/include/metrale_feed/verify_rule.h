@@ -212,6 +212,13 @@ MF_HD int mf_verify_sampled_position(const mf_partial_record *rec, uint32_t worl
     int survives = 0;
     for (uint32_t w = 0; w < world; ++w) {
         const uint64_t word = mf_verify_mass_word(rec + (uint64_t)w * stride);
+        /* A slice's total reaches 2**63 only as 2**24 survivors of mass 2**39 (a whole
+         * vocabulary's slice at zmax): that word is the bit alone, read as such a total. Read as
+         * a surviving draft of total 0 it would mean a draft of mass 0: rejected either way. */
+        if (word == MF_VERIFY_SURVIVES) {
+            total += word;
+            continue;
+        }
         survives |= (word & MF_VERIFY_SURVIVES) != 0u;
         total += word & ~MF_VERIFY_SURVIVES;
     }

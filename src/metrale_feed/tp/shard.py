@@ -349,6 +349,13 @@ class VocabShard:
         self._exchanged(call, call, partial, combine, stream, handle, capturing, event)
         return n
 
+    def _refuse_unfixed_rounds(self, what: str) -> None:
+        """NCCL's collectives are issued at queue time: rounds that followed each rank's params
+        would differ between ranks whose params do (docs/tensor-parallel.md, "Fixed rounds")."""
+        if self.filters is None and self._nccl:
+            raise FeedError(f"sharded {what} on the cuda backend need rounds of one shape: "
+                            "make the shard with filters=FilterRounds(top_k=..., top_p=...)")
+
     def _refuse_after_fault(self) -> None:
         if self._fault is not None:
             raise FeedError(f"VocabShard refuses further calls after a fault: {self._fault}")
@@ -394,6 +401,10 @@ class VocabShard:
                                  "reads them where they are)")
             upload = _core.DeviceBuffer(v.host_drafts.nbytes) if v.host_drafts is not None else None
             if v.sampled is not None:  # sampled rows: a sampled call's rounds, with the drafts
+                if capturing:
+                    raise ValueError("a captured sharded verify_to_feed with sampled rows is not built "
+                                     "(its logit rows' params are host records)")
+                self._refuse_unfixed_rounds("a verify with sampled rows")  # before the drafts' copy
                 try:
                     if upload is not None:  # before the first stage, which reads them
                         _core.copy_h2d_async(upload, v.host_drafts, stream)
@@ -613,12 +624,7 @@ class VocabShard:
         from . import select_rounds
 
         fixed = self.filters
-        if fixed is None and self._nccl:
-            # NCCL's collectives are issued at queue time: rounds that followed each rank's params
-            # would differ between ranks whose params do (docs/tensor-parallel.md).
-            what = "a verify with sampled rows" if verify else "top_k, top_p and min_p"
-            raise FeedError(f"sharded {what} on the cuda backend need rounds of one shape: "
-                            "make the shard with filters=FilterRounds(top_k=..., top_p=...)")
+        self._refuse_unfixed_rounds("a verify with sampled rows" if verify else "top_k, top_p and min_p")
         if capturing and not device_params:
             raise ValueError("a captured sharded sample_to_feed takes device params (a replay would "
                              "reuse the capture's seeds and positions)")

@@ -43,21 +43,30 @@ def _index(value: Any, what: str) -> int:
     return int(value)
 
 
-def _sampled(params: Any, draft_probs: Any, logprobs: Any, advance: Any) -> bool:
-    """Whether the call has sampled rows; refuses what a split verify does not take."""
+def _host_params(params: Any, draft_probs: Any) -> None:
+    """What a split verify takes at all: one-hot drafts, and host params (or none)."""
     from .shard import _device_params
 
     if draft_probs is not None:
         raise FeedError("a sharded verify_to_feed takes one-hot drafts (draft_probs is not built "
                         "over a split vocabulary yet)")
     if params is None:
-        return False
+        return
     if _device_params(params):
         raise FeedError("a sharded verify_to_feed takes host params (device ones are not built over "
                         "a split vocabulary yet)")
     if not isinstance(params, np.ndarray) or params.dtype != SAMPLING_PARAMS_DTYPE:
         raise ValueError("params must be SAMPLING_PARAMS_DTYPE records")
-    t = params["temperature"]
+
+
+def _sampled(params: Any, rows: int, logprobs: Any, advance: Any) -> bool:
+    """Whether the call's ``rows`` rows include a sampled one; refuses what a split verify with
+    one does not take."""
+    if params is None:
+        return False
+    if len(params) < rows:
+        raise ValueError(f"params hold {len(params)} records; {rows} rows need {rows}")
+    t = params["temperature"][:rows]
     if not np.any((t > 0) & (t <= _MAX_F32)):
         return False
     if logprobs is not None:
@@ -104,7 +113,7 @@ def check(shard: Any, logits: Any, drafts: Any, cells: Any, dst: Any, k: Any, pa
     k = _index(k, "k")
     if not 1 <= k <= _core.MAX_DRAFTS:
         raise ValueError(f"k must be in [1, {_core.MAX_DRAFTS}], not {k}")
-    sampled = _sampled(params, draft_probs, logprobs, advance)
+    _host_params(params, draft_probs)
     host = _host_drafts(drafts, shard.vocab)
     if rows is None:
         if hasattr(logits, "shape") and len(logits.shape) == 2:
@@ -135,6 +144,5 @@ def check(shard: Any, logits: Any, drafts: Any, cells: Any, dst: Any, k: Any, pa
             raise ValueError(f"{what} holds {buf.nbytes} bytes; {words * 4} are needed")
     if logprobs_dst is not None and logprobs is None:
         raise ValueError("logprobs_dst needs logprobs (the device buffer it is copied from)")
-    if sampled and len(params) < rows:
-        raise ValueError(f"params hold {len(params)} records; {rows} rows need {rows}")
+    sampled = _sampled(params, rows, logprobs, advance)
     return VerifyCall(k, rows, logit_rows, host, logit_row_params(params, rows, k) if sampled else None)
