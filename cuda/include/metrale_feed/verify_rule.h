@@ -173,9 +173,9 @@ MF_HD void mf_verify_set_mass_word(mf_partial_record *rec, uint64_t word) {
 
 /* The race over the slices' winners: the greatest packed score (sample_rule.h's race), which is
  * the race over the survivors every slice raced (0: none). Unlike mf_combine_pick this has no
- * early answer for scores that are not finite: with zmax finite only the draft could have been
- * hot, and a race without it over survivors whose scores are all -inf takes the lowest id, as the
- * unsplit race does. */
+ * early answer for scores that are not finite: with zmax finite no score is +inf, and a race
+ * without the draft over survivors whose scores are all -inf (the draft was the top) takes the
+ * lowest id, as the unsplit race does. */
 MF_HD uint32_t mf_verify_race_pick(const mf_partial_record *rec, uint32_t world, uint32_t stride,
                                    const mf_sample_plan *p) {
     uint64_t race = 0;

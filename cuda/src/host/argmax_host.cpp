@@ -368,8 +368,8 @@ void run_argmax(const ArgmaxJob &job) {
                 if (draft < a.vocab && draft != rule.m0 && draft != rule.m1 && mf_bit_allowed(rule.bits, draft) &&
                     mf_finite_bits(mf_logit_bits(row, (int)a.dtype, draft)))
                     draft_bits = mf_logit_bits(row, (int)a.dtype, draft);  // a finite candidate of this slice
-                const uint32_t words[2] = {draft_bits, mf_params_digest(&params[r])};
-                std::memcpy(&records[r].max, words, 8);
+                const uint32_t free_words[2] = {draft_bits, mf_params_digest(&params[r])};
+                std::memcpy(&records[r].max, free_words, 8);
                 continue;
             }
             if (!partial) {
