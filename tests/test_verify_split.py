@@ -208,3 +208,45 @@ def test_the_verify_combine_refuses_what_it_cannot_read(host, dev):
                            (dict(params=dparams, drafts=drafts, k=k, select=state, logprobs=lp), "no logprobs")):
             with pytest.raises(ValueError, match=match):
                 _core._combine_partials(parts, 1, cells, None, None, **kw, **bad)
+
+
+def test_the_logit_rows_params_are_expanded_on_the_device(backend, dev):
+    """_verify_logit_params (mf_verify_logit_params): row r's record at position + advance[r] + j
+    for each of its k + 1 logit rows, wrapping mod 2**32 as the counter does, read from device
+    params and a device advance when it runs; every other field is the row's own."""
+    rng = np.random.default_rng(4)
+    rows, k = 5, 3
+    params = mf.sampling_params(rows, temperature=rng.uniform(0, 2, rows), top_k=rng.integers(0, 50, rows),
+                                top_p=rng.uniform(0, 1, rows), min_p=rng.uniform(0, 0.1, rows),
+                                seed=rng.integers(0, 2**60, rows), position=[0, 7, 2**32 - 2, 2**32 - 1, 99])
+    advance = np.array([1, 4, 1, 2**32 - 1, 0], np.uint32)
+    src, adv = dev.upload(params), dev.upload(advance)
+    size = rows * (k + 1) * params.dtype.itemsize
+    with mf.DeviceBuffer(size) as out, mf.DeviceBuffer(size) as plain:
+        _core._verify_logit_params(src, adv, out, rows=rows, k=k)
+        _core._verify_logit_params(src, None, plain, rows=rows, k=k)
+        got = dev.download(out, params.dtype, rows * (k + 1))
+        without = dev.download(plain, params.dtype, rows * (k + 1))
+    want = expanded(params, k)
+    assert without.tobytes() == want.tobytes()
+    want["position"] += np.repeat(advance, k + 1)  # uint32: wraps as the counter does
+    assert got.tobytes() == want.tobytes()
+    assert got["position"][3 * (k + 1):4 * (k + 1)].tolist() == [2**32 - 2, 2**32 - 1, 0, 1]
+    for buf in (src, adv):
+        buf.close()
+
+
+def test_the_logit_rows_params_refuse_what_they_cannot_write(host, dev):
+    params = dev.upload(mf.sampling_params(4, temperature=1.0))
+    with mf.DeviceBuffer(4 * 4 * 32) as out:
+        for bad, match in ((dict(rows=0, k=1), "rows"), (dict(rows=2, k=0), "k"),
+                           (dict(rows=128, k=63), "logit rows"), (dict(rows=4, k=4), "out holds")):
+            with pytest.raises(ValueError, match=match):
+                _core._verify_logit_params(params, None, out, **bad)
+        with pytest.raises(ValueError, match="params holds"):
+            _core._verify_logit_params(mf.DeviceBuffer(32), None, out, rows=2, k=1)
+        with pytest.raises(ValueError, match="advance holds"):
+            _core._verify_logit_params(params, mf.DeviceBuffer(4), out, rows=2, k=1)
+        with pytest.raises(ValueError, match="out and params overlap"):  # out over its own input
+            _core._verify_logit_params(out.ptr + 32, None, out, rows=2, k=1)
+    params.close()

@@ -833,6 +833,34 @@ mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, 
     });
 }
 
+mf_status mf_verify_logit_params(const mf_sampling_params *params, const uint32_t *advance, uint32_t rows, uint32_t k,
+                                 mf_sampling_params *out, mf_stream_t stream) {
+    return guard([&]() -> mf_status {
+        MF_RANGE("verify_logit_params");
+        if (k == 0 || k > MF_MAX_DRAFTS) return fail(MF_ERROR_INVALID_VALUE, "k must be in [1, %u], got %u", MF_MAX_DRAFTS, k);
+        if (rows == 0 || (uint64_t)rows * (k + 1) > kMaxRows)
+            return fail(MF_ERROR_INVALID_VALUE, "rows * (k + 1) must be in [1, %u], got %u * %u", kMaxRows, rows, k + 1);
+        if (!params || !out || !aligned(params, alignof(mf_sampling_params)) || !aligned(out, alignof(mf_sampling_params)) ||
+            !aligned(advance, 4))
+            return fail(MF_ERROR_INVALID_VALUE, "verify_logit_params: params, advance or out is a null or misaligned pointer");
+        const size_t in_bytes = (size_t)rows * sizeof(mf_sampling_params), out_bytes = in_bytes * (k + 1);
+        mf_status status = check_device_range(params, in_bytes, "params");
+        if (status == MF_SUCCESS && advance) status = check_device_range(advance, (size_t)rows * 4, "advance");
+        if (status == MF_SUCCESS) status = check_device_range(out, out_bytes, "out");
+        if (status == MF_SUCCESS) {  // the kernel reads every row while it writes others
+            const Span spans[] = {{out, out_bytes, "out", true}, {params, in_bytes, "params", false},
+                                  {advance, advance ? (size_t)rows * 4 : 0, "advance", false}};
+            status = refuse_overlaps(spans);
+        }
+        void *raw;
+        if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+        if (status != MF_SUCCESS) return status;
+        if (kept_for_graph(raw, [=](mf_stream_t s) { return mf_verify_logit_params(params, advance, rows, k, out, s); }))
+            return MF_SUCCESS;
+        return ops().verify_logit_params(params, advance, rows, k, out, raw);
+    });
+}
+
 // Both penalty ops' descriptor, checked once (docs/penalties.md): its fields and ranges, for the
 // two functions and for a pick that carries its step's penalties (mf_argmax_args.penalties, which
 // then checks the overlaps of the whole call); `logit_bytes` gets the apply's span of logits.

@@ -67,6 +67,9 @@ struct Ops {
     // Each row's last emitted id and advance from verify cells, read when the kernel runs.
     mf_status (*resolve_verified)(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                                   uint32_t *out_advance, void *stream);
+    // The params of a verify's logit rows (verify_rule.h), device to device, read when it runs.
+    mf_status (*verify_logit_params)(const mf_sampling_params *params, const uint32_t *advance, uint32_t rows,
+                                     uint32_t k, mf_sampling_params *out, void *stream);
 
     // Penalties (penalty_rule.h): apply to the logits in place, or (update) count the step's ids.
     // Host slots are consumed before return.

@@ -316,6 +316,8 @@ cdef extern from "metrale_feed/feed.h" nogil:
     mf_status mf_verify_to_feed(const mf_verify_args *args, mf_stream_t stream)
     mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                                   uint32_t *out_advance, mf_stream_t stream)
+    mf_status mf_verify_logit_params(const mf_sampling_params *params, const uint32_t *advance, uint32_t rows,
+                                     uint32_t k, mf_sampling_params *out, mf_stream_t stream)
 
     const uint32_t MF_MAX_LOGIT_BIAS
     const uint32_t MF_MAX_PENALTY_STOPS

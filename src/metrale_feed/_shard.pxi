@@ -496,6 +496,59 @@ def _select_decide(gathered, block_bytes, world, rank, rows, params, select, pla
     queued_on(s, mf_select_decide(&a, s), (gathered, params, select, plan, fault), 0)
 
 
+def _verify_logit_params(params, advance, out, stream=0, *, rows, k):
+    """Queue the params of a verify's ``rows * (k + 1)`` logit rows (feed.h's
+    mf_verify_logit_params): ``out[r * (k + 1) + j]`` is ``params[r]`` at position
+    ``position + advance[r] + j`` (mod 2**32), what a split verify's sampled call reads a logit
+    row at a time. Device memory only, read and written when it runs, so the rows' params and
+    their advance may be the device's own (a step queued before the last one's counts are read).
+
+    Parameters
+    ----------
+    params : DeviceBuffer, int, or a device tensor
+        ``rows`` SAMPLING_PARAMS_DTYPE records.
+    advance : DeviceBuffer, int, a uint32/int32 device tensor, or None
+        ``rows`` words (None: no advance).
+    out : DeviceBuffer or int
+        ``rows * (k + 1)`` records, written; it may not overlap the inputs.
+    stream : Stream, int or stream-like, optional
+    rows, k : int
+
+    Raises
+    ------
+    ValueError
+        ``rows`` or ``k`` out of range, a buffer too small, or ``out`` over an input; nothing
+        is queued.
+
+    Examples
+    --------
+    >>> _verify_logit_params(row_params, adv, logit_params, stream, rows=4, k=3)   # doctest: +SKIP
+    """
+    cdef uint64_t s
+    cdef void *params_ptr
+    cdef void *adv_ptr = NULL
+    cdef void *out_ptr
+    cdef size_t have
+    stream_of(stream, &s)
+    rows = int_of(rows, "rows", 1, MF_MAX_ROWS)
+    k = int_of(k, "k", 1, MF_MAX_DRAFTS)
+    if rows * (k + 1) > MF_MAX_ROWS:
+        raise ValueError(f"rows * (k + 1) = {rows * (k + 1)} logit rows; at most {MF_MAX_ROWS}")
+    cdef _Launch launch = launch_on(s)
+    try:
+        params_ptr = device_input(launch, params, <size_t>rows * 32, "params", False)
+        if advance is not None:
+            adv_ptr = device_input(launch, advance, <size_t>rows * 4, "advance")
+        launch.device(out, &out_ptr, &have, "out", True, False)
+        if have != <size_t>-1 and have < <size_t>rows * (k + 1) * 32:
+            raise ValueError(f"out holds {have} bytes; {rows * (k + 1) * 32} are needed")
+        launch.queued(mf_verify_logit_params(<const mf_sampling_params *>params_ptr, <const uint32_t *>adv_ptr,
+                                             <uint32_t>rows, <uint32_t>k, <mf_sampling_params *>out_ptr, s),
+                      (params, advance, out))
+    finally:
+        launch.close()
+
+
 def _check_partials_fault(fault_dst, outcome="every row got NO_TOKEN"):
     """Raise the fault a combine copied into ``fault_dst``, if any; read it only once the
     combine's event has completed.

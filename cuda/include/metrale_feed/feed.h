@@ -520,6 +520,12 @@ MF_EXPORT mf_status mf_verify_to_feed(const mf_verify_args *args, mf_stream_t st
  * = its n (either may be NULL), read from cells (rows*(k+2) words) when the kernel runs. */
 MF_EXPORT mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k,
                                         uint32_t *out_ids, uint32_t *out_advance, mf_stream_t stream);
+/* The params of a verify's rows*(k+1) logit rows (mf_verify_logit_row_params): out[r*(k+1) + j] =
+ * params[r] at position + advance[r] + j (advance NULL: + j), mod 2**32. params (rows records),
+ * advance (rows words) and out are device memory, read and written when the kernel runs: a split
+ * verify's sampled call reads one record a logit row, and at depth 2 the advance is on the device. */
+MF_EXPORT mf_status mf_verify_logit_params(const mf_sampling_params *params, const uint32_t *advance, uint32_t rows,
+                                           uint32_t k, mf_sampling_params *out, mf_stream_t stream);
 
 /* ---- penalties (docs/penalties.md; penalty_rule.h) ----
  * vLLM v1's logit processors on the device, in place on the logits, in stream order before the

@@ -59,6 +59,16 @@ MF_HD mf_sampling_params mf_verify_params_at(const mf_sampling_params *p, uint32
     return q;
 }
 
+/* The params of logit row i of a verify with k drafts a row: row r = i / (k + 1)'s, advanced, at
+ * its position j = i % (k + 1). A split verify's stages and combine read one record per logit row
+ * (mf_verify_logit_params writes them), so each is its own sampled call at that position. */
+MF_HD mf_sampling_params mf_verify_logit_row_params(const mf_sampling_params *rows, const uint32_t *advance,
+                                                   uint32_t k, uint32_t i) {
+    const uint32_t r = i / (k + 1);
+    const mf_sampling_params q = mf_verify_row_params(&rows[r], advance, r);
+    return mf_verify_params_at(&q, i - r * (k + 1));
+}
+
 
 /* Whether the accept uniform U = (u24 + 1/2) / 2**24 (u24 its top 24 bits, sample_rule.h's
  * mf_uniform) is below mass_x / total, in integers: (2 u24 + 1) * total < mass_x * 2**25. Both

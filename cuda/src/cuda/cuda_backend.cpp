@@ -499,6 +499,13 @@ mf_status resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uin
     return MF_SUCCESS;
 }
 
+mf_status verify_logit_params(const mf_sampling_params *params, const uint32_t *advance, uint32_t rows, uint32_t k,
+                              mf_sampling_params *out, void *stream) {
+    MF_CUDA_TRY(cudak::launch_verify_logit_params(params, advance, rows, k, out, as_stream(stream)),
+                "launching mf_verify_logit_params_kernel");
+    return MF_SUCCESS;
+}
+
 mf_status stream_wait(void *raw, uint32_t timeout_us, uint64_t *mark, int *done) {
     *mark = 1;  // cudaStreamQuery answers for all work queued so far
     return poll_for(timeout_us, done, [raw](int *d) { return stream_query(raw, d); });
@@ -597,6 +604,7 @@ const Ops cuda_ops = {
     .combine = combine,
     .verify = verify,
     .resolve_verified = resolve_verified,
+    .verify_logit_params = verify_logit_params,
     .penalties = penalties,
     .argmax_penalised = nullptr,  // the kernels' order: apply, pick, update
     .top_logprobs = top_logprobs,

@@ -89,6 +89,8 @@ cudaError_t launch_combine(const mf_combine_args &args, cudaStream_t stream);
 cudaError_t launch_verify(const mf_verify_args &args, cudaStream_t stream);
 cudaError_t launch_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                                     uint32_t *out_advance, cudaStream_t stream);
+cudaError_t launch_verify_logit_params(const mf_sampling_params *params, const uint32_t *advance, uint32_t rows,
+                                       uint32_t k, mf_sampling_params *out, cudaStream_t stream);
 
 // The penalty ops (penalty_feed.cu): apply in place to the logits, or (update) count the ids.
 cudaError_t launch_penalties(const mf_penalty_args &args, bool update, cudaStream_t stream);

@@ -349,6 +349,12 @@ mf_status resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uin
     return MF_SUCCESS;
 }
 
+mf_status verify_logit_params(const mf_sampling_params *params, const uint32_t *advance, uint32_t rows, uint32_t k,
+                              mf_sampling_params *out, void *stream) {
+    stream_of(stream)->enqueue("verify_logit_params", [=] { run_verify_logit_params(params, advance, rows, k, out); });
+    return MF_SUCCESS;
+}
+
 mf_status penalties(const mf_penalty_args *args, bool update, void *stream) {
     PenaltyJob job(*args, update);
     stream_of(stream)->enqueue(update ? "penalties_update" : "penalties_apply",
@@ -418,6 +424,7 @@ const Ops host_ops = {
     .combine = combine,
     .verify = verify,
     .resolve_verified = resolve_verified,
+    .verify_logit_params = verify_logit_params,
     .penalties = penalties,
     .argmax_penalised = argmax_penalised,
     .top_logprobs = top_logprobs,

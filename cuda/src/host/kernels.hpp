@@ -164,6 +164,8 @@ struct VerifyJob {
 void run_verify(const VerifyJob &job);
 void run_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                           uint32_t *out_advance);
+void run_verify_logit_params(const mf_sampling_params *params, const uint32_t *advance, uint32_t rows, uint32_t k,
+                             mf_sampling_params *out);
 
 void run_penalties(const PenaltyJob &job);
 // A pick's penalties (ArgmaxJob::penalties): row r's apply, on the pool thread that picks it, and

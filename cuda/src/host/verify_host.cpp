@@ -164,4 +164,9 @@ void run_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint
     }
 }
 
+void run_verify_logit_params(const mf_sampling_params *params, const uint32_t *advance, uint32_t rows, uint32_t k,
+                             mf_sampling_params *out) {
+    for (uint32_t i = 0; i < rows * (k + 1); ++i) out[i] = mf_verify_logit_row_params(params, advance, k, i);
+}
+
 }  // namespace mf::host

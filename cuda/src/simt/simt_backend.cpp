@@ -173,6 +173,18 @@ mf_status resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uin
     return MF_SUCCESS;
 }
 
+mf_status verify_logit_params(const mf_sampling_params *params, const uint32_t *advance, uint32_t rows, uint32_t k,
+                              mf_sampling_params *out, void *stream) {
+    try {
+        host::stream_of(stream)->enqueue("verify_logit_params", [=] {
+            check(simtk::launch_verify_logit_params(params, advance, rows, k, out, nullptr), "mf_verify_logit_params_kernel");
+        });
+    } catch (const std::bad_alloc &) {
+        return fail(MF_ERROR_OUT_OF_MEMORY, "verify_logit_params: out of memory");
+    }
+    return MF_SUCCESS;
+}
+
 mf_status penalties(const mf_penalty_args *args, bool update, void *stream) {
     try {
         host::PenaltyJob job(*args, update);  // host slots copied: the caller may reuse them
@@ -229,6 +241,7 @@ Ops make_ops() {
     o.combine = combine;
     o.verify = verify;
     o.resolve_verified = resolve_verified;
+    o.verify_logit_params = verify_logit_params;
     o.penalties = penalties;
     o.argmax_penalised = nullptr;  // the kernels' order: apply, pick, update
     o.top_logprobs = top_logprobs;

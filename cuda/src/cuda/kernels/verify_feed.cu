@@ -156,6 +156,12 @@ __global__ void mf_resolve_verified_kernel(const uint32_t *cells, uint32_t rows,
     if (out_advance) out_advance[r] = n;
 }
 
+__global__ void mf_verify_logit_params_kernel(const mf_sampling_params *params, const uint32_t *advance, uint32_t rows,
+                                              uint32_t k, mf_sampling_params *out) {
+    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < rows * (k + 1)) out[i] = mf_verify_logit_row_params(params, advance, k, i);
+}
+
 }  // namespace
 
 cudaError_t launch_verify(const mf_verify_args &a, cudaStream_t stream) {
@@ -187,6 +193,13 @@ cudaError_t launch_verify(const mf_verify_args &a, cudaStream_t stream) {
 cudaError_t launch_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                                     uint32_t *out_advance, cudaStream_t stream) {
     MF_LAUNCH((rows + 127) / 128, 128, 0, stream, mf_resolve_verified_kernel)(cells, rows, k, out_ids, out_advance);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_verify_logit_params(const mf_sampling_params *params, const uint32_t *advance, uint32_t rows,
+                                       uint32_t k, mf_sampling_params *out, cudaStream_t stream) {
+    const uint32_t n = rows * (k + 1);
+    MF_LAUNCH((n + 127) / 128, 128, 0, stream, mf_verify_logit_params_kernel)(params, advance, rows, k, out);
     return cudaGetLastError();
 }
 
