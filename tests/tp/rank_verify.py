@@ -49,7 +49,7 @@ def drafts_for(logits, masks, bitmask, rows, k, vocab, rng):
     return d.astype(np.uint32)
 
 
-def whole_verify(h, logits, drafts, masks, bitmask, k, params=None):
+def whole_verify(h, logits, drafts, masks, bitmask, k, params=None, advance=None):
     rows_all, vocab = logits.shape
     rows = rows_all // (k + 1)
     buf, cells = h.upload(logits), mf.DeviceBuffer(rows * (k + 2) * 4)
@@ -59,13 +59,13 @@ def whole_verify(h, logits, drafts, masks, bitmask, k, params=None):
     with mf.Event() as done:
         mf.verify_to_feed(buf, drafts.reshape(-1), cells, dst, done, k=k, masks=masks, bitmask=bm,
                           params=params, logprobs=lp_dev, logprobs_dst=lp, rows=rows, vocab=vocab,
-                          dtype=np.dtype(logits.dtype).name)
+                          dtype=np.dtype(logits.dtype).name, advance=advance)
         done.synchronize()
     return dst.reshape(rows, k + 2), lp.reshape(rows, k + 1)
 
 
 def sharded_verify(h, shard, logits, drafts, masks, bitmask, k, *, pad=0, device_drafts=False,
-                   params=None, rows=None, wait=True, logprobs=True):
+                   params=None, rows=None, wait=True, logprobs=True, advance=None):
     lo, hi = shard.start, shard.stop
     n = logits.shape[0]
     nrows = n // (k + 1)
@@ -82,7 +82,8 @@ def sharded_verify(h, shard, logits, drafts, masks, bitmask, k, *, pad=0, device
     got = mf.verify_to_feed(sl, dr, cells, dst, done, k=k, masks=masks, bitmask=bm, params=params,
                             logprobs=lp_dev, logprobs_dst=lp, rows=nrows if rows is None else rows,
                             dtype=np.dtype(logits.dtype).name,
-                            row_stride=hi - lo + pad if pad and hi > lo else None, shard=shard)
+                            row_stride=hi - lo + pad if pad and hi > lo else None, shard=shard,
+                            advance=advance)
     assert got == (nrows if rows is None else rows), got
     if wait:
         done.synchronize()
@@ -166,7 +167,8 @@ def sampled_drafts(h, logits, rows, k, params, rng):
 
 def scenario_verify_sampled(h):
     """Sampled rows over every split, with every kind of filter round, greedy rows and a row whose
-    zmax is infinite in the call: every rank gets the unsharded call's cells, bit for bit."""
+    zmax is infinite in the call, host params with and without a device advance, and with fixed
+    rounds device params too: every rank gets the unsharded call's cells, bit for bit."""
     vocab, rows, k = 1000, 6, K
     n = rows * (k + 1)
     judged = 0
@@ -179,10 +181,12 @@ def scenario_verify_sampled(h):
                                         seed=rng.integers(0, 2**40, rows), position=rng.integers(0, 10**6, rows),
                                         **filters)
             drafts = sampled_drafts(h, logits, rows, k, params, rng)
-            want, _ = whole_verify(h, logits, drafts, masks, None, k, params=params)
+            # Odd calls: a device advance (wrapping past 2**32 on row 3), read when the call runs.
+            adv = h.upload(np.array([0, 1, 2, 2**32 - 1, 3, 1], np.uint32)) if i % 2 else None
+            want, _ = whole_verify(h, logits, drafts, masks, None, k, params=params, advance=adv)
             before = dict(shard.stats)
             got, *_ = sharded_verify(h, shard, logits, drafts, masks, None, k, params=params, logprobs=False,
-                                     device_drafts=bool(i % 2))
+                                     device_drafts=bool(i % 2), advance=adv)
             assert np.array_equal(got, want), (dtype, name, filters, got, want)
             calls = shard.stats["collectives"] - before["collectives"]
             assert (calls >= 2) == WORLD_SPLIT(h)  # TOP, the filters' rounds, RACE
@@ -197,14 +201,42 @@ def scenario_verify_sampled(h):
     shard = mf.VocabShard(None, vocab, max_rows=32, filters=rounds)
     rng = np.random.default_rng(77)
     logits = h.nasty(rng, n, vocab, np.float32, shard.offsets)
+    changed = 0
     for filters in SAMPLED_FILTERS[:2]:
         params = mf.sampling_params(rows, temperature=[0.8, 1.0, 0.0, 1.3, 1e-38, 0.6], seed=5, position=9, **filters)
         drafts = sampled_drafts(h, logits, rows, k, params, rng)
-        want, _ = whole_verify(h, logits, drafts, None, None, k, params=params)
-        before = shard.stats["collectives"]
-        got, *_ = sharded_verify(h, shard, logits, drafts, None, None, k, params=params, logprobs=False)
-        assert np.array_equal(got, want), (filters, got, want)
-        assert shard.stats["collectives"] - before == (rounds.collectives if WORLD_SPLIT(h) else 0)
+        adv = h.upload(rng.integers(0, 5, rows).astype(np.uint32))
+        plain = whole_verify(h, logits, drafts, None, None, k, params=params)[0]
+        want, _ = whole_verify(h, logits, drafts, None, None, k, params=params, advance=adv)
+        changed += not np.array_equal(plain, want)  # the advance moved some draw
+        # Host params, then device ones (the host cannot tell which rows they sample), each with
+        # and without the advance.
+        for given, moved in ((params, None), (params, adv), (h.upload(params), None), (h.upload(params), adv)):
+            before = shard.stats["collectives"]
+            got, *_ = sharded_verify(h, shard, logits, drafts, None, None, k, params=given, logprobs=False,
+                                     advance=moved)
+            assert np.array_equal(got, want if moved is not None else plain), (filters, got, want)
+            assert shard.stats["collectives"] - before == (rounds.collectives if WORLD_SPLIT(h) else 0)
+    assert changed
+    # Captured with device params, drafts and advance: each replay reads the advance it finds.
+    lo, hi = shard.start, shard.stop
+    sl = h.upload(np.ascontiguousarray(logits[:, lo:hi])) if hi > lo else None
+    dev_params, dev_drafts = h.upload(params), h.upload(drafts)
+    adv, staged = mf.DeviceBuffer(rows * 4), mf.PinnedBuffer(rows * 4)
+    cells, dst, done, stream = mf.DeviceBuffer(rows * (k + 2) * 4), mf.PinnedBuffer(rows * (k + 2) * 4), mf.Event(), mf.Stream()
+    with mf.graph_capture(stream) as graph:
+        mf.copy_h2d_async(adv, staged, stream)
+        mf.verify_to_feed(sl, dev_drafts, cells, dst, done, stream, k=k, rows=rows, dtype="float32",
+                          params=dev_params, advance=adv, shard=shard)
+    for seed in range(3):
+        moved = np.random.default_rng(seed).integers(0, 6, rows).astype(np.uint32)
+        np.frombuffer(staged, np.uint32)[:] = moved
+        graph.launch(stream)
+        done.synchronize()
+        want, _ = whole_verify(h, logits, drafts, None, None, k, params=params, advance=h.upload(moved))
+        assert np.array_equal(np.frombuffer(dst, np.uint32).reshape(rows, k + 2), want), (seed, want)
+    graph.close()
+    stream.close()
     shard.close()
 
 
@@ -220,6 +252,9 @@ def scenario_verify_refused(h):
     cases = [
         (FeedError, "no logprobs", dict(params=sampled)),  # sampled rows: logprobs not built
         (ValueError, "max_rows", dict(rows=3)),  # 3 * 4 logit rows > 8
+        (ValueError, "advance needs params", dict(advance=h.upload(np.ones(rows, np.uint32)), logprobs=False)),
+        (TypeError, "device memory", dict(params=sampled, advance=np.ones(rows, np.uint32), logprobs=False)),
+        (ValueError, "advance holds", dict(params=sampled, advance=mf.DeviceBuffer(4), logprobs=False)),
     ]
     for exc, needle, kw in cases:
         before = dict(shard.stats)
@@ -238,8 +273,9 @@ def scenario_verify_refused(h):
         device_params = h.upload(sampled)
         for exc, kw in ((FeedError, dict(draft_probs=mf.DeviceBuffer(rows * k * vocab * 4))),
                         (ValueError, dict(drafts=np.array([[vocab, 0, 0]] * rows))),
-                        (FeedError, dict(params=device_params)),  # device params: not built split
-                        (FeedError, dict(params=sampled, advance=h.upload(np.ones(rows, np.uint32))))):
+                        # Device params: the rounds cannot follow them without FilterRounds.
+                        (FeedError, dict(params=device_params)),
+                        (FeedError, dict(params=device_params, logprobs=mf.DeviceBuffer(n * 4)))):
             args = dict(k=k, rows=rows, dtype="float32", shard=shard)
             args.update(kw)
             before = dict(shard.stats)
@@ -352,9 +388,10 @@ SCENARIOS = {"verify": scenario_verify, "verify-graph": scenario_verify_graph, "
 
 def scenario_pipeline_spec(h):
     """The SPMD pipeline with speculative decoding over the split: every rank's greedy requests
-    get the tokens of the unsharded pipeline without speculation, at depth 1 and 2, with drafts
-    accepted and rejected, bans, stops inside accepted runs and a pool that preempts; one
-    exchange a verify step; a sampled request is refused at submit."""
+    get the tokens of the unsharded pipeline without speculation, and its sampled requests (with
+    and without filters) the tokens of the unsharded speculative pipeline at depth 1, at depth 1
+    and 2, with drafts accepted and rejected, bans, stops inside accepted runs and a pool that
+    preempts; at least one exchange a verify step."""
     from metrale_feed.sched.speculative import NGramDrafter
     from metrale_feed.testing.drafter import ReferenceDrafter
     from metrale_feed.testing.reference import ReferenceModel, host_next_token
@@ -362,23 +399,20 @@ def scenario_pipeline_spec(h):
     vocab, k = 1000, 3
     offsets = {1: None, 2: [0, 333, vocab], 3: [0, 600, vocab, vocab]}.get(h.WORLD)
     shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=4 * (k + 1))
+    sampled = (dict(temperature=0.7, seed=11), dict(temperature=1.3, top_k=40, top_p=0.9, seed=12),
+               dict(temperature=0.9, min_p=0.05, seed=13))
 
-    def decode(depth, sharded, drafter, blocks=64):
+    def decode(depth, sharded, drafter, blocks=64, with_sampled=False):
         model = ReferenceModel(vocab, max_rows=4 * (k + 1), block_size=2, num_blocks=blocks,
                                shard=shard if sharded else None)
         with mf.DecodePipeline(model, 4, depth=depth, shard=shard if sharded else None,
                                speculative=drafter) as pipe:
-            if sharded and drafter is not None:
-                try:
-                    pipe.submit([3, 1, 4], max_new_tokens=4, temperature=0.7)
-                except ValueError as exc:
-                    assert "greedy" in str(exc), exc
-                else:
-                    raise AssertionError("a sampled request was taken by a sharded speculative pipeline")
             reqs = [pipe.submit([3, 1, 4 + i], max_new_tokens=5 + 2 * i,
                                 ban=(7, 500) if i == 2 else None,
                                 stop_ids=[want_stop[i]] if want_stop and i % 3 == 1 else ())
                     for i in range(7)]
+            if with_sampled:
+                reqs += [pipe.submit([2, 7, 1 + i], max_new_tokens=9, **kw) for i, kw in enumerate(sampled)]
             pipe.run()
             stats = (pipe.stats.steps, pipe.stats.host_syncs, pipe.stats.accepted, pipe.stats.drafted,
                      pipe.stats.preemptions)
@@ -394,11 +428,17 @@ def scenario_pipeline_spec(h):
         for t in decode(depth, False, None)[0][0]:
             assert t == host_next_token(hist, vocab), (hist, t)
             hist.append(t)
-        for drafter, blocks in ((ReferenceDrafter(vocab, k, 0.5), 64), (ReferenceDrafter(vocab, k, 1.0), 20),
-                                (NGramDrafter(k), 64)):
+        # Sampled requests join the runs whose drafts are not all accepted (a sampled row may
+        # reject even the reference rule's id), the preempting one among them.
+        for drafter, blocks, mixed in ((ReferenceDrafter(vocab, k, 0.5), 20, True),
+                                       (ReferenceDrafter(vocab, k, 1.0), 64, False), (NGramDrafter(k), 64, True)):
+            # The sampled requests' tokens: the unsharded speculative pipeline's, at depth 1.
+            want_sampled = decode(1, False, drafter, with_sampled=True)[0][len(want):] if mixed else []
             before = shard.stats["collectives"]
-            got, (steps, syncs, accepted, drafted, preempted) = decode(depth, True, drafter, blocks)
-            assert got == want, (depth, type(drafter).__name__, got, want)
+            got, (steps, syncs, accepted, drafted, preempted) = decode(depth, True, drafter, blocks, mixed)
+            assert got[:len(want)] == want, (depth, type(drafter).__name__, got, want)
+            assert got[len(want):] == want_sampled, (depth, type(drafter).__name__, got, want_sampled)
+            assert all(len(t) == 9 for t in want_sampled), want_sampled
             assert (preempted > 0) == (blocks < 64), (blocks, preempted)  # the small pool preempts
             if isinstance(drafter, ReferenceDrafter):
                 assert accepted > 0 and (drafted > accepted) == (drafter.acceptance < 1), (accepted, drafted)

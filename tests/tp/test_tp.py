@@ -215,7 +215,7 @@ def test_a_captured_sharded_verify_replays_on_new_logits_and_drafts_on_every_ran
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_the_speculative_pipeline_spmd_gives_the_unsharded_greedy_tokens_on_every_rank(world):
+def test_the_speculative_pipeline_spmd_gives_the_unsharded_greedy_and_sampled_tokens_on_every_rank(world):
     ranks(world, "pipeline-spec", timeout=400)
 
 

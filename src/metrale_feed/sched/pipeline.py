@@ -213,7 +213,9 @@ class DecodePipeline:
         decoding without it. At depth 2 the next verify step is launched before the last one's
         counts are read (its inputs and positions come from the device, and a sampled
         request's draws are those of depth 1). Needs a model with ``block_size`` and ``pool``,
-        no shard, and requests without penalties. Default None: one token a row a step.
+        and requests without penalties or logprobs. With a shard, sampled requests need the
+        shard's fixed rounds on the cuda backend (``FilterRounds``). Default None: one token a
+        row a step.
 
     Raises
     ------
@@ -508,10 +510,6 @@ class DecodePipeline:
                 raise ValueError("logprobs are not returned with speculative decoding yet: "
                                  "submit the request without logprobs or top_logprobs (or to a "
                                  "pipeline without speculative=)")
-            if self.shard is not None and sampling[0] > 0:
-                raise ValueError("speculative decoding over a split vocabulary (shard=) verifies "
-                                 "greedy requests only: submit with temperature=0 (sampled rows "
-                                 "are not verified across ranks yet)")
         info, name = self.info, type(self.model).__name__
         if lp[1] > self.vocab:  # else the lists would end in (NO_TOKEN, NaN) placeholders
             raise ValueError(f"top_logprobs={lp[1]} is more than the vocabulary of {self.vocab} "

@@ -591,7 +591,7 @@ class SpeculativeStep:
             # the step in flight adds that step's count on the device (the advance its forward
             # reads), so its draws are keyed as at depth 1.
             params["position"] = [len(h) for h in histories]
-        shard = pipe.shard  # greedy rows only (submit refuses sampled ones): one exchange
+        shard = pipe.shard  # greedy rows: one exchange; sampled ones: a sampled call's rounds
         _core.verify_to_feed(logits, slot.drafts, slot.cells, slot.dst, slot.done, stream, k=k,
                              masks=batch.vmasks, params=params, rows=n_rows,
                              vocab=pipe.vocab if shard is None else shard.width,

@@ -85,10 +85,12 @@ class FilteredCall:
     """One sharded ``sample_to_feed`` with filters: its buffers, and the stages, exchanges and
     decisions it queues. ``rounds`` (a ``FilterRounds``): the shard's fixed rounds, buffers sized
     by ``max_rows`` and reused from call to call (``start``); None: rounds and buffers follow
-    this call's params and rows. ``device``: ``params`` are device memory (fixed rounds only)."""
+    this call's params and rows. ``device``: ``params`` are device memory (fixed rounds only).
+    ``verify``: (verify_args.Sampled, k) of a sampled verify over ``rows`` logit rows, whose copy
+    of their params is written on the device from its rows' params and advance."""
 
     def __init__(self, shard: Any, params: Any, rows: int, call: int,
-                 rounds: FilterRounds | None = None, device: bool = False) -> None:
+                 rounds: FilterRounds | None = None, device: bool = False, verify: Any = None) -> None:
         self.shard = shard
         self.fixed = rounds is not None
         if rounds is not None:
@@ -117,23 +119,25 @@ class FilteredCall:
             for size in (capacity * _core.SELECT_ROW_BYTES, self.block, self.block * world, self.hblock,
                          self.hblock * world, self.cblock, self.cblock * world, capacity * LIST_CAP * 4,
                          capacity * _core.SELECT_PLAN_BYTES, capacity * SAMPLING_PARAMS_DTYPE.itemsize,
-                         4):
+                         capacity * SAMPLING_PARAMS_DTYPE.itemsize, 4):
                 self.buffers.append(_core.DeviceBuffer(max(size, 8)))
             self.buffers.append(_core.PinnedBuffer(4))
         except BaseException:
             self.close()
             raise
         (self.state_buf, self.top, self.gathered, self.hist, self.hgathered, self.cands,
-         self.cgathered, self.id_list, self.plan, self.params_dev, self.decided,
+         self.cgathered, self.id_list, self.plan, self.params_dev, self.verify_rows, self.decided,
          self.fault_word) = self.buffers
-        self.start(params, rows, call, device)
+        self.start(params, rows, call, device, verify)
 
-    def start(self, params: Any, rows: int, call: int, device: bool = False) -> None:
+    def start(self, params: Any, rows: int, call: int, device: bool = False, verify: Any = None) -> None:
         """Take the next call: its params (copied into ``params_dev`` in stream order: device
         memory, kept until the call completes, or host records, copied here first so that the
-        caller may refill its array at once), rows and call word."""
+        caller may refill its array at once; a verify's are written from its rows'), rows and call
+        word."""
         self.params = params if device else np.array(params[:rows], copy=True)
         self.device = device
+        self.verify = verify
         self.rows, self.call = rows, call
         self._why: str | None = None  # a fault seen here (a failed exchange, a refused decision)
         self._reported = False  # whether an event has carried it yet
@@ -183,7 +187,15 @@ class FilteredCall:
         # The call's copy of the params: the decisions read it, and with fixed rounds the stages
         # and the combine too, host params as device ones (no check on one rank alone may refuse
         # them); without, the stages take the host records.
-        if self.device:
+        if self.verify is not None:  # a verify's logit rows: its rows' params, advanced, at + j
+            sampled, k = self.verify
+            rows = self.rows // (k + 1)
+            src = sampled.params
+            if not sampled.device:  # the host copy verify_args took, kept until the call completes
+                _core.copy_h2d_async(self.verify_rows, src, stream)
+                src = self.verify_rows
+            _core._verify_logit_params(src, sampled.advance, self.params_dev, stream, rows=rows, k=k)
+        elif self.device:
             _core.copy_d2d_async(self.params_dev, self.params, self.rows * SAMPLING_PARAMS_DTYPE.itemsize, stream)
         else:
             _core.copy_h2d_async(self.params_dev, self.params, stream)

@@ -400,17 +400,24 @@ class VocabShard:
                 raise ValueError("a captured sharded verify_to_feed needs device drafts (a replay "
                                  "reads them where they are)")
             upload = _core.DeviceBuffer(v.host_drafts.nbytes) if v.host_drafts is not None else None
-            if v.sampled is not None:  # sampled rows: a sampled call's rounds, with the drafts
-                if capturing:
-                    raise ValueError("a captured sharded verify_to_feed with sampled rows is not built "
-                                     "(its logit rows' params are host records)")
-                self._refuse_unfixed_rounds("a verify with sampled rows")  # before the drafts' copy
+            sampled = v.sampled
+            if sampled is not None:  # sampled rows: a sampled call's rounds, with the drafts
+                # Before the drafts' copy: what the rounds cannot follow.
+                if capturing and not sampled.device:
+                    raise ValueError("a captured sharded verify_to_feed with sampled rows takes device "
+                                     "params (a replay would reuse the capture's seeds and positions)")
+                self._refuse_unfixed_rounds("a verify with sampled rows")
+                if sampled.device and self.filters is None:
+                    raise FeedError("a sharded verify_to_feed with device params needs fixed rounds "
+                                    "(filters=FilterRounds(...)): the rounds cannot follow params the "
+                                    "host does not read")
                 try:
                     if upload is not None:  # before the first stage, which reads them
                         _core.copy_h2d_async(upload, v.host_drafts, stream)
-                    self._call_filtered(logits, masks, v.sampled, cells, dst, event, stream, v.logit_rows, dtype,
-                                        row_stride, bitmask, None, None, handle, capturing, False,
-                                        verify=(drafts if upload is None else upload, v.k))
+                    self._call_filtered(logits, masks, sampled.params if sampled.device else sampled.logit_rows,
+                                        cells, dst, event, stream, v.logit_rows, dtype, row_stride, bitmask,
+                                        None, None, handle, capturing, sampled.device,
+                                        verify=(drafts if upload is None else upload, v.k, sampled))
                 finally:
                     if upload is not None:
                         upload.close()  # freed once the stream has passed the work that reads it
@@ -613,14 +620,16 @@ class VocabShard:
     def _call_filtered(self, logits: Any, masks: Any, params: Any, cells: Any, dst: Any, event: Any,
                        stream: Any, n: int, dtype: Any, row_stride: Any, bitmask: Any,
                        logprobs: Any, logprobs_dst: Any, handle: int, capturing: bool,
-                       device_params: bool, verify: tuple[Any, int] | None = None) -> int:
+                       device_params: bool, verify: tuple[Any, int, Any] | None = None) -> int:
         """A sampled call with top_k, top_p or min_p (or any sampled call, with fixed rounds):
         the rounds of select_rounds, then the ordinary combine of the race winners. With fixed
         rounds the params, host or device ones, are copied into the call's own buffer in stream
         order, which every stage, decision and the combine read when they run (so a call with
-        device params is capturable). ``verify``: (device drafts, k) of a sampled verify over
-        ``n`` logit rows (``params`` theirs): its first and last stages take the drafts, and the
-        combine verifies (verify_rule.h)."""
+        device params is capturable). ``verify``: (device drafts, k, verify_args.Sampled) of a
+        sampled verify over ``n`` logit rows (``params``: their host records, which the adaptive
+        rounds follow, or the rows' device params): the call's copy of the logit rows' params is
+        written on the device from the rows' and their advance, its first and last stages take the
+        drafts, and the combine verifies (verify_rule.h)."""
         from . import select_rounds
 
         fixed = self.filters
@@ -633,15 +642,17 @@ class VocabShard:
         call = select_rounds.call_word(self._calls + 1, None if device_params or fixed else params[:n],
                                        b"" if verify is None else b"verify k=%d" % verify[1])
         ring = self._rings.get(_FILTERED) if fixed is not None else None
+        source = None if verify is None else (verify[2], verify[1])
         if ring:  # a completed call's (done, rounds): the ring holds fixed rounds only
             done, rounds = ring.pop()
-            rounds.start(params, n, call, device_params)
+            rounds.start(params, n, call, device_params, source)
         else:
-            rounds = select_rounds.FilteredCall(self, params, n, call, fixed, device_params)
+            rounds = select_rounds.FilteredCall(self, params, n, call, fixed, device_params, source)
             done = _core.Event()
         # What the stages and the combine read: the call's copy with fixed rounds (read as device
-        # params are: no value refused on this rank alone), else the host records (checked now).
-        read = rounds.params_dev if fixed is not None else params
+        # params are: no value refused on this rank alone) or for a verify (its advance is there
+        # alone), else the host records (checked now).
+        read = rounds.params_dev if fixed is not None or verify is not None else params
         kw = dict(start=self.start, stop=self.stop, vocab=self.vocab, dtype=dtype, call=call,
                   rows=n, row_stride=row_stride, bitmask=bitmask, masks=masks)
         queued = False
@@ -673,7 +684,7 @@ class VocabShard:
             more = {} if verify is None else dict(drafts=verify[0], k=verify[1], select=rounds.state_buf)
             _core._combine_partials(rounds.gathered, self.world, cells, dst, None, stream, rows=n,
                                     vocab=self.vocab, call=call, fault_dst=rounds.fault_word,
-                                    params=read if verify is None else rounds.params_dev, logprobs=logprobs,
+                                    params=read, logprobs=logprobs,
                                     logprobs_dst=logprobs_dst, slice_stride=self._block // _RECORD_BYTES,
                                     filtered=True, refused=rounds.decided, **more)
         except BaseException as exc:

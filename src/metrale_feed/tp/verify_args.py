@@ -1,9 +1,11 @@
 """The arguments of a sharded ``verify_to_feed``, checked before anything is queued
 (docs/tensor-parallel.md, "Verify"). Greedy rows take the greedy call's one exchange: their rule
-at a position is the argmax, which it combines exactly. A call with sampled rows takes the rounds
-of a sampled call over its ``rows * (k + 1)`` logit rows, with the drafts in their first and last
-stages (verify_rule.h): host params (their positions advance with j here), one-hot drafts, no
-logprobs and no device ``advance``, which are refused here."""
+at a position is the argmax, which it combines exactly. A call with sampled rows (host params
+that sample one, or device params, which the host cannot read) takes the rounds of a sampled call
+over its ``rows * (k + 1)`` logit rows, with the drafts in their first and last stages
+(verify_rule.h); the logit rows' params are written on the device from the rows' and the device
+``advance`` (``mf_verify_logit_params``). Still refused here: ``draft_probs``, and logprobs with
+sampled rows."""
 
 from __future__ import annotations
 
@@ -29,12 +31,24 @@ def call_word(counter: int, k: int) -> int:
 
 
 @dataclass(frozen=True)
+class Sampled:
+    """What a verify's sampled call reads: the rows' params (a host copy of ``rows`` records, or
+    device memory) and the device ``advance`` (None: none), from which the call's own copy of the
+    logit rows' params is written on the device; ``logit_rows``: those params expanded on the host
+    (host params only), which the adaptive rounds follow and digest."""
+    params: Any
+    device: bool
+    advance: Any
+    logit_rows: np.ndarray | None
+
+
+@dataclass(frozen=True)
 class VerifyCall:
     k: int
     rows: int
     logit_rows: int
     host_drafts: np.ndarray | None  # None: device drafts, read when the combine runs
-    sampled: np.ndarray | None  # a call with sampled rows: the logit rows' params; None: greedy
+    sampled: Sampled | None  # a call with sampled rows (or device params); None: greedy
 
 
 def _index(value: Any, what: str) -> int:
@@ -43,44 +57,57 @@ def _index(value: Any, what: str) -> int:
     return int(value)
 
 
-def _host_params(params: Any, draft_probs: Any) -> None:
-    """What a split verify takes at all: one-hot drafts, and host params (or none)."""
+def _params(params: Any, draft_probs: Any, advance: Any, rows: int) -> bool:
+    """What a split verify takes at all: one-hot drafts, params (host or device; True: device)
+    and a device ``advance`` with params."""
     from .shard import _device_params
 
     if draft_probs is not None:
         raise FeedError("a sharded verify_to_feed takes one-hot drafts (draft_probs is not built "
                         "over a split vocabulary yet)")
+    if advance is not None:
+        if params is None:
+            raise ValueError("advance needs params (it moves the sampled rows' positions)")
+        if not _device_params(advance):
+            raise TypeError("advance must be device memory (rows uint32, read when the call runs)")
+        if type(advance) is _core.DeviceBuffer and advance.nbytes < rows * 4:
+            raise ValueError(f"advance holds {advance.nbytes} bytes; {rows} rows need {rows * 4}")
     if params is None:
-        return
+        return False
     if _device_params(params):
-        raise FeedError("a sharded verify_to_feed takes host params (device ones are not built over "
-                        "a split vocabulary yet)")
+        if type(params) is _core.DeviceBuffer and params.nbytes < rows * SAMPLING_PARAMS_DTYPE.itemsize:
+            raise ValueError(f"params hold {params.nbytes // SAMPLING_PARAMS_DTYPE.itemsize} records; "
+                             f"{rows} rows need {rows}")
+        return True
     if not isinstance(params, np.ndarray) or params.dtype != SAMPLING_PARAMS_DTYPE:
         raise ValueError("params must be SAMPLING_PARAMS_DTYPE records")
-
-
-def _sampled(params: Any, rows: int, logprobs: Any, advance: Any) -> bool:
-    """Whether the call's ``rows`` rows include a sampled one; refuses what a split verify with
-    one does not take."""
-    if params is None:
-        return False
     if len(params) < rows:
         raise ValueError(f"params hold {len(params)} records; {rows} rows need {rows}")
-    t = params["temperature"][:rows]
-    if not np.any((t > 0) & (t <= _MAX_F32)):
-        return False
+    return False
+
+
+def _sampled(params: Any, device: bool, rows: int, k: int, logprobs: Any, advance: Any) -> Sampled | None:
+    """The sampled call of a verify whose rows include a sampled one (device params may: the host
+    cannot tell), None for greedy rows; refuses what a split verify with one does not take."""
+    if params is None:
+        return None
+    if not device:
+        t = params["temperature"][:rows]
+        if not np.any((t > 0) & (t <= _MAX_F32)):
+            return None
     if logprobs is not None:
-        raise FeedError("a sharded verify_to_feed with sampled rows has no logprobs yet (its records "
-                        "carry the survivors' masses)")
-    if advance is not None:
-        raise FeedError("a sharded verify_to_feed with sampled rows takes its positions from the params "
-                        "(a device advance is not built over a split vocabulary yet)")
-    return True
+        raise FeedError("a sharded verify_to_feed with sampled rows (or device params) has no logprobs "
+                        "yet (its records carry the survivors' masses)")
+    if device:
+        return Sampled(params, True, advance, None)
+    head = np.array(params[:rows], copy=True)  # the caller may refill its array at once
+    return Sampled(head, False, advance, logit_row_params(head, rows, k))
 
 
 def logit_row_params(params: np.ndarray, rows: int, k: int) -> np.ndarray:
     """The params of the ``rows * (k + 1)`` logit rows: row r's at position + j for its position j
-    (mod 2**32, as the counter is), what the stages and the combine of a split verify read."""
+    (mod 2**32, as the counter is), what the adaptive rounds of a split verify follow (the
+    device writes the call's own copy, with the advance: mf_verify_logit_params)."""
     out = np.repeat(params[:rows], k + 1)
     out["position"] += np.tile(np.arange(k + 1, dtype=np.uint32), rows)
     return out
@@ -113,7 +140,6 @@ def check(shard: Any, logits: Any, drafts: Any, cells: Any, dst: Any, k: Any, pa
     k = _index(k, "k")
     if not 1 <= k <= _core.MAX_DRAFTS:
         raise ValueError(f"k must be in [1, {_core.MAX_DRAFTS}], not {k}")
-    _host_params(params, draft_probs)
     host = _host_drafts(drafts, shard.vocab)
     if rows is None:
         if hasattr(logits, "shape") and len(logits.shape) == 2:
@@ -144,5 +170,5 @@ def check(shard: Any, logits: Any, drafts: Any, cells: Any, dst: Any, k: Any, pa
             raise ValueError(f"{what} holds {buf.nbytes} bytes; {words * 4} are needed")
     if logprobs_dst is not None and logprobs is None:
         raise ValueError("logprobs_dst needs logprobs (the device buffer it is copied from)")
-    sampled = _sampled(params, rows, logprobs, advance)
-    return VerifyCall(k, rows, logit_rows, host, logit_row_params(params, rows, k) if sampled else None)
+    device = _params(params, draft_probs, advance, rows)
+    return VerifyCall(k, rows, logit_rows, host, _sampled(params, device, rows, k, logprobs, advance))
