@@ -451,3 +451,38 @@ def scenario_pipeline_spec(h):
 
 
 SCENARIOS["pipeline-spec"] = scenario_pipeline_spec
+
+
+def scenario_pipeline_spec_nccl(h):
+    """On the cuda backend NCCL issues a call's collectives as it is queued, so a sampled verify's
+    rounds must not follow its params: without the shard's fixed rounds, submit refuses a sampled
+    request (not the step that would verify it), and a greedy one still runs."""
+    from metrale_feed.testing.drafter import ReferenceDrafter
+    from metrale_feed.testing.reference import ReferenceModel, host_next_token
+
+    vocab = 1000
+    shard = mf.VocabShard(None, vocab, max_rows=16)
+    shard._nccl = True  # what a shard over an NCCL group says
+    drafter = ReferenceDrafter(vocab, 3, 0.5)
+    model = ReferenceModel(vocab, max_rows=16, block_size=2, num_blocks=64, shard=shard)
+    with mf.DecodePipeline(model, 4, depth=2, shard=shard, speculative=drafter) as pipe:
+        try:
+            pipe.submit([1, 2], max_new_tokens=3, temperature=0.7)
+        except FeedError as exc:
+            assert "FilterRounds" in str(exc), exc
+        else:
+            raise AssertionError("a sampled request was taken without fixed rounds over NCCL")
+        assert pipe.idle
+        req = pipe.submit([1, 2], max_new_tokens=3)
+        pipe.run()
+    hist = [1, 2]
+    for t in req.tokens:
+        assert t == host_next_token(hist, vocab), (hist, t)
+        hist.append(t)
+    assert len(req.tokens) == 3, req.tokens
+    model.close()
+    drafter.close()
+    shard.close()
+
+
+SCENARIOS["pipeline-spec-nccl"] = scenario_pipeline_spec_nccl

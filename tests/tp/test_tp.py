@@ -222,3 +222,8 @@ def test_the_speculative_pipeline_spmd_gives_the_unsharded_greedy_and_sampled_to
 @pytest.mark.parametrize("scenario", ["verify-refused", "verify-mismatch"])
 def test_a_sharded_verify_refuses_what_it_does_not_take_and_faults_on_mismatched_calls(scenario):
     ranks(2, scenario)
+
+
+
+def test_a_sharded_pipeline_refuses_sampled_requests_that_nccl_could_not_verify():
+    ranks(1, "pipeline-spec-nccl")

@@ -510,6 +510,8 @@ class DecodePipeline:
                 raise ValueError("logprobs are not returned with speculative decoding yet: "
                                  "submit the request without logprobs or top_logprobs (or to a "
                                  "pipeline without speculative=)")
+            if self.shard is not None and sampling[0] > 0:  # its verify: a sampled call's rounds
+                self.shard._refuse_unfixed_rounds("speculative verifies of sampled requests")
         info, name = self.info, type(self.model).__name__
         if lp[1] > self.vocab:  # else the lists would end in (NO_TOKEN, NaN) placeholders
             raise ValueError(f"top_logprobs={lp[1]} is more than the vocabulary of {self.vocab} "
