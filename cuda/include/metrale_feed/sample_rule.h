@@ -79,6 +79,14 @@ MF_HD uint32_t mf_logit_bits(const void *row, int dtype, uint32_t i) {
 
 MF_HD int mf_finite_bits(uint32_t bits) { return (bits & 0x7F800000u) != 0x7F800000u; }
 
+/* Whether id i of a row is a sampling candidate: not masked, allowed by the bitmask and finite
+ * (`bits` gets its logit then). The sampler, the verifier and a split verify's TOP stage ask it. */
+MF_HD int mf_candidate(const void *row, int dtype, const mf_row_rule *rule, uint32_t i, uint32_t *bits) {
+    if (i == rule->m0 || i == rule->m1 || !mf_bit_allowed(rule->bits, i)) return 0;
+    *bits = mf_logit_bits(row, dtype, i);
+    return mf_finite_bits(*bits);
+}
+
 /* exp(x) for x <= 0: Cody-Waite reduction by ln 2 and a degree-6 polynomial. Results below
  * 2**-125 are 0 here by definition (never a subnormal, whose handling a mode could change). */
 MF_HD float mf_exp_neg(float x) {

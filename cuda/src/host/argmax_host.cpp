@@ -364,10 +364,9 @@ void run_argmax(const ArgmaxJob &job) {
                                                id == MF_NO_TOKEN ? 0u : mf_logit_bits(row, (int)a.dtype, id),
                                                0.0f, 0.0f};
                 const uint32_t draft = mf_verify_local_draft(a.select_drafts, a.select_k, r, start);
-                uint32_t draft_bits = MF_VERIFY_NO_BITS;
-                if (draft < a.vocab && draft != rule.m0 && draft != rule.m1 && mf_bit_allowed(rule.bits, draft) &&
-                    mf_finite_bits(mf_logit_bits(row, (int)a.dtype, draft)))
-                    draft_bits = mf_logit_bits(row, (int)a.dtype, draft);  // a finite candidate of this slice
+                uint32_t draft_bits = MF_VERIFY_NO_BITS, bits;
+                if (draft < a.vocab && mf_candidate(row, (int)a.dtype, &rule, draft, &bits))
+                    draft_bits = bits;  // a finite candidate of this slice
                 const uint32_t free_words[2] = {draft_bits, mf_params_digest(&params[r])};
                 std::memcpy(&records[r].max, free_words, 8);
                 continue;

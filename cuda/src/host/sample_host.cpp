@@ -68,11 +68,7 @@ struct RowView {
     const mf_row_rule *rule;
     float inv_t;
     uint32_t base;  // the global id of local id 0 (a slice of a split row): Philox draws by global id
-    bool candidate(uint32_t i, uint32_t *bits) const {
-        if (i == rule->m0 || i == rule->m1 || !mf_bit_allowed(rule->bits, i)) return false;
-        *bits = mf_logit_bits(row, dt, i);
-        return mf_finite_bits(*bits);
-    }
+    bool candidate(uint32_t i, uint32_t *bits) const { return mf_candidate(row, dt, rule, i, bits); }
     float z(uint32_t bits) const { return mf_scaled(bits, inv_t); }
 };
 

@@ -18,9 +18,7 @@ struct Position {
 };
 
 bool candidate(const Position &at, uint32_t i, uint32_t *bits) {
-    if (i >= at.vocab || i == at.rule->m0 || i == at.rule->m1 || !mf_bit_allowed(at.rule->bits, i)) return false;
-    *bits = mf_logit_bits(at.row, (int)at.dtype, i);
-    return mf_finite_bits(*bits);
+    return i < at.vocab && mf_candidate(at.row, (int)at.dtype, at.rule, i, bits);
 }
 
 // The race over the survivors other than x. sample_row's winner over all of them is also the

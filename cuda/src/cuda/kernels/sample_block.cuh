@@ -115,6 +115,23 @@ __device__ uint64_t block_threshold(const Row &row, const mf_sample_plan &p, uin
     return threshold;
 }
 
+// Whether local id `i` of the row survives the filters (mf_survives), and its logit `bits` then.
+__device__ bool survives(const Row &row, const mf_sample_plan &p, uint64_t threshold, float zmax, uint32_t i,
+                         uint32_t *bits) {
+    return i < row.vocab && row.candidate(i, bits) && mf_survives(*bits, i, threshold, &p, zmax);
+}
+
+// The integer mass of the row's survivors (sample_rule.h's masses, summed as integers); every
+// thread gets it. A verify weighs its draft against it (verify_rule.h), whole or one slice's.
+__device__ uint64_t block_survivor_mass(const Row &row, const mf_sample_plan &p, uint64_t threshold, float zmax) {
+    uint64_t total = 0;
+    for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {
+        uint32_t bits;
+        if (survives(row, p, threshold, zmax, i, &bits)) total += mf_survivor_mass(bits, p.inv_t, zmax);
+    }
+    return block_reduce(total, false);
+}
+
 // The race over the row's survivors (mf_survives: packed >= threshold, min_p against zmax) other
 // than `skip` (MF_NO_TOKEN: none skipped): sample_rule.h's score z + Gumbel at each global id
 // (row.base + id). The top candidate `top_id`, whose scaled logit is `ztop`, races first when it

@@ -215,15 +215,9 @@ __global__ void __launch_bounds__(kThreads)
         uint64_t mass = 0;
         if (mf_verify_draft_at(s.drafts, s.k, (uint64_t)s.row0 + r) != MF_NO_TOKEN && (st.flags & MF_SELECT_ROW_TOP) &&
             mf_finite_bits(mf_to_bits(zmax))) {
-            for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {  // the slice's survivors' total mass
-                uint32_t bits;
-                if (row.candidate(i, &bits) && mf_survives(bits, i, st.floor, &p, zmax))
-                    mass += mf_survivor_mass(bits, p.inv_t, zmax);
-            }
-            mass = block_reduce(mass, false);
+            mass = block_survivor_mass(row, p, st.floor, zmax);  // the slice's survivors' total mass
             uint32_t bits;
-            if (draft < row.vocab && row.candidate(draft, &bits) && mf_survives(bits, draft, st.floor, &p, zmax))
-                mass |= MF_VERIFY_SURVIVES;
+            if (survives(row, p, st.floor, zmax, draft, &bits)) mass |= MF_VERIFY_SURVIVES;
             if (id == draft && draft < row.vocab) {  // the winner is the draft: the race again without it
                 const uint32_t top_id = mf_unpack_id(top);
                 id = block_race(row, p, top_id, mf_scaled(mf_logit_bits(row.logits, row.dtype, top_id), p.inv_t), zmax,

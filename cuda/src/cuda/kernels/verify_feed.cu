@@ -63,17 +63,9 @@ __device__ bool sampled_position(const Row &row, const mf_sampling_params &param
     }
     const uint64_t threshold = block_threshold(row, p, count, zmax);
     if (x != MF_NO_TOKEN) {
-        uint64_t total = 0;
-        for (uint32_t i = threadIdx.x; i < row.vocab; i += blockDim.x) {
-            uint32_t bits;
-            if (row.candidate(i, &bits) && mf_survives(bits, i, threshold, &p, zmax))
-                total += mf_survivor_mass(bits, p.inv_t, zmax);
-        }
-        total = block_reduce(total, false);
+        const uint64_t total = block_survivor_mass(row, p, threshold, zmax);
         uint32_t bits;
-        const uint64_t mass_x = x < row.vocab && row.candidate(x, &bits) && mf_survives(bits, x, threshold, &p, zmax)
-                                    ? mf_survivor_mass(bits, p.inv_t, zmax)
-                                    : 0u;
+        const uint64_t mass_x = survives(row, p, threshold, zmax, x, &bits) ? mf_survivor_mass(bits, p.inv_t, zmax) : 0u;
         if (!q) {
             if (mf_verify_accepts(0, top_id, x, p.seed, p.position, mass_x, total)) return true;
         } else {
