@@ -279,10 +279,8 @@ def test_what_the_pipeline_cannot_run_speculatively_is_refused(host, no_leaks):
         with DecodePipeline(model, 4, depth=1, speculative=drafter) as pipe:
             with pytest.raises(ValueError, match="penalties"):
                 pipe.submit([1, 2], max_new_tokens=3, presence_penalty=0.5)
-            with pytest.raises(ValueError, match="logprobs"):
-                pipe.submit([1, 2], max_new_tokens=3, logprobs=True)
-            with pytest.raises(ValueError, match="logprobs"):
-                pipe.submit([1, 2], max_new_tokens=3, top_logprobs=2)
+            with pytest.raises(ValueError, match="top_logprobs"):
+                pipe.submit([1, 2], max_new_tokens=3, logprobs=True, top_logprobs=2)
             with pytest.raises(ValueError, match="KV blocks"):
                 pipe.submit([1] * 790, max_new_tokens=8)  # fits without the k drafted positions
             assert pipe.idle
@@ -777,11 +775,12 @@ def test_the_ngram_drafter_at_depth_2_drafts_what_it_drafts_at_depth_1(host, no_
     assert rates["blind"] < 0.5 * rates[2], rates
 
 
-def test_logprobs_with_speculation_get_the_speculative_refusal_first(host, no_leaks):
-    """The most specific refusal wins: a speculative pipeline refuses logprobs because of the
+def test_top_logprobs_with_speculation_get_the_speculative_refusal_first(host, no_leaks):
+    """The most specific refusal wins: a speculative pipeline refuses top_logprobs because of the
     speculation, whatever else the request or the model would have been refused for (a model
-    that declares no logprobs, a top_logprobs above the vocabulary, a sampled row at depth 2);
-    without speculation those other refusals remain."""
+    that declares no top logprobs, a top_logprobs above the vocabulary, a sampled row at depth 2);
+    its logprobs are verify_to_feed's, so a model whose feed methods take none still gives them.
+    Without speculation the model's refusals remain."""
     from metrale_feed.testing.reference import ReferenceModel
 
     class NoLogprobs(ReferenceModel):
@@ -792,14 +791,55 @@ def test_logprobs_with_speculation_get_the_speculative_refusal_first(host, no_le
     with NoLogprobs(8, block_size=4, num_blocks=60, max_rows=2) as model:
         for depth in (1, 2):
             with DecodePipeline(model, 2, depth=depth, speculative=drafter) as pipe:
-                for kw in [dict(logprobs=True), dict(logprobs=True, top_logprobs=3),
+                for kw in [dict(logprobs=True, top_logprobs=3),
                            dict(logprobs=True, top_logprobs=12),  # above the vocabulary of 8
-                           dict(logprobs=True, temperature=0.7)]:
-                    with pytest.raises(ValueError, match="not returned with speculative"):
+                           dict(logprobs=True, top_logprobs=1, temperature=0.7)]:
+                    with pytest.raises(ValueError, match="top_logprobs are not returned with speculative"):
                         pipe.submit([1, 2], max_new_tokens=3, **kw)
                 assert pipe.idle
+                req = pipe.submit([1, 2], max_new_tokens=3, logprobs=True)
+                pipe.run()
+                assert len(req.logprobs) == len(req.tokens) == 3
         with DecodePipeline(model, 2) as pipe:  # the model's own refusals, once no speculation
             with pytest.raises(FeedError, match="logprobs=False"):
                 pipe.submit([1, 2], max_new_tokens=3, logprobs=True)
             with pytest.raises(ValueError, match="more than the vocabulary"):
                 pipe.submit([1, 2], max_new_tokens=3, logprobs=True, top_logprobs=12)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_logprobs_with_speculation_are_each_tokens_raw_logprob(host, no_leaks, depth):
+    """Each committed token's logprob under the raw logits of its own position (verify_to_feed's,
+    one per emitted id), for greedy and sampled rows beside rows that ask for none, with drafts
+    accepted and rejected and stops inside accepted runs: one logprob a token, the float64
+    oracle's; a greedy request's are bit for bit those of the pipeline without speculation."""
+    from pipeline.test_pipeline_logprobs import oracle
+
+    from helpers.accuracy import assert_close
+
+    ps = prompts(5, seed=8)
+    kws = [dict(logprobs=True), dict(), dict(logprobs=True, temperature=0.9, top_k=40, seed=3),
+           dict(temperature=1.1, seed=2), dict(logprobs=True, temperature=0.7, top_p=0.9, seed=5)]
+    with model_for(5) as model, DecodePipeline(model, 5, depth=depth) as pipe:
+        plain = pipe.submit(ps[0], max_new_tokens=12, logprobs=True)
+        pipe.run()
+    stop = plain.tokens[5]
+    for drafter in (ReferenceDrafter(VOCAB, 3, 0.6), NGramDrafter(3)):
+        with model_for(5) as model, DecodePipeline(model, 5, depth=depth, speculative=drafter) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=12, stop_ids=[stop] if i == 0 else (), **kw)
+                    for i, (p, kw) in enumerate(zip(ps, kws))]
+            pipe.run()
+            if isinstance(drafter, ReferenceDrafter):  # (random prompts repeat little: n-grams miss)
+                assert pipe.stats.accepted > 0 and pipe.stats.drafted > pipe.stats.accepted
+            if depth == 2:
+                assert pipe.stats.host_syncs == pipe.stats.steps
+        drafter.close()
+        for req, kw in zip(reqs, kws):
+            if not kw.get("logprobs"):
+                assert req.logprobs is None
+                continue
+            assert len(req.logprobs) == len(req.tokens) and all(type(v) is float for v in req.logprobs)
+            assert_close(req.logprobs, oracle(req))
+        first = reqs[0]
+        assert first.tokens == plain.tokens[:6] and first.tokens[-1] == stop  # stopped inside a run
+        assert first.logprobs == plain.logprobs[:6]

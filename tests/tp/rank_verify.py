@@ -456,7 +456,8 @@ SCENARIOS["pipeline-spec"] = scenario_pipeline_spec
 def scenario_pipeline_spec_nccl(h):
     """On the cuda backend NCCL issues a call's collectives as it is queued, so a sampled verify's
     rounds must not follow its params: without the shard's fixed rounds, submit refuses a sampled
-    request (not the step that would verify it), and a greedy one still runs."""
+    request (not the step that would verify it), and a greedy one still runs. Logprobs are
+    refused over the split."""
     from metrale_feed.testing.drafter import ReferenceDrafter
     from metrale_feed.testing.reference import ReferenceModel, host_next_token
 
@@ -472,6 +473,12 @@ def scenario_pipeline_spec_nccl(h):
             assert "FilterRounds" in str(exc), exc
         else:
             raise AssertionError("a sampled request was taken without fixed rounds over NCCL")
+        try:  # a sampled verify's records carry masses, not a slice's (m, s)
+            pipe.submit([1, 2], max_new_tokens=3, logprobs=True)
+        except ValueError as exc:
+            assert "split vocabulary" in str(exc), exc
+        else:
+            raise AssertionError("logprobs were taken by a sharded speculative pipeline")
         assert pipe.idle
         req = pipe.submit([1, 2], max_new_tokens=3)
         pipe.run()

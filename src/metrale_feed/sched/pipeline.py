@@ -213,7 +213,8 @@ class DecodePipeline:
         decoding without it. At depth 2 the next verify step is launched before the last one's
         counts are read (its inputs and positions come from the device, and a sampled
         request's draws are those of depth 1). Needs a model with ``block_size`` and ``pool``,
-        and requests without penalties or logprobs. With a shard, sampled requests need the
+        and requests without penalties or top_logprobs (and, with a shard, without logprobs;
+        without one, logprobs are ``verify_to_feed``'s). With a shard, sampled requests need the
         shard's fixed rounds on the cuda backend (``FilterRounds``). Default None: one token a
         row a step.
 
@@ -506,10 +507,17 @@ class DecodePipeline:
                                  "frequency_penalty), logit_bias and min_tokens are not applied "
                                  "with speculative decoding yet: submit the request without them "
                                  "(or to a pipeline without speculative=)")
-            if lp[0] or lp[1]:  # before the model's logprobs capabilities and the vocabulary
-                raise ValueError("logprobs are not returned with speculative decoding yet: "
-                                 "submit the request without logprobs or top_logprobs (or to a "
-                                 "pipeline without speculative=)")
+            # Before the model's logprobs capabilities and the vocabulary: a verify step's
+            # logprobs are verify_to_feed's, whatever the model's feed methods take.
+            if lp[1]:
+                raise ValueError("top_logprobs are not returned with speculative decoding yet: "
+                                 "submit the request without top_logprobs (or to a pipeline "
+                                 "without speculative=)")
+            if lp[0] and self.shard is not None:
+                raise ValueError("logprobs are not returned with speculative decoding over a split "
+                                 "vocabulary yet (a sampled verify's records carry masses): "
+                                 "submit the request without logprobs (or to a pipeline without "
+                                 "speculative=)")
             if self.shard is not None and sampling[0] > 0:  # its verify: a sampled call's rounds
                 self.shard._refuse_unfixed_rounds("speculative verifies of sampled requests")
         info, name = self.info, type(self.model).__name__
@@ -525,7 +533,7 @@ class DecodePipeline:
                             f"raw_logits=False): logprobs=True with penalties, logit_bias or "
                             f"min_tokens cannot run on it (the penalties change the logits in "
                             f"place)")
-        if lp[0] and not info.logprobs:
+        if lp[0] and not info.logprobs and spec is None:
             raise FeedError(f"{name}'s feed methods take no logprobs= and logprobs_dst= (its "
                             f"feed_info() says logprobs=False): a request with logprobs=True "
                             f"cannot run on it")

@@ -357,8 +357,9 @@ class _SpecView(_RequestView):
 
 class _Slot:
     """One launch's buffers: the drafts then the inputs (one device buffer, so one gather makes
-    the fed ids), the fed ids, the advance, the verify cells and their pinned copy, and the
-    resolved last ids and advances the next launch reads on the device."""
+    the fed ids), the fed ids, the advance, the verify cells and their pinned copy, the resolved
+    last ids and advances the next launch reads on the device, and the logprobs of every logit
+    row with their pinned copy (written when a row of the step asks for them)."""
 
     def __init__(self, rows: int, k: int) -> None:
         self.drafts = _core.DeviceBuffer(rows * (k + 1) * 4)
@@ -368,10 +369,13 @@ class _Slot:
         self.dst = _core.PinnedBuffer(rows * (k + 2) * 4)
         self.ids = _core.DeviceBuffer(rows * 4)
         self.adv = _core.DeviceBuffer(rows * 4)
+        self.lp = _core.DeviceBuffer(rows * (k + 1) * 4)
+        self.lp_dst = _core.PinnedBuffer(rows * (k + 1) * 4)
         self.done = _core.Event()
 
     def close(self) -> None:
-        for buf in (self.drafts, self.fed, self.advance, self.cells, self.dst, self.ids, self.adv):
+        for buf in (self.drafts, self.fed, self.advance, self.cells, self.dst, self.ids, self.adv, self.lp,
+                    self.lp_dst):
             buf.close()
         self.done.close()
 
@@ -384,7 +388,7 @@ class _Batch:
     ``FeedSource.feed(r)``. Read only: a drafter is handed its lists."""
 
     __slots__ = ("rows", "index", "seqs", "masks", "vmasks", "seeds", "params", "identity",
-                 "feeds")
+                 "feeds", "logprobs")
 
     def __init__(self, rows: List["Request"], k: int) -> None:
         self.rows = rows
@@ -406,6 +410,7 @@ class _Batch:
                 self.params[field] = [getattr(r, field) for r in rows]
         self.identity = list(range(len(rows)))
         self.feeds = [FeedSource.feed(i) for i in self.identity]
+        self.logprobs = any(r.logprobs is not None for r in rows)  # the verify writes them all
 
 
 class _Flight:
@@ -592,8 +597,9 @@ class SpeculativeStep:
             # reads), so its draws are keyed as at depth 1.
             params["position"] = [len(h) for h in histories]
         shard = pipe.shard  # greedy rows: one exchange; sampled ones: a sampled call's rounds
+        lp = dict(logprobs=slot.lp, logprobs_dst=slot.lp_dst) if batch.logprobs else {}
         _core.verify_to_feed(logits, slot.drafts, slot.cells, slot.dst, slot.done, stream, k=k,
-                             masks=batch.vmasks, params=params, rows=n_rows,
+                             masks=batch.vmasks, params=params, rows=n_rows, **lp,
                              vocab=pipe.vocab if shard is None else shard.width,
                              dtype=pipe.info.logits_dtype, row_stride=self._row_stride,
                              advance=slot.advance if advanced and params is not None else None,
@@ -651,7 +657,12 @@ class SpeculativeStep:
             pipe._fault(flight.launch, 0, exc)
             raise
         got = _core.read_pinned_u32(flight.slot.dst.ptr, len(flight.rows) * (self.k + 2))
-        self._commit(flight, got)
+        lps = None
+        if flight.batch.logprobs:  # complete with the cells (the same event)
+            import numpy as np
+
+            lps = np.frombuffer(flight.slot.lp_dst, np.float32, len(flight.rows) * (self.k + 1)).tolist()
+        self._commit(flight, got, lps)
 
     def _drop_all(self) -> None:
         """After a fault: the steps still in flight are waited for and thrown away."""
@@ -664,7 +675,7 @@ class SpeculativeStep:
             self.pipe.stats.rows_discarded += len(later.rows) - len(later.dead)
         self.inflight.clear()
 
-    def _commit(self, flight: _Flight, got: Sequence[int]) -> None:
+    def _commit(self, flight: _Flight, got: Sequence[int], lps: Optional[List[float]] = None) -> None:
         from .request import RequestStatus
 
         k, stats, pipe = self.k, self.pipe.stats, self.pipe
@@ -682,6 +693,8 @@ class SpeculativeStep:
             for j in range(n):
                 token = got[at + 1 + j]
                 req.tokens.append(token)
+                if req.logprobs is not None and lps is not None:  # the raw logprob at its position
+                    req.logprobs.append(lps[i * (k + 1) + j])
                 if token in req.stop_ids and len(req.tokens) >= req.min_tokens:
                     finish = RequestStatus.FINISHED_STOPPED
                 elif len(req.tokens) >= req.max_new_tokens:
