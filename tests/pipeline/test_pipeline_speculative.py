@@ -279,8 +279,6 @@ def test_what_the_pipeline_cannot_run_speculatively_is_refused(host, no_leaks):
         with DecodePipeline(model, 4, depth=1, speculative=drafter) as pipe:
             with pytest.raises(ValueError, match="penalties"):
                 pipe.submit([1, 2], max_new_tokens=3, presence_penalty=0.5)
-            with pytest.raises(ValueError, match="top_logprobs"):
-                pipe.submit([1, 2], max_new_tokens=3, logprobs=True, top_logprobs=2)
             with pytest.raises(ValueError, match="KV blocks"):
                 pipe.submit([1] * 790, max_new_tokens=8)  # fits without the k drafted positions
             assert pipe.idle
@@ -775,12 +773,11 @@ def test_the_ngram_drafter_at_depth_2_drafts_what_it_drafts_at_depth_1(host, no_
     assert rates["blind"] < 0.5 * rates[2], rates
 
 
-def test_top_logprobs_with_speculation_get_the_speculative_refusal_first(host, no_leaks):
-    """The most specific refusal wins: a speculative pipeline refuses top_logprobs because of the
-    speculation, whatever else the request or the model would have been refused for (a model
-    that declares no top logprobs, a top_logprobs above the vocabulary, a sampled row at depth 2);
-    its logprobs are verify_to_feed's, so a model whose feed methods take none still gives them.
-    Without speculation the model's refusals remain."""
+def test_a_speculative_pipeline_gives_logprobs_whatever_the_models_feed_methods_take(host, no_leaks):
+    """A verify step's logprobs are verify_to_feed's and its top logprobs top_logprobs' over the
+    verify's logits, so a model whose feed methods take neither still gives them with
+    speculation; a top_logprobs above the vocabulary is refused either way, and without
+    speculation the model's own refusals remain."""
     from metrale_feed.testing.reference import ReferenceModel
 
     class NoLogprobs(ReferenceModel):
@@ -791,15 +788,12 @@ def test_top_logprobs_with_speculation_get_the_speculative_refusal_first(host, n
     with NoLogprobs(8, block_size=4, num_blocks=60, max_rows=2) as model:
         for depth in (1, 2):
             with DecodePipeline(model, 2, depth=depth, speculative=drafter) as pipe:
-                for kw in [dict(logprobs=True, top_logprobs=3),
-                           dict(logprobs=True, top_logprobs=12),  # above the vocabulary of 8
-                           dict(logprobs=True, top_logprobs=1, temperature=0.7)]:
-                    with pytest.raises(ValueError, match="top_logprobs are not returned with speculative"):
-                        pipe.submit([1, 2], max_new_tokens=3, **kw)
+                with pytest.raises(ValueError, match="more than the vocabulary"):
+                    pipe.submit([1, 2], max_new_tokens=3, logprobs=True, top_logprobs=12)
                 assert pipe.idle
-                req = pipe.submit([1, 2], max_new_tokens=3, logprobs=True)
+                req = pipe.submit([1, 2], max_new_tokens=3, logprobs=True, top_logprobs=3, temperature=0.7)
                 pipe.run()
-                assert len(req.logprobs) == len(req.tokens) == 3
+                assert len(req.logprobs) == len(req.top_logprobs) == len(req.tokens) == 3
         with DecodePipeline(model, 2) as pipe:  # the model's own refusals, once no speculation
             with pytest.raises(FeedError, match="logprobs=False"):
                 pipe.submit([1, 2], max_new_tokens=3, logprobs=True)
@@ -810,18 +804,18 @@ def test_top_logprobs_with_speculation_get_the_speculative_refusal_first(host, n
 @pytest.mark.parametrize("depth", [1, 2])
 def test_logprobs_with_speculation_are_each_tokens_raw_logprob(host, no_leaks, depth):
     """Each committed token's logprob under the raw logits of its own position (verify_to_feed's,
-    one per emitted id), for greedy and sampled rows beside rows that ask for none, with drafts
-    accepted and rejected and stops inside accepted runs: one logprob a token, the float64
-    oracle's; a greedy request's are bit for bit those of the pipeline without speculation."""
-    from pipeline.test_pipeline_logprobs import oracle
-
-    from helpers.accuracy import assert_close
+    one per emitted id) and its top logprobs (top_logprobs over the verify's logit rows, each
+    request's own n of the batch's greatest), for greedy and sampled rows beside rows that ask
+    for none, with drafts accepted and rejected and stops inside accepted runs: one entry a
+    token, the float64 oracle's; a greedy request's are bit for bit those of the pipeline
+    without speculation."""
+    from pipeline.test_pipeline_logprobs import check
 
     ps = prompts(5, seed=8)
-    kws = [dict(logprobs=True), dict(), dict(logprobs=True, temperature=0.9, top_k=40, seed=3),
-           dict(temperature=1.1, seed=2), dict(logprobs=True, temperature=0.7, top_p=0.9, seed=5)]
+    kws = [dict(logprobs=True, top_logprobs=4), dict(), dict(logprobs=True, temperature=0.9, top_k=40, seed=3),
+           dict(temperature=1.1, seed=2), dict(logprobs=True, top_logprobs=20, temperature=0.7, top_p=0.9, seed=5)]
     with model_for(5) as model, DecodePipeline(model, 5, depth=depth) as pipe:
-        plain = pipe.submit(ps[0], max_new_tokens=12, logprobs=True)
+        plain = pipe.submit(ps[0], max_new_tokens=12, logprobs=True, top_logprobs=4)
         pipe.run()
     stop = plain.tokens[5]
     for drafter in (ReferenceDrafter(VOCAB, 3, 0.6), NGramDrafter(3)):
@@ -836,10 +830,9 @@ def test_logprobs_with_speculation_are_each_tokens_raw_logprob(host, no_leaks, d
         drafter.close()
         for req, kw in zip(reqs, kws):
             if not kw.get("logprobs"):
-                assert req.logprobs is None
+                assert req.logprobs is None and req.top_logprobs is None
                 continue
-            assert len(req.logprobs) == len(req.tokens) and all(type(v) is float for v in req.logprobs)
-            assert_close(req.logprobs, oracle(req))
+            check(req, n=kw.get("top_logprobs", 0))  # one a token, the oracle's
         first = reqs[0]
         assert first.tokens == plain.tokens[:6] and first.tokens[-1] == stop  # stopped inside a run
-        assert first.logprobs == plain.logprobs[:6]
+        assert first.logprobs == plain.logprobs[:6] and first.top_logprobs == plain.top_logprobs[:6]

@@ -213,8 +213,9 @@ class DecodePipeline:
         decoding without it. At depth 2 the next verify step is launched before the last one's
         counts are read (its inputs and positions come from the device, and a sampled
         request's draws are those of depth 1). Needs a model with ``block_size`` and ``pool``,
-        and requests without penalties or top_logprobs (and, with a shard, without logprobs;
-        without one, logprobs are ``verify_to_feed``'s). With a shard, sampled requests need the
+        and requests without penalties (and, with a shard, without logprobs; without one, logprobs
+        are ``verify_to_feed``'s and top logprobs ``top_logprobs``' over the verify's logits).
+        With a shard, sampled requests need the
         shard's fixed rounds on the cuda backend (``FilterRounds``). Default None: one token a
         row a step.
 
@@ -509,10 +510,6 @@ class DecodePipeline:
                                  "(or to a pipeline without speculative=)")
             # Before the model's logprobs capabilities and the vocabulary: a verify step's
             # logprobs are verify_to_feed's, whatever the model's feed methods take.
-            if lp[1]:
-                raise ValueError("top_logprobs are not returned with speculative decoding yet: "
-                                 "submit the request without top_logprobs (or to a pipeline "
-                                 "without speculative=)")
             if lp[0] and self.shard is not None:
                 raise ValueError("logprobs are not returned with speculative decoding over a split "
                                  "vocabulary yet (a sampled verify's records carry masses): "
@@ -524,7 +521,7 @@ class DecodePipeline:
         if lp[1] > self.vocab:  # else the lists would end in (NO_TOKEN, NaN) placeholders
             raise ValueError(f"top_logprobs={lp[1]} is more than the vocabulary of {self.vocab} "
                              f"ids")
-        if lp[1] and not info.top_logprobs:
+        if lp[1] and not info.top_logprobs and spec is None:
             raise FeedError(f"{name}'s feed methods take no top_logprobs= (its feed_info() says "
                             f"top_logprobs=False): a request with top_logprobs > 0 cannot run "
                             f"on it")

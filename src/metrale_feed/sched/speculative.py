@@ -371,12 +371,22 @@ class _Slot:
         self.adv = _core.DeviceBuffer(rows * 4)
         self.lp = _core.DeviceBuffer(rows * (k + 1) * 4)
         self.lp_dst = _core.PinnedBuffer(rows * (k + 1) * 4)
+        self.top: Any = None  # the top logprobs' records and their copy: made at the first step
+        self.top_dst: Any = None  # that asks for them (MAX_TOP_LOGPROBS a logit row)
         self.done = _core.Event()
+
+    def top_buffers(self, logit_rows: int) -> Tuple[Any, Any]:
+        if self.top is None:
+            nbytes = logit_rows * _core.MAX_TOP_LOGPROBS * 8
+            self.top = _core.DeviceBuffer(nbytes)
+            self.top_dst = _core.PinnedBuffer(nbytes)
+        return self.top, self.top_dst
 
     def close(self) -> None:
         for buf in (self.drafts, self.fed, self.advance, self.cells, self.dst, self.ids, self.adv, self.lp,
-                    self.lp_dst):
-            buf.close()
+                    self.lp_dst, self.top, self.top_dst):
+            if buf is not None:
+                buf.close()
         self.done.close()
 
 
@@ -388,7 +398,7 @@ class _Batch:
     ``FeedSource.feed(r)``. Read only: a drafter is handed its lists."""
 
     __slots__ = ("rows", "index", "seqs", "masks", "vmasks", "seeds", "params", "identity",
-                 "feeds", "logprobs")
+                 "feeds", "logprobs", "top_n")
 
     def __init__(self, rows: List["Request"], k: int) -> None:
         self.rows = rows
@@ -411,6 +421,7 @@ class _Batch:
         self.identity = list(range(len(rows)))
         self.feeds = [FeedSource.feed(i) for i in self.identity]
         self.logprobs = any(r.logprobs is not None for r in rows)  # the verify writes them all
+        self.top_n = max((r._top_n for r in rows), default=0)  # the top logprobs of every logit row
 
 
 class _Flight:
@@ -598,12 +609,19 @@ class SpeculativeStep:
             params["position"] = [len(h) for h in histories]
         shard = pipe.shard  # greedy rows: one exchange; sampled ones: a sampled call's rounds
         lp = dict(logprobs=slot.lp, logprobs_dst=slot.lp_dst) if batch.logprobs else {}
-        _core.verify_to_feed(logits, slot.drafts, slot.cells, slot.dst, slot.done, stream, k=k,
-                             masks=batch.vmasks, params=params, rows=n_rows, **lp,
-                             vocab=pipe.vocab if shard is None else shard.width,
+        vocab = pipe.vocab if shard is None else shard.width
+        top = batch.top_n
+        _core.verify_to_feed(logits, slot.drafts, slot.cells, slot.dst, None if top else slot.done, stream,
+                             k=k, masks=batch.vmasks, params=params, rows=n_rows, **lp, vocab=vocab,
                              dtype=pipe.info.logits_dtype, row_stride=self._row_stride,
                              advance=slot.advance if advanced and params is not None else None,
                              shard=shard)
+        if top:  # every logit row's (submit refuses them over a shard), then the step's event
+            out, out_dst = slot.top_buffers(n_rows * (k + 1))
+            _core.top_logprobs(logits, out, stream, n=top, rows=n_rows * (k + 1), vocab=vocab,
+                               dtype=pipe.info.logits_dtype, row_stride=self._row_stride)
+            _core.copy_d2h_async(out, memoryview(out_dst)[: n_rows * (k + 1) * top * 8], stream)
+            _core.event_record(slot.done, stream)
         if self.depth > 1:  # what the next launch reads before this one's counts are known
             _core.resolve_verified(slot.cells, slot.ids, slot.adv, stream, rows=n_rows, k=k)
         self.next_slot = (self.next_slot + 1) % len(self.slots)
@@ -657,12 +675,16 @@ class SpeculativeStep:
             pipe._fault(flight.launch, 0, exc)
             raise
         got = _core.read_pinned_u32(flight.slot.dst.ptr, len(flight.rows) * (self.k + 2))
-        lps = None
+        lps = tops = None
         if flight.batch.logprobs:  # complete with the cells (the same event)
             import numpy as np
 
-            lps = np.frombuffer(flight.slot.lp_dst, np.float32, len(flight.rows) * (self.k + 1)).tolist()
-        self._commit(flight, got, lps)
+            n = len(flight.rows) * (self.k + 1)
+            lps = np.frombuffer(flight.slot.lp_dst, np.float32, n).tolist()
+            if flight.batch.top_n:  # (id, logprob) records, top_n a logit row
+                records = np.frombuffer(flight.slot.top_dst, np.uint32, n * flight.batch.top_n * 2)
+                tops = (records[0::2].tolist(), records[1::2].view(np.float32).tolist())
+        self._commit(flight, got, lps, tops)
 
     def _drop_all(self) -> None:
         """After a fault: the steps still in flight are waited for and thrown away."""
@@ -675,7 +697,8 @@ class SpeculativeStep:
             self.pipe.stats.rows_discarded += len(later.rows) - len(later.dead)
         self.inflight.clear()
 
-    def _commit(self, flight: _Flight, got: Sequence[int], lps: Optional[List[float]] = None) -> None:
+    def _commit(self, flight: _Flight, got: Sequence[int], lps: Optional[List[float]] = None,
+                tops: Optional[Tuple[List[int], List[float]]] = None) -> None:
         from .request import RequestStatus
 
         k, stats, pipe = self.k, self.pipe.stats, self.pipe
@@ -695,6 +718,11 @@ class SpeculativeStep:
                 req.tokens.append(token)
                 if req.logprobs is not None and lps is not None:  # the raw logprob at its position
                     req.logprobs.append(lps[i * (k + 1) + j])
+                    if req.top_logprobs is not None and tops is not None:  # its first _top_n
+                        at_top = (i * (k + 1) + j) * flight.batch.top_n
+                        ids, values = tops
+                        req.top_logprobs.append(list(zip(ids[at_top: at_top + req._top_n],
+                                                         values[at_top: at_top + req._top_n])))
                 if token in req.stop_ids and len(req.tokens) >= req.min_tokens:
                     finish = RequestStatus.FINISHED_STOPPED
                 elif len(req.tokens) >= req.max_new_tokens:
