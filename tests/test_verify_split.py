@@ -243,10 +243,10 @@ def test_the_logit_rows_params_refuse_what_they_cannot_write(host, dev):
                            (dict(rows=128, k=63), "logit rows"), (dict(rows=4, k=4), "out holds")):
             with pytest.raises(ValueError, match=match):
                 _core._verify_logit_params(params, None, out, **bad)
-        with pytest.raises(ValueError, match="params holds"):
-            _core._verify_logit_params(mf.DeviceBuffer(32), None, out, rows=2, k=1)
-        with pytest.raises(ValueError, match="advance holds"):
-            _core._verify_logit_params(params, mf.DeviceBuffer(4), out, rows=2, k=1)
+        with mf.DeviceBuffer(32) as small, pytest.raises(ValueError, match="params holds"):
+            _core._verify_logit_params(small, None, out, rows=2, k=1)
+        with mf.DeviceBuffer(4) as small, pytest.raises(ValueError, match="advance holds"):
+            _core._verify_logit_params(params, small, out, rows=2, k=1)
         with pytest.raises(ValueError, match="out and params overlap"):  # out over its own input
             _core._verify_logit_params(out.ptr + 32, None, out, rows=2, k=1)
     params.close()

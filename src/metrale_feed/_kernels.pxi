@@ -777,10 +777,13 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
     vocab, dtype, row_stride
         As for ``argmax_to_feed`` (``row_stride`` between logit rows).
     shard : VocabShard, optional
-        A vocabulary split across ranks, as for ``argmax_to_feed``: greedy rows only (``params``
-        None, or host records at temperature 0), one-hot drafts, ``rows * (k + 1)`` at most
-        ``shard.max_rows``; every rank gets the unsharded call's cells and ``dst`` after one
-        all-gather of 16 bytes a position. Sampled rows and ``draft_probs`` raise ``FeedError``.
+        A vocabulary split across ranks, as for ``argmax_to_feed``: one-hot drafts,
+        ``rows * (k + 1)`` at most ``shard.max_rows``; every rank gets the unsharded call's
+        cells and ``dst``. Greedy rows take one all-gather of 16 bytes a position; sampled rows
+        (device params, which need the shard's ``FilterRounds``, or any params with them) a
+        sampled call's rounds, 16 bytes a position more plus the filters' rounds, with
+        ``advance`` read on the device. ``draft_probs``, and logprobs with sampled rows, raise
+        ``FeedError`` (docs/tensor-parallel.md, "Verify").
     advance : device memory, optional
         ``rows`` uint32 (needs ``params``): ``advance[r]`` is added to row ``r``'s ``position``
         when the kernel runs. At depth 2 a step is queued before the last one's counts are read:

@@ -218,6 +218,12 @@ def scenario_verify_sampled(h):
             assert np.array_equal(got, want if moved is not None else plain), (filters, got, want)
             assert shard.stats["collectives"] - before == (rounds.collectives if WORLD_SPLIT(h) else 0)
     assert changed
+    # Greedy host params take the fixed rounds too (a rank's values never change the collectives).
+    greedy = mf.sampling_params(rows, temperature=0.0)
+    before = shard.stats["collectives"]
+    got, *_ = sharded_verify(h, shard, logits, drafts, None, None, k, params=greedy, logprobs=False)
+    assert np.array_equal(got, whole_verify(h, logits, drafts, None, None, k)[0]), got
+    assert shard.stats["collectives"] - before == (rounds.collectives if WORLD_SPLIT(h) else 0)
     # Captured with device params, drafts and advance: each replay reads the advance it finds.
     lo, hi = shard.start, shard.stop
     sl = h.upload(np.ascontiguousarray(logits[:, lo:hi])) if hi > lo else None
@@ -249,7 +255,14 @@ def scenario_verify_refused(h):
     logits = h.nasty(rng, n, vocab, np.float32, shard.offsets)
     drafts = drafts_for(logits, None, None, rows, k, vocab, rng)
     sampled = mf.sampling_params(rows, temperature=0.7, seed=1)
+    bad = sampled.copy()
+    bad["top_p"][1] = 1.5  # the unsharded call refuses it: so does every rank, before any exchange
+    greedy = mf.sampling_params(rows, temperature=0.0)
     cases = [
+        (ValueError, "top_p", dict(params=bad, logprobs=False)),
+        # advance is checked though no row samples (the greedy call never reads it)
+        (ValueError, "advance holds", dict(params=greedy, advance=mf.DeviceBuffer(4), logprobs=False)),
+        (TypeError, "device memory", dict(params=greedy, advance=np.ones(rows, np.uint32), logprobs=False)),
         (FeedError, "no logprobs", dict(params=sampled)),  # sampled rows: logprobs not built
         (ValueError, "max_rows", dict(rows=3)),  # 3 * 4 logit rows > 8
         (ValueError, "advance needs params", dict(advance=h.upload(np.ones(rows, np.uint32)), logprobs=False)),
@@ -398,7 +411,11 @@ def scenario_pipeline_spec(h):
 
     vocab, k = 1000, 3
     offsets = {1: None, 2: [0, 333, vocab], 3: [0, 600, vocab, vocab]}.get(h.WORLD)
-    shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=4 * (k + 1))
+    adaptive = mf.VocabShard(None, vocab, offsets=offsets, max_rows=4 * (k + 1))
+    # The cuda backend's way (its rounds cannot follow the params): fixed rounds serving them.
+    fixed = mf.VocabShard(None, vocab, offsets=offsets, max_rows=4 * (k + 1),
+                          filters=mf.FilterRounds(top_k=64, top_p=True))
+    shard = adaptive
     sampled = (dict(temperature=0.7, seed=11), dict(temperature=1.3, top_k=40, top_p=0.9, seed=12),
                dict(temperature=0.9, min_p=0.05, seed=13))
 
@@ -430,8 +447,9 @@ def scenario_pipeline_spec(h):
             hist.append(t)
         # Sampled requests join the runs whose drafts are not all accepted (a sampled row may
         # reject even the reference rule's id), the preempting one among them.
-        for drafter, blocks, mixed in ((ReferenceDrafter(vocab, k, 0.5), 20, True),
-                                       (ReferenceDrafter(vocab, k, 1.0), 64, False), (NGramDrafter(k), 64, True)):
+        for drafter, blocks, mixed, shard in ((ReferenceDrafter(vocab, k, 0.5), 20, True, adaptive),
+                                              (ReferenceDrafter(vocab, k, 1.0), 64, False, adaptive),
+                                              (NGramDrafter(k), 64, True, fixed)):
             # The sampled requests' tokens: the unsharded speculative pipeline's, at depth 1.
             want_sampled = decode(1, False, drafter, with_sampled=True)[0][len(want):] if mixed else []
             before = shard.stats["collectives"]
@@ -457,11 +475,26 @@ def scenario_pipeline_spec_nccl(h):
     """On the cuda backend NCCL issues a call's collectives as it is queued, so a sampled verify's
     rounds must not follow its params: without the shard's fixed rounds, submit refuses a sampled
     request (not the step that would verify it), and a greedy one still runs. Logprobs are
-    refused over the split."""
+    refused over the split, and with fixed rounds a request they do not serve."""
     from metrale_feed.testing.drafter import ReferenceDrafter
     from metrale_feed.testing.reference import ReferenceModel, host_next_token
 
     vocab = 1000
+    rounds = mf.VocabShard(None, vocab, max_rows=16, filters=mf.FilterRounds(top_k=8))
+    model = ReferenceModel(vocab, max_rows=16, block_size=2, num_blocks=64, shard=rounds)
+    with mf.DecodePipeline(model, 4, depth=2, shard=rounds, speculative=ReferenceDrafter(vocab, 3, 0.5)) as pipe:
+        for kw, needle in ((dict(top_k=40), "top_k=40"), (dict(top_p=0.9), "top_p=True")):  # not served
+            try:
+                pipe.submit([1, 2], max_new_tokens=3, temperature=0.7, **kw)
+            except ValueError as exc:
+                assert needle in str(exc), exc
+            else:
+                raise AssertionError(f"{kw} was taken by a shard whose rounds do not serve it")
+        req = pipe.submit([1, 2], max_new_tokens=3, temperature=0.7, top_k=8, top_p=0.9)  # served
+        pipe.run()
+        assert len(req.tokens) == 3, req.tokens
+    model.close()
+    rounds.close()
     shard = mf.VocabShard(None, vocab, max_rows=16)
     shard._nccl = True  # what a shard over an NCCL group says
     drafter = ReferenceDrafter(vocab, 3, 0.5)

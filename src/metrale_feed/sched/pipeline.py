@@ -517,6 +517,10 @@ class DecodePipeline:
                                  "speculative=)")
             if self.shard is not None and sampling[0] > 0:  # its verify: a sampled call's rounds
                 self.shard._refuse_unfixed_rounds("speculative verifies of sampled requests")
+        rounds = getattr(self.shard, "filters", None)
+        why = rounds.refusal(sampling[1], sampling[2]) if rounds is not None and sampling[0] > 0 else None
+        if why is not None:  # else the step's first decision faults the shard, every row with it
+            raise ValueError(f"{why}: this pipeline's shard cannot sample the request")
         info, name = self.info, type(self.model).__name__
         if lp[1] > self.vocab:  # else the lists would end in (NO_TOKEN, NaN) placeholders
             raise ValueError(f"top_logprobs={lp[1]} is more than the vocabulary of {self.vocab} "

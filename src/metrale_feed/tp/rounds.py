@@ -65,6 +65,15 @@ class FilterRounds:
         """Exchanges per filtered call: the first, the candidates', the selects' rounds, the race's."""
         return 2 + (1 if self.top_k else 0) + ROUNDS * len(self.selects)
 
+    def refusal(self, top_k: int, top_p: float) -> str | None:
+        """Why a sampled row with these filters is not served (None: it is): the TOP decision's
+        fault, said before anything is queued (``DecodePipeline.submit``)."""
+        if top_k > self.top_k:
+            return f"top_k={top_k} is above the shard's FilterRounds(top_k={self.top_k})"
+        if not top_k and 0.0 < top_p < 1.0 and not self.top_p:
+            return "top_p without top_k needs the shard's FilterRounds(top_p=True)"
+        return None
+
     @property
     def code(self) -> int:
         """What the shard's agreement compares across ranks."""

@@ -376,10 +376,12 @@ class VocabShard:
                 k: Any, masks: Any, bitmask: Any, params: Any, draft_probs: Any, logprobs: Any,
                 logprobs_dst: Any, rows: Any, vocab: Any, dtype: Any, row_stride: Any,
                 advance: Any) -> int:
-        """``verify_to_feed(..., shard=self)``: greedy rows over a split vocabulary
-        (docs/tensor-parallel.md, "Verify"). Each rank's argmax partial of every position, the
-        greedy call's one all-gather of 16 bytes a position, then a combine that keeps each row's
-        drafts while they equal the combined argmax: the unsharded call's cells on every rank."""
+        """``verify_to_feed(..., shard=self)`` over a split vocabulary (docs/tensor-parallel.md,
+        "Verify"). Greedy rows: each rank's argmax partial of every position, the greedy call's
+        one all-gather of 16 bytes a position, then a combine that keeps each row's drafts while
+        they equal the combined argmax. Sampled rows (or device params, or any params with fixed
+        rounds): a sampled call's rounds over the logit rows with the drafts in them
+        (_call_filtered). Either way the unsharded call's cells on every rank."""
         with self._lock:
             self._refuse_after_fault()
             width = self.width
@@ -399,10 +401,8 @@ class VocabShard:
             if capturing and v.host_drafts is not None:
                 raise ValueError("a captured sharded verify_to_feed needs device drafts (a replay "
                                  "reads them where they are)")
-            upload = _core.DeviceBuffer(v.host_drafts.nbytes) if v.host_drafts is not None else None
             sampled = v.sampled
-            if sampled is not None:  # sampled rows: a sampled call's rounds, with the drafts
-                # Before the drafts' copy: what the rounds cannot follow.
+            if sampled is not None:  # before the drafts' buffer: what the rounds cannot follow
                 if capturing and not sampled.device:
                     raise ValueError("a captured sharded verify_to_feed with sampled rows takes device "
                                      "params (a replay would reuse the capture's seeds and positions)")
@@ -411,6 +411,8 @@ class VocabShard:
                     raise FeedError("a sharded verify_to_feed with device params needs fixed rounds "
                                     "(filters=FilterRounds(...)): the rounds cannot follow params the "
                                     "host does not read")
+            upload = _core.DeviceBuffer(v.host_drafts.nbytes) if v.host_drafts is not None else None
+            if sampled is not None:  # sampled rows: a sampled call's rounds, with the drafts
                 try:
                     if upload is not None:  # before the first stage, which reads them
                         _core.copy_h2d_async(upload, v.host_drafts, stream)
@@ -651,7 +653,7 @@ class VocabShard:
             done = _core.Event()
         # What the stages and the combine read: the call's copy with fixed rounds (read as device
         # params are: no value refused on this rank alone) or for a verify (its advance is there
-        # alone), else the host records (checked now).
+        # alone; verify_args checked host values), else the host records (checked now).
         read = rounds.params_dev if fixed is not None or verify is not None else params
         kw = dict(start=self.start, stop=self.stop, vocab=self.vocab, dtype=dtype, call=call,
                   rows=n, row_stride=row_stride, bitmask=bitmask, masks=masks)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _core
+from .. import _checks, _core
 from ..errors import FeedError
 from ..sampling import SAMPLING_PARAMS_DTYPE
 
@@ -65,39 +65,60 @@ def _params(params: Any, draft_probs: Any, advance: Any, rows: int) -> bool:
     if draft_probs is not None:
         raise FeedError("a sharded verify_to_feed takes one-hot drafts (draft_probs is not built "
                         "over a split vocabulary yet)")
-    if advance is not None:
+    if advance is not None:  # checked whether or not a row samples: the call takes it or refuses it
         if params is None:
             raise ValueError("advance needs params (it moves the sampled rows' positions)")
-        if not _device_params(advance):
-            raise TypeError("advance must be device memory (rows uint32, read when the call runs)")
-        if type(advance) is _core.DeviceBuffer and advance.nbytes < rows * 4:
-            raise ValueError(f"advance holds {advance.nbytes} bytes; {rows} rows need {rows * 4}")
+        _device_words(advance, rows, "advance")
     if params is None:
         return False
     if _device_params(params):
-        if type(params) is _core.DeviceBuffer and params.nbytes < rows * SAMPLING_PARAMS_DTYPE.itemsize:
-            raise ValueError(f"params hold {params.nbytes // SAMPLING_PARAMS_DTYPE.itemsize} records; "
-                             f"{rows} rows need {rows}")
+        _device_words(params, rows * SAMPLING_PARAMS_DTYPE.itemsize // 4, "params", ids=False)
         return True
-    if not isinstance(params, np.ndarray) or params.dtype != SAMPLING_PARAMS_DTYPE:
-        raise ValueError("params must be SAMPLING_PARAMS_DTYPE records")
-    if len(params) < rows:
-        raise ValueError(f"params hold {len(params)} records; {rows} rows need {rows}")
+    # The values too: a sampled call's stages read the call's device copy, which no check reads.
+    _checks.records(params, rows)
     return False
 
 
-def _sampled(params: Any, device: bool, rows: int, k: int, logprobs: Any, advance: Any) -> Sampled | None:
+def _device_words(buf: Any, words: int, what: str, ids: bool = True) -> None:
+    """Device memory of at least ``words`` 4-byte words (uint32 or int32 elements when ``ids``),
+    as the unsharded call takes it, checked where its size or type is known here: a DeviceBuffer,
+    an int pointer into this package's allocations, or a tensor."""
+    from .shard import _device_params
+
+    if not _device_params(buf):
+        raise TypeError(f"{what} must be device memory (read when the call runs), not "
+                        f"{type(buf).__name__}")
+    if type(buf) is _core.DeviceBuffer:
+        have = int(buf.nbytes)
+    elif isinstance(buf, int):
+        left = _core._device_bytes_left(buf)
+        have = left if left else None  # 0 or None: foreign memory, trusted as the C layer does
+    else:
+        dtype = str(getattr(buf, "dtype", "")).rsplit(".", 1)[-1]
+        if ids and dtype not in ("uint32", "int32"):
+            raise TypeError(f"{what} must hold uint32 ids, not {dtype or type(buf).__name__}")
+        size = getattr(buf, "numel", None)
+        count = size() if callable(size) else getattr(buf, "size", None)
+        itemsize = getattr(getattr(buf, "dtype", None), "itemsize", None) or 4
+        have = None if count is None else int(count) * int(itemsize)
+    if have is not None and have < words * 4:
+        raise ValueError(f"{what} holds {have} bytes; {words * 4} are needed")
+
+
+def _sampled(params: Any, device: bool, fixed: bool, rows: int, k: int, logprobs: Any,
+             advance: Any) -> Sampled | None:
     """The sampled call of a verify whose rows include a sampled one (device params may: the host
-    cannot tell), None for greedy rows; refuses what a split verify with one does not take."""
+    cannot tell; with fixed rounds any params take them, so no rank's values can change the
+    collectives), None for greedy rows; refuses what a split verify with one does not take."""
     if params is None:
         return None
-    if not device:
+    if not device and not fixed:
         t = params["temperature"][:rows]
         if not np.any((t > 0) & (t <= _MAX_F32)):
             return None
     if logprobs is not None:
-        raise FeedError("a sharded verify_to_feed with sampled rows (or device params) has no logprobs "
-                        "yet (its records carry the survivors' masses)")
+        raise FeedError("a sharded verify_to_feed with sampled rows (or device params, or params with "
+                        "fixed rounds) has no logprobs yet (its records carry the survivors' masses)")
     if device:
         return Sampled(params, True, advance, None)
     head = np.array(params[:rows], copy=True)  # the caller may refill its array at once
@@ -171,4 +192,5 @@ def check(shard: Any, logits: Any, drafts: Any, cells: Any, dst: Any, k: Any, pa
     if logprobs_dst is not None and logprobs is None:
         raise ValueError("logprobs_dst needs logprobs (the device buffer it is copied from)")
     device = _params(params, draft_probs, advance, rows)
-    return VerifyCall(k, rows, logit_rows, host, _sampled(params, device, rows, k, logprobs, advance))
+    return VerifyCall(k, rows, logit_rows, host, _sampled(params, device, shard.filters is not None, rows, k,
+                                                          logprobs, advance))
