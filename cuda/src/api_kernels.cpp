@@ -309,14 +309,19 @@ mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
     return status;
 }
 
+// The shape of verified rows, for every op that takes them: k drafts a row, rows * (k + 1) logit rows.
+mf_status check_verify_shape(uint32_t rows, uint32_t k) {
+    if (k == 0 || k > MF_MAX_DRAFTS) return fail(MF_ERROR_INVALID_VALUE, "k must be in [1, %u], got %u", MF_MAX_DRAFTS, k);
+    if (rows == 0 || (uint64_t)rows * (k + 1) > kMaxRows)
+        return fail(MF_ERROR_INVALID_VALUE, "rows * (k + 1) logit rows must be in [1, %u], got %u * %u", kMaxRows, rows,
+                    k + 1);
+    return MF_SUCCESS;
+}
+
 // verify_to_feed's arguments, all before anything is queued (feed.h, "verify_to_feed").
 mf_status check_verify(const mf_verify_args *a, Slot **event) {
     if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "unknown logits dtype %d", (int)a->dtype);
-    if (a->k == 0 || a->k > MF_MAX_DRAFTS)
-        return fail(MF_ERROR_INVALID_VALUE, "k must be in [1, %u], got %u", MF_MAX_DRAFTS, a->k);
-    if (a->rows == 0 || (uint64_t)a->rows * (a->k + 1) > kMaxRows)
-        return fail(MF_ERROR_INVALID_VALUE, "rows * (k + 1) logit rows must be in [1, %u], got %u * %u", kMaxRows,
-                    a->rows, a->k + 1);
+    if (mf_status st = check_verify_shape(a->rows, a->k); st != MF_SUCCESS) return st;
     const uint32_t logit_rows = a->rows * (a->k + 1), cell_words = a->rows * (a->k + 2);
     if (a->vocab == 0 || a->vocab > kMaxVocab)
         return fail(MF_ERROR_INVALID_VALUE, "vocab must be in [1, 2**24], got %u", a->vocab);
@@ -815,9 +820,7 @@ mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, 
                               uint32_t *out_advance, mf_stream_t stream) {
     return guard([&]() -> mf_status {
         MF_RANGE("resolve_verified");
-        if (k == 0 || k > MF_MAX_DRAFTS) return fail(MF_ERROR_INVALID_VALUE, "k must be in [1, %u], got %u", MF_MAX_DRAFTS, k);
-        if (rows == 0 || (uint64_t)rows * (k + 1) > kMaxRows)
-            return fail(MF_ERROR_INVALID_VALUE, "rows * (k + 1) must be in [1, %u], got %u * %u", kMaxRows, rows, k + 1);
+        if (mf_status st = check_verify_shape(rows, k); st != MF_SUCCESS) return st;
         if (!out_ids && !out_advance) return fail(MF_ERROR_INVALID_VALUE, "resolve_verified needs out_ids or out_advance");
         if (!cells || !aligned(cells, 4) || !aligned(out_ids, 4) || !aligned(out_advance, 4))
             return fail(MF_ERROR_INVALID_VALUE, "cells, out_ids or out_advance is a null or misaligned pointer");
@@ -837,9 +840,7 @@ mf_status mf_verify_logit_params(const mf_sampling_params *params, const uint32_
                                  mf_sampling_params *out, mf_stream_t stream) {
     return guard([&]() -> mf_status {
         MF_RANGE("verify_logit_params");
-        if (k == 0 || k > MF_MAX_DRAFTS) return fail(MF_ERROR_INVALID_VALUE, "k must be in [1, %u], got %u", MF_MAX_DRAFTS, k);
-        if (rows == 0 || (uint64_t)rows * (k + 1) > kMaxRows)
-            return fail(MF_ERROR_INVALID_VALUE, "rows * (k + 1) must be in [1, %u], got %u * %u", kMaxRows, rows, k + 1);
+        if (mf_status st = check_verify_shape(rows, k); st != MF_SUCCESS) return st;
         if (!params || !out || !aligned(params, alignof(mf_sampling_params)) || !aligned(out, alignof(mf_sampling_params)) ||
             !aligned(advance, 4))
             return fail(MF_ERROR_INVALID_VALUE, "verify_logit_params: params, advance or out is a null or misaligned pointer");
