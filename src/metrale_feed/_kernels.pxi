@@ -782,7 +782,8 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
         cells and ``dst``. Greedy rows take one all-gather of 16 bytes a position; sampled rows
         (device params, which need the shard's ``FilterRounds``, or any params with them) a
         sampled call's rounds, 16 bytes a position more plus the filters' rounds, with
-        ``advance`` read on the device. ``draft_probs``, and logprobs with sampled rows, raise
+        ``advance`` read on the device. ``draft_probs``, and logprobs with sampled rows (or
+        any params on a shard with fixed rounds: give greedy rows ``params=None``), raise
         ``FeedError`` (docs/tensor-parallel.md, "Verify").
     advance : device memory, optional
         ``rows`` uint32 (needs ``params``): ``advance[r]`` is added to row ``r``'s ``position``

@@ -120,6 +120,7 @@ def run_ranks(script: str, world: int, *args: str, timeout: float = 120,
     """
     import time
 
+    deadline = time.monotonic() + timeout  # one for all the attempts
     for attempt in range(3):
         # free_port's port is free when it returns, not when rank 0's store binds it: another
         # process (a peer test's ranks, their ephemeral sockets) may take it in between. Only
@@ -128,7 +129,6 @@ def run_ranks(script: str, world: int, *args: str, timeout: float = 120,
         procs = [subprocess.Popen([sys.executable, script, str(r), str(world), port, *args],
                                   env=child_env(backend), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, start_new_session=True) for r in range(world)]
-        deadline = time.monotonic() + timeout
         results = [_wait(proc, max(0.1, deadline - time.monotonic())) for proc in procs]
         if not any("EADDRINUSE" in r.stderr or "Address already in use" in r.stderr for r in results):
             break

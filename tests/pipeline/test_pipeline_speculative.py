@@ -802,6 +802,24 @@ def test_a_speculative_pipeline_gives_logprobs_whatever_the_models_feed_methods_
 
 
 @pytest.mark.parametrize("depth", [1, 2])
+def test_top_logprobs_after_the_batch_grows(host, no_leaks, depth):
+    """The first step that asks for top logprobs has one row; requests that join later make the
+    batch larger: their records still fit (each slot's are sized for its most rows)."""
+    from pipeline.test_pipeline_logprobs import check
+
+    ps = prompts(4, seed=21)
+    with model_for(4) as model, DecodePipeline(model, 4, depth=depth,
+                                               speculative=ReferenceDrafter(VOCAB, 3, 0.5)) as pipe:
+        first = pipe.submit(ps[0], max_new_tokens=10, logprobs=True, top_logprobs=20)
+        pipe.step()
+        later = [pipe.submit(p, max_new_tokens=8, logprobs=True, top_logprobs=20) for p in ps[1:]]
+        pipe.run()
+    for req in [first] + later:
+        assert req.finish_reason == "length"
+        check(req, n=20)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
 def test_logprobs_with_speculation_are_each_tokens_raw_logprob(host, no_leaks, depth):
     """Each committed token's logprob under the raw logits of its own position (verify_to_feed's,
     one per emitted id) and its top logprobs (top_logprobs over the verify's logit rows, each

@@ -81,7 +81,8 @@ def test_the_pipeline_with_penalties_and_logprobs_over_the_split(world):
 @pytest.mark.parametrize("scenario", ["exact+exchange", "top+exchange", "top-graph+exchange",
                                       "pipeline-penalties+exchange", "verify+exchange", "verify-sampled+exchange",
                                       "pipeline-spec+exchange", "pipeline+exchange", "graph+exchange",
-                                      "graph-sample+exchange", "fixed+exchange", "fixed-graph+exchange"])
+                                      "graph-sample+exchange", "fixed+exchange", "fixed-graph+exchange",
+                                      "pipeline-spec-nccl+exchange"])
 def test_a_world_of_one_through_the_exchange_equals_the_unsharded_call(scenario):
     # The path of every world (partial, gloo all-gather, combine), on one rank.
     ranks(1, scenario)

@@ -362,6 +362,7 @@ class _Slot:
     row with their pinned copy (written when a row of the step asks for them)."""
 
     def __init__(self, rows: int, k: int) -> None:
+        self.logit_rows = rows * (k + 1)  # the most a step has (max_rows of k + 1 positions)
         self.drafts = _core.DeviceBuffer(rows * (k + 1) * 4)
         self.fed = _core.DeviceBuffer(rows * (k + 1) * 4)
         self.advance = _core.DeviceBuffer(rows * 4)
@@ -375,11 +376,18 @@ class _Slot:
         self.top_dst: Any = None  # that asks for them (MAX_TOP_LOGPROBS a logit row)
         self.done = _core.Event()
 
-    def top_buffers(self, logit_rows: int) -> Tuple[Any, Any]:
+    def top_buffers(self) -> Tuple[Any, Any]:
+        """The top logprobs' buffers, sized for the slot's most rows (a later batch may be larger
+        than the first that asked), both made or neither."""
         if self.top is None:
-            nbytes = logit_rows * _core.MAX_TOP_LOGPROBS * 8
-            self.top = _core.DeviceBuffer(nbytes)
-            self.top_dst = _core.PinnedBuffer(nbytes)
+            nbytes = self.logit_rows * _core.MAX_TOP_LOGPROBS * 8
+            top = _core.DeviceBuffer(nbytes)
+            try:
+                self.top_dst = _core.PinnedBuffer(nbytes)
+            except BaseException:
+                top.close()
+                raise
+            self.top = top
         return self.top, self.top_dst
 
     def close(self) -> None:
@@ -617,7 +625,7 @@ class SpeculativeStep:
                              advance=slot.advance if advanced and params is not None else None,
                              shard=shard)
         if top:  # every logit row's (submit refuses them over a shard), then the step's event
-            out, out_dst = slot.top_buffers(n_rows * (k + 1))
+            out, out_dst = slot.top_buffers()
             _core.top_logprobs(logits, out, stream, n=top, rows=n_rows * (k + 1), vocab=vocab,
                                dtype=pipe.info.logits_dtype, row_stride=self._row_stride)
             _core.copy_d2h_async(out, memoryview(out_dst)[: n_rows * (k + 1) * top * 8], stream)

@@ -92,7 +92,9 @@ def _device_words(buf: Any, words: int, what: str, ids: bool = True) -> None:
         have = int(buf.nbytes)
     elif isinstance(buf, int):
         left = _core._device_bytes_left(buf)
-        have = left if left else None  # 0 or None: foreign memory, trusted as the C layer does
+        # None: foreign memory on cuda, trusted as the C layer does; 0, a pointer the layer does
+        # not know on host and simt, is the C layer's to refuse (before any exchange).
+        have = left if left else None
     else:
         dtype = str(getattr(buf, "dtype", "")).rsplit(".", 1)[-1]
         if ids and dtype not in ("uint32", "int32"):
