@@ -184,12 +184,12 @@ def test_the_docstring_examples_run(tmp_path):
     code = """
 import doctest, inspect, sys
 import metrale_feed, metrale_feed._core as core
-from metrale_feed import errors, feed, kv, runtime, trait
+from metrale_feed import errors, feed, kv, params, runtime, trait
 from metrale_feed.sched import router, speculative
 from metrale_feed.testing import drafter, oracle, reference
 failed = attempted = 0
 finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-for module in (metrale_feed, errors, feed, kv, oracle, reference, router, runtime, trait,
+for module in (metrale_feed, errors, feed, kv, oracle, params, reference, router, runtime, trait,
                speculative, drafter):
     for test in finder.find(module):
         result = runner.run(test)

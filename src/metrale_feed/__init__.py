@@ -192,6 +192,7 @@ _LAZY = {
     "Request": ("sched.request", "Request"),
     "RequestStatus": ("sched.request", "RequestStatus"),
     "reference_argmax": ("testing.oracle", "reference_argmax"),
+    "SamplingParams": ("params", "SamplingParams"),
     "SAMPLING_PARAMS_DTYPE": ("sampling", "SAMPLING_PARAMS_DTYPE"),
     "sampling_params": ("sampling", "sampling_params"),
     "VocabShard": ("tp.shard", "VocabShard"),

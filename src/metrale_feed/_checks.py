@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 import numbers
 import struct
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
+
+from . import _core
 
 __all__ = ["integer", "real", "float32", "flag", "sampling", "records", "penalties", "logprobs"]
 
@@ -95,15 +97,17 @@ def sampling(temperature: Any, top_k: Any, top_p: Any, min_p: Any, seed: Any) ->
 # repetition, presence, frequency, logit_bias ((id, bias), ...) sorted by id, min_tokens
 Penalties = Tuple[float, float, float, Tuple[Tuple[int, float], ...], int]
 NO_PENALTIES: Penalties = (1.0, 0.0, 0.0, (), 0)
-MAX_LOGIT_BIAS = 300  # feed.h's MF_MAX_LOGIT_BIAS (test_penalties checks they agree)
+MAX_LOGIT_BIAS: int = _core.MAX_LOGIT_BIAS  # feed.h's MF_MAX_LOGIT_BIAS
 
 
 def penalties(repetition_penalty: Any, presence_penalty: Any, frequency_penalty: Any,
-              logit_bias: Any, min_tokens: Any, vocab: int, max_new_tokens: int) -> Penalties:
+              logit_bias: Any, min_tokens: Any, vocab: Optional[int],
+              max_new_tokens: int) -> Penalties:
     """The penalty parameters of ``submit`` (vLLM's ``SamplingParams`` rules), as float32
     values: ``repetition_penalty`` finite and > 0, ``presence_penalty`` and
     ``frequency_penalty`` in [-2, 2], ``logit_bias`` a mapping of at most 300 ids in the
-    vocabulary to finite biases, ``min_tokens`` in [0, max_new_tokens].
+    vocabulary to finite biases, ``min_tokens`` in [0, max_new_tokens]. ``vocab`` None: the ids
+    need only be non-negative (``SamplingParams``, made before any pipeline).
 
     Raises
     ------
@@ -128,7 +132,9 @@ def penalties(repetition_penalty: Any, presence_penalty: Any, frequency_penalty:
         pairs = {}
         for key, value in items():
             token = integer(key, "logit_bias id")
-            if not 0 <= token < vocab:
+            if token < 0:
+                raise ValueError(f"logit_bias id {token} is negative")
+            if vocab is not None and token >= vocab:
                 raise ValueError(f"logit_bias id {token} is outside the vocabulary of {vocab} ids")
             if token in pairs:
                 raise ValueError(f"logit_bias names id {token} twice")
@@ -142,7 +148,7 @@ def penalties(repetition_penalty: Any, presence_penalty: Any, frequency_penalty:
     return rep, pres, freq, bias, mt
 
 
-MAX_TOP_LOGPROBS = 20  # the OpenAI API's limit; feed.h's MF_MAX_TOP_LOGPROBS (test_top_logprobs checks)
+MAX_TOP_LOGPROBS: int = _core.MAX_TOP_LOGPROBS  # the OpenAI API's limit; feed.h's MF_MAX_TOP_LOGPROBS
 
 
 def logprobs(logprobs: Any, top_logprobs: Any) -> Tuple[bool, int]:

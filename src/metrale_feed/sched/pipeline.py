@@ -30,6 +30,7 @@ from ..kv import SequenceState
 from ..trait import ModelDeviceFeed
 from .budget import KvBudget
 from .penalized import PipelinePenalties
+from ..params import SAMPLING_FIELDS, SamplingParams
 from .request import (_PREEMPTED, _RUNNING, _UNMASKED_PAIR, Request, RequestStatus, _order_of,
                       _SeqView)
 from .router import AsyncDeviceIo, SyncDeviceIo, Ticket
@@ -374,24 +375,30 @@ class DecodePipeline:
             raise ValueError(f"the ban {pair} leaves no candidate in a vocabulary of {self.vocab}")
         return RowMask(pair[0], pair[1])
 
-    def submit(self, prompt_ids: Iterable[int], *, max_new_tokens: int,
-               stop_ids: Iterable[int] = (), ban: Any = None, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
-               repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-               frequency_penalty: float = 0.0, logit_bias: Optional[Dict[int, float]] = None,
-               min_tokens: int = 0, logprobs: bool = False, top_logprobs: int = 0) -> Request:
+    def submit(self, prompt_ids: Iterable[int], params: Optional[SamplingParams] = None, *,
+               max_new_tokens: int, stop_ids: Iterable[int] = (), ban: Any = None,
+               **keywords: Any) -> Request:
         """Queue a request; it joins the batch at the next launch with room for it.
+
+        How it decodes is one ``SamplingParams``: ``params``, or the keywords below, which make
+        one (``params`` and any of them together is a TypeError).
 
         Parameters
         ----------
         prompt_ids : iterable of int
             At least one id, each in the vocabulary.
+        params : SamplingParams, optional
+            Its sampler, penalties and logprobs, checked when it was made; this call checks
+            what depends on the pipeline (the vocabulary, ``max_new_tokens``, the model).
         max_new_tokens : int
             At least 1.
         stop_ids : iterable of int
             Ids that finish the request (committed as its last token).
         ban : pair of int, optional
             A ``RowMask``: ids the row may not answer (``NO_TOKEN`` where unused).
+
+        Other Parameters
+        ----------------
         temperature : float, optional
             0 (the default): greedy decoding, the argmax. Above 0: each id is drawn from
             ``softmax(logit / temperature)`` over the ids the filters below keep, by the
@@ -482,16 +489,40 @@ class DecodePipeline:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new}")
         stops = frozenset(self._token(t, "stop id") for t in stop_ids)
         mask = self._check_ban(ban)
-        sampling = _checks.sampling(temperature, top_k, top_p, min_p, seed)
-        checked = _checks.penalties(
-            repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens,
-            self.vocab, max_new)
-        pen = None if checked == _checks.NO_PENALTIES else checked
-        lp = _checks.logprobs(logprobs, top_logprobs)
+        params = self._params_of(params, keywords, max_new)
+        sampling = (params.temperature, params.top_k, params.top_p, params.min_p, params.seed)
+        pen = params._penalties if params.penalised else None
+        lp = (params.logprobs, params.top_logprobs)
         self._refuse_unrunnable(prompt, max_new, stops, sampling, pen, lp)
-        req = Request(self, prompt, max_new, stops, mask, 0, sampling, pen, lp)
+        req = Request(self, prompt, max_new, stops, mask, 0, params)
         self._post(self._enqueue, req)
         return req
+
+    def _params_of(self, params: Optional[SamplingParams], keywords: Dict[str, Any],
+                   max_new: int) -> SamplingParams:
+        """``submit``'s ``SamplingParams``, given or made from its keywords, checked against
+        this pipeline: ``logit_bias``'s ids in the vocabulary, ``min_tokens`` within
+        ``max_new_tokens``."""
+        if params is None:
+            unknown = sorted(set(keywords) - set(SAMPLING_FIELDS))
+            if unknown:
+                raise TypeError(f"submit() got an unexpected keyword argument {unknown[0]!r}")
+            params = SamplingParams(**keywords)
+        elif keywords:
+            raise TypeError(f"submit() takes params= or the per-request keywords, not both "
+                            f"(got params and {', '.join(sorted(keywords))})")
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a metrale_feed.SamplingParams, not "
+                            f"{type(params).__name__}")
+        bias = params.logit_bias or {}
+        for token in bias:
+            if token >= self.vocab:
+                raise ValueError(f"logit_bias id {token} is outside the vocabulary of "
+                                 f"{self.vocab} ids")
+        if params.min_tokens > max_new:
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens = {max_new}], got "
+                             f"{params.min_tokens}")
+        return params
 
     def _refuse_unrunnable(self, prompt: Tuple[int, ...], max_new: int, stops: FrozenSet[int],
                            sampling: _checks.Sampling, pen: Optional[_checks.Penalties],

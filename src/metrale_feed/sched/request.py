@@ -13,6 +13,7 @@ from .. import _checks
 from ..errors import FeedError
 from ..feed import NO_TOKEN, RowMask
 from ..kv import SequenceState
+from ..params import SamplingParams
 
 if TYPE_CHECKING:
     from .pipeline import DecodePipeline
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["Request", "RequestStatus"]
 
 _UNMASKED_PAIR = (NO_TOKEN, NO_TOKEN)
-_GREEDY = (0.0, 0, 1.0, 0.0, 0)  # temperature, top_k, top_p, min_p, seed: the argmax
+_GREEDY = SamplingParams()  # the argmax, no penalties, no logprobs
 
 
 class RequestStatus(enum.Enum):
@@ -82,8 +83,8 @@ class Request:
     ban : RowMask or None
     order : int
         Its place in submission order (first come, first served).
-    sampling : tuple, optional
-        ``(temperature, top_k, top_p, min_p, seed)``, checked by ``submit``; greedy by default.
+    params : SamplingParams, optional
+        How it decodes, checked against the pipeline by ``submit``; greedy by default.
 
     Attributes
     ----------
@@ -103,12 +104,15 @@ class Request:
         With ``"error"``: what the fault was.
     ban : RowMask or None
         The row's mask; may be set between steps and applies from the next launched step.
+    params : SamplingParams
+        How it decodes (``submit``'s keywords or its ``params``).
     temperature, top_k, top_p, min_p, seed
-        Its sampling parameters (``submit``); ``temperature == 0`` is greedy decoding.
+        Its sampling parameters (``params``'s); ``temperature == 0`` is greedy decoding.
     sampled : bool
         ``temperature > 0``.
     repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens
-        Its penalties (``submit``; docs/penalties.md), as float32 values.
+        Its penalties (``params``'s; docs/penalties.md), as float32 values; ``logit_bias`` a
+        dict, empty when none.
     logprobs : list of float or None
         With ``submit(logprobs=True)``: the logprob of each committed token under the raw
         distribution of its step (``log_softmax`` of the model's logits, before masks,
@@ -138,15 +142,12 @@ class Request:
     """
 
     __slots__ = ("prompt", "tokens", "max_new_tokens", "stop_ids", "status", "error", "_ban", "_mask", "_pipe", "_seq", "_join", "_last", "_base", "_order", "_bound",
-                 "_pos0", "temperature", "top_k", "top_p", "min_p", "seed",
-                 "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "min_tokens", "_pen", "_pslot", "logprobs", "top_logprobs", "_top_n")
+                 "_pos0", "params", "temperature", "top_k", "top_p", "min_p", "seed", "_pen",
+                 "_pslot", "logprobs", "top_logprobs", "_top_n")
 
     def __init__(self, pipe: "DecodePipeline", prompt: Tuple[int, ...], max_new_tokens: int,
                  stop_ids: FrozenSet[int], ban: Optional[RowMask], order: int = 0,
-                 sampling: Tuple[float, int, float, float, int] = _GREEDY,
-                 penalties: Optional[_checks.Penalties] = None,
-                 logprobs: Tuple[bool, int] = (False, 0)) -> None:
+                 params: SamplingParams = _GREEDY) -> None:
         self.prompt = prompt
         self.tokens: List[int] = []
         self.max_new_tokens = max_new_tokens
@@ -167,18 +168,18 @@ class Request:
         # running one is preempted first
         self._bound = -1  # the launch at which its next KV block is reserved, if one is due
         self._pos0 = 0  # its position at launch L is _pos0 + L (set when it joins)
-        self.temperature, self.top_k, self.top_p, self.min_p, self.seed = sampling
+        self.params = params
+        # The sampler's fields are read for every row of every step: plain attributes, copied
+        # from ``params`` once.
+        self.temperature, self.top_k, self.top_p = params.temperature, params.top_k, params.top_p
+        self.min_p, self.seed = params.min_p, params.seed
         # Penalties (docs/penalties.md): None when every one is neutral (no slot, no op).
-        self._pen = penalties
+        self._pen: Optional[_checks.Penalties] = params._penalties if params.penalised else None
         self._pslot = -1  # its PenaltyState slot while it runs
-        rep, pres, freq, bias, mt = penalties or _checks.NO_PENALTIES
-        self.repetition_penalty, self.presence_penalty, self.frequency_penalty = rep, pres, freq
-        self.logit_bias: Dict[int, float] = dict(bias)
-        self.min_tokens = mt
         # One logprob per committed token, appended with it (docs/pipeline.md, "Logprobs").
-        self.logprobs: Optional[List[float]] = [] if logprobs[0] else None
-        self._top_n = logprobs[1]
-        self.top_logprobs: Optional[List[List[Tuple[int, float]]]] = [] if logprobs[1] else None
+        self.logprobs: Optional[List[float]] = [] if params.logprobs else None
+        self._top_n = params.top_logprobs
+        self.top_logprobs: Optional[List[List[Tuple[int, float]]]] = [] if self._top_n else None
 
     @property
     def finished(self) -> bool:
@@ -190,6 +191,26 @@ class Request:
         """``"stop"``, ``"length"``, ``"abort"`` or ``"error"``; None until it finishes."""
         status = self.status
         return status.value if status.finished else None
+
+    @property
+    def repetition_penalty(self) -> float:
+        return self.params.repetition_penalty
+
+    @property
+    def presence_penalty(self) -> float:
+        return self.params.presence_penalty
+
+    @property
+    def frequency_penalty(self) -> float:
+        return self.params.frequency_penalty
+
+    @property
+    def logit_bias(self) -> Dict[int, float]:
+        return dict(self.params.logit_bias or {})
+
+    @property
+    def min_tokens(self) -> int:
+        return self.params.min_tokens
 
     @property
     def sampled(self) -> bool:
