@@ -19,7 +19,7 @@ from metrale_feed._cfeed cimport *
 
 import atexit as _atexit
 import os as _os
-from collections import deque as _deque
+from _collections import deque as _deque  # collections itself costs milliseconds to import
 
 from metrale_feed.errors import CudaError, FeedError
 from metrale_feed.errors import HostFunctionError as _HostFunctionError

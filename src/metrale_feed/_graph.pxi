@@ -2,7 +2,7 @@
 # (docs/graphs.md, docs/lifetimes.md). The C layer checks every call; this keeps the handle and
 # the capture's state.
 
-from weakref import ref as _weak_ref
+from _weakref import ref as _weak_ref  # the C type weakref re-exports, without weakref's import
 
 
 @cython.final
