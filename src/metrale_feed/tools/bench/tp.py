@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any, Dict, List
 
-from ..tp.local_ranks import result_of, run_local_ranks
+from ...tp.local_ranks import result_of, run_local_ranks
 
 VOCAB = 152064
 # The simt backend runs the CUDA kernels on the CPU, a few hundred times slower than the host
@@ -189,7 +189,7 @@ def _verify_sampled(shard: Any, buf: Any, full: Any, n: int, k: int, repeats: in
     import torch.distributed as dist
 
     import metrale_feed as mf
-    from ..tp.verify_args import logit_row_params
+    from ...tp.verify_args import logit_row_params
 
     params = mf.sampling_params(n, temperature=0.8, seed=np.arange(n) + 11, position=5)
     each = logit_row_params(params, n, k)
@@ -388,7 +388,7 @@ def run(world: int, quick: bool) -> Dict[str, Any]:
     """Start ``world`` ranks (on the backend METRALE_FEED_BACKEND gives them) and return rank 0's
     figures."""
     sizes = QUICK_SIZES if quick else SIZES
-    ranks = run_local_ranks("metrale_feed.tools.bench_tp", world,
+    ranks = run_local_ranks("metrale_feed.tools.bench.tp", world,
                             ["3" if quick else "7", ",".join(map(str, sizes))])
     for returncode, _, stderr in ranks:
         if returncode != 0:

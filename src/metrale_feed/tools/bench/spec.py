@@ -10,7 +10,7 @@ from typing import Any, Dict, List
 
 import metrale_feed as mf
 
-from .bench import _row, _section
+from .report import row, section
 
 
 def _median_ms(fn: Any, repeats: int) -> float:
@@ -72,8 +72,8 @@ def _verify_beside_argmax(rows: int, k: int, vocab: int, repeats: int,
 
 def _pipeline_tps(vocab: int, rows: int, max_new: int, k: int, acceptance: float,
                   repeats: int) -> Dict[str, Any]:
-    from ..testing.drafter import ReferenceDrafter
-    from ..testing.reference import ReferenceModel
+    from ...testing.drafter import ReferenceDrafter
+    from ...testing.reference import ReferenceModel
 
     prompts = [[i + 1, 2, 3, i % 7] for i in range(rows)]
     runs: Dict[str, Any] = {}
@@ -115,34 +115,34 @@ def bench_speculative(quick: bool) -> Dict[str, Any]:
     repeats = 3 if quick else 7
     rows, k = 64, 4
     vocab = 32000 if quick else 152064
-    _section(f"speculative decoding: verify_to_feed against argmax_to_feed over the same "
+    section(f"speculative decoding: verify_to_feed against argmax_to_feed over the same "
              f"{rows} x {k + 1} logit rows of {vocab} float32, host backend (median of {repeats})")
     verifies = []
     for agree in (1.0, 0.5):
         v = _verify_beside_argmax(rows, k, vocab, repeats, agree)
         verifies.append(v)
-        _row(f"verify, drafts agree {agree:.0%}", f"{v['verify_ms']:.2f} ms",
+        row(f"verify, drafts agree {agree:.0%}", f"{v['verify_ms']:.2f} ms",
              f"argmax {v['argmax_ms']:.2f} ms", f"{v['ratio']:.2f}x",
              "<= 1.3x" if agree == 1.0 else "",
              note=("cells checked" if v["checked"] else "WRONG CELLS")
              + ("" if agree == 1.0 else "; a row stops at its first rejection"))
     p = _pipeline_tps(1000 if quick else 32000, 16, 32 if quick else 64, k, 0.8,
                       2 if quick else 3)
-    _section(f"speculative decoding through the pipeline, reference model ({p['rows']} rows, "
+    section(f"speculative decoding through the pipeline, reference model ({p['rows']} rows, "
              f"vocab {p['vocab']}, {p['max_new']} new tokens, k = {k}, acceptance 0.8); "
              f"tokens checked equal")
-    _row("speculative", f"{p['speculative_tps']:.0f} tok/s",
+    row("speculative", f"{p['speculative_tps']:.0f} tok/s",
          f"plain depth 1 {p['plain_depth_1_tps']:.0f}",
          f"{p['speculative_tps'] / p['plain_depth_1_tps']:.2f}x",
          note=f"{p['speculative_steps']} steps against {p['plain_depth_1_steps']}; accepted "
               f"{p['accepted_fraction']:.0%} of drafts")
-    _row("speculative depth 2", f"{p['speculative_depth_2_tps']:.0f} tok/s",
+    row("speculative depth 2", f"{p['speculative_depth_2_tps']:.0f} tok/s",
          f"plain depth 2 {p['plain_depth_2_tps']:.0f}",
          f"{p['speculative_depth_2_tps'] / p['plain_depth_2_tps']:.2f}x",
          note="the reference forward costs the host CPU per position (k + 1 a row), and the "
               "reference drafter computes every draft's logits on the host: fewer steps, not "
               "less work")
-    _row("host syncs at depth 2", f"{p['depth_2_host_syncs']}", f"steps {p['depth_2_steps']}",
+    row("host syncs at depth 2", f"{p['depth_2_host_syncs']}", f"steps {p['depth_2_steps']}",
          target=f"{p['depth_2_steps']}", note="one wait a step, speculation on")
     return {"verify": verifies, "pipeline": p,
             "checked": all(v["checked"] for v in verifies) and p["same_tokens"]
