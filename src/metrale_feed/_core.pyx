@@ -35,6 +35,24 @@ MAX_PENALTY_TABLE = MF_MAX_PENALTY_TABLE  # distinct ids one slot's table may ho
 MAX_TOP_LOGPROBS = MF_MAX_TOP_LOGPROBS  # ids top_logprobs gives a row at most (feed.h)
 PENALTY_PROMPT = MF_PENALTY_PROMPT  # a table entry's count flag: the id is in the prompt
 
+
+cdef tuple _sampling_params_layout():
+    """feed.h's ``mf_sampling_params`` as numpy describes a record: names, formats, offsets and the
+    size, read from the struct itself (``sampling.SAMPLING_PARAMS_DTYPE`` is made from it)."""
+    cdef mf_sampling_params p
+    cdef char *base = <char *>&p
+    fields = (("temperature", "<f4", <char *>&p.temperature - base),
+              ("top_p", "<f4", <char *>&p.top_p - base),
+              ("min_p", "<f4", <char *>&p.min_p - base),
+              ("top_k", "<u4", <char *>&p.top_k - base),
+              ("seed", "<u8", <char *>&p.seed - base),
+              ("position", "<u4", <char *>&p.position - base),
+              ("_pad", "<u4", <char *>&p.pad_ - base))
+    return fields, sizeof(mf_sampling_params)
+
+
+_SAMPLING_PARAMS_LAYOUT = _sampling_params_layout()
+
 include "_state.pxi"
 include "_errors.pxi"
 include "_coerce.pxi"

@@ -194,7 +194,7 @@ cdef int fill_params(_Launch launch, mf_argmax_args *a, object params, _PickInpu
     global _params_dtype
     cdef void *ptr
     if device_resident(params, "params"):
-        a.params = <const mf_sampling_params *>device_input(launch, params, <size_t>a.rows * 32, "params", False)
+        a.params = <const mf_sampling_params *>device_input(launch, params, <size_t>a.rows * sizeof(mf_sampling_params), "params", False)
         a.flags |= MF_ARGS_PARAMS_DEVICE
         return 0
     if _params_dtype is None:
@@ -204,8 +204,9 @@ cdef int fill_params(_Launch launch, mf_argmax_args *a, object params, _PickInpu
         raise TypeError("params must be an array of metrale_feed.SAMPLING_PARAMS_DTYPE records "
                         f"(or device memory holding them), not {getattr(params, 'dtype', type(params).__name__)}")
     keep.params = host_buffer_of(params, False, "params")
-    if keep.params.view.len < <Py_ssize_t>a.rows * 32:
-        raise ValueError(f"params hold {keep.params.view.len // 32} rows, fewer than the {a.rows} launched")
+    if keep.params.view.len < <Py_ssize_t>(a.rows * sizeof(mf_sampling_params)):
+        raise ValueError(f"params hold {keep.params.view.len // sizeof(mf_sampling_params)} rows, "
+                         f"fewer than the {a.rows} launched")
     a.params = <const mf_sampling_params *>keep.params.view.buf
     return 0
 

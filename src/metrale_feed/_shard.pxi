@@ -536,7 +536,7 @@ def _verify_logit_params(params, advance, out, stream=0, *, rows, k):
         raise ValueError(f"rows * (k + 1) = {rows * (k + 1)} logit rows; at most {MF_MAX_ROWS}")
     cdef _Launch launch = launch_on(s)
     try:
-        params_ptr = device_input(launch, params, <size_t>rows * 32, "params", False)
+        params_ptr = device_input(launch, params, <size_t>rows * sizeof(mf_sampling_params), "params", False)
         if advance is not None:
             adv_ptr = device_input(launch, advance, <size_t>rows * 4, "advance")
         launch.device(out, &out_ptr, &have, "out", True, False)

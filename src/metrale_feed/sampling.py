@@ -1,7 +1,7 @@
 """Sampling parameters: ``SAMPLING_PARAMS_DTYPE`` and a helper that fills an array of them.
 
 Loaded lazily (``metrale_feed.SAMPLING_PARAMS_DTYPE``), so ``import metrale_feed`` does not import
-numpy. The layout is the C ABI's ``mf_sampling_params`` (``feed.h``), 32 bytes a row.
+numpy. The layout is the C ABI's ``mf_sampling_params`` (``feed.h``), read from the extension.
 """
 
 from __future__ import annotations
@@ -10,12 +10,18 @@ from typing import Any
 
 import numpy as np
 
+from . import _core
+
 __all__ = ["SAMPLING_PARAMS_DTYPE", "sampling_params"]
 
-SAMPLING_PARAMS_DTYPE = np.dtype([("temperature", "<f4"), ("top_p", "<f4"), ("min_p", "<f4"),
-                                  ("top_k", "<u4"), ("seed", "<u8"), ("position", "<u4"),
-                                  ("_pad", "<u4")])
-assert SAMPLING_PARAMS_DTYPE.itemsize == 32
+def _dtype_of_layout() -> np.dtype:
+    fields, size = _core._SAMPLING_PARAMS_LAYOUT  # the C struct's own offsets and size
+    return np.dtype({"names": [f[0] for f in fields], "formats": [f[1] for f in fields],
+                     "offsets": [f[2] for f in fields], "itemsize": size})
+
+
+#: One row's ``mf_sampling_params`` record, as feed.h lays it out.
+SAMPLING_PARAMS_DTYPE = _dtype_of_layout()
 
 
 def sampling_params(rows: int, *, temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0,
