@@ -687,3 +687,59 @@ def test_a_backend_switch_after_tensor_calls_is_not_refused(host):
         assert mf.backend() == other
     finally:
         mf.set_backend(before)
+
+
+# Float values exact in bfloat16 and their bits (the high half of the float32's): an independent
+# reference for the conversions below.
+BF16_VALUES = [1.0, -2.5, 0.15625, 0.0, -0.0, float("inf"), 2.0 ** 127, -(2.0 ** -126)]
+BF16_BITS = (np.array(BF16_VALUES, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def test_numpy_asarray_of_a_bfloat16_view_is_ml_dtypes_bfloat16(backend):
+    """numpy has no bfloat16 and its DLPack import refuses one ("Unsupported dtype in DLTensor"):
+    the views hand numpy an ml_dtypes.bfloat16 array of the same memory instead."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    n = len(BF16_VALUES)
+    pin = PinnedBuffer(2 * n + 2)
+    memoryview(pin)[2:] = BF16_BITS.tobytes()
+    a = np.asarray(pin.view("bfloat16", (2, n // 2), offset=2))
+    assert a.dtype == ml_dtypes.bfloat16 and a.shape == (2, n // 2)
+    assert a.astype(np.float32).reshape(-1).view(np.uint32).tolist() == (
+        np.array(BF16_VALUES, np.float32).view(np.uint32).tolist())
+    assert np.asarray(pin.view("bf16"), dtype=np.float32)[1:].tolist() == BF16_VALUES
+    dev = DeviceBuffer(2 * n)
+    mf.copy_h2d_async(dev, BF16_BITS)
+    mf.stream_synchronize()
+    if mf.backend() == "cuda":
+        with pytest.raises(TypeError, match="no implicit numpy conversion"):
+            np.asarray(dev.view("bfloat16"))
+    else:  # the device buffer's own memory, kept open while the array lives
+        d = np.asarray(dev.view("bfloat16"))
+        assert d.dtype == ml_dtypes.bfloat16 and d.ctypes.data == dev.ptr
+        d[0] = ml_dtypes.bfloat16(-4.0)
+        assert device_bytes(dev, 2) == (np.array([-4.0], np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
+        with pytest.raises(BufferError):
+            dev.close()
+        del d
+    del a
+    gc.collect()
+    dev.close()
+    pin.close()
+
+
+def test_numpy_asarray_of_a_bfloat16_view_without_ml_dtypes_says_to_view_uint16():
+    out = run_child("""
+        import sys
+        sys.modules["ml_dtypes"] = None  # import ml_dtypes then raises ImportError
+        import numpy as np
+        import metrale_feed as mf
+        for buf in (mf.PinnedBuffer(8), mf.DeviceBuffer(8)):
+            try:
+                np.asarray(buf.view("bfloat16"))
+            except TypeError as error:
+                print("TypeError:", error)
+            np.asarray(buf.view("uint16"))  # what the message says to do
+            buf.close()  # no export was left behind
+    """)
+    lines = out.strip().splitlines()
+    assert len(lines) == 2 and all("TypeError" in l and "uint16" in l and "ml_dtypes" in l for l in lines), out

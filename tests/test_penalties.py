@@ -309,3 +309,33 @@ def test_set_checked_writes_what_set_writes(host):
         state.set_checked(1, prompt, generated, checked, frozenset(stops))
         a, b = state.read(0), state.read(1)
     assert a == b and a["entries"] == 5 and a["stops"] == 2 and a["biases"] == 2
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 4])
+def test_a_refused_set_leaves_all_or_nothing(host, dev, fail_at):
+    """A set whose Nth copy is refused raises, and the slot then applies either its old penalties
+    or none (what ``clear`` leaves), never the old record over the new ids and biases; a set
+    after it writes the whole request."""
+    rng = np.random.default_rng(11)
+    vocab = 64
+    logits = round_to(awkward_logits(rng, 1, vocab), "float32")
+    old, new = random_request(rng, vocab), random_request(rng, vocab)
+    with PenaltyState(2, capacity=128) as state:
+        state.set(1, **old)
+        mf.stream_synchronize(0)
+        mf.configure_host(fail_copy_at=fail_at)
+        try:
+            state.set(1, **new)
+            refused = False
+        except mf.FeedError:
+            refused = True
+        finally:
+            mf.configure_host()
+        got = run_apply(dev, state, logits, [1], "float32")[0]
+        outcomes = {"new": penalize(logits[0], **new)}
+        if refused:
+            outcomes = {"old": penalize(logits[0], **old), "none": logits[0]}
+        assert any(np.array_equal(got, want, equal_nan=True) for want in outcomes.values()), (
+            f"copy {fail_at} refused: the slot applies neither of {sorted(outcomes)}")
+        state.set(1, **new)
+        same(run_apply(dev, state, logits, [1], "float32")[0], penalize(logits[0], **new))

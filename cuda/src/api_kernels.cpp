@@ -415,6 +415,8 @@ mf_status check_verify(const mf_verify_args *a, Slot **event) {
             {a->drafts, (size_t)a->rows * a->k * 4, "drafts", false},
             {(a->flags & MF_ARGS_MASKS_DEVICE) ? a->masks : nullptr, (size_t)logit_rows * 8, "masks", false},
             {a->bitmask, a->bitmask ? (size_t)logit_rows * mf_bitmask_words(a->vocab) * 4 : 0, "bitmask", false},
+            {(a->flags & MF_ARGS_PARAMS_DEVICE) ? a->params : nullptr, (size_t)a->rows * sizeof(mf_sampling_params),
+             "device-resident sampling params", false},
             {a->draft_probs, a->draft_probs ? (size_t)a->rows * a->k * a->vocab * 4 : 0, "draft_probs", false},
             {a->advance, a->advance ? (size_t)a->rows * 4 : 0, "advance", false},
         };
@@ -481,6 +483,9 @@ static mf_status pick_penalties(const mf_argmax_args *args, mf_penalty_args *app
         {args->logits, logit_bytes, "logits", true},
         {args->cells, (size_t)args->rows * 4, "cells", true},
         {args->logprobs, (size_t)args->rows * 4, "logprobs", true},
+        // Host destinations too: on cuda a managed pointer passes as host and as device memory.
+        {args->host_dst, (size_t)args->rows * 4, "argmax destination", true},
+        {args->logprobs_dst, (size_t)args->rows * 4, "logprobs destination", true},
         {apply->state, (size_t)apply->slot_count * sizeof(mf_penalty_slot), "penalty state", true},
         {apply->table, (size_t)apply->slot_count * apply->table_cap * sizeof(mf_penalty_entry), "penalty table", true},
         {apply->items, (size_t)apply->slot_count * apply->item_cap * sizeof(mf_penalty_item), "penalty items", false},
@@ -827,6 +832,12 @@ mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, 
         mf_status status = check_device_range(cells, (size_t)rows * (k + 2) * 4, "verify cells");
         if (status == MF_SUCCESS && out_ids) status = check_device_range(out_ids, (size_t)rows * 4, "out_ids");
         if (status == MF_SUCCESS && out_advance) status = check_device_range(out_advance, (size_t)rows * 4, "out_advance");
+        if (status == MF_SUCCESS) {  // the kernel reads a row's cells while other rows write theirs
+            const Span spans[] = {{out_ids, (size_t)rows * 4, "out_ids", true},
+                                  {out_advance, (size_t)rows * 4, "out_advance", true},
+                                  {cells, (size_t)rows * (k + 2) * 4, "verify cells", false}};
+            status = refuse_overlaps(spans);
+        }
         void *raw;
         if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
         if (status != MF_SUCCESS) return status;

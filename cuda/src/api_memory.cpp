@@ -119,12 +119,14 @@ mf_status copy(void *dst, const void *src, size_t nbytes, CopyKind kind, mf_stre
     default:
         status = check_device_range(dst, nbytes, "copy destination");
         if (status == MF_SUCCESS) status = check_device_range(src, nbytes, "copy source");
-        // As for cudaMemcpyAsync, a copy's ranges may not overlap; a copy onto itself (a no-op) may.
-        if (status == MF_SUCCESS && dst != src) {
-            const Span spans[] = {{dst, nbytes, "copy destination", true}, {src, nbytes, "copy source", false}};
-            status = refuse_overlaps(spans);
-        }
         if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+    }
+    // As for cudaMemcpyAsync, a copy's ranges may not overlap; a copy onto itself (a no-op) may.
+    // Every kind: memory the host backend borrows (a CPU tensor) or cuda's managed memory passes
+    // as host and as device memory.
+    if (status == MF_SUCCESS && dst != src) {
+        const Span spans[] = {{dst, nbytes, "copy destination", true}, {src, nbytes, "copy source", false}};
+        status = refuse_overlaps(spans);
     }
     if (status != MF_SUCCESS || nbytes == 0) return status;
     if (kept_for_graph(raw, [=](mf_stream_t s) { return copy(dst, src, nbytes, kind, s); }))

@@ -67,6 +67,7 @@ from metrale_feed.dtypes import dtype as _dtype_lookup
 from metrale_feed.dtypes import logits_dtype as _logits_lookup
 
 _UINT8 = _dtypes_mod.TABLE["uint8"]
+_UINT16 = _dtypes_mod.TABLE["uint16"]
 for _entry in _dtypes_mod.TABLE.values():  # the table's logits codes are feed.h's
     if _entry.code is not None:
         assert _entry.code == {"float32": MF_DTYPE_F32, "float16": MF_DTYPE_F16,
@@ -204,16 +205,34 @@ cdef tuple buffer_dlpack_device(bint pinned):
     return (<int>kDLCUDA, device_ordinal())
 
 
+cdef object bfloat16_type():
+    """ml_dtypes' bfloat16 (the numpy type torch and JAX exchange bfloat16 arrays as), or a
+    TypeError that says what to do without it."""
+    import importlib  # as Python's import statement, a None in sys.modules included
+    try:
+        ml_dtypes = importlib.import_module("ml_dtypes")
+    except ImportError:
+        raise TypeError("numpy has no bfloat16 type of its own and ml_dtypes is not installed: view "
+                        "the bytes as uint16 (buf.view('uint16', shape)), or install ml_dtypes") from None
+    return ml_dtypes.bfloat16
+
+
 cdef object as_numpy(object exporter, bint device, object dtype, object copy):
     """``numpy.asarray(buffer)``: on the host backend the buffer's own memory (through DLPack, so a
     live array keeps ``close()`` refused); on cuda device memory is refused as CuPy refuses an
-    implicit conversion, and page-locked memory is read through the buffer protocol."""
+    implicit conversion, and page-locked memory is read through the buffer protocol. A bfloat16
+    view becomes an ml_dtypes.bfloat16 array: numpy's DLPack import refuses the type."""
     import numpy
+    cdef BufferView view = <BufferView>exporter if type(exporter) is BufferView else None
+    bf16 = None
+    if device and mf_active_backend() == MF_BACKEND_CUDA:
+        raise TypeError("device memory has no implicit numpy conversion on the cuda backend: "
+                        "copy it (copy_d2h_async) or use torch/CuPy (DLPack)")
+    if view is not None and view.dtype_info.name == "bfloat16":
+        bf16 = bfloat16_type()
+        view = retyped(view, _UINT16)  # the same bytes, a type numpy imports; then viewed as bf16
+        exporter = view
     if mf_active_backend() == MF_BACKEND_CUDA:
-        if device:
-            raise TypeError("device memory has no implicit numpy conversion on the cuda backend: "
-                            "copy it (copy_d2h_async) or use torch/CuPy (DLPack)")
-        view = <BufferView>exporter if type(exporter) is BufferView else None
         base = view.base if view is not None else exporter
         entry = view.dtype_info if view is not None else _UINT8
         shape = view.shape if view is not None else (len(base),)
@@ -224,6 +243,8 @@ cdef object as_numpy(object exporter, bint device, object dtype, object copy):
                                view._offset if view is not None else 0).reshape(shape)
     else:
         arr = numpy.from_dlpack(exporter)
+    if bf16 is not None:
+        arr = arr.view(bf16)
     if dtype is not None:
         arr = arr.astype(dtype, copy=bool(copy))
     elif copy:
@@ -309,6 +330,17 @@ cdef class BufferView:
 
     def __repr__(self):
         return f"<BufferView {self.dtype_info.name}{list(self.shape)} of {self.base!r}>"
+
+
+cdef BufferView retyped(BufferView view, object entry):
+    """``view``'s bytes as ``entry``, a type of the same size."""
+    cdef BufferView out = BufferView.__new__(BufferView)
+    out.base = view.base
+    out.dtype_info = entry
+    out.shape = view.shape
+    out._offset = view._offset
+    out._pinned = view._pinned
+    return out
 
 
 cdef BufferView make_view(object base, size_t nbytes, bint pinned, object dtype, object shape,

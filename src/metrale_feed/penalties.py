@@ -87,6 +87,9 @@ class PenaltyState:
         self._closed = False
         self.state.memset_async(0, stream)  # no entries, no items: a slot touches nothing
         self._free: List[int] = list(range(slots - 1, -1, -1))
+        # Slots whose record may be live (a set's last copy was queued, no clear's since): a set
+        # of one clears its record first (set_checked).
+        self._live: set = set()
 
     # ---- slots ----
 
@@ -139,6 +142,9 @@ class PenaltyState:
         ------
         ValueError, TypeError
             A bad parameter, or more distinct ids than the table holds; nothing is queued.
+        FeedError
+            A copy refused (nothing queued for it): the slot then holds its old penalties or
+            none, never part of each (docs/penalties.md).
         """
         slot = self._slot(slot)
         generated = [_checks.integer(t, "generated id") for t in generated]
@@ -180,19 +186,29 @@ class PenaltyState:
         items["value"][: len(bias)] = [b for _, b in bias]
         items["id"][len(bias): len(bias) + len(stops)] = stops
         stream = self.stream
+        record_at = self.state.ptr + slot * SLOT_DTYPE.itemsize
+        # All or nothing: a slot's table and items are read through its record, so a live record
+        # is cleared before they change, and the new record is the last copy. A copy refused
+        # (nothing queued for it) then leaves the old request whole (the clear refused) or no
+        # penalties, never the old record over new ids and biases.
+        if slot in self._live:
+            _core.copy_h2d_async(record_at, np.zeros(1, SLOT_DTYPE), stream)
+            self._live.discard(slot)
         if order:
             _core.copy_h2d_async(self.table.ptr + slot * self.capacity * ENTRY_DTYPE.itemsize,
                                  entries[: len(order)], stream)
         if bias or stops:
             _core.copy_h2d_async(self.items.ptr + slot * _ITEMS * ITEM_DTYPE.itemsize,
                                  items[: len(bias) + len(stops)], stream)
-        _core.copy_h2d_async(self.state.ptr + slot * SLOT_DTYPE.itemsize, record, stream)
+        _core.copy_h2d_async(record_at, record, stream)
+        self._live.add(slot)
 
     def clear(self, slot: int) -> None:
         """No penalties in ``slot`` from here on in stream order (a row naming it is untouched)."""
         slot = self._slot(slot)
         _core.copy_h2d_async(self.state.ptr + slot * SLOT_DTYPE.itemsize, np.zeros(1, SLOT_DTYPE),
                              self.stream)
+        self._live.discard(slot)
 
     def read(self, slot: int) -> Dict[str, Any]:
         """``slot``'s record and table as the device holds them once the stream is idle

@@ -2,7 +2,10 @@
  *
  * One header, two backends (the CUDA runtime and an asynchronous host double) behind one table.
  * Every function returns an mf_status; on failure the calling thread's last-error message (and,
- * for CUDA failures, the cudaError_t code) describe it. No function touches Python or the GIL. */
+ * for CUDA failures, the cudaError_t code) describe it. No function touches Python or the GIL.
+ * One rule for every operation that queues work: none of the bytes it writes (outputs, host
+ * destinations) may overlap another range it reads or writes, or the call is refused with
+ * MF_ERROR_INVALID_VALUE, naming both, before anything is queued (a copy onto itself excepted). */
 #ifndef METRALE_FEED_FEED_H
 #define METRALE_FEED_FEED_H
 
