@@ -906,7 +906,16 @@ class DecodePipeline:
         due = self._boundary.pop(launch, None)
         if not due:
             return rows
-        rows = self._reserve_or_preempt(rows, due, self._take_due)
+        try:
+            rows = self._reserve_or_preempt(rows, due, self._take_due)
+        except BaseException:
+            # A model's reserve that raised (not a full pool) took nothing for the rows it did
+            # not serve: they stay due at this launch, which the next step() makes again (the
+            # rows served before it have their block, and the retry finds it there).
+            again = [r for r in due if r.status is _RUNNING]
+            if again:
+                self._boundary[launch] = again
+            raise
         self._reschedule(due, launch + self._block_size)
         return rows
 

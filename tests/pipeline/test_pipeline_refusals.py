@@ -1,0 +1,98 @@
+"""DecodePipeline after a refusal that is not a device fault (issue 41): a model's block
+reservation that raises once, a step refused after part of it was queued, and a request left
+with no id it may pick. Every request is held to the oracle of that request alone, and the pool
+and the budget's counters come back whole."""
+
+from __future__ import annotations
+
+import pytest
+
+from metrale_feed import DecodePipeline, FeedError
+from metrale_feed.testing.reference import ReferenceModel
+
+from conftest import VOCAB, prompts, sampled_tokens
+
+SAMPLED = dict(temperature=0.9, top_p=0.95, seed=11)
+
+
+def drive(pipe, limit=200):
+    """Step until idle (a bounded number of steps, so a wedged pipeline fails instead of
+    hanging); the messages of the steps that raised."""
+    errors = []
+    for _ in range(limit):
+        if pipe.idle:
+            return errors
+        try:
+            pipe.step()
+        except Exception as exc:  # noqa: BLE001 - what each refused step raised is the point
+            errors.append(f"{type(exc).__name__}: {exc}")
+    raise AssertionError(f"not idle after {limit} steps; {len(errors)} raised, the last: "
+                         f"{errors[-1:]}")
+
+
+class ReserveOnce(ReferenceModel):
+    """The reference model whose ``fail_at``-th ``reserve_decode_block`` raises (a transient
+    refusal, not a full pool) before it takes a block."""
+
+    def __init__(self, *args, fail_at=0, hide_block_size=False, **kw):
+        super().__init__(*args, **kw)
+        self.fail_at = fail_at
+        self.calls = 0
+        self.hide_block_size = hide_block_size
+
+    def feed_info(self):
+        info = super().feed_info()
+        # Without a block size the pipeline asks for every row at every step, through the
+        # budget's ledger.
+        return info._replace(block_size=None, pool=None) if self.hide_block_size else info
+
+    def reserve_decode_block(self, seq):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected: the reservation was refused once")
+        return super().reserve_decode_block(seq)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("num_blocks", [120, 8])  # 8: the pool runs dry, rows are preempted
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 5, 8])
+def test_a_reservation_refused_once_is_made_again_by_the_next_step(host, no_leaks, depth,
+                                                                    sampled, num_blocks, fail_at):
+    """The refused launch raises; the next step reserves the block again (the rows due at that
+    block boundary are still due) and decodes exactly, instead of every later step raising
+    "no KV block reserved"."""
+    ps = prompts(4, seed=fail_at, lo=2, hi=9)
+    kw = SAMPLED if sampled else {}
+    with ReserveOnce(VOCAB, block_size=4, num_blocks=num_blocks, max_rows=3,
+                     fail_at=fail_at) as model:
+        with DecodePipeline(model, 3, depth=depth) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=11, **kw) for p in ps]
+            errors = drive(pipe)
+            assert errors == ["RuntimeError: injected: the reservation was refused once"]
+            assert pipe.stats.reserved_in_flight == 0
+            if num_blocks == 8:
+                assert pipe.stats.preemptions > 0
+        assert model.pool.free_count == model.pool.num_blocks
+    for req in reqs:
+        assert req.finish_reason == "length", req
+        assert req.tokens == sampled_tokens(req.prompt, 11, VOCAB, **kw), req
+
+
+@pytest.mark.parametrize("depth", [1])
+@pytest.mark.parametrize("fail_at", [1, 5, 6, 17])
+def test_a_refused_reservation_through_the_ledger_counts_what_it_took(host, no_leaks, depth,
+                                                                      fail_at):
+    """A model that does not say its block size: the rows reserved before the refusal keep their
+    block, counted, so the counters come back to 0 once every step is read. (Prompts of 4 ids:
+    the 3 rows cross a block at the 2nd and 6th steps, calls 4 to 6 and 16 to 18.)"""
+    ps = prompts(3, seed=30 + fail_at, lo=4, hi=4)
+    with ReserveOnce(VOCAB, block_size=4, num_blocks=120, max_rows=3, fail_at=fail_at,
+                     hide_block_size=True) as model:
+        with DecodePipeline(model, 3, depth=depth) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=9) for p in ps]
+            assert drive(pipe) == ["RuntimeError: injected: the reservation was refused once"]
+            assert pipe.stats.reserved_in_flight == 0
+        assert model.pool.free_count == model.pool.num_blocks
+    for req in reqs:
+        assert req.tokens == sampled_tokens(req.prompt, 9, VOCAB), req
