@@ -96,3 +96,71 @@ def test_a_refused_reservation_through_the_ledger_counts_what_it_took(host, no_l
         assert model.pool.free_count == model.pool.num_blocks
     for req in reqs:
         assert req.tokens == sampled_tokens(req.prompt, 9, VOCAB), req
+
+
+# ---- a step refused after its pick was queued ----
+
+PENALISED = [dict(frequency_penalty=1.5, logit_bias={9: 3.0}, seed=3),
+             dict(presence_penalty=0.5, logit_bias={3: 2.0}, repetition_penalty=1.3, seed=4),
+             dict(seed=5)]  # a row without penalties in the same batch
+
+
+def _raw_logprob(history, token):
+    import numpy as np
+
+    from metrale_feed.testing.reference import _widened_logits
+
+    row = _widened_logits(history, VOCAB, "float32").astype(np.float64)
+    top = row.max()
+    return row[token] - top - np.log(np.exp(row - top).sum())
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_copy_refused_anywhere_in_a_step_never_moves_a_token(host, no_leaks, depth,
+                                                               temperature):
+    """Penalties and logprobs: the Nth copy from now is refused, for every N a run makes. A
+    refusal before the step's pick is retried and every token is the oracle's; one after it (the
+    raw logprobs' copies, the counts' update) is a failed step: its requests finish "error"
+    with a prefix of the oracle's tokens. Never counts applied twice nor a token moved."""
+    import numpy as np
+
+    import metrale_feed as mf
+    from test_pipeline_penalties import oracle
+
+    ps = prompts(3, seed=5)
+    kws = [dict(kw, temperature=temperature) for kw in PENALISED]
+    want = [oracle(p, 8, **kw) for p, kw in zip(ps, kws)]
+    outcomes = set()
+    for n in range(1, 400):
+        with ReferenceModel(VOCAB, block_size=4, num_blocks=40, max_rows=3) as model:
+            with DecodePipeline(model, 3, depth=depth) as pipe:
+                reqs = [pipe.submit(p, max_new_tokens=8, logprobs=True, **kw)
+                        for p, kw in zip(ps, kws)]
+                mf.configure_host(fail_copy_at=n)
+                try:
+                    errors = drive(pipe)
+                finally:
+                    fired = mf.host_faults()["fail_copy_at"] == 0
+                    mf.configure_host()
+                assert pipe.stats.reserved_in_flight == 0
+            assert model.pool.free_count == model.pool.num_blocks
+        for req, p, w in zip(reqs, ps, want):
+            if req.finish_reason == "error":
+                assert req.tokens == w[: len(req.tokens)], (n, req.tokens, w)
+            else:
+                assert req.finish_reason == "length" and req.tokens == w, (n, req.tokens, w)
+            history = list(p)
+            got = []
+            for token in req.tokens:
+                got.append(_raw_logprob(history, token))
+                history.append(token)
+            np.testing.assert_allclose(req.logprobs, got, rtol=0, atol=2e-5)
+        outcomes.add((len(errors), tuple(r.finish_reason for r in reqs)))
+        if not fired:  # the run made fewer than n copies: every refusal point was tried
+            break
+    else:
+        raise AssertionError("the sweep never reached the end of the run")
+    # Both kinds were met: refusals retried with every request exact, and failed steps.
+    assert any(e == 1 and all(r == "length" for r in rs) for e, rs in outcomes), outcomes
+    assert any("error" in rs for _, rs in outcomes), outcomes

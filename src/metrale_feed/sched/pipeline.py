@@ -1001,16 +1001,20 @@ class DecodePipeline:
                     if tops is not None:
                         at = i * n
                         tops.append(list(zip(top[0][at:at + k], top[1][at:at + k])))
+        finishing: List[Tuple[Request, RequestStatus]] = []
         if self._stop_union:
             hits = self._stop_union.intersection(ids)
             if hits:
                 for i, (req, token) in enumerate(zip(rows, ids)):
                     if token in hits and token in req.stop_ids and req.status is _RUNNING and (
                             dead is None or i not in dead) and len(req.tokens) >= req.min_tokens:
-                        self._finish(req, RequestStatus.FINISHED_STOPPED)
+                        finishing.append((req, RequestStatus.FINISHED_STOPPED))
         for req in self._ending.pop(step.launch, ()):
-            if req.status is _RUNNING and req._last == step.launch:
-                self._finish(req, RequestStatus.FINISHED_LENGTH)
+            if req.status is _RUNNING and req._last == step.launch and (
+                    not finishing or all(req is not done for done, _ in finishing)):
+                finishing.append((req, RequestStatus.FINISHED_LENGTH))
+        if finishing:
+            self._finish_all(finishing)
 
     def _fault(self, launch: int, added: int, exc: BaseException) -> None:
         """A step whose wait failed (a device-side fault: a host function that raised, a
@@ -1032,12 +1036,15 @@ class DecodePipeline:
             self.stats.rows_discarded += len(later.rows) - len(later.dead or ())
         self._inflight.clear()
         reason = f"step {launch} failed: {type(exc).__name__}: {exc}"
-        for req in list(self._running):
+        for req in self._running:
             req.error = reason
-            self._finish(req, RequestStatus.FINISHED_ERROR)
         self._rows, self._seqs, self._lists = [], None, None  # the next launch starts afresh
         self._prev_ids = []
         self._dirty = True
+        try:
+            self._finish_all([(req, RequestStatus.FINISHED_ERROR) for req in self._running])
+        except Exception:
+            pass  # a return refused after the fault: they finished, and the fault is the news
 
     # ---- finishing, aborts and preemption ----
 
@@ -1077,26 +1084,48 @@ class DecodePipeline:
         self._discard_in_flight(req)
         if self._spec is not None:
             self._spec.discard(req)
-        self._release(req)
-        if self._pen is not None:
-            self._pen.leave(req)
         self._running.remove(req)
         self._dirty = True
+        # Its blocks and its penalty slot last: one the model or the stream refuses raises with
+        # the request already out of the batch, never left running with no view.
+        try:
+            self._release(req)
+        finally:
+            if self._pen is not None:
+                self._pen.leave(req)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if req.status is _RUNNING:
-            self._leave(req)
-        else:  # waiting or preempted: in the queue, with no view and no block
-            self._waiting.remove(req)
-        req.status = status
-        self.stats.finished += 1
-        self._finished.append(req)
+        try:
+            if req.status is _RUNNING:
+                self._leave(req)
+            else:  # waiting or preempted: in the queue, with no view and no block
+                self._waiting.remove(req)
+        finally:
+            req.status = status
+            self.stats.finished += 1
+            self._finished.append(req)
+
+    def _finish_all(self, finishing: Iterable[Tuple[Request, RequestStatus]]) -> None:
+        """Finish each one; a return of blocks or of a penalty slot that raises does not stop
+        the others (a row left running past its last launch would never finish): the first such
+        error is raised once all have finished."""
+        error: Optional[BaseException] = None
+        for req, status in finishing:
+            try:
+                self._finish(req, status)
+            except Exception as exc:
+                if error is None:
+                    error = exc
+        if error is not None:
+            raise error
 
     def _preempt(self, req: Request) -> None:
-        self._leave(req)
-        req.status = _PREEMPTED
-        self._waiting.appendleft(req)  # first in line to resume
-        self.stats.preemptions += 1
+        try:
+            self._leave(req)
+        finally:
+            req.status = _PREEMPTED
+            self._waiting.appendleft(req)  # first in line to resume
+            self.stats.preemptions += 1
 
     def abort(self, req: Request) -> None:
         """Finish ``req`` now (reason ``"abort"``): its steps in flight are discarded and its
