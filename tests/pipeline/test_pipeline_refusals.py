@@ -164,3 +164,125 @@ def test_a_copy_refused_anywhere_in_a_step_never_moves_a_token(host, no_leaks, d
     # Both kinds were met: refusals retried with every request exact, and failed steps.
     assert any(e == 1 and all(r == "length" for r in rs) for e, rs in outcomes), outcomes
     assert any("error" in rs for _, rs in outcomes), outcomes
+
+
+# ---- a request left with no id it may pick ----
+
+def test_what_leaves_no_id_to_pick_is_refused_at_submit(host, no_leaks):
+    """min_tokens bans the stop ids until it is reached: stop ids (and a ban) that cover the
+    vocabulary leave nothing to pick, greedy or sampled; nothing is queued. A ban set later that
+    does so is refused the same way, while min_tokens still applies."""
+    with ReferenceModel(4, block_size=4, num_blocks=20, max_rows=2) as model:
+        with DecodePipeline(model, 2) as pipe:
+            for temperature in (0.0, 0.8):
+                for stops, ban in (((0, 1, 2, 3), None), ((0, 1), (2, 3)), ((1, 2, 3), (0, 0))):
+                    with pytest.raises(ValueError, match="leave no id"):
+                        pipe.submit([1, 2], max_new_tokens=6, stop_ids=stops, ban=ban,
+                                    min_tokens=3, temperature=temperature)
+            assert pipe.idle
+            # Without min_tokens (or with one id left) they run.
+            ok = pipe.submit([1, 2], max_new_tokens=6, stop_ids=(0, 1, 2, 3), temperature=0.8)
+            left = pipe.submit([1, 2], max_new_tokens=6, stop_ids=(0, 1), ban=(2, 3))
+            late = pipe.submit([1, 2], max_new_tokens=6, stop_ids=(0, 1), min_tokens=3,
+                               temperature=0.8, seed=2)
+            with pytest.raises(ValueError, match="leave no id"):
+                late.ban = (2, 3)
+            assert late.ban is None
+            late.ban = (2, 2)
+            pipe.run()
+    assert len(ok.tokens) == 1 and ok.finish_reason == "stop"
+    for req in (ok, left, late):
+        assert all(0 <= t < 4 for t in req.tokens), req.tokens
+    assert 3 <= len(late.tokens) and all(t == 3 for t in late.tokens[:2]), late.tokens
+
+
+class NoFiniteLogit(ReferenceModel):
+    """The reference model whose logits for one request's rows are all ``-inf`` (``nan=True``:
+    all NaN) from the first launch at which it has ``after`` committed tokens: no id has a finite
+    logit, as a model's masked head could give."""
+
+    def __init__(self, *args, after=2, nan=False, **kw):
+        super().__init__(*args, **kw)
+        self.target = None
+        self.after = after
+        self.value = float("nan") if nan else float("-inf")
+        self.hit = 0
+
+    def _poison(self, logits, seqs, stream, positions=1):
+        import numpy as np
+
+        import metrale_feed as mf
+
+        for row, seq in enumerate(seqs):
+            req = getattr(seq, "req", None)
+            if req is not None and req is self.target and len(req.tokens) >= self.after:
+                bad = np.full(VOCAB * positions, self.value, np.float32)
+                mf.copy_h2d_async(logits + row * positions * VOCAB * 4, bad, stream)
+                self.hit += 1
+        return logits
+
+    def decode_batch_fed(self, sources, seqs, stream=None):
+        logits = super().decode_batch_fed(sources, seqs, stream)
+        return self._poison(logits, seqs, self.stream if stream is None else stream)
+
+    def decode_batch_verify(self, input_ids, seqs, k, stream=None, advance=None):
+        logits = super().decode_batch_verify(input_ids, seqs, k, stream, advance)
+        return self._poison(logits, seqs, self.stream if stream is None else stream, k + 1)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("case", ["sampled", "sampled-nan", "greedy-min-tokens"])
+def test_a_step_with_no_id_to_pick_finishes_the_request_and_commits_nothing(
+        host, no_leaks, depth, debug, case):
+    """Every logit of one request's row is not finite from some step on. A sampled row draws
+    NO_TOKEN; a greedy one whose min_tokens bans its stop id gets that stop id at -inf (the
+    argmax's lowest candidate). Neither is committed nor fed on: the request finishes
+    "no_candidate" with a prefix of its oracle's tokens, and the other rows are exact."""
+    from test_pipeline_penalties import oracle
+
+    ps = prompts(3, seed=8, lo=3, hi=9)
+    with NoFiniteLogit(VOCAB, block_size=4, num_blocks=60, max_rows=3,
+                       nan=case == "sampled-nan") as model:
+        with DecodePipeline(model, 3, depth=depth, debug=debug) as pipe:
+            if case == "greedy-min-tokens":
+                target_kw = dict(stop_ids=(0,), min_tokens=7)
+                want = oracle(ps[0], 10, stops=(0,), min_tokens=7)
+            else:
+                target_kw = dict(SAMPLED)
+                want = sampled_tokens(ps[0], 10, VOCAB, **SAMPLED)
+            target = pipe.submit(ps[0], max_new_tokens=10, **target_kw)
+            model.target = target
+            others = [pipe.submit(ps[1], max_new_tokens=10),
+                      pipe.submit(ps[2], max_new_tokens=10, **SAMPLED)]
+            assert drive(pipe) == []
+            assert pipe.stats.reserved_in_flight == 0
+        assert model.pool.free_count == model.pool.num_blocks
+    assert model.hit
+    assert target.finish_reason == "no_candidate", (target.tokens, target.finish_reason)
+    assert 2 <= len(target.tokens) < 10 and target.tokens == want[: len(target.tokens)]
+    for req, p, kw in zip(others, ps[1:], ({}, SAMPLED)):
+        assert req.tokens == sampled_tokens(p, 10, VOCAB, **kw), req
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_verify_with_no_id_to_pick_commits_nothing(host, no_leaks, depth):
+    """The speculative pipeline: a sampled row with no finite logit emits NO_TOKEN; the request
+    finishes "no_candidate" with a prefix of its oracle's tokens, the others run exactly."""
+    from metrale_feed.testing.drafter import ReferenceDrafter
+
+    ps = prompts(3, seed=9, lo=3, hi=9)
+    with NoFiniteLogit(VOCAB, block_size=4, num_blocks=80, max_rows=3, after=3) as model:
+        with DecodePipeline(model, 3, depth=depth,
+                            speculative=ReferenceDrafter(VOCAB, 2, 0.5)) as pipe:
+            target = pipe.submit(ps[0], max_new_tokens=12, **SAMPLED)
+            model.target = target
+            others = [pipe.submit(ps[1], max_new_tokens=12),
+                      pipe.submit(ps[2], max_new_tokens=12, **SAMPLED)]
+            assert drive(pipe) == []
+        assert model.pool.free_count == model.pool.num_blocks
+    assert model.hit and target.finish_reason == "no_candidate", target.tokens
+    want = sampled_tokens(ps[0], 12, VOCAB, **SAMPLED)
+    assert 3 <= len(target.tokens) < 12 and target.tokens == want[: len(target.tokens)]
+    for req, p, kw in zip(others, ps[1:], ({}, SAMPLED)):
+        assert req.tokens == sampled_tokens(p, 12, VOCAB, **kw), req

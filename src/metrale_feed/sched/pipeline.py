@@ -374,6 +374,21 @@ class DecodePipeline:
             raise ValueError(f"the ban {pair} leaves no candidate in a vocabulary of {self.vocab}")
         return RowMask(pair[0], pair[1])
 
+    def _refuse_no_candidate(self, mask: Optional[RowMask], stops: FrozenSet[int],
+                             min_tokens: int) -> None:
+        """Refuse a request (or a ban set on one) that leaves no id a row may pick while
+        ``min_tokens`` bans its stop ids: a sampled row would draw ``NO_TOKEN`` and a greedy one
+        a stop id at ``-inf``, never a token it may commit."""
+        if not min_tokens or len(stops) + 2 < self.vocab:
+            return
+        banned = set(stops)
+        if mask is not None:
+            banned.update(t for t in mask if t != NO_TOKEN)
+        if len(banned) >= self.vocab:
+            raise ValueError(f"min_tokens={min_tokens} bans the stop ids {sorted(stops)}, which "
+                             f"with the ban {None if mask is None else list(mask)} leave no id "
+                             f"of the vocabulary of {self.vocab} to pick before it")
+
     def submit(self, prompt_ids: Iterable[int], *, max_new_tokens: int,
                stop_ids: Iterable[int] = (), ban: Any = None, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
@@ -488,6 +503,8 @@ class DecodePipeline:
             self.vocab, max_new)
         pen = None if checked == _checks.NO_PENALTIES else checked
         lp = _checks.logprobs(logprobs, top_logprobs)
+        if pen is not None:
+            self._refuse_no_candidate(mask, stops, pen[4])
         self._refuse_unrunnable(prompt, max_new, stops, sampling, pen, lp)
         req = Request(self, prompt, max_new, stops, mask, 0, sampling, pen, lp)
         self._post(self._enqueue, req)
@@ -984,6 +1001,10 @@ class DecodePipeline:
                 raise
             self._prev_ids = ids
         rows, dead, lists = step.rows, step.dead, step.lists
+        finishing: List[Tuple[Request, RequestStatus]] = []
+        hits = self._stop_union.intersection(ids) if self._stop_union else None
+        if NO_TOKEN in ids or (hits and self._penalised):
+            dead = self._no_candidate(rows, ids, dead, hits, finishing)
         if dead is None:
             _drain(map(list.append, lists, ids))  # each row's token, in a C loop
         else:  # the same C loop over the runs between the few rows thrown away
@@ -1001,20 +1022,36 @@ class DecodePipeline:
                     if tops is not None:
                         at = i * n
                         tops.append(list(zip(top[0][at:at + k], top[1][at:at + k])))
-        finishing: List[Tuple[Request, RequestStatus]] = []
-        if self._stop_union:
-            hits = self._stop_union.intersection(ids)
-            if hits:
-                for i, (req, token) in enumerate(zip(rows, ids)):
-                    if token in hits and token in req.stop_ids and req.status is _RUNNING and (
-                            dead is None or i not in dead) and len(req.tokens) >= req.min_tokens:
-                        finishing.append((req, RequestStatus.FINISHED_STOPPED))
+        if hits:
+            for i, (req, token) in enumerate(zip(rows, ids)):
+                if token in hits and token in req.stop_ids and req.status is _RUNNING and (
+                        dead is None or i not in dead) and len(req.tokens) >= req.min_tokens:
+                    finishing.append((req, RequestStatus.FINISHED_STOPPED))
         for req in self._ending.pop(step.launch, ()):
             if req.status is _RUNNING and req._last == step.launch and (
                     not finishing or all(req is not done for done, _ in finishing)):
                 finishing.append((req, RequestStatus.FINISHED_LENGTH))
         if finishing:
             self._finish_all(finishing)
+
+    def _no_candidate(self, rows: List[Request], ids: List[int], dead: Optional[Set[int]],
+                      hits: Any, finishing: List[Tuple[Request, RequestStatus]]
+                      ) -> Optional[Set[int]]:
+        """The rows of an awaited step that had no id they may pick: ``NO_TOKEN`` (a sampled
+        row whose every allowed logit was not finite), or a stop id while ``min_tokens`` bans it
+        (a greedy row whose every candidate was ``-inf``: the argmax answers the lowest). None
+        of it is committed nor fed to a later step: each finishes ``"no_candidate"``. Returns
+        the rows whose ids are not committed."""
+        out = dead
+        for i, (req, token) in enumerate(zip(rows, ids)):
+            if (token == NO_TOKEN or (hits and token in hits and token in req.stop_ids
+                                      and len(req.tokens) < req.min_tokens)) and (
+                    dead is None or i not in dead) and req.status is _RUNNING:
+                if out is dead:
+                    out = set(dead or ())
+                out.add(i)
+                finishing.append((req, RequestStatus.FINISHED_NO_CANDIDATE))
+        return out
 
     def _fault(self, launch: int, added: int, exc: BaseException) -> None:
         """A step whose wait failed (a device-side fault: a host function that raised, a
@@ -1241,6 +1278,8 @@ class _Debug:
             source = FeedSource(source)
             meant = source.value if source.is_host else (
                 prev_ids[source.value] if source.value < len(prev_ids) else None)
+            if token == meant == NO_TOKEN and step.dead and row in step.dead:
+                continue  # its request had no candidate in the step before and left
             if token >= vocab or (meant is not None and token != meant):
                 raise FeedError(f"debug: row {row} of launch {step.launch} read input id "
                                 f"{token:#x} from {source!r} (expected {meant}); vocabulary "
