@@ -1042,16 +1042,16 @@ class DecodePipeline:
         (a greedy row whose every candidate was ``-inf``: the argmax answers the lowest). None
         of it is committed nor fed to a later step: each finishes ``"no_candidate"``. Returns
         the rows whose ids are not committed."""
-        out = dead
+        out: Optional[Set[int]] = None  # a copy: the step's own set keeps what was thrown away
         for i, (req, token) in enumerate(zip(rows, ids)):
             if (token == NO_TOKEN or (hits and token in hits and token in req.stop_ids
                                       and len(req.tokens) < req.min_tokens)) and (
                     dead is None or i not in dead) and req.status is _RUNNING:
-                if out is dead:
+                if out is None:
                     out = set(dead or ())
                 out.add(i)
                 finishing.append((req, RequestStatus.FINISHED_NO_CANDIDATE))
-        return out
+        return dead if out is None else out
 
     def _fault(self, launch: int, added: int, exc: BaseException) -> None:
         """A step whose wait failed (a device-side fault: a host function that raised, a
