@@ -106,9 +106,12 @@ class PenaltyState:
         return self._free.pop()
 
     def release(self, slot: int) -> None:
-        """Give ``slot`` back (cleared, in stream order)."""
-        self.clear(slot)
-        self._free.append(slot)
+        """Give ``slot`` back (cleared, in stream order). A refused clear still gives it back:
+        no row names a free slot, and ``set`` rewrites every field before one does."""
+        try:
+            self.clear(slot)
+        finally:
+            self._free.append(self._slot(slot))
 
     @property
     def free(self) -> int:

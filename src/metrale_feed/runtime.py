@@ -15,7 +15,7 @@ from typing import Any, Optional
 from . import _core
 from .contract import FeedInfo
 from .dtypes import logits_dtype as logits_dtypes
-from .errors import FeedError
+from .errors import DeviceError, FeedError
 
 __all__ = ["RuntimeFeedMixin"]
 
@@ -35,6 +35,15 @@ def _top_before_penalties(penalties: Any) -> None:
     if penalties is not None:
         raise ValueError("top_logprobs with penalties= needs raw_logits (the logits before the "
                          "penalties), which both logprobs are then taken from")
+
+
+def _ran_in_part(what: str, exc: BaseException) -> DeviceError:
+    """The error of a step refused after its pick was queued: the feed cells (and with penalties
+    the counts) already hold this step, so a retry would not be the same step. ``DeviceError``,
+    which a scheduler treats as a failed step, never as a refusal to retry (docs/pipeline.md,
+    "Faults"); the refusal is its ``__cause__``."""
+    return DeviceError(f"the step's ids were picked, then {what} was refused "
+                       f"({type(exc).__name__}: {exc}): the step ran in part and cannot be retried")
 
 
 class RuntimeFeedMixin:
@@ -151,25 +160,29 @@ class RuntimeFeedMixin:
                       stream: Any) -> None:
         """After an argmax or a draw over changed logits (no event recorded yet): the chosen
         ids' logprobs (the cells) and the top ids, from the raw copy, their copies back, then
-        the event, so all are final when it completes."""
+        the event, so all are final when it completes. The pick was queued before: anything
+        refused here is raised as ``DeviceError`` (``_ran_in_part``)."""
         n = top_n if top_logprobs is not None else 0
-        if self.feed_shard is not None:
-            # Each rank's slice of the raw copy, merged alike on every rank; the ids are the
-            # cells the sharded call just wrote, the same on every rank.
-            self.feed_shard.top_logprobs(raw_logits, top_logprobs, stream, n=n, rows=rows,
-                                         dtype=self.feed_logits_dtype,
-                                         row_stride=self.feed_row_stride, ids=self.feed_cells,
-                                         chosen=logprobs)
-        else:
-            _core.top_logprobs(raw_logits, top_logprobs, stream, n=n, rows=rows,
-                               vocab=self.feed_vocab, dtype=self.feed_logits_dtype,
-                               row_stride=self.feed_row_stride, ids=self.feed_cells,
-                               chosen=logprobs)
-        _core.copy_d2h_async(logprobs, logprobs_dst, stream)
-        if top_logprobs is not None:
-            _core.copy_d2h_async(top_logprobs, top_logprobs_dst, stream)
-        if event is not None:
-            _core.event_record(event, stream)
+        try:
+            if self.feed_shard is not None:
+                # Each rank's slice of the raw copy, merged alike on every rank; the ids are the
+                # cells the sharded call just wrote, the same on every rank.
+                self.feed_shard.top_logprobs(raw_logits, top_logprobs, stream, n=n, rows=rows,
+                                             dtype=self.feed_logits_dtype,
+                                             row_stride=self.feed_row_stride, ids=self.feed_cells,
+                                             chosen=logprobs)
+            else:
+                _core.top_logprobs(raw_logits, top_logprobs, stream, n=n, rows=rows,
+                                   vocab=self.feed_vocab, dtype=self.feed_logits_dtype,
+                                   row_stride=self.feed_row_stride, ids=self.feed_cells,
+                                   chosen=logprobs)
+            _core.copy_d2h_async(logprobs, logprobs_dst, stream)
+            if top_logprobs is not None:
+                _core.copy_d2h_async(top_logprobs, top_logprobs_dst, stream)
+            if event is not None:
+                _core.event_record(event, stream)
+        except Exception as exc:
+            raise _ran_in_part("its raw logprobs", exc) from exc
 
     def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any,
                              *, logprobs: Any = None, logprobs_dst: Any = None,

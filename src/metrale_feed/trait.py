@@ -79,7 +79,10 @@ class ModelDeviceFeed(abc.ABC):
         so a model may leave them out of its signature. ``penalties``: a ``PenaltyLaunch`` of the
         step's rows, applied to ``logits`` before the pick and updated with the chosen ids after
         it (``argmax_to_feed(penalties=)``, docs/penalties.md); the pipeline passes it only to a
-        model whose feed methods name it, and queues the two calls around them otherwise."""
+        model whose feed methods name it, and queues the two calls around them otherwise.
+        Anything refused after the pick was queued (the cells then hold this step) is raised as
+        ``DeviceError``: the decode pipeline retries a refused launch only when nothing of its
+        pick ran (docs/pipeline.md, "Faults")."""
         raise _no_feed("argmax_batch_to_feed")
 
     def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,

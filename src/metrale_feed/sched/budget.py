@@ -122,17 +122,17 @@ class KvBudget:
         not serve, or -1. The ones before it are reserved and recorded."""
         reserve = self.model.reserve_decode_block
         total = 0
-        for at, seq in enumerate(seqs):
-            try:
-                added = reserve(seq)
-            except KvPoolExhausted:
-                if total:
-                    self._count(total)
-                return at
-            self._record(seq, added)
-            total += added
-        if total:
-            self._count(total)
+        try:
+            for at, seq in enumerate(seqs):
+                try:
+                    added = reserve(seq)
+                except KvPoolExhausted:
+                    return at
+                self._record(seq, added)
+                total += added
+        finally:  # whatever else a model's reserve raised, the recorded blocks are counted
+            if total:
+                self._count(total)
         return -1
 
     def cover(self, seqs: Sequence[SequenceState]) -> List[Reservation]:
@@ -248,7 +248,9 @@ class KvBudget:
         """``take`` for each of ``seqs`` in order, counted once (a step's boundary rows, in one
         call). Returns ``(served, missed)``: the rows, from the first, whose block is there (all
         of them unless the pool ran dry at row ``served``, which takes nothing), and the indices
-        among those that needed no new block (empty unless the model had it already)."""
+        among those that needed no new block (empty unless the model had it already). Any other
+        error of the model's reserve gives back the blocks this call took, so the caller can ask
+        again for the same rows."""
         reserve = self.model.reserve_decode_block
         missed: Sequence[int] = ()
         served = 0
@@ -261,6 +263,12 @@ class KvBudget:
             served = len(seqs)
         except KvPoolExhausted:
             pass
+        except BaseException:
+            release = self.model.release_decode_blocks
+            for at in range(served):
+                if at not in missed:
+                    release(seqs[at], 1)
+            raise
         if served - len(missed):
             self._count(served - len(missed))
         return served, missed

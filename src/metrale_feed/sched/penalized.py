@@ -97,8 +97,8 @@ class PipelinePenalties:
 
     def leave(self, req: Any) -> None:
         if req._pslot >= 0:
-            self.state.release(req._pslot)
-            req._pslot = -1
+            slot, req._pslot = req._pslot, -1  # the request names it no more, whatever raises
+            self.state.release(slot)
 
     # ---- the router's hook ----
 

@@ -375,6 +375,21 @@ class DecodePipeline:
             raise ValueError(f"the ban {pair} leaves no candidate in a vocabulary of {self.vocab}")
         return RowMask(pair[0], pair[1])
 
+    def _refuse_no_candidate(self, mask: Optional[RowMask], stops: FrozenSet[int],
+                             min_tokens: int) -> None:
+        """Refuse a request (or a ban set on one) that leaves no id a row may pick while
+        ``min_tokens`` bans its stop ids: a sampled row would draw ``NO_TOKEN`` and a greedy one
+        a stop id at ``-inf``, never a token it may commit."""
+        if not min_tokens or len(stops) + 2 < self.vocab:
+            return
+        banned = set(stops)
+        if mask is not None:
+            banned.update(t for t in mask if t != NO_TOKEN)
+        if len(banned) >= self.vocab:
+            raise ValueError(f"min_tokens={min_tokens} bans the stop ids {sorted(stops)}, which "
+                             f"with the ban {None if mask is None else list(mask)} leave no id "
+                             f"of the vocabulary of {self.vocab} to pick before it")
+
     def submit(self, prompt_ids: Iterable[int], params: Optional[SamplingParams] = None, *,
                max_new_tokens: int, stop_ids: Iterable[int] = (), ban: Any = None,
                **keywords: Any) -> Request:
@@ -493,6 +508,8 @@ class DecodePipeline:
         sampling = (params.temperature, params.top_k, params.top_p, params.min_p, params.seed)
         pen = params._penalties if params.penalised else None
         lp = (params.logprobs, params.top_logprobs)
+        if params.penalised:
+            self._refuse_no_candidate(mask, stops, params.min_tokens)
         self._refuse_unrunnable(prompt, max_new, stops, sampling, pen, lp)
         req = Request(self, prompt, max_new, stops, mask, 0, params)
         self._post(self._enqueue, req)
@@ -937,7 +954,16 @@ class DecodePipeline:
         due = self._boundary.pop(launch, None)
         if not due:
             return rows
-        rows = self._reserve_or_preempt(rows, due, self._take_due)
+        try:
+            rows = self._reserve_or_preempt(rows, due, self._take_due)
+        except BaseException:
+            # A model's reserve that raised (not a full pool) took nothing for the rows it did
+            # not serve: they stay due at this launch, which the next step() makes again (the
+            # rows served before it have their block, and the retry finds it there).
+            again = [r for r in due if r.status is _RUNNING]
+            if again:
+                self._boundary[launch] = again
+            raise
         self._reschedule(due, launch + self._block_size)
         return rows
 
@@ -1006,6 +1032,10 @@ class DecodePipeline:
                 raise
             self._prev_ids = ids
         rows, dead, lists = step.rows, step.dead, step.lists
+        finishing: List[Tuple[Request, RequestStatus]] = []
+        hits = self._stop_union.intersection(ids) if self._stop_union else None
+        if NO_TOKEN in ids or (hits and self._penalised):
+            dead = self._no_candidate(rows, ids, dead, hits, finishing)
         if dead is None:
             _drain(map(list.append, lists, ids))  # each row's token, in a C loop
         else:  # the same C loop over the runs between the few rows thrown away
@@ -1023,16 +1053,36 @@ class DecodePipeline:
                     if tops is not None:
                         at = i * n
                         tops.append(list(zip(top[0][at:at + k], top[1][at:at + k])))
-        if self._stop_union:
-            hits = self._stop_union.intersection(ids)
-            if hits:
-                for i, (req, token) in enumerate(zip(rows, ids)):
-                    if token in hits and token in req.stop_ids and req.status is _RUNNING and (
-                            dead is None or i not in dead) and len(req.tokens) >= req.min_tokens:
-                        self._finish(req, RequestStatus.FINISHED_STOPPED)
+        if hits:
+            for i, (req, token) in enumerate(zip(rows, ids)):
+                if token in hits and token in req.stop_ids and req.status is _RUNNING and (
+                        dead is None or i not in dead) and len(req.tokens) >= req.min_tokens:
+                    finishing.append((req, RequestStatus.FINISHED_STOPPED))
         for req in self._ending.pop(step.launch, ()):
-            if req.status is _RUNNING and req._last == step.launch:
-                self._finish(req, RequestStatus.FINISHED_LENGTH)
+            if req.status is _RUNNING and req._last == step.launch and (
+                    not finishing or all(req is not done for done, _ in finishing)):
+                finishing.append((req, RequestStatus.FINISHED_LENGTH))
+        if finishing:
+            self._finish_all(finishing)
+
+    def _no_candidate(self, rows: List[Request], ids: List[int], dead: Optional[Set[int]],
+                      hits: Any, finishing: List[Tuple[Request, RequestStatus]]
+                      ) -> Optional[Set[int]]:
+        """The rows of an awaited step that had no id they may pick: ``NO_TOKEN`` (a sampled
+        row whose every allowed logit was not finite), or a stop id while ``min_tokens`` bans it
+        (a greedy row whose every candidate was ``-inf``: the argmax answers the lowest). None
+        of it is committed nor fed to a later step: each finishes ``"no_candidate"``. Returns
+        the rows whose ids are not committed."""
+        out: Optional[Set[int]] = None  # a copy: the step's own set keeps what was thrown away
+        for i, (req, token) in enumerate(zip(rows, ids)):
+            if (token == NO_TOKEN or (hits and token in hits and token in req.stop_ids
+                                      and len(req.tokens) < req.min_tokens)) and (
+                    dead is None or i not in dead) and req.status is _RUNNING:
+                if out is None:
+                    out = set(dead or ())
+                out.add(i)
+                finishing.append((req, RequestStatus.FINISHED_NO_CANDIDATE))
+        return dead if out is None else out
 
     def _fault(self, launch: int, added: int, exc: BaseException) -> None:
         """A step whose wait failed (a device-side fault: a host function that raised, a
@@ -1054,12 +1104,15 @@ class DecodePipeline:
             self.stats.rows_discarded += len(later.rows) - len(later.dead or ())
         self._inflight.clear()
         reason = f"step {launch} failed: {type(exc).__name__}: {exc}"
-        for req in list(self._running):
+        for req in self._running:
             req.error = reason
-            self._finish(req, RequestStatus.FINISHED_ERROR)
         self._rows, self._seqs, self._lists = [], None, None  # the next launch starts afresh
         self._prev_ids = []
         self._dirty = True
+        try:
+            self._finish_all([(req, RequestStatus.FINISHED_ERROR) for req in self._running])
+        except Exception:
+            pass  # a return refused after the fault: they finished, and the fault is the news
 
     # ---- finishing, aborts and preemption ----
 
@@ -1099,26 +1152,48 @@ class DecodePipeline:
         self._discard_in_flight(req)
         if self._spec is not None:
             self._spec.discard(req)
-        self._release(req)
-        if self._pen is not None:
-            self._pen.leave(req)
         self._running.remove(req)
         self._dirty = True
+        # Its blocks and its penalty slot last: one the model or the stream refuses raises with
+        # the request already out of the batch, never left running with no view.
+        try:
+            self._release(req)
+        finally:
+            if self._pen is not None:
+                self._pen.leave(req)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if req.status is _RUNNING:
-            self._leave(req)
-        else:  # waiting or preempted: in the queue, with no view and no block
-            self._waiting.remove(req)
-        req.status = status
-        self.stats.finished += 1
-        self._finished.append(req)
+        try:
+            if req.status is _RUNNING:
+                self._leave(req)
+            else:  # waiting or preempted: in the queue, with no view and no block
+                self._waiting.remove(req)
+        finally:
+            req.status = status
+            self.stats.finished += 1
+            self._finished.append(req)
+
+    def _finish_all(self, finishing: Iterable[Tuple[Request, RequestStatus]]) -> None:
+        """Finish each one; a return of blocks or of a penalty slot that raises does not stop
+        the others (a row left running past its last launch would never finish): the first such
+        error is raised once all have finished."""
+        error: Optional[BaseException] = None
+        for req, status in finishing:
+            try:
+                self._finish(req, status)
+            except Exception as exc:
+                if error is None:
+                    error = exc
+        if error is not None:
+            raise error
 
     def _preempt(self, req: Request) -> None:
-        self._leave(req)
-        req.status = _PREEMPTED
-        self._waiting.appendleft(req)  # first in line to resume
-        self.stats.preemptions += 1
+        try:
+            self._leave(req)
+        finally:
+            req.status = _PREEMPTED
+            self._waiting.appendleft(req)  # first in line to resume
+            self.stats.preemptions += 1
 
     def abort(self, req: Request) -> None:
         """Finish ``req`` now (reason ``"abort"``): its steps in flight are discarded and its
@@ -1234,6 +1309,8 @@ class _Debug:
             source = FeedSource(source)
             meant = source.value if source.is_host else (
                 prev_ids[source.value] if source.value < len(prev_ids) else None)
+            if token == meant == NO_TOKEN and step.dead and row in step.dead:
+                continue  # its request had no candidate in the step before and left
             if token >= vocab or (meant is not None and token != meant):
                 raise FeedError(f"debug: row {row} of launch {step.launch} read input id "
                                 f"{token:#x} from {source!r} (expected {meant}); vocabulary "

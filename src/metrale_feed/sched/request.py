@@ -29,7 +29,8 @@ class RequestStatus(enum.Enum):
     launch from its admission on), ``PREEMPTED`` (its blocks given back when the pool ran dry;
     it resumes by recompute), then one finished state. The finished states' values are the
     ``finish_reason`` strings; ``FINISHED_ERROR`` is a device-side fault of a step the request
-    was in (docs/pipeline.md, "Faults").
+    was in (docs/pipeline.md, "Faults"); ``FINISHED_NO_CANDIDATE``, a step that left it no id it
+    may pick (docs/pipeline.md, "No candidate").
 
     Examples
     --------
@@ -52,6 +53,8 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"  # a device-side fault: none of its tokens after the fault is kept
+    # A step left it no id it may pick (every allowed logit not finite): none of it is committed.
+    FINISHED_NO_CANDIDATE = "no_candidate"
 
     @property
     def finished(self) -> bool:
@@ -98,12 +101,14 @@ class Request:
         state. The pipeline's loop thread is its one writer.
     finished : bool
         ``status`` is a finished state.
-    finish_reason : {"stop", "length", "abort", "error"} or None
-        The finished state's value; ``"error"``: a device-side fault of a step it was in.
+    finish_reason : {"stop", "length", "abort", "error", "no_candidate"} or None
+        The finished state's value; ``"error"``: a device-side fault of a step it was in;
+        ``"no_candidate"``: a step left it no id it may pick.
     error : str or None
         With ``"error"``: what the fault was.
     ban : RowMask or None
-        The row's mask; may be set between steps and applies from the next launched step.
+        The row's mask; may be set between steps and applies from the next launched step (a
+        ban that leaves no id it may pick is refused, ``ValueError``).
     params : SamplingParams
         How it decodes (``submit``'s keywords or its ``params``).
     temperature, top_k, top_p, min_p, seed
@@ -188,7 +193,8 @@ class Request:
 
     @property
     def finish_reason(self) -> Optional[str]:
-        """``"stop"``, ``"length"``, ``"abort"`` or ``"error"``; None until it finishes."""
+        """``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or ``"no_candidate"``; None until
+        it finishes."""
         status = self.status
         return status.value if status.finished else None
 
@@ -224,6 +230,8 @@ class Request:
     @ban.setter
     def ban(self, value: Any) -> None:
         ban = self._pipe._check_ban(value)
+        if len(self.tokens) < self.min_tokens:  # (with a step in flight it may be over already)
+            self._pipe._refuse_no_candidate(ban, self.stop_ids, self.min_tokens)
         self._ban = ban
         self._mask = ban if ban is not None else _UNMASKED_PAIR
         self._pipe._masks_dirty = True

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar
 from .. import _checks, _core
 from ..contract import DefersForward, DescribesFeed, FeedInfo, HostTokenDecode, feed_info_of, require
 from ..errors import FeedError
-from ..runtime import _rows_of
+from ..runtime import _ran_in_part, _rows_of
 from ..feed import _HOST_BIT, NO_TOKEN
 from ..kv import SequenceState
 from ..trait import ModelDeviceFeed
@@ -398,7 +398,10 @@ class _DeviceIo:
                 model.sample_batch_to_feed(logits, params, masks, ring.ptrs[slot],
                                            ring.events[slot], self.stream, **extra)
             if hook is not None and not hook.fused:
-                hook.update(self.stream)
+                try:
+                    hook.update(self.stream)
+                except Exception as exc:  # after the pick: retrying would count it twice
+                    raise _ran_in_part("the penalties' count update", exc) from exc
         except BaseException:
             if not fed:  # decode_batch pushed the inputs: a step that never ran pushes nothing
                 for seq in seqs:

@@ -723,6 +723,10 @@ class SpeculativeStep:
             finish = None
             for j in range(n):
                 token = got[at + 1 + j]
+                if token == NO_TOKEN:  # no id it may pick: nothing of it is committed
+                    finish = RequestStatus.FINISHED_NO_CANDIDATE
+                    stats.spec_discarded += n - j
+                    break
                 req.tokens.append(token)
                 if req.logprobs is not None and lps is not None:  # the raw logprob at its position
                     req.logprobs.append(lps[i * (k + 1) + j])
