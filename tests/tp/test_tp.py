@@ -88,6 +88,13 @@ def test_a_world_of_one_through_the_exchange_equals_the_unsharded_call(scenario)
     ranks(1, scenario)
 
 
+@pytest.mark.parametrize("world, scenario", [(1, "threads"), (1, "threads+exchange"), (2, "threads"),
+                                             (3, "threads")])
+def test_a_shard_takes_calls_from_the_thread_that_made_it_alone(world, scenario):
+    # Two threads a rank: the other thread's calls are refused, never paired with the peers'.
+    ranks(world, scenario)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_captured_sharded_call_replays_on_new_logits_on_every_rank(world):
     ranks(world, "graph")

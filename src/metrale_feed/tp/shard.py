@@ -73,9 +73,10 @@ class VocabShard:
     rank gets the unsharded call's cells and ids without a host synchronisation. Sampled rows with
     ``top_k``, ``top_p`` or ``min_p`` take up to 17 more all-gathers of per-row records (at most
     ~2.1 KiB a row in all: docs/tensor-parallel.md). Every rank must make its shard with the same
-    arguments and issue the same sharded calls, with the same params, in the same order. Calls
-    from several threads of one rank are serialised (each is queued whole, in the order the
-    threads reach it); their order across ranks is still the caller's to keep the same.
+    arguments and issue the same sharded calls, with the same params, in the same order. A
+    shard belongs to the thread that made it: its calls are collectives, whose order two threads
+    of a rank could not keep the same on every rank, so a call from any other thread is a
+    ``FeedError`` before anything is queued (``close()`` and ``stats`` excepted).
 
     Parameters
     ----------
@@ -149,9 +150,13 @@ class VocabShard:
         self.start, self.stop = offs[rank], offs[rank + 1]
         self.stats = {"collectives": 0, "bytes_sent": 0}
         self._calls = 0
-        # Held across a call, from its checks to its last queued operation: calls from several
-        # threads of this rank are queued one whole call after another (their counters, slots
-        # and collectives never interleave), in the order they take the lock.
+        # The one thread whose calls the shard takes: the one that made it, whose agreement below
+        # is this shard's first collective. A lock orders the calls of two threads within a rank
+        # but not across ranks: each rank's n-th call could be another thread's, and the combine
+        # would pair blocks of unrelated calls whose fingerprints agree (wrong ids, no error).
+        self._thread = threading.current_thread()
+        # Held across a call, from its checks to its last queued operation, and by close(), which
+        # any thread may call.
         self._lock = threading.Lock()
         # Tests set it: a world of one then runs the partial, the exchange and the combine instead
         # of the unsharded call (the path of every world, testable on one device).
@@ -357,6 +362,15 @@ class VocabShard:
                             "make the shard with filters=FilterRounds(top_k=..., top_p=...)")
 
     def _refuse_after_fault(self) -> None:
+        """Every call's first check, before anything is queued: the calling thread is the
+        shard's, and no fault (or close) has stopped it."""
+        if threading.current_thread() is not self._thread:
+            here, owner = threading.current_thread().name, self._thread.name
+            raise FeedError(f"VocabShard: a call from thread {here!r}, but the shard belongs to "
+                            f"thread {owner!r}, which made it: a sharded call is a collective, and "
+                            "two threads of a rank would pair their calls with other calls on the "
+                            "peers; make every call of a shard from its thread (a thread of its own "
+                            "needs a shard and a process group of its own)")
         if self._fault is not None:
             raise FeedError(f"VocabShard refuses further calls after a fault: {self._fault}")
 
