@@ -38,6 +38,13 @@ def test_sharded_filters_take_few_collectives_at_the_unsharded_ids(world):
     ranks(world, "collectives")
 
 
+@pytest.mark.parametrize("world, scenario", [(1, "bytes"), (1, "bytes+exchange"), (2, "bytes"),
+                                             (3, "bytes")])
+def test_every_call_sends_the_documented_bytes_within_max_call_bytes(world, scenario):
+    # Filter mixes, adaptive and fixed rounds, logprobs or not, fewer rows than max_rows.
+    ranks(world, scenario, timeout=400)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_mismatched_filters_are_a_feed_error_on_every_rank(world):
     ranks(world, "params-mismatch")

@@ -71,8 +71,10 @@ class VocabShard:
     ``shard=`` to ``argmax_to_feed`` or ``sample_to_feed``, the call reduces the slice locally and
     all-gathers ``16 * (max_rows + 2)`` bytes per rank (never the logits) in stream order, so every
     rank gets the unsharded call's cells and ids without a host synchronisation. Sampled rows with
-    ``top_k``, ``top_p`` or ``min_p`` take up to 17 more all-gathers of per-row records (at most
-    ~2.1 KiB a row in all: docs/tensor-parallel.md). Every rank must make its shard with the same
+    ``top_k``, ``top_p`` or ``min_p`` take up to 10 more all-gathers of per-row records: 16 bytes a
+    row for the last, ``8 * top_k`` for the candidate lists, 8 KiB for each radix select's rounds;
+    ``max_call_bytes`` is the most one call sends (docs/tensor-parallel.md, "Bytes per step").
+    Every rank must make its shard with the same
     arguments and issue the same sharded calls, with the same params, in the same order. A
     shard belongs to the thread that made it: its calls are collectives, whose order two threads
     of a rank could not keep the same on every rank, so a call from any other thread is a
@@ -192,6 +194,30 @@ class VocabShard:
         """The ids of this rank's slice, ``stop - start``: the columns its logits hold (0 for an
         empty slice)."""
         return self.stop - self.start
+
+    @property
+    def max_call_bytes(self) -> int:
+        """The most bytes one feed call (``argmax_to_feed``, ``sample_to_feed``,
+        ``verify_to_feed``) sends from this rank, whatever its rows and params; 0 in a world of
+        one, whose calls are the unsharded ones.
+
+        A greedy or temperature-only call without fixed rounds sends one block, ``16 * (max_rows
+        + 2)`` bytes. With ``filters`` every sampled call sends exactly this: the rounds'
+        exchanges, each sized by ``max_rows`` (``FilterRounds``). Without, a sampled call's
+        rounds follow its params, and the most is a call whose rows take the candidate lists at
+        ``top_k`` 1024, a larger ``top_k`` and ``top_p`` alone: 11 exchanges, 24,608 bytes a row
+        and 32 bytes of header an exchange (docs/tensor-parallel.md, "Bytes per step").
+        ``top_logprobs`` sends its own block (``16 + 8 * n`` bytes a row).
+        """
+        if self.world == 1 and not self._force_exchange:
+            return 0
+        from . import select_rounds
+
+        if self.filters is not None:
+            cap, selects = self.filters.top_k, len(self.filters.selects)
+        else:  # the candidate lists at their most, and both radix selects
+            cap, selects = _core.SELECT_CANDS_MAX, len(_core.SELECTS)
+        return select_rounds.call_bytes(self._block, self.max_rows, cap, selects)
 
     def close(self) -> None:
         """Wait for this rank's pending sharded calls and free their buffers; the shard then
