@@ -1,7 +1,9 @@
-"""A VocabShard used by several threads of one rank: each sharded call is queued whole (its
-call counter, its slot and its collectives never interleave with another thread's), so the
-ids are exact and the call counter, which every rank must agree on, counts every call. In a
-child interpreter with a timeout."""
+"""A VocabShard used by several threads of one rank. A sharded call is a collective: a lock would
+order two threads' calls within a rank but not across ranks (each rank's n-th call could be the
+other thread's, paired with unrelated blocks whose fingerprints agree), so a shard takes calls
+from the thread that made it alone; another thread's call is a FeedError before anything is
+queued, and close() may come from any thread. In a child interpreter with a timeout (tests/tp
+runs the same on 2 and 3 gloo ranks: rank_threads.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,7 @@ pytest.importorskip("torch.distributed")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-
-def test_two_threads_on_one_shard_get_exact_ids_and_one_counter():
-    code = rf"""
+PRELUDE = rf"""
 import sys, threading
 import numpy as np
 import torch.distributed as dist
@@ -25,43 +25,94 @@ sys.path.insert(0, {HERE!r})
 sys.setswitchinterval(1e-6)  # thread switches anywhere, so a race shows
 from helpers.child import free_port
 import metrale_feed as mf
+from metrale_feed.errors import FeedError
 
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{free_port()}}", rank=0,
                         world_size=1)
+CALLS = 60
+
+def call(shard, rng):
+    logits = rng.standard_normal((4, 300)).astype(np.float32)
+    want = logits.argmax(axis=1).tolist()  # the independent reference
+    with mf.DeviceBuffer(logits.nbytes) as dev, mf.DeviceBuffer(16) as cells, mf.Event() as done:
+        mf.copy_h2d_async(dev, logits.view(np.uint8))
+        dst = np.zeros(4, np.uint32)
+        mf.argmax_to_feed(dev, None, cells, dst, done, 0, rows=4, vocab=300, dtype="float32",
+                          shard=shard)
+        done.synchronize()
+    return dst.tolist(), want
+"""
+
+
+@pytest.mark.parametrize("through", [True, False], ids=["exchange", "unsharded"])
+def test_a_thread_that_did_not_make_the_shard_gets_feed_error_never_an_id(through):
+    code = PRELUDE + rf"""
 shard = mf.VocabShard(None, 300, max_rows=4)
-shard._force_exchange = True  # a world of one runs the partial, the exchange and the combine
-CALLS = 120
-errors, wrong = [], []
+shard._force_exchange = {through!r}  # the path of every world (partial, exchange, combine)
+seen = {{"owner": [0, [], []], "other": [0, [], []]}}  # exact, wrong, refused
+go = threading.Barrier(2)
 
-def work(seed):
+def work(name, seed):
     rng = np.random.default_rng(seed)
-    try:
-        for i in range(CALLS):
-            logits = rng.standard_normal((4, 300)).astype(np.float32)
-            want = logits.argmax(axis=1).tolist()  # the independent reference
-            with mf.DeviceBuffer(logits.nbytes) as dev, mf.DeviceBuffer(16) as cells, \
-                    mf.Event() as done:
-                mf.copy_h2d_async(dev, logits.view(np.uint8))
-                dst = np.zeros(4, np.uint32)
-                mf.argmax_to_feed(dev, None, cells, dst, done, 0, rows=4, vocab=300,
-                                  dtype="float32", shard=shard)
-                done.synchronize()
-                if dst.tolist() != want:
-                    wrong.append((seed, i, dst.tolist(), want))
-    except BaseException as exc:
-        errors.append(repr(exc))
+    go.wait()
+    for i in range(CALLS):
+        try:
+            got, want = call(shard, rng)
+        except FeedError as exc:
+            seen[name][2].append(str(exc))
+            continue
+        if got == want:
+            seen[name][0] += 1
+        else:
+            seen[name][1].append((i, got, want))
 
-threads = [threading.Thread(target=work, args=(s,), daemon=True) for s in range(2)]
-for t in threads:
-    t.start()
-for t in threads:
-    t.join(90)
-assert not any(t.is_alive() for t in threads), "a thread is stuck"
-assert not errors, errors
-assert not wrong, wrong[:3]
-assert shard._calls == 2 * CALLS, (shard._calls, 2 * CALLS)
-assert shard.stats["collectives"] == 2 * CALLS
+other = threading.Thread(target=work, args=("other", 1), name="second", daemon=True)
+other.start()
+work("owner", 0)
+other.join(90)
+assert not other.is_alive(), "the other thread is stuck"
+assert seen["owner"][0] == CALLS and not seen["owner"][1] and not seen["owner"][2], seen["owner"]
+assert seen["other"][0] == 0 and not seen["other"][1], seen["other"]
+assert len(seen["other"][2]) == CALLS, seen["other"]
+assert all("belongs to thread 'MainThread'" in why and "'second'" in why for why in seen["other"][2])
+assert shard._calls == (CALLS if {through!r} else 0), shard._calls
+assert shard.stats["collectives"] == (CALLS if {through!r} else 0), shard.stats
 shard.close()
+dist.destroy_process_group()
+print("OK")
+"""
+    result = run_python(code, timeout=150)
+    assert "OK" in result.stdout, result.describe()
+
+
+def test_close_from_another_thread_while_the_owner_calls():
+    # The lock's other use: close() waits for the call being queued, frees what the pending
+    # calls hold, and the owner's next call is refused as closed; every id before it is exact.
+    code = PRELUDE + r"""
+shard = mf.VocabShard(None, 300, max_rows=4)
+shard._force_exchange = True
+rng = np.random.default_rng(0)
+closer = threading.Thread(target=shard.close, name="closer", daemon=True)
+exact, refused = 0, None
+for i in range(CALLS):
+    if i == 5:
+        closer.start()
+    try:
+        got, want = call(shard, rng)
+    except FeedError as exc:
+        refused = str(exc)
+        break
+    assert got == want, (i, got, want)
+    exact += 1
+closer.join(60)
+assert not closer.is_alive(), "close() is stuck"
+if refused is None:  # the owner finished first: closed now
+    try:
+        call(shard, rng)
+    except FeedError as exc:
+        refused = str(exc)
+assert refused is not None and "closed" in refused, refused
+assert exact >= 5 and not shard._pending and not shard._rings, (exact, shard._pending)
 dist.destroy_process_group()
 print("OK")
 """

@@ -38,6 +38,13 @@ def test_sharded_filters_take_few_collectives_at_the_unsharded_ids(world):
     ranks(world, "collectives")
 
 
+@pytest.mark.parametrize("world, scenario", [(1, "bytes"), (1, "bytes+exchange"), (2, "bytes"),
+                                             (3, "bytes")])
+def test_every_call_sends_the_documented_bytes_within_max_call_bytes(world, scenario):
+    # Filter mixes, adaptive and fixed rounds, logprobs or not, fewer rows than max_rows.
+    ranks(world, scenario, timeout=400)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_mismatched_filters_are_a_feed_error_on_every_rank(world):
     ranks(world, "params-mismatch")
@@ -86,6 +93,13 @@ def test_the_pipeline_with_penalties_and_logprobs_over_the_split(world):
 def test_a_world_of_one_through_the_exchange_equals_the_unsharded_call(scenario):
     # The path of every world (partial, gloo all-gather, combine), on one rank.
     ranks(1, scenario)
+
+
+@pytest.mark.parametrize("world, scenario", [(1, "threads"), (1, "threads+exchange"), (2, "threads"),
+                                             (3, "threads")])
+def test_a_shard_takes_calls_from_the_thread_that_made_it_alone(world, scenario):
+    # Two threads a rank: the other thread's calls are refused, never paired with the peers'.
+    ranks(world, scenario)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -27,7 +27,8 @@ class FilterRounds:
     combine on the device: every row ``NO_TOKEN`` and a ``FeedError`` on every rank, after
     collectives that still matched. The cuda backend, whose NCCL collectives are queued with the
     call, needs it for ``top_k``, ``top_p`` and ``min_p``. What ranks must still agree on is the
-    sequence of calls and their operations (argmax or sampling).
+    sequence of calls and their operations (argmax or sampling). ``VocabShard.max_call_bytes`` is
+    what each sampled call then sends from a rank.
 
     Parameters
     ----------

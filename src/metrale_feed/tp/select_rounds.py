@@ -63,6 +63,14 @@ def cands_block_bytes(rows: int, cap: int) -> int:
     return _HEADER + rows * cap * _core.PARTIAL_CAND_BYTES
 
 
+def call_bytes(block: int, rows: int, cap: int, selects: int) -> int:
+    """Bytes one sampled call sends from a rank: TOP and RACE blocks of ``block`` bytes (the
+    shard's, set by max_rows), a candidates block of ``cap`` entries a row (none when 0) and
+    ``selects`` radix selects of ``ROUNDS`` histogram rounds, over ``rows`` rows."""
+    return (2 * block + (cands_block_bytes(rows, cap) if cap else 0)
+            + selects * ROUNDS * hist_block_bytes(rows))
+
+
 def filters_of(params: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row: sampled with top_k, with top_p, with min_p (``mf_plan_sampling``'s reading)."""
     t = params["temperature"]

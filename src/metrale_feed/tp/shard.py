@@ -71,11 +71,14 @@ class VocabShard:
     ``shard=`` to ``argmax_to_feed`` or ``sample_to_feed``, the call reduces the slice locally and
     all-gathers ``16 * (max_rows + 2)`` bytes per rank (never the logits) in stream order, so every
     rank gets the unsharded call's cells and ids without a host synchronisation. Sampled rows with
-    ``top_k``, ``top_p`` or ``min_p`` take up to 17 more all-gathers of per-row records (at most
-    ~2.1 KiB a row in all: docs/tensor-parallel.md). Every rank must make its shard with the same
-    arguments and issue the same sharded calls, with the same params, in the same order. Calls
-    from several threads of one rank are serialised (each is queued whole, in the order the
-    threads reach it); their order across ranks is still the caller's to keep the same.
+    ``top_k``, ``top_p`` or ``min_p`` take up to 10 more all-gathers of per-row records: 16 bytes a
+    row for the last, ``8 * top_k`` for the candidate lists, 8 KiB for each radix select's rounds;
+    ``max_call_bytes`` is the most one call sends (docs/tensor-parallel.md, "Bytes per step").
+    Every rank must make its shard with the same
+    arguments and issue the same sharded calls, with the same params, in the same order. A
+    shard belongs to the thread that made it: its calls are collectives, whose order two threads
+    of a rank could not keep the same on every rank, so a call from any other thread is a
+    ``FeedError`` before anything is queued (``close()`` and ``stats`` excepted).
 
     Parameters
     ----------
@@ -149,9 +152,13 @@ class VocabShard:
         self.start, self.stop = offs[rank], offs[rank + 1]
         self.stats = {"collectives": 0, "bytes_sent": 0}
         self._calls = 0
-        # Held across a call, from its checks to its last queued operation: calls from several
-        # threads of this rank are queued one whole call after another (their counters, slots
-        # and collectives never interleave), in the order they take the lock.
+        # The one thread whose calls the shard takes: the one that made it, whose agreement below
+        # is this shard's first collective. A lock orders the calls of two threads within a rank
+        # but not across ranks: each rank's n-th call could be another thread's, and the combine
+        # would pair blocks of unrelated calls whose fingerprints agree (wrong ids, no error).
+        self._thread = threading.current_thread()
+        # Held across a call, from its checks to its last queued operation, and by close(), which
+        # any thread may call.
         self._lock = threading.Lock()
         # Tests set it: a world of one then runs the partial, the exchange and the combine instead
         # of the unsharded call (the path of every world, testable on one device).
@@ -187,6 +194,30 @@ class VocabShard:
         """The ids of this rank's slice, ``stop - start``: the columns its logits hold (0 for an
         empty slice)."""
         return self.stop - self.start
+
+    @property
+    def max_call_bytes(self) -> int:
+        """The most bytes one feed call (``argmax_to_feed``, ``sample_to_feed``,
+        ``verify_to_feed``) sends from this rank, whatever its rows and params; 0 in a world of
+        one, whose calls are the unsharded ones.
+
+        A greedy or temperature-only call without fixed rounds sends one block, ``16 * (max_rows
+        + 2)`` bytes. With ``filters`` every sampled call sends exactly this: the rounds'
+        exchanges, each sized by ``max_rows`` (``FilterRounds``). Without, a sampled call's
+        rounds follow its params, and the most is a call whose rows take the candidate lists at
+        ``top_k`` 1024, a larger ``top_k`` and ``top_p`` alone: 11 exchanges, 24,608 bytes a row
+        and 32 bytes of header an exchange (docs/tensor-parallel.md, "Bytes per step").
+        ``top_logprobs`` sends its own block (``16 + 8 * n`` bytes a row).
+        """
+        if self.world == 1 and not self._force_exchange:
+            return 0
+        from . import select_rounds
+
+        if self.filters is not None:
+            cap, selects = self.filters.top_k, len(self.filters.selects)
+        else:  # the candidate lists at their most, and both radix selects
+            cap, selects = _core.SELECT_CANDS_MAX, len(_core.SELECTS)
+        return select_rounds.call_bytes(self._block, self.max_rows, cap, selects)
 
     def close(self) -> None:
         """Wait for this rank's pending sharded calls and free their buffers; the shard then
@@ -357,6 +388,15 @@ class VocabShard:
                             "make the shard with filters=FilterRounds(top_k=..., top_p=...)")
 
     def _refuse_after_fault(self) -> None:
+        """Every call's first check, before anything is queued: the calling thread is the
+        shard's, and no fault (or close) has stopped it."""
+        if threading.current_thread() is not self._thread:
+            here, owner = threading.current_thread().name, self._thread.name
+            raise FeedError(f"VocabShard: a call from thread {here!r}, but the shard belongs to "
+                            f"thread {owner!r}, which made it: a sharded call is a collective, and "
+                            "two threads of a rank would pair their calls with other calls on the "
+                            "peers; make every call of a shard from its thread (a thread of its own "
+                            "needs a shard and a process group of its own)")
         if self._fault is not None:
             raise FeedError(f"VocabShard refuses further calls after a fault: {self._fault}")
 
