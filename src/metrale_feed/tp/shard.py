@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from .. import _core
 from ..errors import FeedError
+from ..step import PickStep
 from .rounds import FilterRounds
 
 _EXTRA = "pip install 'metrale-feed[torch]'"
@@ -317,16 +318,21 @@ class VocabShard:
             raise
         return _core.Event(), (block, gathered, fault)
 
-    def _call(self, op: str, logits: Any, masks: Any, params: Any, cells: Any, dst: Any,
-              event: Any, stream: Any, rows: Any, vocab: Any, dtype: Any, row_stride: Any,
-              bitmask: Any, logprobs: Any, logprobs_dst: Any) -> int:
+    def run_step(self, step: PickStep) -> int:
+        """Run one pick over the split vocabulary: what ``argmax_to_feed``, ``sample_to_feed``
+        and ``verify_to_feed`` hand the shard given ``shard=self`` (the call described once,
+        ``metrale_feed.step.PickStep``). Returns the rows launched."""
+        if step.op == "verify":
+            return self._verify(step)
         with self._lock:
-            return self._call_locked(op, logits, masks, params, cells, dst, event, stream, rows,
-                                     vocab, dtype, row_stride, bitmask, logprobs, logprobs_dst)
+            return self._call_locked(step)
 
-    def _call_locked(self, op: str, logits: Any, masks: Any, params: Any, cells: Any, dst: Any,
-                     event: Any, stream: Any, rows: Any, vocab: Any, dtype: Any, row_stride: Any,
-                     bitmask: Any, logprobs: Any, logprobs_dst: Any) -> int:
+    def _call_locked(self, step: PickStep) -> int:
+        op, logits, masks, params, cells, dst = (step.op, step.logits, step.masks, step.params,
+                                                 step.cells, step.dst)
+        event, stream, rows, vocab, dtype = step.event, step.stream, step.rows, step.vocab, step.dtype
+        row_stride, bitmask, logprobs, logprobs_dst = (step.row_stride, step.bitmask, step.logprobs,
+                                                       step.logprobs_dst)
         self._refuse_after_fault()
         width = self.width
         if vocab is not None and vocab != width:
@@ -412,16 +418,19 @@ class VocabShard:
                              f"(stream {self._stream:#x}, now {handle:#x})")
         return handle, capturing
 
-    def _verify(self, logits: Any, drafts: Any, cells: Any, dst: Any, event: Any, stream: Any,
-                k: Any, masks: Any, bitmask: Any, params: Any, draft_probs: Any, logprobs: Any,
-                logprobs_dst: Any, rows: Any, vocab: Any, dtype: Any, row_stride: Any,
-                advance: Any) -> int:
+    def _verify(self, step: PickStep) -> int:
         """``verify_to_feed(..., shard=self)`` over a split vocabulary (docs/tensor-parallel.md,
         "Verify"). Greedy rows: each rank's argmax partial of every position, the greedy call's
         one all-gather of 16 bytes a position, then a combine that keeps each row's drafts while
         they equal the combined argmax. Sampled rows (or device params, or any params with fixed
         rounds): a sampled call's rounds over the logit rows with the drafts in them
         (_call_filtered). Either way the unsharded call's cells on every rank."""
+        logits, drafts, cells, dst, event, stream = (step.logits, step.drafts, step.cells,
+                                                     step.dst, step.event, step.stream)
+        k, masks, bitmask, params, draft_probs = (step.k, step.masks, step.bitmask, step.params,
+                                                  step.draft_probs)
+        logprobs, logprobs_dst, rows, vocab = step.logprobs, step.logprobs_dst, step.rows, step.vocab
+        dtype, row_stride, advance = step.dtype, step.row_stride, step.advance
         with self._lock:
             self._refuse_after_fault()
             width = self.width
