@@ -1,7 +1,7 @@
 /* A C-only smoke test of the C ABI (metrale_feed/feed.h) on the host backend, for valgrind and the
  * sanitizers: events, streams, pinned and device memory, copies, argmax_to_feed, resolve_feed, the
- * grammar ops, the fault knobs and the error paths (double frees, unknown handles, ranges), with results checked
- * against plain C loops written here. Exit status 0 when every check passed.
+ * grammar ops, the fault knobs and the error paths (double frees, unknown handles, ranges), with
+ * results checked against plain C loops written here. Exit status 0 when every check passed.
  *
  * Built and run by tools/sanitize.sh against the static library metrale_feed_c. */
 #include <math.h>

@@ -376,6 +376,36 @@ def test_mask_then_advance_on_one_stream_needs_no_sync(backend, device):
     assert got.tolist() == [[1 << 3, 0], [(1 << 1) | (1 << 2), 0]]
 
 
+def test_a_captured_mask_and_advance_replay_with_the_states_they_find(backend, device):
+    """Both ops read their device inputs when they run: a graph of mask then advance, launched
+    again and again, masks each launch by the states the launch before it left and steps them
+    by the cells as they are at that launch."""
+    vocab = 64
+    transitions = {0: {1: 1, 2: 0}, 1: {3: 2, 4: 0}, 2: {5: 0}}
+    states, edges = encode(transitions, vocab)
+    oracle = Oracle(states, edges, vocab)
+    s_buf, e_buf = device.up(states), device.up(edges)
+    words = device.up(np.array([0, N], np.uint32))
+    cells = device.up(np.array([1, 9], np.uint32))
+    out = device.new(2 * 2 * 4)
+    kw = dict(num_states=3, num_edges=len(edges), vocab=vocab, rows=2)
+    with mf.Stream() as stream:
+        with mf.graph_capture(stream) as graph:
+            _core._grammar_mask(s_buf, e_buf, words, out, stream, **kw)
+            _core._grammar_advance(s_buf, e_buf, cells, words, stream, **kw)
+        state = 0
+        for step, token in enumerate([1, 3, 5, 2, 1, 4]):
+            device.dev.write(cells, np.array([token, 9], np.uint32), stream=stream)
+            graph.launch(stream)
+            stream.synchronize()
+            got = device.dev.download(out, np.uint32, 4, stream=stream).reshape(2, 2)
+            assert got[0].tolist() == pack(oracle.allowed(state)).tolist(), step
+            assert got[1].tolist() == [0xFFFFFFFF, 0xFFFFFFFF], step
+            state = oracle.step(state, token)[1]
+            assert device.dev.download(words, np.uint32, 2, stream=stream).tolist() == [state, N], step
+        graph.close()
+
+
 # ---- refusals: each before anything is queued ----
 
 def refused(call, match, case):
