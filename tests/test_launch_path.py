@@ -17,7 +17,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "metrale_feed"
 # The C entry points that queue work on a stream (feed.h).
 QUEUEING = (
     "mf_argmax_to_feed", "mf_verify_to_feed", "mf_resolve_feed_flags", "mf_resolve_verified",
-    "mf_verify_logit_params",
+    "mf_verify_logit_params", "mf_grammar_mask", "mf_grammar_advance",
     "mf_reference_forward", "mf_penalties_update", "mf_penalties_apply", "mf_top_logprobs",
     "mf_combine_partials", "mf_copy_d2h_async", "mf_copy_h2d_async", "mf_copy_d2d_async",
     "mf_memset_async", "mf_event_record", "mf_stream_wait_event",

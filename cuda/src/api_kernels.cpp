@@ -1175,3 +1175,115 @@ mf_status mf_select_decide(const mf_select_decide_args *caller, mf_stream_t stre
 }
 
 }  // extern "C"
+
+// ---- the device grammar (feed.h, "grammar"; grammar_rule.h) ----
+// The automaton and the state words are device data read when the kernels run: checked here only
+// for their extent (the rule keeps every read inside them whatever they hold).
+namespace {
+constexpr uint32_t kGrammarMaskSizes[] = {sizeof(mf_grammar_mask_args)};
+constexpr uint32_t kGrammarAdvanceSizes[] = {sizeof(mf_grammar_advance_args)};
+
+// The automaton's fields, common to both descriptors: its two arrays' extents and the vocabulary.
+mf_status check_automaton(const char *name, const mf_grammar_state *states, uint32_t num_states,
+                          const mf_grammar_edge *edges, uint32_t num_edges, uint32_t vocab) {
+    if (vocab == 0 || vocab > kMaxVocab)
+        return fail(MF_ERROR_INVALID_VALUE, "%s: vocab must be in [1, %u], got %u", name, kMaxVocab, vocab);
+    if (num_states == 0 || num_states == MF_GRAMMAR_DEAD)  // a state index is never NO_TOKEN
+        return fail(MF_ERROR_INVALID_VALUE, "%s: num_states must be in [1, %u], got %u", name, MF_GRAMMAR_DEAD - 1,
+                    num_states);
+    if (!states || !aligned(states, alignof(mf_grammar_state)) || (num_edges && !edges) ||
+        !aligned(edges, alignof(mf_grammar_edge)))
+        return fail(MF_ERROR_INVALID_VALUE, "%s: states or edges is a null or misaligned pointer", name);
+    mf_status st = check_device_range(states, (size_t)num_states * sizeof(mf_grammar_state), "grammar states");
+    if (st == MF_SUCCESS && num_edges)
+        st = check_device_range(edges, (size_t)num_edges * sizeof(mf_grammar_edge), "grammar edges");
+    return st;
+}
+
+// The shape of a grammar call: rows with k drafts each, rows * (k + 1) logit rows.
+mf_status check_grammar_shape(const char *name, uint32_t rows, uint32_t k) {
+    if (k > MF_MAX_DRAFTS) return fail(MF_ERROR_INVALID_VALUE, "%s: k must be in [0, %u], got %u", name, MF_MAX_DRAFTS, k);
+    if (rows == 0 || (uint64_t)rows * (k + 1) > kMaxRows)
+        return fail(MF_ERROR_INVALID_VALUE, "%s: rows * (k + 1) must be in [1, %u], got %u * %u", name, kMaxRows, rows,
+                    k + 1);
+    return MF_SUCCESS;
+}
+}  // namespace
+
+extern "C" {
+
+mf_status mf_grammar_mask(const mf_grammar_mask_args *caller, mf_stream_t stream) {
+    return guard([&]() -> mf_status {
+        MF_RANGE("grammar_mask");
+        mf_grammar_mask_args copied;
+        mf_status st = read_descriptor(caller, &copied, "mf_grammar_mask_args", kGrammarMaskSizes);
+        if (st != MF_SUCCESS) return st;
+        const mf_grammar_mask_args *a = &copied;
+        const char *name = "grammar_mask";
+        st = check_grammar_shape(name, a->rows, a->k);
+        if (st == MF_SUCCESS) st = check_automaton(name, a->states, a->num_states, a->edges, a->num_edges, a->vocab);
+        if (st != MF_SUCCESS) return st;
+        if (!a->k != !a->drafts)
+            return fail(MF_ERROR_INVALID_VALUE, "grammar_mask: drafts are given exactly when k > 0 (k = %u)", a->k);
+        if (!a->state_words || !aligned(a->state_words, 4) || !aligned(a->drafts, 4) || !aligned(a->bitmask_in, 4) ||
+            !a->bitmask_out || !aligned(a->bitmask_out, 4))
+            return fail(MF_ERROR_INVALID_VALUE, "grammar_mask: state_words, drafts, bitmask_in or bitmask_out is a null "
+                        "or misaligned pointer");
+        const size_t rows = a->rows, mask_bytes = rows * (a->k + 1) * mf_bitmask_words(a->vocab) * 4;
+        const size_t draft_bytes = rows * a->k * 4;
+        st = check_device_range(a->state_words, rows * 4, "grammar state words");
+        if (st == MF_SUCCESS && a->drafts) st = check_device_range(a->drafts, draft_bytes, "drafts");
+        if (st == MF_SUCCESS && a->bitmask_in) st = check_device_range(a->bitmask_in, mask_bytes, "bitmask_in");
+        if (st == MF_SUCCESS) st = check_device_range(a->bitmask_out, mask_bytes, "bitmask_out");
+        if (st == MF_SUCCESS) {  // each block reads the state words, drafts and automaton while others write
+            const Span spans[] = {{a->bitmask_out, mask_bytes, "bitmask_out", true},
+                                  {a->bitmask_in, a->bitmask_in ? mask_bytes : 0, "bitmask_in", false},
+                                  {a->state_words, rows * 4, "grammar state words", false},
+                                  {a->drafts, a->drafts ? draft_bytes : 0, "drafts", false},
+                                  {a->states, (size_t)a->num_states * sizeof(mf_grammar_state), "grammar states", false},
+                                  {a->num_edges ? a->edges : nullptr, (size_t)a->num_edges * sizeof(mf_grammar_edge),
+                                   "grammar edges", false}};
+            st = refuse_overlaps(spans);
+        }
+        void *raw;
+        if (st == MF_SUCCESS) st = resolve_stream(stream, &raw);
+        if (st != MF_SUCCESS) return st;
+        if (kept_for_graph(raw, [copy = *a](mf_stream_t s) { return mf_grammar_mask(&copy, s); })) return MF_SUCCESS;
+        return ops().grammar_mask(a, raw);
+    });
+}
+
+mf_status mf_grammar_advance(const mf_grammar_advance_args *caller, mf_stream_t stream) {
+    return guard([&]() -> mf_status {
+        MF_RANGE("grammar_advance");
+        mf_grammar_advance_args copied;
+        mf_status st = read_descriptor(caller, &copied, "mf_grammar_advance_args", kGrammarAdvanceSizes);
+        if (st != MF_SUCCESS) return st;
+        const mf_grammar_advance_args *a = &copied;
+        const char *name = "grammar_advance";
+        st = check_grammar_shape(name, a->rows, a->k);
+        if (st == MF_SUCCESS) st = check_automaton(name, a->states, a->num_states, a->edges, a->num_edges, a->vocab);
+        if (st != MF_SUCCESS) return st;
+        if (!a->cells || !aligned(a->cells, 4) || !a->state_words || !aligned(a->state_words, 4))
+            return fail(MF_ERROR_INVALID_VALUE, "grammar_advance: cells or state_words is a null or misaligned pointer");
+        const size_t rows = a->rows, cell_bytes = rows * (a->k ? a->k + 2 : 1) * 4;
+        st = check_device_range(a->cells, cell_bytes, "cells");
+        if (st == MF_SUCCESS) st = check_device_range(a->state_words, rows * 4, "grammar state words");
+        if (st == MF_SUCCESS) {  // a row's thread writes its word while others read the automaton and cells
+            const Span spans[] = {{a->state_words, rows * 4, "grammar state words", true},
+                                  {a->cells, cell_bytes, "cells", false},
+                                  {a->states, (size_t)a->num_states * sizeof(mf_grammar_state), "grammar states", false},
+                                  {a->num_edges ? a->edges : nullptr, (size_t)a->num_edges * sizeof(mf_grammar_edge),
+                                   "grammar edges", false}};
+            st = refuse_overlaps(spans);
+        }
+        void *raw;
+        if (st == MF_SUCCESS) st = resolve_stream(stream, &raw);
+        if (st != MF_SUCCESS) return st;
+        if (kept_for_graph(raw, [copy = *a](mf_stream_t s) { return mf_grammar_advance(&copy, s); }))
+            return MF_SUCCESS;
+        return ops().grammar_advance(a, raw);
+    });
+}
+
+}  // extern "C"

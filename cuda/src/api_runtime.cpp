@@ -45,7 +45,7 @@ constexpr auto kForked = [](auto...) { return forked(); };
 // Designated initialisers leave a field that is not named null, so a new Ops entry missing here
 // would crash a forked child instead of failing. The host and cuda tables name theirs too, but
 // this one is easy to forget: adding a field to Ops must come here and change this count.
-static_assert(sizeof(Ops) == 46 * sizeof(void *),
+static_assert(sizeof(Ops) == 48 * sizeof(void *),
               "Ops changed: give forked_cuda_ops the new entry (kForked), then update this count");
 const Ops forked_cuda_ops = {
     .name = "cuda (forked)",
@@ -86,6 +86,8 @@ const Ops forked_cuda_ops = {
     .top_logprobs = kForked,
     .top_combine = kForked,
     .select_decide = kForked,
+    .grammar_mask = kForked,
+    .grammar_advance = kForked,
     .capture_begin = kForked,
     .capture_status = kForked,
     .capture_end = kForked,

@@ -88,6 +88,10 @@ struct Ops {
     mf_status (*top_combine)(const mf_top_combine_args *args, void *stream);
     // The decisions between a split row's filter stages (select_rule.h), in stream order.
     mf_status (*select_decide)(const mf_select_decide_args *args, void *stream);
+    // The device grammar (grammar_rule.h): the bitmask rows of each row's states, and each row's
+    // state advanced by the ids a pick wrote; device data only, read when it runs.
+    mf_status (*grammar_mask)(const mf_grammar_mask_args *args, void *stream);
+    mf_status (*grammar_advance)(const mf_grammar_advance_args *args, void *stream);
 
     // Graphs (api_graph.cpp checks the arguments). `graph` is the backend's own object (cuda: a
     // cudaGraphExec_t); capture_end with graph NULL discards the capture.

@@ -319,6 +319,45 @@ cdef extern from "metrale_feed/feed.h" nogil:
     mf_status mf_verify_logit_params(const mf_sampling_params *params, const uint32_t *advance, uint32_t rows,
                                      uint32_t k, mf_sampling_params *out, mf_stream_t stream)
 
+    const uint32_t MF_GRAMMAR_DEAD
+    enum: MF_GRAMMAR_FINAL
+    ctypedef struct mf_grammar_state:
+        uint32_t first
+        uint32_t count
+        uint32_t fallback
+        uint32_t flags
+    ctypedef struct mf_grammar_edge:
+        uint32_t token
+        uint32_t next
+    ctypedef struct mf_grammar_mask_args:
+        uint32_t struct_size
+        const mf_grammar_state *states
+        uint32_t num_states
+        uint32_t num_edges
+        const mf_grammar_edge *edges
+        uint32_t vocab
+        uint32_t rows
+        uint32_t k
+        const uint32_t *state_words
+        const uint32_t *drafts
+        const uint32_t *bitmask_in
+        uint32_t *bitmask_out
+    void mf_grammar_mask_args_init(mf_grammar_mask_args *args)
+    mf_status mf_grammar_mask(const mf_grammar_mask_args *args, mf_stream_t stream)
+    ctypedef struct mf_grammar_advance_args:
+        uint32_t struct_size
+        const mf_grammar_state *states
+        uint32_t num_states
+        uint32_t num_edges
+        const mf_grammar_edge *edges
+        uint32_t vocab
+        uint32_t rows
+        uint32_t k
+        const uint32_t *cells
+        uint32_t *state_words
+    void mf_grammar_advance_args_init(mf_grammar_advance_args *args)
+    mf_status mf_grammar_advance(const mf_grammar_advance_args *args, mf_stream_t stream)
+
     const uint32_t MF_MAX_LOGIT_BIAS
     const uint32_t MF_MAX_PENALTY_STOPS
     const uint32_t MF_PENALTY_ITEMS

@@ -24,6 +24,10 @@ PENALTY_ITEMS: Final[int]
 MAX_PENALTY_TABLE: Final[int]
 MAX_TOP_LOGPROBS: Final[int]
 PENALTY_PROMPT: Final[int]
+GRAMMAR_STATE_BYTES: Final[int]
+GRAMMAR_EDGE_BYTES: Final[int]
+GRAMMAR_DEAD: Final[int]
+GRAMMAR_FINAL: Final[int]
 MAX_VOCAB: Final[int]
 # The C API capsule ("metrale_feed._C_API") that metrale_feed/capi.h's mf_import_capi() reads.
 _C_API: object
@@ -335,6 +339,13 @@ def _select_decide(gathered: _DeviceLike, block_bytes: int, world: int, rank: in
                    rounds: tuple[int, bool] | None = None) -> None: ...
 def _verify_logit_params(params: _DeviceLike, advance: _DeviceLike | None, out: _DeviceLike,
                          stream: _StreamLike = 0, *, rows: int, k: int) -> None: ...
+def _grammar_mask(states: _DeviceLike, edges: _DeviceLike | None, state_words: _DeviceLike,
+                  bitmask_out: _DeviceLike, stream: _StreamLike = 0, *, num_states: int, num_edges: int,
+                  vocab: int, rows: int, k: int = 0, drafts: _DeviceLike | None = None,
+                  bitmask_in: _DeviceLike | None = None) -> None: ...
+def _grammar_advance(states: _DeviceLike, edges: _DeviceLike | None, cells: _DeviceLike,
+                     state_words: _DeviceLike, stream: _StreamLike = 0, *, num_states: int, num_edges: int,
+                     vocab: int, rows: int, k: int = 0) -> None: ...
 def _top_block_bytes(rows: int, n: int) -> int: ...
 def _device_bytes_left(ptr: int) -> int | None: ...
 def _top_partial(logits: _DeviceLike | None, partials: _DeviceLike, stream: _StreamLike = 0, *,

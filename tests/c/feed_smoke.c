@@ -1,7 +1,7 @@
 /* A C-only smoke test of the C ABI (metrale_feed/feed.h) on the host backend, for valgrind and the
  * sanitizers: events, streams, pinned and device memory, copies, argmax_to_feed, resolve_feed, the
- * fault knobs and the error paths (double frees, unknown handles, ranges), with results checked
- * against plain C loops written here. Exit status 0 when every check passed.
+ * grammar ops, the fault knobs and the error paths (double frees, unknown handles, ranges), with
+ * results checked against plain C loops written here. Exit status 0 when every check passed.
  *
  * Built and run by tools/sanitize.sh against the static library metrale_feed_c. */
 #include <math.h>
@@ -366,6 +366,76 @@ static void test_top_combine_fault_word(void) {
     OK(mf_device_free(fault));
 }
 
+/* The device grammar: a descriptor that skipped its init is refused before anything is read, a
+ * NULL one too; then a mask through one draft and an advance, checked against the automaton
+ * written out here: state 0 allows 3 (to 1) and 5 (to 2), state 1 every id but 7 (staying), state
+ * 2 nothing. */
+static void test_grammar(void) {
+    enum { VOCAB = 40, ROWS = 3, K = 1 };
+    const mf_grammar_state states[3] = {{0, 2, MF_GRAMMAR_DEAD, 0}, {2, 1, 1, 0}, {3, 0, MF_GRAMMAR_DEAD, MF_GRAMMAR_FINAL}};
+    const mf_grammar_edge edges[3] = {{3, 1}, {5, 2}, {7, MF_GRAMMAR_DEAD}};
+    const uint32_t words[ROWS] = {0, 1, MF_NO_TOKEN}, drafts[ROWS * K] = {3, 7, 9}, cells[ROWS] = {5, 8, 1};
+    void *st = NULL, *ed = NULL, *wd = NULL, *dr = NULL, *out = NULL, *cl = NULL;
+    OK(mf_device_alloc(sizeof states, &st));
+    OK(mf_device_alloc(sizeof edges, &ed));
+    OK(mf_device_alloc(sizeof words, &wd));
+    OK(mf_device_alloc(sizeof drafts, &dr));
+    OK(mf_device_alloc(ROWS * (K + 1) * 2 * 4, &out));
+    OK(mf_device_alloc(sizeof cells, &cl));
+    OK(mf_copy_h2d_async(st, states, sizeof states, 0));
+    OK(mf_copy_h2d_async(ed, edges, sizeof edges, 0));
+    OK(mf_copy_h2d_async(wd, words, sizeof words, 0));
+    OK(mf_copy_h2d_async(dr, drafts, sizeof drafts, 0));
+    OK(mf_copy_h2d_async(cl, cells, sizeof cells, 0));
+    mf_grammar_mask_args m;
+    memset(&m, 0xA5, sizeof m); /* no init: stack garbage */
+    FAILS_WITH(mf_grammar_mask(&m, 0), MF_ERROR_INVALID_VALUE);
+    FAILS_WITH(mf_grammar_mask(NULL, 0), MF_ERROR_INVALID_VALUE);
+    mf_grammar_mask_args_init(&m);
+    m.states = (const mf_grammar_state *)st;
+    m.num_states = 3;
+    m.edges = (const mf_grammar_edge *)ed;
+    m.num_edges = 3;
+    m.vocab = VOCAB;
+    m.rows = ROWS;
+    m.k = K;
+    m.state_words = (const uint32_t *)wd;
+    m.drafts = (const uint32_t *)dr;
+    m.bitmask_out = (uint32_t *)out;
+    OK(mf_grammar_mask(&m, 0));
+    uint32_t got[ROWS * (K + 1) * 2];
+    OK(mf_copy_d2h_async(got, out, sizeof got, 0));
+    OK(mf_stream_synchronize(0));
+    /* row 0: state 0, then 3 takes it to 1; row 1: state 1, 7 is refused so it stays; row 2: free */
+    const uint32_t want[ROWS * (K + 1) * 2] = {(1u << 3) | (1u << 5), 0u, 0xFFFFFF7Fu, 0xFFu, 0xFFFFFF7Fu,
+                                               0xFFu, 0xFFFFFF7Fu, 0xFFu, 0xFFFFFFFFu, 0xFFu, 0xFFFFFFFFu, 0xFFu};
+    CHECK(memcmp(got, want, sizeof got) == 0);
+    mf_grammar_advance_args a;
+    memset(&a, 0xA5, sizeof a);
+    FAILS_WITH(mf_grammar_advance(&a, 0), MF_ERROR_INVALID_VALUE);
+    FAILS_WITH(mf_grammar_advance(NULL, 0), MF_ERROR_INVALID_VALUE);
+    mf_grammar_advance_args_init(&a);
+    a.states = (const mf_grammar_state *)st;
+    a.num_states = 3;
+    a.edges = (const mf_grammar_edge *)ed;
+    a.num_edges = 3;
+    a.vocab = VOCAB;
+    a.rows = ROWS;
+    a.cells = (const uint32_t *)cl;
+    a.state_words = (uint32_t *)wd;
+    OK(mf_grammar_advance(&a, 0));
+    uint32_t after[ROWS];
+    OK(mf_copy_d2h_async(after, wd, sizeof after, 0));
+    OK(mf_stream_synchronize(0));
+    CHECK(after[0] == 2 && after[1] == 1 && after[2] == MF_NO_TOKEN);
+    OK(mf_device_free(st));
+    OK(mf_device_free(ed));
+    OK(mf_device_free(wd));
+    OK(mf_device_free(dr));
+    OK(mf_device_free(out));
+    OK(mf_device_free(cl));
+}
+
 int main(void) {
     uint64_t events = 1, streams = 1, pinned = 1, device = 1;
 
@@ -377,6 +447,7 @@ int main(void) {
     test_argmax_and_resolve();
     test_graphs();
     test_top_combine_fault_word();
+    test_grammar();
     OK(mf_stream_synchronize(0));
     /* The same argmax, resolve and graphs with the CUDA kernels run by the simt executor, once
      * with the launch planning of 2 SMs, so few rows split and the last block combines. */
@@ -387,6 +458,7 @@ int main(void) {
         OK(mf_simt_configure(&c));
         test_argmax_and_resolve();
         test_graphs();
+        test_grammar();
     }
     uint64_t counters[6];
     mf_simt_counters(counters);

@@ -360,3 +360,45 @@ def test_each_select_stage_writes_the_hosts_block_and_state(host, dev, settings,
 
     block, state = both(run, settings)
     assert not (block[32:] == 0xAB).all()  # the stage wrote its rows
+
+
+@pytest.mark.parametrize("settings", ["default", "split-parallel"])
+def test_grammar_mask_and_advance(host, dev, settings):
+    """mf_grammar_mask_kernel and mf_grammar_advance_kernel write the host's words over any
+    automaton, well-formed or not: random records whose edges run in any order, pass the edge
+    array or name states past the table (the rule's answers, bounded, whatever the data say)."""
+    rng = np.random.default_rng(9)
+    vocab, num_states, num_edges, rows, k = 1001, 40, 600, 7, 3
+    dead = _core.GRAMMAR_DEAD
+    states = np.stack([rng.integers(0, num_edges + 20, num_states), rng.integers(0, 80, num_states),
+                       np.where(rng.random(num_states) < 0.3, rng.integers(0, num_states + 3, num_states), dead),
+                       np.zeros(num_states, np.int64)], axis=1).astype(np.uint32)
+    tokens = rng.integers(0, vocab + 40, num_edges)
+    tokens[: num_edges // 2].sort()  # half of them in order, as a builder writes them
+    edges = np.stack([tokens, np.where(rng.random(num_edges) < 0.2, dead,
+                                       rng.integers(0, num_states + 3, num_edges))], axis=1).astype(np.uint32)
+    words = np.array([0, 5, 17, N, num_states, 33, 2], np.uint32)
+    drafts = np.where(rng.random(rows * k) < 0.1, N, rng.integers(0, vocab + 5, rows * k)).astype(np.uint32)
+    nwords = (vocab + 31) // 32
+    bitmask_in = rng.integers(0, 2**32, rows * (k + 1) * nwords, dtype=np.uint64).astype(np.uint32)
+    cells = rng.integers(0, vocab, rows * (k + 2)).astype(np.uint32)
+    cells[:: k + 2] = [1, 2, k + 1, 0, k + 2, 3, 4]  # n in and out of [1, k + 1]
+
+    def run():
+        held = [dev.upload(a) for a in (states, edges, words, drafts, bitmask_in, cells)]
+        s, e, w, d, b, c = held
+        out = mf.DeviceBuffer(bitmask_in.nbytes)
+        plain = mf.DeviceBuffer(rows * nwords * 4)
+        auto = dict(num_states=num_states, num_edges=num_edges, vocab=vocab, rows=rows)
+        _core._grammar_mask(s, e, w, out, k=k, drafts=d, bitmask_in=b, **auto)
+        _core._grammar_mask(s, e, w, plain, **auto)
+        _core._grammar_advance(s, e, c, w, k=k, **auto)
+        after_verify = dev.download(w, "uint32")
+        _core._grammar_advance(s, e, c, w, **auto)  # k = 0: the first rows' cells as ids
+        got = (dev.download(out, "uint32"), dev.download(plain, "uint32"), after_verify, dev.download(w, "uint32"))
+        for buf in held + [out, plain]:
+            buf.close()
+        return got
+
+    masked, plain, after_verify, after_plain = both(run, settings)
+    assert masked.any() and plain.any() and (after_verify != words).any()

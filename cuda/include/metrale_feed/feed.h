@@ -684,6 +684,82 @@ static inline void mf_top_combine_args_init(mf_top_combine_args *args) {
  * word may be a header's reserved word, as mf_combine_partials allows). */
 MF_EXPORT mf_status mf_top_logprobs_combine(const mf_top_combine_args *args, mf_stream_t stream);
 
+/* ---- grammar (docs/kernels.md, "Grammar"; grammar_rule.h) ----
+ * A deterministic automaton over token ids on the device, two arrays: num_states mf_grammar_state
+ * records and num_edges mf_grammar_edge records. State s's edges are edges[first, first + count),
+ * sorted by token (strictly increasing); every id that is not one of them goes to `fallback`. A
+ * next state MF_GRAMMAR_DEAD (an edge's or the fallback) means the id is not allowed, so a state
+ * allowing few ids lists them (fallback DEAD), and one allowing most of the vocabulary lists the
+ * few it excludes (edges to DEAD) and those that leave it. MF_GRAMMAR_FINAL marks a state with no
+ * outgoing transition (the output ends there); the kernels do not read it. Both arrays are device
+ * memory read when the kernels run, so they are not checked when a call is queued; the kernels
+ * keep every read in bounds instead: a state's edges are clamped to the edge array, a state word
+ * or next state >= num_states allows nothing, ids >= vocab are never allowed. A row's state word
+ * (uint32) is a state index, or MF_NO_TOKEN for an unconstrained row, which allows every id and
+ * stays unconstrained. */
+#define MF_GRAMMAR_DEAD 0xFFFFFFFFu
+enum { MF_GRAMMAR_FINAL = 1u };
+typedef struct mf_grammar_state {
+    uint32_t first;    /* index of its first edge */
+    uint32_t count;    /* its edges */
+    uint32_t fallback; /* the next state of every id not among its edges; MF_GRAMMAR_DEAD: none */
+    uint32_t flags;    /* MF_GRAMMAR_FINAL; other bits zero */
+} mf_grammar_state;
+typedef struct mf_grammar_edge {
+    uint32_t token;
+    uint32_t next; /* MF_GRAMMAR_DEAD: the token is not allowed */
+} mf_grammar_edge;
+/* mf_grammar_mask: rows rows with k drafts each (0: a plain step) give rows * (k + 1) bitmask rows
+ * of ceil(vocab/32) words (argmax_to_feed's bitmask layout; bits >= vocab clear) in bitmask_out:
+ * row r * (k + 1) + j holds the ids allowed by the state that row r's state word reaches through
+ * its first j drafts. The walk stops at a draft its state does not allow (MF_NO_TOKEN and ids >=
+ * vocab included): the later rows of that row take the state where it stopped (the verify rejects
+ * that draft anyway). With bitmask_in (same shape) the output is ANDed with it. bitmask_out must
+ * not overlap an input. */
+typedef struct mf_grammar_mask_args {
+    uint32_t struct_size;             /* sizeof(mf_grammar_mask_args) where the caller was built: _init */
+    const mf_grammar_state *states;   /* device, num_states records */
+    uint32_t num_states;              /* >= 1 */
+    uint32_t num_edges;
+    const mf_grammar_edge *edges;     /* device, num_edges records (NULL when there are none) */
+    uint32_t vocab;                   /* 1 .. MF_MAX_VOCAB */
+    uint32_t rows;                    /* rows * (k + 1) <= MF_MAX_ROWS */
+    uint32_t k;                       /* drafts a row, 0 .. MF_MAX_DRAFTS */
+    const uint32_t *state_words;      /* device, rows words */
+    const uint32_t *drafts;           /* device, rows * k ids; NULL exactly when k is 0 */
+    const uint32_t *bitmask_in;       /* device, rows * (k + 1) * ceil(vocab/32) words, or NULL */
+    uint32_t *bitmask_out;            /* device, rows * (k + 1) * ceil(vocab/32) words */
+} mf_grammar_mask_args;
+static inline void mf_grammar_mask_args_init(mf_grammar_mask_args *args) {
+    memset(args, 0, sizeof *args);
+    args->struct_size = (uint32_t)sizeof *args;
+}
+MF_EXPORT mf_status mf_grammar_mask(const mf_grammar_mask_args *args, mf_stream_t stream);
+/* mf_grammar_advance: each of rows state words becomes the state after the ids a pick wrote into
+ * cells, in order: k = 0 (argmax_to_feed, sample_to_feed) cells[r] is row r's id; k > 0
+ * (verify_to_feed) cells[r * (k + 2)] = n, then the n emitted ids (an n outside [1, k + 1]: no
+ * ids, as resolve_verified reads it). Each id steps the state on its own: an id the state does not
+ * allow (MF_NO_TOKEN, a row that had no candidate, included) leaves it unchanged, and so does a
+ * state word MF_NO_TOKEN (unconstrained) or >= num_states. state_words must not overlap the other
+ * arrays. */
+typedef struct mf_grammar_advance_args {
+    uint32_t struct_size;             /* sizeof(mf_grammar_advance_args) where the caller was built: _init */
+    const mf_grammar_state *states;   /* device, num_states records */
+    uint32_t num_states;              /* >= 1 */
+    uint32_t num_edges;
+    const mf_grammar_edge *edges;     /* device, num_edges records (NULL when there are none) */
+    uint32_t vocab;                   /* 1 .. MF_MAX_VOCAB */
+    uint32_t rows;                    /* 1 .. MF_MAX_ROWS (k > 0: rows * (k + 1) <= MF_MAX_ROWS) */
+    uint32_t k;                       /* 0: one id a row; else the verify's drafts a row, <= MF_MAX_DRAFTS */
+    const uint32_t *cells;            /* device, rows words (k = 0) or rows * (k + 2) words */
+    uint32_t *state_words;            /* device, rows words, read and written */
+} mf_grammar_advance_args;
+static inline void mf_grammar_advance_args_init(mf_grammar_advance_args *args) {
+    memset(args, 0, sizeof *args);
+    args->struct_size = (uint32_t)sizeof *args;
+}
+MF_EXPORT mf_status mf_grammar_advance(const mf_grammar_advance_args *args, mf_stream_t stream);
+
 /* The reference model's forward. Per row r (device arrays): meta[2r] = seq_len (the position
  * written), meta[2r+1] = offset of the row's block table in tables; input_ids[r] is written into
  * kv at that position, then logits row r (rows x vocab, dtype) is computed from the history:

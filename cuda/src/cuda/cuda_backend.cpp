@@ -492,6 +492,16 @@ mf_status select_decide(const mf_select_decide_args *a, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status grammar_mask(const mf_grammar_mask_args *a, void *stream) {
+    MF_CUDA_TRY(cudak::launch_grammar_mask(*a, as_stream(stream)), "launching mf_grammar_mask_kernel");
+    return MF_SUCCESS;
+}
+
+mf_status grammar_advance(const mf_grammar_advance_args *a, void *stream) {
+    MF_CUDA_TRY(cudak::launch_grammar_advance(*a, as_stream(stream)), "launching mf_grammar_advance_kernel");
+    return MF_SUCCESS;
+}
+
 mf_status resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
                            uint32_t *out_advance, void *stream) {
     MF_CUDA_TRY(cudak::launch_resolve_verified(cells, rows, k, out_ids, out_advance, as_stream(stream)),
@@ -610,6 +620,8 @@ const Ops cuda_ops = {
     .top_logprobs = top_logprobs,
     .top_combine = top_combine,
     .select_decide = select_decide,
+    .grammar_mask = grammar_mask,
+    .grammar_advance = grammar_advance,
     .capture_begin = cudag::capture_begin,
     .capture_status = cudag::capture_status,
     .capture_end = cudag::capture_end,

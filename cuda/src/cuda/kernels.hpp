@@ -106,6 +106,11 @@ inline bool stage_has_records(const mf_argmax_args &a) {
 }
 cudaError_t launch_select_decide(const mf_select_decide_args &args, cudaStream_t stream);
 
+// The device grammar (grammar_feed.cu): one block per logit row writes its bitmask row; one thread
+// per row advances its state word.
+cudaError_t launch_grammar_mask(const mf_grammar_mask_args &args, cudaStream_t stream);
+cudaError_t launch_grammar_advance(const mf_grammar_advance_args &args, cudaStream_t stream);
+
 cudaError_t launch_reference(const mf_reference_args &args, cudaStream_t stream);
 
 // Whether this build has a kernel image (SASS or PTX) the current device can load.

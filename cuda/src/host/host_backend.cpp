@@ -383,6 +383,16 @@ mf_status top_combine(const mf_top_combine_args *args, void *stream) {
     return MF_SUCCESS;
 }
 
+mf_status grammar_mask(const mf_grammar_mask_args *args, void *stream) {
+    stream_of(stream)->enqueue("grammar_mask", [a = *args] { run_grammar_mask(a); });
+    return MF_SUCCESS;
+}
+
+mf_status grammar_advance(const mf_grammar_advance_args *args, void *stream) {
+    stream_of(stream)->enqueue("grammar_advance", [a = *args] { run_grammar_advance(a); });
+    return MF_SUCCESS;
+}
+
 }  // namespace
 
 uint32_t lag_us() { return g_lag_us.load(std::memory_order_relaxed); }
@@ -430,6 +440,8 @@ const Ops host_ops = {
     .top_logprobs = top_logprobs,
     .top_combine = top_combine,
     .select_decide = select_decide,
+    .grammar_mask = grammar_mask,
+    .grammar_advance = grammar_advance,
     .capture_begin = capture_begin,
     .capture_status = capture_status,
     .capture_end = capture_end,

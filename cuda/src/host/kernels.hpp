@@ -181,6 +181,10 @@ void run_top_combine(const mf_top_combine_args &args);
 // The decisions between a split row's filter stages (select_host.cpp): device state only.
 void run_select_decide(const mf_select_decide_args &args);
 
+// The device grammar (grammar_host.cpp): a mask of each logit row, and each row's state advanced.
+void run_grammar_mask(const mf_grammar_mask_args &args);
+void run_grammar_advance(const mf_grammar_advance_args &args);
+
 // Clears FTZ/DAZ for the lifetime of the guard: the rules are defined on IEEE arithmetic with
 // subnormals, whatever a library loaded into the process did to this thread's MXCSR.
 struct IeeeFpGuard {

@@ -225,6 +225,14 @@ mf_status select_decide(const mf_select_decide_args *args, void *stream) {
     return queue_kernel(*args, stream, "select_decide", "mf_select_decide_kernel", simtk::launch_select_decide);
 }
 
+mf_status grammar_mask(const mf_grammar_mask_args *args, void *stream) {
+    return queue_kernel(*args, stream, "grammar_mask", "mf_grammar_mask_kernel", simtk::launch_grammar_mask);
+}
+
+mf_status grammar_advance(const mf_grammar_advance_args *args, void *stream) {
+    return queue_kernel(*args, stream, "grammar_advance", "mf_grammar_advance_kernel", simtk::launch_grammar_advance);
+}
+
 mf_status device_name(int, char *buf, size_t buflen) {
     if (buflen) std::snprintf(buf, buflen, "simt (CUDA kernels on the CPU, %d SMs planned)", config().sm_count);
     return MF_SUCCESS;
@@ -247,6 +255,8 @@ Ops make_ops() {
     o.top_logprobs = top_logprobs;
     o.top_combine = top_combine;
     o.select_decide = select_decide;
+    o.grammar_mask = grammar_mask;
+    o.grammar_advance = grammar_advance;
     return o;
 }
 
