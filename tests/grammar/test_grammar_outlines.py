@@ -15,6 +15,7 @@ import pytest
 outlines_core = pytest.importorskip("outlines_core")
 
 from metrale_feed.grammar import TokenAutomaton  # noqa: E402
+from metrale_feed.tools.bench_grammar import SCHEMA, synthetic_vocabulary  # noqa: E402
 
 # A tokenizer by hand: single characters, a few merges, and the end id after a gap of two ids
 # that no token uses (the model's vocabulary is wider than the tokenizer's).
@@ -142,16 +143,19 @@ def test_from_outlines_encodes_what_the_constructor_does_with_the_index_table():
     assert built.edges.tobytes() == read.edges.tobytes()
 
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "age": {"type": "integer"},
-        "color": {"enum": ["red", "green", "blue"]},
-        "scores": {"type": "array", "items": {"type": "number"}},
-    },
-    "required": ["name", "age", "color", "scores"],
-}
+def test_a_json_schema_over_a_byte_level_vocabulary_is_the_index():
+    words = synthetic_vocabulary(2000)
+    regex = outlines_core.json_schema.build_regex_from_schema(json.dumps(SCHEMA))
+    index = outlines_core.Index(regex, words)
+    automaton = TokenAutomaton.from_json_schema(SCHEMA, words)
+    assert automaton.vocab == 2000
+    same_as_index(automaton, index, 1999, 1999)
+    # The string's state allows most of the vocabulary, and is stored as what it excludes.
+    widest = max(range(automaton.num_states), key=lambda s: len(automaton.allowed(s)))
+    assert len(automaton.allowed(widest)) > 1500
+    assert automaton.states[widest]["count"] < 2000 - len(automaton.allowed(widest)) + 200
+
+
 VALID = ['{"name":"ab","age":12,"color":"red","scores":[1,2.5]}',
          '{ "name": "", "age": -0, "color": "blue", "scores": [] }',
          '{"name":"x\\"y","age":9,"color":"green","scores":[0.5, 1e-2]}']
@@ -230,3 +234,16 @@ def test_the_outlines_examples_run(name):
     test = doctest.DocTestParser().get_doctest(text, {}, name, None, 0)
     result = doctest.DocTestRunner().run(test)
     assert result.attempted >= 5 and result.failed == 0
+
+
+def test_the_bench_row_describes_the_automaton_it_built():
+    from metrale_feed.tools.bench_grammar import main, measure
+
+    row = measure(1000, repeats=1)
+    index = outlines_core.Index(outlines_core.json_schema.build_regex_from_schema(
+        json.dumps(SCHEMA)), synthetic_vocabulary(1000))
+    # Every index state, and the end state the end id leads to.
+    assert row["states"] == len(index.get_transitions()) + 1
+    assert row["bytes"] == 16 * row["states"] + 8 * max(row["edges"], 1)
+    assert row["dense"] >= 1 and row["bitmask_bytes"] == row["states"] * 32 * 4
+    assert main(["--vocab", "600", "--repeats", "1"]) == 0
