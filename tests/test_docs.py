@@ -185,12 +185,13 @@ def test_the_docstring_examples_run(tmp_path):
 import doctest, inspect, sys
 import metrale_feed, metrale_feed._core as core
 from metrale_feed import errors, feed, kv, params, runtime, trait
+from metrale_feed.grammar import automaton
 from metrale_feed.sched import router, speculative
 from metrale_feed.testing import drafter, oracle, reference
 failed = attempted = 0
 finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
 for module in (metrale_feed, errors, feed, kv, oracle, params, reference, router, runtime, trait,
-               speculative, drafter):
+               speculative, drafter, automaton):
     for test in finder.find(module):
         result = runner.run(test)
         failed, attempted = failed + result.failed, attempted + result.attempted

@@ -197,6 +197,7 @@ _LAZY = {
     "sampling_params": ("sampling", "sampling_params"),
     "VocabShard": ("tp.shard", "VocabShard"),
     "FilterRounds": ("tp.rounds", "FilterRounds"),
+    "TokenAutomaton": ("grammar.automaton", "TokenAutomaton"),
 }
 
 
