@@ -371,7 +371,7 @@ cdef int check_float_rows(object obj, uint32_t rows, str what, bint device) exce
     return 0
 
 
-def run_on_shard(shard, op, **fields):
+cdef object run_on_shard(object shard, str op, dict fields):
     """A pick over a split vocabulary: the call described once (``metrale_feed.step.PickStep``)
     and handed to the shard, which runs it (tp/shard.py; torch is imported there only). The
     extension knows nothing of the shard but this one method."""
@@ -496,10 +496,10 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
     """
     if shard is not None:  # the tensor-parallel call (shard.py; torch is imported there only)
         refuse_sharded_penalties(penalties)
-        return run_on_shard(shard, "argmax", logits=logits, masks=masks, cells=cells, dst=dst,
+        return run_on_shard(shard, "argmax", dict(logits=logits, masks=masks, cells=cells, dst=dst,
                             event=event, stream=stream, rows=rows, vocab=vocab, dtype=dtype,
                             row_stride=row_stride, bitmask=bitmask, logprobs=logprobs,
-                            logprobs_dst=logprobs_dst)
+                            logprobs_dst=logprobs_dst))
     return launch_pick(logits, masks, cells, dst, event, stream, bitmask, None, rows, vocab, dtype,
                        row_stride, logprobs, logprobs_dst, None, penalties)
 
@@ -546,10 +546,10 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
     """
     if shard is not None:  # host params, or temperature-only device params (shard.py)
         refuse_sharded_penalties(penalties)
-        return run_on_shard(shard, "sample", logits=logits, masks=masks, params=params,
+        return run_on_shard(shard, "sample", dict(logits=logits, masks=masks, params=params,
                             cells=cells, dst=dst, event=event, stream=stream, rows=rows,
                             vocab=vocab, dtype=dtype, row_stride=row_stride, bitmask=bitmask,
-                            logprobs=logprobs, logprobs_dst=logprobs_dst)
+                            logprobs=logprobs, logprobs_dst=logprobs_dst))
     if rows is None and masks is None and not (is_foreign(logits) and not isinstance(logits, (list, tuple))):
         if device_resident(params, "params"):
             raise ValueError("rows is required with device-resident params and no masks")
@@ -848,11 +848,11 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
     cdef _HeldBuffer held_lp = None
     cdef _VerifyInputs keep = _VerifyInputs.__new__(_VerifyInputs)
     if shard is not None:  # greedy rows over a split vocabulary (docs/tensor-parallel.md)
-        return run_on_shard(shard, "verify", logits=logits, drafts=drafts, cells=cells, dst=dst,
+        return run_on_shard(shard, "verify", dict(logits=logits, drafts=drafts, cells=cells, dst=dst,
                             event=event, stream=stream, k=k, masks=masks, bitmask=bitmask,
                             params=params, draft_probs=draft_probs, logprobs=logprobs,
                             logprobs_dst=logprobs_dst, rows=rows, vocab=vocab, dtype=dtype,
-                            row_stride=row_stride, advance=advance)
+                            row_stride=row_stride, advance=advance))
     k = int_of(k, "k", 1, MF_MAX_DRAFTS)
     mf_verify_args_init(&a)  # every option off, struct_size set (feed.h, "descriptors")
     memset(&view, 0, sizeof(view))
