@@ -22,6 +22,7 @@ from .. import _checks, _core
 from ..contract import ReservesAhead, VerifyStep, require
 from ..errors import DeviceError, KvPoolExhausted
 from ..feed import NO_TOKEN, FeedSource
+from .pipeline import close_each
 from .request import _RUNNING, _RequestView
 
 if TYPE_CHECKING:
@@ -177,11 +178,8 @@ class _Upload:
         return slot
 
     def close(self) -> None:
-        for slot in self.slots:
-            if slot is not None:
-                slot[0].close()
-                slot[1].close()
-        self.slots = [None] * self._SLOTS
+        slots, self.slots = self.slots, [None] * self._SLOTS
+        close_each(part.close for slot in slots if slot is not None for part in slot)
 
 
 def _fill_pinned(buf: Any, nbytes: int, fill: Any) -> None:
@@ -391,11 +389,9 @@ class _Slot:
         return self.top, self.top_dst
 
     def close(self) -> None:
-        for buf in (self.drafts, self.fed, self.advance, self.cells, self.dst, self.ids, self.adv, self.lp,
-                    self.lp_dst, self.top, self.top_dst):
-            if buf is not None:
-                buf.close()
-        self.done.close()
+        close_each(buf.close for buf in (self.drafts, self.fed, self.advance, self.cells, self.dst,
+                                         self.ids, self.adv, self.lp, self.lp_dst, self.top,
+                                         self.top_dst, self.done) if buf is not None)
 
 
 class _Batch:
@@ -746,15 +742,23 @@ class SpeculativeStep:
                 self._trim(req, ahead)
 
     def close(self) -> None:
-        """Wait for the steps in flight, free the buffers and the drafter's (its ``close``)."""
+        """Wait for the work queued, free the buffers and the drafter's (its ``close``): all of
+        them, whatever failed before or fails here (the first error is raised after)."""
         if self._closed:
             return
         self._closed = True
+        close = getattr(self.drafter, "close", None)
+        close_each([self._settle] + [slot.close for slot in self.slots]
+                   + ([close] if callable(close) else []))
+
+    def _settle(self) -> None:
+        """Wait for the steps in flight, then for the stream: a wait that was interrupted (Ctrl-C,
+        a failed synchronize; its step is no longer in flight) or a launch that raised part-way
+        leaves work queued, and its copies hold views of pinned buffers (the drafter's, the top
+        logprobs') until they pass, which would refuse their close. A fault reported here is the
+        one reported already, or one of work whose results are thrown away."""
+        self._drop_all()
         try:
-            self._drop_all()
-        finally:
-            for slot in self.slots:
-                slot.close()
-            close = getattr(self.drafter, "close", None)
-            if callable(close):
-                close()
+            _core.stream_synchronize(self.pipe.stream)
+        except Exception:
+            pass
