@@ -1233,15 +1233,9 @@ class DecodePipeline:
                 # Even when an abort failed (a model's release raised), the ring and the debug
                 # buffers go: nothing else would free them.
                 self._closed = True
-                try:
-                    self.io.teardown()
-                finally:
-                    if self._debug is not None:
-                        self._debug.close()
-                    if self._pen is not None:
-                        self._pen.close()
-                    if self._spec is not None:
-                        self._spec.close()
+                close_each([self.io.teardown]
+                           + [part.close for part in (self._debug, self._pen, self._spec)
+                              if part is not None])
 
     def __del__(self) -> None:
         # Dropped without close(): the model would keep the requests' KV blocks.
@@ -1257,8 +1251,32 @@ class DecodePipeline:
     def __enter__(self) -> "DecodePipeline":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()  # frees everything whatever it raises
+        except Exception as err:
+            # The exception that ended the block is what the caller must see (a Ctrl-C, a
+            # failed wait), not one of close's that it caused; close's is noted on it.
+            note = getattr(exc, "add_note", None)
+            if note is not None:
+                note(f"and closing the pipeline raised {type(err).__name__}: {err}")
+
+
+def close_each(closers: Iterable[Callable[[], Any]]) -> None:
+    """Call every closer, whatever the ones before raised, then raise the first error: one part
+    that fails to close never leaves the others' events and memory behind."""
+    first: Optional[BaseException] = None
+    for closer in closers:
+        try:
+            closer()
+        except BaseException as exc:
+            if first is None:
+                first = exc
+    if first is not None:
+        raise first
 
 
 class _Debug:
@@ -1317,5 +1335,4 @@ class _Debug:
                                 f"{vocab}")
 
     def close(self) -> None:
-        for buf in self.dev + self.host + [self.poison]:
-            buf.close()
+        close_each(buf.close for buf in self.dev + self.host + [self.poison])

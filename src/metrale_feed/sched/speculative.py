@@ -20,8 +20,9 @@ from typing import (TYPE_CHECKING, Any, Deque, Dict, List, Optional, Protocol, S
 
 from .. import _checks, _core
 from ..contract import ReservesAhead, VerifyStep, require
-from ..errors import DeviceError, KvPoolExhausted
+from ..errors import DeviceError, FeedError, KvPoolExhausted
 from ..feed import NO_TOKEN, FeedSource
+from .pipeline import close_each
 from .request import _RUNNING, _RequestView
 
 if TYPE_CHECKING:
@@ -92,7 +93,10 @@ class Drafter(Protocol):
     memory ``out`` (row ``r``'s drafts at words ``r * k ..``; ``NO_TOKEN`` ends a row's drafts
     early), in stream order on ``stream``: the verify step queued after the call reads them. It
     must not synchronise the host with the device (a host-side drafter stages its ids in pinned
-    memory and copies them asynchronously, as ``HostDrafter`` does).
+    memory and copies them asynchronously, as ``HostDrafter`` does). ``out`` is the drafter's
+    own: it may write its first ``max_rows * (k + 1)`` words whatever ``batch.rows`` (a padded
+    batch, ``k + 1`` ids a row, scratch); guard words follow, and a write over them fails that
+    step at its wait (``FeedError``).
 
     Attributes
     ----------
@@ -177,11 +181,8 @@ class _Upload:
         return slot
 
     def close(self) -> None:
-        for slot in self.slots:
-            if slot is not None:
-                slot[0].close()
-                slot[1].close()
-        self.slots = [None] * self._SLOTS
+        slots, self.slots = self.slots, [None] * self._SLOTS
+        close_each(part.close for slot in slots if slot is not None for part in slot)
 
 
 def _fill_pinned(buf: Any, nbytes: int, fill: Any) -> None:
@@ -355,15 +356,26 @@ class _SpecView(_RequestView):
             self.req._base = value
 
 
+# Guard words after a drafter's region (``_Slot.drafts``): armed before each ``propose`` and read
+# back with the step's cells, so a drafter that writes past its region fails that step at its
+# one wait instead of changing what the pipeline reads. Bit 31 set, none NO_TOKEN: no id.
+_GUARD = [0x9E3779B1 ^ (i * 0x01000193) for i in range(16)]
+
+
 class _Slot:
-    """One launch's buffers: the drafts then the inputs (one device buffer, so one gather makes
-    the fed ids), the fed ids, the advance, the verify cells and their pinned copy, the resolved
-    last ids and advances the next launch reads on the device, and the logprobs of every logit
-    row with their pinned copy (written when a row of the step asks for them)."""
+    """One launch's buffers: the drafter's region (``drafts``: ``rows * (k + 1)`` words it may
+    write, then the guard words), the drafts as the step reads them then the inputs (``taken``:
+    one device buffer, so one gather makes the fed ids; the drafter never writes it), the guard
+    words' pinned copy, the fed ids, the advance, the verify cells and their pinned copy, the
+    resolved last ids and advances the next launch reads on the device, and the logprobs of every
+    logit row with their pinned copy (written when a row of the step asks for them)."""
 
     def __init__(self, rows: int, k: int) -> None:
         self.logit_rows = rows * (k + 1)  # the most a step has (max_rows of k + 1 positions)
-        self.drafts = _core.DeviceBuffer(rows * (k + 1) * 4)
+        self.region = rows * (k + 1) * 4  # the drafter's bytes; the guard words follow
+        self.drafts = _core.DeviceBuffer(self.region + len(_GUARD) * 4)
+        self.taken = _core.DeviceBuffer(rows * (k + 1) * 4)
+        self.guard = _core.PinnedBuffer(len(_GUARD) * 4)
         self.fed = _core.DeviceBuffer(rows * (k + 1) * 4)
         self.advance = _core.DeviceBuffer(rows * 4)
         self.cells = _core.DeviceBuffer(rows * (k + 2) * 4)
@@ -391,11 +403,10 @@ class _Slot:
         return self.top, self.top_dst
 
     def close(self) -> None:
-        for buf in (self.drafts, self.fed, self.advance, self.cells, self.dst, self.ids, self.adv, self.lp,
-                    self.lp_dst, self.top, self.top_dst):
-            if buf is not None:
-                buf.close()
-        self.done.close()
+        close_each(buf.close for buf in (self.drafts, self.taken, self.guard, self.fed,
+                                         self.advance, self.cells, self.dst, self.ids, self.adv,
+                                         self.lp, self.lp_dst, self.top, self.top_dst, self.done)
+                   if buf is not None)
 
 
 class _Batch:
@@ -484,12 +495,15 @@ class SpeculativeStep:
         # up to k + 1 the step in flight advances it by.
         self.reach = k if self.depth == 1 else 2 * k + 1
         self.slots: List[_Slot] = []
+        self._guard: Any = None  # the guard words, copied after a drafter's region each launch
         try:
             for _ in range(self.depth + 1):  # a slot is rewritten only after its step's await
                 self.slots.append(_Slot(rows, k))
+            self._guard = _core.PinnedBuffer(len(_GUARD) * 4)
+            _core.write_pinned_u32(self._guard.ptr, _GUARD)
         except BaseException:
-            for slot in self.slots:
-                slot.close()
+            close_each([slot.close for slot in self.slots]
+                       + ([self._guard.close] if self._guard is not None else []))
             raise
         self.next_slot = 0
         self.inflight: Deque[_Flight] = deque()
@@ -584,7 +598,7 @@ class SpeculativeStep:
                     i = prev.index.get(id(r), -1)
                     if i not in prev.dead:
                         at[row] = i
-        inputs = slot.drafts.ptr + n_rows * k * 4
+        inputs = slot.taken.ptr + n_rows * k * 4
         advanced = prev is not None and (at is batch.identity or any(i >= 0 for i in at))
         if advanced:
             assert prev is not None
@@ -600,10 +614,17 @@ class SpeculativeStep:
         else:
             _core.resolve_feed([FeedSource.host(h[-1]) for h in histories], slot.ids, inputs,
                                stream, prev_rows=1)
+        guard = slot.drafts.ptr + slot.region
+        _core.copy_h2d_async(guard, self._guard, stream)  # armed again: a past step may have hit it
         self.drafter.propose(DraftBatch(n_rows, k, inputs, histories, batch.seeds, batch.masks,
                                         at, prev.slot.dst.ptr if advanced and prev else 0),
                              slot.drafts, stream)
-        _core.resolve_feed(self._gather(n_rows), slot.drafts, slot.fed, stream,
+        # The drafts the step reads are copied out of the drafter's region, beside the inputs:
+        # whatever else the drafter writes there (a padded batch, k + 1 ids a row) changes no
+        # input. Its guard words are read back with the cells and checked at the step's wait.
+        _core.copy_d2d_async(slot.taken, slot.drafts, n_rows * k * 4, stream)
+        _core.copy_d2h_async(guard, slot.guard, stream)
+        _core.resolve_feed(self._gather(n_rows), slot.taken, slot.fed, stream,
                            prev_rows=n_rows * (k + 1))
         model: Any = pipe.model  # a verify-capable model (checked at construction)
         extra = {"advance": slot.advance} if advanced else {}
@@ -619,7 +640,7 @@ class SpeculativeStep:
         lp = dict(logprobs=slot.lp, logprobs_dst=slot.lp_dst) if batch.logprobs else {}
         vocab = pipe.vocab if shard is None else shard.width
         top = batch.top_n
-        _core.verify_to_feed(logits, slot.drafts, slot.cells, slot.dst, None if top else slot.done, stream,
+        _core.verify_to_feed(logits, slot.taken, slot.cells, slot.dst, None if top else slot.done, stream,
                              k=k, masks=batch.vmasks, params=params, rows=n_rows, **lp, vocab=vocab,
                              dtype=pipe.info.logits_dtype, row_stride=self._row_stride,
                              advance=slot.advance if advanced and params is not None else None,
@@ -682,6 +703,15 @@ class SpeculativeStep:
             self._drop_all()
             pipe._fault(flight.launch, 0, exc)
             raise
+        if _core.read_pinned_u32(flight.slot.guard.ptr, len(_GUARD)) != _GUARD:
+            overrun = FeedError(
+                f"the drafter ({type(self.drafter).__name__}) wrote past its region in launch "
+                f"{flight.launch}: propose may write at most max_rows * (k + 1) = "
+                f"{flight.slot.region // 4} words of out (its rows * k drafts first); the words "
+                f"after them are guards (docs/speculative.md)")
+            self._drop_all()
+            pipe._fault(flight.launch, 0, overrun)
+            raise overrun
         got = _core.read_pinned_u32(flight.slot.dst.ptr, len(flight.rows) * (self.k + 2))
         lps = tops = None
         if flight.batch.logprobs:  # complete with the cells (the same event)
@@ -750,15 +780,23 @@ class SpeculativeStep:
                 self._trim(req, ahead)
 
     def close(self) -> None:
-        """Wait for the steps in flight, free the buffers and the drafter's (its ``close``)."""
+        """Wait for the work queued, free the buffers and the drafter's (its ``close``): all of
+        them, whatever failed before or fails here (the first error is raised after)."""
         if self._closed:
             return
         self._closed = True
+        close = getattr(self.drafter, "close", None)
+        close_each([self._settle] + [slot.close for slot in self.slots] + [self._guard.close]
+                   + ([close] if callable(close) else []))
+
+    def _settle(self) -> None:
+        """Wait for the steps in flight, then for the stream: a wait that was interrupted (Ctrl-C,
+        a failed synchronize; its step is no longer in flight) or a launch that raised part-way
+        leaves work queued, and its copies hold views of pinned buffers (the drafter's, the top
+        logprobs') until they pass, which would refuse their close. A fault reported here is the
+        one reported already, or one of work whose results are thrown away."""
+        self._drop_all()
         try:
-            self._drop_all()
-        finally:
-            for slot in self.slots:
-                slot.close()
-            close = getattr(self.drafter, "close", None)
-            if callable(close):
-                close()
+            _core.stream_synchronize(self.pipe.stream)
+        except Exception:
+            pass
