@@ -477,6 +477,15 @@ cdef extern from "metrale_feed/partial_layout.h" nogil:
     uint64_t mf_top_block_records(uint32_t rows, uint32_t n)
 
 
+cdef extern from "metrale_feed/sample_rule.h" nogil:
+    ctypedef struct mf_sample_plan:
+        int greedy
+        int use_top_p
+        int use_min_p
+        uint32_t top_k
+    mf_sample_plan mf_plan_sampling(const mf_sampling_params *p)
+
+
 cdef extern from "metrale_feed/logprob_rule.h" nogil:
     enum:
         MF_PARTIAL_ARGMAX

@@ -71,12 +71,18 @@ def call_bytes(block: int, rows: int, cap: int, selects: int) -> int:
             + selects * ROUNDS * hist_block_bytes(rows))
 
 
+def plan_of(params: np.ndarray) -> np.ndarray:
+    """Per row, the ``_core._PLAN_*`` bits of ``mf_plan_sampling``'s reading of its record (the C
+    rule itself, so the rounds plan what the kernels do)."""
+    records = np.ascontiguousarray(params)
+    return np.frombuffer(_core._sampling_plan(records), np.uint8)
+
+
 def filters_of(params: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row: sampled with top_k, with top_p, with min_p (``mf_plan_sampling``'s reading)."""
-    t = params["temperature"]
-    sampled = (t > 0) & (t <= np.float32(3.4e38))
-    return (sampled & (params["top_k"] != 0), sampled & (params["top_p"] > 0) & (params["top_p"] < 1),
-            sampled & (params["min_p"] > 0) & (params["min_p"] < 1))
+    plan = plan_of(params)
+    return ((plan & _core._PLAN_TOP_K) != 0, (plan & _core._PLAN_TOP_P) != 0,
+            (plan & _core._PLAN_MIN_P) != 0)
 
 
 def call_word(counter: int, params: np.ndarray | None, tag: bytes = b"") -> int:

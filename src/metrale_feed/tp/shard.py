@@ -896,8 +896,8 @@ def _check_host_params(params: Any) -> bool:
     if not isinstance(params, np.ndarray) or params.dtype.names is None:
         raise ValueError("a sharded sample_to_feed takes SAMPLING_PARAMS_DTYPE records: host ones "
                          "(any filters), or device memory holding them (temperature-only)")
-    return bool(np.any(params["top_k"] != 0) or np.any(params["top_p"] != 1.0)
-                or np.any(params["min_p"] != 0.0))
+    plan = np.frombuffer(_core._sampling_plan(np.ascontiguousarray(params)), np.uint8)
+    return bool(np.any(plan & (_core._PLAN_TOP_K | _core._PLAN_TOP_P | _core._PLAN_MIN_P)))
 
 
 def _precheck_host(buf: Any, rows: int, what: str, fmt: str) -> None:

@@ -22,7 +22,6 @@ from ..sampling import SAMPLING_PARAMS_DTYPE
 # over the same logit rows, or another k, then carries another word, which the combine refuses on
 # every rank (select_rounds.call_word sets the bit above it).
 _VERIFY_BIT = 0x40000000
-_MAX_F32 = 3.4028234663852886e38
 
 
 def call_word(counter: int, k: int) -> int:
@@ -115,8 +114,8 @@ def _sampled(params: Any, device: bool, fixed: bool, rows: int, k: int, logprobs
     if params is None:
         return None
     if not device and not fixed:
-        t = params["temperature"][:rows]
-        if not np.any((t > 0) & (t <= _MAX_F32)):
+        plan = np.frombuffer(_core._sampling_plan(np.ascontiguousarray(params[:rows])), np.uint8)
+        if not np.any(plan & _core._PLAN_SAMPLED):  # the kernels' own reading of the records
             return None
     if logprobs is not None:
         raise FeedError("a sharded verify_to_feed with sampled rows (or device params, or params with "
