@@ -232,7 +232,8 @@ def argmax_to_feed(logits: _DeviceLike, masks: _MasksLike | _DeviceLike | None, 
                    row_stride: int | None = None, bitmask: _DeviceLike | None = None,
                    logprobs: _DeviceLike | None = None,
                    logprobs_dst: Buffer | int | None = None, shard: Any | None = None,
-                   penalties: PenaltyLaunch | None = None) -> int: ...
+                   penalties: PenaltyLaunch | None = None,
+                   grammar: tuple[Any, ...] | None = None) -> int: ...
 def sample_to_feed(logits: _DeviceLike, params: Buffer | _DeviceLike, cells: _DeviceLike,
                    dst: Buffer | int | None, event: _EventLike | None, stream: _StreamLike = 0, *,
                    masks: _MasksLike | _DeviceLike | None = None,
@@ -240,7 +241,8 @@ def sample_to_feed(logits: _DeviceLike, params: Buffer | _DeviceLike, cells: _De
                    vocab: int | None = None, dtype: _DType | None = None,
                    row_stride: int | None = None, logprobs: _DeviceLike | None = None,
                    logprobs_dst: Buffer | int | None = None, shard: Any | None = None,
-                   penalties: PenaltyLaunch | None = None) -> int: ...
+                   penalties: PenaltyLaunch | None = None,
+                   grammar: tuple[Any, ...] | None = None) -> int: ...
 def resolve_feed(sources: _WordsLike | _DeviceLike, cells: _DeviceLike, out: _DeviceLike,
                  stream: _StreamLike = 0, *, prev_rows: int | None = None,
                  rows: int | None = None) -> None: ...
@@ -253,7 +255,8 @@ def verify_to_feed(logits: _DeviceLike, drafts: _WordsLike | _DeviceLike, cells:
                    logprobs_dst: Buffer | int | None = None, rows: int | None = None,
                    vocab: int | None = None, dtype: _DType | None = None,
                    row_stride: int | None = None, shard: None = None,
-                   advance: _DeviceLike | None = None) -> int: ...
+                   advance: _DeviceLike | None = None,
+                   grammar: tuple[Any, ...] | None = None) -> int: ...
 def resolve_verified(cells: _DeviceLike, out_ids: _DeviceLike | None, out_advance: _DeviceLike | None,
                      stream: _StreamLike = 0, *, rows: int | None = None, k: int | None = None) -> None: ...
 

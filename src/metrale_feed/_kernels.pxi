@@ -214,10 +214,12 @@ cdef int fill_params(_Launch launch, mf_argmax_args *a, object params, _PickInpu
 cdef object launch_pick(object logits, object masks, object cells, object dst, object event,
                         object stream, object bitmask, object params, object rows, object vocab,
                         object dtype, object row_stride, object logprobs=None,
-                        object logprobs_dst=None, object partial=None, object penalties=None):
+                        object logprobs_dst=None, object partial=None, object penalties=None,
+                        object grammar=None):
     """The one launcher under argmax_to_feed and sample_to_feed (and their partial calls, see
     _shard.pxi): one descriptor, one C call. Every argument is checked before the launch, which
-    commits what the work needs or raises with nothing kept (_Launch.queued)."""
+    commits what the work needs or raises with nothing kept (_Launch.queued). ``grammar``: the
+    mask queued before the pick and the advance after it (_grammar.pxi)."""
     cdef mf_argmax_args a
     cdef uint64_t s, e
     cdef void *ptr
@@ -225,6 +227,8 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
     cdef _HeldBuffer held = None
     cdef _HeldBuffer held_lp = None
     cdef _PickInputs keep = _PickInputs.__new__(_PickInputs)
+    cdef _GrammarCall g = None
+    cdef mf_status status
     mf_argmax_args_init(&a)  # every option off, struct_size set (feed.h, "descriptors")
     stream_of(stream, &s)
     cdef _Launch launch = launch_on(s)
@@ -294,14 +298,43 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
             launch.writes_cells(a.cells, a.rows)
         if penalties is not None:  # the launch keeps its tables alive until the work has run
             pick_penalties(&a, penalties)
+        if grammar is not None:  # checked before anything is queued (the shard's is its own)
+            g = grammar_of(launch, grammar, s, a.rows, 0, a.vocab, a.bitmask, NULL, None,
+                           pick_spans(&a))
+            g.queue_mask(s)
+            a.bitmask = g.bitmask
         # `partial`: a partial call's block, and a select stage's state, list and gathered lists,
         # which a captured graph keeps with the rest.
-        launch.queued(mf_argmax_to_feed(&a, s),
-                      (logits, masks, cells, dst, event, bitmask, params, logprobs, logprobs_dst, penalties,
-                       partial))
+        status = mf_argmax_to_feed(&a, s)
+        try:
+            if g is not None:
+                grammar_advance(g, s, a.cells, status, launch)
+        finally:
+            launch.queued(status,
+                          (logits, masks, cells, dst, event, bitmask, params, logprobs, logprobs_dst,
+                           penalties, partial, grammar))
     finally:
         launch.close()
     return a.rows
+
+
+cdef size_t logits_extent(const void *logits, mf_dtype dtype, uint64_t row_stride, uint32_t vocab,
+                          uint64_t logit_rows):
+    return 0 if logits == NULL or logit_rows == 0 else (
+        ((logit_rows - 1) * row_stride + vocab) * (4 if dtype == MF_DTYPE_F32 else 2))
+
+
+cdef list pick_spans(mf_argmax_args *a):
+    """What a pick reads or writes on the device, (pointer, bytes, name): what grammar states
+    and the grammar's scratch may not overlap."""
+    cdef size_t rows = a.rows
+    return [(<size_t>a.cells, rows * 4, "the cells"),
+            (<size_t>a.logits, logits_extent(a.logits, a.dtype, a.row_stride, a.vocab, rows), "the logits"),
+            (<size_t>a.bitmask, rows * ((a.vocab + 31) // 32) * 4 if a.bitmask else 0, "the bitmask"),
+            (<size_t>a.masks if a.flags & MF_ARGS_MASKS_DEVICE else 0, rows * 8, "the masks"),
+            (<size_t>a.params if a.flags & MF_ARGS_PARAMS_DEVICE else 0, rows * sizeof(mf_sampling_params),
+             "the params"),
+            (<size_t>a.logprobs, rows * 4, "the logprobs")]
 
 
 cdef _HeldBuffer fill_logprobs(float **dev, void **host, object logprobs, object logprobs_dst,
@@ -385,7 +418,7 @@ cdef object run_on_shard(object shard, str op, dict fields):
 
 def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, vocab=None,
                    dtype=None, row_stride=None, bitmask=None, logprobs=None, logprobs_dst=None,
-                   shard=None, penalties=None):
+                   shard=None, penalties=None, grammar=None):
     """Masked argmax of each row into the feed cells, then an async readback and an event record.
 
     In stream order and with no host synchronisation: the argmax of each row (the rule is in
@@ -452,6 +485,13 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
         to the stream's worker instead of three). Its rows must be the call's; its layout is the
         call's. Not with ``shard`` (each rank applies its own slice, and updates with the
         combined ids).
+    grammar : tuple, optional
+        ``(automaton, states)`` or ``(automaton, states, scratch)``: each row may pick only an id
+        its state allows, and its state word becomes the state after that id, in the same call
+        (docs/kernels.md, "Grammar in a pick"). ``automaton`` a ``TokenAutomaton`` on the device
+        for this vocabulary (the whole one with ``shard``); ``states`` device memory of one
+        uint32 a row, read and written when the kernels run (``NO_TOKEN``: unconstrained);
+        ``scratch`` a ``DeviceBuffer`` for the mask (default: the automaton's for this stream).
 
     Returns
     -------
@@ -499,14 +539,14 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
         return run_on_shard(shard, "argmax", dict(logits=logits, masks=masks, cells=cells, dst=dst,
                             event=event, stream=stream, rows=rows, vocab=vocab, dtype=dtype,
                             row_stride=row_stride, bitmask=bitmask, logprobs=logprobs,
-                            logprobs_dst=logprobs_dst))
+                            logprobs_dst=logprobs_dst, grammar=grammar))
     return launch_pick(logits, masks, cells, dst, event, stream, bitmask, None, rows, vocab, dtype,
-                       row_stride, logprobs, logprobs_dst, None, penalties)
+                       row_stride, logprobs, logprobs_dst, None, penalties, grammar)
 
 
 def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, bitmask=None,
                    rows=None, vocab=None, dtype=None, row_stride=None, logprobs=None,
-                   logprobs_dst=None, shard=None, penalties=None):
+                   logprobs_dst=None, shard=None, penalties=None, grammar=None):
     """``argmax_to_feed`` with a sampled id per row (``docs/kernels.md``, "Sampling").
 
     Parameters
@@ -515,7 +555,7 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
         One record per row (``temperature``, ``top_p``, ``min_p``, ``top_k``, ``seed``,
         ``position``). Host params are read and checked before this returns; device-resident
         ones when the kernel runs (an out-of-range value there means its neutral setting).
-    masks, bitmask, logprobs, logprobs_dst, penalties
+    masks, bitmask, logprobs, logprobs_dst, penalties, grammar
         As for ``argmax_to_feed``; the logprob is the sampled id's under the raw distribution
         (temperature 1, before top_k, top_p and min_p).
     shard : VocabShard, optional
@@ -549,13 +589,13 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
         return run_on_shard(shard, "sample", dict(logits=logits, masks=masks, params=params,
                             cells=cells, dst=dst, event=event, stream=stream, rows=rows,
                             vocab=vocab, dtype=dtype, row_stride=row_stride, bitmask=bitmask,
-                            logprobs=logprobs, logprobs_dst=logprobs_dst))
+                            logprobs=logprobs, logprobs_dst=logprobs_dst, grammar=grammar))
     if rows is None and masks is None and not (is_foreign(logits) and not isinstance(logits, (list, tuple))):
         if device_resident(params, "params"):
             raise ValueError("rows is required with device-resident params and no masks")
         rows = len(params)
     return launch_pick(logits, masks, cells, dst, event, stream, bitmask, params, rows, vocab, dtype,
-                       row_stride, logprobs, logprobs_dst, None, penalties)
+                       row_stride, logprobs, logprobs_dst, None, penalties, grammar)
 
 
 cdef int refuse_sharded_penalties(object penalties) except -1:
@@ -728,7 +768,7 @@ cdef class _VerifyInputs:
 
 def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None, bitmask=None,
                    params=None, draft_probs=None, logprobs=None, logprobs_dst=None, rows=None,
-                   vocab=None, dtype=None, row_stride=None, shard=None, advance=None):
+                   vocab=None, dtype=None, row_stride=None, shard=None, advance=None, grammar=None):
     """Verify ``k`` draft tokens per row against the target's logits, into the feed cells.
 
     Speculative decoding's check (docs/kernels.md, "Verify"). Row ``r`` has the drafts
@@ -807,6 +847,11 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
         when the kernel runs. At depth 2 a step is queued before the last one's counts are read:
         ``resolve_verified``'s ``out_advance`` (gathered per row) moves each sampled row's draws
         to the positions that step reached (docs/speculative.md).
+    grammar : tuple, optional
+        As for ``argmax_to_feed``: position ``j`` of row ``r`` may pick only what the state its
+        first ``j`` drafts reach allows (a draft the grammar forbids is rejected like any other
+        mismatch), and the row's state word becomes the state after its emitted ids. Host
+        drafts are uploaded to the scratch first (refused in a capture).
 
     Returns
     -------
@@ -847,12 +892,15 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
     cdef _HeldBuffer held = None
     cdef _HeldBuffer held_lp = None
     cdef _VerifyInputs keep = _VerifyInputs.__new__(_VerifyInputs)
+    cdef _GrammarCall g = None
+    cdef mf_status status
+    cdef size_t lr
     if shard is not None:  # greedy rows over a split vocabulary (docs/tensor-parallel.md)
         return run_on_shard(shard, "verify", dict(logits=logits, drafts=drafts, cells=cells, dst=dst,
                             event=event, stream=stream, k=k, masks=masks, bitmask=bitmask,
                             params=params, draft_probs=draft_probs, logprobs=logprobs,
                             logprobs_dst=logprobs_dst, rows=rows, vocab=vocab, dtype=dtype,
-                            row_stride=row_stride, advance=advance))
+                            row_stride=row_stride, advance=advance, grammar=grammar))
     k = int_of(k, "k", 1, MF_MAX_DRAFTS)
     mf_verify_args_init(&a)  # every option off, struct_size set (feed.h, "descriptors")
     memset(&view, 0, sizeof(view))
@@ -950,9 +998,34 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
         launch.hold(held_lp)
         launch.records(a.event)
         launch.writes_cells(a.cells, (a.rows, a.k))
-        launch.queued(mf_verify_to_feed(&a, s),
-                      (logits, drafts, cells, dst, event, masks, bitmask, params, logprobs, logprobs_dst,
-                       advance))
+        if grammar is not None:  # the mask walks the drafts: host ones are uploaded first
+            lr = logit_rows
+            g = grammar_of(launch, grammar, s, a.rows, a.k, a.vocab, a.bitmask,
+                           a.drafts if drafts_on_device else NULL,
+                           None if drafts_on_device else (<const char *>keep.drafts.data)[:a.rows * a.k * 4],
+                           [(<size_t>a.cells, <size_t>a.rows * (a.k + 2) * 4, "the cells"),
+                            (<size_t>a.logits, logits_extent(a.logits, a.dtype, a.row_stride, a.vocab, lr),
+                             "the logits"),
+                            (<size_t>a.bitmask, lr * ((a.vocab + 31) // 32) * 4 if a.bitmask else 0,
+                             "the bitmask"),
+                            (<size_t>a.masks if a.flags & MF_ARGS_MASKS_DEVICE else 0, lr * 8, "the masks"),
+                            (<size_t>a.params if a.flags & MF_ARGS_PARAMS_DEVICE else 0,
+                             <size_t>a.rows * sizeof(mf_sampling_params), "the params"),
+                            (<size_t>a.logprobs, lr * 4, "the logprobs"),
+                            (<size_t>a.drafts if drafts_on_device else 0, <size_t>a.rows * a.k * 4, "the drafts"),
+                            (<size_t>a.draft_probs, <size_t>a.rows * a.k * a.vocab * 4 if a.draft_probs else 0,
+                             "the draft_probs"),
+                            (<size_t>a.advance, <size_t>a.rows * 4, "advance")])
+            g.queue_mask(s)
+            a.bitmask = g.bitmask
+        status = mf_verify_to_feed(&a, s)
+        try:
+            if g is not None:
+                grammar_advance(g, s, a.cells, status, launch)
+        finally:
+            launch.queued(status,
+                          (logits, drafts, cells, dst, event, masks, bitmask, params, logprobs, logprobs_dst,
+                           advance, grammar))
     finally:
         launch.close()
     return a.rows

@@ -21,7 +21,7 @@ __all__ = ["PickStep", "OPS"]
 OPS = ("argmax", "sample", "verify")
 
 _FIELDS = ("op", "logits", "masks", "params", "cells", "dst", "event", "stream", "rows", "vocab",
-           "dtype", "row_stride", "bitmask", "logprobs", "logprobs_dst", "penalties",
+           "dtype", "row_stride", "bitmask", "logprobs", "logprobs_dst", "penalties", "grammar",
            # verify_to_feed only
            "drafts", "k", "draft_probs", "advance")
 
@@ -71,6 +71,7 @@ class PickStep:
     logprobs: Any
     logprobs_dst: Any
     penalties: Any
+    grammar: Any
     drafts: Any
     k: Any
     draft_probs: Any

@@ -235,6 +235,8 @@ class TokenAutomaton:
         self._count: List[int] = states["count"].tolist()
         self._fallback: List[int] = states["fallback"].tolist()
         self._device: Optional[Tuple[Any, Any]] = None
+        # The grammar ops' scratch (a bitmask, uploaded drafts), one buffer a stream handle.
+        self._scratches: Dict[int, Any] = {}
 
     # ---- outlines-core ----
 
@@ -656,13 +658,33 @@ class TokenAutomaton:
         """Whether ``to_device`` uploaded it and ``close`` has not freed it."""
         return self._device is not None
 
+    def _scratch(self, stream: int, nbytes: int) -> Any:
+        """The device scratch of the ops given ``grammar=(self, states)`` on the stream whose
+        handle is ``stream``: the bitmask they build before the pick (and the drafts a verify
+        uploads), at least ``nbytes``, reused by every such call on that stream (stream order
+        keeps one call's pick ahead of the next call's mask; no two streams share one).
+
+        Grown geometrically: growth frees the old buffer, which is deferred past the work
+        queued on it on the host backend, and is ``cudaFree`` on cuda (it waits for the device):
+        a caller that must never wait passes its own scratch (``grammar=(automaton, states,
+        scratch)``, docs/kernels.md, "Grammar in a pick")."""
+        held = self._scratches.get(stream)
+        if held is not None and held.nbytes >= nbytes:
+            return held
+        fresh = _core.DeviceBuffer(max(nbytes, 2 * held.nbytes if held is not None else 0))
+        self._scratches[stream] = fresh
+        if held is not None:
+            held.close()
+        return fresh
+
     def close(self) -> None:
-        """Free the device copy (deferred past the work queued on it, docs/lifetimes.md,
-        "Frees"); the host side stays usable, and ``to_device`` uploads it again."""
+        """Free the device copy and the ops' scratch (deferred past the work queued on them,
+        docs/lifetimes.md, "Frees"); the host side stays usable, and ``to_device`` uploads it
+        again."""
         device, self._device = self._device, None
-        if device is not None:
-            for buffer in device:
-                buffer.close()
+        scratches, self._scratches = list(self._scratches.values()), {}
+        for buffer in (device or ()) + tuple(scratches):
+            buffer.close()
 
     def __enter__(self) -> "TokenAutomaton":
         return self
