@@ -35,6 +35,11 @@ OUTSIDE = {
     # A DLPack import orders the producer's stream before ours: an event of ours, nothing kept.
     ("_dlpack.pxi", "check(mf_event_record(event, p))"),
     ("_dlpack.pxi", "check(mf_stream_wait_event(stream, event))"),
+    # A pick with grammar= queues its mask, the pick and the advance as one launch: the pick's
+    # status reaches launch.queued in the `finally` below it, after the advance (_grammar.pxi).
+    ("_kernels.pxi", "status = mf_argmax_to_feed(&a, s)"),
+    ("_kernels.pxi", "status = mf_verify_to_feed(&a, s)"),
+    ("_grammar.pxi", "status = mf_grammar_advance(&g.adv, s)"),
 }
 
 CALL = re.compile(r"\b(" + "|".join(QUEUEING) + r")\(")
