@@ -67,42 +67,32 @@ MF_FLOOR_AVX2 double stats_floor(const float *p, uint32_t n) {
     return mf_stats_fold(lanes);
 }
 
-// sample_rule.h's per-id work of a sampled row at temperature 1, 16 ids (four Philox blocks) at a
-// time: the counter hash of every id; with `log`, the race's score z + g and the greatest one;
+// sample_rule.h's per-id work of a sampled row at temperature 1, 32 ids (eight Philox blocks) at
+// a time: the counter hash of every id; with `log`, the race's score z + g and the greatest one;
 // with `mass`, after the max pass, every id's top_p weight floor(exp(z - zmax) * 2**39) summed.
+// The words are paired with the ids as the rounds leave them (a fixed permutation, no shuffle).
 MF_FLOOR_AVX2 double sample_floor(const float *p, uint32_t n, bool log, bool mass) {
     const PhiloxKeys keys = philox_keys(0x5EEDu);
     const __m256 zmax = _mm256_set1_ps(mass ? row_max(p, n) : 0.0f), scale = _mm256_set1_ps(549755813888.0f);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256d magic = _mm256_set1_pd(4503599627370496.0);  // 2**52: a double's mantissa as the integer
     __m256 best = _mm256_set1_ps(mf_neg_inf());
     __m256i words_x = _mm256_setzero_si256(), total = _mm256_setzero_si256();
-    const __m256i pos = _mm256_set1_epi64x(7);
-    const __m256 one = _mm256_set1_ps(1.0f);
     uint32_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m256i block = _mm256_add_epi64(_mm256_set1_epi64x(i >> 2), _mm256_setr_epi64x(0, 1, 2, 3));
-        // philox4's rounds, the words taken as they fall (ids in a fixed permutation: no shuffle).
-        const __m256i m0 = _mm256_set1_epi64x(0xD2511F53u), m1 = _mm256_set1_epi64x(0xCD9E8D57u);
-        __m256i c0 = block, c1 = pos, c2 = _mm256_setzero_si256(), c3 = c2;
-        for (int round = 0; round < 10; ++round) {
-            const __m256i p0 = _mm256_mul_epu32(c0, m0), p1 = _mm256_mul_epu32(c2, m1);
-            c0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), c1), keys.k0[round]);
-            c1 = p1;
-            c2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), c3), keys.k1[round]);
-            c3 = p0;
-        }
-        const __m256i w[2] = {_mm256_blend_epi32(c0, _mm256_slli_epi64(c1, 32), 0xAA),
-                              _mm256_blend_epi32(c2, _mm256_slli_epi64(c3, 32), 0xAA)};
-        for (int h = 0; h < 2; ++h) {
+    for (; i + 32 <= n; i += 32) {
+        const Philox8 c = philox8(keys, 7u, i);
+        const __m256i all[4] = {philox_pair(c.a0, c.a1), philox_pair(c.a2, c.a3), philox_pair(c.b0, c.b1),
+                                philox_pair(c.b2, c.b3)};
+        for (int h = 0; h < 4; ++h) {
+            const __m256i words = all[h];
             const __m256 z = _mm256_mul_ps(_mm256_loadu_ps(p + i + 8 * h), one);  // z = logit / temperature
-            if (log) best = _mm256_max_ps(best, _mm256_add_ps(z, gumbel8(w[h])));
-            else words_x = _mm256_xor_si256(words_x, w[h]);
+            if (log) best = _mm256_max_ps(best, _mm256_add_ps(z, gumbel8(words)));
+            else words_x = _mm256_xor_si256(words_x, words);
             if (mass) {
                 const __m256 e = _mm256_mul_ps(exp_neg8(_mm256_sub_ps(z, zmax)), scale);
-                // floor(e * 2**39) < 2**39: as float64 then int64, four lanes at a time.
+                // floor(e * 2**39) < 2**39: as float64 rounded toward zero, then its integer.
                 const __m256d lo = _mm256_round_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(e)), _MM_FROUND_TO_ZERO),
                               hi = _mm256_round_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)), _MM_FROUND_TO_ZERO);
-                // exact below 2**52: the double's mantissa bits as the integer (add 2**52, reinterpret)
-                const __m256d magic = _mm256_set1_pd(4503599627370496.0);
                 total = _mm256_add_epi64(total, _mm256_sub_epi64(_mm256_castpd_si256(_mm256_add_pd(lo, magic)),
                                                                  _mm256_castpd_si256(magic)));
                 total = _mm256_add_epi64(total, _mm256_sub_epi64(_mm256_castpd_si256(_mm256_add_pd(hi, magic)),
