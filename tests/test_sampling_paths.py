@@ -185,6 +185,32 @@ def test_many_seeds_on_one_row(vector, dev):
             assert np.array_equal(fast, slow), kw
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_race_bounds_on_nearly_even_rows(vector, dev, dtype):
+    """Rows whose logits all lie within a hair of the top (and one of equal logits, ties to the lower
+    id), with NaN, -inf and +inf ids, masked ids and a vocabulary that is not a multiple of 32: the
+    whole-row race's group tests (the group's greatest logit against the best score, the row's
+    uniform bound from the top's z) are tight here for every id, so a bound a little too eager
+    skips winners. 600 draws a row, seed and position varying."""
+    rng = np.random.default_rng(12)
+    vocab, draws = 4099, 600
+    even = np.zeros(vocab, np.float32)
+    near = (rng.random(vocab) * 1e-3).astype(np.float32)
+    special = near.copy()
+    special[rng.integers(0, vocab, 40)] = np.nan
+    special[rng.integers(0, vocab, 40)] = -np.inf
+    special[rng.integers(0, vocab, 3)] = np.inf
+    for row in (even, near, special):
+        logits = np.tile(row, (draws, 1)).astype(DTYPES[dtype])
+        params = mf.sampling_params(draws, temperature=rng.uniform(0.5, 1.5, draws),
+                                    seed=rng.integers(0, 2**63, draws), position=rng.integers(0, 2**31, draws),
+                                    min_p=np.where(rng.random(draws) < 0.2, 0.5, 0.0))
+        masks = rng.integers(0, vocab, (draws, 2)).astype(np.uint32)
+        fast, slow = both_paths(dev, logits, params, masks)
+        assert np.array_equal(fast, slow)
+        assert (fast != mf.NO_TOKEN).all()
+
+
 def test_full_width_rows(vector, dev):
     """The bench's shape of row (152064 ids), flat and peaked, every filter combination."""
     rng = np.random.default_rng(10)

@@ -324,6 +324,29 @@ def host_argmax_path(portable=None):
     return mf_host_argmax_isa(-1 if portable is None else (1 if portable else 0)).decode()
 
 
+_HOST_FLOORS = {"hash": 1, "race": 2, "stats": 3, "top_p": 4, "top_p_log": 5}
+
+
+def _host_floor(str which, logits):
+    """Bench-only: run feed.h's mf_host_floor loop ``which`` (a key of _HOST_FLOORS) over a C-contiguous
+    2-D float32 host array, on the host kernel threads; returns its checksum (None: no such loop on
+    this CPU)."""
+    what = _HOST_FLOORS.get(which)
+    if what is None:
+        raise ValueError(f"no floor {which!r}: one of {sorted(_HOST_FLOORS)}")
+    cdef _HeldBuffer held = host_buffer_of(logits, False, "logits")
+    shape = getattr(logits, "shape", None)
+    if shape is None or len(shape) != 2 or held.view.len != 4 * shape[0] * shape[1]:
+        raise ValueError("logits must be a 2-D float32 array")
+    cdef uint32_t rows = shape[0], vocab = shape[1]
+    cdef unsigned w = what
+    cdef const float *p = <const float *>held.view.buf
+    cdef double out
+    with nogil:
+        out = mf_host_floor(w, p, rows, vocab)
+    return None if out != out else out  # NaN: no such loop here
+
+
 def live_objects():
     """Counts of live events, streams, pinned and device bytes, for leak checks.
 

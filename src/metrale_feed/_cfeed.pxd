@@ -86,6 +86,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
     void mf_host_set_kernel_threads(unsigned threads)
     unsigned mf_host_kernel_threads()
     const char *mf_host_argmax_isa(int force_portable)
+    double mf_host_floor(unsigned what, const float *logits, uint32_t rows, uint32_t vocab) nogil
 
     mf_status mf_event_create(unsigned flags, mf_event_t *out)
     mf_status mf_event_wrap(uint64_t foreign, mf_event_t *out)

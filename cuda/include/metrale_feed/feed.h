@@ -95,6 +95,15 @@ MF_EXPORT unsigned mf_host_kernel_threads(void);
  * portable one lets tests check both; returns the path now in force. */
 MF_EXPORT const char *mf_host_argmax_isa(int force_portable);
 MF_EXPORT void mf_host_faults_get(mf_host_faults *out);
+/* Bench-only: the floor of a host kernel over `rows` float32 rows of `vocab` logits, on the calling
+ * thread and the kernel threads (mf_host_set_kernel_threads): a loop of the rule's own per-id
+ * arithmetic, eight lanes at a time, with no bookkeeping. HASH: every id's Philox words; RACE:
+ * those and the race's score -log(-log U) + z; STATS: the max, then logprob_rule.h's sum of
+ * exponentials; TOP_P: the max, then every id's mass and Philox words; TOP_P_LOG: and its score.
+ * Returns a checksum of the work, or NaN where there is no such loop (no AVX2, another `what`). */
+enum { MF_HOST_FLOOR_HASH = 1, MF_HOST_FLOOR_RACE = 2, MF_HOST_FLOOR_STATS = 3, MF_HOST_FLOOR_TOP_P = 4,
+       MF_HOST_FLOOR_TOP_P_LOG = 5 };
+MF_EXPORT double mf_host_floor(unsigned what, const float *logits, uint32_t rows, uint32_t vocab);
 
 /* ---- the simt backend's executor (any build) ----
  * sm_count: what the launch planning sees (default 132, an H200's; small counts make few-row

@@ -21,6 +21,7 @@
 #include "metrale_feed/sample_rule.h"
 #include "metrale_feed/verify_rule.h"
 #include "vec_exp.hpp"
+#include "vec_philox.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -108,105 +109,119 @@ inline uint32_t bits_word(const uint32_t *bits, uint32_t words, uint32_t i) {
     return (uint32_t)(window >> sh);
 }
 
-// The round keys of a seed: philox.h's Weyl schedule, broadcast once per row.
-struct PhiloxKeys {
-    __m256i k0[10], k1[10];
-};
-
-MF_AVX2 PhiloxKeys philox_keys(uint64_t seed) {
-    PhiloxKeys k;
-    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
-    for (int round = 0; round < 10; ++round) {
-        if (round) {
-            k0 += 0x9E3779B9u;
-            k1 += 0xBB67AE85u;
-        }
-        k.k0[round] = _mm256_set1_epi64x(k0);
-        k.k1[round] = _mm256_set1_epi64x(k1);
-    }
-    return k;
+// The uniform test of race_f32 below, one lane at a time: the exponent field of fl(1 - U) for the
+// random word whose top 24 bits are r, and c = ceil((z - s) log2 e) (z - s clamped to [-200, 0]),
+// by the same float operations as the vector code.
+inline uint32_t one_minus_u_exponent(int32_t r) {
+    const float u = mf_fmul(mf_fadd((float)r, 0.5f), 5.96046448e-08f);
+    return mf_to_bits(mf_fsub(1.0f, u)) >> 23;
+}
+inline int32_t gap_exponent(float z, float s) {
+    float gap = mf_fsub(z, s);
+    gap = gap > -200.0f ? gap : -200.0f;
+    gap = gap < 0.0f ? gap : 0.0f;
+    return (int32_t)__builtin_ceilf(mf_fmul(gap, 1.44269504f));
 }
 
-// Four Philox blocks, each word in the low half of a 64-bit lane: _mm256_mul_epu32 then gives
-// the full 64-bit product in place (the high halves of the inputs are ignored, so what they
-// hold never matters). Returns the 16 words in id order: [block 0 words 0-3 | block 1 ...] in
-// out[0], blocks 2 and 3 in out[1].
-MF_AVX2 inline void philox4(__m256i c0, __m256i c1, const PhiloxKeys &k, __m256i out[2]) {
-    const __m256i m0 = _mm256_set1_epi64x(0xD2511F53u), m1 = _mm256_set1_epi64x(0xCD9E8D57u);
-    __m256i c2 = _mm256_setzero_si256(), c3 = c2;
-    for (int round = 0; round < 10; ++round) {
-        const __m256i p0 = _mm256_mul_epu32(c0, m0), p1 = _mm256_mul_epu32(c2, m1);
-        c0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), c1), k.k0[round]);
-        c1 = p1;
-        c2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), c3), k.k1[round]);
-        c3 = p0;
+// The greatest r in [0, 2**24) whose exponent field above is >= `e_out`, or -1 for none: the
+// exponent falls as r grows, so every r up to it fails the uniform test at that bound.
+int32_t uniform_out_below(int32_t e_out) {
+    if (one_minus_u_exponent(0) < (uint32_t)std::max(e_out, 0)) return -1;
+    int32_t lo = 0, hi = 1 << 24;  // lo passes, hi does not exist
+    while (hi - lo > 1) {
+        const int32_t mid = lo + (hi - lo) / 2;
+        (one_minus_u_exponent(mid) >= (uint32_t)std::max(e_out, 0) ? lo : hi) = mid;
     }
-    const __m256i t01 = _mm256_blend_epi32(c0, _mm256_slli_epi64(c1, 32), 0xAA);  // per block: w0 w1
-    const __m256i t23 = _mm256_blend_epi32(c2, _mm256_slli_epi64(c3, 32), 0xAA);  // per block: w2 w3
-    const __m256i lo = _mm256_unpacklo_epi64(t01, t23), hi = _mm256_unpackhi_epi64(t01, t23);
-    out[0] = _mm256_permute2x128_si256(lo, hi, 0x20);
-    out[1] = _mm256_permute2x128_si256(lo, hi, 0x31);
-}
-
-// The 32 random words of ids [i, i + 32) (i a multiple of 4), in id order: philox.h's blocks
-// (i / 4 + b, position, 0, 0) for b = 0..7.
-MF_AVX2 void philox32(const PhiloxKeys &k, uint32_t position, uint32_t i, __m256i out[4]) {
-    const __m256i base = _mm256_set1_epi64x(i >> 2), pos = _mm256_set1_epi64x(position);
-    philox4(_mm256_add_epi64(base, _mm256_setr_epi64x(0, 1, 2, 3)), pos, k, out);
-    philox4(_mm256_add_epi64(base, _mm256_setr_epi64x(4, 5, 6, 7)), pos, k, out + 2);
+    return lo;
 }
 
 // The race over a float32 row, 32 ids at a time: offers only the ids that pass the two necessary
 // conditions (z + bound >= best score; 1 - U <= exp(z - best score), up to a factor of two),
-// everything else to the scalar rule.
+// everything else to the scalar rule. Both are tested first for the 32 ids at once, the common
+// case of a row most of whose ids are near the top costing a few operations beside the hash:
+// the first with the group's greatest logit (NaN never taken: the lanes start at -inf); the
+// second with the top's z for every id's (no candidate's is greater; a non-candidate skipped is
+// refused by offer() anyway), where a word whose top 24 bits are at most `r_out` fails it, so one
+// integer compare per 8 ids, on the words as the rounds leave them, leaves the per-lane tests to
+// a few groups.
 MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
     const float *p = (const float *)race.v.row;
     const uint32_t vocab = race.v.vocab;
+    const float ztop = race.v.z(mf_logit_bits(race.v.row, race.v.dt, top_id));
     const __m256 t = _mm256_set1_ps(race.v.inv_t), bound = _mm256_set1_ps(MF_GUMBEL_BOUND);
+    const __m256 low = _mm256_set1_ps(mf_neg_inf());
     const __m256i exp_mask = _mm256_set1_epi32(0x7F800000), mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
     // The threshold's key, signed (mf_key_f32 minus 2**31): an id whose key is below it is
     // filtered out, so it is skipped before its Philox block (those at it go to offer()).
     const __m256i floor_key = _mm256_set1_epi32((int)((uint32_t)(race.threshold >> 32) ^ 0x80000000u));
     const PhiloxKeys keys = philox_keys(race.p.seed);
+    float s_seen = mf_from_bits(0x7FC00000u);  // the best score r_out was found for (NaN: none)
+    __m256i r_out = _mm256_set1_epi32(-1);
     uint32_t i = 0;
     for (; i + 32 <= vocab; i += 32) {
         const __m256 s = _mm256_set1_ps(race.best_score);
-        __m256 z[4];
-        unsigned near = 0;
+        if (!(race.best_score == s_seen)) {  // the best score rose: so does the row's bound
+            s_seen = race.best_score;
+            r_out = _mm256_set1_epi32(uniform_out_below(gap_exponent(ztop, s_seen) + 129));
+        }
+        __m256 l[4];
+        __m256 top = low;
         for (int j = 0; j < 4; ++j) {
-            const __m256 l = _mm256_loadu_ps(p + i + 8 * j);
-            __m256i finite = _mm256_xor_si256(
-                _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(l), exp_mask), exp_mask),
-                _mm256_set1_epi32(-1));
+            l[j] = _mm256_loadu_ps(p + i + 8 * j);
+            top = _mm256_max_ps(l[j], top);  // NaN keeps `top`
+        }
+        // max(l) * inv_t = max(z) (the product is monotone): no z of the group is near.
+        if (!_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(_mm256_mul_ps(top, t), bound), s, _CMP_GE_OQ))) continue;
+        if (race.threshold) {  // every id of the group under the threshold's key
+            __m256i top_key = _mm256_set1_epi32(INT32_MIN);
+            for (int j = 0; j < 4; ++j) {
+                const __m256i b = _mm256_castps_si256(l[j]);
+                top_key = _mm256_max_epi32(top_key, _mm256_sign_epi32(_mm256_and_si256(b, mag_mask), b));
+            }
+            const __m256i under = _mm256_cmpgt_epi32(floor_key, top_key);
+            if (_mm256_testc_si256(under, _mm256_set1_epi32(-1))) continue;
+        }
+        const Philox8 c = philox8(keys, race.p.position, race.v.base + i);
+        __m256i w[4] = {philox_pair(c.a0, c.a1), philox_pair(c.a2, c.a3), philox_pair(c.b0, c.b1),
+                        philox_pair(c.b2, c.b3)};
+        const __m256i maybe = _mm256_or_si256(
+            _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_srli_epi32(w[0], 8), r_out),
+                            _mm256_cmpgt_epi32(_mm256_srli_epi32(w[1], 8), r_out)),
+            _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_srli_epi32(w[2], 8), r_out),
+                            _mm256_cmpgt_epi32(_mm256_srli_epi32(w[3], 8), r_out)));
+        if (_mm256_testz_si256(maybe, maybe)) continue;
+        // A few groups: the words in id order, and every lane's tests.
+        for (int n = 0; n < 2; ++n) {
+            const __m256i lo = _mm256_unpacklo_epi64(w[2 * n], w[2 * n + 1]), hi = _mm256_unpackhi_epi64(w[2 * n], w[2 * n + 1]);
+            w[2 * n] = _mm256_permute2x128_si256(lo, hi, 0x20);
+            w[2 * n + 1] = _mm256_permute2x128_si256(lo, hi, 0x31);
+        }
+        unsigned pass = 0;
+        for (int j = 0; j < 4; ++j) {
+            const __m256i b = _mm256_castps_si256(l[j]);
+            __m256i finite = _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_and_si256(b, exp_mask), exp_mask),
+                                              _mm256_set1_epi32(-1));
             if (race.threshold) {
-                const __m256i b = _mm256_castps_si256(l);
                 const __m256i signed_key = _mm256_sign_epi32(_mm256_and_si256(b, mag_mask), b);
                 finite = _mm256_andnot_si256(_mm256_cmpgt_epi32(floor_key, signed_key), finite);
             }
-            z[j] = _mm256_mul_ps(l, t);
-            const __m256 close = _mm256_cmp_ps(_mm256_add_ps(z[j], bound), s, _CMP_GE_OQ);
-            near |= (unsigned)_mm256_movemask_ps(_mm256_and_ps(close, _mm256_castsi256_ps(finite))) << (8 * j);
-        }
-        if (!near) continue;
-        __m256i bits[4];
-        philox32(keys, race.p.position, race.v.base + i, bits);
-        // An id can win only if g >= s - z, and g <= -log(1 - U): out when 1 - U > exp(z - s).
-        // Checked by powers of two: with E the exponent of fl(1 - U) and c = ceil((z - s) log2 e),
-        // E >= c + 2 proves 1 - U > exp(z - s) with a factor of two to spare for every rounding.
-        unsigned pass = 0;
-        for (int j = 0; j < 4; ++j) {
-            const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bits[j], 8)),
+            const __m256 z = _mm256_mul_ps(l[j], t);
+            const __m256 close = _mm256_cmp_ps(_mm256_add_ps(z, bound), s, _CMP_GE_OQ);
+            // An id can win only if g >= s - z, and g <= -log(1 - U): out when 1 - U > exp(z - s).
+            // Checked by powers of two: with E the exponent of fl(1 - U) and c = ceil((z - s) log2 e),
+            // E >= c + 2 proves 1 - U > exp(z - s) with a factor of two to spare for every rounding.
+            const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w[j], 8)),
                                                          _mm256_set1_ps(0.5f)),
                                            _mm256_set1_ps(5.96046448e-08f));
             const __m256i e_bits = _mm256_srli_epi32(_mm256_castps_si256(_mm256_sub_ps(_mm256_set1_ps(1.0f), u)), 23);
-            const __m256 gap = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(z[j], s), _mm256_set1_ps(-200.0f)),
+            const __m256 gap = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(z, s), _mm256_set1_ps(-200.0f)),
                                              _mm256_setzero_ps());
-            const __m256i c = _mm256_cvttps_epi32(_mm256_ceil_ps(_mm256_mul_ps(gap, _mm256_set1_ps(1.44269504f))));
+            const __m256i ce = _mm256_cvttps_epi32(_mm256_ceil_ps(_mm256_mul_ps(gap, _mm256_set1_ps(1.44269504f))));
             // out: (e_bits - 127) >= c + 2, i.e. e_bits > c + 128
-            const __m256i out = _mm256_cmpgt_epi32(e_bits, _mm256_add_epi32(c, _mm256_set1_epi32(128)));
-            pass |= ((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(out)) ^ 0xFFu) << (8 * j);
+            const __m256i out = _mm256_cmpgt_epi32(e_bits, _mm256_add_epi32(ce, _mm256_set1_epi32(128)));
+            const __m256 keep = _mm256_andnot_ps(_mm256_castsi256_ps(out), _mm256_and_ps(close, _mm256_castsi256_ps(finite)));
+            pass |= (unsigned)_mm256_movemask_ps(keep) << (8 * j);
         }
-        pass &= near;
         while (pass) {
             const uint32_t id = i + (uint32_t)__builtin_ctz(pass);
             pass &= pass - 1;
@@ -570,6 +585,26 @@ MF_AVX2 bool collect_f32(const RowView &v, uint64_t floor, uint32_t k, size_t ca
     const uint32_t words = mf_bitmask_words(v.vocab);
     const __m256i mag_mask = _mm256_set1_epi32(0x7FFFFFFF);
     __m256i fk = floor_key8(floor);
+    if (!k) {
+        // A flat row would fill the list only to give it up: counted first, 32 ids at a time
+        // and with no candidate test (every lane counted is at or above the floor's key, so the
+        // count bounds the list from above), its first 2 * cap ids tell so for a few operations
+        // each. The whole-row paths then take the row, as they would have.
+        size_t above = 0;
+        for (uint32_t i = 0; i + 32 <= v.vocab && i < 2 * cap; i += 32) {
+            unsigned lanes = 0;
+            for (int j = 0; j < 4; ++j) {
+                const __m256i b = _mm256_castps_si256(_mm256_loadu_ps(p + i + 8 * j));
+                const __m256i signed_key = _mm256_sign_epi32(_mm256_and_si256(b, mag_mask), b);
+                lanes |= (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(fk, signed_key))) << (8 * j);
+            }
+            above += 32 - (size_t)__builtin_popcount(lanes);
+        }
+        if (above > cap) {
+            out.clear();
+            return false;
+        }
+    }
     out.resize(cap);
     uint64_t *list = out.data();
     size_t n = 0;
