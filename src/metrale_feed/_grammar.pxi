@@ -141,7 +141,6 @@ def _grammar_advance(states, edges, cells, state_words, stream=0, *, num_states,
 # bitmask), the pick with that bitmask, then the advance of the state words by the ids the pick
 # wrote, in stream order (docs/kernels.md, "Grammar in a pick").
 
-cdef object _automaton_type = None
 
 
 @cython.final
