@@ -19,8 +19,8 @@ runs a row's input and its ``k`` drafts in one forward, and the n-gram drafter p
 and with a repetition penalty, and its greedy tokens again equal ``generate``'s.
 
 Run ``python examples/hf_llama.py`` for a short comparison of the async and sync routers;
-``--speculative ngram --k 4`` or ``--repetition-penalty 1.3`` (with ``--depth 1`` or ``2``)
-runs the pipeline with them instead.
+``--speculative ngram --k 4`` and/or ``--repetition-penalty 1.3`` (with ``--depth 1`` or
+``2``) runs the pipeline with them instead.
 """
 
 from __future__ import annotations
@@ -250,9 +250,10 @@ def pipeline_greedy(model: Any, prompts: Sequence[Sequence[int]], max_new: int, 
 
     ``speculative="ngram"`` decodes with the n-gram (prompt lookup) drafter, ``k`` drafts a row
     a step, verified by ``HfLlamaFeed.decode_batch_verify`` (docs/speculative.md).
-    ``repetition_penalty`` is one value for every prompt or one a prompt (1.0: none); the
-    pipeline refuses penalties with speculative decoding. Returns ``{"tokens": [...], "stats":
-    ...}``, the tokens in the prompts' order and the pipeline's counters.
+    ``repetition_penalty`` is one value for every prompt or one a prompt (1.0: none), with or
+    without speculation (each verified position judged with the drafts before it). Returns
+    ``{"tokens": [...], "stats": ...}``, the tokens in the prompts' order and the pipeline's
+    counters.
     """
     from metrale_feed.sched.speculative import NGramDrafter
 
@@ -336,9 +337,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="the pipeline's steps in flight (default 2)")
     parser.add_argument("--max-new", type=int, default=16, help="tokens a prompt (default 16)")
     args = parser.parse_args(argv)
-    if args.speculative != "none" and args.repetition_penalty != 1.0:
-        parser.error("the pipeline applies no penalties with speculative decoding yet: give "
-                     "--speculative or --repetition-penalty, not both")
     torch.set_num_threads(1)
     mf.host_kernel_threads(1)
     model = small_llama()
