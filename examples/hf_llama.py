@@ -250,9 +250,10 @@ def pipeline_greedy(model: Any, prompts: Sequence[Sequence[int]], max_new: int, 
 
     ``speculative="ngram"`` decodes with the n-gram (prompt lookup) drafter, ``k`` drafts a row
     a step, verified by ``HfLlamaFeed.decode_batch_verify`` (docs/speculative.md).
-    ``repetition_penalty`` is one value for every prompt or one a prompt (1.0: none); the
-    pipeline refuses penalties with speculative decoding. Returns ``{"tokens": [...], "stats":
-    ...}``, the tokens in the prompts' order and the pipeline's counters.
+    ``repetition_penalty`` is one value for every prompt or one a prompt (1.0: none), with or
+    without speculation (each verified position judged with the drafts before it). Returns
+    ``{"tokens": [...], "stats": ...}``, the tokens in the prompts' order and the pipeline's
+    counters.
     """
     from metrale_feed.sched.speculative import NGramDrafter
 

@@ -151,6 +151,9 @@ def test_speculative(record):
     for v in spec["verify"]:
         assert v["checked"] is True and v["k"] == 4
         assert all(positive(v[name]) for name in ("argmax_ms", "verify_ms", "ratio"))
+    pv = spec["verify_penalised"]  # every position decided, the penalised cells checked
+    assert pv["checked"] is True and (pv["rows"], pv["k"]) == (64, 4)
+    assert all(positive(pv[name]) for name in ("plain_ms", "penalised_ms", "ratio"))
     p = spec["pipeline"]
     assert p["same_tokens"] is True and p["host_syncs_equal_steps"] is True
     assert all(positive(p[f"{name}_tps"]) for name in ("speculative", "speculative_depth_2",

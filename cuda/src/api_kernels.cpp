@@ -56,7 +56,8 @@ constexpr uint32_t kCombineSizes[] = {offsetof(mf_combine_args, drafts), offseto
 constexpr uint32_t kReferenceSizes[] = {offsetof(mf_reference_args, advance), sizeof(mf_reference_args)};
 // The descriptor before the device position advance (advance) was appended.
 constexpr uint32_t kVerifySizes[] = {offsetof(mf_verify_args, advance), sizeof(mf_verify_args)};
-constexpr uint32_t kPenaltySizes[] = {sizeof(mf_penalty_args)};
+// The descriptor before a verify's drafts (drafts, k) were appended.
+constexpr uint32_t kPenaltySizes[] = {offsetof(mf_penalty_args, drafts), sizeof(mf_penalty_args)};
 // The descriptor before a split vocabulary's blocks (flags .. partials) were appended.
 constexpr uint32_t kTopSizes[] = {offsetof(mf_top_logprobs_args, flags), sizeof(mf_top_logprobs_args)};
 constexpr uint32_t kTopCombineSizes[] = {sizeof(mf_top_combine_args)};
@@ -454,6 +455,9 @@ extern "C" {
 
 static mf_status check_penalty_ranges(const mf_penalty_args *a, bool update, size_t *logit_bytes);
 
+// An update's ids: a word a row, or a verify's cells (k + 2 words a row).
+static size_t penalty_id_bytes(const mf_penalty_args *a) { return (size_t)a->rows * (a->k ? a->k + 2 : 1) * 4; }
+
 // A pick's penalties (mf_argmax_args.penalties): the apply over its logits and the update with
 // its cells, each checked as the two functions check theirs.
 static mf_status pick_penalties(const mf_argmax_args *args, mf_penalty_args *apply, mf_penalty_args *update) {
@@ -464,6 +468,9 @@ static mf_status pick_penalties(const mf_argmax_args *args, mf_penalty_args *app
     if (st != MF_SUCCESS) return st;
     if (apply->rows != args->rows)
         return fail(MF_ERROR_INVALID_VALUE, "the penalties name %u rows; the call picks %u", apply->rows, args->rows);
+    if (apply->k != 0 || apply->drafts)
+        return fail(MF_ERROR_INVALID_VALUE, "the penalties of a pick have no drafts (k %u): a verify's are "
+                    "mf_penalties_apply and mf_penalties_update with k", apply->k);
     apply->logits = const_cast<void *>(args->logits);  // changed in place, as penalties_apply does
     apply->dtype = args->dtype;
     apply->vocab = args->vocab;
@@ -882,6 +889,19 @@ static mf_status check_penalty_ranges(const mf_penalty_args *a, bool update, siz
     if (a->rows > kMaxRows) return fail(MF_ERROR_INVALID_VALUE, "%s: rows must be at most %u, got %u", name, kMaxRows, a->rows);
     if (a->flags & ~(uint32_t)MF_PENALTY_SLOTS_DEVICE)
         return fail(MF_ERROR_INVALID_VALUE, "%s: unknown flags %#x", name, a->flags);
+    // A verify's rows (k > 0): rows * (k + 1) logit rows, and drafts for the apply's walk alone.
+    const uint32_t k = a->k;
+    if (k > MF_MAX_DRAFTS) return fail(MF_ERROR_INVALID_VALUE, "%s: k must be at most %u, got %u", name, MF_MAX_DRAFTS, k);
+    if (k && (uint64_t)a->rows * (k + 1) > kMaxRows)
+        return fail(MF_ERROR_INVALID_VALUE, "%s: rows x (k + 1) = %llu logit rows; at most %u", name,
+                    (unsigned long long)a->rows * (k + 1), kMaxRows);
+    if (update || !k) {
+        if (a->drafts)
+            return fail(MF_ERROR_INVALID_VALUE, "%s: drafts must be NULL %s", name,
+                        update ? "(the update reads the verify's cells)" : "with k 0");
+    } else if (!a->drafts || !aligned(a->drafts, 4)) {
+        return fail(MF_ERROR_INVALID_VALUE, "%s: drafts is a null or misaligned pointer (k %u)", name, k);
+    }
     if (a->slot_count == 0 || a->slot_count > MF_MAX_PENALTY_SLOTS)
         return fail(MF_ERROR_INVALID_VALUE, "%s: slot_count must be in [1, %u], got %u", name, MF_MAX_PENALTY_SLOTS, a->slot_count);
     if (a->table_cap == 0 || a->table_cap > MF_MAX_PENALTY_TABLE)
@@ -899,6 +919,7 @@ static mf_status check_penalty_ranges(const mf_penalty_args *a, bool update, siz
     if (st == MF_SUCCESS) st = check_device_range(a->table, table_bytes, "penalty table");
     if (st == MF_SUCCESS) st = check_device_range(a->items, item_bytes, "penalty items");
     if (st == MF_SUCCESS && dslots) st = check_device_range(a->slots, (size_t)a->rows * 4, "device-resident slots");
+    if (st == MF_SUCCESS && !update && k) st = check_device_range(a->drafts, (size_t)a->rows * k * 4, "drafts");
     if (st != MF_SUCCESS) return st;
     if (!dslots) {  // host slots: every one in range, none twice (two rows would race on it)
         std::vector<bool> seen(a->slot_count, false);
@@ -914,7 +935,7 @@ static mf_status check_penalty_ranges(const mf_penalty_args *a, bool update, siz
     *logit_bytes = 0;
     if (update) {
         if (!a->ids || !aligned(a->ids, 4)) return fail(MF_ERROR_INVALID_VALUE, "%s: ids is a null or misaligned pointer", name);
-        st = check_device_range(a->ids, (size_t)a->rows * 4, "ids");
+        st = check_device_range(a->ids, penalty_id_bytes(a), k ? "ids (the verify's cells)" : "ids");
     } else {
         if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "%s: unknown logits dtype %d", name, (int)a->dtype);
         if (a->vocab > kMaxVocab || a->start > kMaxVocab - a->vocab)
@@ -924,10 +945,11 @@ static mf_status check_penalty_ranges(const mf_penalty_args *a, bool update, siz
             return fail(MF_ERROR_INVALID_VALUE, "%s: row_stride %llu is less than vocab %u", name,
                         (unsigned long long)a->row_stride, a->vocab);
         const size_t esize = dtype_size(a->dtype);
-        if (a->rows && a->vocab) {
+        const uint64_t logit_rows = (uint64_t)a->rows * (k + 1);
+        if (logit_rows && a->vocab) {
             if (!a->logits || !aligned(a->logits, esize))
                 return fail(MF_ERROR_INVALID_VALUE, "%s: logits is a null or misaligned pointer", name);
-            const unsigned __int128 wide = ((unsigned __int128)(a->rows - 1) * a->row_stride + a->vocab) * esize;
+            const unsigned __int128 wide = ((unsigned __int128)(logit_rows - 1) * a->row_stride + a->vocab) * esize;
             if (wide > (unsigned __int128)(SIZE_MAX / 2))
                 return fail(MF_ERROR_INVALID_VALUE, "%s: rows x row_stride spans more memory than exists", name);
             *logit_bytes = (size_t)wide;
@@ -949,7 +971,8 @@ static mf_status check_penalties(const mf_penalty_args *a, bool update) {
         {a->table, (size_t)a->slot_count * a->table_cap * sizeof(mf_penalty_entry), "penalty table", update},
         {a->items, (size_t)a->slot_count * a->item_cap * sizeof(mf_penalty_item), "penalty items", false},
         {dslots ? a->slots : nullptr, (size_t)a->rows * 4, "slots", false},
-        {update ? a->ids : nullptr, (size_t)a->rows * 4, "ids", false},
+        {update ? a->ids : nullptr, update ? penalty_id_bytes(a) : 0, "ids", false},
+        {update ? nullptr : a->drafts, (size_t)a->rows * a->k * 4, "drafts", false},
     };
     return refuse_overlaps(spans);
 }

@@ -197,6 +197,8 @@ cdef extern from "metrale_feed/feed.h" nogil:
         const mf_penalty_item *items
         uint32_t item_cap
         const uint32_t *ids
+        const uint32_t *drafts
+        uint32_t k
     # Descriptors start with struct_size: set one up with its mf_*_args_init() (feed.h).
     ctypedef struct mf_argmax_args:
         uint32_t struct_size

@@ -60,16 +60,43 @@ cdef int logits_layout(mf_penalty_args *a, object vocab, object dtype, object ro
     return 0
 
 
-cdef int ids_extent(size_t have, uint32_t rows) except -1:
-    """An update's ids hold a word a row (``have`` SIZE_MAX: unknown, an int pointer)."""
-    if have != <size_t>-1 and <size_t>rows * 4 > have:
-        raise ValueError(f"ids: {rows * 4} bytes run past the end of the array's {have}")
+cdef int ids_extent(size_t have, uint32_t rows, uint32_t k) except -1:
+    """An update's ids hold a word a row, or a verify's cells ``k + 2`` (``have`` SIZE_MAX:
+    unknown, an int pointer)."""
+    cdef size_t need = <size_t>rows * (k + 2 if k else 1) * 4
+    if have != <size_t>-1 and need > have:
+        raise ValueError(f"ids: {need} bytes run past the end of the array's {have}")
+    return 0
+
+
+cdef uint32_t verify_k(object k) except? 0xFFFFFFFF:
+    """A verify's drafts a row (0: a plain step); the C layer checks it against the rows."""
+    return <uint32_t>int_of(k, "k", 0, MF_MAX_DRAFTS)
+
+
+cdef int walk_drafts(_Launch launch, mf_penalty_args *a, object drafts) except -1:
+    """An apply's drafts (device, ``rows * k`` words, read when the kernel runs), given exactly
+    when ``k > 0``."""
+    cdef void *ptr
+    cdef size_t have
+    if (drafts is None) != (a.k == 0):
+        raise ValueError("drafts are given exactly when k > 0 (a verify's logit rows)" if a.k
+                         else "drafts need k > 0 (a verify's drafts a row)")
+    if drafts is None:
+        return 0
+    if not device_resident(drafts, "drafts"):
+        raise TypeError("drafts must be device memory (the drafter's ids, read when the kernel runs)")
+    launch.device(drafts, &ptr, &have, "drafts", False, True)
+    if have != <size_t>-1 and <size_t>a.rows * a.k * 4 > have:
+        raise ValueError(f"drafts: {a.rows * a.k * 4} bytes run past the end of the array's {have}")
+    a.drafts = <const uint32_t *>ptr
     return 0
 
 
 cdef object launch_penalties(bint update, object target, object slots, object state, object table, object items,
                              object stream, object slot_count, object table_cap, object item_cap, object rows,
-                             object vocab, object dtype, object row_stride, object start):
+                             object vocab, object dtype, object row_stride, object start, object k=0,
+                             object drafts=None):
     cdef uint64_t s
     cdef mf_penalty_args a
     cdef void *ptr
@@ -79,6 +106,7 @@ cdef object launch_penalties(bint update, object target, object slots, object st
     cdef TensorRows t
     mf_penalty_args_init(&a)
     stream_of(stream, &s)
+    a.k = verify_k(k)
     cdef _Launch launch = launch_on(s)
     try:
         penalty_tables(launch, &a, state, table, items, slot_count, table_cap, item_cap)
@@ -98,11 +126,14 @@ cdef object launch_penalties(bint update, object target, object slots, object st
             a.rows = <uint32_t>words.n
             a.slots = words.data if words.n else <const uint32_t *>&_empty_target
         if update:
+            if drafts is not None:
+                raise ValueError("the update takes no drafts: it counts the verify's cells")
             launch.device(target, &ptr, &have, "ids", False, True)
-            ids_extent(have, a.rows)
+            ids_extent(have, a.rows, a.k)
             a.ids = <const uint32_t *>ptr
             launch.queued(mf_penalties_update(&a, s), (target, slots, state, table, items))
         else:
+            walk_drafts(launch, &a, drafts)
             a.start = <uint32_t>int_of(start, "start", 0, MF_MAX_VOCAB)
             if not is_foreign(target):
                 need_layout(vocab, dtype)
@@ -111,13 +142,13 @@ cdef object launch_penalties(bint update, object target, object slots, object st
                 a.logits = ptr
             else:
                 f = launch.foreign(target, "logits")
-                tensor_rows(f, &t, None, vocab, dtype, row_stride, False, 0, 0, True, a.rows)
+                tensor_rows(f, &t, None, vocab, dtype, row_stride, False, 0, 0, True, a.rows * (a.k + 1))
                 a.vocab = <uint32_t>t.vocab
                 a.row_stride = <uint64_t>t.stride
                 a.dtype = t.dtype
                 a.logits = t.ptr
-                launch.lend(f, tensor_extent(&t, a.rows))
-            launch.queued(mf_penalties_apply(&a, s), (target, slots, state, table, items))
+                launch.lend(f, tensor_extent(&t, a.rows * (a.k + 1)))
+            launch.queued(mf_penalties_apply(&a, s), (target, slots, state, table, items, drafts))
     finally:
         launch.close()
     return a.rows
@@ -142,16 +173,19 @@ cdef class PenaltyLaunch:
         As ``penalties_apply`` (tensors there go through the functions).
     slot_count, table_cap, item_cap, vocab, dtype, row_stride, start : optional
         As ``penalties_apply``; ``apply`` with a logits pointer needs ``vocab`` and ``dtype``.
+    k : int, optional
+        A verify's drafts a row (``penalties_apply(k=)``): ``apply`` then takes each step's
+        ``drafts`` and ``update`` its cells. Default 0, a plain step.
     """
     cdef mf_penalty_args ap, up  # apply's and update's descriptors, all but the step's pointer
     cdef uint32_t *words
-    cdef object slots, state, table, items, vocab, dtype, row_stride, start
+    cdef object slots, state, table, items, vocab, dtype, row_stride, start, k
 
     def __dealloc__(self):
         free(self.words)
 
     def __init__(self, slots, state, table, items, *, slot_count=None, table_cap=None, item_cap=None,
-                 vocab=None, dtype=None, row_stride=None, start=0):
+                 vocab=None, dtype=None, row_stride=None, start=0, k=0):
         cdef _Words words
         cdef _Launch launch = launch_on(0)
         cdef Py_ssize_t i
@@ -161,6 +195,7 @@ cdef class PenaltyLaunch:
         if device_resident(slots, "slots"):
             raise TypeError("a PenaltyLaunch takes host slots (a sequence or a uint32 buffer), not device memory")
         mf_penalty_args_init(&self.up)
+        self.up.k = verify_k(k)
         try:
             penalty_tables(launch, &self.up, state, table, items, slot_count, table_cap, item_cap)
         finally:
@@ -179,6 +214,7 @@ cdef class PenaltyLaunch:
         self.slots = [self.words[i] for i in range(words.n)]  # what a tensor's call and a graph get
         self.state, self.table, self.items = state, table, items
         self.vocab, self.dtype, self.row_stride, self.start = vocab, dtype, row_stride, start
+        self.k = self.up.k
 
     cdef int reload(self) except -1:
         """The tables' addresses now: a closed buffer raises here, as the functions' coercion does."""
@@ -191,23 +227,31 @@ cdef class PenaltyLaunch:
         self.up.items = self.ap.items = <const mf_penalty_item *>ptr
         return 0
 
-    def apply(self, logits, stream=0):
-        """``penalties_apply(logits, slots, ...)`` with the arguments given here; returns the rows."""
+    def apply(self, logits, stream=0, drafts=None):
+        """``penalties_apply(logits, slots, ..., k=k, drafts=drafts)`` with the arguments given
+        here; returns the rows."""
         cdef uint64_t s
         cdef void *ptr
         cdef mf_penalty_args a
-        if is_foreign(logits):  # its shape, dtype and lending: the function's path
+        cdef _Launch launch
+        if is_foreign(logits) or is_foreign(drafts):  # shape, dtype and lending: the function's path
             return launch_penalties(False, logits, self.slots, self.state, self.table, self.items, stream,
                                     self.up.slot_count, self.up.table_cap, self.up.item_cap, None,
-                                    self.vocab, self.dtype, self.row_stride, self.start)
+                                    self.vocab, self.dtype, self.row_stride, self.start, self.k, drafts)
         need_layout(self.vocab, self.dtype)
         stream_of(stream, &s)
         self.reload()
         device_ptr_of(logits, &ptr)
         a = self.ap
         a.logits = ptr
+        if drafts is not None or a.k:
+            launch = launch_on(s)
+            try:
+                walk_drafts(launch, &a, drafts)
+            finally:
+                launch.close()
         # Buffers and pointers lend and hold nothing: queued_on is all of _Launch.queued here.
-        queued_on(s, mf_penalties_apply(&a, s), (logits, self.slots, self.state, self.table, self.items), 0)
+        queued_on(s, mf_penalties_apply(&a, s), (logits, self.slots, self.state, self.table, self.items, drafts), 0)
         return a.rows
 
     def update(self, ids, stream=0):
@@ -218,11 +262,12 @@ cdef class PenaltyLaunch:
         if is_foreign(ids):
             return launch_penalties(True, ids, self.slots, self.state, self.table, self.items, stream,
                                     self.up.slot_count, self.up.table_cap, self.up.item_cap, None,
-                                    None, None, None, 0)
+                                    None, None, None, 0, self.k)
         stream_of(stream, &s)
         self.reload()
         device_ptr_of(ids, &ptr)
-        ids_extent((<DeviceBuffer>ids)._nbytes if type(ids) is DeviceBuffer else <size_t>-1, self.up.rows)
+        ids_extent((<DeviceBuffer>ids)._nbytes if type(ids) is DeviceBuffer else <size_t>-1, self.up.rows,
+                   self.up.k)
         a = self.up
         a.ids = <const uint32_t *>ptr
         queued_on(s, mf_penalties_update(&a, s), (ids, self.slots, self.state, self.table, self.items), 0)
@@ -236,13 +281,16 @@ cdef int pick_penalties(mf_argmax_args *a, object penalties) except -1:
         raise TypeError("penalties must be a PenaltyLaunch (PenaltyState.prepare), not "
                         f"{type(penalties).__name__}")
     cdef PenaltyLaunch launch = <PenaltyLaunch>penalties
+    if launch.up.k:
+        raise ValueError("penalties= of a pick takes a PenaltyLaunch of k 0: a verify's are "
+                         "PenaltyLaunch(k=).apply and update around verify_to_feed")
     launch.reload()  # the C layer checks the rest (rows included) with the pick's arguments
     a.penalties = &launch.ap
     return 0
 
 
 def penalties_apply(logits, slots, state, table, items, stream=0, *, slot_count=None, table_cap=None,
-                    item_cap=None, vocab=None, dtype=None, row_stride=None, start=0):
+                    item_cap=None, vocab=None, dtype=None, row_stride=None, start=0, k=0, drafts=None):
     """Apply each row's logit bias, min_tokens and penalties to its logits, in place, in stream order.
 
     vLLM v1's rules and order (docs/penalties.md): ``logit_bias``, then ``min_tokens`` (the stop
@@ -272,6 +320,13 @@ def penalties_apply(logits, slots, state, table, items, stream=0, *, slot_count=
         Required unless ``logits`` is a tensor.
     start : int, optional
         The global id of column 0 (a rank's slice; default 0).
+    k, drafts : optional
+        A verify's logit rows (docs/speculative.md, "Penalties"): ``slots`` names the verify's
+        rows, ``logits`` holds ``rows * (k + 1)`` rows (verify_to_feed's layout), and logit row
+        ``r * (k + 1) + j`` is judged as if row ``r``'s first ``j`` drafts (``drafts``, device,
+        ``rows * k`` ids, read when the kernel runs; a ``NO_TOKEN`` ends them) had been
+        generated: their counts, ``generated`` and the ``min_tokens`` ban. The slots' counts stay
+        as they are. Default 0 and None: a plain step.
 
     Returns
     -------
@@ -286,11 +341,11 @@ def penalties_apply(logits, slots, state, table, items, stream=0, *, slot_count=
         A closed or unknown buffer or stream.
     """
     return launch_penalties(False, logits, slots, state, table, items, stream, slot_count, table_cap,
-                            item_cap, None, vocab, dtype, row_stride, start)
+                            item_cap, None, vocab, dtype, row_stride, start, k, drafts)
 
 
 def penalties_update(ids, slots, state, table, items, stream=0, *, slot_count=None, table_cap=None,
-                     item_cap=None):
+                     item_cap=None, k=0):
     """Count each row's id of a step into its slot's table, on the device, in stream order.
 
     ``ids[r]`` (device: the feed cells the step's argmax or sampler wrote, read when the kernel
@@ -305,6 +360,9 @@ def penalties_update(ids, slots, state, table, items, stream=0, *, slot_count=No
         ``rows`` ids.
     slots, state, table, items, stream, slot_count, table_cap, item_cap
         As ``penalties_apply``.
+    k : int, optional
+        A verify's drafts a row: ``ids`` are its cells (``rows * (k + 2)`` words, ``n`` then the
+        ``n`` emitted ids), each emitted id counted in order. Default 0: a word a row.
 
     Returns
     -------
@@ -312,4 +370,4 @@ def penalties_update(ids, slots, state, table, items, stream=0, *, slot_count=No
         The rows.
     """
     return launch_penalties(True, ids, slots, state, table, items, stream, slot_count, table_cap,
-                            item_cap, None, None, None, None, 0)
+                            item_cap, None, None, None, None, 0, k)

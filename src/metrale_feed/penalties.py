@@ -239,28 +239,34 @@ class PenaltyState:
     # ---- the two ops of a step ----
 
     def apply(self, logits: Any, slots: Any, *, vocab: Optional[int] = None, dtype: Any = None,
-              row_stride: Optional[int] = None, start: int = 0, stream: Any = None) -> int:
+              row_stride: Optional[int] = None, start: int = 0, stream: Any = None, k: int = 0,
+              drafts: Any = None) -> int:
         """Apply the penalties of each row's slot (``NO_TOKEN``: none) to ``logits`` in place,
-        in stream order (``penalties_apply``)."""
+        in stream order (``penalties_apply``); with ``k`` and ``drafts``, to a verify's
+        ``rows * (k + 1)`` logit rows, each position walking its row's drafts before it."""
         return _core.penalties_apply(logits, slots, self.state, self.table, self.items,
                                      self.stream if stream is None else stream,
                                      table_cap=self.capacity, item_cap=_ITEMS, vocab=vocab,
-                                     dtype=dtype, row_stride=row_stride, start=start)
+                                     dtype=dtype, row_stride=row_stride, start=start, k=k,
+                                     drafts=drafts)
 
     def prepare(self, slots: Any, *, vocab: Optional[int] = None, dtype: Any = None,
-                row_stride: Optional[int] = None, start: int = 0) -> "_core.PenaltyLaunch":
+                row_stride: Optional[int] = None, start: int = 0,
+                k: int = 0) -> "_core.PenaltyLaunch":
         """``apply`` and ``update`` of ``slots`` (copied), coerced once for the steps of a
         batch that keeps its rows: ``prepare(...).apply(logits, stream)`` queues what
-        ``apply(logits, slots, ...)`` does, at a fraction of the host cost."""
+        ``apply(logits, slots, ...)`` does, at a fraction of the host cost (with ``k``, a
+        verify's: ``apply(logits, stream, drafts)`` and ``update(cells, stream)``)."""
         return _core.PenaltyLaunch(slots, self.state, self.table, self.items,
                                    table_cap=self.capacity, item_cap=_ITEMS, vocab=vocab,
-                                   dtype=dtype, row_stride=row_stride, start=start)
+                                   dtype=dtype, row_stride=row_stride, start=start, k=k)
 
-    def update(self, ids: Any, slots: Any, *, stream: Any = None) -> int:
-        """Count each row's id (device, read when it runs) into its slot (``penalties_update``)."""
+    def update(self, ids: Any, slots: Any, *, stream: Any = None, k: int = 0) -> int:
+        """Count each row's id (device, read when it runs) into its slot (``penalties_update``);
+        with ``k``, ``ids`` are a verify's cells and each row's emitted ids are counted."""
         return _core.penalties_update(ids, slots, self.state, self.table, self.items,
                                       self.stream if stream is None else stream,
-                                      table_cap=self.capacity, item_cap=_ITEMS)
+                                      table_cap=self.capacity, item_cap=_ITEMS, k=k)
 
     # ---- lifetime ----
 

@@ -204,25 +204,25 @@ def test_aborting_every_request_with_a_verify_step_in_flight(host, no_leaks, dep
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_spec_refuses_penalties_clearly_whatever_else_is_wrong(host, no_leaks, depth):
-    """A speculative pipeline refuses every penalty parameter with a message that names
-    speculative decoding, before the penalty-only checks (capacity, stop count) could send the
-    user after the wrong fix."""
+def test_spec_takes_penalties_and_refuses_only_what_never_fits(host, no_leaks, depth):
+    """A speculative pipeline runs every penalty parameter (docs/speculative.md, "Penalties")
+    and refuses, as the plain pipeline does, what could never run: a table past
+    penalty_capacity, more stop ids than min_tokens can ban; nothing queued for them."""
     drafter = ReferenceDrafter(VOCAB, 2, 0.5)
     with model_for() as model, DecodePipeline(model, 4, depth=depth, speculative=drafter,
                                               penalty_capacity=8) as pipe:
-        for kw in [dict(repetition_penalty=1.1), dict(presence_penalty=0.5),
-                   dict(frequency_penalty=-0.5), dict(logit_bias={3: 1.0}),
-                   dict(min_tokens=2, stop_ids=[5]),
-                   dict(repetition_penalty=1.1, max_new_tokens=40),  # past penalty_capacity
-                   dict(min_tokens=1, stop_ids=range(70))]:  # past MAX_PENALTY_STOPS
-            kw.setdefault("max_new_tokens", 4)
-            with pytest.raises(ValueError, match="speculative"):
-                pipe.submit([1, 2], **kw)
+        with pytest.raises(ValueError, match="penalty_capacity"):
+            pipe.submit([1, 2], max_new_tokens=40, repetition_penalty=1.1)
+        with pytest.raises(ValueError, match="stop ids"):
+            pipe.submit([1, 2], max_new_tokens=4, min_tokens=1, stop_ids=range(70))
         assert pipe.idle and pipe._pen is None
-        ok = pipe.submit([1, 2], max_new_tokens=4, repetition_penalty=1.0, logit_bias={})
+        reqs = [pipe.submit([1, 2], max_new_tokens=4, **kw) for kw in [
+            dict(repetition_penalty=1.1), dict(presence_penalty=0.5), dict(frequency_penalty=-0.5),
+            dict(logit_bias={3: 1.0}), dict(min_tokens=2, stop_ids=[5]),
+            dict(repetition_penalty=1.0, logit_bias={})]]
         pipe.run()
-    assert ok.tokens == greedy([1, 2], 4)
+    assert all(len(r.tokens) == 4 for r in reqs)
+    assert reqs[-1].tokens == greedy([1, 2], 4)
 
 
 @pytest.mark.parametrize("depth", [1, 2])

@@ -277,8 +277,6 @@ def test_what_the_pipeline_cannot_run_speculatively_is_refused(host, no_leaks):
             with model_for(rows=1000) as big:
                 DecodePipeline(big, 1000, depth=1, speculative=drafter)
         with DecodePipeline(model, 4, depth=1, speculative=drafter) as pipe:
-            with pytest.raises(ValueError, match="penalties"):
-                pipe.submit([1, 2], max_new_tokens=3, presence_penalty=0.5)
             with pytest.raises(ValueError, match="KV blocks"):
                 pipe.submit([1] * 790, max_new_tokens=8)  # fits without the k drafted positions
             assert pipe.idle

@@ -528,3 +528,63 @@ def scenario_pipeline_spec_nccl(h):
 
 
 SCENARIOS["pipeline-spec-nccl"] = scenario_pipeline_spec_nccl
+
+
+def scenario_pipeline_spec_penalties(h):
+    """Penalties with speculative decoding over the split (docs/speculative.md, "Penalties"):
+    each rank applies its own columns, walking the drafts, and counts the combined cells; the
+    greedy requests get the unsharded pipeline's tokens without speculation and the sampled ones
+    the unsharded speculative pipeline's, on every rank, at depth 1 and 2 with a pool that
+    preempts; the exchanges a step are those of the same requests without penalties."""
+    from metrale_feed.testing.drafter import ReferenceDrafter
+    from metrale_feed.testing.reference import ReferenceModel
+
+    vocab, k = 1000, 3
+    offsets = {1: None, 2: [0, 333, vocab], 3: [0, 600, vocab, vocab]}.get(h.WORLD)
+    shard = mf.VocabShard(None, vocab, offsets=offsets, max_rows=4 * (k + 1))
+    pens = [dict(logit_bias={7: 0.6, 700: 0.7}, frequency_penalty=0.15),
+            dict(logit_bias={3: 0.8, 400: 0.7}, presence_penalty=0.5),
+            dict(logit_bias={9: 1.0, 990: 0.9}, repetition_penalty=3.0),
+            dict(min_tokens=5, logit_bias={11: 0.9}, frequency_penalty=0.3), {}]
+    sampled = [dict(temperature=0.7, seed=11, logit_bias={5: 0.8, 805: 0.8}, presence_penalty=0.4)]
+
+    def decode(depth, sharded, drafter, blocks):
+        model = ReferenceModel(vocab, max_rows=4 * (k + 1), block_size=2, num_blocks=blocks,
+                               shard=shard if sharded else None)
+        before = shard.stats["collectives"]
+        with mf.DecodePipeline(model, 4, depth=depth, shard=shard if sharded else None,
+                               speculative=drafter) as pipe:
+            reqs = [pipe.submit([3, 1, 4 + i], max_new_tokens=10, stop_ids=[11, 12] if i == 3 else (),
+                                **kw)
+                    for i, kw in enumerate(pens + (sampled if isinstance(drafter, ReferenceDrafter)
+                                                   and drafter.acceptance < 1 else []))]
+            pipe.run()
+            stats = (pipe.stats.steps, pipe.stats.host_syncs, pipe.stats.preemptions,
+                     shard.stats["collectives"] - before)
+        model.close()
+        return [r.tokens for r in reqs], stats
+
+    for depth in (1, 2):
+        want = decode(depth, False, None, 64)[0]
+        # Greedy rows alone: the greedy verify's one exchange a step, as without penalties.
+        got, (steps, _, _, exchanges) = decode(depth, True, ReferenceDrafter(vocab, k, 1.0), 64)
+        assert got == want, (depth, got, want)
+        assert h.WORLD == 1 or exchanges == steps, (exchanges, steps)
+        drafter = ReferenceDrafter(vocab, k, 0.5)
+        want_sampled = decode(1, False, drafter, 64)[0][len(want):]
+        for blocks in (64, 22):
+            got, (steps, syncs, preempted, exchanges) = decode(depth, True, drafter, blocks)
+            assert got[:len(want)] == want, (depth, blocks, got, want)
+            assert got[len(want):] == want_sampled, (depth, blocks, got, want_sampled)
+            assert (preempted > 0) == (blocks < 64), (blocks, preempted)
+            if depth == 2:
+                assert syncs == steps, (syncs, steps)
+            assert exchanges >= steps, (exchanges, steps)  # the sampled rows' rounds on top
+            every = [None] * h.WORLD
+            h.dist.all_gather_object(every, got)
+            assert all(e == got for e in every), "the ranks' tokens differ"
+        drafter.close()
+    shard.close()
+
+
+SCENARIOS["pipeline-spec-penalties"] = scenario_pipeline_spec_penalties

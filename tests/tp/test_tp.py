@@ -234,6 +234,11 @@ def test_the_speculative_pipeline_spmd_gives_the_unsharded_greedy_and_sampled_to
     ranks(world, "pipeline-spec", timeout=400)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_speculative_pipeline_spmd_applies_each_ranks_penalties_walking_the_drafts(world):
+    ranks(world, "pipeline-spec-penalties", timeout=400)
+
+
 @pytest.mark.parametrize("scenario", ["verify-refused", "verify-mismatch"])
 def test_a_sharded_verify_refuses_what_it_does_not_take_and_faults_on_mismatched_calls(scenario):
     ranks(2, scenario)

@@ -563,7 +563,19 @@ MF_EXPORT mf_status mf_verify_logit_params(const mf_sampling_params *params, con
  * and checked before the call returns: ids < slot_count or MF_NO_TOKEN, no slot twice; with
  * MF_PENALTY_SLOTS_DEVICE they are device memory read when the kernel runs, where a slot out of
  * range touches nothing (and two rows must not name one slot). Counts in the state are clamped to
- * the capacities when read, so no state can make a kernel reach past its tables. */
+ * the capacities when read, so no state can make a kernel reach past its tables.
+ * A verify (appended: drafts, k; k = 0 is the plain op above): rows is the verify's rows of drafts,
+ * a slot word each. mf_penalties_apply then changes its rows * (k + 1) logit rows (verify_to_feed's
+ * layout), logit row r * (k + 1) + j as if row r's first j drafts had been generated after the
+ * slot's counted tokens: each draft added to its id's count (a draft equal to an earlier one counts
+ * twice for frequency_penalty, once for presence and repetition; an id the table lacks joins it as a
+ * generated one would, unless the table is full), and to `generated`, so the min_tokens ban lifts at
+ * the position where the count reaches min_tokens. The walk stops at the row's first MF_NO_TOKEN
+ * draft (mf_verify_drafts: the verify reads no position past it). drafts (device, rows * k ids) are
+ * read when the kernel runs and the slot's state is left as it is. mf_penalties_update with k > 0
+ * counts the ids a verify emitted: ids are its cells (rows * (k + 2) words: n, then the n ids; an
+ * n outside [1, k + 1] counts nothing, as mf_resolve_verified reads it), each counted in order as
+ * the plain update counts one; drafts must be NULL there. penalty_rule.h has the walk. */
 #define MF_MAX_LOGIT_BIAS 300u       /* logit_bias entries a request may have */
 #define MF_MAX_PENALTY_STOPS 64u     /* stop ids min_tokens can ban */
 #define MF_PENALTY_ITEMS (MF_MAX_LOGIT_BIAS + MF_MAX_PENALTY_STOPS) /* the usual item_cap */
@@ -605,7 +617,11 @@ typedef struct mf_penalty_args {
     mf_penalty_entry *table;       /* device, slot_count * table_cap */
     const mf_penalty_item *items;  /* device, slot_count * item_cap */
     uint32_t item_cap;
-    const uint32_t *ids;           /* update: device, rows ids */
+    const uint32_t *ids;           /* update: device, rows ids (k > 0: rows * (k + 2) cell words) */
+    /* appended: a verify's logit rows (above); an older descriptor's size reads as k = 0 */
+    const uint32_t *drafts;        /* apply with k > 0: device, rows * k ids; else NULL */
+    uint32_t k;                    /* drafts a row, 0 (a plain step) .. MF_MAX_DRAFTS */
+    uint32_t reserved_;            /* 0: the next appended field changes the size */
 } mf_penalty_args;
 static inline void mf_penalty_args_init(mf_penalty_args *args) {
     memset(args, 0, sizeof *args);

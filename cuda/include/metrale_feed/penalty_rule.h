@@ -20,6 +20,7 @@
 
 #include "metrale_feed/feed.h"
 #include "metrale_feed/sample_rule.h"
+#include "metrale_feed/verify_rule.h"
 
 /* float32 bits -> bfloat16 bits, round to nearest even; NaN stays a (quiet) NaN. */
 MF_HD uint16_t mf_round_bf16(uint32_t bits) {
@@ -105,6 +106,56 @@ MF_HD int mf_penalty_count(mf_penalty_slot *s, mf_penalty_entry *table, uint32_t
     table[s->entries].count = 1u;
     ++s->entries;
     return 1;
+}
+
+/* ---- a verify's logit rows (feed.h: mf_penalty_args.k > 0) ----
+ * Position j of a row is judged with what its first j drafts would leave had they been generated:
+ * the walk counts drafts [0, w), w = min(j, the row's drafts in use), a MF_NO_TOKEN draft ending
+ * them as it ends the verify's (mf_verify_drafts: no position past it is read). Each walked draft
+ * adds one to its id's count and to `generated`, as mf_penalty_count would, so the values are the
+ * ones mf_penalties_apply gives once those drafts are counted: the same function of the same
+ * counts, so the same bits. */
+MF_HD uint32_t mf_penalty_walked(const uint32_t *drafts, uint32_t k, uint32_t j) {
+    const uint32_t d = mf_verify_drafts(drafts, k);
+    return j < d ? j : d;
+}
+
+/* How many of the walked drafts [0, w) are `id`. */
+MF_HD uint32_t mf_penalty_draft_count(const uint32_t *drafts, uint32_t w, uint32_t id) {
+    uint32_t n = 0u;
+    for (uint32_t u = 0; u < w; ++u) n += drafts[u] == id;
+    return n;
+}
+
+/* A table entry's count word after `more` counts of its id (mf_penalty_count's saturation). */
+MF_HD uint32_t mf_penalty_count_plus(uint32_t count, uint32_t more) {
+    const uint32_t n = count & ~MF_PENALTY_PROMPT, room = ~MF_PENALTY_PROMPT - n;
+    return (count & MF_PENALTY_PROMPT) | (n + (more < room ? more : room));
+}
+
+/* The slot's `generated` after w counted drafts (saturating, as mf_penalty_count's). */
+MF_HD mf_penalty_slot mf_penalty_walk_slot(mf_penalty_slot s, uint32_t w) {
+    s.generated = s.generated > 0xFFFFFFFFu - w ? 0xFFFFFFFFu : s.generated + w;
+    return s;
+}
+
+/* Whether walked draft u's id is one of the drafts before it. */
+MF_HD int mf_penalty_draft_repeats(const uint32_t *drafts, uint32_t u) {
+    for (uint32_t v = 0; v < u; ++v)
+        if (drafts[v] == drafts[u]) return 1;
+    return 0;
+}
+
+/* Whether walked draft u's id joins the table: known[v] is nonzero when draft v's id is in the
+ * table or repeats an earlier draft's (mf_penalty_draft_repeats), so the drafts with known[v] 0 are
+ * the new ids in the order the counts would append them, and a table of `entries` keeps those
+ * that fit (a full table drops a new id, as mf_penalty_count does). Stage 3 penalises each id that
+ * joins with its count among the walked drafts and no prompt bit, beside the table's own ids. */
+MF_HD int mf_penalty_draft_joins(const uint32_t *known, uint32_t u, uint32_t entries, uint32_t table_cap) {
+    if (known[u]) return 0;
+    uint32_t before = 0u;
+    for (uint32_t v = 0; v < u; ++v) before += !known[v];
+    return entries < table_cap && before < table_cap - entries;
 }
 
 #endif

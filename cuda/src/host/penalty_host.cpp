@@ -76,8 +76,9 @@ inline void prefetch8(const uint32_t *row, const Record *records, uint32_t start
         __builtin_prefetch((const void *)((uintptr_t)row + (uintptr_t)(records[j].id - start) * 4u), 1);
 }
 
-// A stage over records [0, 8 * floor(n / 8)) eight at a time: rule(l, words) is the stage's
-// result for the logits l of eight records whose second words are `words`. Returns the records done.
+// A stage over records [0, 8 * floor(n / 8)) eight at a time: rule(l, words, ids) is the stage's
+// result for the logits l of eight records whose ids and second words those are. Returns the
+// records done.
 template <class Record, class Rule>
 __attribute__((target("avx2"))) inline uint32_t stage8(uint32_t *row, const Record *records, uint32_t n,
                                                        uint32_t start, uint32_t vocab, const Rule &rule) {
@@ -89,27 +90,35 @@ __attribute__((target("avx2"))) inline uint32_t stage8(uint32_t *row, const Reco
         split8(records + i, ids, words);
         const Lanes8 at = lanes8(ids, start, vocab);
         const __m256i bits = gather8(row, at);
-        scatter8(row, at, finish8(bits, rule(_mm256_castsi256_ps(bits), words)));
+        scatter8(row, at, finish8(bits, rule(_mm256_castsi256_ps(bits), words, ids)));
     }
     return i;
 }
 
 // Stage 1: l + bias (the item's second word).
 struct Bias8 {
-    __attribute__((target("avx2"))) __m256 operator()(__m256 l, __m256i bias) const {
+    __attribute__((target("avx2"))) __m256 operator()(__m256 l, __m256i bias, __m256i) const {
         return _mm256_add_ps(l, _mm256_castsi256_ps(bias));
     }
 };
 
 // Stage 3: l > 0 ? l / rep : l * rep, then, with a count n (the entry's second word, less
-// MF_PENALTY_PROMPT), (l - freq * n) - presence.
+// MF_PENALTY_PROMPT, plus the id's walked drafts: mf_penalty_count_plus), (l - freq * n) - presence.
 struct Penalty8 {
     const mf_penalty_slot &s;
-    __attribute__((target("avx2"))) __m256 operator()(__m256 l, __m256i counts) const {
+    const uint32_t *drafts = nullptr;  // a verify position's walked drafts
+    uint32_t w = 0;
+    __attribute__((target("avx2"))) __m256 operator()(__m256 l, __m256i counts, __m256i ids) const {
         const __m256 rep = _mm256_set1_ps(s.repetition);
         const __m256 v = _mm256_blendv_ps(_mm256_mul_ps(l, rep), _mm256_div_ps(l, rep),
                                           _mm256_cmp_ps(l, _mm256_setzero_ps(), _CMP_GT_OQ));
-        const __m256i n = _mm256_and_si256(counts, _mm256_set1_epi32((int)~MF_PENALTY_PROMPT));  // below 2**31:
+        __m256i n = _mm256_and_si256(counts, _mm256_set1_epi32((int)~MF_PENALTY_PROMPT));
+        if (w) {  // + the drafts equal to each id (a compare's -1 subtracted), saturating
+            __m256i more = _mm256_setzero_si256();
+            for (uint32_t u = 0; u < w; ++u)
+                more = _mm256_sub_epi32(more, _mm256_cmpeq_epi32(ids, _mm256_set1_epi32((int)drafts[u])));
+            n = _mm256_min_epu32(_mm256_add_epi32(n, more), _mm256_set1_epi32((int)~MF_PENALTY_PROMPT));
+        }  // n is below 2**31:
         const __m256 nf = _mm256_cvtepi32_ps(n);  // converts as the unsigned count does
         const __m256 counted = _mm256_sub_ps(_mm256_sub_ps(v, _mm256_mul_ps(_mm256_set1_ps(s.frequency), nf)),
                                              _mm256_set1_ps(s.presence));
@@ -141,8 +150,11 @@ bool eight_ids() {
 #endif
 }
 
-void apply_row(const mf_penalty_args &a, uint32_t r, uint32_t slot, bool vector) {
-    const mf_penalty_slot s = mf_penalty_clamped(a.state[slot], a.table_cap, a.item_cap);
+// Logit row r of slot `slot`; a verify position's first w drafts (penalty_rule.h's walk) count
+// as generated. known: w words of scratch (mf_penalty_draft_joins).
+void apply_row(const mf_penalty_args &a, uint32_t r, uint32_t slot, bool vector, const uint32_t *drafts = nullptr,
+               uint32_t w = 0, uint32_t *known = nullptr) {
+    const mf_penalty_slot s = mf_penalty_walk_slot(mf_penalty_clamped(a.state[slot], a.table_cap, a.item_cap), w);
     const mf_penalty_item *items = a.items + (size_t)slot * a.item_cap;
     const mf_penalty_entry *table = a.table + (size_t)slot * a.table_cap;
     const int dtype = (int)a.dtype;
@@ -172,18 +184,35 @@ void apply_row(const mf_penalty_args &a, uint32_t r, uint32_t slot, bool vector)
         }
     i = 0;  // 3. repetition, frequency, presence
 #ifdef MF_X86
-    if (f32x8) i = stage8(reinterpret_cast<uint32_t *>(row), table, s.entries, start, vocab, Penalty8{s});
+    if (f32x8) i = stage8(reinterpret_cast<uint32_t *>(row), table, s.entries, start, vocab, Penalty8{s, drafts, w});
 #else
     (void)f32x8;
 #endif
     for (; i < s.entries; ++i) {
         const uint32_t col = table[i].id - start;
-        if (col < vocab) mf_penalize_at(row, dtype, col, &s, table[i].count);
+        if (col < vocab)
+            mf_penalize_at(row, dtype, col, &s, w ? mf_penalty_count_plus(table[i].count, mf_penalty_draft_count(drafts, w, table[i].id))
+                                                  : table[i].count);
+    }
+    if (!w) return;
+    // The walked drafts' ids the table lacks, each once, as the counts would append them.
+    for (uint32_t u = 0; u < w; ++u) {
+        uint32_t at = 0;
+#ifdef MF_X86
+        if (vector) at = find_avx2(table, s.entries, drafts[u]);
+#endif
+        while (at < s.entries && table[at].id != drafts[u]) ++at;
+        known[u] = at < s.entries || mf_penalty_draft_repeats(drafts, u);
+    }
+    for (uint32_t u = 0; u < w; ++u) {
+        const uint32_t col = drafts[u] - start;
+        if (col < vocab && mf_penalty_draft_joins(known, u, s.entries, a.table_cap))
+            mf_penalize_at(row, dtype, col, &s, mf_penalty_draft_count(drafts, w, drafts[u]));
     }
 }
 
-void count_row(const mf_penalty_args &a, uint32_t r, uint32_t slot, bool vector) {
-    const uint32_t id = a.ids[r];
+// Counts `id` into the slot (MF_NO_TOKEN: nothing).
+void count_id(const mf_penalty_args &a, uint32_t slot, uint32_t id, bool vector) {
     if (id == MF_NO_TOKEN) return;
     mf_penalty_slot s = mf_penalty_clamped(a.state[slot], a.table_cap, a.item_cap);
     mf_penalty_entry *table = a.table + (size_t)slot * a.table_cap;
@@ -196,6 +225,15 @@ void count_row(const mf_penalty_args &a, uint32_t r, uint32_t slot, bool vector)
     mf_penalty_count(&s, table, a.table_cap, id, found);
     a.state[slot].generated = s.generated;
     a.state[slot].entries = s.entries;
+}
+
+// Row r's ids: a pick's cell, or (k > 0) the n ids a verify emitted, in order.
+void count_row(const mf_penalty_args &a, uint32_t r, uint32_t slot, bool vector) {
+    if (!a.k) return count_id(a, slot, a.ids[r], vector);
+    uint32_t last, n;
+    const uint32_t *cells = a.ids + (size_t)r * (a.k + 2);
+    mf_verify_resolve(cells, a.k, &last, &n);
+    for (uint32_t i = 0; i < n; ++i) count_id(a, slot, cells[1 + i], vector);
 }
 
 }  // namespace
@@ -218,11 +256,18 @@ void run_penalties(const PenaltyJob &job) {
     const uint32_t *slots = job.slot_words();
     if (job.update) return count_penalties(a, slots);
     const bool vector = eight_ids();
-    // Rows are independent (each writes its own logits), so they spread over the pool.
-    parallel_rows(a.rows, [&](uint32_t begin, uint32_t end) {
+    const uint32_t k = a.k;
+    // Logit rows are independent (each writes its own logits), so they spread over the pool; a
+    // verify's k + 1 positions of a row read its slot alike, each walking its own drafts.
+    parallel_rows(a.rows * (k + 1), [&](uint32_t begin, uint32_t end) {
         IeeeFpGuard pool_ieee;  // on each pool thread too
-        for (uint32_t r = begin; r < end; ++r)
-            if (slots[r] < a.slot_count) apply_row(a, r, slots[r], vector);  // NO_TOKEN: no penalties
+        uint32_t known[MF_MAX_DRAFTS];
+        for (uint32_t lr = begin; lr < end; ++lr) {
+            const uint32_t r = lr / (k + 1), slot = slots[r];
+            if (slot >= a.slot_count) continue;  // NO_TOKEN: no penalties
+            const uint32_t *drafts = k ? a.drafts + (size_t)r * k : nullptr;
+            apply_row(a, lr, slot, vector, drafts, k ? mf_penalty_walked(drafts, k, lr % (k + 1)) : 0, known);
+        }
     });
 }
 

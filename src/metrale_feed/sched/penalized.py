@@ -8,7 +8,9 @@ batch (its slot is cleared in stream order and given back). Each step, the route
 batch's ``launch`` to the feed method (``penalties=``, one call a step) when the model says it
 takes it (``fused``); otherwise it calls ``apply`` between the forward and the argmax or sampler
 and ``update`` after it. Either way both read the slots the last ``rows`` gave, so every step
-keeps its own rows' slots with no host synchronisation.
+keeps its own rows' slots with no host synchronisation. A speculative pipeline's verify step
+calls ``apply`` with the step's drafts (each position judged with the drafts before it) and
+``update`` with the verify's cells (the emitted ids, never the rejected drafts).
 """
 
 from __future__ import annotations
@@ -31,12 +33,16 @@ class PipelinePenalties:
     pipe : DecodePipeline
     capacity : int
         Distinct ids one request's table holds (``DecodePipeline(penalty_capacity=)``).
+    k : int, optional
+        A speculative pipeline's drafts a row: the launches are a verify's (its ``k + 1``
+        logit rows a row), whose cells the step passes to ``update``. Default 0.
     """
 
-    def __init__(self, pipe: Any, capacity: int) -> None:
+    def __init__(self, pipe: Any, capacity: int, k: int = 0) -> None:
         model = pipe.model
+        self.k = k
         self.cells = getattr(model, "feed_cells", None)
-        if self.cells is None:
+        if self.cells is None and not k:  # a verify's cells are the step's own
             raise FeedError(f"{type(model).__name__} has no device feed cells (feed_cells, as "
                             f"RuntimeFeedMixin models have): penalties cannot be applied on it")
         shard = getattr(model, "feed_shard", None)
@@ -47,7 +53,7 @@ class PipelinePenalties:
         self.state = PenaltyState(pipe.max_rows, capacity=capacity, stream=pipe.stream)
         self.slots: List[int] = []  # the last launch's rows' slots
         self.launch: Any = None  # their apply and update, coerced once (PenaltyState.prepare)
-        self.max_rows = pipe.max_rows
+        self.max_rows = pipe.max_rows * (k + 1)  # logit rows
         self.raw: Optional[Any] = None  # the raw logits of a step with logprobs (snapshot)
         # One call a step (docs/penalties.md): the feed method takes the launch and queues the
         # apply and the update itself; over a split vocabulary the update needs the combined ids.
@@ -57,7 +63,7 @@ class PipelinePenalties:
     def check(pipe: Any, prompt: Any, max_new_tokens: int, stop_ids: Any, min_tokens: int,
               capacity: int) -> None:
         """What ``submit`` refuses before queuing a request with penalties."""
-        if getattr(pipe.model, "feed_cells", None) is None:
+        if getattr(pipe.model, "feed_cells", None) is None and pipe._spec is None:
             raise FeedError(f"{type(pipe.model).__name__} has no device feed cells (feed_cells, "
                             f"as RuntimeFeedMixin models have): penalties cannot be applied on it")
         distinct = len(set(prompt)) + max_new_tokens
@@ -91,7 +97,8 @@ class PipelinePenalties:
             any_slot = True
         if slots != self.slots or self.launch is None:  # a batch's steps reuse its coercion
             self.launch = self.state.prepare(slots, vocab=self.vocab, dtype=self.dtype,
-                                             row_stride=self.row_stride, start=self.start)
+                                             row_stride=self.row_stride, start=self.start,
+                                             k=self.k)
             self.slots = slots
         return self if any_slot else None
 
@@ -119,12 +126,14 @@ class PipelinePenalties:
                                  stream)
         return self.raw
 
-    def apply(self, logits: Any, stream: Any) -> None:
-        """The apply before the feed method (only when it does not take the launch itself)."""
-        self.launch.apply(logits, stream)
+    def apply(self, logits: Any, stream: Any, drafts: Any = None) -> None:
+        """The apply before the feed method (only when it does not take the launch itself), or
+        before a verify (its ``drafts``, device, read when it runs)."""
+        self.launch.apply(logits, stream, drafts)
 
-    def update(self, stream: Any) -> None:
-        self.launch.update(self.cells, stream)
+    def update(self, stream: Any, cells: Any = None) -> None:
+        """The count of the step's ids: the model's feed cells, or a verify's ``cells``."""
+        self.launch.update(self.cells if cells is None else cells, stream)
 
     def close(self) -> None:
         self.state.close()

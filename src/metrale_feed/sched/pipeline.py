@@ -213,9 +213,11 @@ class DecodePipeline:
         committed up to a stop or ``max_new_tokens``. Greedy requests get exactly the tokens of
         decoding without it. At depth 2 the next verify step is launched before the last one's
         counts are read (its inputs and positions come from the device, and a sampled
-        request's draws are those of depth 1). Needs a model with ``block_size`` and ``pool``,
-        and requests without penalties (and, with a shard, without logprobs; without one, logprobs
-        are ``verify_to_feed``'s and top logprobs ``top_logprobs``' over the verify's logits).
+        request's draws are those of depth 1). Needs a model with ``block_size`` and ``pool``
+        (and, with a shard, requests without logprobs; without one, logprobs are
+        ``verify_to_feed``'s and top logprobs ``top_logprobs``' over the verify's logits, or
+        over their copy before the penalties with penalties). Penalties, ``logit_bias`` and
+        ``min_tokens`` judge each position with the drafts before it (docs/speculative.md).
         With a shard, sampled requests need the
         shard's fixed rounds on the cuda backend (``FilterRounds``). Default None: one token a
         row a step.
@@ -551,11 +553,6 @@ class DecodePipeline:
         So a user is never sent after a fix that would not help."""
         spec = self._spec
         if spec is not None:
-            if pen is not None:  # before the penalty-only checks below, which would mislead
-                raise ValueError("penalties (repetition_penalty, presence_penalty, "
-                                 "frequency_penalty), logit_bias and min_tokens are not applied "
-                                 "with speculative decoding yet: submit the request without them "
-                                 "(or to a pipeline without speculative=)")
             # Before the model's logprobs capabilities and the vocabulary: a verify step's
             # logprobs are verify_to_feed's, whatever the model's feed methods take.
             if lp[0] and self.shard is not None:
@@ -577,7 +574,7 @@ class DecodePipeline:
             raise FeedError(f"{name}'s feed methods take no top_logprobs= (its feed_info() says "
                             f"top_logprobs=False): a request with top_logprobs > 0 cannot run "
                             f"on it")
-        if lp[0] and pen is not None and not info.raw_logits:
+        if lp[0] and pen is not None and not info.raw_logits and spec is None:
             raise FeedError(f"{name}'s feed methods take no raw_logits= (its feed_info() says "
                             f"raw_logits=False): logprobs=True with penalties, logit_bias or "
                             f"min_tokens cannot run on it (the penalties change the logits in "
@@ -934,7 +931,8 @@ class DecodePipeline:
         if pen is None:
             if not self._penalised:
                 return None
-            pen = self._pen = PipelinePenalties(self, self._penalty_capacity)
+            pen = self._pen = PipelinePenalties(self, self._penalty_capacity,
+                                                0 if self._spec is None else self._spec.k)
         return pen.rows(rows)
 
     def _reserve(self, rows: List[Request], launch: int) -> List[Request]:

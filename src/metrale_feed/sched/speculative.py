@@ -386,6 +386,7 @@ class _Slot:
         self.lp_dst = _core.PinnedBuffer(rows * (k + 1) * 4)
         self.top: Any = None  # the top logprobs' records and their copy: made at the first step
         self.top_dst: Any = None  # that asks for them (MAX_TOP_LOGPROBS a logit row)
+        self.emitted: Any = None  # each logit row's emitted id (raw logprobs with penalties)
         self.done = _core.Event()
 
     def top_buffers(self) -> Tuple[Any, Any]:
@@ -405,7 +406,8 @@ class _Slot:
     def close(self) -> None:
         close_each(buf.close for buf in (self.drafts, self.taken, self.guard, self.fed,
                                          self.advance, self.cells, self.dst, self.ids, self.adv,
-                                         self.lp, self.lp_dst, self.top, self.top_dst, self.done)
+                                         self.lp, self.lp_dst, self.top, self.top_dst,
+                                         self.emitted, self.done)
                    if buf is not None)
 
 
@@ -417,7 +419,7 @@ class _Batch:
     ``FeedSource.feed(r)``. Read only: a drafter is handed its lists."""
 
     __slots__ = ("rows", "index", "seqs", "masks", "vmasks", "seeds", "params", "identity",
-                 "feeds", "logprobs", "top_n")
+                 "feeds", "logprobs", "top_n", "pen")
 
     def __init__(self, rows: List["Request"], k: int) -> None:
         self.rows = rows
@@ -441,6 +443,7 @@ class _Batch:
         self.feeds = [FeedSource.feed(i) for i in self.identity]
         self.logprobs = any(r.logprobs is not None for r in rows)  # the verify writes them all
         self.top_n = max((r._top_n for r in rows), default=0)  # the top logprobs of every logit row
+        self.pen: Any = None  # the rows' penalties (PipelinePenalties), None when none has any
 
 
 class _Flight:
@@ -512,6 +515,7 @@ class SpeculativeStep:
         self._batch: Optional[_Batch] = None  # the last launch's
         self._history: Dict["Request", List[int]] = {}  # a running request's ids so far
         self._gathers: Dict[int, List[int]] = {}  # rows -> the fed ids' sources
+        self._emitted_at: Dict[int, List[int]] = {}  # rows -> the emitted ids' (_emitted)
         self._row_stride = getattr(model, "feed_row_stride", None)
         self._closed = False
 
@@ -542,8 +546,11 @@ class SpeculativeStep:
         self.pipe.stats.spec_blocks_returned += self.pipe.budget.trim(seq, written)
 
     def discard(self, req: "Request") -> None:
-        """``req`` left the batch: its rows in the steps in flight are thrown away."""
+        """``req`` left the batch: its rows in the steps in flight are thrown away, and the next
+        launch derives its batch again (a request back in the same rows has a new sequence and
+        penalty slot)."""
         self._history.pop(req, None)
+        self._batch = None
         for flight in self.inflight:
             at = flight.index.get(id(req))
             if at is not None and at not in flight.dead:
@@ -584,7 +591,9 @@ class SpeculativeStep:
         n_rows, stream = len(rows), pipe.stream
         batch = self._batch
         if batch is None or pipe._masks_dirty or batch.rows != rows:
-            batch = self._batch = _Batch(rows, k)
+            batch = _Batch(rows, k)
+            batch.pen = pipe._penalties(rows)  # slots for the rows that joined
+            self._batch = batch
             pipe._masks_dirty = False
         histories = self._histories(rows)
         # Each row's index in the step in flight (its input and advance are there, on the
@@ -629,6 +638,11 @@ class SpeculativeStep:
         model: Any = pipe.model  # a verify-capable model (checked at construction)
         extra = {"advance": slot.advance} if advanced else {}
         logits = model.decode_batch_verify(slot.fed, batch.seqs, k, stream, **extra)
+        pen, raw = batch.pen, None
+        if pen is not None:  # position j judged with the drafts before it (docs/speculative.md)
+            if batch.logprobs:  # the raw logits, before the penalties change them
+                raw = pen.snapshot(logits, n_rows * (k + 1), stream)
+            pen.apply(logits, stream, slot.taken)  # the drafts: taken's first n_rows * k words
         params = batch.params
         if params is not None:
             # Read before verify_to_feed returns, so rewriting it each launch changes no step
@@ -637,19 +651,34 @@ class SpeculativeStep:
             # reads), so its draws are keyed as at depth 1.
             params["position"] = [len(h) for h in histories]
         shard = pipe.shard  # greedy rows: one exchange; sampled ones: a sampled call's rounds
-        lp = dict(logprobs=slot.lp, logprobs_dst=slot.lp_dst) if batch.logprobs else {}
+        lp = dict(logprobs=slot.lp, logprobs_dst=slot.lp_dst) if batch.logprobs and raw is None else {}
         vocab = pipe.vocab if shard is None else shard.width
         top = batch.top_n
-        _core.verify_to_feed(logits, slot.taken, slot.cells, slot.dst, None if top else slot.done, stream,
+        later = top or raw is not None  # the step's event after the logprobs' copies
+        _core.verify_to_feed(logits, slot.taken, slot.cells, slot.dst, None if later else slot.done, stream,
                              k=k, masks=batch.vmasks, params=params, rows=n_rows, **lp, vocab=vocab,
                              dtype=pipe.info.logits_dtype, row_stride=self._row_stride,
                              advance=slot.advance if advanced and params is not None else None,
                              shard=shard)
-        if top:  # every logit row's (submit refuses them over a shard), then the step's event
-            out, out_dst = slot.top_buffers()
-            _core.top_logprobs(logits, out, stream, n=top, rows=n_rows * (k + 1), vocab=vocab,
-                               dtype=pipe.info.logits_dtype, row_stride=self._row_stride)
-            _core.copy_d2h_async(out, memoryview(out_dst)[: n_rows * (k + 1) * top * 8], stream)
+        if pen is not None:  # the emitted ids (the cells), never the rejected drafts, counted
+            pen.update(stream, slot.cells)
+        if later:  # every logit row's (submit refuses them over a shard), then the step's event
+            lrows = n_rows * (k + 1)
+            out = slot.top_buffers()[0] if top else None
+            chosen: Dict[str, Any] = {}
+            if raw is not None:  # each emitted id's logprob under its position's raw logits
+                if slot.emitted is None:
+                    slot.emitted = _core.DeviceBuffer(slot.logit_rows * 4)
+                _core.resolve_feed(self._emitted(n_rows), slot.cells, slot.emitted, stream,
+                                   prev_rows=n_rows * (k + 2))
+                chosen = dict(ids=slot.emitted, chosen=slot.lp)
+            _core.top_logprobs(logits if raw is None else raw, out, stream, n=top, rows=lrows,
+                               vocab=vocab, dtype=pipe.info.logits_dtype, row_stride=self._row_stride,
+                               **chosen)
+            if raw is not None:
+                _core.copy_d2h_async(slot.lp, memoryview(slot.lp_dst)[: lrows * 4], stream)
+            if top:
+                _core.copy_d2h_async(out, memoryview(slot.top_dst)[: lrows * top * 8], stream)
             _core.event_record(slot.done, stream)
         if self.depth > 1:  # what the next launch reads before this one's counts are known
             _core.resolve_verified(slot.cells, slot.ids, slot.adv, stream, rows=n_rows, k=k)
@@ -677,6 +706,16 @@ class SpeculativeStep:
                     h += r.tokens[-new:]
             out.append(h)
         return out
+
+    def _emitted(self, n_rows: int) -> List[int]:
+        """Each logit row's emitted id in a verify's cells (``NO_TOKEN`` past its row's ``n``),
+        as FeedSource words: position ``j`` of row ``r`` is cell ``r * (k + 2) + 1 + j``."""
+        sources = self._emitted_at.get(n_rows)
+        if sources is None:
+            k = self.k
+            sources = self._emitted_at[n_rows] = [FeedSource.feed(r * (k + 2) + 1 + j)
+                                                  for r in range(n_rows) for j in range(k + 1)]
+        return sources
 
     def _gather(self, n_rows: int) -> List[int]:
         """The fed ids' sources, row r's input then its k drafts (the same for a row count)."""

@@ -70,6 +70,97 @@ def _verify_beside_argmax(rows: int, k: int, vocab: int, repeats: int,
             "ratio": t_verify / t_argmax, "checked": bool(checked)}
 
 
+def _verify_penalised(rows: int, k: int, vocab: int, repeats: int) -> Dict[str, Any]:
+    """A verify of ``rows * (k + 1)`` float32 logit rows with penalties on every row (the apply
+    that walks each row's drafts, the verify, the update with its cells, then the event sync)
+    against the same verify without. Each side's drafts are its own rule's picks at every
+    position (the penalised ones found position by position, each with the drafts before it), so
+    both decide every position: the most verify work. Every penalised repeat starts from the
+    same logits and counts (copied back untimed), and its cells are checked."""
+    import numpy as np
+
+    from ...penalties import PenaltyState
+    from .pipeline import PENALTIES
+
+    logit_rows = rows * (k + 1)
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((logit_rows, vocab), dtype=np.float32)
+    slots = list(range(rows))
+    plain_drafts = logits.argmax(axis=1).astype(np.uint32).reshape(rows, k + 1)[:, :k].copy()
+    nbytes = logits.nbytes
+    state = PenaltyState(rows, capacity=1300)
+    bufs = [mf.DeviceBuffer(nbytes) for _ in range(2)]  # the logits as given; the penalised copy
+    saved = [mf.DeviceBuffer(b.nbytes) for b in (state.state, state.table)]
+    with mf.DeviceBuffer(rows * k * 4) as dplain, mf.DeviceBuffer(rows * k * 4) as dpen, \
+            mf.DeviceBuffer(rows * (k + 2) * 4) as vcells, mf.PinnedBuffer(rows * (k + 2) * 4) as vout, \
+            mf.Event() as done:
+        try:
+            for r in range(rows):
+                state.set(r, prompt=rng.integers(0, vocab, 200).tolist(),
+                          generated=rng.integers(0, vocab, 1000).tolist(),
+                          logit_bias={int(t): 0.5 for t in rng.choice(vocab, 300, replace=False)},
+                          **PENALTIES)
+            mf.copy_h2d_async(bufs[0], logits)
+            mf.copy_h2d_async(dplain, plain_drafts)
+            for dst, src in zip(saved, (state.state, state.table)):
+                mf.copy_d2d_async(dst, src, src.nbytes)
+            launch = state.prepare(slots, vocab=vocab, dtype="float32", k=k)
+            # The penalised picks position by position: position j's walk reads drafts 0 .. j-1,
+            # found before it (a float32 argmax, first maximum: the verify's greedy rule).
+            drafts = plain_drafts.copy()
+            penalised = np.empty_like(logits)
+            for j in range(k + 1):
+                mf.copy_h2d_async(dpen, drafts)
+                mf.copy_d2d_async(bufs[1], bufs[0], nbytes)
+                launch.apply(bufs[1], 0, dpen)
+                mf.copy_d2h_async(bufs[1], penalised)
+                mf.stream_synchronize()
+                if j < k:
+                    drafts[:, j] = penalised.reshape(rows, k + 1, vocab)[:, j].argmax(axis=1)
+            mf.copy_h2d_async(dpen, drafts)
+            want = np.concatenate([np.full((rows, 1), k + 1, np.uint32),
+                                   penalised.argmax(axis=1).astype(np.uint32).reshape(rows, k + 1)], axis=1)
+
+            def restore() -> None:  # untimed: the same logits and counts for every repeat
+                mf.copy_d2d_async(bufs[1], bufs[0], nbytes)
+                for src, dst in zip(saved, (state.state, state.table)):
+                    mf.copy_d2d_async(dst, src, src.nbytes)
+                mf.stream_synchronize()
+
+            def plain() -> None:
+                mf.verify_to_feed(bufs[0], dplain, vcells, vout, done, k=k, rows=rows, vocab=vocab,
+                                  dtype="float32")
+                done.synchronize()
+
+            def with_penalties() -> None:
+                launch.apply(bufs[1], 0, dpen)
+                mf.verify_to_feed(bufs[1], dpen, vcells, vout, None, k=k, rows=rows, vocab=vocab,
+                                  dtype="float32")
+                launch.update(vcells, 0)
+                done.record(0)
+                done.synchronize()
+
+            times: Dict[str, List[float]] = {"plain": [], "penalised": []}
+            checked = True
+            for _ in range(repeats):  # interleaved
+                restore()
+                times["penalised"].append(_median_ms(with_penalties, 1))
+                cells = np.frombuffer(vout, np.uint32).reshape(rows, k + 2).copy()
+                checked &= bool((cells == want).all())
+                times["plain"].append(_median_ms(plain, 1))
+                cells = np.frombuffer(vout, np.uint32).reshape(rows, k + 2).copy()
+                checked &= bool((cells[:, 0] == k + 1).all())
+            counted = state.read(0)["generated"] == 1000 + k + 1  # the update: the emitted ids
+        finally:
+            mf.stream_synchronize()
+            for obj in (state, *bufs, *saved):
+                obj.close()
+    med = {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+    return {"rows": rows, "k": k, "vocab": vocab, "plain_ms": med["plain"],
+            "penalised_ms": med["penalised"], "ratio": med["penalised"] / med["plain"],
+            "checked": bool(checked and counted), "repeats": repeats}
+
+
 def _pipeline_tps(vocab: int, rows: int, max_new: int, k: int, acceptance: float,
                   repeats: int) -> Dict[str, Any]:
     from ...testing.drafter import ReferenceDrafter
@@ -126,6 +217,11 @@ def bench_speculative(quick: bool) -> Dict[str, Any]:
              "<= 1.3x" if agree == 1.0 else "",
              note=("cells checked" if v["checked"] else "WRONG CELLS")
              + ("" if agree == 1.0 else "; a row stops at its first rejection"))
+    pv = _verify_penalised(rows, k, vocab, repeats)
+    row("verify with penalties on every row", f"{pv['penalised_ms']:.2f} ms",
+         f"without {pv['plain_ms']:.2f} ms", f"{pv['ratio']:.2f}x", "<= 1.2x",
+         note=("cells checked" if pv["checked"] else "WRONG CELLS")
+         + "; apply walking the drafts, verify, update with the cells; every position decided")
     p = _pipeline_tps(1000 if quick else 32000, 16, 32 if quick else 64, k, 0.8,
                       2 if quick else 3)
     section(f"speculative decoding through the pipeline, reference model ({p['rows']} rows, "
@@ -144,6 +240,6 @@ def bench_speculative(quick: bool) -> Dict[str, Any]:
               "less work")
     row("host syncs at depth 2", f"{p['depth_2_host_syncs']}", f"steps {p['depth_2_steps']}",
          target=f"{p['depth_2_steps']}", note="one wait a step, speculation on")
-    return {"verify": verifies, "pipeline": p,
-            "checked": all(v["checked"] for v in verifies) and p["same_tokens"]
+    return {"verify": verifies, "verify_penalised": pv, "pipeline": p,
+            "checked": all(v["checked"] for v in verifies) and pv["checked"] and p["same_tokens"]
             and p["host_syncs_equal_steps"]}
