@@ -227,6 +227,25 @@ def test_the_device_copy_holds_the_arrays(backend, no_leaks, case):
     automaton.close()  # twice: nothing more
 
 
+def test_the_upload_is_complete_when_to_device_returns(host, no_leaks):
+    # Ops on any stream read an automaton with no event to order them after its upload: the
+    # copies on a lagging stream must have run when to_device returns (a graph replayed on
+    # another stream once read the arrays half-written).
+    transitions, initial, vocab = automata()[5]
+    automaton = TokenAutomaton(transitions, initial=initial, vocab=vocab)
+    import time
+
+    with mf.Stream() as late:
+        mf.launch_host_func(late, time.sleep, 0.3)  # the upload queues behind 0.3 s of work
+        states, edges = automaton.to_device(late)
+        out = np.zeros(automaton.num_states, STATE_DTYPE)
+        with mf.Stream() as other:  # read on another stream, without waiting on `late`
+            mf.copy_d2h_async(states, out, other)
+            mf.stream_synchronize(other)
+    assert out.tobytes() == automaton.states.tobytes()
+    automaton.close()
+
+
 def test_the_context_manager_frees_the_device_copy(backend, no_leaks):
     automaton = TokenAutomaton(GOOD, initial=3, vocab=4)
     with automaton as same:

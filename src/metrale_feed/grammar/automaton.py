@@ -592,9 +592,9 @@ class TokenAutomaton:
         """The device copy of the states and edges arrays: uploaded by async copies on ``stream``
         at the first call (later calls return the same two buffers, until ``close``).
 
-        Work that reads the buffers must be queued on ``stream``, or after it (an event), as
-        with any async copy. The host arrays are lent to the copies until they have run
-        (docs/lifetimes.md, "Frees"), so upload outside a graph capture.
+        The first call returns once the copies have completed (it waits for ``stream``), so work
+        on any stream may read the buffers: an automaton is shared by requests on every stream,
+        and an upload is made once per grammar, never per step. Upload outside a graph capture.
 
         Parameters
         ----------
@@ -631,6 +631,9 @@ class TokenAutomaton:
             try:
                 _core.copy_h2d_async(states_buffer, self._states, stream)
                 _core.copy_h2d_async(edges_buffer, edges, stream)
+                # Ops on other streams read these buffers with no event to order them after
+                # the copies: the one wait of an automaton's life.
+                _core.stream_synchronize(stream)
             except BaseException:
                 edges_buffer.close()
                 raise
