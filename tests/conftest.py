@@ -22,6 +22,25 @@ import metrale_feed
 from helpers.leaks import wait_for_counts
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--no-backend-matrix", action="store_true",
+        help="deselect the tests parametrized over backends (the `backend` fixture): they make "
+             "each backend active themselves, so a session on another default backend runs them "
+             "exactly as the session that ran them already did (CI's simt pass)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--no-backend-matrix"):
+        return
+    matrix = [item for item in items
+              if "backend" in getattr(getattr(item, "callspec", None), "params", {})]
+    if matrix:
+        config.hook.pytest_deselected(items=matrix)
+        chosen = set(map(id, matrix))
+        items[:] = [item for item in items if id(item) not in chosen]
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a usable CUDA device (skipped without one)")
     config.addinivalue_line("markers", "slow: longer runs (soak, wheel install)")

@@ -79,6 +79,10 @@ run_asan() {
     # keeps freed memory resident, so the soak's RSS bound is lifted (its live counts still
     # hold). -s lets in-process reports reach the log; the child interpreters of
     # test_hostile.py inherit the environment, and a report there fails the case it ran.
+    # Two workers where pytest-xdist is installed: a report kills its worker (halt_on_error), which
+    # fails the test it ran, and each worker's report reaches the log through -s's stderr.
+    local workers=()
+    if "$py" -c "import xdist" 2>/dev/null; then workers=(-n 2); fi
     set +e
     (cd "$work" && \
         LD_PRELOAD="$asan_lib" \
@@ -87,7 +91,7 @@ run_asan() {
         METRALE_FEED_BACKEND=host METRALE_FEED_SOAK_STEPS="${METRALE_FEED_SOAK_STEPS:-2000}" \
         METRALE_FEED_SOAK_RSS_BOUND=$((1 << 30)) \
         PYTHONFAULTHANDLER=1 \
-        "$py" -m pytest -q -s -p no:cacheprovider "${files[@]}") > "$log" 2>&1
+        "$py" -m pytest -q -s -p no:cacheprovider "${workers[@]}" "${files[@]}") > "$log" 2>&1
     local rc=$?
     local simt_files=()
     for t in $simt_asan_tests; do simt_files+=("$root/$t"); done
