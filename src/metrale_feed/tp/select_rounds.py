@@ -18,7 +18,7 @@ joins into the feed cells. Between them, per row:
   slices are in id order. top_p alone: 6 exchanges.
 - min_p alone: nothing between the first exchange and the race (2 exchanges).
 
-The decisions between the exchanges are C (select_rule.h): ``_core._select_decide`` queues them
+The decisions between the exchanges are C (select_rule.h): ``ops.select_decide`` queues them
 on the stream, a kernel on cuda and simt and a loop on the host backend's worker, reading the
 gathered blocks and the params in device memory and writing the stages' state. No Python runs
 between the rounds; this module only sizes the buffers and queues the stages, exchanges and
@@ -45,6 +45,7 @@ import numpy as np
 from .. import _core
 from ..errors import FeedError
 from ..sampling import SAMPLING_PARAMS_DTYPE
+from . import ops
 from .rounds import CANDS_MAX, ROUNDS, FilterRounds
 
 _HEADER = _core.PARTIAL_HEADER_BYTES
@@ -75,14 +76,14 @@ def plan_of(params: np.ndarray) -> np.ndarray:
     """Per row, the ``_core._PLAN_*`` bits of ``mf_plan_sampling``'s reading of its record (the C
     rule itself, so the rounds plan what the kernels do)."""
     records = np.ascontiguousarray(params)
-    return np.frombuffer(_core._sampling_plan(records), np.uint8)
+    return np.frombuffer(ops.sampling_plan(records), np.uint8)
 
 
 def filters_of(params: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row: sampled with top_k, with top_p, with min_p (``mf_plan_sampling``'s reading)."""
     plan = plan_of(params)
-    return ((plan & _core._PLAN_TOP_K) != 0, (plan & _core._PLAN_TOP_P) != 0,
-            (plan & _core._PLAN_MIN_P) != 0)
+    return ((plan & ops.PLAN_TOP_K) != 0, (plan & ops.PLAN_TOP_P) != 0,
+            (plan & ops.PLAN_MIN_P) != 0)
 
 
 def call_word(counter: int, params: np.ndarray | None, tag: bytes = b"") -> int:
@@ -172,7 +173,7 @@ class FilteredCall:
             word = ctypes.c_uint32.from_address(self.decided.ptr).value
             if word:
                 try:
-                    _core._check_partials_fault(struct.pack("<I", word))
+                    ops.check_partials_fault(struct.pack("<I", word))
                 except FeedError as exc:
                     self._why = f"sharded sampling with filters {exc}"
                 if self.shard._fault is None:
@@ -208,14 +209,14 @@ class FilteredCall:
             if not sampled.device:  # the host copy verify_args took, kept until the call completes
                 _core.copy_h2d_async(self.verify_rows, src, stream)
                 src = self.verify_rows
-            _core._verify_logit_params(src, sampled.advance, self.params_dev, stream, rows=rows, k=k)
+            ops.verify_logit_params(src, sampled.advance, self.params_dev, stream, rows=rows, k=k)
         elif self.device:
             _core.copy_d2d_async(self.params_dev, self.params, self.rows * SAMPLING_PARAMS_DTYPE.itemsize, stream)
         else:
             _core.copy_h2d_async(self.params_dev, self.params, stream)
         launch("top", self.top)
         shard._exchange(stream, self.top, self.gathered, skip)
-        _core._select_decide(*self.world_args(self.gathered, self.block), stream, step="top",
+        ops.select_decide(*self.world_args(self.gathered, self.block), stream, step="top",
                              vocab=shard.vocab, call=self.call,
                              next=self.selects[0] if self.selects else None,
                              rounds=(self.cap, "p" in self.selects) if self.fixed else None)
@@ -227,7 +228,7 @@ class FilteredCall:
                 launch("hist", self.hist)
                 shard._exchange(stream, self.hist, self.hgathered, skip)
                 after = self.selects[i + 1] if j == ROUNDS - 1 and i + 1 < len(self.selects) else None
-                _core._select_decide(*self.world_args(self.hgathered, self.hblock), stream, step="round",
+                ops.select_decide(*self.world_args(self.hgathered, self.hblock), stream, step="round",
                                      sel=sel, round=j, next=after)
         launch("race", self.top)
         shard._exchange(stream, self.top, self.gathered, skip)

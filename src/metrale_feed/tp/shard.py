@@ -20,6 +20,7 @@ from typing import Any, Sequence
 from .. import _core
 from ..errors import FeedError
 from ..step import PickStep
+from . import ops
 from .rounds import FilterRounds
 
 _EXTRA = "pip install 'metrale-feed[torch]'"
@@ -454,12 +455,12 @@ class VocabShard:
 
         def partial(block: Any) -> None:
             if op == "argmax":
-                _core._argmax_partial(logits, masks, block, None, stream, **kw)
+                ops.argmax_partial(logits, masks, block, None, stream, **kw)
             else:
-                _core._sample_partial(logits, params, block, None, stream, masks=masks, **kw)
+                ops.sample_partial(logits, params, block, None, stream, masks=masks, **kw)
 
         def combine(gathered: Any, fault: Any) -> None:
-            _core._combine_partials(gathered, self.world, cells, dst, None, stream, rows=n,
+            ops.combine_partials(gathered, self.world, cells, dst, None, stream, rows=n,
                                     vocab=self.vocab, call=call, fault_dst=fault,
                                     params=params if op == "sample" else None, logprobs=logprobs,
                                     logprobs_dst=logprobs_dst, slice_stride=self._block // _RECORD_BYTES)
@@ -561,12 +562,12 @@ class VocabShard:
                       logprobs=logprobs is not None)
 
             def partial(block: Any) -> None:
-                _core._argmax_partial(logits, masks, block, None, stream, **kw)
+                ops.argmax_partial(logits, masks, block, None, stream, **kw)
 
             def combine(gathered: Any, fault: Any) -> None:
                 if upload is not None:
                     _core.copy_h2d_async(upload, v.host_drafts, stream)
-                _core._combine_partials(gathered, self.world, cells, dst, None, stream,
+                ops.combine_partials(gathered, self.world, cells, dst, None, stream,
                                         rows=v.logit_rows, vocab=self.vocab, call=call,
                                         fault_dst=fault, logprobs=logprobs,
                                         logprobs_dst=logprobs_dst,
@@ -636,7 +637,7 @@ class VocabShard:
         id's entry equals ``argmax_to_feed(..., logprobs=, shard=)``'s bit for bit. With ``ids``
         (global ids, a step's feed cells), ``chosen[r]`` is also the logprob of ``ids[r]``: the
         raw logprob of a token chosen from logits changed since (penalties). Each rank sends one
-        block of ``_core._top_block_bytes(max_rows, n)`` bytes (16 a row for its ``(m, s)`` and
+        block of ``ops.top_block_bytes(max_rows, n)`` bytes (16 a row for its ``(m, s)`` and
         the asked-for id, 8 for each of its own top ``n``) in one all-gather; the merge is a
         kernel on the stream (``mf_top_logprobs_combine``): no host synchronisation, on every
         backend, and capturable in a graph. Every rank makes the same calls with the same ``n``
@@ -734,14 +735,14 @@ class VocabShard:
                 return count
             handle, capturing = self._stream_check(stream)
             call = self._calls + 1
-            nbytes = _core._top_block_bytes(self.max_rows, n)
+            nbytes = ops.top_block_bytes(self.max_rows, n)
 
             def partial(block: Any) -> None:
-                _core._top_partial(src, block, stream, n=n, start=self.start, vocab_total=self.vocab,
+                ops.top_partial(src, block, stream, n=n, start=self.start, vocab_total=self.vocab,
                                    call=call, ids=ids, **sizes)
 
             def combine(gathered: Any, fault: Any) -> None:
-                _core._top_combine(gathered, self.world, out if n else None, stream, rows=count, n=n,
+                ops.top_combine(gathered, self.world, out if n else None, stream, rows=count, n=n,
                                    vocab=self.vocab, call=call, slice_stride=nbytes // _RECORD_BYTES,
                                    fault_dst=fault, chosen=chosen)
 
@@ -801,7 +802,7 @@ class VocabShard:
                                  cands_stride=rounds.cblock)
             if verify is not None and stage in ("top", "race"):
                 lists.update(drafts=verify[0], k=verify[1])
-            _core._select_partial(logits, read, partials, rounds.state_buf, stage, stream,
+            ops.select_partial(logits, read, partials, rounds.state_buf, stage, stream,
                                   id_list=rounds.id_list, list_cap=select_rounds.LIST_CAP,
                                   logprobs=stage == "race" and logprobs is not None, **lists, **kw)
             if not queued:  # the first stage checked every argument: the call is on
@@ -814,7 +815,7 @@ class VocabShard:
             rounds.queue(stream, launch)
             # A verify's combine reads the logit rows' params from the call's copy, and its state.
             more = {} if verify is None else dict(drafts=verify[0], k=verify[1], select=rounds.state_buf)
-            _core._combine_partials(rounds.gathered, self.world, cells, dst, None, stream, rows=n,
+            ops.combine_partials(rounds.gathered, self.world, cells, dst, None, stream, rows=n,
                                     vocab=self.vocab, call=call, fault_dst=rounds.fault_word,
                                     params=read, logprobs=logprobs,
                                     logprobs_dst=logprobs_dst, slice_stride=self._block // _RECORD_BYTES,
@@ -929,7 +930,7 @@ class VocabShard:
             call.report()  # unless an exchange has
             return
         try:
-            _core._check_partials_fault(fault, outcome)
+            ops.check_partials_fault(fault, outcome)
         except FeedError as exc:
             if self._fault is None:
                 self._fault = str(exc)
@@ -995,8 +996,8 @@ def _check_host_params(params: Any) -> bool:
     if not isinstance(params, np.ndarray) or params.dtype.names is None:
         raise ValueError("a sharded sample_to_feed takes SAMPLING_PARAMS_DTYPE records: host ones "
                          "(any filters), or device memory holding them (temperature-only)")
-    plan = np.frombuffer(_core._sampling_plan(np.ascontiguousarray(params)), np.uint8)
-    return bool(np.any(plan & (_core._PLAN_TOP_K | _core._PLAN_TOP_P | _core._PLAN_MIN_P)))
+    plan = np.frombuffer(ops.sampling_plan(np.ascontiguousarray(params)), np.uint8)
+    return bool(np.any(plan & (ops.PLAN_TOP_K | ops.PLAN_TOP_P | ops.PLAN_MIN_P)))
 
 
 def _precheck_host(buf: Any, rows: int, what: str, fmt: str) -> None:
@@ -1020,5 +1021,5 @@ def _device_at(buf: Any, what: str) -> tuple[int, int | None]:
     if type(buf) is _core.DeviceBuffer:
         return int(buf.ptr), int(buf.nbytes)
     if isinstance(buf, int) and not isinstance(buf, bool):
-        return int(buf), _core._device_bytes_left(buf)
+        return int(buf), ops.device_bytes_left(buf)
     raise TypeError(f"{what} must be a DeviceBuffer or an int, not {type(buf).__name__}")

@@ -17,6 +17,7 @@ import numpy as np
 from .. import _checks, _core
 from ..errors import FeedError
 from ..sampling import SAMPLING_PARAMS_DTYPE
+from . import ops
 
 # The high word of a verify call's header word: this bit and k. A rank that runs the plain argmax
 # over the same logit rows, or another k, then carries another word, which the combine refuses on
@@ -90,7 +91,7 @@ def _device_words(buf: Any, words: int, what: str, ids: bool = True) -> None:
     if type(buf) is _core.DeviceBuffer:
         have = int(buf.nbytes)
     elif isinstance(buf, int):
-        left = _core._device_bytes_left(buf)
+        left = ops.device_bytes_left(buf)
         # None: foreign memory on cuda, trusted as the C layer does; 0, a pointer the layer does
         # not know on host and simt, is the C layer's to refuse (before any exchange).
         have = left if left else None
@@ -114,8 +115,8 @@ def _sampled(params: Any, device: bool, fixed: bool, rows: int, k: int, logprobs
     if params is None:
         return None
     if not device and not fixed:
-        plan = np.frombuffer(_core._sampling_plan(np.ascontiguousarray(params[:rows])), np.uint8)
-        if not np.any(plan & _core._PLAN_SAMPLED):  # the kernels' own reading of the records
+        plan = np.frombuffer(ops.sampling_plan(np.ascontiguousarray(params[:rows])), np.uint8)
+        if not np.any(plan & ops.PLAN_SAMPLED):  # the kernels' own reading of the records
             return None
     if logprobs is not None:
         raise FeedError("a sharded verify_to_feed with sampled rows (or device params, or params with "
