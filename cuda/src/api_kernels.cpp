@@ -94,14 +94,18 @@ mf_status check_sampling(const mf_argmax_args *a) {
     return MF_SUCCESS;
 }
 
-// A split row's partial calls and its combine: every row temperature-only, since top_k, top_p and
-// min_p need thresholds over the whole row (docs/kernels.md, "Partial records and the combine").
+// A split row's partial calls and its combine: every sampled row temperature-only, since top_k,
+// top_p and min_p need thresholds over the whole row (docs/kernels.md, "Partial records and the
+// combine"). Which rows sample and which filters they apply is the kernels' own reading of the
+// record (mf_plan_sampling): a greedy row's filter fields are never read.
 mf_status check_temperature_only(const mf_sampling_params *params, uint32_t rows) {
-    for (uint32_t r = 0; r < rows; ++r)
-        if (params[r].top_k != 0u || params[r].top_p < 1.0f || params[r].min_p > 0.0f)
+    for (uint32_t r = 0; r < rows; ++r) {
+        const mf_sample_plan plan = mf_plan_sampling(&params[r]);
+        if (!plan.greedy && (plan.top_k != 0u || plan.use_top_p || plan.use_min_p))
             return fail(MF_ERROR_INVALID_VALUE,
                         "row %u: a split row samples with temperature only (top_k, top_p and min_p "
                         "need global thresholds)", r);
+    }
     return MF_SUCCESS;
 }
 

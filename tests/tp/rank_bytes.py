@@ -33,7 +33,7 @@ def mixes(rows, rng):
     out["every select"] = p  # the lists at their most, a larger top_k and top_p alone: 11
     p = params(top_k=7, top_p=0.5)
     p["temperature"] = 0.0
-    out["greedy with filters"] = p  # filters set, nothing sampled: no select runs
+    out["greedy with filters"] = p  # filters set, nothing sampled: the plain call's one exchange
     return out
 
 
@@ -50,8 +50,9 @@ def expected(params, m, rounds):
         t = params["temperature"]
         sampled = (t > 0) & np.isfinite(t)
         k, tp = params["top_k"], params["top_p"]
-        if not (np.any(k != 0) or np.any(tp != 1.0) or np.any(params["min_p"] != 0.0)):
-            return 1, block
+        mp = params["min_p"]
+        if not np.any(sampled & ((k != 0) | ((tp > 0) & (tp < 1)) | ((mp > 0) & (mp < 1)))):
+            return 1, block  # no sampled row filters: a greedy row's filter fields are never read
         lists = sampled & (k != 0) & (k <= CANDS_MAX)
         cap = int(k[lists].max()) if lists.any() else 0
         radix_p = sampled & (tp > 0) & (tp < 1) & ~lists
