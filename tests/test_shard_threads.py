@@ -118,3 +118,50 @@ print("OK")
 """
     result = run_python(code, timeout=150)
     assert "OK" in result.stdout, result.describe()
+
+
+def test_a_grammar_call_from_another_thread_queues_no_mask():
+    # A pick with grammar= queues its mask before the pick: the thread check comes first, so
+    # another thread's call leaves the automaton's scratch and the state words as they were.
+    code = PRELUDE + r"""
+from metrale_feed import TokenAutomaton
+shard = mf.VocabShard(None, 300, max_rows=4)
+shard._force_exchange = True
+auto = TokenAutomaton({0: {5: 0, 7: 0}}, initial=0, vocab=300)
+auto.to_device()
+logits = np.random.default_rng(1).standard_normal((4, 300)).astype(np.float32)
+words = 4 * ((300 + 31) // 32)
+marker = np.full(words, 0xA5A5A5A5, np.uint32)
+with mf.DeviceBuffer(logits.nbytes) as dev, mf.DeviceBuffer(16) as cells, \
+        mf.DeviceBuffer(16) as states, mf.DeviceBuffer(words * 4) as scratch:
+    mf.copy_h2d_async(dev, logits.view(np.uint8))
+    mf.copy_h2d_async(states, np.zeros(4, np.uint32))
+    mf.copy_h2d_async(scratch, marker)
+    mf.stream_synchronize(0)
+    outcome = []
+
+    def other():
+        try:
+            mf.argmax_to_feed(dev, None, cells, None, None, 0, rows=4, vocab=300,
+                              dtype="float32", shard=shard, grammar=(auto, states, scratch))
+            outcome.append("ran")
+        except FeedError as error:
+            outcome.append(str(error))
+
+    t = threading.Thread(target=other)
+    t.start(); t.join()
+    mf.stream_synchronize(0)
+    back = np.zeros(words, np.uint32)
+    mf.copy_d2h_async(scratch, back)
+    st = np.ones(4, np.uint32)
+    mf.copy_d2h_async(states, st)
+    mf.stream_synchronize(0)
+    assert outcome and "belongs to thread" in outcome[0], outcome
+    assert (back == marker).all(), "the other thread's mask was queued"
+    assert st.tolist() == [0, 0, 0, 0]
+auto.close()
+shard.close()
+print("OK")
+"""
+    done = run_python(code, timeout=120)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr

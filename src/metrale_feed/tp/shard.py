@@ -324,6 +324,8 @@ class VocabShard:
         and ``verify_to_feed`` hand the shard given ``shard=self`` (the call described once,
         ``metrale_feed.step.PickStep``). Returns the rows launched."""
         if step.grammar is not None:
+            # The shard's thread and state first: a grammar's mask is queued before the pick.
+            self._refuse_after_fault()
             return self._with_grammar(step)
         if step.op == "verify":
             return self._verify(step)
