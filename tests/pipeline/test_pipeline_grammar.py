@@ -19,6 +19,8 @@ import pytest
 import metrale_feed as mf
 from metrale_feed import DecodePipeline, FeedError, TokenAutomaton
 from metrale_feed.feed import NO_TOKEN
+from metrale_feed.sched.speculative import HostDrafter
+from metrale_feed.testing.drafter import ReferenceDrafter
 from metrale_feed.testing.reference import ReferenceModel, host_logits
 
 from conftest import VOCAB, greedy_tokens, model_for, prompts
@@ -139,6 +141,32 @@ def test_greedy_rows_follow_their_automata(host, no_leaks, depth):
     assert reasons == {"stop", "length"}, reasons
 
 
+def test_automata_come_and_go(host, no_leaks):
+    """Six automata of different sizes through three rows: each joined one keeps its range of
+    states while a running request uses it, ranges never overlap, a new one takes a gap left
+    by one no request uses any more, and every request gets the oracle's tokens."""
+    automata = [automaton(30 + i, states=3 + 5 * (i % 3)) for i in range(6)]
+    requests = [(p, 4 + (i * 7) % 9, automata[i % 6]) for i, p in enumerate(prompts(18, seed=5))]
+    model = model_for(rows=3)
+    reused = False
+    with DecodePipeline(model, 3, depth=2) as pipe:
+        reqs = [pipe.submit(p, max_new_tokens=m, grammar=a) for p, m, a in requests]
+        seen = {}
+        while not pipe.idle:
+            pipe.step()
+            gram = pipe._gram
+            spans = sorted((off, off + a.num_states) for a, off in gram.offsets.items())
+            assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:])), spans
+            for a, off in gram.offsets.items():
+                reused |= any(b is not a and lo <= off < hi for b, (lo, hi) in seen.items())
+                seen[a] = (off, off + a.num_states)
+            running = {r.grammar for r in pipe._running}
+            assert running <= set(gram.offsets) or not running
+    model.close()
+    assert reused  # a range freed by one automaton was taken by another
+    check(reqs, requests)
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 def test_sampled_rows_draw_what_the_sampler_draws_over_the_allowed_ids(host, no_leaks, depth):
     automata = [automaton(3), automaton(4)]
@@ -213,6 +241,34 @@ def test_aborted_rows_keep_prefixes_of_the_oracle(host, no_leaks):
     check(reqs, requests)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_logprobs_are_the_raw_distributions(host, no_leaks, depth):
+    """Logprobs and top logprobs of constrained rows are those of the raw logits, as without a
+    grammar (the mask excludes ids from the pick, not from the distribution)."""
+    from metrale_feed.testing.oracle import reference_logprobs
+    from helpers.accuracy import assert_close
+
+    auto = automaton(22)
+    model = model_for(rows=3)
+    with DecodePipeline(model, 3, depth=depth) as pipe:
+        reqs = [pipe.submit(p, max_new_tokens=7, grammar=auto, logprobs=True, top_logprobs=3,
+                            temperature=0.7 * (i % 2), seed=i)
+                for i, p in enumerate(prompts(4, seed=12))]
+        pipe.run()
+    model.close()
+    for req in reqs:
+        check_allowed(req)
+        history, want, tops = list(req.prompt), [], []
+        for token in req.tokens:
+            row = host_logits(history, VOCAB)[None]
+            want.append(reference_logprobs(row, [token])[0])
+            tops.append(np.argsort(-row[0].astype(np.float64), kind="stable")[:3].tolist())
+            history.append(token)
+        assert len(req.logprobs) == len(req.tokens) == len(req.top_logprobs)
+        assert_close(req.logprobs, np.array(want))
+        assert [[i for i, _ in top] for top in req.top_logprobs] == tops
+
+
 def test_a_final_state_finishes_the_request_stop(host, no_leaks):
     """After a token whose state has no outgoing transition the request finishes "stop", that
     token its last, also when it is the last token max_new_tokens allows."""
@@ -267,14 +323,20 @@ def test_min_tokens_on_the_one_allowed_stop_id_finishes_grammar(host, no_leaks):
     assert req.finish_reason == "grammar" and len(req.tokens) == 1 and req.tokens[0] in (10, 11)
 
 
-def test_host_syncs_equal_steps_at_depth_2(host, no_leaks):
+@pytest.mark.parametrize("speculative", [False, True])
+def test_host_syncs_equal_steps_at_depth_2(host, no_leaks, speculative):
     """Every row constrained: the state words live and advance on the device, so the host waits
     once a step, admissions, compaction and the joined automaton's rebuilds included."""
     automata = [automaton(12), automaton(13), automaton(14)]
     requests = batch(12, 7, automata, free_every=10 ** 6)
     model = model_for(rows=4, num_blocks=300)
-    with DecodePipeline(model, 4, depth=2) as pipe:
-        reqs = [pipe.submit(p, max_new_tokens=m, grammar=a) for p, m, a in requests]
+    drafter = GrammarDrafter(2) if speculative else None
+    with DecodePipeline(model, 4, depth=2, speculative=drafter) as pipe:
+        reqs = []
+        for p, m, a in requests:
+            reqs.append(pipe.submit(p, max_new_tokens=m, grammar=a, seed=len(reqs)))
+            if drafter is not None:
+                drafter.know(reqs[-1])
         pipe.run()
         stats = pipe.stats
         assert stats.steps > len(reqs) // 2
@@ -344,6 +406,171 @@ def test_json_schema_outputs_parse_and_validate(host, no_leaks):
             assert (req.tokens, "stop") == decode(auto, req.prompt, 60)
 
 
+# ---- speculation ----
+
+
+class GrammarDrafter(HostDrafter):
+    """Drafts a row's own greedy continuation (``decode``; a free row's greedy ids): every
+    draft accepted.
+    ``forbidden`` puts an id the row's state forbids at draft ``forbidden`` (then the
+    continuation as if it were allowed), so the verify must reject it whatever its logit.
+    Rows are told apart by their seed (``know``)."""
+
+    def __init__(self, k, forbidden=None):
+        super().__init__(k)
+        self.forbidden = forbidden
+        self.rows = {}
+
+    def know(self, req):
+        self.rows[req.seed] = (len(req.prompt), req.grammar)
+
+    def draft(self, history, k, seed, mask):
+        plen, auto = self.rows[seed]
+        if auto is None:  # the row's unconstrained greedy ids
+            return ReferenceDrafter(VOCAB, k, 1.0).draft(history, k, seed, mask)
+        state = auto.walk(history[plen:])
+        if state is None or auto.final(state):  # the step in flight ends the request
+            return []
+        out, h = [], list(history)
+        for j in range(k):
+            allowed = [t for t in auto.allowed(state) if t not in mask]
+            if not allowed:
+                break
+            token = allowed[int(np.argmax(host_logits(h, VOCAB)[allowed]))]
+            if j == self.forbidden:
+                token = next(t for t in range(VOCAB) if t not in auto.allowed(state))
+                out.append(token)
+                h.append(token)
+                continue
+            out.append(token)
+            h.append(token)
+            state = auto.next(state, token)
+            if auto.final(state):
+                break
+        return out
+
+
+class ForbiddenDrafter(HostDrafter):
+    """Only ids the row's state forbids, the one with the greatest logit first."""
+
+    def __init__(self, k):
+        super().__init__(k)
+        self.rows = {}
+
+    know = GrammarDrafter.know
+
+    def draft(self, history, k, seed, mask):
+        plen, auto = self.rows[seed]
+        state = auto.walk(history[plen:])
+        if state is None:  # the step in flight ends the request
+            return []
+        allowed = set(auto.allowed(state))
+        logits = host_logits(history, VOCAB)
+        return [int(t) for t in np.argsort(-logits, kind="stable") if t not in allowed][:k]
+
+
+def drafters(k):
+    return {"grammar": GrammarDrafter(k), "forbidden-2nd": GrammarDrafter(k, forbidden=1),
+            "forbidden": ForbiddenDrafter(k), "reference": ReferenceDrafter(VOCAB, k, 1.0)}
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("which", ["grammar", "forbidden-2nd", "forbidden", "reference"])
+def test_speculative_greedy_tokens_equal_the_oracle(host, no_leaks, depth, k, which):
+    """Whatever the drafter proposes (the row's own continuation, a forbidden id among it, only
+    forbidden ids, the unconstrained greedy ids), the tokens are the oracle's, the state words
+    walked through the drafts on the device."""
+    automata = [automaton(16), automaton(17)]
+    requests = batch(9, 20 + k, automata, free_every=10 ** 6 if which == "forbidden" else 3)
+    drafter = drafters(k)[which]
+    model = model_for(rows=3, num_blocks=300)
+    with DecodePipeline(model, 3, depth=depth, speculative=drafter) as pipe:
+        reqs = []
+        for p, m, a in requests:
+            reqs.append(pipe.submit(p, max_new_tokens=m, grammar=a, seed=len(reqs)))
+            if hasattr(drafter, "know"):
+                drafter.know(reqs[-1])
+        pipe.run()
+        stats = pipe.stats
+        assert pipe.budget.free_count == 300
+    model.close()
+    check(reqs, requests)
+    if which == "grammar":
+        assert stats.accepted > stats.drafted // 2, stats
+    if which == "forbidden":
+        assert stats.accepted == 0 and stats.drafted > 0, stats
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_speculative_sampled_rows_keep_to_the_automaton(host, no_leaks, depth):
+    """Sampled rows under speculation draw by the verify's rule, not the plain pipeline's
+    draws: every token is one their automaton allows, and they finish as their tokens say."""
+    automata = [automaton(23), automaton(24)]
+    drafter = GrammarDrafter(2, forbidden=1)
+    model = model_for(rows=3, num_blocks=300)
+    with DecodePipeline(model, 3, depth=depth, speculative=drafter) as pipe:
+        reqs = []
+        for i, p in enumerate(prompts(6, seed=13)):
+            reqs.append(pipe.submit(p, max_new_tokens=12, grammar=automata[i % 2],
+                                    temperature=1.0, seed=i))
+            drafter.know(reqs[-1])
+        pipe.run()
+        assert pipe.stats.accepted > 0
+    model.close()
+    for req in reqs:
+        check_allowed(req)
+        end = req.grammar.final(req.grammar.walk(req.tokens))
+        assert req.finish_reason == ("stop" if end else "length"), req
+        assert end or len(req.tokens) == 12
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_speculative_preemption_compaction_and_aborts(host, no_leaks, depth):
+    automata = [automaton(18, end=0.02), automaton(19, end=0.02)]
+    requests = [(p, 18, automata[i % 2] if i % 3 else None)
+                for i, p in enumerate(prompts(8, seed=9, lo=3, hi=8))]
+    drafter = GrammarDrafter(2, forbidden=1)
+    model = model_for(rows=4, num_blocks=18, block_size=4)
+    with DecodePipeline(model, 4, depth=depth, speculative=drafter) as pipe:
+        reqs = []
+        for p, m, a in requests:
+            reqs.append(pipe.submit(p, max_new_tokens=m, grammar=a, seed=len(reqs)))
+            drafter.know(reqs[-1])
+        for _ in range(4):
+            pipe.step()
+        pipe.abort(reqs[1])
+        pipe.run()
+        assert pipe.stats.preemptions > 0
+        assert pipe.budget.free_count == 18
+    model.close()
+    check(reqs, requests)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_speculative_stop_and_grammar_finishes(host, no_leaks, depth):
+    three = TokenAutomaton({0: {10: 1, 11: 1, 12: 1}, 1: {20: 2, 21: 2}, 2: {30: 3}, 3: {}},
+                           initial=0, vocab=VOCAB)
+    loop = TokenAutomaton({0: {10: 1, 11: 1}, 1: {40: 0}}, initial=0, vocab=VOCAB)
+    stop_loop = TokenAutomaton({0: {10: 1, 11: 1}, 1: {7: 0}}, initial=0, vocab=VOCAB)
+    drafter = GrammarDrafter(3)
+    model = model_for(rows=4, num_blocks=300)
+    with DecodePipeline(model, 4, depth=depth, speculative=drafter) as pipe:
+        reqs = [pipe.submit([1, 2], max_new_tokens=10, grammar=three, seed=0),
+                pipe.submit([1, 2], max_new_tokens=3, grammar=three, seed=1),
+                pipe.submit([1, 2], max_new_tokens=8, grammar=loop, ban=(40, NO_TOKEN), seed=2),
+                pipe.submit([1, 2], max_new_tokens=8, grammar=stop_loop, stop_ids=[7],
+                            min_tokens=4, seed=3)]
+        for r in reqs:
+            drafter.know(r)
+        pipe.run()
+    model.close()
+    for req in reqs[:2]:
+        assert req.finish_reason == "stop" and len(req.tokens) == 3 and req.tokens[2] == 30
+    for req in reqs[2:]:
+        assert req.finish_reason == "grammar" and len(req.tokens) == 1, req.tokens
+
+
 # ---- over a split vocabulary ----
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -356,15 +583,15 @@ import torch.distributed as dist, metrale_feed as mf
 from helpers.child import free_port
 from conftest import VOCAB, prompts
 from metrale_feed.testing.reference import ReferenceModel
-from test_pipeline_grammar import automaton, decode
+from test_pipeline_grammar import GrammarDrafter, automaton, decode
 
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{free_port()}}", rank=0, world_size=1)
 shard = mf.VocabShard(None, VOCAB, max_rows=16)
 shard._force_exchange = True  # a world of one through the partial, the exchange and the combine
 automata = [automaton(20), automaton(21)]
 for depth in (1, 2):
-    for spec in (False,):
-        drafter = None
+    for spec in (False, True):
+        drafter = GrammarDrafter(2, forbidden=1) if spec else None
         model = ReferenceModel(VOCAB, block_size=4, num_blocks=200, max_rows=4, shard=shard)
         before = shard.stats["collectives"]
         with mf.DecodePipeline(model, 4, depth=depth, shard=shard, speculative=drafter) as pipe:
@@ -387,7 +614,7 @@ print("OK")
 
 def test_a_sharded_pipeline_follows_the_automata():
     """A world of one through the exchange (each rank masks the whole vocabulary and advances
-    by the combined ids): depth 1 and 2, the unsharded oracle's tokens.
+    by the combined ids): plain and speculative, depth 1 and 2, the unsharded oracle's tokens.
     Skipped without torch.distributed."""
     pytest.importorskip("torch.distributed")
     result = run_python(SHARDED, timeout=300)

@@ -70,13 +70,14 @@ class PipelineGrammar:
         gathered in stream order when the rows changed. Never waits."""
         if rows == self.last:  # identity compare: the same requests in the same rows
             return self.grammar
-        automata = {r._grammar for r in rows if r._grammar is not None}
+        # The rows' automata in the order they first appear (dict keys: identity, ordered).
+        automata = dict.fromkeys(r._grammar for r in rows if r._grammar is not None)
         if not automata:
             self.release()
             self.last = rows
             return None
-        if not automata.issubset(self.offsets):
-            self._join(automata)
+        if not self.offsets.keys() >= automata.keys():
+            self._join(list(automata))
         index, free, offsets = self.index, FeedSource.feed(self.free_word), self.offsets
         sources = []
         for r in rows:
@@ -95,15 +96,16 @@ class PipelineGrammar:
         self.grammar = (self.joined, new, self.scratch)
         return self.grammar
 
-    def _join(self, automata: Any) -> None:
+    def _join(self, automata: List[TokenAutomaton]) -> None:
         """Join the automata of the rows of a launch: the ones joined before keep their offsets
         (rows that stay keep their words on the device), the new ones take the first gap of
         states that holds them (the states of automata no row uses any more are gaps), else the
         end. The joined automaton is uploaded in stream order; the one before is freed in stream
         order after the steps queued with it (a host function: never a wait of this thread)."""
-        kept = {a: off for a, off in self.offsets.items() if a in automata}
+        live = set(automata)
+        kept = {a: off for a, off in self.offsets.items() if a in live}
         spans = sorted((off, off + a.num_states) for a, off in kept.items())
-        for automaton in sorted(automata - kept.keys(), key=lambda a: -a.num_states):
+        for automaton in [a for a in automata if a not in kept]:
             need, at = automaton.num_states, 0
             for lo, hi in spans:
                 if lo - at >= need:

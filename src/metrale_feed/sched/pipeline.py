@@ -550,9 +550,6 @@ class DecodePipeline:
         if grammar.final(grammar.initial):
             raise ValueError("the grammar's initial state allows no id: the request could "
                              "generate nothing")
-        if self._spec is not None:
-            raise FeedError("a grammar is not run with speculative decoding yet: submit the "
-                            "request to a pipeline without speculative=")
         if not self.info.grammar and self._spec is None:
             raise FeedError(f"{type(self.model).__name__}'s feed methods take no grammar= (its "
                             f"feed_info() says grammar=False): a request with a grammar cannot "
