@@ -2,8 +2,8 @@
 
 A request submitted with ``grammar=<TokenAutomaton>`` picks only what its automaton allows from
 the state its tokens so far reach. The pick ops take one automaton a call, so the pipeline joins
-the automata of its running requests into one (``_Joined``: each one's states at an offset of
-its own, its edges' next states and fallbacks moved by it) and keeps one uint32 state word a row
+the automata of its running requests into one (``PipelineGrammar._join``: each one's states at
+an offset of its own, its edges' next states and fallbacks moved by it) and keeps one uint32 state word a row
 on the device: that offset plus the request's state, or ``NO_TOKEN`` for a row without a
 grammar. The ops mask each row by its word, pick, and advance the words in the same call, so the
 host never waits for a state. The host walks the same automaton over each committed token (it
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .request import Request
 
 __all__ = ["PipelineGrammar", "walk"]
+
 
 class PipelineGrammar:
     """The device side of a pipeline's grammars: the joined automaton, two buffers of state
