@@ -24,11 +24,12 @@ caller needs, naming it.
 What a model's methods accept beyond the Protocols' positional calls is declared too, in
 ``FeedInfo``, never read from their signatures: ``sampling`` (its ``sample_batch_to_feed``
 draws), ``logprobs``, ``top_logprobs`` and ``raw_logits`` (its feed methods take those
-keywords), ``verify_advance`` (its ``decode_batch_verify`` takes ``advance=``). One rule gives
-each its default: what the trait and the Protocols above declare. The trait's feed methods and
-``VerifyStep`` take the keywords, so those default to True (a model whose methods lack them
-says False); the trait's ``sample_batch_to_feed`` draws nothing, so ``sampling`` defaults to
-False (the runtime mixin says True).
+keywords), ``verify_advance`` (its ``decode_batch_verify`` takes ``advance=``), ``penalties``
+and ``grammar`` (its feed methods take those keywords too). One rule gives each its default:
+what the trait and the Protocols above declare. The trait's feed methods and ``VerifyStep`` take
+the first keywords, so those default to True (a model whose methods lack them says False); the
+trait's ``sample_batch_to_feed`` draws nothing and its feed methods are older than
+``penalties=`` and ``grammar=``, so those default to False (the runtime mixin says True).
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ class FeedInfo(NamedTuple):
         "One call a step"): the pipeline then hands them a step's penalties instead of queuing
         the apply and the update around them. Default False (the trait's methods are older than
         the keyword); ``RuntimeFeedMixin`` says True.
+    grammar : bool
+        Whether both feed methods take ``grammar=`` (the ops' ``(automaton, states, scratch)``,
+        docs/kernels.md, "Grammar in a pick") and pass it to the pick: else a request with a
+        grammar is refused at submit (a speculative pipeline's verify is its own call, so it
+        needs none). Default False; ``RuntimeFeedMixin`` says True while both are its own.
 
     Examples
     --------
@@ -101,6 +107,7 @@ class FeedInfo(NamedTuple):
     raw_logits: bool = True
     verify_advance: bool = True
     penalties: bool = False
+    grammar: bool = False
 
 
 @runtime_checkable

@@ -284,5 +284,5 @@ def test_status_moves_from_waiting_through_running_and_preempted_to_finished(hos
     assert any(RequestStatus.PREEMPTED in seen[id(r)] for r in reqs)
     assert stopper.status is RequestStatus.FINISHED_STOPPED and stopper.finish_reason == "stop"
     assert aborted.status is RequestStatus.FINISHED_ABORTED and aborted.tokens == []
-    assert [s.finished for s in RequestStatus] == [False] * 3 + [True] * 5
+    assert [s.finished for s in RequestStatus] == [False] * 3 + [True] * 6
     assert "length" in repr(reqs[0])

@@ -223,6 +223,11 @@ class TokenAutomaton:
         if num_states >= DEAD:
             raise ValueError(f"{num_states} states do not fit a uint32 state word")
         states, edges = _encode(joined(srcs), joined(toks), joined(nexts), num_states, vocab)
+        self._keep(states, edges, vocab)
+
+    def _keep(self, states: Any, edges: Any, vocab: int) -> None:
+        """Keep encoded arrays (``STATE_DTYPE``, ``EDGE_DTYPE``) as this automaton's: what
+        ``_setup`` encodes, or what the decode pipeline joins from several automata."""
         states.flags.writeable = False
         edges.flags.writeable = False
         self._vocab = vocab
@@ -234,6 +239,7 @@ class TokenAutomaton:
         self._first: List[int] = states["first"].tolist()
         self._count: List[int] = states["count"].tolist()
         self._fallback: List[int] = states["fallback"].tolist()
+        self._flags: List[int] = states["flags"].tolist()
         self._device: Optional[Tuple[Any, Any]] = None
         # The grammar ops' scratch (a bitmask, uploaded drafts), one buffer a stream handle.
         self._scratches: Dict[int, Any] = {}

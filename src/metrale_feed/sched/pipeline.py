@@ -52,7 +52,7 @@ class _Step:
     result will be thrown away (finished, aborted or preempted while it was in flight)."""
 
     __slots__ = ("ticket", "launch", "rows", "lists", "sources", "dead", "debug_slot", "taken",
-                 "lp")
+                 "lp", "gram")
 
     def __init__(self, ticket: Ticket, launch: int, rows: List[Request], lists: List[List[int]],
                  sources: Any) -> None:
@@ -67,6 +67,7 @@ class _Step:
         # counted in flight until it is read (a list only when there are some).
         self.taken: Sequence[Request] = ()
         self.lp: Optional[List[Tuple[int, List[float], Any, int]]] = None  # DecodePipeline._lp
+        self.gram: Optional[List[Tuple[int, Request]]] = None  # DecodePipeline._gram_rows
 
 
 class PipelineStats:
@@ -338,6 +339,13 @@ class DecodePipeline:
         self._penalised = False
         self._pen: Optional[PipelinePenalties] = None
         self._hook: Optional[PipelinePenalties] = None  # the last launch's, for the router
+        # Structured outputs (docs/pipeline.md): the state words and the joined automaton, made
+        # at the first launch with a grammar; the running requests that have one; the last
+        # launch's grammar= and its (row, request) of the rows with a grammar.
+        self._gram: Any = None
+        self._constrained = 0
+        self._gram_call: Any = None
+        self._gram_rows: Optional[List[Tuple[int, Request]]] = None
         # Speculative decoding: each step drafts and verifies k positions past the input, so a
         # request's KV may reach k positions past its last token's.
         self._view: Any = _SeqView  # the running requests' KV views
@@ -394,7 +402,7 @@ class DecodePipeline:
 
     def submit(self, prompt_ids: Iterable[int], params: Optional[SamplingParams] = None, *,
                max_new_tokens: int, stop_ids: Iterable[int] = (), ban: Any = None,
-               **keywords: Any) -> Request:
+               grammar: Any = None, **keywords: Any) -> Request:
         """Queue a request; it joins the batch at the next launch with room for it.
 
         How it decodes is one ``SamplingParams``: ``params``, or the keywords below, which make
@@ -413,6 +421,12 @@ class DecodePipeline:
             Ids that finish the request (committed as its last token).
         ban : pair of int, optional
             A ``RowMask``: ids the row may not answer (``NO_TOKEN`` where unused).
+        grammar : TokenAutomaton, optional
+            Structured output (docs/pipeline.md, "Structured outputs"): every generated id is one
+            the automaton allows from the state the tokens before it reach, masked, picked and
+            advanced on the device (no host wait). After a token whose state has no outgoing
+            transition the request finishes ``"stop"``; one left with no allowed id it may pick
+            (its ban or ``min_tokens`` removed the last) finishes ``"grammar"``.
 
         Other Parameters
         ----------------
@@ -473,10 +487,12 @@ class DecodePipeline:
         ValueError, TypeError
             Bad input (sampling parameters included, checked as float32 values; a str, a bool
             or None where a number goes is a TypeError), or a request that could never fit the
-            KV pool; nothing is queued.
+            KV pool; nothing is queued. A ``grammar`` that is not a ``TokenAutomaton`` (TypeError),
+            or one for another vocabulary or whose initial state allows nothing (ValueError).
         FeedError
-            The pipeline is closed, or a sampled request for a model without
-            ``sample_batch_to_feed``.
+            The pipeline is closed, a sampled request for a model without
+            ``sample_batch_to_feed``, or a grammar for a model whose feed methods take none
+            (``FeedInfo.grammar``).
 
         Notes
         -----
@@ -506,6 +522,7 @@ class DecodePipeline:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new}")
         stops = frozenset(self._token(t, "stop id") for t in stop_ids)
         mask = self._check_ban(ban)
+        automaton = None if grammar is None else self._check_grammar(grammar)
         params = self._params_of(params, keywords, max_new)
         sampling = (params.temperature, params.top_k, params.top_p, params.min_p, params.seed)
         pen = params._penalties if params.penalised else None
@@ -514,8 +531,30 @@ class DecodePipeline:
             self._refuse_no_candidate(mask, stops, params.min_tokens)
         self._refuse_unrunnable(prompt, max_new, stops, sampling, pen, lp)
         req = Request(self, prompt, max_new, stops, mask, 0, params)
+        req._grammar = automaton
         self._post(self._enqueue, req)
         return req
+
+    def _check_grammar(self, grammar: Any) -> Any:
+        """``submit``'s grammar, checked against this pipeline: a ``TokenAutomaton`` for its
+        vocabulary whose initial state allows some id, on a model whose feed methods take
+        ``grammar=`` (a speculative pipeline's verify is its own call)."""
+        from ..grammar.automaton import TokenAutomaton
+
+        if not isinstance(grammar, TokenAutomaton):
+            raise TypeError(f"grammar must be a metrale_feed.TokenAutomaton, not "
+                            f"{type(grammar).__name__}")
+        if grammar.vocab != self.vocab:
+            raise ValueError(f"the grammar's automaton is for a vocabulary of {grammar.vocab} "
+                             f"ids; the pipeline's is {self.vocab}")
+        if grammar.final(grammar.initial):
+            raise ValueError("the grammar's initial state allows no id: the request could "
+                             "generate nothing")
+        if not self.info.grammar and self._spec is None:
+            raise FeedError(f"{type(self.model).__name__}'s feed methods take no grammar= (its "
+                            f"feed_info() says grammar=False): a request with a grammar cannot "
+                            f"run on it")
+        return grammar
 
     def _params_of(self, params: Optional[SamplingParams], keywords: Dict[str, Any],
                    max_new: int) -> SamplingParams:
@@ -796,6 +835,7 @@ class DecodePipeline:
         self._ending.setdefault(req._last, []).append(req)
         self._sampled += req.temperature > 0.0
         self._with_lp += req.logprobs is not None
+        self._constrained += req._grammar is not None
         if req.stop_ids:
             self._stop_union = self._stop_union | req.stop_ids
         bs = self._block_size
@@ -837,6 +877,7 @@ class DecodePipeline:
                 self._lp = [(i, r.logprobs, r.top_logprobs, r._top_n)
                             for i, r in enumerate(rows) if r.logprobs is not None] or None
                 self._top_n = max((r._top_n for r in rows), default=0)
+            self._gram_call = self._grammar(rows)
         params = self._params
         if params is not None:
             # Host params are read before the feed method returns, so rewriting the one array
@@ -875,6 +916,7 @@ class DecodePipeline:
             self._lists = [r.tokens for r in rows]
         step = _Step(ticket, launch, rows, self._lists, sources)
         step.lp = self._lp
+        step.gram = self._gram_rows
         # Blocks reserved for a launch that raised stay in their tables and count for the
         # launch that follows, so the in-flight figure comes back to 0.
         if self._taking:
@@ -900,7 +942,7 @@ class DecodePipeline:
                 self._seqs = [r._seq for r in rows]  # type: ignore[misc]
             return io.launch(sources, self._seqs, masks, fed=fed, params=params,
                              trusted=True, hook=self._hook, logprobs=self._lp is not None,
-                             top_n=self._top_n)
+                             top_n=self._top_n, grammar=self._gram_call)
         except BaseException as exc:
             if io.stats.launches != queued or isinstance(exc, DeviceError):
                 self._launches = launch + 1
@@ -924,6 +966,21 @@ class DecodePipeline:
             params[field] = [getattr(r, field) for r in rows]
         self._positions = np.array([r._pos0 for r in rows], np.int64)
         return params
+
+    def _grammar(self, rows: List[Request]) -> Any:
+        """A batch's ``grammar=`` (None when no row has a grammar; ``_gram_rows`` lists the rows
+        that have one), its state words gathered in stream order when the rows changed
+        (``PipelineGrammar``, made at the first such batch)."""
+        gram = self._gram
+        if not self._constrained:
+            self._gram_rows = None
+            return None if gram is None else gram.call(rows)
+        if gram is None:
+            from .grammar import PipelineGrammar
+
+            gram = self._gram = PipelineGrammar(self, 0 if self._spec is None else self._spec.k)
+        self._gram_rows = [(i, r) for i, r in enumerate(rows) if r._grammar is not None] or None
+        return gram.call(rows)
 
     def _penalties(self, rows: List[Request]) -> Optional[PipelinePenalties]:
         """The router's hook for a batch (docs/penalties.md), None when no row has penalties."""
@@ -1034,6 +1091,9 @@ class DecodePipeline:
         hits = self._stop_union.intersection(ids) if self._stop_union else None
         if NO_TOKEN in ids or (hits and self._penalised):
             dead = self._no_candidate(rows, ids, dead, hits, finishing)
+        ends: Optional[List[Request]] = None
+        if step.gram is not None:
+            dead, ends = self._walk(step.gram, ids, dead, finishing)
         if dead is None:
             _drain(map(list.append, lists, ids))  # each row's token, in a C loop
         else:  # the same C loop over the runs between the few rows thrown away
@@ -1056,6 +1116,10 @@ class DecodePipeline:
                 if token in hits and token in req.stop_ids and req.status is _RUNNING and (
                         dead is None or i not in dead) and len(req.tokens) >= req.min_tokens:
                     finishing.append((req, RequestStatus.FINISHED_STOPPED))
+        if ends:  # a state with no outgoing transition: "stop", unless a stop id said so first
+            done = {id(req) for req, _ in finishing}
+            finishing += [(req, RequestStatus.FINISHED_STOPPED) for req in ends
+                          if id(req) not in done]
         for req in self._ending.pop(step.launch, ()):
             if req.status is _RUNNING and req._last == step.launch and (
                     not finishing or all(req is not done for done, _ in finishing)):
@@ -1063,14 +1127,43 @@ class DecodePipeline:
         if finishing:
             self._finish_all(finishing)
 
+    def _walk(self, gram: List[Tuple[int, Request]], ids: List[int], dead: Optional[Set[int]],
+              finishing: List[Tuple[Request, RequestStatus]]
+              ) -> Tuple[Optional[Set[int]], List[Request]]:
+        """The host's walk of each row with a grammar over the id its step picked, before the
+        ids are committed: the request's state after its committed tokens (what a row that
+        joins again takes as its word), and the requests whose state now has no outgoing
+        transition (returned). An id its state does not allow (the device's state word and the
+        host's disagree) is never committed: the request finishes ``"grammar"`` and the row
+        joins the returned set of rows thrown away."""
+        from .grammar import walk
+
+        ends: List[Request] = []
+        copied = False
+        for i, req in gram:
+            if (dead is not None and i in dead) or req.status is not _RUNNING:
+                continue
+            state, end = walk(req._grammar, req._gstate, ids[i])
+            if state is None:
+                if not copied:  # a copy: the step's own set keeps what was thrown away
+                    dead, copied = set(dead or ()), True
+                dead.add(i)  # type: ignore[union-attr]
+                finishing.append((req, RequestStatus.FINISHED_GRAMMAR))
+                continue
+            req._gstate = state
+            if end:
+                ends.append(req)
+        return dead, ends
+
     def _no_candidate(self, rows: List[Request], ids: List[int], dead: Optional[Set[int]],
                       hits: Any, finishing: List[Tuple[Request, RequestStatus]]
                       ) -> Optional[Set[int]]:
         """The rows of an awaited step that had no id they may pick: ``NO_TOKEN`` (a sampled
         row whose every allowed logit was not finite), or a stop id while ``min_tokens`` bans it
         (a greedy row whose every candidate was ``-inf``: the argmax answers the lowest). None
-        of it is committed nor fed to a later step: each finishes ``"no_candidate"``. Returns
-        the rows whose ids are not committed."""
+        of it is committed nor fed to a later step: each finishes ``"no_candidate"``
+        (``"grammar"`` with a grammar: its state allowed no id it may pick). Returns the rows
+        whose ids are not committed."""
         out: Optional[Set[int]] = None  # a copy: the step's own set keeps what was thrown away
         for i, (req, token) in enumerate(zip(rows, ids)):
             if (token == NO_TOKEN or (hits and token in hits and token in req.stop_ids
@@ -1079,7 +1172,8 @@ class DecodePipeline:
                 if out is None:
                     out = set(dead or ())
                 out.add(i)
-                finishing.append((req, RequestStatus.FINISHED_NO_CANDIDATE))
+                finishing.append((req, RequestStatus.FINISHED_NO_CANDIDATE if req._grammar is None
+                                  else RequestStatus.FINISHED_GRAMMAR))
         return dead if out is None else out
 
     def _fault(self, launch: int, added: int, exc: BaseException) -> None:
@@ -1147,6 +1241,9 @@ class DecodePipeline:
         req._bound = -1
         self._sampled -= req.temperature > 0.0
         self._with_lp -= req.logprobs is not None
+        self._constrained -= req._grammar is not None
+        if not self._constrained and self._gram is not None:
+            self._gram.release()  # the joined automaton, after the steps queued with it
         self._discard_in_flight(req)
         if self._spec is not None:
             self._spec.discard(req)
@@ -1232,7 +1329,8 @@ class DecodePipeline:
                 # buffers go: nothing else would free them.
                 self._closed = True
                 close_each([self.io.teardown]
-                           + [part.close for part in (self._debug, self._pen, self._spec)
+                           + [part.close for part in (self._debug, self._pen, self._spec,
+                                                      self._gram)
                               if part is not None])
 
     def __del__(self) -> None:

@@ -30,7 +30,8 @@ class RequestStatus(enum.Enum):
     it resumes by recompute), then one finished state. The finished states' values are the
     ``finish_reason`` strings; ``FINISHED_ERROR`` is a device-side fault of a step the request
     was in (docs/pipeline.md, "Faults"); ``FINISHED_NO_CANDIDATE``, a step that left it no id it
-    may pick (docs/pipeline.md, "No candidate").
+    may pick (docs/pipeline.md, "No candidate"); ``FINISHED_GRAMMAR``, the same for a request
+    with a grammar (docs/pipeline.md, "Structured outputs").
 
     Examples
     --------
@@ -55,6 +56,8 @@ class RequestStatus(enum.Enum):
     FINISHED_ERROR = "error"  # a device-side fault: none of its tokens after the fault is kept
     # A step left it no id it may pick (every allowed logit not finite): none of it is committed.
     FINISHED_NO_CANDIDATE = "no_candidate"
+    # Its grammar allowed no id it may pick (its ban or min_tokens removed the last one).
+    FINISHED_GRAMMAR = "grammar"
 
     @property
     def finished(self) -> bool:
@@ -101,9 +104,10 @@ class Request:
         state. The pipeline's loop thread is its one writer.
     finished : bool
         ``status`` is a finished state.
-    finish_reason : {"stop", "length", "abort", "error", "no_candidate"} or None
+    finish_reason : {"stop", "length", "abort", "error", "no_candidate", "grammar"} or None
         The finished state's value; ``"error"``: a device-side fault of a step it was in;
-        ``"no_candidate"``: a step left it no id it may pick.
+        ``"no_candidate"``: a step left it no id it may pick; ``"grammar"``: the same with a
+        grammar (``"stop"`` when its grammar's state after a token allows nothing more).
     error : str or None
         With ``"error"``: what the fault was.
     ban : RowMask or None
@@ -111,6 +115,8 @@ class Request:
         ban that leaves no id it may pick is refused, ``ValueError``).
     params : SamplingParams
         How it decodes (``submit``'s keywords or its ``params``).
+    grammar : TokenAutomaton or None
+        The automaton its tokens follow (``submit(grammar=)``).
     temperature, top_k, top_p, min_p, seed
         Its sampling parameters (``params``'s); ``temperature == 0`` is greedy decoding.
     sampled : bool
@@ -148,7 +154,7 @@ class Request:
 
     __slots__ = ("prompt", "tokens", "max_new_tokens", "stop_ids", "status", "error", "_ban", "_mask", "_pipe", "_seq", "_join", "_last", "_base", "_order", "_bound",
                  "_pos0", "params", "temperature", "top_k", "top_p", "min_p", "seed", "_pen",
-                 "_pslot", "logprobs", "top_logprobs", "_top_n")
+                 "_pslot", "logprobs", "top_logprobs", "_top_n", "_grammar", "_gstate")
 
     def __init__(self, pipe: "DecodePipeline", prompt: Tuple[int, ...], max_new_tokens: int,
                  stop_ids: FrozenSet[int], ban: Optional[RowMask], order: int = 0,
@@ -185,6 +191,10 @@ class Request:
         self.logprobs: Optional[List[float]] = [] if params.logprobs else None
         self._top_n = params.top_logprobs
         self.top_logprobs: Optional[List[List[Tuple[int, float]]]] = [] if self._top_n else None
+        # Structured outputs (docs/pipeline.md): its automaton, and the state its committed
+        # tokens reach (the host's walk; the device's word runs ahead of it by the steps in flight).
+        self._grammar: Any = None
+        self._gstate = 0
 
     @property
     def finished(self) -> bool:
@@ -193,8 +203,8 @@ class Request:
 
     @property
     def finish_reason(self) -> Optional[str]:
-        """``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or ``"no_candidate"``; None until
-        it finishes."""
+        """``"stop"``, ``"length"``, ``"abort"``, ``"error"``, ``"no_candidate"`` or
+        ``"grammar"``; None until it finishes."""
         status = self.status
         return status.value if status.finished else None
 
@@ -217,6 +227,11 @@ class Request:
     @property
     def min_tokens(self) -> int:
         return self.params.min_tokens
+
+    @property
+    def grammar(self) -> Any:
+        """The ``TokenAutomaton`` its tokens follow, or None."""
+        return self._grammar
 
     @property
     def sampled(self) -> bool:

@@ -295,7 +295,7 @@ class _DeviceIo:
 
     def launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any = None, *,
                fed: bool, params: Any = None, trusted: bool = False, hook: Any = None,
-               logprobs: bool = False, top_n: int = 0) -> Ticket:
+               logprobs: bool = False, top_n: int = 0, grammar: Any = None) -> Ticket:
         """Launch one step: ``launch_fed`` (``fed=True``) or ``launch_decode`` (``fed=False``).
 
         The one launch path: ``launch_fed``, ``launch_decode`` and the decode pipeline all come
@@ -328,6 +328,10 @@ class _DeviceIo:
             ``ticket.logprobs``.
         top_n : int, optional
             With ``logprobs``: each row's ``top_n`` most likely ids too (``ticket.top``).
+        grammar : tuple, optional
+            ``(automaton, states, scratch)`` for the feed method's ``grammar=`` (docs/kernels.md,
+            "Grammar in a pick"; the decode pipeline's, docs/pipeline.md, "Structured
+            outputs"), given only to a model whose ``FeedInfo.grammar`` says it takes it.
 
         Returns
         -------
@@ -375,8 +379,10 @@ class _DeviceIo:
             raise
         try:
             extra: Dict[str, Any] = _NO_EXTRA  # read only: a plain step builds no keywords
-            if hook is not None or logprobs:
+            if hook is not None or logprobs or grammar is not None:
                 extra = {}
+            if grammar is not None:
+                extra["grammar"] = grammar
             if hook is not None:
                 if self._defers:  # the logits must hold this step's forward before they change
                     model.flush_forward(self.stream)  # type: ignore[attr-defined]
@@ -748,12 +754,12 @@ class SyncDeviceIo(_DeviceIo):
 
     def launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any = None, *,
                fed: bool, params: Any = None, trusted: bool = False, hook: Any = None,
-               logprobs: bool = False, top_n: int = 0) -> Ticket:
+               logprobs: bool = False, top_n: int = 0, grammar: Any = None) -> Ticket:
         if fed and not self.model.supports_device_token_feed():
             raise FeedError("launch_fed needs the device feed; with a settled step the inputs are "
                             "host-known, so use launch_decode")
         ticket = super().launch(inputs, seqs, masks, fed=fed, params=params, trusted=trusted,
-                                hook=hook, logprobs=logprobs, top_n=top_n)
+                                hook=hook, logprobs=logprobs, top_n=top_n, grammar=grammar)
         self._results[ticket.step] = super().await_result(ticket)
         self.stats.ahead_launches = 0
         return ticket

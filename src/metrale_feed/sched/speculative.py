@@ -650,6 +650,9 @@ class SpeculativeStep:
             # the step in flight adds that step's count on the device (the advance its forward
             # reads), so its draws are keyed as at depth 1.
             params["position"] = [len(h) for h in histories]
+        # Each row's grammar state word, gathered when the rows changed (docs/pipeline.md,
+        # "Structured outputs"): a draft its state forbids is rejected like any mismatch.
+        grammar = pipe._grammar(rows)
         shard = pipe.shard  # greedy rows: one exchange; sampled ones: a sampled call's rounds
         lp = dict(logprobs=slot.lp, logprobs_dst=slot.lp_dst) if batch.logprobs and raw is None else {}
         vocab = pipe.vocab if shard is None else shard.width
@@ -659,7 +662,7 @@ class SpeculativeStep:
                              k=k, masks=batch.vmasks, params=params, rows=n_rows, **lp, vocab=vocab,
                              dtype=pipe.info.logits_dtype, row_stride=self._row_stride,
                              advance=slot.advance if advanced and params is not None else None,
-                             shard=shard)
+                             shard=shard, grammar=grammar)
         if pen is not None:  # the emitted ids (the cells), never the rejected drafts, counted
             pen.update(stream, slot.cells)
         if later:  # every logit row's (submit refuses them over a shard), then the step's event
@@ -790,12 +793,26 @@ class SpeculativeStep:
             stats.emitted += n
             req._base += n  # the input and the n - 1 accepted drafts now hold committed KV
             finish = None
+            automaton, end = req._grammar, False
+            if automaton is not None:
+                from .grammar import walk
             for j in range(n):
                 token = got[at + 1 + j]
-                if token == NO_TOKEN:  # no id it may pick: nothing of it is committed
-                    finish = RequestStatus.FINISHED_NO_CANDIDATE
+                # No id it may pick: NO_TOKEN, or (a greedy row) a stop id while min_tokens bans
+                # it, its every candidate -inf; nothing of it is committed.
+                if token == NO_TOKEN or (token in req.stop_ids
+                                         and len(req.tokens) < req.min_tokens):
+                    finish = (RequestStatus.FINISHED_NO_CANDIDATE if automaton is None
+                              else RequestStatus.FINISHED_GRAMMAR)
                     stats.spec_discarded += n - j
                     break
+                if automaton is not None:  # the host's walk (docs/pipeline.md)
+                    state, end = walk(automaton, req._gstate, token)
+                    if state is None:  # the device's state and the host's disagree: never kept
+                        finish = RequestStatus.FINISHED_GRAMMAR
+                        stats.spec_discarded += n - j
+                        break
+                    req._gstate = state
                 req.tokens.append(token)
                 if req.logprobs is not None and lps is not None:  # the raw logprob at its position
                     req.logprobs.append(lps[i * (k + 1) + j])
@@ -804,7 +821,8 @@ class SpeculativeStep:
                         ids, values = tops
                         req.top_logprobs.append(list(zip(ids[at_top: at_top + req._top_n],
                                                          values[at_top: at_top + req._top_n])))
-                if token in req.stop_ids and len(req.tokens) >= req.min_tokens:
+                if token in req.stop_ids and len(req.tokens) >= req.min_tokens or (
+                        automaton is not None and end):  # or no outgoing transition
                     finish = RequestStatus.FINISHED_STOPPED
                 elif len(req.tokens) >= req.max_new_tokens:
                     finish = RequestStatus.FINISHED_LENGTH
