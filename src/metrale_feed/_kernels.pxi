@@ -218,8 +218,8 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
                         object grammar=None):
     """The one launcher under argmax_to_feed and sample_to_feed (and their partial calls, see
     _shard.pxi): one descriptor, one C call. Every argument is checked before the launch, which
-    commits what the work needs or raises with nothing kept (_Launch.queued). ``grammar``: the
-    mask queued before the pick and the advance after it (_grammar.pxi)."""
+    commits what the work needs or raises with nothing kept (_Launch.queued). ``grammar``: its
+    descriptor (_grammar.pxi), from which the C call queues the mask, the pick and the advance."""
     cdef mf_argmax_args a
     cdef uint64_t s, e
     cdef void *ptr
@@ -228,7 +228,6 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
     cdef _HeldBuffer held_lp = None
     cdef _PickInputs keep = _PickInputs.__new__(_PickInputs)
     cdef _GrammarCall g = None
-    cdef mf_status status
     mf_argmax_args_init(&a)  # every option off, struct_size set (feed.h, "descriptors")
     stream_of(stream, &s)
     cdef _Launch launch = launch_on(s)
@@ -298,43 +297,17 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
             launch.writes_cells(a.cells, a.rows)
         if penalties is not None:  # the launch keeps its tables alive until the work has run
             pick_penalties(&a, penalties)
-        if grammar is not None:  # checked before anything is queued (the shard's is its own)
-            g = grammar_of(launch, grammar, s, a.rows, 0, a.vocab, a.bitmask, NULL, None,
-                           pick_spans(&a))
-            g.queue_mask(s)
-            a.bitmask = g.bitmask
+        if grammar is not None:  # the shard's is its own
+            g = grammar_of(launch, grammar, s, a.rows, 0, False)
+            a.grammar = &g.desc
         # `partial`: a partial call's block, and a select stage's state, list and gathered lists,
         # which a captured graph keeps with the rest.
-        status = mf_argmax_to_feed(&a, s)
-        try:
-            if g is not None:
-                grammar_advance(g, s, a.cells, status, launch)
-        finally:
-            launch.queued(status,
-                          (logits, masks, cells, dst, event, bitmask, params, logprobs, logprobs_dst,
-                           penalties, partial, grammar))
+        launch.queued(mf_argmax_to_feed(&a, s),
+                      (logits, masks, cells, dst, event, bitmask, params, logprobs, logprobs_dst, penalties,
+                       partial, grammar, g))
     finally:
         launch.close()
     return a.rows
-
-
-cdef size_t logits_extent(const void *logits, mf_dtype dtype, uint64_t row_stride, uint32_t vocab,
-                          uint64_t logit_rows):
-    return 0 if logits == NULL or logit_rows == 0 else (
-        ((logit_rows - 1) * row_stride + vocab) * (4 if dtype == MF_DTYPE_F32 else 2))
-
-
-cdef list pick_spans(mf_argmax_args *a):
-    """What a pick reads or writes on the device, (pointer, bytes, name): what grammar states
-    and the grammar's scratch may not overlap."""
-    cdef size_t rows = a.rows
-    return [(<size_t>a.cells, rows * 4, "the cells"),
-            (<size_t>a.logits, logits_extent(a.logits, a.dtype, a.row_stride, a.vocab, rows), "the logits"),
-            (<size_t>a.bitmask, rows * ((a.vocab + 31) // 32) * 4 if a.bitmask else 0, "the bitmask"),
-            (<size_t>a.masks if a.flags & MF_ARGS_MASKS_DEVICE else 0, rows * 8, "the masks"),
-            (<size_t>a.params if a.flags & MF_ARGS_PARAMS_DEVICE else 0, rows * sizeof(mf_sampling_params),
-             "the params"),
-            (<size_t>a.logprobs, rows * 4, "the logprobs")]
 
 
 cdef _HeldBuffer fill_logprobs(float **dev, void **host, object logprobs, object logprobs_dst,
@@ -893,8 +866,6 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
     cdef _HeldBuffer held_lp = None
     cdef _VerifyInputs keep = _VerifyInputs.__new__(_VerifyInputs)
     cdef _GrammarCall g = None
-    cdef mf_status status
-    cdef size_t lr
     if shard is not None:  # greedy rows over a split vocabulary (docs/tensor-parallel.md)
         return run_on_shard(shard, "verify", dict(logits=logits, drafts=drafts, cells=cells, dst=dst,
                             event=event, stream=stream, k=k, masks=masks, bitmask=bitmask,
@@ -998,34 +969,12 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
         launch.hold(held_lp)
         launch.records(a.event)
         launch.writes_cells(a.cells, (a.rows, a.k))
-        if grammar is not None:  # the mask walks the drafts: host ones are uploaded first
-            lr = logit_rows
-            g = grammar_of(launch, grammar, s, a.rows, a.k, a.vocab, a.bitmask,
-                           a.drafts if drafts_on_device else NULL,
-                           None if drafts_on_device else (<const char *>keep.drafts.data)[:a.rows * a.k * 4],
-                           [(<size_t>a.cells, <size_t>a.rows * (a.k + 2) * 4, "the cells"),
-                            (<size_t>a.logits, logits_extent(a.logits, a.dtype, a.row_stride, a.vocab, lr),
-                             "the logits"),
-                            (<size_t>a.bitmask, lr * ((a.vocab + 31) // 32) * 4 if a.bitmask else 0,
-                             "the bitmask"),
-                            (<size_t>a.masks if a.flags & MF_ARGS_MASKS_DEVICE else 0, lr * 8, "the masks"),
-                            (<size_t>a.params if a.flags & MF_ARGS_PARAMS_DEVICE else 0,
-                             <size_t>a.rows * sizeof(mf_sampling_params), "the params"),
-                            (<size_t>a.logprobs, lr * 4, "the logprobs"),
-                            (<size_t>a.drafts if drafts_on_device else 0, <size_t>a.rows * a.k * 4, "the drafts"),
-                            (<size_t>a.draft_probs, <size_t>a.rows * a.k * a.vocab * 4 if a.draft_probs else 0,
-                             "the draft_probs"),
-                            (<size_t>a.advance, <size_t>a.rows * 4, "advance")])
-            g.queue_mask(s)
-            a.bitmask = g.bitmask
-        status = mf_verify_to_feed(&a, s)
-        try:
-            if g is not None:
-                grammar_advance(g, s, a.cells, status, launch)
-        finally:
-            launch.queued(status,
-                          (logits, drafts, cells, dst, event, masks, bitmask, params, logprobs, logprobs_dst,
-                           advance, grammar))
+        if grammar is not None:  # the C call uploads host drafts for the mask's walk
+            g = grammar_of(launch, grammar, s, a.rows, a.k, not drafts_on_device)
+            a.grammar = &g.desc
+        launch.queued(mf_verify_to_feed(&a, s),
+                      (logits, drafts, cells, dst, event, masks, bitmask, params, logprobs, logprobs_dst, advance,
+                       grammar, g))
     finally:
         launch.close()
     return a.rows
