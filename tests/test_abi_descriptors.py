@@ -203,10 +203,10 @@ def test_initialised_descriptor_works(current, call):
     assert call.ids() == list(call.values.argmax(axis=1))
 
 
-# The sizes of older versions, read with the fields after them 0: before a verify's drafts
-# (select_drafts, select_k and the padding after them) were appended, 16 bytes less; before the
-# pick's penalties, 8 more.
-@pytest.mark.parametrize("change", [-16, -24], ids=["before-verify-drafts", "before-penalties"])
+# The sizes of older versions, read with the fields after them 0: before the pick's grammar was
+# appended, 8 bytes less; before a verify's drafts (select_drafts, select_k and the padding after
+# them), 16 more; before the pick's penalties, 8 more.
+@pytest.mark.parametrize("change", [-8, -24, -32], ids=["before-grammar", "before-verify-drafts", "before-penalties"])
 def test_an_older_size_is_read_as_without_the_later_fields(current, call, change):
     status, message = current.initialised(*call.args, change)
     assert status == 0, message
@@ -214,7 +214,7 @@ def test_an_older_size_is_read_as_without_the_later_fields(current, call, change
     assert call.ids() == list(call.values.argmax(axis=1))
 
 
-@pytest.mark.parametrize("change", [8, -8, 1], ids=["newer-header", "older-unknown", "odd"])
+@pytest.mark.parametrize("change", [8, -16, 1], ids=["newer-header", "older-unknown", "odd"])
 def test_unknown_sizes_are_refused(current, call, change):
     status, message = current.initialised(*call.args, change)
     assert status == INVALID_VALUE and "struct_size" in message, message

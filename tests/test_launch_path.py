@@ -37,15 +37,6 @@ OUTSIDE = {
     ("_dlpack.pxi", "check(mf_stream_wait_event(stream, event))"),
 }
 
-# Calls whose status a _Launch commits a few lines below them, not on their own line: a pick with
-# grammar= queues its mask, the pick and the advance as one launch (the pick's status reaches
-# launch.queued in the `finally` after the advance; the advance's its queued_on).
-COMMITTED_BELOW = {
-    ("_kernels.pxi", "status = mf_argmax_to_feed(&a, s)"),
-    ("_kernels.pxi", "status = mf_verify_to_feed(&a, s)"),
-    ("_grammar.pxi", "status = mf_grammar_advance(&g.adv, s)"),
-}
-
 CALL = re.compile(r"\b(" + "|".join(QUEUEING) + r")\(")
 # The one commit: a _Launch's (launch.queued), or queued_on for a call that coerced nothing.
 COMMITS = re.compile(r"(\.queued|\bqueued_on)\(")
@@ -71,7 +62,7 @@ def queueing_calls():
 
 def test_every_queueing_call_commits_through_the_launch():
     stray = [(f, line) for f, line in queueing_calls()
-             if not COMMITS.search(line) and (f, line) not in OUTSIDE | COMMITTED_BELOW]
+             if not COMMITS.search(line) and (f, line) not in OUTSIDE]
     assert not stray, "queued outside _Launch.queued (docs/lifetimes.md, rule 11):\n" + "\n".join(
         f"  {f}: {line}" for f, line in stray)
 
@@ -79,14 +70,13 @@ def test_every_queueing_call_commits_through_the_launch():
 def test_the_exceptions_are_still_there():
     # An exception that no longer matches a line is stale: the list must say what is true.
     found = set(queueing_calls())
-    assert OUTSIDE | COMMITTED_BELOW <= found, sorted((OUTSIDE | COMMITTED_BELOW) - found)
+    assert OUTSIDE <= found, sorted(OUTSIDE - found)
 
 
 def test_every_launcher_is_queued():
     # The scan above must see the launchers at all: one queued call per queueing entry point
     # the Python API reaches (a rename that hid them from the pattern would pass vacuously).
-    seen = {CALL.search(line).group(1) for f, line in queueing_calls()
-            if COMMITS.search(line) or (f, line) in COMMITTED_BELOW}
+    seen = {CALL.search(line).group(1) for f, line in queueing_calls() if COMMITS.search(line)}
     assert seen == set(QUEUEING), sorted(set(QUEUEING) - seen)
 
 

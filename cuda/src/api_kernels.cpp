@@ -45,23 +45,132 @@ mf_status read_descriptor(const Args *in, Args *out, const char *name, const uin
     return MF_SUCCESS;
 }
 // The descriptor before the select stages' candidate lists (select_cands_cap on) were appended,
-// then before the pick's penalties (penalties), then before a verify's drafts (select_drafts on).
+// then before the pick's penalties (penalties), then before a verify's drafts (select_drafts on),
+// then before the pick's grammar.
 constexpr uint32_t kArgmaxSizes[] = {offsetof(mf_argmax_args, select_cands_cap), offsetof(mf_argmax_args, penalties),
-                                     offsetof(mf_argmax_args, select_drafts), sizeof(mf_argmax_args)};
+                                     offsetof(mf_argmax_args, select_drafts), offsetof(mf_argmax_args, grammar),
+                                     sizeof(mf_argmax_args)};
 // The descriptor before MF_COMBINE_VERIFY's fields (drafts, k) were appended, then before refused,
 // then before a sampled verify's select state.
 constexpr uint32_t kCombineSizes[] = {offsetof(mf_combine_args, drafts), offsetof(mf_combine_args, refused),
                                        offsetof(mf_combine_args, select), sizeof(mf_combine_args)};
 // The descriptor before the device position advance (advance, advance_group) was appended.
 constexpr uint32_t kReferenceSizes[] = {offsetof(mf_reference_args, advance), sizeof(mf_reference_args)};
-// The descriptor before the device position advance (advance) was appended.
-constexpr uint32_t kVerifySizes[] = {offsetof(mf_verify_args, advance), sizeof(mf_verify_args)};
+// The descriptor before the device position advance (advance) was appended, then before the grammar.
+constexpr uint32_t kVerifySizes[] = {offsetof(mf_verify_args, advance), offsetof(mf_verify_args, grammar),
+                                     sizeof(mf_verify_args)};
 // The descriptor before a verify's drafts (drafts, k) were appended.
 constexpr uint32_t kPenaltySizes[] = {offsetof(mf_penalty_args, drafts), sizeof(mf_penalty_args)};
 // The descriptor before a split vocabulary's blocks (flags .. partials) were appended.
 constexpr uint32_t kTopSizes[] = {offsetof(mf_top_logprobs_args, flags), sizeof(mf_top_logprobs_args)};
 constexpr uint32_t kTopCombineSizes[] = {sizeof(mf_top_combine_args)};
 constexpr uint32_t kDecideSizes[] = {sizeof(mf_select_decide_args)};
+
+// ---- the device grammar (feed.h, "grammar"; grammar_rule.h) ----
+// The automaton and the state words are device data read when the kernels run: checked here only
+// for their extent (the rule keeps every read inside them whatever they hold).
+constexpr uint32_t kGrammarMaskSizes[] = {sizeof(mf_grammar_mask_args)};
+constexpr uint32_t kGrammarAdvanceSizes[] = {sizeof(mf_grammar_advance_args)};
+constexpr uint32_t kGrammarPickSizes[] = {sizeof(mf_grammar_pick)};
+
+// The automaton's fields, common to both descriptors: its two arrays' extents and the vocabulary.
+mf_status check_automaton(const char *name, const mf_grammar_state *states, uint32_t num_states,
+                          const mf_grammar_edge *edges, uint32_t num_edges, uint32_t vocab) {
+    if (vocab == 0 || vocab > kMaxVocab)
+        return fail(MF_ERROR_INVALID_VALUE, "%s: vocab must be in [1, %u], got %u", name, kMaxVocab, vocab);
+    if (num_states == 0 || num_states == MF_GRAMMAR_DEAD)  // a state index is never NO_TOKEN
+        return fail(MF_ERROR_INVALID_VALUE, "%s: num_states must be in [1, %u], got %u", name, MF_GRAMMAR_DEAD - 1,
+                    num_states);
+    if (!states || !aligned(states, alignof(mf_grammar_state)) || (num_edges && !edges) ||
+        !aligned(edges, alignof(mf_grammar_edge)))
+        return fail(MF_ERROR_INVALID_VALUE, "%s: states or edges is a null or misaligned pointer", name);
+    mf_status st = check_device_range(states, (size_t)num_states * sizeof(mf_grammar_state), "grammar states");
+    if (st == MF_SUCCESS && num_edges)
+        st = check_device_range(edges, (size_t)num_edges * sizeof(mf_grammar_edge), "grammar edges");
+    return st;
+}
+
+// The shape of a grammar call: rows with k drafts each, rows * (k + 1) logit rows.
+mf_status check_grammar_shape(const char *name, uint32_t rows, uint32_t k) {
+    if (k > MF_MAX_DRAFTS) return fail(MF_ERROR_INVALID_VALUE, "%s: k must be in [0, %u], got %u", name, MF_MAX_DRAFTS, k);
+    if (rows == 0 || (uint64_t)rows * (k + 1) > kMaxRows)
+        return fail(MF_ERROR_INVALID_VALUE, "%s: rows * (k + 1) must be in [1, %u], got %u * %u", name, kMaxRows, rows,
+                    k + 1);
+    return MF_SUCCESS;
+}
+
+// A pick's grammar (mf_argmax_args.grammar, mf_verify_args.grammar): the caller's descriptor read
+// and checked for a call of `rows` rows with `k` drafts over `vocab` ids, and the two ops it
+// queues around the call's kernel, built from what was checked (the backends trust them). `on`
+// is false without one. Its spans join the call's own in the call's one overlap check.
+struct GrammarPick {
+    bool on = false;
+    mf_grammar_pick g{};
+    size_t mask_bytes = 0;    // the mask's bitmask rows, at the start of the scratch
+    size_t upload_bytes = 0;  // a verify's host drafts, uploaded after them (0: none)
+    mf_grammar_mask_args mask{};
+    mf_grammar_advance_args advance{};
+};
+
+// `drafts`: a verify's drafts (device, or host ones to upload when `host_drafts`); NULL with k = 0.
+mf_status read_grammar(const mf_grammar_pick *in, uint32_t rows, uint32_t k, uint32_t vocab, const uint32_t *drafts,
+                       bool host_drafts, const uint32_t *bitmask, const uint32_t *cells, GrammarPick *out) {
+    mf_status st = read_descriptor(in, &out->g, "mf_grammar_pick", kGrammarPickSizes);
+    if (st != MF_SUCCESS) return st;
+    const mf_grammar_pick &g = out->g;
+    st = check_automaton("grammar", g.states, g.num_states, g.edges, g.num_edges, g.vocab);
+    if (st != MF_SUCCESS) return st;
+    if (g.vocab != vocab)
+        return fail(MF_ERROR_INVALID_VALUE, "grammar: the automaton is for a vocabulary of %u ids; this call's is %u",
+                    g.vocab, vocab);
+    if (!g.state_words || !aligned(g.state_words, 4) || !g.scratch || !aligned(g.scratch, 4))
+        return fail(MF_ERROR_INVALID_VALUE, "grammar: state_words or scratch is a null or misaligned pointer");
+    out->mask_bytes = (size_t)rows * (k + 1) * mf_bitmask_words(vocab) * 4;
+    out->upload_bytes = host_drafts ? (size_t)rows * k * 4 : 0;
+    st = check_device_range(g.state_words, (size_t)rows * 4, "grammar state words");
+    if (st == MF_SUCCESS) st = check_device_range(g.scratch, out->mask_bytes + out->upload_bytes, "grammar scratch");
+    if (st != MF_SUCCESS) return st;
+    mf_grammar_mask_args &m = out->mask;
+    mf_grammar_mask_args_init(&m);
+    m.states = g.states;
+    m.num_states = g.num_states;
+    m.edges = g.edges;
+    m.num_edges = g.num_edges;
+    m.vocab = vocab;
+    m.rows = rows;
+    m.k = k;
+    m.state_words = g.state_words;
+    m.drafts = host_drafts ? g.scratch + out->mask_bytes / 4 : drafts;
+    m.bitmask_in = bitmask;
+    m.bitmask_out = g.scratch;
+    mf_grammar_advance_args &a = out->advance;
+    mf_grammar_advance_args_init(&a);
+    a.states = g.states;
+    a.num_states = g.num_states;
+    a.edges = g.edges;
+    a.num_edges = g.num_edges;
+    a.vocab = vocab;
+    a.rows = rows;
+    a.k = k;
+    a.cells = cells;
+    a.state_words = g.state_words;
+    out->on = true;
+    return MF_SUCCESS;
+}
+
+// What a pick's grammar writes (the state words, the scratch) and reads (the automaton), for the
+// call's overlap check: four spans, null without a grammar.
+struct GrammarSpans {
+    Span s[4];
+    explicit GrammarSpans(const GrammarPick &p) : s{} {
+        if (!p.on) return;
+        const mf_grammar_pick &g = p.g;
+        s[0] = {g.state_words, (size_t)p.mask.rows * 4, "grammar state words", true};
+        s[1] = {g.scratch, p.mask_bytes + p.upload_bytes, "grammar scratch", true};
+        s[2] = {g.states, (size_t)g.num_states * sizeof(mf_grammar_state), "grammar states", false};
+        s[3] = {g.num_edges ? g.edges : nullptr, (size_t)g.num_edges * sizeof(mf_grammar_edge), "grammar edges", false};
+    }
+};
 
 // Host masks of MF_MAX_ROWS unmasked rows: what masks NULL means. A constant, so a graph that
 // captured it replays the same (no) masks.
@@ -198,12 +307,13 @@ mf_status check_partial(const mf_argmax_args *a) {
 
 // What an argmax call writes must not overlap anything else it touches. Host-resident masks and
 // params are consumed before the call returns, so only device-resident inputs count.
-mf_status refuse_argmax_overlaps(const mf_argmax_args *a, size_t logits_bytes) {
+mf_status refuse_argmax_overlaps(const mf_argmax_args *a, size_t logits_bytes, const GrammarPick &gp) {
     const size_t rows = a->rows;
     const bool partial = a->flags & MF_ARGS_PARTIAL;
     const uint32_t total = partial ? a->vocab_total : a->vocab;
     const size_t block = partial_block_bytes(a);
     const bool select = a->flags & MF_ARGS_SELECT;
+    const GrammarSpans g(gp);
     const Span spans[] = {
         {a->cells, partial ? 0 : rows * 4, "feed cells", true},
         {a->host_dst, rows * 4, "argmax destination", true},
@@ -224,11 +334,13 @@ mf_status refuse_argmax_overlaps(const mf_argmax_args *a, size_t logits_bytes) {
          "device-resident sampling params", false},
         {select ? a->select_drafts : nullptr, a->select_k ? rows / (a->select_k + 1) * a->select_k * 4 : 0,
          "select drafts", false},
+        g.s[0], g.s[1], g.s[2], g.s[3],
     };
     return refuse_overlaps(spans);
 }
 
-mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
+// `gp`: the call's grammar, read and checked here when it has one.
+mf_status check_argmax(const mf_argmax_args *a, GrammarPick *gp, Slot **event) {
     if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "unknown logits dtype %d", (int)a->dtype);
     if (a->rows == 0 || a->rows > kMaxRows)
         return fail(MF_ERROR_INVALID_VALUE, "rows must be in [1, %u], got %u", kMaxRows, a->rows);
@@ -308,7 +420,12 @@ mf_status check_argmax(const mf_argmax_args *a, Slot **event) {
         status = check_device_range(a->cells, (size_t)a->cell_capacity * 4, "feed cells");
     if (status == MF_SUCCESS && a->host_dst)
         status = check_host_range(a->host_dst, (size_t)a->rows * 4, "argmax destination");
-    if (status == MF_SUCCESS) status = refuse_argmax_overlaps(a, span);
+    if (status == MF_SUCCESS && a->grammar) {
+        status = partial ? fail(MF_ERROR_INVALID_VALUE, "grammar with a partial call: each rank queues "
+                                "mf_grammar_mask and mf_grammar_advance around its partial calls and the combine")
+                         : read_grammar(a->grammar, a->rows, 0, a->vocab, nullptr, false, a->bitmask, a->cells, gp);
+    }
+    if (status == MF_SUCCESS) status = refuse_argmax_overlaps(a, span, *gp);
     *event = nullptr;
     if (status == MF_SUCCESS && a->event) status = resolve_event(a->event, event);
     return status;
@@ -324,7 +441,7 @@ mf_status check_verify_shape(uint32_t rows, uint32_t k) {
 }
 
 // verify_to_feed's arguments, all before anything is queued (feed.h, "verify_to_feed").
-mf_status check_verify(const mf_verify_args *a, Slot **event) {
+mf_status check_verify(const mf_verify_args *a, GrammarPick *gp, Slot **event) {
     if (!dtype_known(a->dtype)) return fail(MF_ERROR_INVALID_VALUE, "unknown logits dtype %d", (int)a->dtype);
     if (mf_status st = check_verify_shape(a->rows, a->k); st != MF_SUCCESS) return st;
     const uint32_t logit_rows = a->rows * (a->k + 1), cell_words = a->rows * (a->k + 2);
@@ -410,7 +527,11 @@ mf_status check_verify(const mf_verify_args *a, Slot **event) {
     st = check_device_range(a->logits, (size_t)wide, "logits");
     if (st == MF_SUCCESS) st = check_device_range(a->cells, (size_t)a->cell_capacity * 4, "feed cells");
     if (st == MF_SUCCESS && a->host_dst) st = check_host_range(a->host_dst, (size_t)cell_words * 4, "verify destination");
+    const bool device_drafts = a->flags & MF_VERIFY_DRAFTS_DEVICE;
+    if (st == MF_SUCCESS && a->grammar)
+        st = read_grammar(a->grammar, a->rows, a->k, a->vocab, a->drafts, !device_drafts, a->bitmask, a->cells, gp);
     if (st == MF_SUCCESS) {  // what the call writes must not overlap anything else it touches
+        const GrammarSpans g(*gp);
         const Span spans[] = {
             {a->cells, (size_t)cell_words * 4, "feed cells", true},
             {a->host_dst, a->host_dst ? (size_t)cell_words * 4 : 0, "verify destination", true},
@@ -424,6 +545,7 @@ mf_status check_verify(const mf_verify_args *a, Slot **event) {
              "device-resident sampling params", false},
             {a->draft_probs, a->draft_probs ? (size_t)a->rows * a->k * a->vocab * 4 : 0, "draft_probs", false},
             {a->advance, a->advance ? (size_t)a->rows * 4 : 0, "advance", false},
+            g.s[0], g.s[1], g.s[2], g.s[3],
         };
         st = refuse_overlaps(spans);
     }
@@ -464,7 +586,8 @@ static size_t penalty_id_bytes(const mf_penalty_args *a) { return (size_t)a->row
 
 // A pick's penalties (mf_argmax_args.penalties): the apply over its logits and the update with
 // its cells, each checked as the two functions check theirs.
-static mf_status pick_penalties(const mf_argmax_args *args, mf_penalty_args *apply, mf_penalty_args *update) {
+static mf_status pick_penalties(const mf_argmax_args *args, const GrammarPick &gp, mf_penalty_args *apply,
+                                mf_penalty_args *update) {
     if (args->flags & (MF_ARGS_PARTIAL | MF_ARGS_SELECT))
         return fail(MF_ERROR_INVALID_VALUE, "penalties with a partial call: each slice applies its own "
                     "(mf_penalties_apply), and the update takes the combined ids");
@@ -490,6 +613,7 @@ static mf_status pick_penalties(const mf_argmax_args *args, mf_penalty_args *app
     // another part of it reads or writes. These spans hold the apply's own (check_penalties').
     const bool dmasks = args->flags & MF_ARGS_MASKS_DEVICE, dparams = args->flags & MF_ARGS_PARAMS_DEVICE;
     const bool dslots = apply->flags & MF_PENALTY_SLOTS_DEVICE;
+    const GrammarSpans g(gp);  // the grammar's state words and scratch against the tables too
     const Span spans[] = {
         {args->logits, logit_bytes, "logits", true},
         {args->cells, (size_t)args->rows * 4, "cells", true},
@@ -505,6 +629,7 @@ static mf_status pick_penalties(const mf_argmax_args *args, mf_penalty_args *app
         {args->bitmask, (size_t)args->rows * mf_bitmask_words(args->vocab) * 4, "bitmask", false},
         {dparams ? args->params : nullptr, (size_t)args->rows * sizeof(mf_sampling_params), "device-resident params",
          false},
+        g.s[0], g.s[1], g.s[2], g.s[3],
     };
     return refuse_overlaps(spans);
 }
@@ -518,10 +643,11 @@ mf_status mf_argmax_to_feed(const mf_argmax_args *caller, mf_stream_t stream) {
         const mf_argmax_args *args = &snapshot;
         void *raw;
         Slot *event;
-        status = check_argmax(args, &event);
+        GrammarPick gp;
+        status = check_argmax(args, &gp, &event);
         mf_penalty_args pen_apply{}, pen_update{};
         const bool penalised = args->penalties != nullptr;
-        if (status == MF_SUCCESS && penalised) status = pick_penalties(args, &pen_apply, &pen_update);
+        if (status == MF_SUCCESS && penalised) status = pick_penalties(args, gp, &pen_apply, &pen_update);
         if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
         if (status == MF_SUCCESS && penalised && !(pen_apply.flags & MF_PENALTY_SLOTS_DEVICE))
             status = refuse_in_capture(raw, "argmax_to_feed with penalties of host-resident slots", true);
@@ -534,26 +660,33 @@ mf_status mf_argmax_to_feed(const mf_argmax_args *caller, mf_stream_t stream) {
         if (status == MF_SUCCESS && args->logprobs_dst)
             status = capture_host_check(raw, args->logprobs_dst, "argmax_to_feed logprobs destination");
         if (status != MF_SUCCESS) return status;
-        // A replay's copy owns its penalty descriptor: the caller's may be gone by then.
-        if (kept_for_graph(raw, [copy = *args, pen = pen_apply, penalised](mf_stream_t s) mutable {
+        // A replay's copy owns its penalty and grammar descriptors: the caller's may be gone by then.
+        if (kept_for_graph(raw, [copy = *args, pen = pen_apply, penalised, gram = gp.g, grammar = gp.on](
+                                    mf_stream_t s) mutable {
                 if (penalised) copy.penalties = &pen;
+                if (grammar) copy.grammar = &gram;
                 return mf_argmax_to_feed(&copy, s);
             }))
             return MF_SUCCESS;
         mf_argmax_args local;
-        if (!args->masks) {
+        if (!args->masks || gp.on) {
             local = *args;
-            local.masks = no_masks();
+            if (!local.masks) local.masks = no_masks();
+            if (gp.on) local.bitmask = gp.g.scratch;  // the mask's rows, the caller's bitmask ANDed in
             args = &local;
         }
-        Staged staged(raw, penalised || args->host_dst || args->logprobs_dst || event);
-        if (penalised && ops().argmax_penalised) {
+        // The grammar's mask before the kernels and its advance after them, both ahead of the copies
+        // and the event record: the event covers the state words too.
+        Staged staged(raw, penalised || gp.on || args->host_dst || args->logprobs_dst || event);
+        status = gp.on ? ops().grammar_mask(&gp.mask, raw) : MF_SUCCESS;
+        if (status == MF_SUCCESS && penalised && ops().argmax_penalised) {
             status = ops().argmax_penalised(args, &pen_apply, raw);
-        } else {
+        } else if (status == MF_SUCCESS) {
             status = penalised ? ops().penalties(&pen_apply, false, raw) : MF_SUCCESS;
             if (status == MF_SUCCESS) status = ops().argmax(args, raw);
             if (status == MF_SUCCESS && penalised) status = ops().penalties(&pen_update, true, raw);
         }
+        if (status == MF_SUCCESS && gp.on) status = ops().grammar_advance(&gp.advance, raw);
         if (status == MF_SUCCESS && args->host_dst)
             status = ops().copy_async(args->host_dst, args->cells, (size_t)args->rows * 4, kD2H, raw);
         if (status == MF_SUCCESS && args->logprobs_dst)
@@ -803,7 +936,8 @@ mf_status mf_verify_to_feed(const mf_verify_args *caller, mf_stream_t stream) {
         const mf_verify_args *args = &copied;
         void *raw;
         Slot *event;
-        status = check_verify(args, &event);
+        GrammarPick gp;
+        status = check_verify(args, &gp, &event);
         if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
         if (status == MF_SUCCESS && !(args->flags & MF_VERIFY_DRAFTS_DEVICE))
             status = refuse_in_capture(raw, "verify_to_feed with host-resident drafts", true);
@@ -816,13 +950,25 @@ mf_status mf_verify_to_feed(const mf_verify_args *caller, mf_stream_t stream) {
         if (status == MF_SUCCESS && args->logprobs_dst)
             status = capture_host_check(raw, args->logprobs_dst, "verify_to_feed logprobs destination");
         if (status != MF_SUCCESS) return status;
-        if (kept_for_graph(raw, [copy = *args](mf_stream_t s) { return mf_verify_to_feed(&copy, s); }))
+        // A replay's copy owns its grammar descriptor: the caller's may be gone by then.
+        if (kept_for_graph(raw, [copy = *args, gram = gp.g, grammar = gp.on](mf_stream_t s) mutable {
+                if (grammar) copy.grammar = &gram;
+                return mf_verify_to_feed(&copy, s);
+            }))
             return MF_SUCCESS;
         mf_verify_args local = *args;
         if (!local.masks) local.masks = no_masks();  // rows * (k + 1) <= MF_MAX_ROWS unmasked rows
+        if (gp.on) local.bitmask = gp.g.scratch;     // the mask's rows, the caller's bitmask ANDed in
         const size_t cell_bytes = (size_t)args->rows * (args->k + 2) * 4, lp_bytes = (size_t)args->rows * (args->k + 1) * 4;
-        Staged staged(raw, args->host_dst || args->logprobs_dst || event);
-        status = ops().verify(&local, raw);
+        // The grammar's pieces (host drafts uploaded for its walk, the mask) before the kernel and its
+        // advance after it, all ahead of the copies and the event record, which then covers the states.
+        Staged staged(raw, gp.on || args->host_dst || args->logprobs_dst || event);
+        status = MF_SUCCESS;
+        if (gp.upload_bytes)
+            status = ops().copy_async(gp.g.scratch + gp.mask_bytes / 4, args->drafts, gp.upload_bytes, kH2D, raw);
+        if (status == MF_SUCCESS && gp.on) status = ops().grammar_mask(&gp.mask, raw);
+        if (status == MF_SUCCESS) status = ops().verify(&local, raw);
+        if (status == MF_SUCCESS && gp.on) status = ops().grammar_advance(&gp.advance, raw);
         if (status == MF_SUCCESS && args->host_dst)
             status = ops().copy_async(args->host_dst, args->cells, cell_bytes, kD2H, raw);
         if (status == MF_SUCCESS && args->logprobs_dst)
@@ -1201,43 +1347,7 @@ mf_status mf_select_decide(const mf_select_decide_args *caller, mf_stream_t stre
     });
 }
 
-}  // extern "C"
-
-// ---- the device grammar (feed.h, "grammar"; grammar_rule.h) ----
-// The automaton and the state words are device data read when the kernels run: checked here only
-// for their extent (the rule keeps every read inside them whatever they hold).
-namespace {
-constexpr uint32_t kGrammarMaskSizes[] = {sizeof(mf_grammar_mask_args)};
-constexpr uint32_t kGrammarAdvanceSizes[] = {sizeof(mf_grammar_advance_args)};
-
-// The automaton's fields, common to both descriptors: its two arrays' extents and the vocabulary.
-mf_status check_automaton(const char *name, const mf_grammar_state *states, uint32_t num_states,
-                          const mf_grammar_edge *edges, uint32_t num_edges, uint32_t vocab) {
-    if (vocab == 0 || vocab > kMaxVocab)
-        return fail(MF_ERROR_INVALID_VALUE, "%s: vocab must be in [1, %u], got %u", name, kMaxVocab, vocab);
-    if (num_states == 0 || num_states == MF_GRAMMAR_DEAD)  // a state index is never NO_TOKEN
-        return fail(MF_ERROR_INVALID_VALUE, "%s: num_states must be in [1, %u], got %u", name, MF_GRAMMAR_DEAD - 1,
-                    num_states);
-    if (!states || !aligned(states, alignof(mf_grammar_state)) || (num_edges && !edges) ||
-        !aligned(edges, alignof(mf_grammar_edge)))
-        return fail(MF_ERROR_INVALID_VALUE, "%s: states or edges is a null or misaligned pointer", name);
-    mf_status st = check_device_range(states, (size_t)num_states * sizeof(mf_grammar_state), "grammar states");
-    if (st == MF_SUCCESS && num_edges)
-        st = check_device_range(edges, (size_t)num_edges * sizeof(mf_grammar_edge), "grammar edges");
-    return st;
-}
-
-// The shape of a grammar call: rows with k drafts each, rows * (k + 1) logit rows.
-mf_status check_grammar_shape(const char *name, uint32_t rows, uint32_t k) {
-    if (k > MF_MAX_DRAFTS) return fail(MF_ERROR_INVALID_VALUE, "%s: k must be in [0, %u], got %u", name, MF_MAX_DRAFTS, k);
-    if (rows == 0 || (uint64_t)rows * (k + 1) > kMaxRows)
-        return fail(MF_ERROR_INVALID_VALUE, "%s: rows * (k + 1) must be in [1, %u], got %u * %u", name, kMaxRows, rows,
-                    k + 1);
-    return MF_SUCCESS;
-}
-}  // namespace
-
-extern "C" {
+// ---- the device grammar's two ops (feed.h, "grammar"; their checks are above, with a pick's) ----
 
 mf_status mf_grammar_mask(const mf_grammar_mask_args *caller, mf_stream_t stream) {
     return guard([&]() -> mf_status {

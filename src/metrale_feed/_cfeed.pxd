@@ -232,6 +232,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         const mf_penalty_args *penalties
         const uint32_t *select_drafts
         uint32_t select_k
+        const mf_grammar_pick *grammar
     enum:
         MF_ARGS_MASKS_DEVICE
         MF_ARGS_PARAMS_DEVICE
@@ -315,6 +316,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         void *logprobs_dst
         mf_event_t event
         const uint32_t *advance
+        const mf_grammar_pick *grammar
     void mf_verify_args_init(mf_verify_args *args)
     mf_status mf_verify_to_feed(const mf_verify_args *args, mf_stream_t stream)
     mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
@@ -360,6 +362,16 @@ cdef extern from "metrale_feed/feed.h" nogil:
         uint32_t *state_words
     void mf_grammar_advance_args_init(mf_grammar_advance_args *args)
     mf_status mf_grammar_advance(const mf_grammar_advance_args *args, mf_stream_t stream)
+    ctypedef struct mf_grammar_pick:
+        uint32_t struct_size
+        uint32_t num_states
+        const mf_grammar_state *states
+        const mf_grammar_edge *edges
+        uint32_t num_edges
+        uint32_t vocab
+        uint32_t *state_words
+        uint32_t *scratch
+    void mf_grammar_pick_init(mf_grammar_pick *args)
 
     const uint32_t MF_MAX_LOGIT_BIAS
     const uint32_t MF_MAX_PENALTY_STOPS

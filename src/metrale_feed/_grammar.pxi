@@ -1,7 +1,8 @@
 # The device grammar's two operations (feed.h, "grammar"; docs/kernels.md, "Grammar"), private:
-# the automaton's owner (TokenAutomaton) lays its arrays out with the sizes below and calls these
-# around a pick. The C layer checks every argument before anything is queued; this binding only
-# coerces the buffers and checks the length of a foreign tensor, which the C layer cannot see.
+# the automaton's owner (TokenAutomaton) lays its arrays out with the sizes below; a split pick
+# (tp/shard.py) calls these around its calls, an unsplit one hands the C call its grammar (below).
+# The C layer checks every argument before anything is queued; this binding only coerces the
+# buffers and checks the length of a foreign tensor, which the C layer cannot see.
 
 GRAMMAR_STATE_BYTES = sizeof(mf_grammar_state)  # one state record: first, count, fallback, flags
 GRAMMAR_EDGE_BYTES = sizeof(mf_grammar_edge)    # one edge record: token, next
@@ -137,146 +138,67 @@ def _grammar_advance(states, edges, cells, state_words, stream=0, *, num_states,
 
 
 # ---- grammar= of argmax_to_feed, sample_to_feed and verify_to_feed ----
-# One call queues the mask (each row's bitmask rows from its state word, ANDed with the caller's
-# bitmask), the pick with that bitmask, then the advance of the state words by the ids the pick
-# wrote, in stream order (docs/kernels.md, "Grammar in a pick").
-
+# The pick's own C call queues the mask (each row's bitmask rows from its state word, ANDed with the
+# caller's bitmask), the pick with that bitmask, and the advance of the state words by the ids the
+# pick wrote, all ahead of its copies and event record, after checking all of it together (feed.h's
+# mf_grammar_pick; docs/kernels.md, "Grammar in a pick"). This binding fills the descriptor.
 
 
 @cython.final
 cdef class _GrammarCall:
-    """One pick's grammar, checked before anything is queued: the mask and advance descriptors,
-    the scratch the bitmask goes to, the host drafts to upload first (a verify), and what a
-    capture keeps."""
-    cdef mf_grammar_mask_args mask
-    cdef mf_grammar_advance_args adv
-    cdef object names          # the automaton's arrays, the state words, the scratch
-    cdef object scratch
-    cdef uint32_t *bitmask     # in the scratch: the pick's bitmask
-    cdef object upload         # host drafts (bytes) copied to upload_at first, or None
-    cdef size_t upload_at
-
-    cdef int queue_mask(self, uint64_t s) except -1:
-        """The drafts' upload and the mask: raises with nothing of the pick queued."""
-        if self.upload is not None:
-            copy_h2d_async(self.upload_at, self.upload, s)
-        queued_on(s, mf_grammar_mask(&self.mask, s), self.names, 0)
-        return 0
-
-
-cdef int refuse_overlap(size_t ptr, size_t nbytes, list spans) except -1:
-    """The state words must not overlap what the pick reads or writes: the advance rewrites
-    them after the pick, and a pick writing over them would leave states no automaton reached."""
-    cdef size_t p, n
-    for p, n, what in spans:
-        if p and n and ptr < p + n and p < ptr + nbytes:
-            raise ValueError(f"grammar states overlap {what}")
-    return 0
+    """One pick's grammar descriptor, and the arrays a capture keeps for it (the automaton's, and
+    a scratch made for the capture)."""
+    cdef mf_grammar_pick desc
+    cdef object names
 
 
 cdef _GrammarCall grammar_of(_Launch launch, object grammar, uint64_t s, uint32_t rows, uint32_t k,
-                             uint32_t vocab, const uint32_t *bitmask_in, const uint32_t *drafts,
-                             object host_drafts, list spans):
-    """``grammar=(automaton, states[, scratch])`` of a pick of ``rows`` rows with ``k`` drafts
-    (0: argmax or sample) over ``vocab`` ids, checked: the automaton on the device and for this
-    vocabulary, ``states`` device words of at least ``rows``, overlapping none of ``spans``
-    ((pointer, bytes, name) of what the pick touches), the scratch big enough. Queues nothing."""
-    global _automaton_type
+                             bint host_drafts):
+    """``grammar=(automaton, states[, scratch])`` of a pick of ``rows`` rows with ``k`` drafts (0:
+    argmax or sample) as the C layer's descriptor. The automaton is taken by what it offers, not by
+    its type (the extension knows nothing of the layer that builds it): ``_device_view()`` gives
+    ``(states, edges, num_states, num_edges, vocab)``, its device arrays and their counts (the
+    arrays as ``_grammar_mask`` takes them), and ``_scratch(stream, nbytes)`` the scratch kept for a
+    stream. Coerces and sizes; the C layer checks the vocabulary, every extent and every overlap
+    with the rest of the pick. ``host_drafts``: a verify's drafts are uploaded into the scratch
+    after the mask. Queues nothing."""
     cdef _GrammarCall g = _GrammarCall.__new__(_GrammarCall)
     cdef void *ptr
-    cdef size_t have
-    cdef size_t left = 0
-    if _automaton_type is None:
-        from metrale_feed.grammar.automaton import TokenAutomaton
-        _automaton_type = TokenAutomaton
     if not isinstance(grammar, tuple) or len(grammar) not in (2, 3):
         raise TypeError("grammar must be a tuple (automaton, states) or (automaton, states, scratch), "
                         f"not {type(grammar).__name__}")
     automaton, states = grammar[0], grammar[1]
     scratch = grammar[2] if len(grammar) == 3 else None
-    if not isinstance(automaton, _automaton_type):
-        raise TypeError(f"grammar's automaton must be a metrale_feed.TokenAutomaton, not "
-                        f"{type(automaton).__name__}")
-    if automaton.vocab != vocab:
-        raise ValueError(f"the automaton is for a vocabulary of {automaton.vocab} ids; this call's "
-                         f"is {vocab}")
-    if not automaton.on_device:
-        raise ValueError("the automaton is not on the device: call automaton.to_device(stream) first")
-    table, edges = automaton.device_arrays
+    view = getattr(automaton, "_device_view", None)
+    if view is None or not hasattr(automaton, "_scratch"):
+        raise TypeError(f"grammar's automaton must be a metrale_feed.TokenAutomaton (an object with "
+                        f"_device_view() and _scratch()), not {type(automaton).__name__}")
+    view = view()
+    if not isinstance(view, tuple) or len(view) != 5:
+        raise TypeError("grammar's automaton: _device_view() must return (states, edges, num_states, "
+                        "num_edges, vocab)")
+    table, edges, num_states, num_edges, vocab = view
+    mf_grammar_pick_init(&g.desc)
+    g.desc.num_states = <uint32_t>int_of(num_states, "the automaton's num_states", 0, 0xFFFFFFFF)
+    g.desc.num_edges = <uint32_t>int_of(num_edges, "the automaton's num_edges", 0, 0xFFFFFFFF)
+    g.desc.vocab = <uint32_t>int_of(vocab, "the automaton's vocab", 1, MF_MAX_VOCAB)
+    g.desc.states = <const mf_grammar_state *>grammar_buffer(
+        launch, table, num_states * GRAMMAR_STATE_BYTES, "the automaton's states", False, False)
+    if edges is not None:
+        g.desc.edges = <const mf_grammar_edge *>grammar_buffer(
+            launch, edges, num_edges * GRAMMAR_EDGE_BYTES, "the automaton's edges", False, False)
     if not device_resident(states, "grammar states"):
         raise TypeError(f"grammar states must be device memory (a DeviceBuffer, a device pointer or a "
                         f"tensor) of uint32 words, not {type(states).__name__}")
-    launch.device(states, &ptr, &have, "grammar states", True, True)
-    cdef uint32_t *words = <uint32_t *>ptr
-    if have == <size_t>-1 and mf_mem_lookup(ptr, &left) == MF_MEM_DEVICE:
-        have = left
-    if have != <size_t>-1 and have < <size_t>rows * 4:
-        raise ValueError(f"grammar states hold {have} bytes; {rows} rows need {rows * 4}")
-    refuse_overlap(<size_t>words, <size_t>rows * 4, spans)
-    cdef size_t mask_bytes = <size_t>rows * (k + 1) * ((vocab + 31) // 32) * 4
-    cdef size_t need = mask_bytes + (len(host_drafts) if host_drafts is not None else 0)
-    graph = capturing_graph(s)
-    if host_drafts is not None and graph is not None:
-        raise ValueError("grammar= with host drafts in a capture: pass device drafts (a replay reads "
-                         "them where they are)")
+    g.desc.state_words = <uint32_t *>grammar_buffer(launch, states, rows * 4, "grammar state words", True, True)
+    need = rows * (k + 1) * ((g.desc.vocab + 31) // 32) * 4 + (rows * k * 4 if host_drafts else 0)
     if scratch is None:
         # In a capture the graph owns a scratch of its own (a replay must not share the stream's
         # with the eager calls, nor lose it when that one grows).
-        scratch = DeviceBuffer(need) if graph is not None else automaton._scratch(s, need)
+        scratch = DeviceBuffer(need) if capturing_graph(s) is not None else automaton._scratch(s, need)
     elif type(scratch) is not DeviceBuffer:
         raise TypeError(f"grammar's scratch must be a DeviceBuffer, not {type(scratch).__name__}")
-    elif (<DeviceBuffer>scratch)._nbytes < need:
-        raise ValueError(f"grammar's scratch holds {(<DeviceBuffer>scratch)._nbytes} bytes; this call "
-                         f"needs {need}")
     device_ptr_of(scratch, &ptr)
-    if <size_t>ptr < <size_t>words + rows * 4 and <size_t>words < <size_t>ptr + need:
-        raise ValueError("grammar's scratch overlaps the grammar states")
-    for p, n, what in spans:
-        if p and n and <size_t>ptr < <size_t>p + <size_t>n and <size_t>p < <size_t>ptr + need:
-            raise ValueError(f"grammar's scratch overlaps {what}")
-    g.scratch = scratch
-    g.bitmask = <uint32_t *>ptr
-    if host_drafts is not None:
-        g.upload = host_drafts
-        g.upload_at = <size_t>ptr + mask_bytes
-        drafts = <const uint32_t *>(<size_t>ptr + mask_bytes)
-    cdef mf_grammar_state *st_ptr = <mf_grammar_state *>grammar_buffer(launch, table, 0, "states", False, False)
-    cdef mf_grammar_edge *ed_ptr = <mf_grammar_edge *>grammar_buffer(launch, edges, 0, "edges", False, False)
-    mf_grammar_mask_args_init(&g.mask)
-    g.mask.states, g.mask.edges = st_ptr, ed_ptr
-    g.mask.num_states, g.mask.num_edges = automaton.num_states, len(automaton.edges)
-    g.mask.vocab, g.mask.rows, g.mask.k = vocab, rows, k
-    g.mask.state_words = words
-    g.mask.drafts = drafts if k else NULL
-    g.mask.bitmask_in = bitmask_in
-    g.mask.bitmask_out = g.bitmask
-    mf_grammar_advance_args_init(&g.adv)
-    g.adv.states, g.adv.edges = st_ptr, ed_ptr
-    g.adv.num_states, g.adv.num_edges = g.mask.num_states, g.mask.num_edges
-    g.adv.vocab, g.adv.rows, g.adv.k = vocab, rows, k
-    g.adv.state_words = words
-    g.names = (table, edges, states, scratch)
+    g.desc.scratch = <uint32_t *>ptr
+    g.names = (table, edges, scratch)
     return g
-
-
-cdef int grammar_advance(_GrammarCall g, uint64_t s, const uint32_t *cells, mf_status picked,
-                         _Launch launch) except -1:
-    """The advance, once the pick returned ``picked``. A pick the C layer refused after the
-    mask was queued queues no advance; the foreign arrays the mask reads are kept past it then
-    (the launch keeps nothing of a refused call). The advance is refused only if the pick's
-    checks missed something (its cells were checked there): the pick ran without it."""
-    if picked != MF_SUCCESS:
-        if launch.kept and capturing_graph(s) is None:
-            keep_until_passed(launch.kept, s)
-            launch.kept = None
-        return 0
-    g.adv.cells = cells
-    status = mf_grammar_advance(&g.adv, s)
-    if status != MF_SUCCESS:
-        try:
-            queued_on(s, status, None, 0)
-        except FeedError as exc:
-            from metrale_feed.errors import DeviceError
-            raise DeviceError(f"the pick was queued but its grammar advance was refused: {exc}") from exc
-    queued_on(s, status, g.names, 0)
-    return 0

@@ -178,6 +178,3 @@ def _forget_parent_events():
 
 
 _os.register_at_fork(after_in_child=_forget_parent_events)
-
-# metrale_feed.TokenAutomaton, looked up on the first call with grammar= (_grammar.pxi).
-cdef object _automaton_type = None

@@ -1,10 +1,11 @@
 /* A C-only smoke test of the C ABI (metrale_feed/feed.h) on the host backend, for valgrind and the
  * sanitizers: events, streams, pinned and device memory, copies, argmax_to_feed, resolve_feed, the
- * grammar ops, the fault knobs and the error paths (double frees, unknown handles, ranges), with
+ * grammar ops and a pick's grammar, the fault knobs and the error paths (double frees, unknown handles, ranges), with
  * results checked against plain C loops written here. Exit status 0 when every check passed.
  *
  * Built and run by tools/sanitize.sh against the static library metrale_feed_c. */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -436,6 +437,183 @@ static void test_grammar(void) {
     OK(mf_device_free(cl));
 }
 
+/* A pick's grammar through the C ABI (mf_grammar_pick): the same automaton as test_grammar, every
+ * row's logits ranking 7 over 5 over 3. Refusals queue nothing (the state words and the scratch
+ * keep their bytes); argmax_to_feed and a verify with host drafts mask, pick and advance in one
+ * call; a descriptor of the size before `grammar` is read as having none; a captured call replays
+ * with the states it finds. */
+static void test_grammar_pick(void) {
+    enum { VOCAB = 40, ROWS = 3, K = 1, WORDS = 2, LOGIT_ROWS = ROWS * (K + 1) };
+    const mf_grammar_state states[3] = {{0, 2, MF_GRAMMAR_DEAD, 0}, {2, 1, 1, 0}, {3, 0, MF_GRAMMAR_DEAD, MF_GRAMMAR_FINAL}};
+    const mf_grammar_edge edges[3] = {{3, 1}, {5, 2}, {7, MF_GRAMMAR_DEAD}};
+    const uint32_t start[ROWS] = {0, 1, MF_NO_TOKEN}, drafts[ROWS * K] = {5, 7, 7};
+    const size_t scratch_bytes = LOGIT_ROWS * WORDS * 4 + ROWS * K * 4; /* the mask, then the drafts */
+    float logits[LOGIT_ROWS * VOCAB];
+    for (int i = 0; i < LOGIT_ROWS * VOCAB; ++i) logits[i] = 0.0f;
+    for (int r = 0; r < LOGIT_ROWS; ++r) {
+        logits[r * VOCAB + 7] = 3.0f;
+        logits[r * VOCAB + 5] = 2.0f;
+        logits[r * VOCAB + 3] = 1.0f;
+    }
+    void *st = NULL, *ed = NULL, *wd = NULL, *dl = NULL, *cl = NULL, *sc = NULL, *dst = NULL;
+    mf_event_t event = 0;
+    mf_stream_t stream = 0;
+    OK(mf_stream_create(MF_STREAM_NON_BLOCKING, &stream));
+    OK(mf_event_create(0, &event));
+    OK(mf_device_alloc(sizeof states, &st));
+    OK(mf_device_alloc(sizeof edges, &ed));
+    OK(mf_device_alloc(sizeof start, &wd));
+    OK(mf_device_alloc(sizeof logits, &dl));
+    OK(mf_device_alloc(ROWS * (K + 2) * 4, &cl));
+    OK(mf_device_alloc(scratch_bytes, &sc));
+    OK(mf_host_alloc(ROWS * (K + 2) * 4, 0, &dst));
+    OK(mf_copy_h2d_async(st, states, sizeof states, stream));
+    OK(mf_copy_h2d_async(ed, edges, sizeof edges, stream));
+    OK(mf_copy_h2d_async(wd, start, sizeof start, stream));
+    OK(mf_copy_h2d_async(dl, logits, sizeof logits, stream));
+    OK(mf_memset_async(sc, 0xEE, scratch_bytes, stream));
+
+    mf_grammar_pick g;
+    mf_grammar_pick_init(&g);
+    g.states = (const mf_grammar_state *)st;
+    g.num_states = 3;
+    g.edges = (const mf_grammar_edge *)ed;
+    g.num_edges = 3;
+    g.vocab = VOCAB;
+    g.state_words = (uint32_t *)wd;
+    g.scratch = (uint32_t *)sc;
+    mf_argmax_args a;
+    mf_argmax_args_init(&a);
+    a.logits = dl;
+    a.dtype = MF_DTYPE_F32;
+    a.rows = ROWS;
+    a.vocab = VOCAB;
+    a.row_stride = VOCAB;
+    a.cells = (uint32_t *)cl;
+    a.cell_capacity = ROWS;
+    a.host_dst = dst;
+    a.event = event;
+    a.grammar = &g;
+
+    /* Refused before anything is queued: the descriptor, the automaton, the overlaps, the event. */
+    mf_grammar_pick bad;
+    memset(&bad, 0xA5, sizeof bad); /* no init */
+    mf_argmax_args b = a;
+    b.grammar = &bad;
+    FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_VALUE);
+    bad = g;
+    bad.vocab = VOCAB + 1; /* an automaton for another vocabulary */
+    FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_VALUE);
+    bad = g;
+    bad.num_states = 4; /* past the states array */
+    FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_VALUE);
+    bad = g;
+    bad.state_words = (uint32_t *)cl; /* over the cells the pick writes */
+    FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_VALUE);
+    bad = g;
+    bad.scratch = (uint32_t *)dl; /* over the logits the pick reads */
+    FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_VALUE);
+    bad = g;
+    bad.scratch = (uint32_t *)st; /* over the automaton the mask reads */
+    FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_VALUE);
+    bad = g;
+    bad.state_words = (uint32_t *)sc + 1; /* inside the scratch */
+    FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_VALUE);
+    b = a;
+    b.event = 0xDEAD00000001ull; /* the pick's own check, after the grammar's passed */
+    FAILS_WITH(mf_argmax_to_feed(&b, stream), MF_ERROR_INVALID_HANDLE);
+    OK(mf_stream_synchronize(stream));
+    uint32_t words[ROWS], scratch[LOGIT_ROWS * WORDS + ROWS * K], cells[ROWS * (K + 2)];
+    OK(mf_copy_d2h_async(words, wd, sizeof words, stream));
+    OK(mf_copy_d2h_async(scratch, sc, sizeof scratch, stream));
+    OK(mf_stream_synchronize(stream));
+    CHECK(memcmp(words, start, sizeof words) == 0);
+    for (size_t i = 0; i < sizeof scratch / 4; ++i) CHECK(scratch[i] == 0xEEEEEEEEu);
+
+    /* Row 0 (state 0: 3 or 5) picks 5 and goes to 2; row 1 (state 1: all but 7) picks 5 and stays;
+     * row 2 is free. The event covers the states. */
+    OK(mf_argmax_to_feed(&a, stream));
+    OK(mf_event_synchronize(event));
+    CHECK(((uint32_t *)dst)[0] == 5 && ((uint32_t *)dst)[1] == 5 && ((uint32_t *)dst)[2] == 7);
+    OK(mf_copy_d2h_async(words, wd, sizeof words, stream));
+    OK(mf_stream_synchronize(stream));
+    CHECK(words[0] == 2 && words[1] == 1 && words[2] == MF_NO_TOKEN);
+
+    /* A caller built before `grammar` was appended: its size says so, and whatever its stack holds
+     * there is not read. */
+    b = a;
+    b.struct_size = (uint32_t)offsetof(mf_argmax_args, grammar);
+    b.grammar = (const mf_grammar_pick *)(uintptr_t)0x10;
+    OK(mf_argmax_to_feed(&b, stream));
+    OK(mf_event_synchronize(event));
+    CHECK(((uint32_t *)dst)[0] == 7 && ((uint32_t *)dst)[1] == 7 && ((uint32_t *)dst)[2] == 7);
+    OK(mf_copy_d2h_async(words, wd, sizeof words, stream));
+    OK(mf_stream_synchronize(stream));
+    CHECK(words[0] == 2 && words[1] == 1 && words[2] == MF_NO_TOKEN); /* no advance */
+
+    /* A verify with host drafts, uploaded after the mask in the scratch for its walk. Row 0 keeps
+     * 5 (state 0 to 2), then state 2 allows nothing; row 1's draft 7 is refused by state 1, which
+     * emits 5; row 2 is free. */
+    OK(mf_copy_h2d_async(wd, start, sizeof start, stream));
+    mf_verify_args v;
+    mf_verify_args_init(&v);
+    v.logits = dl;
+    v.dtype = MF_DTYPE_F32;
+    v.rows = ROWS;
+    v.k = K;
+    v.vocab = VOCAB;
+    v.row_stride = VOCAB;
+    v.drafts = drafts;
+    v.cells = (uint32_t *)cl;
+    v.cell_capacity = ROWS * (K + 2);
+    v.host_dst = dst;
+    v.event = event;
+    v.grammar = &g;
+    mf_verify_args vb = v;
+    bad = g;
+    bad.scratch = (uint32_t *)sc + 1; /* 4 bytes short: the drafts after the mask do not fit */
+    vb.grammar = &bad;
+    FAILS_WITH(mf_verify_to_feed(&vb, stream), MF_ERROR_INVALID_VALUE);
+    OK(mf_verify_to_feed(&v, stream));
+    OK(mf_event_synchronize(event));
+    const uint32_t want_cells[ROWS * (K + 2)] = {2, 5, MF_NO_TOKEN, 1, 5, MF_NO_TOKEN, 2, 7, 7};
+    CHECK(memcmp(dst, want_cells, sizeof want_cells) == 0);
+    OK(mf_copy_d2h_async(words, wd, sizeof words, stream));
+    OK(mf_stream_synchronize(stream));
+    CHECK(words[0] == 2 && words[1] == 1 && words[2] == MF_NO_TOKEN);
+
+    /* Captured once, replayed twice: each launch reads the states the last one left (row 0 has no
+     * candidate the second time: NO_TOKEN, its state kept). */
+    mf_graph_t graph = 0;
+    OK(mf_copy_h2d_async(wd, start, sizeof start, stream));
+    OK(mf_stream_synchronize(stream));
+    a.host_dst = NULL;
+    a.event = 0;
+    OK(mf_graph_begin(stream));
+    mf_grammar_pick captured = g;
+    a.grammar = &captured;
+    OK(mf_argmax_to_feed(&a, stream));
+    OK(mf_graph_end(stream, &graph));
+    memset(&captured, 0, sizeof captured); /* the graph keeps its own copy */
+    const uint32_t want_ids[2][ROWS] = {{5, 5, 7}, {MF_NO_TOKEN, 5, 7}};
+    for (int launch = 0; launch < 2; ++launch) {
+        OK(mf_graph_launch(graph, stream));
+        OK(mf_copy_d2h_async(cells, cl, ROWS * 4, stream));
+        OK(mf_copy_d2h_async(words, wd, sizeof words, stream));
+        OK(mf_stream_synchronize(stream));
+        CHECK(memcmp(cells, want_ids[launch], ROWS * 4) == 0);
+        CHECK(words[0] == 2 && words[1] == 1 && words[2] == MF_NO_TOKEN);
+    }
+    OK(mf_graph_destroy(graph));
+
+    OK(mf_stream_synchronize(stream));
+    OK(mf_host_free(dst, ROWS * (K + 2) * 4));
+    void *bufs[] = {st, ed, wd, dl, cl, sc};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; ++i) OK(mf_device_free(bufs[i]));
+    OK(mf_event_destroy(event));
+    OK(mf_stream_destroy(stream));
+}
+
 int main(void) {
     uint64_t events = 1, streams = 1, pinned = 1, device = 1;
 
@@ -448,6 +626,7 @@ int main(void) {
     test_graphs();
     test_top_combine_fault_word();
     test_grammar();
+    test_grammar_pick();
     OK(mf_stream_synchronize(0));
     /* The same argmax, resolve and graphs with the CUDA kernels run by the simt executor, once
      * with the launch planning of 2 SMs, so few rows split and the last block combines. */
@@ -459,6 +638,7 @@ int main(void) {
         test_argmax_and_resolve();
         test_graphs();
         test_grammar();
+        test_grammar_pick();
     }
     uint64_t counters[6];
     mf_simt_counters(counters);

@@ -402,3 +402,50 @@ def test_grammar_mask_and_advance(host, dev, settings):
 
     masked, plain, after_verify, after_plain = both(run, settings)
     assert masked.any() and plain.any() and (after_verify != words).any()
+
+
+@pytest.mark.parametrize("settings", ["default", "split-parallel"])
+def test_grammar_in_a_pick(host, dev, settings):
+    """argmax_to_feed, sample_to_feed and verify_to_feed with grammar=: the mask, the pick with
+    it and the advance, queued by the one C call, give the host's cells, logprobs and state words
+    (sampled rows with filters, the caller's bitmask ANDed in, a verify walking host drafts)."""
+    from metrale_feed import TokenAutomaton
+
+    rng = np.random.default_rng(12)
+    vocab, rows, k = 300, 6, 2
+    table = {s: {int(t): int(rng.integers(0, 9)) for t in rng.choice(vocab, int(rng.integers(2, 40)), replace=False)}
+             for s in range(8)}
+    table[8] = {t: (0 if t % 5 else 4) for t in range(vocab) if t % 13}  # most of the vocabulary
+    table[9] = {}
+    words = np.array([0, 8, N, 3, 9, 5], np.uint32)
+    logits = logits_for(rng, rows * (k + 1), vocab, "float32", special=False)
+    bitmask = rng.integers(0, 2**32, rows * (k + 1) * ((vocab + 31) // 32), dtype=np.uint64).astype(np.uint32)
+    params = mf.sampling_params(rows, temperature=[0.0, 0.8, 1.2, 0.6, 1.0, 0.9], top_k=[0, 20, 0, 5, 0, 50],
+                                top_p=[1.0, 0.9, 0.7, 1.0, 1.0, 0.8], seed=3, position=list(range(rows)))
+    drafts = rng.integers(0, vocab, rows * k).astype(np.uint32)
+
+    def run():
+        with TokenAutomaton(table, initial=0, vocab=vocab) as auto:
+            auto.to_device()
+            held = [dev.upload(a) for a in (logits, bitmask, words)]
+            lg, bm, st = held
+            cells, lp = mf.DeviceBuffer(rows * (k + 2) * 4), mf.DeviceBuffer(rows * (k + 1) * 4)
+            out = []
+            for n, call in (
+                (rows, lambda: mf.argmax_to_feed(lg, None, cells, None, None, rows=rows, vocab=vocab,
+                                                 dtype="float32", bitmask=bm, logprobs=lp, grammar=(auto, st))),
+                (rows, lambda: mf.sample_to_feed(lg, params, cells, None, None, vocab=vocab, dtype="float32",
+                                                 bitmask=bm, logprobs=lp, grammar=(auto, st))),
+                (rows * (k + 2), lambda: mf.verify_to_feed(lg, drafts, cells, None, None, k=k, vocab=vocab,
+                                                           dtype="float32", bitmask=bm, params=params,
+                                                           grammar=(auto, st))),
+            ):
+                call()
+                out += [dev.download(cells, "uint32")[:n], dev.download(st, "uint32")]
+            out.append(dev.download(lp, "float32"))
+            for buf in held + [cells, lp]:
+                buf.close()
+            return tuple(out)
+
+    got = both(run, settings)
+    assert (got[1] != words).any() and (got[5] != got[3]).any()  # the states moved

@@ -215,8 +215,14 @@ MF_EXPORT mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t
  *   ids (the cells) after it, both queued by this call ahead of the copies and the event. Its
  *   logits, dtype, vocab, row_stride and start fields are ignored (the call's own layout, start
  *   0), as are ids (the cells); its rows must be the call's. The descriptor is read before the
- *   call returns and checked as those two functions check theirs; a refusal queues nothing. */
+ *   call returns and checked as those two functions check theirs; a refusal queues nothing.
+ * - grammar (appended; NULL: none; not with MF_ARGS_PARTIAL): the rows' structured-output
+ *   automaton in the same call (mf_grammar_pick, in "grammar" below): the call queues the mask
+ *   of each row's state word into the grammar's scratch (ANDed with `bitmask`), the pick with that
+ *   bitmask instead of `bitmask`, then the advance of the state words by the ids the pick wrote,
+ *   all ahead of the copies and the event record, so the event covers the new states too. */
 struct mf_penalty_args;
+struct mf_grammar_pick;
 enum {
     MF_ARGS_MASKS_DEVICE = 1u,
     MF_ARGS_PARAMS_DEVICE = 2u,
@@ -390,7 +396,8 @@ typedef struct mf_argmax_args {
      * older than these fields was built with a smaller mf_select_row: MF_ARGS_SELECT refuses it. */
     const uint32_t *select_drafts;
     uint32_t select_k;
-    uint32_t reserved_; /* 0: the next appended field changes the size */
+    uint32_t reserved_; /* 0: keeps the appended fields after it 8-byte aligned */
+    const struct mf_grammar_pick *grammar; /* appended: NULL: none; see above */
 } mf_argmax_args;
 /* Zero-fills *args (every option off) and sets its struct_size: call it first. */
 static inline void mf_argmax_args_init(mf_argmax_args *args) {
@@ -398,7 +405,8 @@ static inline void mf_argmax_args_init(mf_argmax_args *args) {
     args->struct_size = (uint32_t)sizeof *args;
 }
 /* Also refuses outputs that overlap (cells, host_dst, logprobs, logprobs_dst, partials, select
- * state and list) or overlap a device-resident input (logits, masks, bitmask, params). */
+ * state and list, a grammar's state words and scratch) or overlap a device-resident input
+ * (logits, masks, bitmask, params, a grammar's automaton; penalties' tables likewise). */
 MF_EXPORT mf_status mf_argmax_to_feed(const mf_argmax_args *args, mf_stream_t stream);
 
 /* The partial blocks of one row split: what each slice's MF_ARGS_PARTIAL call wrote, gathered.
@@ -497,7 +505,13 @@ MF_EXPORT mf_status mf_resolve_feed_flags(const uint32_t *sources, uint32_t n,
  * id >= vocab is never accepted. flags take MF_ARGS_MASKS_DEVICE and MF_ARGS_PARAMS_DEVICE too.
  * advance (device, rows words, NULL: none; needs params) adds advance[r] to row r's position, read
  * when the kernel runs: at depth 2 a step's first position follows the count the step before it
- * emitted (resolve_verified's out_advance), which the host does not know when it queues the step. */
+ * emitted (resolve_verified's out_advance), which the host does not know when it queues the step.
+ * grammar (appended, NULL: none; mf_grammar_pick): each position j of row r may pick only what the
+ * state its first j drafts reach from the row's state word allows (mf_grammar_mask with k into the
+ * grammar's scratch, ANDed with `bitmask`, read by the verify instead of it), and the state words
+ * advance by the emitted ids, before the copies and the event record. Host drafts are uploaded
+ * into the scratch after the mask (an async copy, consumed before the call returns) for the mask
+ * to walk; the verify itself reads them as without a grammar. */
 #define MF_MAX_DRAFTS 64u
 enum { MF_VERIFY_DRAFTS_DEVICE = 0x10000u }; /* apart from the MF_ARGS_* bits it shares flags with */
 typedef struct mf_verify_args {
@@ -521,6 +535,7 @@ typedef struct mf_verify_args {
     void *logprobs_dst;      /* host, rows*(k+1)*4 bytes, or NULL (needs logprobs) */
     mf_event_t event;        /* 0: none */
     const uint32_t *advance; /* appended: device, rows words added to the rows' positions; NULL: none */
+    const struct mf_grammar_pick *grammar; /* appended: NULL: none; see above */
 } mf_verify_args;
 /* Zero-fills *args (every option off) and sets its struct_size: call it first. */
 static inline void mf_verify_args_init(mf_verify_args *args) {
@@ -784,6 +799,32 @@ static inline void mf_grammar_advance_args_init(mf_grammar_advance_args *args) {
     args->struct_size = (uint32_t)sizeof *args;
 }
 MF_EXPORT mf_status mf_grammar_advance(const mf_grammar_advance_args *args, mf_stream_t stream);
+/* A pick's grammar (mf_argmax_args.grammar, mf_verify_args.grammar; docs/kernels.md, "Grammar in
+ * a pick"): the two ops above composed by mf_argmax_to_feed and mf_verify_to_feed around their
+ * kernel, with the call's rows, k (0 for argmax_to_feed) and vocab. The pick checks it with
+ * everything else before anything is queued: the automaton as the ops check theirs, its vocab
+ * equal to the call's, the state words and the scratch in range and overlapping nothing else
+ * the call reads or writes (the state words are written by the advance, the scratch by the
+ * mask and the drafts' upload). The call then queues the mask, its kernel (with the scratch as
+ * its bitmask), the advance, its copies and its event record, or none of them. Read before the
+ * call returns (a graph capture keeps a copy). Not with MF_ARGS_PARTIAL: over a split vocabulary
+ * each rank queues the two ops around its partial calls and the combine. */
+typedef struct mf_grammar_pick {
+    uint32_t struct_size;             /* sizeof(mf_grammar_pick) where the caller was built: _init */
+    uint32_t num_states;              /* >= 1 */
+    const mf_grammar_state *states;   /* device, num_states records */
+    const mf_grammar_edge *edges;     /* device, num_edges records (NULL when there are none) */
+    uint32_t num_edges;
+    uint32_t vocab;                   /* the automaton's: must be the call's vocab */
+    uint32_t *state_words;            /* device, rows words, read and written */
+    /* device: the mask's rows * (k + 1) * ceil(vocab/32) words, then, for a verify with host
+     * drafts, the rows * k drafts uploaded for the mask */
+    uint32_t *scratch;
+} mf_grammar_pick;
+static inline void mf_grammar_pick_init(mf_grammar_pick *args) {
+    memset(args, 0, sizeof *args);
+    args->struct_size = (uint32_t)sizeof *args;
+}
 
 /* The reference model's forward. Per row r (device arrays): meta[2r] = seq_len (the position
  * written), meta[2r+1] = offset of the row's block table in tables; input_ids[r] is written into

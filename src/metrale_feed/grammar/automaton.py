@@ -667,6 +667,22 @@ class TokenAutomaton:
         """Whether ``to_device`` uploaded it and ``close`` has not freed it."""
         return self._device is not None
 
+    def _device_view(self) -> Tuple[Any, Any, int, int, int]:
+        """What the ops given ``grammar=(self, states)`` read (the extension's protocol for an
+        automaton, which it takes by these two methods, not by type): ``(states, edges,
+        num_states, num_edges, vocab)``, the device arrays ``to_device`` uploaded and their
+        record counts (``edges`` holds one unused record when there are none).
+
+        Raises
+        ------
+        ValueError
+            The automaton is not on the device.
+        """
+        if self._device is None:
+            raise ValueError("the automaton is not on the device: call automaton.to_device(stream) first")
+        states, edges = self._device
+        return states, edges, self.num_states, len(self._edges), self._vocab
+
     def _scratch(self, stream: int, nbytes: int) -> Any:
         """The device scratch of the ops given ``grammar=(self, states)`` on the stream whose
         handle is ``stream``: the bitmask they build before the pick (and the drafts a verify
