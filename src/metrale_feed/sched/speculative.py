@@ -761,6 +761,7 @@ class SpeculativeStep:
             if flight.batch.top_n:  # (id, logprob) records, top_n a logit row
                 records = np.frombuffer(flight.slot.top_dst, np.uint32, n * flight.batch.top_n * 2)
                 tops = (records[0::2].tolist(), records[1::2].view(np.float32).tolist())
+                del records  # a view of the pinned buffer: an error raised below keeps this frame
         self._commit(flight, got, lps, tops)
 
     def _drop_all(self) -> None:
@@ -780,6 +781,7 @@ class SpeculativeStep:
 
         k, stats, pipe = self.k, self.pipe.stats, self.pipe
         later = self.inflight[0] if self.inflight else None
+        error: Optional[BaseException] = None
         for i, req in enumerate(flight.rows):
             if i in flight.dead or req.status is not RequestStatus.RUNNING:
                 continue
@@ -811,12 +813,24 @@ class SpeculativeStep:
                 if finish is not None:
                     stats.spec_discarded += n - 1 - j  # emitted past the stop: never shown
                     break
-            if finish is not None:
-                pipe._finish(req, finish)
-            else:
-                ahead = later is not None and later.index.get(id(req), -1) >= 0 and \
-                    later.index[id(req)] not in later.dead
-                self._trim(req, ahead)
+            # A return of blocks or of a penalty slot that raises stops no other row: each row's
+            # ids are committed (the device has advanced it, and a step in flight reads them),
+            # and the first such error is raised once all are (as the plain pipeline's).
+            try:
+                if finish is not None:
+                    pipe._finish(req, finish)
+                else:
+                    ahead = later is not None and later.index.get(id(req), -1) >= 0 and \
+                        later.index[id(req)] not in later.dead
+                    self._trim(req, ahead)
+            except Exception as exc:
+                if error is None:
+                    error = exc
+        if error is not None:
+            try:
+                raise error
+            finally:  # no cycle through this frame: its traceback would keep it until a collection
+                error = None
 
     def close(self) -> None:
         """Wait for the work queued, free the buffers and the drafter's (its ``close``): all of

@@ -1,0 +1,119 @@
+"""The speculative pipeline after a refusal that is not a device fault (issue 41, as
+test_pipeline_refusals has them for the plain pipeline): an allocation or a copy refused anywhere
+in a verify step, a return of blocks or of a penalty slot refused as a row finishes or is
+trimmed, and a row the logits leave no id it may pick. Every request is held to an oracle of
+that request alone: greedy rows to the penalised argmax, sampled ones to the verify rule over
+the penalised logits with the same drafts, logprobs to the raw logits' log-softmax."""
+
+from __future__ import annotations
+
+import pytest
+
+from metrale_feed import DecodePipeline
+from metrale_feed.penalties import PenaltyState
+from metrale_feed.testing.drafter import ReferenceDrafter
+from metrale_feed.testing.reference import ReferenceModel
+
+from conftest import VOCAB, prompts
+from pipeline.test_pipeline_logprobs import check as check_logprobs
+from pipeline.test_pipeline_penalties import oracle
+from pipeline.test_pipeline_spec_penalties import pen_of, spec_oracle
+from test_pipeline_refusals import drive
+
+K = 2
+# Per request: its penalties and logprobs, and its stop ids. The second one's bias makes its stop
+# id likely, so min_tokens' ban and the stop after it are met; the third has neither penalties
+# nor logprobs (a row of a mixed batch).
+REQUESTS = [(dict(frequency_penalty=1.5, logit_bias={9: 3.0}, logprobs=True, top_logprobs=3), ()),
+            (dict(presence_penalty=0.5, repetition_penalty=1.3, logit_bias={3: 2.0}, min_tokens=4,
+                  logprobs=True), (3,)),
+            (dict(), ())]
+MAX_NEW = [9, 8, 7]
+SEEDS = [3, 4, 5]
+
+
+def _wanted(ps, temperature, drafter):
+    """Each request alone: its tokens, and the reason they end with."""
+    want = []
+    for p, (kw, stops), n, seed in zip(ps, REQUESTS, MAX_NEW, SEEDS):
+        pen = {key: v for key, v in kw.items() if key not in ("logprobs", "top_logprobs")}
+        if temperature == 0.0:
+            tokens = oracle(p, n, stops=stops, **pen)
+        else:
+            tokens = spec_oracle(p, n, drafter, pen_of(pen, stops), temperature=temperature,
+                                 seed=seed, stops=stops)
+        stopped = bool(tokens) and tokens[-1] in stops and len(tokens) >= pen.get("min_tokens", 0)
+        want.append((tokens, "stop" if stopped else "length"))
+    return want
+
+
+def _submit(pipe, ps, temperature):
+    return [pipe.submit(p, max_new_tokens=n, stop_ids=stops, temperature=temperature, seed=seed,
+                        **kw)
+            for p, (kw, stops), n, seed in zip(ps, REQUESTS, MAX_NEW, SEEDS)]
+
+
+class ReleaseOnce(ReferenceModel):
+    """The reference model whose ``fail_at``-th ``release_decode_blocks`` raises before it
+    returns a block (a trim of rejected positions, or a finished request's blocks)."""
+
+    def __init__(self, *args, fail_at=0, **kw):
+        super().__init__(*args, **kw)
+        self.fail_at, self.calls, self.refused = fail_at, 0, None
+
+    def release_decode_blocks(self, seq, blocks):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            self.refused = seq
+            raise RuntimeError("injected: the blocks' return was refused once")
+        return super().release_decode_blocks(seq, blocks)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("what", ["blocks", "penalty slot"])
+def test_a_return_refused_as_a_verify_is_committed_stops_no_other_row(host, no_leaks, monkeypatch,
+                                                                       depth, temperature, what):
+    """The Nth return of blocks (a trim or a finish) or of a penalty slot (its clear) raises, for
+    every N a run makes. That step raises it once every row of the step has its emitted ids
+    committed (the device has advanced them, and at depth 2 the step in flight was fed from
+    them): every request's tokens and finish are its oracle's, and the pool comes back whole
+    but for the blocks whose return was refused as their request left."""
+    ps = prompts(3, seed=22, lo=2, hi=7)
+    drafter = ReferenceDrafter(VOCAB, K, 0.6)
+    want = _wanted(ps, temperature, drafter)
+    clears = [0, 0]  # calls, and the call that raises
+    real_clear = PenaltyState.clear
+
+    def clear_once(self, slot):
+        clears[0] += 1
+        if clears[0] == clears[1]:
+            raise RuntimeError("injected: the penalty slot's clear was refused once")
+        return real_clear(self, slot)
+
+    monkeypatch.setattr(PenaltyState, "clear", clear_once)
+    fired = True
+    n = 0
+    while fired:
+        n += 1
+        assert n < 100, "the sweep never reached the end of the run"
+        clears[:] = [0, n if what == "penalty slot" else 0]
+        with ReleaseOnce(VOCAB, block_size=2, num_blocks=60, max_rows=3,
+                         fail_at=n if what == "blocks" else 0) as model:
+            with DecodePipeline(model, 3, depth=depth, speculative=drafter) as pipe:
+                reqs = _submit(pipe, ps, temperature)
+                errors = drive(pipe)
+                assert pipe.stats.reserved_in_flight == 0
+            fired = model.calls >= n if what == "blocks" else clears[0] >= n
+            lost = 0 if model.refused is None else len(model.refused.block_table)
+            assert model.pool.free_count + lost == model.pool.num_blocks
+        assert len(errors) == fired and all("refused once" in e for e in errors), (n, errors)
+        for req, (kw, _), (tokens, reason) in zip(reqs, REQUESTS, want):
+            assert (req.tokens, req.finish_reason) == (tokens, reason), (n, errors, req.tokens,
+                                                                         tokens)
+            if kw.get("logprobs"):
+                check_logprobs(req, n=kw.get("top_logprobs", 0))
+    drafter.close()
+    # Every return was refused once: each penalised request's clear, and the blocks of trims
+    # and of finishes.
+    assert n - 1 >= (2 if what == "penalty slot" else 8), n
