@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from metrale_feed import DecodePipeline
+import metrale_feed as mf
+from metrale_feed import DecodePipeline, _core
 from metrale_feed.penalties import PenaltyState
 from metrale_feed.testing.drafter import ReferenceDrafter
 from metrale_feed.testing.reference import ReferenceModel
@@ -51,6 +52,131 @@ def _submit(pipe, ps, temperature):
     return [pipe.submit(p, max_new_tokens=n, stop_ids=stops, temperature=temperature, seed=seed,
                         **kw)
             for p, (kw, stops), n, seed in zip(ps, REQUESTS, MAX_NEW, SEEDS)]
+
+
+def _held_to_oracle(reqs, errors, want, n):
+    """Each request is exact, or finished "error" (its step failed: ``DeviceError``) with a
+    prefix of its oracle's tokens; its logprobs are the raw logits' either way."""
+    for req, (kw, _), (tokens, reason) in zip(reqs, REQUESTS, want):
+        if req.finish_reason == "error":
+            assert req.tokens == tokens[: len(req.tokens)], (n, errors, req.tokens, tokens)
+            assert errors and errors[0].startswith("DeviceError"), (n, errors)
+        else:
+            assert (req.tokens, req.finish_reason) == (tokens, reason), (n, errors, req.tokens,
+                                                                         tokens)
+        if kw.get("logprobs"):
+            check_logprobs(req, n=kw.get("top_logprobs", 0))
+
+
+def _sweep(depth, temperature, arm):
+    """A run for every N with the Nth refusal armed (``arm(n)`` arms it and returns a callable
+    that disarms it and says whether it fired), until a run ends before it; each held to the
+    oracle. The outcomes: (errors raised, finish reasons) of the runs."""
+    ps = prompts(3, seed=21, lo=2, hi=7)
+    drafter = ReferenceDrafter(VOCAB, K, 0.6)
+    want = _wanted(ps, temperature, drafter)
+    outcomes = set()
+    for n in range(1, 600):
+        with ReferenceModel(VOCAB, block_size=2, num_blocks=60, max_rows=3) as model:
+            with DecodePipeline(model, 3, depth=depth, speculative=drafter) as pipe:
+                reqs = _submit(pipe, ps, temperature)
+                disarm = arm(n)
+                try:
+                    errors = drive(pipe)
+                finally:
+                    fired = disarm()
+                assert pipe.stats.reserved_in_flight == 0
+            assert model.pool.free_count == model.pool.num_blocks
+        _held_to_oracle(reqs, errors, want, n)
+        assert len(errors) == fired, (n, errors)
+        outcomes.add((len(errors), tuple(r.finish_reason for r in reqs)))
+        if not fired:  # the run made fewer than n: every refusal point was tried
+            break
+    else:
+        raise AssertionError("the sweep never reached the end of the run")
+    drafter.close()
+    retried = {rs for e, rs in outcomes if e == 1 and "error" not in rs}
+    failed = {rs for _, rs in outcomes if "error" in rs}
+    return retried, failed
+
+
+@pytest.mark.parametrize("knob", ["fail_copy_at", "fail_alloc_at"])
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_refusal_anywhere_in_a_verify_step_never_moves_a_token(host, no_leaks, knob, depth,
+                                                                  temperature):
+    """Penalties, logprobs and top logprobs under speculation: the Nth copy (or allocation) from
+    now is refused, for every N a run makes. A refusal before the verify's pick is retried and
+    every request is exact; one after it (the count update, the logprobs' copies) is a failed
+    step: its requests finish "error" with a prefix of their oracle's tokens. Never counts
+    applied twice nor a token moved. An allocation is never refused after the pick: the step's
+    buffers are made before anything of it is queued."""
+
+    def arm(n):
+        mf.configure_host(**{knob: n})
+
+        def disarm():
+            fired = mf.host_faults()[knob] == 0
+            mf.configure_host()
+            return fired
+
+        return disarm
+
+    retried, failed = _sweep(depth, temperature, arm)
+    assert retried, (retried, failed)
+    if knob == "fail_copy_at":
+        assert failed, (retried, failed)
+    else:
+        assert not failed, failed
+
+
+class _RefusingCore:
+    """The speculative step's ``_core`` with one op refused (``FeedError``, as a bad argument
+    is) at its ``n``-th call."""
+
+    def __init__(self, name, n):
+        self.name, self.n, self.calls = name, n, 0
+
+    def __getattr__(self, attr):
+        op = getattr(_core, attr)
+        if attr != self.name:
+            return op
+
+        def refused(*args, **kw):
+            self.calls += 1
+            if self.calls == self.n:
+                raise mf.FeedError(f"injected: {attr} refused once")
+            return op(*args, **kw)
+
+        return refused
+
+
+@pytest.mark.parametrize("name, depth", [("resolve_feed", 1), ("resolve_feed", 2),
+                                         ("top_logprobs", 1), ("top_logprobs", 2),
+                                         ("event_record", 1), ("resolve_verified", 2)])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_an_op_refused_after_the_verify_fails_the_step(host, no_leaks, monkeypatch, name, depth,
+                                                       temperature):
+    """The ops a verify step queues after its pick (the emitted ids' gather, the logprobs'
+    kernel, the event, at depth 2 the next step's inputs), each refused at its Nth call: a
+    failed step, its requests finished "error" with a prefix of their oracle's tokens (the
+    gather before the pick, the fed ids', is retried exactly)."""
+    from metrale_feed.sched import speculative
+
+    monkeypatch.setattr(speculative, "_core", _core)  # put back whatever a failure leaves
+
+    def arm(n):
+        speculative._core = core = _RefusingCore(name, n)
+
+        def disarm():
+            speculative._core = _core
+            return core.calls >= n
+
+        return disarm
+
+    retried, failed = _sweep(depth, temperature, arm)
+    assert failed, (retried, failed)
+    assert bool(retried) == (name == "resolve_feed"), (retried, failed)
 
 
 class ReleaseOnce(ReferenceModel):
