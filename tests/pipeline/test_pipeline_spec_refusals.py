@@ -19,7 +19,7 @@ from conftest import VOCAB, prompts
 from pipeline.test_pipeline_logprobs import check as check_logprobs
 from pipeline.test_pipeline_penalties import oracle
 from pipeline.test_pipeline_spec_penalties import pen_of, spec_oracle
-from test_pipeline_refusals import drive
+from test_pipeline_refusals import NoFiniteLogit, drive
 
 K = 2
 # Per request: its penalties and logprobs, and its stop ids. The second one's bias makes its stop
@@ -243,3 +243,33 @@ def test_a_return_refused_as_a_verify_is_committed_stops_no_other_row(host, no_l
     # Every return was refused once: each penalised request's clear, and the blocks of trims
     # and of finishes.
     assert n - 1 >= (2 if what == "penalty slot" else 8), n
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("nan", [False, True])
+def test_a_greedy_verify_with_no_id_to_pick_commits_nothing(host, no_leaks, depth, nan):
+    """Every logit of one greedy request's rows is -inf (or NaN) from some step on, while
+    min_tokens bans its stop id: the verify's rule answers that stop id at every position (the
+    argmax's lowest candidate). It is never committed as a stop: the request finishes
+    "no_candidate" with a prefix of its oracle's tokens, as without speculation, and the other
+    rows are exact."""
+    from conftest import sampled_tokens
+
+    ps = prompts(3, seed=23, lo=3, hi=9)
+    sampled = dict(temperature=0.9, top_p=0.95, seed=11)
+    with NoFiniteLogit(VOCAB, block_size=4, num_blocks=80, max_rows=3, after=3, nan=nan) as model:
+        with DecodePipeline(model, 3, depth=depth,
+                            speculative=ReferenceDrafter(VOCAB, K, 0.5)) as pipe:
+            target = pipe.submit(ps[0], max_new_tokens=12, stop_ids=(0,), min_tokens=9)
+            model.target = target
+            others = [pipe.submit(ps[1], max_new_tokens=12),
+                      pipe.submit(ps[2], max_new_tokens=12, **sampled)]
+            assert drive(pipe) == []
+            assert pipe.stats.reserved_in_flight == 0
+        assert model.pool.free_count == model.pool.num_blocks
+    assert model.hit and target.finish_reason == "no_candidate", (target.tokens,
+                                                                   target.finish_reason)
+    want = oracle(ps[0], 12, stops=(0,), min_tokens=9)
+    assert 3 <= len(target.tokens) < 9 and target.tokens == want[: len(target.tokens)]
+    assert others[0].tokens == sampled_tokens(ps[1], 12, VOCAB)
+    assert others[1].tokens == sampled_tokens(ps[2], 12, VOCAB, **sampled)

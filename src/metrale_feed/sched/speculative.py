@@ -807,7 +807,11 @@ class SpeculativeStep:
             finish = None
             for j in range(n):
                 token = got[at + 1 + j]
-                if token == NO_TOKEN:  # no id it may pick: nothing of it is committed
+                if token == NO_TOKEN or (token in req.stop_ids
+                                         and len(req.tokens) < req.min_tokens):
+                    # No id it may pick (NO_TOKEN drawn, or a stop id min_tokens bans picked by a
+                    # greedy rule whose every candidate was -inf or NaN): nothing of it is
+                    # committed, as the plain pipeline's _no_candidate.
                     finish = RequestStatus.FINISHED_NO_CANDIDATE
                     stats.spec_discarded += n - j
                     break
