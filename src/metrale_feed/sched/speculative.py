@@ -22,6 +22,7 @@ from .. import _checks, _core
 from ..contract import ReservesAhead, VerifyStep, require
 from ..errors import DeviceError, FeedError, KvPoolExhausted
 from ..feed import NO_TOKEN, FeedSource
+from ..runtime import _ran_in_part
 from .pipeline import close_each
 from .request import _RUNNING, _RequestView
 
@@ -564,7 +565,8 @@ class SpeculativeStep:
 
         One that raises is retried by the next ``step()``, unless it raised ``DeviceError``:
         earlier work failed (on cuda a kernel's fault surfaces at whichever call comes next),
-        so the steps in flight cannot be trusted, and it is a fault as a failed wait is."""
+        so the steps in flight cannot be trusted, and it is a fault as a failed wait is. A
+        refusal after the verify picked is raised as one (``_ran_in_part``)."""
         try:
             return self._launch()
         except DeviceError as exc:
@@ -595,6 +597,12 @@ class SpeculativeStep:
             batch.pen = pipe._penalties(rows)  # slots for the rows that joined
             self._batch = batch
             pipe._masks_dirty = False
+        # The buffers of the step's logprobs, made before anything of it is queued: a refused
+        # allocation is retried by the next step() with nothing of this one run.
+        if batch.top_n:
+            slot.top_buffers()
+        if batch.logprobs and batch.pen is not None and slot.emitted is None:
+            slot.emitted = _core.DeviceBuffer(slot.logit_rows * 4)
         histories = self._histories(rows)
         # Each row's index in the step in flight (its input and advance are there, on the
         # device), or -1: its committed history is current.
@@ -663,28 +671,33 @@ class SpeculativeStep:
                              dtype=pipe.info.logits_dtype, row_stride=self._row_stride,
                              advance=slot.advance if advanced and params is not None else None,
                              shard=shard, grammar=grammar)
-        if pen is not None:  # the emitted ids (the cells), never the rejected drafts, counted
-            pen.update(stream, slot.cells)
-        if later:  # every logit row's (submit refuses them over a shard), then the step's event
-            lrows = n_rows * (k + 1)
-            out = slot.top_buffers()[0] if top else None
-            chosen: Dict[str, Any] = {}
-            if raw is not None:  # each emitted id's logprob under its position's raw logits
-                if slot.emitted is None:
-                    slot.emitted = _core.DeviceBuffer(slot.logit_rows * 4)
-                _core.resolve_feed(self._emitted(n_rows), slot.cells, slot.emitted, stream,
-                                   prev_rows=n_rows * (k + 2))
-                chosen = dict(ids=slot.emitted, chosen=slot.lp)
-            _core.top_logprobs(logits if raw is None else raw, out, stream, n=top, rows=lrows,
-                               vocab=vocab, dtype=pipe.info.logits_dtype, row_stride=self._row_stride,
-                               **chosen)
-            if raw is not None:
-                _core.copy_d2h_async(slot.lp, memoryview(slot.lp_dst)[: lrows * 4], stream)
-            if top:
-                _core.copy_d2h_async(out, memoryview(slot.top_dst)[: lrows * top * 8], stream)
-            _core.event_record(slot.done, stream)
-        if self.depth > 1:  # what the next launch reads before this one's counts are known
-            _core.resolve_verified(slot.cells, slot.ids, slot.adv, stream, rows=n_rows, k=k)
+        # The verify has picked: its cells hold this step, and a count update made again would
+        # count it twice. Anything refused from here on is a failed step, never a retry
+        # (docs/pipeline.md, "Faults").
+        try:
+            if pen is not None:  # the emitted ids (the cells), never the rejected drafts, counted
+                pen.update(stream, slot.cells)
+            if later:  # every logit row's (submit refuses them over a shard), then the step's event
+                lrows = n_rows * (k + 1)
+                out = slot.top if top else None
+                chosen: Dict[str, Any] = {}
+                if raw is not None:  # each emitted id's logprob under its position's raw logits
+                    _core.resolve_feed(self._emitted(n_rows), slot.cells, slot.emitted, stream,
+                                       prev_rows=n_rows * (k + 2))
+                    chosen = dict(ids=slot.emitted, chosen=slot.lp)
+                _core.top_logprobs(logits if raw is None else raw, out, stream, n=top, rows=lrows,
+                                   vocab=vocab, dtype=pipe.info.logits_dtype,
+                                   row_stride=self._row_stride, **chosen)
+                if raw is not None:
+                    _core.copy_d2h_async(slot.lp, memoryview(slot.lp_dst)[: lrows * 4], stream)
+                if top:
+                    _core.copy_d2h_async(out, memoryview(slot.top_dst)[: lrows * top * 8], stream)
+                _core.event_record(slot.done, stream)
+            if self.depth > 1:  # what the next launch reads before this one's counts are known
+                _core.resolve_verified(slot.cells, slot.ids, slot.adv, stream, rows=n_rows, k=k)
+        except Exception as exc:
+            raise _ran_in_part("what follows its verify (the counts, logprobs, next inputs)",
+                               exc) from exc
         self.next_slot = (self.next_slot + 1) % len(self.slots)
         pipe._launches = launch + 1
         self.launches += 1
@@ -764,6 +777,7 @@ class SpeculativeStep:
             if flight.batch.top_n:  # (id, logprob) records, top_n a logit row
                 records = np.frombuffer(flight.slot.top_dst, np.uint32, n * flight.batch.top_n * 2)
                 tops = (records[0::2].tolist(), records[1::2].view(np.float32).tolist())
+                del records  # a view of the pinned buffer: an error raised below keeps this frame
         self._commit(flight, got, lps, tops)
 
     def _drop_all(self) -> None:
@@ -783,6 +797,7 @@ class SpeculativeStep:
 
         k, stats, pipe = self.k, self.pipe.stats, self.pipe
         later = self.inflight[0] if self.inflight else None
+        error: Optional[BaseException] = None
         for i, req in enumerate(flight.rows):
             if i in flight.dead or req.status is not RequestStatus.RUNNING:
                 continue
@@ -829,12 +844,24 @@ class SpeculativeStep:
                 if finish is not None:
                     stats.spec_discarded += n - 1 - j  # emitted past the stop: never shown
                     break
-            if finish is not None:
-                pipe._finish(req, finish)
-            else:
-                ahead = later is not None and later.index.get(id(req), -1) >= 0 and \
-                    later.index[id(req)] not in later.dead
-                self._trim(req, ahead)
+            # A return of blocks or of a penalty slot that raises stops no other row: each row's
+            # ids are committed (the device has advanced it, and a step in flight reads them),
+            # and the first such error is raised once all are (as the plain pipeline's).
+            try:
+                if finish is not None:
+                    pipe._finish(req, finish)
+                else:
+                    ahead = later is not None and later.index.get(id(req), -1) >= 0 and \
+                        later.index[id(req)] not in later.dead
+                    self._trim(req, ahead)
+            except Exception as exc:
+                if error is None:
+                    error = exc
+        if error is not None:
+            try:
+                raise error
+            finally:  # no cycle through this frame: its traceback would keep it until a collection
+                error = None
 
     def close(self) -> None:
         """Wait for the work queued, free the buffers and the drafter's (its ``close``): all of
