@@ -69,11 +69,15 @@ cdef class _Launch:
 
     cdef _Foreign foreign(self, object obj, str what):
         """A foreign array on the active backend's device, kept for the call."""
-        cdef _Foreign f
+        cdef _Foreign f = None
         kind = type(obj)
         if kind is PinnedBuffer or kind is BufferView and (<BufferView>obj)._pinned:
             raise ValueError(f"{what} is page-locked host memory, not device memory")
-        if (not self.cuda and cpu_exporter(kind) is not None) or hasattr(obj, "__dlpack__"):
+        if not self.cuda and takes_buffer_import(kind):  # numpy: its buffer, not DLPack
+            f = foreign_from_buffer(obj)
+        if f is not None:
+            pass
+        elif (not self.cuda and cpu_exporter(kind) is not None) or hasattr(obj, "__dlpack__"):
             # cuda: the array is made safe to use on the call's stream (1: CUDA's legacy default)
             # with no host wait; host backend: CPU memory, no stream.
             f = foreign_from_dlpack(obj, (self.stream or 1) if self.cuda else None)
