@@ -303,6 +303,8 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
                            pick_spans(&a))
             g.queue_mask(s)
             a.bitmask = g.bitmask
+        else:  # nothing is queued after the pick: it may record the foreign arrays' keep-alive
+            a.event = launch.event_to_record(a.event)
         # `partial`: a partial call's block, and a select stage's state, list and gathered lists,
         # which a captured graph keeps with the rest.
         status = mf_argmax_to_feed(&a, s)
