@@ -253,6 +253,78 @@ def test_a_foreign_tensor_is_kept_alive_until_its_work_has_run():
         mf.configure_host()
 
 
+class _DLPackOnly:
+    """The same array offered through DLPack alone (no buffer protocol): the reference reading."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def _outcome(call, *arrays):
+    """The call's ids, or its error as the numpy array's would read (the type's name aside)."""
+    try:
+        rows = call()
+        mf.stream_synchronize()
+        return "queued", rows, [a.array.tolist() if isinstance(a, _DLPackOnly) else a.tolist()
+                                for a in arrays]
+    except Exception as error:
+        return type(error).__name__, str(error).replace(_DLPackOnly.__name__, "ndarray")
+
+
+def _odd_arrays(kind):
+    """Logits or cells arrays of every kind a caller may hand over, made afresh at each call."""
+    base = np.random.default_rng(7).standard_normal((2, 16)).astype(np.float32)
+    like = base[:, :8] if kind == "logits" else np.arange(2)
+    readonly = np.array(like, np.float32 if kind == "logits" else np.uint32)
+    readonly.flags.writeable = False
+    arrays = [np.array(like, dtype=t) for t in (
+        np.float32, np.float16, np.float64, np.int32, np.uint32, np.int64, np.uint16, np.int8,
+        np.bool_, np.complex64, ">f4", ">u4", "<f4", "=u4", [("a", np.uint32)])]
+    arrays += [
+        readonly, base[:, ::2], base.T, base[:1], base.reshape(2, 1, 16), base.reshape(-1)[:8],
+        np.zeros((0, 8), np.float32), np.zeros((1,) * 9, np.float32), np.zeros(0, np.uint32),
+        np.zeros(2, np.uint32)[::-1], np.zeros(4, np.uint32)[::2], np.zeros((2, 1), np.uint32),
+        np.zeros((2, 1), np.int32).T, np.array([[None] * 8] * 2, dtype=object),
+        # strides that are not whole elements: DLPack cannot say them
+        np.lib.stride_tricks.as_strided(np.zeros(32, np.float32), (2, 8), (34, 4)),
+        np.lib.stride_tricks.as_strided(np.zeros(8, np.uint32), (2,), (6,)),
+    ]
+    try:
+        import ml_dtypes
+
+        arrays.append(np.array(like, ml_dtypes.bfloat16))
+    except ImportError:
+        pass
+    return arrays
+
+
+@host_only
+@pytest.mark.parametrize("kind", ["logits", "cells"])
+def test_a_numpy_array_is_read_as_its_dlpack_export_says(kind):
+    """numpy arrays are read through the buffer protocol on the host backend (about half the
+    cost of their DLPack export): every array must come out as the DLPack reading of the same
+    array does, the same ids written or the same error, raised before anything is queued."""
+    logits = np.random.default_rng(3).standard_normal((2, 8)).astype(np.float32)
+    seen = set()
+    for array, same in zip(_odd_arrays(kind), _odd_arrays(kind)):
+        if kind == "logits":
+            outcomes = [_outcome(lambda: mf.argmax_to_feed(given, None, cells, None, None), cells)
+                        for given, cells in ((array, np.zeros(16, np.uint32)),
+                                             (_DLPackOnly(same), np.zeros(16, np.uint32)))]
+        else:
+            outcomes = [_outcome(lambda: mf.argmax_to_feed(logits, None, given, None, None), mine)
+                        for given, mine in ((array, array), (_DLPackOnly(same), same))]
+        assert outcomes[0] == outcomes[1], (kind, array.dtype, array.shape, array.strides)
+        seen.add(outcomes[0][0])
+    assert {"queued", "TypeError", "ValueError"} <= seen  # both ways, every kind of answer
+
+
 @host_only
 def test_int_pointers_to_foreign_memory_are_still_refused_on_host():
     logits = np.zeros((2, 8), np.float32)

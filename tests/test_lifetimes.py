@@ -260,6 +260,58 @@ def test_dropped_destination_is_freed_when_its_copy_completes(host, no_leaks):
         assert gone() is None  # used to stay until some later call
 
 
+def test_tensors_of_a_pick_given_no_event_stay_until_it_has_run(host, no_leaks):
+    """A pick given no event records its tensors' keep-alive event itself, behind its work (one
+    operation, rule 12): they outlast every release made before that work has run, then go."""
+    mf.configure_host(lag_us=50_000)
+    try:
+        with mf.Stream() as s:
+            logits = np.zeros((2, 8), np.float32)
+            logits[:, 3] = 1
+            cells = np.zeros(2, np.uint32)
+            alive = weakref.ref(logits)
+            mf.argmax_to_feed(logits, None, cells, None, None, s)
+            del logits
+            mf.live_objects()  # lets go of what has passed, this pick's tensors not among it
+            gc.collect()
+            assert alive() is not None
+            s.synchronize()
+            mf.live_objects()
+            gc.collect()
+            assert alive() is None
+            assert cells.tolist() == [3, 3]
+    finally:
+        mf.configure_host()
+
+
+def test_a_refused_pick_leaves_no_keep_alive_event(host, no_leaks):
+    """The keep-alive event a pick was given is taken back when the C layer refuses the call
+    (no_leaks counts the events)."""
+    logits, cells = np.zeros((2, 8), np.float32), np.full(2, 7, np.uint32)
+    for _ in range(100):
+        with pytest.raises(ValueError, match="mask"):
+            mf.argmax_to_feed(logits, [(9, mf.NO_TOKEN)] * 2, cells, None, None)  # id 9 >= vocab
+    mf.stream_synchronize()
+    assert cells.tolist() == [7, 7]
+
+
+def test_a_captured_pick_given_no_event_records_no_event_of_ours(host, no_leaks):
+    """In a capture the graph keeps the tensors (rule 4): the pick records no keep-alive event,
+    which a replay would record again after the event went (live_objects destroys the spares)."""
+    logits, cells = np.zeros((2, 8), np.float32), np.zeros(2, np.uint32)
+    with mf.Stream() as s:
+        with mf.graph_capture(s) as graph:
+            mf.argmax_to_feed(logits, None, cells, None, None, s)
+        mf.live_objects()
+        for i in range(3):
+            logits[:] = 0
+            logits[:, i + 1] = 1
+            graph.launch(s)
+            s.synchronize()
+            assert cells.tolist() == [i + 1] * 2
+        graph.close()
+
+
 def test_host_function_error_on_a_closed_stream_frees_its_frame(host, no_leaks, monkeypatch):
     """An exception of a host function that ran after its stream was closed cannot be reported
     by a wait any more: it goes to sys.unraisablehook, and its frame (and what it referenced)

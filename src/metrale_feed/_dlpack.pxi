@@ -52,6 +52,16 @@ cdef extern from *:
         uint64_t flags
         DLTensor dl_tensor
 
+cdef extern from *:
+    """
+    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    #define MF_DL_LITTLE_ENDIAN 0
+    #else
+    #define MF_DL_LITTLE_ENDIAN 1
+    #endif
+    """
+    const bint DL_LITTLE_ENDIAN "MF_DL_LITTLE_ENDIAN"
+
 cdef enum:
     kDLCPU = 1
     kDLCUDA = 2
@@ -401,10 +411,14 @@ cdef class _Foreign:
     cdef object owner
     cdef void *managed
     cdef bint versioned
+    cdef Py_buffer view             # a buffer-protocol import's export (foreign_from_buffer)
+    cdef bint viewed
 
     def __dealloc__(self):
         cdef DLManagedTensor *m
         cdef DLManagedTensorVersioned *v
+        if self.viewed:
+            PyBuffer_Release(&self.view)
         if self.managed == NULL:
             return
         if self.versioned:
@@ -447,6 +461,74 @@ cdef object cpu_exporter(object kind):
             import sys
             f = getattr(sys.modules["torch"]._C, "_to_dlpack_versioned", None)
         _cpu_exporters[kind] = f
+    return f
+
+
+cdef bint takes_buffer_import(object kind):
+    """Whether the host backend reads arrays of this type through the buffer protocol rather than
+    DLPack: numpy's ndarray, whose buffer export says what its DLPack export does (address, shape,
+    strides, type, read-only) and keeps the array as alive (the array itself, referenced until the
+    export is released), at half the cost: no capsule, no managed tensor to allocate and free."""
+    t = _buffer_imports.get(kind)
+    if t is None:
+        t = kind.__module__ == "numpy" and kind.__name__ == "ndarray"
+        _buffer_imports[kind] = t
+    return t
+
+
+cdef _Foreign foreign_from_buffer(object obj):
+    """A CPU array through the buffer protocol, or None where its buffer says anything DLPack
+    would say differently (a type the dtype table lacks, a byte order or strides DLPack refuses,
+    more dimensions than taken): the caller then takes it through DLPack, errors included."""
+    cdef _Foreign f = _Foreign.__new__(_Foreign)
+    cdef const char *fmt
+    cdef char kind
+    cdef uint8_t code
+    cdef Py_ssize_t itemsize, stride
+    try:
+        PyObject_GetBuffer(obj, &f.view, PyBUF_STRIDES | PyBUF_FORMAT)  # read-only allowed: f.readonly says
+    except (BufferError, ValueError, TypeError):
+        return None  # (a type the protocol has no format for: ml_dtypes' bfloat16)
+    f.viewed = True
+    fmt = f.view.format
+    itemsize = f.view.itemsize
+    if (fmt == NULL or f.view.ndim < 0 or f.view.ndim > MAX_DIMS or itemsize <= 0 or itemsize > 8
+            or f.view.len == 0):
+        return None  # (an empty array: numpy's export says its strides its own way)
+    if fmt[0] == b'@' or fmt[0] == b'=' or (fmt[0] == b'<' and DL_LITTLE_ENDIAN):
+        fmt += 1  # the native byte order; the size is the buffer's itemsize either way
+    kind = fmt[0]
+    if kind == 0 or fmt[1] != 0:
+        return None
+    if kind == b'f' or kind == b'd' or kind == b'e':
+        code = 2  # kDLFloat
+    elif kind == b'b' or kind == b'h' or kind == b'i' or kind == b'l' or kind == b'q':
+        code = DL_INT
+    elif kind == b'B' or kind == b'H' or kind == b'I' or kind == b'L' or kind == b'Q':
+        code = DL_UINT
+    else:
+        return None
+    f.entry = _BY_DLPACK_KEY.get(code << 8 | itemsize * 8)
+    if f.entry is None:
+        return None
+    f.ptr = f.view.buf
+    f.device_type = kDLCPU
+    f.device_id = 0
+    f.ndim = f.view.ndim
+    f.dl_code = code
+    f.dl_bits = <uint8_t>(itemsize * 8)
+    f.ids = itemsize == 4 and code != 2
+    f.readonly = f.view.readonly
+    stride = 1
+    for i in range(f.ndim - 1, -1, -1):
+        f.shape[i] = f.view.shape[i]
+        if f.view.strides == NULL:
+            f.strides[i] = stride
+        elif f.view.strides[i] % itemsize:
+            return None  # DLPack counts strides in elements (numpy refuses the export)
+        else:
+            f.strides[i] = f.view.strides[i] // itemsize
+        stride *= f.view.shape[i]
     return f
 
 

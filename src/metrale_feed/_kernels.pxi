@@ -300,6 +300,9 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
         if grammar is not None:  # the shard's is its own
             g = grammar_of(launch, grammar, s, a.rows, 0, False)
             a.grammar = &g.desc
+        # The C call queues all of the launch's work (the grammar's mask and advance included,
+        # before its copies and event): it may record the foreign arrays' keep-alive itself.
+        a.event = launch.event_to_record(a.event)
         # `partial`: a partial call's block, and a select stage's state, list and gathered lists,
         # which a captured graph keeps with the rest.
         launch.queued(mf_argmax_to_feed(&a, s),

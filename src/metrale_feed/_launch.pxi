@@ -31,6 +31,7 @@ cdef class _Launch:
     cdef list holds       # foreign host buffers (_HeldBuffer) a copy reads or writes
     cdef uint64_t stream
     cdef uint64_t event   # an event the call records, 0 for none
+    cdef uint64_t keep    # a keep-alive event the C call records itself (event_to_record), 0 for none
     cdef size_t cells     # feed cells the call writes (0 for none) and their shape (_state.pxi)
     cdef object cell_shape
     cdef bint cuda
@@ -69,11 +70,15 @@ cdef class _Launch:
 
     cdef _Foreign foreign(self, object obj, str what):
         """A foreign array on the active backend's device, kept for the call."""
-        cdef _Foreign f
+        cdef _Foreign f = None
         kind = type(obj)
         if kind is PinnedBuffer or kind is BufferView and (<BufferView>obj)._pinned:
             raise ValueError(f"{what} is page-locked host memory, not device memory")
-        if (not self.cuda and cpu_exporter(kind) is not None) or hasattr(obj, "__dlpack__"):
+        if not self.cuda and takes_buffer_import(kind):  # numpy: its buffer, not DLPack
+            f = foreign_from_buffer(obj)
+        if f is not None:
+            pass
+        elif (not self.cuda and cpu_exporter(kind) is not None) or hasattr(obj, "__dlpack__"):
             # cuda: the array is made safe to use on the call's stream (1: CUDA's legacy default)
             # with no host wait; host backend: CPU memory, no stream.
             f = foreign_from_dlpack(obj, (self.stream or 1) if self.cuda else None)
@@ -111,6 +116,19 @@ cdef class _Launch:
     cdef inline void records(self, uint64_t event) noexcept:
         self.event = event
 
+    cdef uint64_t event_to_record(self, uint64_t event) noexcept:
+        """The event a C call that records one should be given: ``event``, the caller's, when
+        there is one. Otherwise, when the call keeps foreign arrays outside a capture, a
+        keep-alive event of ours, so that the call's own queued work records it after everything
+        it reads and writes, and ``queued`` keeps the arrays behind it: one queued operation
+        fewer than a record of its own behind the call (on cuda one ``cudaEventRecord`` fewer).
+        Only for a C call that queues all of the launch's work: nothing queued after it may read
+        the arrays. 0 (no event) when none could be had: ``queued`` then records one itself."""
+        if event or not self.kept or self.keep or capturing_graph(self.stream) is not None:
+            return event
+        self.keep = spare_event()
+        return self.keep
+
     cdef inline void writes_cells(self, const void *cells, object shape):
         self.cells = <size_t>cells
         self.cell_shape = shape
@@ -127,7 +145,8 @@ cdef class _Launch:
                 for held in self.holds:
                     hold_until_passed(<_HeldBuffer>held, self.stream)
             if self.kept:
-                keep_until_passed(self.kept, self.stream)
+                keep_until_passed(self.kept, self.stream, self.keep)
+                self.keep = 0  # recorded by the call: the arrays' entry owns it now
         self.holds = None
         self.kept = None
         if self.cells:
@@ -137,6 +156,9 @@ cdef class _Launch:
     cdef void close(self) noexcept:
         if not self.cuda:  # nothing lent outlives the call, whether it worked or not
             mf_device_borrow_clear()
+        if self.keep:  # a refused call recorded nothing: the event is as good as new
+            spare_event_back(self.keep)
+            self.keep = 0
 
 
 cdef Graph queued_on(uint64_t stream, mf_status status, object names, uint64_t event):
@@ -172,19 +194,38 @@ cdef _Launch launch_on(uint64_t stream):
 # Foreign arrays kept for queued kernels: (event, arrays) in call order, events reused. A call
 # releases from the front while the front has passed, so each call costs O(1) amortised; an entry
 # behind a slower stream's waits for it or for the next synchronize (release_passed).
-cdef int keep_until_passed(object objs, uint64_t stream) except -1:
-    cdef uint64_t event
-    cdef mf_status status
-    release_kept(False)
+cdef uint64_t spare_event() noexcept:
+    """A keep-alive event: a spare one, or a new one (0 when none can be made)."""
+    cdef uint64_t event = 0
     if _spare_events:
-        event = _spare_events.pop()
-        status = MF_SUCCESS
+        return _spare_events.pop()
+    if mf_event_create(MF_EVENT_UNCOUNTED, &event) != MF_SUCCESS:
+        return 0
+    return event
+
+
+cdef void spare_event_back(uint64_t event) noexcept:
+    if len(_spare_events) < 64:
+        _spare_events.append(event)
     else:
-        status = mf_event_create(MF_EVENT_UNCOUNTED, &event)
-    if status == MF_SUCCESS:
-        status = mf_event_record(event, stream)
-        if status != MF_SUCCESS:
-            mf_event_destroy(event)
+        mf_event_destroy(event)
+
+
+cdef int keep_until_passed(object objs, uint64_t stream, uint64_t recorded=0) except -1:
+    """Keep ``objs`` until ``stream`` has passed the work just queued: behind ``recorded``, a
+    keep-alive event that work recorded itself (_Launch.event_to_record), or else behind one
+    recorded here."""
+    cdef uint64_t event = recorded
+    cdef mf_status status = MF_SUCCESS
+    release_kept(False)
+    if not event:
+        event = spare_event()
+        if not event:
+            status = MF_ERROR_OUT_OF_MEMORY
+        else:
+            status = mf_event_record(event, stream)
+            if status != MF_SUCCESS:
+                mf_event_destroy(event)
     if status != MF_SUCCESS:
         # The work is queued already (this runs after the C call): never raise here and let the
         # arrays go under it; wait for it instead.
@@ -207,8 +248,8 @@ cdef int release_kept(bint all_passed) except -1:
         status = mf_event_query(event, &done)
         if status != MF_SUCCESS or done:
             _kept.popleft()
-            if status == MF_SUCCESS and len(_spare_events) < 64:
-                _spare_events.append(event)
+            if status == MF_SUCCESS:
+                spare_event_back(event)
             else:  # a failed query (its stream is gone): never reuse that event
                 mf_event_destroy(event)
         elif all_passed:

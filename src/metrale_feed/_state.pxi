@@ -101,6 +101,9 @@ cdef dict _takes_max_version = {}
 # checks for streams and devices that a CPU tensor on the host backend does not need) around the
 # exporter that makes the same capsule. Learnt once per type.
 cdef dict _cpu_exporters = {}
+# Whether a type's arrays are read through the buffer protocol on the host backend (numpy's
+# ndarray: takes_buffer_import). Learnt once per type.
+cdef dict _buffer_imports = {}
 
 # SAMPLING_PARAMS_DTYPE, loaded on the first host params (fill_params): importing it needs numpy.
 cdef object _params_dtype = None
