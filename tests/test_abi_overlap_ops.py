@@ -139,13 +139,10 @@ class Arena:
         return bytes(out) == bytes([SENTINEL]) * self.nbytes
 
 
-@pytest.fixture(params=["host", "simt"])
-def runtime(request, no_leaks):
-    # The host backend's checks and the simt backend's (the CUDA kernels on the CPU) share the C
-    # ABI's; both are run, as the GPU would be.
-    from conftest import _host_runtime
-
-    yield from _host_runtime(request.param)
+@pytest.fixture
+def runtime(backend, no_leaks):
+    # Every backend's checks are the C ABI's; each is run (host, simt, and cuda where usable).
+    yield backend
 
 
 @pytest.mark.parametrize("op,out,other", list(cases()))
