@@ -21,7 +21,7 @@ import numpy as np
 from .. import _core
 from ..feed import _HOST_BIT, FeedSource
 from ..grammar.automaton import DEAD, EDGE_DTYPE, FINAL, STATE_DTYPE, TokenAutomaton
-from .pipeline import close_each
+from .lifecycle import close_each
 
 if TYPE_CHECKING:
     from .pipeline import DecodePipeline

@@ -23,7 +23,7 @@ from ..contract import ReservesAhead, VerifyStep, require
 from ..errors import DeviceError, FeedError, KvPoolExhausted
 from ..feed import NO_TOKEN, FeedSource
 from ..runtime import _ran_in_part
-from .pipeline import close_each
+from .lifecycle import close_each
 from .request import _RUNNING, _RequestView
 
 if TYPE_CHECKING:
