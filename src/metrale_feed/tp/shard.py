@@ -21,7 +21,10 @@ from .. import _core
 from ..errors import FeedError
 from ..step import PickStep
 from . import ops
+from .call_args import _close_slot, _stream_key, _device_params, _check_host_params, _precheck_host
 from .rounds import FilterRounds
+from .shard_grammar import GrammarPicks
+from .shard_top import TopLogprobs
 
 _EXTRA = "pip install 'metrale-feed[torch]'"
 # A partial block: a header (the fingerprint the combine checks) and a record a row; its layout
@@ -66,7 +69,7 @@ def _host_view(torch: Any, ptr: int, nbytes: int) -> Any:
     return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
 
 
-class VocabShard:
+class VocabShard(GrammarPicks, TopLogprobs):
     """This rank's slice of a vocabulary split across a process group, for the sharded feed calls.
 
     Rank ``r`` holds the logits of the global ids ``[offsets[r], offsets[r + 1])``. Passed as
@@ -332,85 +335,6 @@ class VocabShard:
         with self._lock:
             return self._call_locked(step)
 
-    def _with_grammar(self, step: PickStep) -> int:
-        """A pick with ``grammar=(automaton, states[, scratch])`` over the split vocabulary:
-        every rank holds the automaton and the same state words, so each builds the whole
-        vocabulary's bitmask of its rows (the bitmask the partial calls take, ANDed with the
-        caller's), runs the pick with it, and advances every row by the same global ids, which
-        the combine wrote on every rank."""
-        grammar = step.grammar
-        if not isinstance(grammar, tuple) or len(grammar) not in (2, 3):
-            raise TypeError("grammar must be a tuple (automaton, states) or (automaton, states, "
-                            f"scratch), not {type(grammar).__name__}")
-        from ..grammar.automaton import TokenAutomaton
-
-        automaton, states = grammar[0], grammar[1]
-        if not isinstance(automaton, TokenAutomaton):
-            raise TypeError(f"grammar's automaton must be a metrale_feed.TokenAutomaton, not "
-                            f"{type(automaton).__name__}")
-        if automaton.vocab != self.vocab:
-            raise ValueError(f"the automaton is for a vocabulary of {automaton.vocab} ids; the "
-                             f"shard's is {self.vocab}")
-        if not automaton.on_device:
-            raise ValueError("the automaton is not on the device: call automaton.to_device(stream) "
-                             "first")
-        table, edges = automaton.device_arrays
-        stream, drafts, k = step.stream, None, 0
-        if step.op == "verify":
-            k = step.k
-            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= _core.MAX_DRAFTS:
-                raise ValueError(f"k must be in [1, {_core.MAX_DRAFTS}], not {k!r}")
-            drafts = step.drafts
-            host = _host_drafts(drafts)
-            rows = step.rows
-            if rows is None:
-                if host is not None:
-                    rows = len(host) // k
-                elif hasattr(step.logits, "shape"):
-                    rows = int(step.logits.shape[0]) // (k + 1)
-                else:
-                    raise ValueError("a sharded verify on raw memory with device drafts needs rows=")
-            if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows * (k + 1) <= self.max_rows:
-                raise ValueError(f"rows * (k + 1) must be in [1, max_rows={self.max_rows}], not "
-                                 f"{rows!r} * {k + 1}")
-            if host is not None:
-                if len(host) != rows * k:
-                    raise ValueError(f"drafts hold {len(host)} ids, not rows * k = {rows * k}")
-                if _core.stream_capturing(stream):
-                    raise ValueError("grammar= with host drafts in a capture: pass device drafts")
-        else:
-            rows = self._rows_of(step.logits, step.masks, step.params, step.rows)
-        words = (self.vocab + 31) // 32
-        mask_bytes = rows * (k + 1) * words * 4
-        scratch = grammar[2] if len(grammar) == 3 else None
-        if scratch is None:
-            scratch = (_core.DeviceBuffer(mask_bytes) if _core.stream_capturing(stream)
-                       else automaton._scratch(_stream_key(stream), mask_bytes))
-        elif type(scratch) is not _core.DeviceBuffer or scratch.nbytes < mask_bytes:
-            raise ValueError(f"grammar's scratch must be a DeviceBuffer of at least {mask_bytes} bytes")
-        upload = None
-        if step.op == "verify" and host is not None:
-            upload = _core.DeviceBuffer(rows * k * 4)
-        try:
-            if upload is not None:
-                _core.copy_h2d_async(upload, host, stream)
-                drafts = upload
-            _core._grammar_mask(table, edges, states, scratch, stream, num_states=automaton.num_states,
-                                num_edges=len(automaton.edges), vocab=self.vocab, rows=rows, k=k,
-                                drafts=drafts if k else None, bitmask_in=step.bitmask)
-            fields = {name: getattr(step, name) for name in step.__slots__[1:]}
-            fields.update(grammar=None, bitmask=scratch)
-            if upload is not None:
-                fields["drafts"] = upload
-            n = self.run_step(PickStep(step.op, **fields))
-            _core._grammar_advance(table, edges, step.cells, states, stream,
-                                   num_states=automaton.num_states, num_edges=len(automaton.edges),
-                                   vocab=self.vocab, rows=rows, k=k)
-        finally:
-            if upload is not None:
-                upload.close()  # freed once the stream has passed the work that reads it
-        return n
-
     def _call_locked(self, step: PickStep) -> int:
         op, logits, masks, params, cells, dst = (step.op, step.logits, step.masks, step.params,
                                                  step.cells, step.dst)
@@ -626,132 +550,6 @@ class VocabShard:
         if event is not None:
             _core.event_record(event, stream)
 
-    def top_logprobs(self, logits: Any, out: Any, stream: Any = 0, *, n: int, rows: Any = None,
-                     dtype: Any = None, row_stride: Any = None, event: Any = None,
-                     ids: Any = None, chosen: Any = None) -> int:
-        """Each row's ``n`` most likely ids of the whole raw distribution and their logprobs, from
-        this rank's slice, in stream order: ``_core.top_logprobs`` on the whole rows, split.
-
-        Every rank gets the same records in the same order: the argmax's order over global ids
-        (the greater logit first, ties by the smaller id, a NaN below ``-inf``), each logprob
-        ``log_softmax`` of the whole row at that id with the row's ``(M, S)`` combined as the
-        sharded chosen-token logprob's (docs/tensor-parallel.md, "Top logprobs"), so the chosen
-        id's entry equals ``argmax_to_feed(..., logprobs=, shard=)``'s bit for bit. With ``ids``
-        (global ids, a step's feed cells), ``chosen[r]`` is also the logprob of ``ids[r]``: the
-        raw logprob of a token chosen from logits changed since (penalties). Each rank sends one
-        block of ``ops.top_block_bytes(max_rows, n)`` bytes (16 a row for its ``(m, s)`` and
-        the asked-for id, 8 for each of its own top ``n``) in one all-gather; the merge is a
-        kernel on the stream (``mf_top_logprobs_combine``): no host synchronisation, on every
-        backend, and capturable in a graph. Every rank makes the same calls with the same ``n``
-        and ``ids``-or-not, in the same order as its other sharded calls. A world of one is the
-        unsharded call.
-
-        Parameters
-        ----------
-        logits : DeviceBuffer, int, or a 2-D float tensor, or None
-            This rank's ``stop - start`` columns of each row, ``row_stride`` elements apart; None
-            (with ``dtype``) or a ``(rows, 0)`` tensor for an empty slice.
-        out : DeviceBuffer, int, or None
-            ``rows * n`` records of a uint32 global id and a float32 logprob, row ``r``'s ``j``-th
-            at record ``r * n + j`` (``_core.top_logprobs``'s layout); ``(NO_TOKEN, NaN)`` ends a
-            row of fewer than ``n`` ids. None only with ``n`` 0.
-        stream : Stream, int or stream-like, optional
-            The stream of this shard's other calls.
-        n : int
-            1 to 20; 0 with ``ids``: the chosen logprobs alone.
-        rows : int, optional
-            1 to ``max_rows``; default the tensor's rows.
-        dtype : {"float32", "float16", "bfloat16"}, optional
-            Required unless ``logits`` is a tensor.
-        row_stride : int, optional
-            Elements between rows (default the slice's width).
-        event : Event, optional
-            Recorded after ``out`` and ``chosen`` are written.
-        ids : DeviceBuffer or int, optional
-            ``rows`` global uint32 ids, read when the kernel runs; with ``chosen``.
-        chosen : DeviceBuffer or int, optional
-            ``rows`` float32 logprobs of ``ids`` (NaN for ``NO_TOKEN`` or an id past the
-            vocabulary); with ``ids``.
-
-        Returns
-        -------
-        int
-            The rows.
-
-        Raises
-        ------
-        ValueError, TypeError
-            Bad ``n``, ``rows``, sizes or dtype; nothing is queued.
-        FeedError
-            After a fault, or a closed shard; before anything is queued. Ranks whose calls
-            disagree (rows, ``n``, ``ids``-or-not, the call order) get ``(NO_TOKEN, NaN)`` records
-            and a ``FeedError`` from the event on every rank.
-
-        Examples
-        --------
-        >>> shard = mf.VocabShard(None, 1000, max_rows=16)                # doctest: +SKIP
-        >>> shard.top_logprobs(part, out, n=5, rows=4, dtype="float32")   # doctest: +SKIP
-        4
-        """
-        with self._lock:
-            self._refuse_after_fault()
-            if isinstance(n, bool) or not isinstance(n, int) or not (0 if ids is not None else 1) <= n <= 20:
-                raise ValueError(f"n must be an int in [1, 20] (0 with ids), not {n!r}")
-            if (ids is None) != (chosen is None):
-                raise ValueError("ids and chosen go together")
-            width = self.width
-            shape = getattr(logits, "shape", None)
-            if shape is not None and rows is None:
-                rows = int(shape[0])
-            count = self._rows_of(None, None, None, rows)
-            if shape is not None and int(shape[0]) < count:
-                raise ValueError(f"logits has {int(shape[0])} rows; rows={count}")
-            # A tensor tells its own sizes (checked against these); raw memory (or None for an
-            # empty slice) takes them from the arguments.
-            sizes = dict(vocab=width, dtype=dtype, row_stride=row_stride)
-            if shape is None:
-                if dtype is None:
-                    raise TypeError("dtype is required unless logits is a tensor")
-                sizes["rows"] = count
-            # The combine's outputs are checked before the slice's call is queued: a refusal
-            # there would leave this rank's collective behind its peers'.
-            if n and out is None:
-                raise TypeError("out is required unless n is 0")
-            spans = []
-            for buf, what, need in ((out if n else None, "out", count * n * 8), (chosen, "chosen", count * 4)):
-                if buf is None:
-                    continue
-                at, have = _device_at(buf, what)
-                if have is not None and have < need:
-                    raise ValueError(f"{what}: {count} rows need {need} bytes; it has {have}")
-                if at % 4:
-                    raise ValueError(f"{what} is not 4-byte aligned")
-                spans.append((at, at + need, what))
-            if len(spans) == 2 and spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]:
-                raise ValueError("out and chosen overlap")
-            src: Any = logits if shape is None or int(shape[0]) == count else logits[:count]
-            if self.world == 1 and not self._force_exchange:  # the unsharded call, as the others
-                _core.top_logprobs(src, out, stream, n=n, ids=ids, chosen=chosen, **sizes)
-                if event is not None:
-                    _core.event_record(event, stream)
-                return count
-            handle, capturing = self._stream_check(stream)
-            call = self._calls + 1
-            nbytes = ops.top_block_bytes(self.max_rows, n)
-
-            def partial(block: Any) -> None:
-                ops.top_partial(src, block, stream, n=n, start=self.start, vocab_total=self.vocab,
-                                   call=call, ids=ids, **sizes)
-
-            def combine(gathered: Any, fault: Any) -> None:
-                ops.top_combine(gathered, self.world, out if n else None, stream, rows=count, n=n,
-                                   vocab=self.vocab, call=call, slice_stride=nbytes // _RECORD_BYTES,
-                                   fault_dst=fault, chosen=chosen)
-
-            self._exchanged(call, call, partial, combine, stream, handle, capturing, event,
-                            nbytes=nbytes, outcome="every record got (NO_TOKEN, NaN)")
-            return count
-
     def _call_filtered(self, logits: Any, masks: Any, params: Any, cells: Any, dst: Any, event: Any,
                        stream: Any, n: int, dtype: Any, row_stride: Any, bitmask: Any,
                        logprobs: Any, logprobs_dst: Any, handle: int, capturing: bool,
@@ -937,91 +735,3 @@ class VocabShard:
             if self._fault is None:
                 self._fault = str(exc)
             raise
-
-
-def _host_drafts(drafts: Any) -> Any:
-    """Host drafts as uint32 (the mask walks them on the device, so they are uploaded), or None
-    for device memory."""
-    import numpy as np
-
-    if type(drafts) is _core.DeviceBuffer or isinstance(drafts, int) or hasattr(
-            drafts, "__cuda_array_interface__"):
-        return None
-    try:
-        with memoryview(drafts):
-            pass
-    except TypeError:
-        return np.asarray(list(drafts), np.uint32)
-    if hasattr(drafts, "__dlpack__") and not hasattr(drafts, "dtype"):
-        return None
-    return np.ascontiguousarray(drafts, np.uint32).ravel()
-
-
-def _close_slot(slot: tuple[Any, tuple[Any, ...]]) -> None:
-    done, held = slot
-    done.close()
-    for buf in held:
-        buf.close()
-
-
-def _stream_key(stream: Any) -> int:
-    if stream is None:
-        return 0
-    if isinstance(stream, _core.Stream):
-        return int(stream.handle)
-    if isinstance(stream, int):
-        return int(stream)
-    if hasattr(stream, "__cuda_stream__"):
-        return int(stream.__cuda_stream__()[1])
-    return int(getattr(stream, "cuda_stream", getattr(stream, "ptr", 0)))
-
-
-def _device_params(params: Any) -> bool:
-    """Whether params are device memory (read when the kernels run), by the rule sample_to_feed
-    uses: a DeviceBuffer, an int pointer, or a tensor that is not a host buffer."""
-    if type(params) is _core.DeviceBuffer or hasattr(params, "__cuda_array_interface__"):
-        return True
-    if isinstance(params, int) and not isinstance(params, bool):
-        return True
-    if hasattr(params, "__dlpack__"):
-        try:
-            memoryview(params).release()
-        except TypeError:
-            return True
-    return False
-
-
-def _check_host_params(params: Any) -> bool:
-    """Host records (the filters' rounds read them on the worker); whether a filter is on."""
-    import numpy as np
-
-    if not isinstance(params, np.ndarray) or params.dtype.names is None:
-        raise ValueError("a sharded sample_to_feed takes SAMPLING_PARAMS_DTYPE records: host ones "
-                         "(any filters), or device memory holding them (temperature-only)")
-    plan = np.frombuffer(ops.sampling_plan(np.ascontiguousarray(params)), np.uint8)
-    return bool(np.any(plan & (ops.PLAN_TOP_K | ops.PLAN_TOP_P | ops.PLAN_MIN_P)))
-
-
-def _precheck_host(buf: Any, rows: int, what: str, fmt: str) -> None:
-    """The size (and type) of a host destination, before anything is queued."""
-    if buf is None or isinstance(buf, int):
-        return
-    try:
-        view = memoryview(buf)
-    except TypeError as exc:
-        raise TypeError(f"{what} must be a writable buffer") from exc
-    if view.nbytes < rows * 4:
-        raise ValueError(f"{what} holds {view.nbytes} bytes; {rows} rows need {rows * 4}")
-    if fmt == "f" and view.format not in ("f", "<f", "=f", "B"):
-        raise TypeError(f"{what} must be float32, not format {view.format!r}")
-
-
-def _device_at(buf: Any, what: str) -> tuple[int, int | None]:
-    """(address, bytes or None when unknown) of a top_logprobs destination: an int pointer's are
-    what is left of its allocation (0 for a pointer the layer does not know, None for foreign
-    memory on the cuda backend)."""
-    if type(buf) is _core.DeviceBuffer:
-        return int(buf.ptr), int(buf.nbytes)
-    if isinstance(buf, int) and not isinstance(buf, bool):
-        return int(buf), ops.device_bytes_left(buf)
-    raise TypeError(f"{what} must be a DeviceBuffer or an int, not {type(buf).__name__}")
