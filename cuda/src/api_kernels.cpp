@@ -56,9 +56,10 @@ constexpr uint32_t kCombineSizes[] = {offsetof(mf_combine_args, drafts), offseto
                                        offsetof(mf_combine_args, select), sizeof(mf_combine_args)};
 // The descriptor before the device position advance (advance, advance_group) was appended.
 constexpr uint32_t kReferenceSizes[] = {offsetof(mf_reference_args, advance), sizeof(mf_reference_args)};
-// The descriptor before the device position advance (advance) was appended, then before the grammar.
+// The descriptor before the device position advance (advance) was appended, then before the
+// grammar, then before the step's penalties.
 constexpr uint32_t kVerifySizes[] = {offsetof(mf_verify_args, advance), offsetof(mf_verify_args, grammar),
-                                     sizeof(mf_verify_args)};
+                                     offsetof(mf_verify_args, penalties), sizeof(mf_verify_args)};
 // The descriptor before a verify's drafts (drafts, k) were appended.
 constexpr uint32_t kPenaltySizes[] = {offsetof(mf_penalty_args, drafts), sizeof(mf_penalty_args)};
 // The descriptor before a split vocabulary's blocks (flags .. partials) were appended.
@@ -634,6 +635,62 @@ static mf_status pick_penalties(const mf_argmax_args *args, const GrammarPick &g
     return refuse_overlaps(spans);
 }
 
+// A verify's penalties (mf_verify_args.penalties): the apply with k over its logits, walking its
+// drafts, and the update with k from its cells, each checked as the two functions check theirs.
+static mf_status verify_penalties(const mf_verify_args *args, const GrammarPick &gp, mf_penalty_args *apply,
+                                  mf_penalty_args *update) {
+    mf_status st = read_descriptor(args->penalties, apply, "mf_penalty_args", kPenaltySizes);
+    if (st != MF_SUCCESS) return st;
+    if (apply->rows != args->rows)
+        return fail(MF_ERROR_INVALID_VALUE, "the penalties name %u rows; the verify has %u", apply->rows, args->rows);
+    if (apply->k != args->k)
+        return fail(MF_ERROR_INVALID_VALUE, "the penalties walk k = %u drafts a row; the verify has k = %u", apply->k,
+                    args->k);
+    if (!(args->flags & MF_VERIFY_DRAFTS_DEVICE))
+        return fail(MF_ERROR_INVALID_VALUE, "penalties with host drafts: the apply's walk reads device drafts "
+                    "(MF_VERIFY_DRAFTS_DEVICE)");
+    apply->logits = const_cast<void *>(args->logits);  // changed in place, as penalties_apply does
+    apply->dtype = args->dtype;
+    apply->vocab = args->vocab;
+    apply->row_stride = args->row_stride;
+    apply->start = 0;
+    apply->drafts = args->drafts;
+    apply->ids = nullptr;
+    *update = *apply;
+    update->drafts = nullptr;
+    update->ids = args->cells;  // checked with the call's cells: its own check would add nothing
+    size_t logit_bytes = 0;
+    st = check_penalty_ranges(apply, false, &logit_bytes);
+    if (st != MF_SUCCESS) return st;
+    // One call writes the logits and the tables too: none of its writes may land on what another
+    // part of it reads or writes (check_verify's spans, and the apply's own).
+    const uint32_t logit_rows = args->rows * (args->k + 1), cell_words = args->rows * (args->k + 2);
+    const bool dmasks = args->flags & MF_ARGS_MASKS_DEVICE, dparams = args->flags & MF_ARGS_PARAMS_DEVICE;
+    const bool dslots = apply->flags & MF_PENALTY_SLOTS_DEVICE;
+    const GrammarSpans g(gp);
+    const Span spans[] = {
+        {args->logits, logit_bytes, "logits", true},
+        {args->cells, (size_t)cell_words * 4, "feed cells", true},
+        {args->logprobs, args->logprobs ? (size_t)logit_rows * 4 : 0, "logprobs", true},
+        {args->host_dst, args->host_dst ? (size_t)cell_words * 4 : 0, "verify destination", true},
+        {args->logprobs_dst, args->logprobs_dst ? (size_t)logit_rows * 4 : 0, "logprobs destination", true},
+        {apply->state, (size_t)apply->slot_count * sizeof(mf_penalty_slot), "penalty state", true},
+        {apply->table, (size_t)apply->slot_count * apply->table_cap * sizeof(mf_penalty_entry), "penalty table", true},
+        {apply->items, (size_t)apply->slot_count * apply->item_cap * sizeof(mf_penalty_item), "penalty items", false},
+        {dslots ? apply->slots : nullptr, (size_t)args->rows * 4, "penalty slots", false},
+        {args->drafts, (size_t)args->rows * args->k * 4, "drafts", false},
+        {dmasks ? args->masks : nullptr, (size_t)logit_rows * 8, "device-resident masks", false},
+        {args->bitmask, args->bitmask ? (size_t)logit_rows * mf_bitmask_words(args->vocab) * 4 : 0, "bitmask", false},
+        {dparams ? args->params : nullptr, (size_t)args->rows * sizeof(mf_sampling_params), "device-resident params",
+         false},
+        {args->draft_probs, args->draft_probs ? (size_t)args->rows * args->k * args->vocab * 4 : 0, "draft_probs",
+         false},
+        {args->advance, args->advance ? (size_t)args->rows * 4 : 0, "advance", false},
+        g.s[0], g.s[1], g.s[2], g.s[3],
+    };
+    return refuse_overlaps(spans);
+}
+
 mf_status mf_argmax_to_feed(const mf_argmax_args *caller, mf_stream_t stream) {
     return guard([&]() -> mf_status {
         MF_RANGE("argmax_to_feed");
@@ -938,7 +995,12 @@ mf_status mf_verify_to_feed(const mf_verify_args *caller, mf_stream_t stream) {
         Slot *event;
         GrammarPick gp;
         status = check_verify(args, &gp, &event);
+        mf_penalty_args pen_apply{}, pen_update{};
+        const bool penalised = args->penalties != nullptr;
+        if (status == MF_SUCCESS && penalised) status = verify_penalties(args, gp, &pen_apply, &pen_update);
         if (status == MF_SUCCESS) status = resolve_stream(stream, &raw);
+        if (status == MF_SUCCESS && penalised && !(pen_apply.flags & MF_PENALTY_SLOTS_DEVICE))
+            status = refuse_in_capture(raw, "verify_to_feed with penalties of host-resident slots", true);
         if (status == MF_SUCCESS && !(args->flags & MF_VERIFY_DRAFTS_DEVICE))
             status = refuse_in_capture(raw, "verify_to_feed with host-resident drafts", true);
         if (status == MF_SUCCESS && args->masks && !(args->flags & MF_ARGS_MASKS_DEVICE))
@@ -950,8 +1012,10 @@ mf_status mf_verify_to_feed(const mf_verify_args *caller, mf_stream_t stream) {
         if (status == MF_SUCCESS && args->logprobs_dst)
             status = capture_host_check(raw, args->logprobs_dst, "verify_to_feed logprobs destination");
         if (status != MF_SUCCESS) return status;
-        // A replay's copy owns its grammar descriptor: the caller's may be gone by then.
-        if (kept_for_graph(raw, [copy = *args, gram = gp.g, grammar = gp.on](mf_stream_t s) mutable {
+        // A replay's copy owns its penalty and grammar descriptors: the caller's may be gone by then.
+        if (kept_for_graph(raw, [copy = *args, pen = pen_apply, penalised, gram = gp.g, grammar = gp.on](
+                                    mf_stream_t s) mutable {
+                if (penalised) copy.penalties = &pen;
                 if (grammar) copy.grammar = &gram;
                 return mf_verify_to_feed(&copy, s);
             }))
@@ -962,12 +1026,18 @@ mf_status mf_verify_to_feed(const mf_verify_args *caller, mf_stream_t stream) {
         const size_t cell_bytes = (size_t)args->rows * (args->k + 2) * 4, lp_bytes = (size_t)args->rows * (args->k + 1) * 4;
         // The grammar's pieces (host drafts uploaded for its walk, the mask) before the kernel and its
         // advance after it, all ahead of the copies and the event record, which then covers the states.
-        Staged staged(raw, gp.on || args->host_dst || args->logprobs_dst || event);
+        Staged staged(raw, penalised || gp.on || args->host_dst || args->logprobs_dst || event);
         status = MF_SUCCESS;
         if (gp.upload_bytes)
             status = ops().copy_async(gp.g.scratch + gp.mask_bytes / 4, args->drafts, gp.upload_bytes, kH2D, raw);
         if (status == MF_SUCCESS && gp.on) status = ops().grammar_mask(&gp.mask, raw);
-        if (status == MF_SUCCESS) status = ops().verify(&local, raw);
+        if (status == MF_SUCCESS && penalised && ops().verify_penalised) {
+            status = ops().verify_penalised(&local, &pen_apply, raw);
+        } else if (status == MF_SUCCESS) {
+            status = penalised ? ops().penalties(&pen_apply, false, raw) : MF_SUCCESS;
+            if (status == MF_SUCCESS) status = ops().verify(&local, raw);
+            if (status == MF_SUCCESS && penalised) status = ops().penalties(&pen_update, true, raw);
+        }
         if (status == MF_SUCCESS && gp.on) status = ops().grammar_advance(&gp.advance, raw);
         if (status == MF_SUCCESS && args->host_dst)
             status = ops().copy_async(args->host_dst, args->cells, cell_bytes, kD2H, raw);

@@ -45,7 +45,7 @@ constexpr auto kForked = [](auto...) { return forked(); };
 // Designated initialisers leave a field that is not named null, so a new Ops entry missing here
 // would crash a forked child instead of failing. The host and cuda tables name theirs too, but
 // this one is easy to forget: adding a field to Ops must come here and change this count.
-static_assert(sizeof(Ops) == 48 * sizeof(void *),
+static_assert(sizeof(Ops) == 49 * sizeof(void *),
               "Ops changed: give forked_cuda_ops the new entry (kForked), then update this count");
 const Ops forked_cuda_ops = {
     .name = "cuda (forked)",
@@ -83,6 +83,7 @@ const Ops forked_cuda_ops = {
     .verify_logit_params = kForked,
     .penalties = kForked,
     .argmax_penalised = nullptr,  // the pick's pieces one by one: the first fails
+    .verify_penalised = nullptr,  // the verify's pieces one by one: the first fails
     .top_logprobs = kForked,
     .top_combine = kForked,
     .select_decide = kForked,

@@ -80,6 +80,11 @@ struct Ops {
     // just before its pick, so one thread's apply (latency-bound) overlaps another's pick
     // (bandwidth-bound) instead of all of them waiting on the same resource at once.
     mf_status (*argmax_penalised)(const mf_argmax_args *args, const mf_penalty_args *apply, void *stream);
+    // A verify with its step's penalties as one piece of work: args->penalties checked into `apply`
+    // (k and the verify's drafts; the update is the same descriptor counting args->cells). nullptr:
+    // api_kernels.cpp queues the two penalty ops around the verify instead. The host backend
+    // applies each logit row's penalties just before the verify reads the row, in the same pass.
+    mf_status (*verify_penalised)(const mf_verify_args *args, const mf_penalty_args *apply, void *stream);
 
     // The top logprobs of each row (top_logprob_rule.h), read-only on the logits.
     mf_status (*top_logprobs)(const mf_top_logprobs_args *args, void *stream);

@@ -317,6 +317,7 @@ cdef extern from "metrale_feed/feed.h" nogil:
         mf_event_t event
         const uint32_t *advance
         const mf_grammar_pick *grammar
+        const mf_penalty_args *penalties
     void mf_verify_args_init(mf_verify_args *args)
     mf_status mf_verify_to_feed(const mf_verify_args *args, mf_stream_t stream)
     mf_status mf_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,

@@ -256,7 +256,8 @@ def verify_to_feed(logits: _DeviceLike, drafts: _WordsLike | _DeviceLike, cells:
                    vocab: int | None = None, dtype: _DType | None = None,
                    row_stride: int | None = None, shard: None = None,
                    advance: _DeviceLike | None = None,
-                   grammar: tuple[Any, ...] | None = None) -> int: ...
+                   grammar: tuple[Any, ...] | None = None,
+                   penalties: PenaltyLaunch | None = None) -> int: ...
 def resolve_verified(cells: _DeviceLike, out_ids: _DeviceLike | None, out_advance: _DeviceLike | None,
                      stream: _StreamLike = 0, *, rows: int | None = None, k: int | None = None) -> None: ...
 

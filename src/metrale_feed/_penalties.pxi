@@ -289,6 +289,25 @@ cdef int pick_penalties(mf_argmax_args *a, object penalties) except -1:
     return 0
 
 
+cdef int verify_penalties(mf_verify_args *a, object penalties) except -1:
+    """A verify's ``penalties=``: the launch's apply descriptor (its ``k`` the verify's), its
+    tables' addresses read now; the C layer takes the layout and the drafts from the verify's."""
+    if type(penalties) is not PenaltyLaunch:
+        raise TypeError("penalties must be a PenaltyLaunch (PenaltyState.prepare), not "
+                        f"{type(penalties).__name__}")
+    cdef PenaltyLaunch launch = <PenaltyLaunch>penalties
+    if launch.up.k != a.k:
+        raise ValueError(f"penalties= of a verify takes a PenaltyLaunch of k = {a.k} (the verify's), "
+                         f"not {launch.up.k}")
+    if launch.up.rows != a.rows:
+        raise ValueError(f"the penalties name {launch.up.rows} rows; the verify has {a.rows}")
+    if not (a.flags & MF_VERIFY_DRAFTS_DEVICE):
+        raise ValueError("penalties= needs device drafts (the apply's walk reads them when it runs)")
+    launch.reload()  # the C layer checks the rest with the verify's arguments
+    a.penalties = &launch.ap
+    return 0
+
+
 def penalties_apply(logits, slots, state, table, items, stream=0, *, slot_count=None, table_cap=None,
                     item_cap=None, vocab=None, dtype=None, row_stride=None, start=0, k=0, drafts=None):
     """Apply each row's logit bias, min_tokens and penalties to its logits, in place, in stream order.

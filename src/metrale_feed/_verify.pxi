@@ -12,7 +12,8 @@ cdef class _VerifyInputs:
 
 def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None, bitmask=None,
                    params=None, draft_probs=None, logprobs=None, logprobs_dst=None, rows=None,
-                   vocab=None, dtype=None, row_stride=None, shard=None, advance=None, grammar=None):
+                   vocab=None, dtype=None, row_stride=None, shard=None, advance=None, grammar=None,
+                   penalties=None):
     """Verify ``k`` draft tokens per row against the target's logits, into the feed cells.
 
     Speculative decoding's check (docs/kernels.md, "Verify"). Row ``r`` has the drafts
@@ -96,6 +97,13 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
         first ``j`` drafts reach allows (a draft the grammar forbids is rejected like any other
         mismatch), and the row's state word becomes the state after its emitted ids. Host
         drafts are uploaded to the scratch first (refused in a capture).
+    penalties : PenaltyLaunch, optional
+        The step's penalties in the same call (docs/speculative.md, "Penalties"), a launch of
+        ``k`` (``PenaltyState.prepare(k=)``) over these rows: what ``penalties.apply(logits,
+        stream, drafts)`` queues before the verify and ``penalties.update(cells, stream)``
+        after it, with the same logits, cells and counts. Needs device drafts; not with
+        ``shard``. On the host backend each logit row's penalties are applied just before the
+        verify reads the row, in the same pass.
 
     Returns
     -------
@@ -108,7 +116,8 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
         ``k`` outside 1..64; ``rows * (k + 1)`` above ``MAX_ROWS``; drafts that do not hold
         ``rows * k`` ids, or a host draft id at or beyond ``vocab``; masks that do not cover the
         logit rows, or a mask id at or beyond ``vocab``; cells, ``dst``, ``logprobs`` or
-        ``logprobs_dst`` too small; bad params (as ``sample_to_feed``); before anything is queued.
+        ``logprobs_dst`` too small; bad params (as ``sample_to_feed``); ``penalties`` of another
+        ``k`` or rows, or with host drafts; before anything is queued.
     TypeError
         An argument of the wrong kind.
     FeedError
@@ -138,6 +147,7 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
     cdef _VerifyInputs keep = _VerifyInputs.__new__(_VerifyInputs)
     cdef _GrammarCall g = None
     if shard is not None:  # greedy rows over a split vocabulary (docs/tensor-parallel.md)
+        refuse_sharded_penalties(penalties)
         return run_on_shard(shard, "verify", dict(logits=logits, drafts=drafts, cells=cells, dst=dst,
                             event=event, stream=stream, k=k, masks=masks, bitmask=bitmask,
                             params=params, draft_probs=draft_probs, logprobs=logprobs,
@@ -243,9 +253,11 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
         if grammar is not None:  # the C call uploads host drafts for the mask's walk
             g = grammar_of(launch, grammar, s, a.rows, a.k, not drafts_on_device)
             a.grammar = &g.desc
+        if penalties is not None:  # the launch keeps its tables alive until the work has run
+            verify_penalties(&a, penalties)
         launch.queued(mf_verify_to_feed(&a, s),
                       (logits, drafts, cells, dst, event, masks, bitmask, params, logprobs, logprobs_dst, advance,
-                       grammar, g))
+                       grammar, g, penalties))
     finally:
         launch.close()
     return a.rows

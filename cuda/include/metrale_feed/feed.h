@@ -511,7 +511,15 @@ MF_EXPORT mf_status mf_resolve_feed_flags(const uint32_t *sources, uint32_t n,
  * grammar's scratch, ANDed with `bitmask`, read by the verify instead of it), and the state words
  * advance by the emitted ids, before the copies and the event record. Host drafts are uploaded
  * into the scratch after the mask (an async copy, consumed before the call returns) for the mask
- * to walk; the verify itself reads them as without a grammar. */
+ * to walk; the verify itself reads them as without a grammar.
+ * penalties (appended, NULL: none; mf_penalty_args with k, in "penalties" below): the step's
+ * penalties in the same call, as mf_penalties_apply with k and the verify's drafts over these
+ * logits before the verify and mf_penalties_update with k and these cells after it, both queued
+ * by this call ahead of the grammar's advance, the copies and the event: the same logits, cells
+ * and counts. Its k must be the call's and its rows the call's; its logits, dtype, vocab,
+ * row_stride, start, drafts and ids are ignored (the call's own, start 0); the drafts must be
+ * device memory (MF_VERIFY_DRAFTS_DEVICE), as the apply's are. The descriptor is read before the
+ * call returns and checked as those two functions check theirs; a refusal queues nothing. */
 #define MF_MAX_DRAFTS 64u
 enum { MF_VERIFY_DRAFTS_DEVICE = 0x10000u }; /* apart from the MF_ARGS_* bits it shares flags with */
 typedef struct mf_verify_args {
@@ -536,6 +544,7 @@ typedef struct mf_verify_args {
     mf_event_t event;        /* 0: none */
     const uint32_t *advance; /* appended: device, rows words added to the rows' positions; NULL: none */
     const struct mf_grammar_pick *grammar; /* appended: NULL: none; see above */
+    const struct mf_penalty_args *penalties; /* appended: NULL: none; see above */
 } mf_verify_args;
 /* Zero-fills *args (every option off) and sets its struct_size: call it first. */
 static inline void mf_verify_args_init(mf_verify_args *args) {

@@ -617,6 +617,7 @@ const Ops cuda_ops = {
     .verify_logit_params = verify_logit_params,
     .penalties = penalties,
     .argmax_penalised = nullptr,  // the kernels' order: apply, pick, update
+    .verify_penalised = nullptr,  // the kernels' order: apply, verify, update
     .top_logprobs = top_logprobs,
     .top_combine = top_combine,
     .select_decide = select_decide,

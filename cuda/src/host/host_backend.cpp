@@ -368,6 +368,16 @@ mf_status argmax_penalised(const mf_argmax_args *args, const mf_penalty_args *ap
     return MF_SUCCESS;
 }
 
+mf_status verify_penalised(const mf_verify_args *args, const mf_penalty_args *apply, void *stream) {
+    try {  // no C++ exception crosses the C ABI: copying the host inputs may run out of memory
+        VerifyJob job(*args, apply);  // host masks, params and slots are copied here
+        stream_of(stream)->enqueue("verify", [job = std::move(job)] { run_verify(job); });
+    } catch (const std::bad_alloc &) {
+        return fail(MF_ERROR_OUT_OF_MEMORY, "verify_to_feed: out of host memory for its inputs");
+    }
+    return MF_SUCCESS;
+}
+
 mf_status top_logprobs(const mf_top_logprobs_args *args, void *stream) {
     stream_of(stream)->enqueue("top_logprobs", [a = *args] { run_top_logprobs(a); });
     return MF_SUCCESS;
@@ -437,6 +447,7 @@ const Ops host_ops = {
     .verify_logit_params = verify_logit_params,
     .penalties = penalties,
     .argmax_penalised = argmax_penalised,
+    .verify_penalised = verify_penalised,
     .top_logprobs = top_logprobs,
     .top_combine = top_combine,
     .select_decide = select_decide,

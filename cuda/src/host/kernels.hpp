@@ -136,8 +136,11 @@ struct CombineJob {
 void run_combine(const CombineJob &job);
 
 // What one verify launch needs when the worker runs it: host drafts, masks and params copied now.
+// `apply`: the step's penalties in the same job (Ops::verify_penalised), their host slots copied.
 struct VerifyJob {
-    explicit VerifyJob(const mf_verify_args &a) : args(a) {
+    explicit VerifyJob(const mf_verify_args &a, const mf_penalty_args *apply = nullptr) : args(a) {
+        args.penalties = nullptr;  // the caller's descriptor: `penalties` holds the checked one
+        if (apply) penalties.emplace(*apply, false);
         const size_t logit_rows = (size_t)a.rows * (a.k + 1);
         if (!(a.flags & MF_VERIFY_DRAFTS_DEVICE)) {
             drafts.assign(a.drafts, a.drafts + (size_t)a.rows * a.k);
@@ -160,6 +163,7 @@ struct VerifyJob {
     mf_verify_args args;
     std::vector<uint32_t> drafts, masks;
     std::vector<mf_sampling_params> params;
+    std::optional<PenaltyJob> penalties;
 };
 void run_verify(const VerifyJob &job);
 void run_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,
@@ -171,6 +175,9 @@ void run_penalties(const PenaltyJob &job);
 // A pick's penalties (ArgmaxJob::penalties): row r's apply, on the pool thread that picks it, and
 // the update once every row is picked (args.ids: the pick's cells).
 void apply_penalties_row(const mf_penalty_args &args, uint32_t r, uint32_t slot);
+// A verify's penalties (VerifyJob::penalties, args.k > 0): logit row r * (k + 1) + j, walking row
+// r's drafts before position j, on the pool thread that reads it.
+void apply_verify_penalties_row(const mf_penalty_args &args, uint32_t r, uint32_t j, uint32_t slot);
 void count_penalties(const mf_penalty_args &args, const uint32_t *slots);
 
 // The top logprobs of each row, or a slice's top block (top_logprob_host.cpp), and the combine of

@@ -1,7 +1,8 @@
 // The host twins of the penalty kernels (penalty_feed.cu): the same rule (penalty_rule.h), the
 // same stage order; the rows spread over the pool. A pick that carries its step's penalties
 // (Ops::argmax_penalised) calls apply_penalties_row for each row just before it picks the row, and
-// count_penalties once every row is picked (argmax_host.cpp, run_argmax).
+// count_penalties once every row is picked (argmax_host.cpp, run_argmax); a verify that carries
+// them (Ops::verify_penalised), apply_verify_penalties_row for each logit row (verify_host.cpp).
 #include "host/kernels.hpp"
 #include "host/queue.hpp"
 #include "metrale_feed/penalty_rule.h"
@@ -240,6 +241,12 @@ void count_row(const mf_penalty_args &a, uint32_t r, uint32_t slot, bool vector)
 
 void apply_penalties_row(const mf_penalty_args &args, uint32_t r, uint32_t slot) {
     apply_row(args, r, slot, eight_ids());
+}
+
+void apply_verify_penalties_row(const mf_penalty_args &args, uint32_t r, uint32_t j, uint32_t slot) {
+    uint32_t known[MF_MAX_DRAFTS];
+    const uint32_t k = args.k, *drafts = args.drafts + (size_t)r * k;
+    apply_row(args, r * (k + 1) + j, slot, eight_ids(), drafts, mf_penalty_walked(drafts, k, j), known);
 }
 
 // A scan of each row's table: cheap. Rows may name one slot (device slots are not checked when

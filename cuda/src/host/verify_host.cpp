@@ -110,6 +110,11 @@ void run_verify(const VerifyJob &job) {
     const uint32_t *drafts = job.draft_ids();
     const mf_sampling_params *params = job.row_params();
     const bool vector = vector_paths();
+    // The step's penalties in the same pass (Ops::verify_penalised): each logit row's just before
+    // the verify first reads it, while its lines are still in cache, and those of the positions a
+    // row never reads after its own, so the logits end as mf_penalties_apply leaves them.
+    const mf_penalty_args *pen = job.penalties ? &job.penalties->args : nullptr;  // NULL: none
+    const uint32_t *pen_slots = job.penalties ? job.penalties->slot_words() : nullptr;
     parallel_rows(a.rows, [&](uint32_t begin, uint32_t end) {
         IeeeFpGuard ieee;  // the sampler's arithmetic needs subnormals on every pool thread
         uint32_t ids[MF_MAX_DRAFTS + 1];  // no allocation on the worker
@@ -118,8 +123,10 @@ void run_verify(const VerifyJob &job) {
             const uint32_t d = mf_verify_drafts(x, k);
             const bool sampled = params && params[r].temperature > 0.0f && params[r].temperature <= 3.4e38f;
             const mf_sampling_params row_params = sampled ? mf_verify_row_params(&params[r], a.advance, r) : mf_sampling_params{};
+            const bool penalised = pen && pen_slots[r] < pen->slot_count;  // NO_TOKEN: no penalties
             uint32_t n = 0;
             for (uint32_t j = 0; j <= d; ++j) {
+                if (penalised) apply_verify_penalties_row(*pen, r, j, pen_slots[r]);
                 const size_t lr = (size_t)r * (k + 1) + j;
                 const mf_row_rule rule{masks[2 * lr], masks[2 * lr + 1], a.bitmask ? a.bitmask + lr * words : nullptr};
                 const Position at{(const char *)a.logits + lr * row_bytes, a.dtype, a.vocab, &rule};
@@ -136,6 +143,7 @@ void run_verify(const VerifyJob &job) {
                 ids[n++] = accepted ? draft : emit;
                 if (!accepted) break;
             }
+            for (uint32_t j = n; penalised && j <= k; ++j) apply_verify_penalties_row(*pen, r, j, pen_slots[r]);
             mf_verify_write_cells(a.cells + (size_t)r * (k + 2), k, ids, n);
             if (!a.logprobs) continue;
             for (uint32_t i = 0; i < k + 1; ++i) {
@@ -150,6 +158,12 @@ void run_verify(const VerifyJob &job) {
             }
         }
     });
+    if (pen) {  // the update, with this verify's cells
+        mf_penalty_args update = *pen;
+        update.drafts = nullptr;
+        update.ids = a.cells;
+        count_penalties(update, pen_slots);
+    }
 }
 
 void run_resolve_verified(const uint32_t *cells, uint32_t rows, uint32_t k, uint32_t *out_ids,

@@ -252,6 +252,7 @@ Ops make_ops() {
     o.verify_logit_params = verify_logit_params;
     o.penalties = penalties;
     o.argmax_penalised = nullptr;  // the kernels' order: apply, pick, update
+    o.verify_penalised = nullptr;  // the kernels' order: apply, verify, update
     o.top_logprobs = top_logprobs;
     o.top_combine = top_combine;
     o.select_decide = select_decide;

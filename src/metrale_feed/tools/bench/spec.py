@@ -71,12 +71,14 @@ def _verify_beside_argmax(rows: int, k: int, vocab: int, repeats: int,
 
 
 def _verify_penalised(rows: int, k: int, vocab: int, repeats: int) -> Dict[str, Any]:
-    """A verify of ``rows * (k + 1)`` float32 logit rows with penalties on every row (the apply
-    that walks each row's drafts, the verify, the update with its cells, then the event sync)
-    against the same verify without. Each side's drafts are its own rule's picks at every
-    position (the penalised ones found position by position, each with the drafts before it), so
-    both decide every position: the most verify work. Every penalised repeat starts from the
-    same logits and counts (copied back untimed), and its cells are checked."""
+    """A verify of ``rows * (k + 1)`` float32 logit rows with penalties on every row, then the
+    event sync, against the same verify without: in the verify's own call
+    (``verify_to_feed(penalties=)``, what the pipeline queues), and as three calls (the apply
+    that walks each row's drafts, the verify, the update with its cells). Each side's drafts are
+    its own rule's picks at every position (the penalised ones found position by position, each
+    with the drafts before it), so both decide every position: the most verify work. Every
+    penalised repeat starts from the same logits and counts (copied back untimed), and its cells
+    are checked."""
     import numpy as np
 
     from ...penalties import PenaltyState
@@ -132,7 +134,12 @@ def _verify_penalised(rows: int, k: int, vocab: int, repeats: int) -> Dict[str, 
                                   dtype="float32")
                 done.synchronize()
 
-            def with_penalties() -> None:
+            def with_penalties() -> None:  # one call
+                mf.verify_to_feed(bufs[1], dpen, vcells, vout, done, k=k, rows=rows, vocab=vocab,
+                                  dtype="float32", penalties=launch)
+                done.synchronize()
+
+            def three_calls() -> None:
                 launch.apply(bufs[1], 0, dpen)
                 mf.verify_to_feed(bufs[1], dpen, vcells, vout, None, k=k, rows=rows, vocab=vocab,
                                   dtype="float32")
@@ -140,17 +147,19 @@ def _verify_penalised(rows: int, k: int, vocab: int, repeats: int) -> Dict[str, 
                 done.record(0)
                 done.synchronize()
 
-            times: Dict[str, List[float]] = {"plain": [], "penalised": []}
-            checked = True
+            times: Dict[str, List[float]] = {"plain": [], "penalised": [], "three_calls": []}
+            checked, counted = True, True
             for _ in range(repeats):  # interleaved
-                restore()
-                times["penalised"].append(_median_ms(with_penalties, 1))
-                cells = np.frombuffer(vout, np.uint32).reshape(rows, k + 2).copy()
-                checked &= bool((cells == want).all())
+                for name, fn in (("penalised", with_penalties), ("three_calls", three_calls)):
+                    restore()
+                    times[name].append(_median_ms(fn, 1))
+                    cells = np.frombuffer(vout, np.uint32).reshape(rows, k + 2).copy()
+                    checked &= bool((cells == want).all())
+                    # the update: the emitted ids
+                    counted &= state.read(0)["generated"] == 1000 + k + 1
                 times["plain"].append(_median_ms(plain, 1))
                 cells = np.frombuffer(vout, np.uint32).reshape(rows, k + 2).copy()
                 checked &= bool((cells[:, 0] == k + 1).all())
-            counted = state.read(0)["generated"] == 1000 + k + 1  # the update: the emitted ids
         finally:
             mf.stream_synchronize()
             for obj in (state, *bufs, *saved):
@@ -158,6 +167,8 @@ def _verify_penalised(rows: int, k: int, vocab: int, repeats: int) -> Dict[str, 
     med = {name: sorted(v)[len(v) // 2] for name, v in times.items()}
     return {"rows": rows, "k": k, "vocab": vocab, "plain_ms": med["plain"],
             "penalised_ms": med["penalised"], "ratio": med["penalised"] / med["plain"],
+            "three_calls_ms": med["three_calls"],
+            "three_calls_ratio": med["three_calls"] / med["plain"],
             "checked": bool(checked and counted), "repeats": repeats}
 
 
@@ -221,7 +232,11 @@ def bench_speculative(quick: bool) -> Dict[str, Any]:
     row("verify with penalties on every row", f"{pv['penalised_ms']:.2f} ms",
          f"without {pv['plain_ms']:.2f} ms", f"{pv['ratio']:.2f}x", "<= 1.2x",
          note=("cells checked" if pv["checked"] else "WRONG CELLS")
-         + "; apply walking the drafts, verify, update with the cells; every position decided")
+         + "; verify_to_feed(penalties=), each row's apply in the verify's pass; every "
+           "position decided")
+    row("  as three calls", f"{pv['three_calls_ms']:.2f} ms", f"without {pv['plain_ms']:.2f} ms",
+         f"{pv['three_calls_ratio']:.2f}x", "",
+         note="apply walking the drafts, verify, update with the cells")
     p = _pipeline_tps(1000 if quick else 32000, 16, 32 if quick else 64, k, 0.8,
                       2 if quick else 3)
     section(f"speculative decoding through the pipeline, reference model ({p['rows']} rows, "
