@@ -647,10 +647,14 @@ class SpeculativeStep:
         extra = {"advance": slot.advance} if advanced else {}
         logits = model.decode_batch_verify(slot.fed, batch.seqs, k, stream, **extra)
         pen, raw = batch.pen, None
-        if pen is not None:  # position j judged with the drafts before it (docs/speculative.md)
+        # Position j judged with the drafts before it (docs/speculative.md): in the verify's own
+        # call, or over a split vocabulary (each rank its slice) as the apply and the update.
+        one = pen is not None and pipe.shard is None
+        if pen is not None:
             if batch.logprobs:  # the raw logits, before the penalties change them
                 raw = pen.snapshot(logits, n_rows * (k + 1), stream)
-            pen.apply(logits, stream, slot.taken)  # the drafts: taken's first n_rows * k words
+            if not one:
+                pen.apply(logits, stream, slot.taken)  # the drafts: taken's first n_rows * k words
         params = batch.params
         if params is not None:
             # Read before verify_to_feed returns, so rewriting it each launch changes no step
@@ -670,12 +674,12 @@ class SpeculativeStep:
                              k=k, masks=batch.vmasks, params=params, rows=n_rows, **lp, vocab=vocab,
                              dtype=pipe.info.logits_dtype, row_stride=self._row_stride,
                              advance=slot.advance if advanced and params is not None else None,
-                             shard=shard, grammar=grammar)
+                             shard=shard, grammar=grammar, penalties=pen.launch if one else None)
         # The verify has picked: its cells hold this step, and a count update made again would
         # count it twice. Anything refused from here on is a failed step, never a retry
         # (docs/pipeline.md, "Faults").
         try:
-            if pen is not None:  # the emitted ids (the cells), never the rejected drafts, counted
+            if pen is not None and not one:  # the emitted ids (the cells), never the rejected drafts
                 pen.update(stream, slot.cells)
             if later:  # every logit row's (submit refuses them over a shard), then the step's event
                 lrows = n_rows * (k + 1)
