@@ -178,6 +178,9 @@ void apply_penalties_row(const mf_penalty_args &args, uint32_t r, uint32_t slot)
 // A verify's penalties (VerifyJob::penalties, args.k > 0): logit row r * (k + 1) + j, walking row
 // r's drafts before position j, on the pool thread that reads it.
 void apply_verify_penalties_row(const mf_penalty_args &args, uint32_t r, uint32_t j, uint32_t slot);
+// Asks for the lines logit row lr's apply will touch (verify_host.cpp: the next row's, while the
+// verify reads this one).
+void prefetch_penalties_row(const mf_penalty_args &args, uint32_t lr, uint32_t slot);
 void count_penalties(const mf_penalty_args &args, const uint32_t *slots);
 
 // The top logprobs of each row, or a slice's top block (top_logprob_host.cpp), and the combine of

@@ -243,6 +243,21 @@ void apply_penalties_row(const mf_penalty_args &args, uint32_t r, uint32_t slot)
     apply_row(args, r, slot, eight_ids());
 }
 
+// Asks for the lines of logit row lr that the slot's biases, stops and table entries touch (the
+// walked drafts' new ids aside: a few), into L2; ids outside the slice are skipped, as the apply
+// skips them.
+void prefetch_penalties_row(const mf_penalty_args &a, uint32_t lr, uint32_t slot) {
+    const mf_penalty_slot s = mf_penalty_clamped(a.state[slot], a.table_cap, a.item_cap);
+    const mf_penalty_item *items = a.items + (size_t)slot * a.item_cap;
+    const mf_penalty_entry *table = a.table + (size_t)slot * a.table_cap;
+    const size_t esize = mf_dtype_size((int)a.dtype);
+    const char *row = static_cast<const char *>(a.logits) + (size_t)lr * a.row_stride * esize;
+    for (uint32_t i = 0; i < s.biases + s.stops; ++i)
+        if (items[i].id - a.start < a.vocab) __builtin_prefetch(row + (size_t)(items[i].id - a.start) * esize, 1, 2);
+    for (uint32_t i = 0; i < s.entries; ++i)
+        if (table[i].id - a.start < a.vocab) __builtin_prefetch(row + (size_t)(table[i].id - a.start) * esize, 1, 2);
+}
+
 void apply_verify_penalties_row(const mf_penalty_args &args, uint32_t r, uint32_t j, uint32_t slot) {
     uint32_t known[MF_MAX_DRAFTS];
     const uint32_t k = args.k, *drafts = args.drafts + (size_t)r * k;

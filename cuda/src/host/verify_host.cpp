@@ -111,10 +111,18 @@ void run_verify(const VerifyJob &job) {
     const mf_sampling_params *params = job.row_params();
     const bool vector = vector_paths();
     // The step's penalties in the same pass (Ops::verify_penalised): each logit row's just before
-    // the verify first reads it, while its lines are still in cache, and those of the positions a
-    // row never reads after its own, so the logits end as mf_penalties_apply leaves them.
+    // the verify first reads it, and those of the positions a row never reads after its own, so
+    // the logits end as mf_penalties_apply leaves them. The ids a row's penalties touch are
+    // scattered over it, a cache miss each: the lines of the next logit row to apply are asked
+    // for right after this one's apply, so they arrive while the verify streams this row.
     const mf_penalty_args *pen = job.penalties ? &job.penalties->args : nullptr;  // NULL: none
     const uint32_t *pen_slots = job.penalties ? job.penalties->slot_words() : nullptr;
+    auto apply = [&](uint32_t r, uint32_t j, uint32_t end) {
+        apply_verify_penalties_row(*pen, r, j, pen_slots[r]);
+        const uint32_t next = j < k ? r : r + 1;  // the next logit row this thread applies
+        if (next < end && pen_slots[next] < pen->slot_count)
+            prefetch_penalties_row(*pen, next * (k + 1) + (j < k ? j + 1 : 0), pen_slots[next]);
+    };
     parallel_rows(a.rows, [&](uint32_t begin, uint32_t end) {
         IeeeFpGuard ieee;  // the sampler's arithmetic needs subnormals on every pool thread
         uint32_t ids[MF_MAX_DRAFTS + 1];  // no allocation on the worker
@@ -126,7 +134,7 @@ void run_verify(const VerifyJob &job) {
             const bool penalised = pen && pen_slots[r] < pen->slot_count;  // NO_TOKEN: no penalties
             uint32_t n = 0;
             for (uint32_t j = 0; j <= d; ++j) {
-                if (penalised) apply_verify_penalties_row(*pen, r, j, pen_slots[r]);
+                if (penalised) apply(r, j, end);
                 const size_t lr = (size_t)r * (k + 1) + j;
                 const mf_row_rule rule{masks[2 * lr], masks[2 * lr + 1], a.bitmask ? a.bitmask + lr * words : nullptr};
                 const Position at{(const char *)a.logits + lr * row_bytes, a.dtype, a.vocab, &rule};
@@ -143,7 +151,7 @@ void run_verify(const VerifyJob &job) {
                 ids[n++] = accepted ? draft : emit;
                 if (!accepted) break;
             }
-            for (uint32_t j = n; penalised && j <= k; ++j) apply_verify_penalties_row(*pen, r, j, pen_slots[r]);
+            for (uint32_t j = n; penalised && j <= k; ++j) apply(r, j, end);
             mf_verify_write_cells(a.cells + (size_t)r * (k + 2), k, ids, n);
             if (!a.logprobs) continue;
             for (uint32_t i = 0; i < k + 1; ++i) {
