@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from metrale_feed import DecodePipeline
+from metrale_feed import NO_TOKEN, DecodePipeline
 from metrale_feed.sched.speculative import NGramDrafter
 
 from conftest import VOCAB, greedy_tokens, model_for, prompts
@@ -79,3 +79,51 @@ def test_requests_are_distinct_by_identity(host, no_leaks):
         assert a != b and len({a, b}) == 2
         pipe.run()
     assert a.tokens == b.tokens == greedy_tokens([1, 2], 2, VOCAB)
+
+
+def _reachable(start, skip):
+    """Every object reachable from ``start`` through ``gc.get_referents``, not entering types,
+    modules, functions or code (their globals reach everything)."""
+    import gc
+    import types
+
+    seen, todo, found = {id(start)}, [start], []
+    opaque = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+              types.CodeType)
+    while todo:
+        obj = todo.pop()
+        found.append(obj)
+        for ref in gc.get_referents(obj):
+            if id(ref) not in seen and not isinstance(ref, opaque) and ref is not skip:
+                seen.add(id(ref))
+                todo.append(ref)
+    return found
+
+
+def test_a_request_holds_no_reference_to_its_pipeline(host, no_leaks):
+    """A request reaches the pipeline's shared counters (``RequestOwner``), never the pipeline:
+    not before it runs, while it runs (its KV view) nor after; and a ban set on it still
+    reaches the next launch and is refused with the pipeline's messages."""
+    with model_for(rows=2) as model, DecodePipeline(model, 2, depth=2) as pipe:
+        req = pipe.submit([1, 2, 3], max_new_tokens=6)
+        assert not any(obj is pipe for obj in _reachable(req, model))
+        pipe.step()
+        assert req._seq is not None
+        assert not any(obj is pipe for obj in _reachable(req, model))
+        with pytest.raises(ValueError, match=f"outside the vocabulary of {VOCAB} ids"):
+            req.ban = (VOCAB, NO_TOKEN)
+        with pytest.raises(TypeError):
+            req.ban = 5
+        banned = greedy_tokens([1, 2, 3], 6, VOCAB)[3]  # what it answers without the ban
+        req.ban = (banned, NO_TOKEN)  # applies from the next launched step (token 2) on
+        pipe.run()
+        assert not any(obj is pipe for obj in _reachable(req, model))
+    assert req.finish_reason == "length" and len(req.tokens) == 6
+    assert banned not in req.tokens[2:]
+
+
+def test_request_py_names_no_pipeline_member():
+    tree = ast.parse((SCHED / "request.py").read_text())
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    attrs = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    assert "DecodePipeline" not in names and "_pipe" not in attrs

@@ -29,7 +29,8 @@ from ..kv import SequenceState
 from ..trait import ModelDeviceFeed
 from .budget import KvBudget
 from .penalized import PipelinePenalties
-from .request import _RUNNING, _UNMASKED_PAIR, Request, RequestStatus, _order_of, _SeqView
+from .request import (_RUNNING, _UNMASKED_PAIR, Request, RequestOwner, RequestStatus, _order_of,
+                      _SeqView)
 from .router import AsyncDeviceIo, SyncDeviceIo, Ticket
 from .debug import _Debug
 from .finishing import Finishing
@@ -196,14 +197,15 @@ class DecodePipeline(Submission, Finishing):
         self._waiting: Deque[Request] = deque()
         self._running: List[Request] = []
         self._inflight: Deque[_Step] = deque()
-        self._launches = 0
+        # What the requests share of the pipeline (the launch count, the masks' flag): they
+        # hold it, not the pipeline.
+        self._owner = RequestOwner(vocab)
         self._orders = 0
         self._boundary: Dict[int, List[Request]] = {}  # launch -> rows that cross a block there
         self._ending: Dict[int, List[Request]] = {}  # launch -> rows whose last step it is
         self._stop_union: FrozenSet[int] = frozenset()
         self._finished: List[Request] = []  # finished since the last step() returned
         self._dirty = True  # the batch changed since the last launch: rebuild rows and sources
-        self._masks_dirty = True
         self._rows: List[Request] = []  # the last launch's rows
         self._seqs: Optional[List[SequenceState]] = None  # and their sequences
         self._lists: Optional[List[List[int]]] = None  # and their token lists
@@ -258,6 +260,24 @@ class DecodePipeline(Submission, Finishing):
                 raise
             self._view = _SpecView
             self._extra_positions = self._spec.reach
+
+    # The launch counter and the masks' flag live in the ``RequestOwner`` its requests hold.
+
+    @property
+    def _launches(self) -> int:
+        return self._owner.launches
+
+    @_launches.setter
+    def _launches(self, value: int) -> None:
+        self._owner.launches = value
+
+    @property
+    def _masks_dirty(self) -> bool:
+        return self._owner.masks_dirty
+
+    @_masks_dirty.setter
+    def _masks_dirty(self, value: bool) -> None:
+        self._owner.masks_dirty = value
 
     def _enqueue(self, req: Request) -> None:
         if self._closed:  # submitted by another thread while close() ran
@@ -765,7 +785,7 @@ class DecodePipeline(Submission, Finishing):
         FeedError
             ``req`` belongs to another pipeline.
         """
-        if not isinstance(req, Request) or req._pipe is not self:
+        if not isinstance(req, Request) or req._owner is not self._owner:
             raise FeedError(f"{req!r} was not submitted to this pipeline")
         self._post(self._abort_now, req)
 
