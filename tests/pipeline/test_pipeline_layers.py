@@ -127,3 +127,37 @@ def test_request_py_names_no_pipeline_member():
     names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
     attrs = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
     assert "DecodePipeline" not in names and "_pipe" not in attrs
+
+
+def _host_members():
+    from metrale_feed.sched.host import StepHost
+
+    declared = set(StepHost.__annotations__)
+    declared |= {name for name, value in vars(StepHost).items() if callable(value)
+                 and not name.startswith("__")}
+    return declared
+
+
+def test_the_speculative_step_uses_only_what_step_host_declares():
+    """``SpeculativeStep`` (and the debug mode and the grammar's words, which take the same
+    host) read of the pipeline only the members ``StepHost`` declares."""
+    declared = _host_members()
+    assert {"_admit", "_fault", "_owner", "budget", "stats"} <= declared
+    used = []
+    for name in ("speculative.py", "debug.py", "grammar.py"):
+        for node in ast.walk(ast.parse((SCHED / name).read_text())):
+            if isinstance(node, ast.Attribute):
+                base = node.value
+                owner = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", None)
+                if owner == "pipe":
+                    used.append((name, node.lineno, node.attr))
+    assert used  # the reader finds them
+    assert [u for u in used if u[2] not in declared] == []
+
+
+def test_the_pipeline_implements_step_host(host, no_leaks):
+    with model_for(rows=2) as model, \
+            DecodePipeline(model, 2, speculative=NGramDrafter(2)) as pipe:
+        missing = [name for name in _host_members() if not hasattr(pipe, name)]
+        assert missing == []
+        assert pipe._spec.pipe is pipe
