@@ -161,3 +161,33 @@ def test_the_extension_imports_nothing_above_it():
             if _CYTHON_UP.search(line):
                 up.append(f"{path.name}:{number}: {line.strip()}")
     assert up == []
+
+
+def _imported_under(parent, stderr):
+    """The modules ``-X importtime`` shows imported while ``parent`` was (its nested lines)."""
+    lines = [m for m in re.finditer(r"import time:\s*\d+\s*\|\s*\d+\s*\|( *)(\S+)", stderr)]
+    for at, m in enumerate(lines):
+        if m.group(2) == parent:
+            depth, out = len(m.group(1)), []
+            for prev in reversed(lines[:at]):  # children are printed before their parent
+                if len(prev.group(1)) <= depth:
+                    break
+                out.append(prev.group(2))
+            return out
+    raise AssertionError(f"{parent} is not in the -X importtime output:\n{stderr}")
+
+
+def test_the_extensions_init_imports_only_what_it_needs():
+    """The hot import stays light (``metrale-feed bench``'s import row times it): the
+    extension's init loads no ``collections.abc`` (Cython's typed memoryviews would), no
+    ``collections``, ``weakref``, ``typing`` or numpy."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-X", "importtime", "-c", "import metrale_feed"],
+                          capture_output=True, text=True, timeout=120, check=True)
+    under = _imported_under("metrale_feed._core", done.stderr)
+    assert "metrale_feed.errors" in under  # the reader finds its children
+    heavy = {"collections", "collections.abc", "weakref", "typing", "numpy"}
+    assert sorted(heavy.intersection(under)) == []
+    assert _imported_under("b", "import time: 5 | 5 |   a\nimport time: 9 | 14 | b\n") == ["a"]
