@@ -488,11 +488,9 @@ class DecodePipeline(Submission, Admission, Finishing):
             return None
         import numpy as np
 
-        from ..sampling import SAMPLING_PARAMS_DTYPE
+        from ..sampling import step_records
 
-        params = np.zeros(len(rows), SAMPLING_PARAMS_DTYPE)
-        for field in ("temperature", "top_k", "top_p", "min_p", "seed"):
-            params[field] = [getattr(r, field) for r in rows]
+        params = step_records([r.params for r in rows])
         self._positions = np.array([r._pos0 for r in rows], np.int64)
         return params
 

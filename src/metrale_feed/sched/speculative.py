@@ -433,13 +433,9 @@ class _Batch:
         self.seeds = [r.seed for r in rows]
         self.params: Any = None
         if any(r.temperature > 0.0 for r in rows):
-            import numpy as np
+            from ..sampling import step_records
 
-            from ..sampling import SAMPLING_PARAMS_DTYPE
-
-            self.params = np.zeros(len(rows), SAMPLING_PARAMS_DTYPE)
-            for field in ("temperature", "top_k", "top_p", "min_p", "seed"):
-                self.params[field] = [getattr(r, field) for r in rows]
+            self.params = step_records([r.params for r in rows])
         self.identity = list(range(len(rows)))
         self.feeds = [FeedSource.feed(i) for i in self.identity]
         self.logprobs = any(r.logprobs is not None for r in rows)  # the verify writes them all
