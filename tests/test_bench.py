@@ -51,8 +51,8 @@ def test_machine(record):
 def test_import_time(record):
     r = record["import"]
     assert positive(r["metrale_feed_us"]) and positive(r["numpy_us"]) and positive(r["ratio"])
-    assert isinstance(r["imports_numpy"], bool)
-    assert r["runs"] == 3
+    assert isinstance(r["imports_numpy"], bool) and isinstance(r["editable"], bool)
+    assert r["runs"] == 3 and r["target_us"] == 5_000
 
 
 def test_per_call_costs(record):

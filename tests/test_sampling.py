@@ -293,3 +293,22 @@ def test_vector_helpers_are_the_scalar_rule_bit_for_bit(tmp_path):
     if done.returncode == 77:
         pytest.skip("this CPU has no AVX2")
     assert done.returncode == 0 and "mismatches 0" in done.stdout, done.stdout + done.stderr
+
+
+def test_step_records_build_each_rows_record_from_its_params():
+    """The one batch builder (plain and speculative steps) against records made field by field
+    with ``sampling_params``; ``position`` is left 0 for the scheduler."""
+    from metrale_feed.params import SAMPLING_FIELDS
+    from metrale_feed.sampling import ROW_FIELDS, sampling_params, step_records
+
+    assert set(ROW_FIELDS) == {"temperature", "top_k", "top_p", "min_p", "seed"}
+    assert set(ROW_FIELDS) <= set(SAMPLING_FIELDS)
+    rows = [mf.SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=11),
+            mf.SamplingParams(),
+            mf.SamplingParams(temperature=2.0, seed=2**63 - 1, repetition_penalty=1.2)]
+    want = sampling_params(3, temperature=[0.7, 0.0, 2.0], top_k=[5, 0, 0],
+                           top_p=[0.9, 1.0, 1.0], min_p=[0.05, 0.0, 0.0],
+                           seed=[11, 0, 2**63 - 1], position=0)
+    got = step_records(rows)
+    assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    assert step_records([]).shape == (0,)

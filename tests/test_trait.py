@@ -94,3 +94,32 @@ def test_runtime_mixin_implements_the_runtime_half(host, no_leaks):
     model.free_host_pinned(ptr, 16)
     dev.close()
     model.close_device_feed()
+
+
+def test_device_token_feed_is_the_traits_methods_written_once():
+    """``contract.DeviceTokenFeed`` is read from the trait: the methods written in trait.py's
+    ``ModelDeviceFeed`` (read here from the source), no more, no fewer; a duck-typed model with
+    all of them passes, one without any of them is refused naming it."""
+    import ast
+    import pathlib
+
+    from metrale_feed import contract, trait
+
+    tree = ast.parse(pathlib.Path(trait.__file__).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ModelDeviceFeed")
+    written = sorted(f.name for f in cls.body if isinstance(f, ast.FunctionDef)
+                     and not f.name.startswith("_"))
+    assert len(written) >= 14 and "copy_d2h_async" in written
+    assert list(contract._methods(contract.DeviceTokenFeed)) == written
+
+    class Duck:
+        pass
+
+    for name in written:
+        setattr(Duck, name, lambda self, *a, **k: None)
+    assert isinstance(Duck(), contract.DeviceTokenFeed)
+    for gone in (written[0], written[-1]):
+        partial = type("Partial", (), {n: getattr(Duck, n) for n in written if n != gone})
+        assert not isinstance(partial(), contract.DeviceTokenFeed)
+        with pytest.raises(TypeError, match=rf"needs a model with {gone}\(\) \(DeviceTokenFeed\)"):
+            contract.require(partial(), "a test", contract.DeviceTokenFeed)

@@ -4,9 +4,10 @@
 copies and the kernel launchers, on whichever backend is active."""
 
 cimport cython
+from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.exc cimport PyErr_CheckSignals
-from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES,
-                             PyBUF_WRITABLE, PyBuffer_Release, PyObject_CheckBuffer,
+from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_ND, PyBUF_SIMPLE,
+                             PyBUF_STRIDES, PyBUF_WRITABLE, PyBuffer_Release, PyObject_CheckBuffer,
                              PyObject_GetBuffer)
 from cpython.long cimport PyLong_Check, PyLong_CheckExact
 from cpython.pycapsule cimport PyCapsule_Destructor, PyCapsule_New

@@ -23,20 +23,30 @@ def _sampling_plan(params, rows=None):
     -------
     bytes
     """
-    cdef const unsigned char[::1] raw = memoryview(params).cast("B")
+    # A buffer of bytes through the buffer protocol, not a typed memoryview: those bring
+    # Cython's memoryview type, whose set-up imports collections.abc at every import of _core.
+    cdef Py_buffer raw
+    PyObject_GetBuffer(memoryview(params).cast("B"), &raw, PyBUF_SIMPLE)
+    cdef const unsigned char *data = <const unsigned char *> raw.buf
     cdef Py_ssize_t size = sizeof(mf_sampling_params)
-    cdef Py_ssize_t n = raw.shape[0] // size if rows is None else rows
-    if n < 0 or n * size > raw.shape[0]:
-        raise ValueError(f"params hold {raw.shape[0] // size} records, fewer than {rows}")
-    out = bytearray(n)
-    cdef unsigned char[::1] flags = out
+    cdef Py_ssize_t n
     cdef mf_sampling_params record
     cdef mf_sample_plan plan
     cdef Py_ssize_t r
-    for r in range(n):
-        memcpy(&record, &raw[r * size], size)  # records of a view may be unaligned
-        plan = mf_plan_sampling(&record)
-        if not plan.greedy:
-            flags[r] = (_PLAN_SAMPLED | (_PLAN_TOP_K if plan.top_k != 0 else 0)
-                        | (_PLAN_TOP_P if plan.use_top_p else 0) | (_PLAN_MIN_P if plan.use_min_p else 0))
+    cdef unsigned char *flags
+    try:
+        n = raw.len // size if rows is None else rows
+        if n < 0 or n * size > raw.len:
+            raise ValueError(f"params hold {raw.len // size} records, fewer than {rows}")
+        out = bytearray(n)
+        flags = <unsigned char *> PyByteArray_AS_STRING(out)
+        for r in range(n):
+            memcpy(&record, data + r * size, size)  # records of a view may be unaligned
+            plan = mf_plan_sampling(&record)
+            if not plan.greedy:
+                flags[r] = (_PLAN_SAMPLED | (_PLAN_TOP_K if plan.top_k != 0 else 0)
+                            | (_PLAN_TOP_P if plan.use_top_p else 0)
+                            | (_PLAN_MIN_P if plan.use_min_p else 0))
+    finally:
+        PyBuffer_Release(&raw)
     return bytes(out)

@@ -8,8 +8,8 @@ its KV configuration). ``require`` refuses, at that construction, a model that l
 caller needs, naming it.
 
 =======================  ==============================================================
-``DeviceTokenFeed``      ``decode_batch_fed``, ``argmax_batch_to_feed``, the events and the
-                         pinned memory of the readback ring (the whole trait)
+``DeviceTokenFeed``      every method of the trait (``ModelDeviceFeed``): ``decode_batch_fed``,
+                         the feed methods, the events and the readback ring's pinned memory
 ``HostTokenDecode``      ``decode_batch(tokens, seqs, stream)``: a step whose inputs the host
                          knows; it pushes each id and advances ``seq_len``
 ``Prefill``              ``prefill(seq, ids, stream)``
@@ -34,9 +34,11 @@ trait's ``sample_batch_to_feed`` draws nothing and its feed methods are older th
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import (TYPE_CHECKING, Any, NamedTuple, Optional, Protocol, Sequence, Tuple,
+                    runtime_checkable)
 
 from .kv import BlockPool, SequenceState
+from .trait import ModelDeviceFeed
 
 __all__ = ["FeedInfo", "DeviceTokenFeed", "HostTokenDecode", "Prefill", "BatchPrefill",
            "DescribesFeed", "DefersForward", "VerifyStep", "ReservesAhead", "require", "feed_info_of"]
@@ -110,26 +112,21 @@ class FeedInfo(NamedTuple):
     grammar: bool = False
 
 
-@runtime_checkable
-class DeviceTokenFeed(Protocol):
-    """A model that decodes with its input ids read on the device (the trait's methods)."""
+def _trait_protocol() -> Any:
+    """``DeviceTokenFeed``: the public methods of the trait (``ModelDeviceFeed``, trait.py, the
+    one place they are written), as a runtime-checkable Protocol."""
+    members = {name: value for name, value in vars(ModelDeviceFeed).items()
+               if callable(value) and not name.startswith("_")}
+    members.update(__module__=__name__, __qualname__="DeviceTokenFeed", __doc__=(
+        "A model that decodes with its input ids read on the device: every method of the trait "
+        "(``ModelDeviceFeed``), whose subclasses have them all."))
+    return runtime_checkable(type("DeviceTokenFeed", (Protocol,), members))
 
-    def supports_device_token_feed(self) -> bool: ...
-    def decode_batch_fed(self, sources: Sequence[int], seqs: Sequence[SequenceState],
-                         stream: Any) -> int: ...
-    def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any,
-                             stream: Any) -> None: ...
-    def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
-                             stream: Any) -> None: ...
-    def reserve_decode_block(self, seq: SequenceState) -> int: ...
-    def release_decode_blocks(self, seq: SequenceState, blocks: int) -> None: ...
-    def fed_step_settled(self) -> None: ...
-    def event_query(self, event: Any) -> bool: ...
-    def event_synchronize(self, event: Any) -> None: ...
-    def create_event(self) -> Any: ...
-    def destroy_event(self, event: Any) -> None: ...
-    def alloc_host_pinned(self, nbytes: int) -> int: ...
-    def free_host_pinned(self, ptr: int, nbytes: int) -> None: ...
+
+if TYPE_CHECKING:  # a type checker reads the trait itself
+    DeviceTokenFeed = ModelDeviceFeed
+else:
+    DeviceTokenFeed = _trait_protocol()
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _core
 
-__all__ = ["SAMPLING_PARAMS_DTYPE", "sampling_params"]
+__all__ = ["SAMPLING_PARAMS_DTYPE", "sampling_params", "step_records", "ROW_FIELDS"]
 
 def _dtype_of_layout() -> np.dtype:
     fields, size = _core._SAMPLING_PARAMS_LAYOUT  # the C struct's own offsets and size
@@ -22,6 +22,39 @@ def _dtype_of_layout() -> np.dtype:
 
 #: One row's ``mf_sampling_params`` record, as feed.h lays it out.
 SAMPLING_PARAMS_DTYPE = _dtype_of_layout()
+
+#: The record's per-request fields: every field but ``position`` (which the scheduler sets at
+#: each launch) and the padding (``_``-named) is the ``SamplingParams`` attribute of the same name. Read from the layout, so
+#: a field added to ``mf_sampling_params`` (and to ``SamplingParams``) reaches every step.
+ROW_FIELDS = tuple(name for name in SAMPLING_PARAMS_DTYPE.names
+                   if name != "position" and not name.startswith("_"))
+
+
+def step_records(params: Any) -> np.ndarray:
+    """The one batch builder of a step's records, for plain and speculative steps alike: a
+    ``SAMPLING_PARAMS_DTYPE`` record per row from each row's ``SamplingParams`` (checked when it
+    was made), ``position`` 0 (the scheduler sets it per launch).
+
+    Parameters
+    ----------
+    params : sequence of SamplingParams
+        One a row, in row order.
+
+    Returns
+    -------
+    numpy.ndarray
+
+    Examples
+    --------
+    >>> import metrale_feed as mf
+    >>> rows = step_records([mf.SamplingParams(temperature=0.5, top_k=4), mf.SamplingParams()])
+    >>> rows["temperature"].tolist(), rows["top_k"].tolist()
+    ([0.5, 0.0], [4, 0])
+    """
+    out = np.zeros(len(params), SAMPLING_PARAMS_DTYPE)
+    for name in ROW_FIELDS:
+        out[name] = [getattr(p, name) for p in params]
+    return out
 
 
 def sampling_params(rows: int, *, temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0,

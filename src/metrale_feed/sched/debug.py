@@ -12,7 +12,7 @@ from ..feed import NO_TOKEN, FeedSource
 from .lifecycle import close_each
 
 if TYPE_CHECKING:
-    from .pipeline import DecodePipeline, _Step
+    from .host import StepHost
 
 
 class _Debug:
@@ -23,7 +23,7 @@ class _Debug:
     ``FeedError`` before any of its ids is committed. No wait is added: the readback completes
     with the step's own event."""
 
-    def __init__(self, pipe: DecodePipeline) -> None:
+    def __init__(self, pipe: "StepHost") -> None:
         self.pipe = pipe
         rows = pipe.max_rows
         cells = getattr(pipe.model, "feed_cells", None)
@@ -53,7 +53,7 @@ class _Debug:
         _core.copy_d2d_async(self.cells.ptr + rows * 4, self.poison, (self.capacity - rows) * 4,
                              self.pipe.stream)
 
-    def check(self, step: _Step, prev_ids: List[int]) -> None:
+    def check(self, step: Any, prev_ids: List[int]) -> None:
         if step.debug_slot < 0:
             return
         rows = len(step.rows)

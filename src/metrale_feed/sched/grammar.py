@@ -24,7 +24,7 @@ from ..grammar.automaton import DEAD, EDGE_DTYPE, FINAL, STATE_DTYPE, TokenAutom
 from .lifecycle import close_each
 
 if TYPE_CHECKING:
-    from .pipeline import DecodePipeline
+    from .host import StepHost
     from .request import Request
 
 __all__ = ["PipelineGrammar", "walk"]
@@ -43,7 +43,7 @@ class PipelineGrammar:
     flight has advanced them before they are read.
     """
 
-    def __init__(self, pipe: "DecodePipeline", k: int) -> None:
+    def __init__(self, pipe: "StepHost", k: int) -> None:
         self.stream = pipe.stream
         self.vocab = pipe.vocab
         self.free_word = pipe.max_rows  # the NO_TOKEN word of each buffer

@@ -7,7 +7,7 @@ of it; the launch numbers kept here are what the pipeline derives positions and 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from .. import _checks
 from ..errors import FeedError
@@ -15,10 +15,7 @@ from ..feed import NO_TOKEN, RowMask
 from ..kv import SequenceState
 from ..params import SamplingParams
 
-if TYPE_CHECKING:
-    from .pipeline import DecodePipeline
-
-__all__ = ["Request", "RequestStatus"]
+__all__ = ["Request", "RequestStatus", "RequestOwner"]
 
 _UNMASKED_PAIR = (NO_TOKEN, NO_TOKEN)
 _GREEDY = SamplingParams()  # the argmax, no penalties, no logprobs
@@ -74,6 +71,61 @@ def _order_of(req: "Request") -> int:
     return req._order
 
 
+class RequestOwner:
+    """All a request shares with the pipeline that owns it, in place of the pipeline itself:
+    the vocabulary its ``ban`` is checked against, how many steps were launched (a running
+    request's ``seq_len`` is derived from it) and the flag a new ban raises so the next launch
+    gathers the rows' masks again. The pipeline makes one, is the one writer of ``launches``
+    and clears ``masks_dirty``; its requests read it and set ``masks_dirty``, nothing more, so
+    a request never reaches up into the pipeline.
+
+    Parameters
+    ----------
+    vocab : int
+        The pipeline's vocabulary.
+    """
+
+    __slots__ = ("vocab", "launches", "masks_dirty")
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.launches = 0  # launch numbers given out so far
+        self.masks_dirty = True  # a row's mask changed since the last launch gathered them
+
+
+def check_ban(ban: Any, vocab: int) -> Optional[RowMask]:
+    """A ban (``submit(ban=)`` or ``Request.ban``) as a ``RowMask``, or None; TypeError or
+    ValueError for anything that is not a pair of ids of the vocabulary (``NO_TOKEN`` where
+    unused) or that leaves the argmax no candidate."""
+    if ban is None:
+        return None
+    a, b = ban  # a pair; anything else is a TypeError or ValueError here
+    pair = [_checks.integer(a, "ban id"), _checks.integer(b, "ban id")]
+    for token in pair:
+        if token != NO_TOKEN and not 0 <= token < vocab:
+            raise ValueError(f"ban id {token} is outside the vocabulary of {vocab} ids")
+    if vocab <= 2 and set(range(vocab)) <= set(pair):
+        # The argmax would answer NO_TOKEN: a placeholder must never become an input id.
+        raise ValueError(f"the ban {pair} leaves no candidate in a vocabulary of {vocab}")
+    return RowMask(pair[0], pair[1])
+
+
+def refuse_no_candidate(mask: Optional[RowMask], stops: FrozenSet[int], min_tokens: int,
+                        vocab: int) -> None:
+    """Refuse a request (or a ban set on one) that leaves no id a row may pick while
+    ``min_tokens`` bans its stop ids: a sampled row would draw ``NO_TOKEN`` and a greedy one
+    a stop id at ``-inf``, never a token it may commit (ValueError)."""
+    if not min_tokens or len(stops) + 2 < vocab:
+        return
+    banned = set(stops)
+    if mask is not None:
+        banned.update(t for t in mask if t != NO_TOKEN)
+    if len(banned) >= vocab:
+        raise ValueError(f"min_tokens={min_tokens} bans the stop ids {sorted(stops)}, which "
+                         f"with the ban {None if mask is None else list(mask)} leave no id "
+                         f"of the vocabulary of {vocab} to pick before it")
+
+
 class Request:
     """One submitted request. ``tokens`` holds its committed generated ids only.
 
@@ -81,8 +133,8 @@ class Request:
 
     Parameters
     ----------
-    pipe : DecodePipeline
-        The pipeline that owns it.
+    owner : RequestOwner
+        What it shares with the pipeline that owns it (it holds no reference to the pipeline).
     prompt : tuple of int
     max_new_tokens : int
     stop_ids : frozenset of int
@@ -152,11 +204,11 @@ class Request:
     <RequestStatus.FINISHED_LENGTH: 'length'>
     """
 
-    __slots__ = ("prompt", "tokens", "max_new_tokens", "stop_ids", "status", "error", "_ban", "_mask", "_pipe", "_seq", "_join", "_last", "_base", "_order", "_bound",
+    __slots__ = ("prompt", "tokens", "max_new_tokens", "stop_ids", "status", "error", "_ban", "_mask", "_owner", "_seq", "_join", "_last", "_base", "_order", "_bound",
                  "_pos0", "params", "temperature", "top_k", "top_p", "min_p", "seed", "_pen",
                  "_pslot", "logprobs", "top_logprobs", "_top_n", "_grammar", "_gstate")
 
-    def __init__(self, pipe: "DecodePipeline", prompt: Tuple[int, ...], max_new_tokens: int,
+    def __init__(self, owner: RequestOwner, prompt: Tuple[int, ...], max_new_tokens: int,
                  stop_ids: FrozenSet[int], ban: Optional[RowMask], order: int = 0,
                  params: SamplingParams = _GREEDY) -> None:
         self.prompt = prompt
@@ -167,7 +219,7 @@ class Request:
         self.error: Optional[str] = None
         self._ban = ban
         self._mask = ban if ban is not None else _UNMASKED_PAIR
-        self._pipe = pipe
+        self._owner = owner
         # What ``status`` says is not repeated here: a request has a view (``_seq``) exactly
         # while it is RUNNING (and during its prefill), and the launch numbers below are set
         # when it joins and read only while it runs. -1 is "no such launch".
@@ -244,12 +296,13 @@ class Request:
 
     @ban.setter
     def ban(self, value: Any) -> None:
-        ban = self._pipe._check_ban(value)
+        owner = self._owner
+        ban = check_ban(value, owner.vocab)
         if len(self.tokens) < self.min_tokens:  # (with a step in flight it may be over already)
-            self._pipe._refuse_no_candidate(ban, self.stop_ids, self.min_tokens)
+            refuse_no_candidate(ban, self.stop_ids, self.min_tokens, owner.vocab)
         self._ban = ban
         self._mask = ban if ban is not None else _UNMASKED_PAIR
-        self._pipe._masks_dirty = True
+        owner.masks_dirty = True
 
     @property
     def position(self) -> int:
@@ -347,7 +400,7 @@ class _SeqView(_RequestView):
         status = req.status
         if status is not _RUNNING and (status is _WAITING or status is _PREEMPTED):
             return req._base  # being prefilled
-        launched = req._pipe._launches
+        launched = req._owner.launches
         if launched > req._last:
             launched = req._last + 1
         written = req._base + launched - req._join

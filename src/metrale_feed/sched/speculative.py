@@ -27,7 +27,7 @@ from .lifecycle import close_each
 from .request import _RUNNING, _RequestView
 
 if TYPE_CHECKING:
-    from .pipeline import DecodePipeline
+    from .host import StepHost
     from .request import Request
 
 __all__ = ["DraftBatch", "Drafter", "HostDrafter", "NGramDrafter", "SpeculativeStep", "check_drafter"]
@@ -433,13 +433,9 @@ class _Batch:
         self.seeds = [r.seed for r in rows]
         self.params: Any = None
         if any(r.temperature > 0.0 for r in rows):
-            import numpy as np
+            from ..sampling import step_records
 
-            from ..sampling import SAMPLING_PARAMS_DTYPE
-
-            self.params = np.zeros(len(rows), SAMPLING_PARAMS_DTYPE)
-            for field in ("temperature", "top_k", "top_p", "min_p", "seed"):
-                self.params[field] = [getattr(r, field) for r in rows]
+            self.params = step_records([r.params for r in rows])
         self.identity = list(range(len(rows)))
         self.feeds = [FeedSource.feed(i) for i in self.identity]
         self.logprobs = any(r.logprobs is not None for r in rows)  # the verify writes them all
@@ -472,11 +468,12 @@ class SpeculativeStep:
 
     Parameters
     ----------
-    pipe : DecodePipeline
+    pipe : StepHost
+        The pipeline it runs in, through the members ``StepHost`` declares.
     drafter : Drafter
     """
 
-    def __init__(self, pipe: "DecodePipeline", drafter: Any) -> None:
+    def __init__(self, pipe: "StepHost", drafter: Any) -> None:
         k = check_drafter(drafter)
         model: Any = pipe.model
         require(model, "speculative decoding", VerifyStep, ReservesAhead)
@@ -485,7 +482,7 @@ class SpeculativeStep:
                             f"advance=) (positions advanced on the device); "
                             f"{type(model).__name__}'s has no advance (its feed_info() says "
                             f"verify_advance=False): use depth=1")
-        if pipe._block_size is None or pipe._pool is None:
+        if not pipe.info.block_size or pipe.info.pool is None:
             raise TypeError("speculative decoding needs a model with block_size and pool (a "
                             "BlockPool): the pipeline reserves the k + 1 positions itself")
         rows = pipe.max_rows
@@ -571,12 +568,13 @@ class SpeculativeStep:
             return self._launch()
         except DeviceError as exc:
             self._drop_all()
-            self.pipe._fault(self.pipe._launches, 0, exc)
+            self.pipe._fault(self.pipe._owner.launches, 0, exc)
             raise
 
     def _launch(self) -> bool:
         pipe, k = self.pipe, self.k
-        launch = pipe._launches
+        owner = pipe._owner  # the launch count and the masks' flag
+        launch = owner.launches
         if pipe._waiting and len(pipe._running) < pipe.max_rows:
             pipe._admit(launch)
         prev = self.inflight[-1] if self.inflight else None
@@ -592,11 +590,11 @@ class SpeculativeStep:
         slot = self.slots[self.next_slot]
         n_rows, stream = len(rows), pipe.stream
         batch = self._batch
-        if batch is None or pipe._masks_dirty or batch.rows != rows:
+        if batch is None or owner.masks_dirty or batch.rows != rows:
             batch = _Batch(rows, k)
             batch.pen = pipe._penalties(rows)  # slots for the rows that joined
             self._batch = batch
-            pipe._masks_dirty = False
+            owner.masks_dirty = False
         # The buffers of the step's logprobs, made before anything of it is queued: a refused
         # allocation is retried by the next step() with nothing of this one run.
         if batch.top_n:
@@ -703,7 +701,7 @@ class SpeculativeStep:
             raise _ran_in_part("what follows its verify (the counts, logprobs, next inputs)",
                                exc) from exc
         self.next_slot = (self.next_slot + 1) % len(self.slots)
-        pipe._launches = launch + 1
+        owner.launches = launch + 1
         self.launches += 1
         if self.inflight:
             self.ahead_launches += 1

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict
-
-
-if TYPE_CHECKING:
-    from .pipeline import DecodePipeline
+from typing import Any, Dict
 
 
 class PipelineStats:
@@ -22,7 +18,9 @@ class PipelineStats:
     _OWN = ("steps", "rows_discarded", "preemptions", "admitted", "finished", "drafted",
             "accepted", "emitted", "spec_discarded", "spec_blocks_returned")
 
-    def __init__(self, pipe: "DecodePipeline") -> None:
+    def __init__(self, pipe: Any) -> None:
+        # The DecodePipeline whose router (``io``), speculative step (``_spec``) and model it
+        # reads; typed loosely so this module stays below the pipeline's.
         self._pipe = pipe
         self.steps = 0
         self.rows_discarded = 0

@@ -9,10 +9,10 @@ from typing import Any, Dict, FrozenSet, Iterable, Optional, Tuple
 
 from .. import _checks
 from ..errors import FeedError
-from ..feed import NO_TOKEN, RowMask
+from ..feed import RowMask
 from .penalized import PipelinePenalties
 from ..params import SAMPLING_FIELDS, SamplingParams
-from .request import Request
+from .request import Request, check_ban, refuse_no_candidate
 
 
 class Submission:
@@ -27,32 +27,11 @@ class Submission:
         return token
 
     def _check_ban(self, ban: Any) -> Optional[RowMask]:
-        if ban is None:
-            return None
-        a, b = ban  # a pair; anything else is a TypeError or ValueError here
-        pair = [_checks.integer(a, "ban id"), _checks.integer(b, "ban id")]
-        for token in pair:
-            if token != NO_TOKEN:
-                self._token(token, "ban id")
-        if self.vocab <= 2 and set(range(self.vocab)) <= set(pair):
-            # The argmax would answer NO_TOKEN: a placeholder must never become an input id.
-            raise ValueError(f"the ban {pair} leaves no candidate in a vocabulary of {self.vocab}")
-        return RowMask(pair[0], pair[1])
+        return check_ban(ban, self.vocab)
 
     def _refuse_no_candidate(self, mask: Optional[RowMask], stops: FrozenSet[int],
                              min_tokens: int) -> None:
-        """Refuse a request (or a ban set on one) that leaves no id a row may pick while
-        ``min_tokens`` bans its stop ids: a sampled row would draw ``NO_TOKEN`` and a greedy one
-        a stop id at ``-inf``, never a token it may commit."""
-        if not min_tokens or len(stops) + 2 < self.vocab:
-            return
-        banned = set(stops)
-        if mask is not None:
-            banned.update(t for t in mask if t != NO_TOKEN)
-        if len(banned) >= self.vocab:
-            raise ValueError(f"min_tokens={min_tokens} bans the stop ids {sorted(stops)}, which "
-                             f"with the ban {None if mask is None else list(mask)} leave no id "
-                             f"of the vocabulary of {self.vocab} to pick before it")
+        refuse_no_candidate(mask, stops, min_tokens, self.vocab)
 
     def submit(self, prompt_ids: Iterable[int], params: Optional[SamplingParams] = None, *,
                max_new_tokens: int, stop_ids: Iterable[int] = (), ban: Any = None,
@@ -184,7 +163,7 @@ class Submission:
         if params.penalised:
             self._refuse_no_candidate(mask, stops, params.min_tokens)
         self._refuse_unrunnable(prompt, max_new, stops, sampling, pen, lp)
-        req = Request(self, prompt, max_new, stops, mask, 0, params)
+        req = Request(self._owner, prompt, max_new, stops, mask, 0, params)
         req._grammar = automaton
         self._post(self._enqueue, req)
         return req

@@ -18,6 +18,7 @@ from .. import _checks, _core
 from ..errors import FeedError
 from ..sampling import SAMPLING_PARAMS_DTYPE
 from . import ops
+from .call_args import _device_params, _precheck_host
 
 # The high word of a verify call's header word: this bit and k. A rank that runs the plain argmax
 # over the same logit rows, or another k, then carries another word, which the combine refuses on
@@ -60,7 +61,6 @@ def _index(value: Any, what: str) -> int:
 def _params(params: Any, draft_probs: Any, advance: Any, rows: int) -> bool:
     """What a split verify takes at all: one-hot drafts, params (host or device; True: device)
     and a device ``advance`` with params."""
-    from .shard import _device_params
 
     if draft_probs is not None:
         raise FeedError("a sharded verify_to_feed takes one-hot drafts (draft_probs is not built "
@@ -83,7 +83,6 @@ def _device_words(buf: Any, words: int, what: str, ids: bool = True) -> None:
     """Device memory of at least ``words`` 4-byte words (uint32 or int32 elements when ``ids``),
     as the unsharded call takes it, checked where its size or type is known here: a DeviceBuffer,
     an int pointer into this package's allocations, or a tensor."""
-    from .shard import _device_params
 
     if not _device_params(buf):
         raise TypeError(f"{what} must be device memory (read when the call runs), not "
@@ -138,7 +137,6 @@ def logit_row_params(params: np.ndarray, rows: int, k: int) -> np.ndarray:
 
 def _host_drafts(drafts: Any, vocab: int) -> np.ndarray | None:
     """Host drafts as uint32, checked as the unsharded call checks them; None for device ones."""
-    from .shard import _device_params
 
     if _device_params(drafts):  # the rule sample_to_feed's params follow: read when it runs
         return None
@@ -158,7 +156,6 @@ def _host_drafts(drafts: Any, vocab: int) -> np.ndarray | None:
 def check(shard: Any, logits: Any, drafts: Any, cells: Any, dst: Any, k: Any, params: Any,
           draft_probs: Any, logprobs: Any, logprobs_dst: Any, rows: Any, advance: Any = None) -> VerifyCall:
     """Every check of a sharded verify, before anything is queued."""
-    from .shard import _precheck_host
 
     k = _index(k, "k")
     if not 1 <= k <= _core.MAX_DRAFTS:

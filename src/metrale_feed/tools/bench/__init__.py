@@ -106,7 +106,7 @@ def main(args: Any) -> int:
     print(f"metrale-feed bench{' --quick' if args.quick else ''}: host backend, "
           f"{info['cpu_count']} CPUs, numpy {info['numpy']}, Python {info['python']}")
     record: Dict[str, Any] = {"machine": info, "quick": bool(args.quick)}
-    record["import"] = bench_import(3 if args.quick else 5)
+    record["import"] = bench_import(3 if args.quick else 7)
     record["calls"] = bench_calls(args.quick)
     record["cimport"] = bench_cimport(args.quick)
     record.update(bench_argmax(args.quick))

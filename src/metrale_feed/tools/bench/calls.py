@@ -36,18 +36,22 @@ def _import_run(module: str) -> Dict[str, Any]:
 
 def bench_import(runs: int) -> Dict[str, Any]:
     _import_run("metrale_feed")  # a warm-up: the first interpreter may still write .pyc files
-    ours, numpy_us, pulled_numpy = [], [], False
+    ours, numpy_us, pulled_numpy, editable = [], [], False, False
     for _ in range(runs):  # interleaved pairs
         run = _import_run("metrale_feed")
         ours.append(run["us"])
         pulled_numpy |= any(n.split(".")[0] == "numpy" for n in run["modules"])
+        # An editable install's finder (loaded at start-up) adds its own imports to the
+        # package's: the figure the target is for is an installed wheel's.
+        editable |= any(n.startswith("_editable") for n in run["modules"])
         numpy_us.append(_import_run("numpy")["us"])
     r = {"metrale_feed_us": statistics.median(ours), "numpy_us": statistics.median(numpy_us),
-         "imports_numpy": pulled_numpy, "runs": runs, "target_us": 10_000}
+         "imports_numpy": pulled_numpy, "editable": editable, "runs": runs, "target_us": 5_000}
     r["ratio"] = r["metrale_feed_us"] / r["numpy_us"]
-    section(f"import time (median of {runs} fresh interpreters, -X importtime cumulative)")
+    section(f"import time (median of {runs} fresh interpreters, -X importtime cumulative"
+            + (", an editable install: its finder adds to it)" if editable else ")"))
     row("import metrale_feed", f"{r['metrale_feed_us'] / 1e3:.2f} ms",
-         f"import numpy {r['numpy_us'] / 1e3:.2f} ms", f"{r['ratio']:.2f}x", "< 10 ms")
+         f"import numpy {r['numpy_us'] / 1e3:.2f} ms", f"{r['ratio']:.2f}x", "< 5 ms")
     row("it imports numpy", "yes" if pulled_numpy else "no", "", "", "no")
     return r
 
