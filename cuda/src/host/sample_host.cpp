@@ -718,14 +718,16 @@ MF_AVX2 uint64_t seed_floor(const RowView &v, uint32_t k) {
     return ((uint64_t)((uint32_t)lowest ^ 0x80000000u) << 32) - 1u;  // keeps that key's words
 }
 
+// mf_key_f32's inverse on the keys of numbers (not NaN's): +0 for the key of both zeros.
+float key_value(uint32_t key) {
+    return mf_from_bits(key >= 0x80000000u ? key - 0x80000000u : 0x80000000u | (0x80000000u - key));
+}
+
 // The smallest logit key whose z is near zmax: fl(fl(x * inv_t) + kNearMargin) >= zmax, found by
 // bisection over the finite keys (the test is monotone in x). `top_key` is the key of zmax's
 // logit, which passes.
 uint32_t near_key(float inv_t, float zmax, uint32_t top_key) {
-    auto value = [](uint32_t key) {  // mf_key_f32's inverse on finite keys
-        return mf_from_bits(key >= 0x80000000u ? key - 0x80000000u : 0x80000000u | (0x80000000u - key));
-    };
-    auto near = [&](uint32_t key) { return mf_fadd(mf_fmul(value(key), inv_t), kNearMargin) >= zmax; };
+    auto near = [&](uint32_t key) { return mf_fadd(mf_fmul(key_value(key), inv_t), kNearMargin) >= zmax; };
     uint32_t lo = mf_key_f32(0xFF7FFFFFu), hi = top_key;  // -FLT_MAX; near(hi)
     if (near(lo)) return lo;
     while (hi - lo > 1) {  // near(hi), !near(lo)
@@ -849,7 +851,7 @@ MF_AVX2 bool sample_near(const RowView &v, const mf_sample_plan &p, uint64_t top
 
 // The sample: 32 ids of every kSampleStride, from id 0. A row under kCutVocab ids takes the
 // whole-row paths (the sample would be too small to place the cut near the threshold).
-constexpr uint32_t kSampleStride = 512;
+constexpr uint32_t kSampleStride = 1024;
 constexpr uint32_t kCutVocab = 8192;
 // The cut's margin above the sample's estimate, in standard errors of its mass fraction.
 constexpr double kCutSigmas = 5.0;
@@ -877,6 +879,16 @@ MF_AVX2 inline __m256 whole8(const Masses8 &m) {
 MF_AVX2 inline void add_masses(__m256d acc[2], __m256 whole) {
     acc[0] = _mm256_add_pd(acc[0], _mm256_cvtps_pd(_mm256_castps256_ps128(whole)));
     acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps(whole, 1)));
+}
+// add_masses of four vectors, added in pairs first (a shorter chain through the sums).
+MF_AVX2 inline void add_masses4(__m256d acc[2], const __m256 whole[4]) {
+    __m256d d[2][4];
+    for (int j = 0; j < 4; ++j) {
+        d[0][j] = _mm256_cvtps_pd(_mm256_castps256_ps128(whole[j]));
+        d[1][j] = _mm256_cvtps_pd(_mm256_extractf128_ps(whole[j], 1));
+    }
+    for (int h = 0; h < 2; ++h)
+        acc[h] = _mm256_add_pd(acc[h], _mm256_add_pd(_mm256_add_pd(d[h][0], d[h][1]), _mm256_add_pd(d[h][2], d[h][3])));
 }
 MF_AVX2 inline bool sum_masses(const __m256d acc[2], uint64_t *sum) {
     alignas(32) double lanes[8];
@@ -995,7 +1007,8 @@ MF_AVX2 bool masses_above(const RowView &v, float zmax, uint64_t hi, const Aside
 // caller takes the whole-row paths. The race's blocks need base % 4 == 0, as race_f32's.
 MF_AVX2 bool sample_top_p_f32(const RowView &v, const mf_sample_plan &p, uint64_t top, float zmax, uint32_t *id) {
     uint64_t hi;
-    if (v.vocab < kCutVocab || v.base % 4u || !sample_cut(v, zmax, p.top_p, &hi)) return false;
+    if (v.vocab < kCutVocab || v.vocab >= (1u << 24) || v.base % 4u || !sample_cut(v, zmax, p.top_p, &hi))
+        return false;
     const uint32_t top_id = mf_unpack_id(top);
     const float ztop = v.z(mf_logit_bits(v.row, v.dt, top_id));
     if (p.use_min_p && !(mf_exp_neg(mf_fsub(ztop, zmax)) >= p.min_p)) return false;  // race_row's answer
@@ -1017,33 +1030,52 @@ MF_AVX2 bool sample_top_p_f32(const RowView &v, const mf_sample_plan &p, uint64_
     const float *row = (const float *)v.row;
     const uint32_t words = mf_bitmask_words(v.vocab);
     const __m256 t = _mm256_set1_ps(v.inv_t), zm = _mm256_set1_ps(zmax);
-    const __m256i hi_gt = key_gt8(hi);
+    // Key >= hi as a float compare, x >= the value of key hi (the key's order is IEEE order but
+    // NaN's, which is no candidate); NaN for 2**32, which no key reaches.
+    const float hi_value_1 = hi >> 32 ? mf_from_bits(0x7FC00000u) : key_value((uint32_t)hi);
+    const __m256 hi_value = _mm256_set1_ps(hi_value_1);
+    const __m256 scale = _mm256_set1_ps(549755813888.0f);
+    // Not a candidate: a non-finite logit (its mass here is 0: exp_neg8 gives 0 for NaN and
+    // for +-inf's differences), a masked id, a bitmask bit clear. Without a bitmask the masked ids
+    // are left in (fewer operations a lane) and their masses taken out after the pass.
     __m256d total[2], upper[2];
     total[0] = total[1] = upper[0] = upper[1] = _mm256_setzero_pd();
     RaceGroups groups(race);
     uint32_t i = 0;
     for (; i + 32 <= v.vocab; i += 32) {
-        __m256 l[4];
-        unsigned at_hi = 0;
+        __m256 l[4], whole[4], high[4];
         for (int j = 0; j < 4; ++j) {
             l[j] = _mm256_loadu_ps(row + i + 8 * j);
-            const __m256 whole = whole8(masses8(v, l[j], i + 8 * j, words, t, zm));
-            const __m256 high = _mm256_castsi256_ps(_mm256_cmpgt_epi32(signed_key8(_mm256_castps_si256(l[j])), hi_gt));
-            add_masses(total, whole);
-            add_masses(upper, _mm256_and_ps(whole, high));
-            at_hi |= (unsigned)_mm256_movemask_ps(high) << (8 * j);
+            const __m256 w = _mm256_mul_ps(exp_neg8(_mm256_sub_ps(_mm256_mul_ps(l[j], t), zm)), scale);
+            whole[j] = _mm256_round_ps(w, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            if (v.rule->bits)
+                whole[j] = _mm256_andnot_ps(_mm256_castsi256_ps(not_candidates8(v, _mm256_castps_si256(l[j]), i + 8 * j, words)),
+                                            whole[j]);
+            high[j] = _mm256_and_ps(whole[j], _mm256_cmp_ps(l[j], hi_value, _CMP_GE_OQ));
         }
+        add_masses4(total, whole);
+        add_masses4(upper, high);
         unsigned pass = groups.pass(l, i);
         while (pass) {
             const uint32_t lane = (uint32_t)__builtin_ctz(pass), at = i + lane;
             pass &= pass - 1;
             if (at == top_id) continue;
-            if (at_hi >> lane & 1u) race.offer(at);
+            if (row[at] >= hi_value_1) race.offer(at);
             else offer_aside(at);
         }
     }
     uint64_t all = 0, high = 0;
     if (!sum_masses(total, &all) || !sum_masses(upper, &high)) return false;
+    if (!v.rule->bits) {  // the masked ids, summed above when finite
+        const uint32_t vector_end = i;
+        for (uint32_t m : {v.rule->m0, v.rule->m1 == v.rule->m0 ? MF_NO_TOKEN : v.rule->m1}) {
+            if (m >= vector_end || !mf_finite_bits(mf_logit_bits(v.row, v.dt, m))) continue;
+            const uint32_t bits = mf_logit_bits(v.row, v.dt, m);
+            const uint64_t mass = mf_survivor_mass(bits, v.inv_t, zmax);
+            all -= mass;
+            high -= mf_key_f32(bits) >= hi ? mass : 0u;
+        }
+    }
     for (; i < v.vocab; ++i) {  // the tail, by the scalar rule
         uint32_t bits;
         const uint32_t key = mf_key_f32(mf_logit_bits(v.row, v.dt, i));
@@ -1065,8 +1097,8 @@ MF_AVX2 bool sample_top_p_f32(const RowView &v, const mf_sample_plan &p, uint64_
     if (n) {
         uint64_t above[kMaxAside];
         if (n > kMaxAside || !masses_above(v, zmax, hi, aside.data(), n, above)) return false;
-        for (size_t j = 0; j < n; ++j)
-            if (high + above[j] < target && aside[j].score > best) best = aside[j].score;  // it survives
+        for (size_t j = 0; j < n; ++j)  // it survives when the mass above its word is under the target
+            if (high + above[j] < target && aside[j].score > best) best = aside[j].score;
     }
     *id = mf_unpack_id(best);
     return true;
