@@ -172,11 +172,16 @@ struct RaceGroups {
           floor_key(_mm256_set1_epi32((int)((uint32_t)(r.threshold >> 32) ^ 0x80000000u))),
           keys(philox_keys(r.p.seed)), r_outs(uniform_out_table()) {}
 
-    // The lanes of ids [i, i + 32) (logits l) that may still win, bit j for id i + j.
-    MF_AVX2 __attribute__((always_inline)) unsigned pass(const __m256 l[4], uint32_t i) {
+    // The lanes of ids [i, i + 32) that may still win, bit j for id i + j (`row` the float32 row;
+    // its logits are loaded here, so that a caller's loop keeps fewer registers live).
+    MF_AVX2 __attribute__((always_inline)) unsigned pass(const float *row, uint32_t i) {
         const __m256 s = _mm256_set1_ps(race.best_score);
+        __m256 l[4];
         __m256 top = low;
-        for (int j = 0; j < 4; ++j) top = _mm256_max_ps(l[j], top);  // NaN keeps `top`
+        for (int j = 0; j < 4; ++j) {
+            l[j] = _mm256_loadu_ps(row + i + 8 * j);
+            top = _mm256_max_ps(l[j], top);  // NaN keeps `top`
+        }
         // max(l) * inv_t = max(z) (the product is monotone): no z of the group is near.
         const __m256 ztops = _mm256_mul_ps(top, t);
         if (!_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(ztops, bound), s, _CMP_GE_OQ))) return 0;
@@ -198,12 +203,9 @@ struct RaceGroups {
         const Philox8 c = philox8(keys, race.p.position, race.v.base + i);
         __m256i w[4] = {philox_pair(c.a0, c.a1), philox_pair(c.a2, c.a3), philox_pair(c.b0, c.b1),
                         philox_pair(c.b2, c.b3)};
-        const __m256i maybe = _mm256_or_si256(
-            _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_srli_epi32(w[0], 8), r_out),
-                            _mm256_cmpgt_epi32(_mm256_srli_epi32(w[1], 8), r_out)),
-            _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_srli_epi32(w[2], 8), r_out),
-                            _mm256_cmpgt_epi32(_mm256_srli_epi32(w[3], 8), r_out)));
-        if (_mm256_testz_si256(maybe, maybe)) return 0;
+        // Some word's top 24 bits above r_out: the greatest word's are (the shift is monotone).
+        const __m256i most = _mm256_max_epu32(_mm256_max_epu32(w[0], w[1]), _mm256_max_epu32(w[2], w[3]));
+        if (!_mm256_movemask_epi8(_mm256_cmpgt_epi32(_mm256_srli_epi32(most, 8), r_out))) return 0;
         // A few groups: the words in id order, and every lane's tests.
         for (int n = 0; n < 2; ++n) {
             const __m256i lo = _mm256_unpacklo_epi64(w[2 * n], w[2 * n + 1]), hi = _mm256_unpackhi_epi64(w[2 * n], w[2 * n + 1]);
@@ -245,9 +247,7 @@ MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
     RaceGroups groups(race);
     uint32_t i = 0;
     for (; i + 32 <= race.v.vocab; i += 32) {
-        __m256 l[4];
-        for (int j = 0; j < 4; ++j) l[j] = _mm256_loadu_ps(p + i + 8 * j);
-        unsigned pass = groups.pass(l, i);
+        unsigned pass = groups.pass(p, i);
         while (pass) {
             const uint32_t id = i + (uint32_t)__builtin_ctz(pass);
             pass &= pass - 1;
@@ -880,16 +880,6 @@ MF_AVX2 inline void add_masses(__m256d acc[2], __m256 whole) {
     acc[0] = _mm256_add_pd(acc[0], _mm256_cvtps_pd(_mm256_castps256_ps128(whole)));
     acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps(whole, 1)));
 }
-// add_masses of four vectors, added in pairs first (a shorter chain through the sums).
-MF_AVX2 inline void add_masses4(__m256d acc[2], const __m256 whole[4]) {
-    __m256d d[2][4];
-    for (int j = 0; j < 4; ++j) {
-        d[0][j] = _mm256_cvtps_pd(_mm256_castps256_ps128(whole[j]));
-        d[1][j] = _mm256_cvtps_pd(_mm256_extractf128_ps(whole[j], 1));
-    }
-    for (int h = 0; h < 2; ++h)
-        acc[h] = _mm256_add_pd(acc[h], _mm256_add_pd(_mm256_add_pd(d[h][0], d[h][1]), _mm256_add_pd(d[h][2], d[h][3])));
-}
 MF_AVX2 inline bool sum_masses(const __m256d acc[2], uint64_t *sum) {
     alignas(32) double lanes[8];
     _mm256_store_pd(lanes, acc[0]);
@@ -1038,24 +1028,23 @@ MF_AVX2 bool sample_top_p_f32(const RowView &v, const mf_sample_plan &p, uint64_
     // Not a candidate: a non-finite logit (its mass here is 0: exp_neg8 gives 0 for NaN and
     // for +-inf's differences), a masked id, a bitmask bit clear. Without a bitmask the masked ids
     // are left in (fewer operations a lane) and their masses taken out after the pass.
+    const bool bitmask = v.rule->bits != nullptr;
     __m256d total[2], upper[2];
     total[0] = total[1] = upper[0] = upper[1] = _mm256_setzero_pd();
     RaceGroups groups(race);
     uint32_t i = 0;
     for (; i + 32 <= v.vocab; i += 32) {
-        __m256 l[4], whole[4], high[4];
         for (int j = 0; j < 4; ++j) {
-            l[j] = _mm256_loadu_ps(row + i + 8 * j);
-            const __m256 w = _mm256_mul_ps(exp_neg8(_mm256_sub_ps(_mm256_mul_ps(l[j], t), zm)), scale);
-            whole[j] = _mm256_round_ps(w, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            if (v.rule->bits)
-                whole[j] = _mm256_andnot_ps(_mm256_castsi256_ps(not_candidates8(v, _mm256_castps_si256(l[j]), i + 8 * j, words)),
-                                            whole[j]);
-            high[j] = _mm256_and_ps(whole[j], _mm256_cmp_ps(l[j], hi_value, _CMP_GE_OQ));
+            const __m256 l = _mm256_loadu_ps(row + i + 8 * j);
+            const __m256 w = _mm256_mul_ps(exp_neg8(_mm256_sub_ps(_mm256_mul_ps(l, t), zm)), scale);
+            __m256 whole = _mm256_round_ps(w, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            if (bitmask)
+                whole = _mm256_andnot_ps(_mm256_castsi256_ps(not_candidates8(v, _mm256_castps_si256(l), i + 8 * j, words)),
+                                         whole);
+            add_masses(total, whole);
+            add_masses(upper, _mm256_and_ps(whole, _mm256_cmp_ps(l, hi_value, _CMP_GE_OQ)));
         }
-        add_masses4(total, whole);
-        add_masses4(upper, high);
-        unsigned pass = groups.pass(l, i);
+        unsigned pass = groups.pass(row, i);
         while (pass) {
             const uint32_t lane = (uint32_t)__builtin_ctz(pass), at = i + lane;
             pass &= pass - 1;
