@@ -999,6 +999,7 @@ MF_AVX2 bool sample_top_p_f32(const RowView &v, const mf_sample_plan &p, uint64_
     uint64_t hi;
     if (v.vocab < kCutVocab || v.vocab >= (1u << 24) || v.base % 4u || !sample_cut(v, zmax, p.top_p, &hi))
         return false;
+    if (hi >> 32) return false;  // no cut under the top: every id would be kept aside
     const uint32_t top_id = mf_unpack_id(top);
     const float ztop = v.z(mf_logit_bits(v.row, v.dt, top_id));
     if (p.use_min_p && !(mf_exp_neg(mf_fsub(ztop, zmax)) >= p.min_p)) return false;  // race_row's answer
