@@ -140,6 +140,24 @@ def test_sampling_draws_and_logprobs(host, dev, filters, dtype, vocab):
         assert len({d.tobytes() for d in draws}) > 1
 
 
+@pytest.mark.parametrize("bitmask", [False, True])
+def test_top_p_on_flat_rows(host, dev, bitmask):
+    """top_p without top_k on rows flat enough and long enough for the host's one-pass path (the
+    masses and the race together, a cut from a sample checked exactly): the draws of the kernels,
+    over a length that is not a multiple of 8, with the top masked in one row."""
+    rng = np.random.default_rng(45 + bitmask)
+    rows, vocab = 4, 9001
+    logits = logits_for(rng, rows, vocab, "float32")
+    masks = masks_for(rng, rows, vocab)
+    masks[3, 0] = np.argmax(logits[3])
+    bits = bitmask_for(rng, rows, vocab) if bitmask else None
+    params = mf.sampling_params(rows, temperature=[1.0, 0.7, 1.6, 1.0], top_p=[0.9, 0.5, 0.99, 0.2],
+                                min_p=[0.0, 0.0, 0.01, 0.0], seed=list(range(3, 3 + rows)), position=[5, 8, 1, 0])
+    for seed in range(3):
+        params["seed"] += 977 * seed
+        both(lambda: pick(dev, logits, masks, bits, params=params))
+
+
 @pytest.mark.parametrize("settings", ["default", "split"])
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("offsets", [(0, 1000, 2000, 3001), (0, 0, 3001), (0, 1500, 3001)])

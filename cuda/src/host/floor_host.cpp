@@ -12,6 +12,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include "vec_exp.hpp"
 #include "vec_philox.hpp"
+#include "vec_stats.hpp"
 #define MF_FLOOR_X86 1
 #endif
 
@@ -29,42 +30,11 @@ MF_FLOOR_AVX2 float hsum(__m256 v) {
     return s;
 }
 
-// The greatest value of a row (NaN never wins), as the logprob and top_p rules need before their
-// per-id work.
-MF_FLOOR_AVX2 float row_max(const float *p, uint32_t n) {
-    __m256 top = _mm256_set1_ps(mf_neg_inf());
-    uint32_t i = 0;
-    for (; i + 8 <= n; i += 8) top = _mm256_max_ps(_mm256_loadu_ps(p + i), top);
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, top);
-    float m = mf_neg_inf();
-    for (float x : lanes) m = x > m ? x : m;
-    for (; i < n; ++i) m = p[i] > m ? p[i] : m;
-    return m;
-}
-
-// logprob_rule.h's (m, s) work: the max, then every id's exp(x - m) widened and added into its
-// lane of MF_STATS_LANES, then the fold. The lanes are summed 32 at a time in registers, each strip
-// walking the row (from cache after the first): an array of 256 sums in L1 costs a load and a
-// store an add, more than the strips' rereads.
+// logprob_rule.h's (m, s) work: the max, then the fixed-order sum, by the logprob kernel's own
+// loops (vec_stats.hpp).
 MF_FLOOR_AVX2 double stats_floor(const float *p, uint32_t n) {
-    const float top = row_max(p, n);
-    const __m256 m = _mm256_set1_ps(top);
-    alignas(32) double lanes[MF_STATS_LANES] = {};
-    const uint32_t full = n / MF_STATS_LANES * MF_STATS_LANES;
-    for (uint32_t j = 0; j < MF_STATS_LANES; j += 32) {
-        __m256d acc[8];
-        for (__m256d &a : acc) a = _mm256_setzero_pd();
-        for (uint32_t base = 0; base < full; base += MF_STATS_LANES)
-            for (int q = 0; q < 4; ++q) {
-                const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(p + base + j + 8 * q), m));
-                acc[2 * q] = _mm256_add_pd(acc[2 * q], _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-                acc[2 * q + 1] = _mm256_add_pd(acc[2 * q + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
-            }
-        for (int q = 0; q < 8; ++q) _mm256_store_pd(lanes + j + 4 * q, acc[q]);
-    }
-    for (uint32_t i = full; i < n; ++i) lanes[i - full] += (double)mf_exp_neg(mf_fsub(p[i], top));
-    return mf_stats_fold(lanes);
+    const float top = row_max8(p, n);
+    return stats_sum8(p, n, top);
 }
 
 // sample_rule.h's per-id work of a sampled row at temperature 1, 32 ids (eight Philox blocks) at
@@ -73,7 +43,7 @@ MF_FLOOR_AVX2 double stats_floor(const float *p, uint32_t n) {
 // The words are paired with the ids as the rounds leave them (a fixed permutation, no shuffle).
 MF_FLOOR_AVX2 double sample_floor(const float *p, uint32_t n, bool log, bool mass) {
     const PhiloxKeys keys = philox_keys(0x5EEDu);
-    const __m256 zmax = _mm256_set1_ps(mass ? row_max(p, n) : 0.0f), scale = _mm256_set1_ps(549755813888.0f);
+    const __m256 zmax = _mm256_set1_ps(mass ? row_max8(p, n) : 0.0f), scale = _mm256_set1_ps(549755813888.0f);
     const __m256 one = _mm256_set1_ps(1.0f);
     const __m256d magic = _mm256_set1_pd(4503599627370496.0);  // 2**52: a double's mantissa as the integer
     __m256 best = _mm256_set1_ps(mf_neg_inf());
