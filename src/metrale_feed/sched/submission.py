@@ -75,12 +75,16 @@ class Submission:
             Ids that finish the request (committed as its last token).
         ban : pair of int, optional
             A ``RowMask``: ids the row may not answer (``NO_TOKEN`` where unused).
-        grammar : TokenAutomaton, optional
+        grammar : TokenAutomaton or HostGrammar, optional
             Structured output (docs/pipeline.md, "Structured outputs"): every generated id is one
             the automaton allows from the state the tokens before it reach, masked, picked and
             advanced on the device (no host wait). After a token whose state has no outgoing
             transition the request finishes ``"stop"``; one left with no allowed id it may pick
-            (its ban or ``min_tokens`` removed the last) finishes ``"grammar"``.
+            (its ban or ``min_tokens`` removed the last) finishes ``"grammar"``. A
+            ``HostGrammar`` (an xgrammar matcher, one per request) is the same with the row's
+            bitmask filled on the host from the matcher after the tokens before it: at depth 2
+            a step with such a row first reads the one in flight (one host sync more); its
+            request finishes ``"stop"`` once the matcher has terminated.
 
         Other Parameters
         ----------------
@@ -141,12 +145,14 @@ class Submission:
         ValueError, TypeError
             Bad input (sampling parameters included, checked as float32 values; a str, a bool
             or None where a number goes is a TypeError), or a request that could never fit the
-            KV pool; nothing is queued. A ``grammar`` that is not a ``TokenAutomaton`` (TypeError),
-            or one for another vocabulary or whose initial state allows nothing (ValueError).
+            KV pool; nothing is queued. A ``grammar`` that is neither a ``TokenAutomaton`` nor a
+            ``HostGrammar`` (TypeError), or one for another vocabulary or whose initial state
+            allows nothing (ValueError); a ``HostGrammar`` whose request has not finished, or on
+            a pipeline with ``shard=`` or ``speculative=`` (ValueError).
         FeedError
             The pipeline is closed, a sampled request for a model without
             ``sample_batch_to_feed``, or a grammar for a model whose feed methods take none
-            (``FeedInfo.grammar``).
+            (``FeedInfo.grammar``; ``FeedInfo.bitmask`` for a ``HostGrammar``).
 
         Notes
         -----
