@@ -82,8 +82,9 @@ def sample_one(history, bits, **sampling):
     return int(out[0])
 
 
-def matcher_loop(name, prompt, max_new, *, ban=None, stops=(), **sampling):
-    """(tokens, finish reason) of one request alone, by xgrammar's own loop."""
+def matcher_loop(name, prompt, max_new, *, ban=None, stops=(), min_tokens=0, **sampling):
+    """(tokens, finish reason) of one request alone, by xgrammar's own loop (``min_tokens``: the
+    stop ids banned before it, greedy only)."""
     m = xgr.GrammarMatcher(compiled(name))
     bits = np.zeros((1, WORDS), np.int32)
     history, out = list(prompt), []
@@ -97,6 +98,9 @@ def matcher_loop(name, prompt, max_new, *, ban=None, stops=(), **sampling):
                                **sampling) if allowed.any() else NO_TOKEN
         else:
             masks = None if ban is None else [tuple(ban)]
+            if len(out) < min_tokens:
+                assert ban is None and len(stops) == 1
+                masks = [(stops[0], NO_TOKEN)]
             token = int(reference_argmax(host_logits(history, VOCAB)[None, :], masks, bits)[0])
         if token == NO_TOKEN:
             return out, "grammar"
@@ -291,8 +295,8 @@ def test_aborts_keep_prefixes_and_free_the_grammar(host, no_leaks, depth):
 @pytest.mark.parametrize("depth", [1, 2])
 def test_terminated_matcher_and_empty_bitmask_finish(host, no_leaks, depth):
     """The matcher terminates on its stop token: "stop", that token committed. A ban of every
-    id the bitmask allows at some step: "grammar", nothing of it committed, the other rows run
-    on."""
+    id the bitmask allows at some step, or min_tokens on the one it allows: "grammar", nothing
+    of it committed, the other rows run on."""
     schema = compiled("schema")
     probe = xgr.GrammarMatcher(schema)
     bits = np.zeros((1, WORDS), np.int32)
@@ -305,8 +309,14 @@ def test_terminated_matcher_and_empty_bitmask_finish(host, no_leaks, depth):
         done = pipe.submit([1, 2], max_new_tokens=60, grammar=HostGrammar(schema))
         stuck = pipe.submit([3, 4], max_new_tokens=6, ban=ban, grammar=HostGrammar(schema))
         free = pipe.submit([3, 4], max_new_tokens=6)
+        held = pipe.submit([1, 2], max_new_tokens=60, stop_ids=[STOP], min_tokens=60,
+                           grammar=HostGrammar(schema))
         pipe.run()
     model.close()
+    # min_tokens bans the stop token the complete object allows alone: "grammar", before it.
+    assert held.finish_reason == "grammar" and held.tokens == done.tokens[:-1]
+    assert (held.tokens, "grammar") == matcher_loop("schema", [1, 2], 60, stops=[STOP],
+                                                    min_tokens=60)
     assert done.finish_reason == "stop" and done.tokens[-1] == STOP
     assert (done.tokens, "stop") == matcher_loop("schema", [1, 2], 60)
     assert done.grammar.matcher.is_terminated()

@@ -135,9 +135,10 @@ class HostGrammar:
             else:
                 self._matcher.reset()
                 acc.clear()
-        accept = self._matcher.accept_token
+        accept, vocab = self._matcher.accept_token, self.vocab
         for token in tokens[len(acc):]:
-            if not accept(token):
+            # NO_TOKEN (a row left no candidate) is refused here, before xgrammar warns of it.
+            if not 0 <= token < vocab or not accept(token):
                 return False
             acc.append(token)
         return True
