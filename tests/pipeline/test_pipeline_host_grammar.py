@@ -327,8 +327,8 @@ def test_terminated_matcher_and_empty_bitmask_finish(host, no_leaks, depth):
 
 def test_the_matcher_is_brought_to_any_tokens_exactly():
     """``HostGrammar._sync`` (what a fill and a step's walk call): forward, back past ids thrown
-    away (a rollback), to another branch and to nothing (a reset, then the ids again); each time
-    the bitmask is a fresh matcher's after the same ids."""
+    away (a rollback), to another id in place of the last one accepted, and to nothing (a reset,
+    then the ids again); each time the bitmask is a fresh matcher's after the same ids."""
     grammar = compiled("json")
     probe = xgr.GrammarMatcher(grammar)
     rng = random.Random(4)
@@ -343,7 +343,28 @@ def test_the_matcher_is_brought_to_any_tokens_exactly():
         assert probe.accept_token(walk[-1])
     host = HostGrammar(xgr.GrammarMatcher(grammar), vocab=VOCAB)
     got, want = np.zeros((1, WORDS), np.int32), np.zeros((1, WORDS), np.int32)
-    for cut in (5, 9, 8, 3, 20, 20, 0, 24, 1):
+    other = {}  # cut -> another id the grammar allows there, for a step thrown away
+    for cut in range(1, 24):
+        fresh = xgr.GrammarMatcher(grammar)
+        for t in walk[:cut - 1]:
+            assert fresh.accept_token(t)
+        fresh.fill_next_token_bitmask(bits)
+        ids = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")[:STOP])
+        if len(ids) > 1:
+            other[cut] = int(ids[ids != walk[cut - 1]][0])
+    thrown = sorted(other)[len(other) // 2]
+    for cut in (5, 9, 8, 3, 20, 20, 0, 24, 1, -thrown, thrown + 2):
+        if cut < 0:  # the last id accepted is thrown away and another takes its place
+            target = walk[:-cut - 1] + [other[-cut]]
+            assert host._sync(walk[:-cut])
+            assert host._sync(target)
+            host._fill(got, 0)
+            fresh = xgr.GrammarMatcher(grammar)
+            for t in target:
+                assert fresh.accept_token(t)
+            fresh.fill_next_token_bitmask(want)
+            assert np.array_equal(got, want), cut
+            continue
         assert host._sync(walk[:cut])
         host._fill(got, 0)
         fresh = xgr.GrammarMatcher(grammar)
@@ -351,12 +372,12 @@ def test_the_matcher_is_brought_to_any_tokens_exactly():
             assert fresh.accept_token(t)
         fresh.fill_next_token_bitmask(want)
         assert np.array_equal(got, want), cut
-    refused = next(t for t in range(VOCAB) if not (want[0, t // 32] >> (t % 32)) & 1)
-    assert not host._sync(walk[:1] + [refused])  # refused: it stands after the ids before
-    host._fill(got, 0)
     fresh = xgr.GrammarMatcher(grammar)
     assert fresh.accept_token(walk[0])
     fresh.fill_next_token_bitmask(want)
+    refused = next(t for t in range(VOCAB) if not (want[0, t // 32] >> (t % 32)) & 1)
+    assert not host._sync(walk[:1] + [refused])  # refused: it stands after the ids before
+    host._fill(got, 0)
     assert np.array_equal(got, want)
 
 

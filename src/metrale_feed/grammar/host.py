@@ -115,14 +115,26 @@ class HostGrammar:
 
     # ---- the pipeline's side (sched/host_grammar.py) ----
 
+    def _claim(self, request: Any) -> None:
+        """``request`` is the one it constrains now (submit checked that no live one is): the
+        matcher starts over."""
+        self._matcher.reset()
+        self._accepted.clear()
+        self._request = request
+
     def _sync(self, tokens: List[int]) -> bool:
-        """Bring the matcher to exactly ``tokens`` (the generated ids, committed and perhaps the
-        one of the step in flight): the ids it accepted past their common prefix are rolled back
-        (or it is reset and the prefix accepted again), the rest accepted. False when the
-        matcher refuses one (it then stands after the ones before it)."""
+        """Bring the matcher to exactly ``tokens`` (the request's generated ids, committed and
+        perhaps the one of the step in flight): the ids it accepted past their common prefix are
+        rolled back (or it is reset and the prefix accepted again), the rest accepted. False
+        when the matcher refuses one (it then stands after the ones before it).
+
+        Every id it accepted but the last is a committed id of the request (the one of a step
+        in flight is accepted only while it is the last), and committed ids never change, so
+        comparing the last one tells whether what it accepted is a prefix of ``tokens``: a step
+        costs no pass over the request's ids."""
         acc = self._accepted
         n = len(acc)
-        if n > len(tokens) or acc != tokens[:n]:
+        if n > len(tokens) or (n and acc[-1] != tokens[n - 1]):
             keep = 0
             for a, b in zip(acc, tokens):
                 if a != b:

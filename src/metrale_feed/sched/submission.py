@@ -193,7 +193,8 @@ class Submission:
         req = Request(self, prompt, max_new, stops, mask, 0, params)
         req._grammar = automaton
         if host is not None:  # one live request a HostGrammar (checked above)
-            req._host, host._request = host, req
+            req._host = host
+            host._claim(req)
         self._post(self._enqueue, req)
         return req
 
