@@ -198,6 +198,7 @@ _LAZY = {
     "VocabShard": ("tp.shard", "VocabShard"),
     "FilterRounds": ("tp.rounds", "FilterRounds"),
     "TokenAutomaton": ("grammar.automaton", "TokenAutomaton"),
+    "HostGrammar": ("grammar.host", "HostGrammar"),
 }
 
 

@@ -24,12 +24,12 @@ caller needs, naming it.
 What a model's methods accept beyond the Protocols' positional calls is declared too, in
 ``FeedInfo``, never read from their signatures: ``sampling`` (its ``sample_batch_to_feed``
 draws), ``logprobs``, ``top_logprobs`` and ``raw_logits`` (its feed methods take those
-keywords), ``verify_advance`` (its ``decode_batch_verify`` takes ``advance=``), ``penalties``
-and ``grammar`` (its feed methods take those keywords too). One rule gives each its default:
+keywords), ``verify_advance`` (its ``decode_batch_verify`` takes ``advance=``), ``penalties``,
+``grammar`` and ``bitmask`` (its feed methods take those keywords too). One rule gives each its default:
 what the trait and the Protocols above declare. The trait's feed methods and ``VerifyStep`` take
 the first keywords, so those default to True (a model whose methods lack them says False); the
 trait's ``sample_batch_to_feed`` draws nothing and its feed methods are older than
-``penalties=`` and ``grammar=``, so those default to False (the runtime mixin says True).
+``penalties=``, ``grammar=`` and ``bitmask=``, so those default to False (the runtime mixin says True).
 """
 
 from __future__ import annotations
@@ -88,6 +88,11 @@ class FeedInfo(NamedTuple):
         docs/kernels.md, "Grammar in a pick") and pass it to the pick: else a request with a
         grammar is refused at submit (a speculative pipeline's verify is its own call, so it
         needs none). Default False; ``RuntimeFeedMixin`` says True while both are its own.
+    bitmask : bool
+        Whether both feed methods take ``bitmask=`` (device int32 words, ``ceil(vocab / 32)`` a
+        row, bit ``v % 32`` of word ``v // 32`` allowing id ``v``) and pass it to the pick: else a
+        request with a ``HostGrammar`` is refused at submit. Default False; ``RuntimeFeedMixin``
+        says True while both are its own.
 
     Examples
     --------
@@ -110,6 +115,7 @@ class FeedInfo(NamedTuple):
     verify_advance: bool = True
     penalties: bool = False
     grammar: bool = False
+    bitmask: bool = False
 
 
 def _trait_protocol() -> Any:

@@ -118,8 +118,9 @@ class RuntimeFeedMixin:
     def feed_info(self) -> FeedInfo:
         """What the scheduler reads once at construction (``metrale_feed.contract.FeedInfo``):
         the vocabulary, the row limit, the shard, the logits' dtype, sampling (True: the mixin's
-        ``sample_batch_to_feed`` draws), penalties and grammar (True while both feed methods are
-        the mixin's, which take ``penalties=`` and ``grammar=``; a subclass that overrides one says
+        ``sample_batch_to_feed`` draws), penalties, grammar and bitmask (True while both feed
+        methods are the mixin's, which take ``penalties=``, ``grammar=`` and ``bitmask=``; a
+        subclass that overrides one says
         so itself once its override passes the keywords on). ``PagedKvMixin`` adds the block size
         and pool."""
         cls = type(self)
@@ -127,7 +128,7 @@ class RuntimeFeedMixin:
                and cls.sample_batch_to_feed is RuntimeFeedMixin.sample_batch_to_feed)
         return FeedInfo(vocab=self.feed_vocab, max_rows=self.feed_max_rows, shard=self.feed_shard,
                         logits_dtype=self.feed_logits_dtype, sampling=True, penalties=own,
-                        grammar=own)
+                        grammar=own, bitmask=own)
 
     def close_device_feed(self) -> None:
         """Free the feed cells (after queued work). Idempotent.
@@ -190,12 +191,13 @@ class RuntimeFeedMixin:
                              *, logprobs: Any = None, logprobs_dst: Any = None,
                              top_logprobs: Any = None, top_logprobs_dst: Any = None,
                              top_n: int = 0, raw_logits: Any = None, penalties: Any = None,
-                             grammar: Any = None) -> None:
+                             grammar: Any = None, bitmask: Any = None) -> None:
         if self.feed_cells is None:
             raise FeedError("argmax_batch_to_feed: call init_device_feed first")
         if raw_logits is not None and logprobs is not None:
             RuntimeFeedMixin.argmax_batch_to_feed(self, logits, masks, dst, None, stream,
-                                                  penalties=penalties, grammar=grammar)
+                                                  penalties=penalties, grammar=grammar,
+                                                  bitmask=bitmask)
             self._raw_logprobs(raw_logits, _rows_of(masks), logprobs, logprobs_dst, top_logprobs,
                                top_logprobs_dst, top_n, event, stream)
             return
@@ -209,18 +211,20 @@ class RuntimeFeedMixin:
             logits, masks, self.feed_cells, dst, event, stream,
             vocab=self.feed_vocab if shard is None else shard.width,
             dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride, shard=shard,
-            logprobs=logprobs, logprobs_dst=logprobs_dst, penalties=penalties, grammar=grammar)
+            logprobs=logprobs, logprobs_dst=logprobs_dst, penalties=penalties, grammar=grammar,
+            bitmask=bitmask)
 
     def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
                              stream: Any, *, logprobs: Any = None, logprobs_dst: Any = None,
                              top_logprobs: Any = None, top_logprobs_dst: Any = None,
                              top_n: int = 0, raw_logits: Any = None, penalties: Any = None,
-                             grammar: Any = None) -> None:
+                             grammar: Any = None, bitmask: Any = None) -> None:
         if self.feed_cells is None:
             raise FeedError("sample_batch_to_feed: call init_device_feed first")
         if raw_logits is not None and logprobs is not None:
             RuntimeFeedMixin.sample_batch_to_feed(self, logits, params, masks, dst, None, stream,
-                                                  penalties=penalties, grammar=grammar)
+                                                  penalties=penalties, grammar=grammar,
+                                                  bitmask=bitmask)
             self._raw_logprobs(raw_logits, len(params), logprobs, logprobs_dst, top_logprobs,
                                top_logprobs_dst, top_n, event, stream)
             return
@@ -232,7 +236,8 @@ class RuntimeFeedMixin:
             logits, params, self.feed_cells, dst, event, stream, masks=masks,
             vocab=self.feed_vocab if shard is None else shard.width,
             dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride, shard=shard,
-            logprobs=logprobs, logprobs_dst=logprobs_dst, penalties=penalties, grammar=grammar)
+            logprobs=logprobs, logprobs_dst=logprobs_dst, penalties=penalties, grammar=grammar,
+            bitmask=bitmask)
 
     def create_event(self) -> int:
         return _core.event_create()

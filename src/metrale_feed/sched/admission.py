@@ -120,6 +120,7 @@ class Admission:
         self._sampled += req.temperature > 0.0
         self._with_lp += req.logprobs is not None
         self._constrained += req._grammar is not None
+        self._hosted += req._host is not None
         if req.stop_ids:
             self._stop_union = self._stop_union | req.stop_ids
         bs = self._block_size

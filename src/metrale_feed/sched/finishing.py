@@ -58,7 +58,8 @@ class Finishing:
                 if out is None:
                     out = set(dead or ())
                 out.add(i)
-                finishing.append((req, RequestStatus.FINISHED_NO_CANDIDATE if req._grammar is None
+                finishing.append((req, RequestStatus.FINISHED_NO_CANDIDATE
+                                  if req._grammar is None and req._host is None
                                   else RequestStatus.FINISHED_GRAMMAR))
         return dead if out is None else out
 
@@ -128,6 +129,7 @@ class Finishing:
         self._sampled -= req.temperature > 0.0
         self._with_lp -= req.logprobs is not None
         self._constrained -= req._grammar is not None
+        self._hosted -= req._host is not None
         if not self._constrained and self._gram is not None:
             self._gram.release()  # the joined automaton, after the steps queued with it
         self._discard_in_flight(req)

@@ -55,7 +55,7 @@ class _Step:
     result will be thrown away (finished, aborted or preempted while it was in flight)."""
 
     __slots__ = ("ticket", "launch", "rows", "lists", "sources", "dead", "debug_slot", "taken",
-                 "lp", "gram")
+                 "lp", "gram", "host")
 
     def __init__(self, ticket: Ticket, launch: int, rows: List[Request], lists: List[List[int]],
                  sources: Any) -> None:
@@ -71,6 +71,7 @@ class _Step:
         self.taken: Sequence[Request] = ()
         self.lp: Optional[List[Tuple[int, List[float], Any, int]]] = None  # DecodePipeline._lp
         self.gram: Optional[List[Tuple[int, Request]]] = None  # DecodePipeline._gram_rows
+        self.host: Optional[List[Tuple[int, Request]]] = None  # DecodePipeline._host_rows
 
 
 class DecodePipeline(Submission, Admission, Finishing):
@@ -243,6 +244,11 @@ class DecodePipeline(Submission, Admission, Finishing):
         self._constrained = 0
         self._gram_call: Any = None
         self._gram_rows: Optional[List[Tuple[int, Request]]] = None
+        # Host grammars (sched/host_grammar.py): the bitmask buffers, made at the first launch
+        # with one; the running requests that have one; the last launch's rows that have one.
+        self._hmasks: Any = None
+        self._hosted = 0
+        self._host_rows: Optional[List[Tuple[int, Request]]] = None
         # Speculative decoding: each step drafts and verifies k positions past the input, so a
         # request's KV may reach k positions past its last token's.
         self._view: Any = _SeqView  # the running requests' KV views
@@ -407,6 +413,8 @@ class DecodePipeline(Submission, Admission, Finishing):
                             for i, r in enumerate(rows) if r.logprobs is not None] or None
                 self._top_n = max((r._top_n for r in rows), default=0)
             self._gram_call = self._grammar(rows)
+            self._host_rows = None if not self._hosted else (
+                [(i, r) for i, r in enumerate(rows) if r._host is not None] or None)
         params = self._params
         if params is not None:
             # Host params are read before the feed method returns, so rewriting the one array
@@ -446,6 +454,7 @@ class DecodePipeline(Submission, Admission, Finishing):
         step = _Step(ticket, launch, rows, self._lists, sources)
         step.lp = self._lp
         step.gram = self._gram_rows
+        step.host = self._host_rows
         # Blocks reserved for a launch that raised stay in their tables and count for the
         # launch that follows, so the in-flight figure comes back to 0.
         if self._taking:
@@ -471,7 +480,8 @@ class DecodePipeline(Submission, Admission, Finishing):
                 self._seqs = [r._seq for r in rows]  # type: ignore[misc]
             return io.launch(sources, self._seqs, masks, fed=fed, params=params,
                              trusted=True, hook=self._hook, logprobs=self._lp is not None,
-                             top_n=self._top_n, grammar=self._gram_call)
+                             top_n=self._top_n, grammar=self._gram_call,
+                             bitmask=None if self._host_rows is None else self._host_fill(rows))
         except BaseException as exc:
             if io.stats.launches != queued or isinstance(exc, DeviceError):
                 self._launches = launch + 1
@@ -509,6 +519,16 @@ class DecodePipeline(Submission, Admission, Finishing):
         self._gram_rows = [(i, r) for i, r in enumerate(rows) if r._grammar is not None] or None
         return gram.call(rows)
 
+    def _host_fill(self, rows: List[Request]) -> Any:
+        """The router's ``bitmask=`` of a launch with host grammars (``HostMasks``, made at the
+        first): it reads the step in flight, if any, once the forward is queued."""
+        if self._hmasks is None:
+            from .host_grammar import HostMasks
+
+            self._hmasks = HostMasks(self.max_rows, self.vocab, self.io, self.stream)
+        return self._hmasks.bind(len(rows), self._host_rows,
+                                 self._inflight[-1] if self._inflight else None)
+
     def _penalties(self, rows: List[Request]) -> Optional[PipelinePenalties]:
         """The router's hook for a batch (docs/penalties.md), None when no row has penalties."""
         pen = self._pen
@@ -544,6 +564,11 @@ class DecodePipeline(Submission, Admission, Finishing):
         ends: Optional[List[Request]] = None
         if step.gram is not None:
             dead, ends = self._walk(step.gram, ids, dead, finishing)
+        if step.host is not None:
+            from .host_grammar import walk
+
+            dead, more = walk(step.host, ids, dead, finishing)
+            ends = more if not ends else ends + more
         if dead is None:
             _drain(map(list.append, lists, ids))  # each row's token, in a C loop
         else:  # the same C loop over the runs between the few rows thrown away
@@ -617,7 +642,7 @@ class DecodePipeline(Submission, Admission, Finishing):
                 self._closed = True
                 close_each([self.io.teardown]
                            + [part.close for part in (self._debug, self._pen, self._spec,
-                                                      self._gram)
+                                                      self._gram, self._hmasks)
                               if part is not None])
 
     def __del__(self) -> None:

@@ -167,8 +167,8 @@ class Request:
         ban that leaves no id it may pick is refused, ``ValueError``).
     params : SamplingParams
         How it decodes (``submit``'s keywords or its ``params``).
-    grammar : TokenAutomaton or None
-        The automaton its tokens follow (``submit(grammar=)``).
+    grammar : TokenAutomaton, HostGrammar or None
+        The automaton or host matcher its tokens follow (``submit(grammar=)``).
     temperature, top_k, top_p, min_p, seed
         Its sampling parameters (``params``'s); ``temperature == 0`` is greedy decoding.
     sampled : bool
@@ -206,7 +206,8 @@ class Request:
 
     __slots__ = ("prompt", "tokens", "max_new_tokens", "stop_ids", "status", "error", "_ban", "_mask", "_owner", "_seq", "_join", "_last", "_base", "_order", "_bound",
                  "_pos0", "params", "temperature", "top_k", "top_p", "min_p", "seed", "_pen",
-                 "_pslot", "logprobs", "top_logprobs", "_top_n", "_grammar", "_gstate")
+                 "_pslot", "logprobs", "top_logprobs", "_top_n", "_grammar", "_gstate",
+                 "_host")
 
     def __init__(self, owner: RequestOwner, prompt: Tuple[int, ...], max_new_tokens: int,
                  stop_ids: FrozenSet[int], ban: Optional[RowMask], order: int = 0,
@@ -247,6 +248,7 @@ class Request:
         # tokens reach (the host's walk; the device's word runs ahead of it by the steps in flight).
         self._grammar: Any = None
         self._gstate = 0
+        self._host: Any = None  # or its HostGrammar (sched/host_grammar.py)
 
     @property
     def finished(self) -> bool:
@@ -282,8 +284,8 @@ class Request:
 
     @property
     def grammar(self) -> Any:
-        """The ``TokenAutomaton`` its tokens follow, or None."""
-        return self._grammar
+        """The ``TokenAutomaton`` or ``HostGrammar`` its tokens follow, or None."""
+        return self._grammar if self._host is None else self._host
 
     @property
     def sampled(self) -> bool:

@@ -295,7 +295,8 @@ class _DeviceIo:
 
     def launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any = None, *,
                fed: bool, params: Any = None, trusted: bool = False, hook: Any = None,
-               logprobs: bool = False, top_n: int = 0, grammar: Any = None) -> Ticket:
+               logprobs: bool = False, top_n: int = 0, grammar: Any = None,
+               bitmask: Any = None) -> Ticket:
         """Launch one step: ``launch_fed`` (``fed=True``) or ``launch_decode`` (``fed=False``).
 
         The one launch path: ``launch_fed``, ``launch_decode`` and the decode pipeline all come
@@ -332,6 +333,12 @@ class _DeviceIo:
             ``(automaton, states, scratch)`` for the feed method's ``grammar=`` (docs/kernels.md,
             "Grammar in a pick"; the decode pipeline's, docs/pipeline.md, "Structured
             outputs"), given only to a model whose ``FeedInfo.grammar`` says it takes it.
+        bitmask : callable, optional
+            Called once the forward is queued (so the device runs it while the host works),
+            before anything else of the step; it returns the step's bitmask (device int32 words,
+            ``ceil(vocab / 32)`` a row), passed to the feed method as ``bitmask=``: the decode
+            pipeline's host grammars (docs/pipeline.md, "Structured outputs"), given only to a
+            model whose ``FeedInfo.bitmask`` says it takes it.
 
         Returns
         -------
@@ -379,10 +386,14 @@ class _DeviceIo:
             raise
         try:
             extra: Dict[str, Any] = _NO_EXTRA  # read only: a plain step builds no keywords
-            if hook is not None or logprobs or grammar is not None:
+            if hook is not None or logprobs or grammar is not None or bitmask is not None:
                 extra = {}
             if grammar is not None:
                 extra["grammar"] = grammar
+            if bitmask is not None:
+                if self._defers:  # the forward runs on the device while the host fills the mask
+                    model.flush_forward(self.stream)  # type: ignore[attr-defined]
+                extra["bitmask"] = bitmask()
             if hook is not None:
                 if self._defers:  # the logits must hold this step's forward before they change
                     model.flush_forward(self.stream)  # type: ignore[attr-defined]
@@ -509,6 +520,28 @@ class _DeviceIo:
             if model.event_query(event):
                 return
         model.event_synchronize(event)
+
+    def peek(self, ticket: Ticket) -> List[int]:
+        """The ids of a step still in flight, once its event has completed, without settling it
+        (``await_result`` still reads it and settles it): one host sync, counted in
+        ``host_syncs``. The decode pipeline's host grammars read the step before the one they
+        fill a bitmask for (docs/pipeline.md, "Structured outputs").
+
+        Raises
+        ------
+        FeedError
+            As ``await_result``: a ticket of another router or one already awaited, or a failed
+            wait.
+        """
+        ring = self._ring
+        if ring is None:
+            raise FeedError("the router has been torn down")
+        if not isinstance(ticket, Ticket) or ticket.router is not self:
+            raise FeedError(f"{ticket!r} was not launched by this router")
+        if not ring.busy[ticket.slot] or ring.gen[ticket.slot] != ticket.gen:
+            raise FeedError(f"{ticket!r} was already awaited")
+        self._wait(ring.events[ticket.slot])
+        return _core.read_pinned_u32(ring.ptrs[ticket.slot], ticket.rows)
 
     def await_result(self, ticket: Ticket) -> List[int]:
         """The step's ids, one per row, once its event has completed.
@@ -754,12 +787,14 @@ class SyncDeviceIo(_DeviceIo):
 
     def launch(self, inputs: Sequence[int], seqs: Sequence[SequenceState], masks: Any = None, *,
                fed: bool, params: Any = None, trusted: bool = False, hook: Any = None,
-               logprobs: bool = False, top_n: int = 0, grammar: Any = None) -> Ticket:
+               logprobs: bool = False, top_n: int = 0, grammar: Any = None,
+               bitmask: Any = None) -> Ticket:
         if fed and not self.model.supports_device_token_feed():
             raise FeedError("launch_fed needs the device feed; with a settled step the inputs are "
                             "host-known, so use launch_decode")
         ticket = super().launch(inputs, seqs, masks, fed=fed, params=params, trusted=trusted,
-                                hook=hook, logprobs=logprobs, top_n=top_n, grammar=grammar)
+                                hook=hook, logprobs=logprobs, top_n=top_n, grammar=grammar,
+                                bitmask=bitmask)
         self._results[ticket.step] = super().await_result(ticket)
         self.stats.ahead_launches = 0
         return ticket

@@ -54,12 +54,16 @@ class Submission:
             Ids that finish the request (committed as its last token).
         ban : pair of int, optional
             A ``RowMask``: ids the row may not answer (``NO_TOKEN`` where unused).
-        grammar : TokenAutomaton, optional
+        grammar : TokenAutomaton or HostGrammar, optional
             Structured output (docs/pipeline.md, "Structured outputs"): every generated id is one
             the automaton allows from the state the tokens before it reach, masked, picked and
             advanced on the device (no host wait). After a token whose state has no outgoing
             transition the request finishes ``"stop"``; one left with no allowed id it may pick
-            (its ban or ``min_tokens`` removed the last) finishes ``"grammar"``.
+            (its ban or ``min_tokens`` removed the last) finishes ``"grammar"``. A
+            ``HostGrammar`` (an xgrammar matcher, one per request) is the same with the row's
+            bitmask filled on the host from the matcher after the tokens before it: at depth 2
+            a step with such a row first reads the one in flight (one host sync more); its
+            request finishes ``"stop"`` once the matcher has terminated.
 
         Other Parameters
         ----------------
@@ -120,12 +124,14 @@ class Submission:
         ValueError, TypeError
             Bad input (sampling parameters included, checked as float32 values; a str, a bool
             or None where a number goes is a TypeError), or a request that could never fit the
-            KV pool; nothing is queued. A ``grammar`` that is not a ``TokenAutomaton`` (TypeError),
-            or one for another vocabulary or whose initial state allows nothing (ValueError).
+            KV pool; nothing is queued. A ``grammar`` that is neither a ``TokenAutomaton`` nor a
+            ``HostGrammar`` (TypeError), or one for another vocabulary or whose initial state
+            allows nothing (ValueError); a ``HostGrammar`` whose request has not finished, or on
+            a pipeline with ``shard=`` or ``speculative=`` (ValueError).
         FeedError
             The pipeline is closed, a sampled request for a model without
             ``sample_batch_to_feed``, or a grammar for a model whose feed methods take none
-            (``FeedInfo.grammar``).
+            (``FeedInfo.grammar``; ``FeedInfo.bitmask`` for a ``HostGrammar``).
 
         Notes
         -----
@@ -155,7 +161,7 @@ class Submission:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new}")
         stops = frozenset(self._token(t, "stop id") for t in stop_ids)
         mask = self._check_ban(ban)
-        automaton = None if grammar is None else self._check_grammar(grammar)
+        automaton, host = (None, None) if grammar is None else self._check_grammar(grammar)
         params = self._params_of(params, keywords, max_new)
         sampling = (params.temperature, params.top_k, params.top_p, params.min_p, params.seed)
         pen = params._penalties if params.penalised else None
@@ -165,18 +171,26 @@ class Submission:
         self._refuse_unrunnable(prompt, max_new, stops, sampling, pen, lp)
         req = Request(self._owner, prompt, max_new, stops, mask, 0, params)
         req._grammar = automaton
+        if host is not None:  # one live request a HostGrammar (checked above)
+            req._host = host
+            host._claim(req)
         self._post(self._enqueue, req)
         return req
 
-    def _check_grammar(self, grammar: Any) -> Any:
-        """``submit``'s grammar, checked against this pipeline: a ``TokenAutomaton`` for its
-        vocabulary whose initial state allows some id, on a model whose feed methods take
-        ``grammar=`` (a speculative pipeline's verify is its own call)."""
+    def _check_grammar(self, grammar: Any) -> Tuple[Any, Any]:
+        """``submit``'s grammar, checked against this pipeline, as (automaton, host grammar): a
+        ``TokenAutomaton`` for its vocabulary whose initial state allows some id, on a model
+        whose feed methods take ``grammar=`` (a speculative pipeline's verify is its own call),
+        or a ``HostGrammar`` (``_check_host``)."""
         from ..grammar.automaton import TokenAutomaton
+        from ..grammar.host import HostGrammar
 
+        if isinstance(grammar, HostGrammar):
+            self._check_host(grammar)
+            return None, grammar
         if not isinstance(grammar, TokenAutomaton):
-            raise TypeError(f"grammar must be a metrale_feed.TokenAutomaton, not "
-                            f"{type(grammar).__name__}")
+            raise TypeError(f"grammar must be a metrale_feed.TokenAutomaton or "
+                            f"metrale_feed.HostGrammar, not {type(grammar).__name__}")
         if grammar.vocab != self.vocab:
             raise ValueError(f"the grammar's automaton is for a vocabulary of {grammar.vocab} "
                              f"ids; the pipeline's is {self.vocab}")
@@ -187,7 +201,33 @@ class Submission:
             raise FeedError(f"{type(self.model).__name__}'s feed methods take no grammar= (its "
                             f"feed_info() says grammar=False): a request with a grammar cannot "
                             f"run on it")
-        return grammar
+        return grammar, None
+
+    def _check_host(self, grammar: Any) -> None:
+        """A ``HostGrammar`` no live request holds, for this vocabulary, on a pipeline without
+        a shard nor speculative decoding, over a model whose feed methods take ``bitmask=``."""
+        live = grammar._request
+        if live is not None and not live.finished:
+            raise ValueError(f"this HostGrammar constrains {live!r}, which has not finished: a "
+                             f"matcher holds one request's state, so make one HostGrammar per "
+                             f"request")
+        if grammar.vocab != self.vocab:
+            raise ValueError(f"the HostGrammar is for a vocabulary of {grammar.vocab} ids; the "
+                             f"pipeline's is {self.vocab}")
+        if self.shard is not None:
+            raise ValueError("a HostGrammar's bitmask is filled on the host for the whole "
+                             "vocabulary, once a step: a pipeline over a split vocabulary "
+                             "(shard=) takes a TokenAutomaton grammar instead")
+        if self._spec is not None:
+            raise ValueError("a HostGrammar does not run with speculative decoding: each draft "
+                             "position would need the matcher's bitmask after the drafts before "
+                             "it, which the host knows only once they are read back; use a "
+                             "TokenAutomaton (judged on the device) or a pipeline without "
+                             "speculative=")
+        if not self.info.bitmask:
+            raise FeedError(f"{type(self.model).__name__}'s feed methods take no bitmask= (its "
+                            f"feed_info() says bitmask=False): a request with a HostGrammar "
+                            f"cannot run on it")
 
     def _params_of(self, params: Optional[SamplingParams], keywords: Dict[str, Any],
                    max_new: int) -> SamplingParams:

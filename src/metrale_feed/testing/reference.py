@@ -384,14 +384,15 @@ class ReferenceModel(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
             seq.seq_len += len(ids)
 
     def feed_info(self) -> Any:
-        # Both feed methods pass every keyword on to the mixin's, penalties= and grammar= included.
-        return super().feed_info()._replace(penalties=True, grammar=True)
+        # Both feed methods pass every keyword on to the mixin's, penalties=, grammar= and
+        # bitmask= included.
+        return super().feed_info()._replace(penalties=True, grammar=True, bitmask=True)
 
     def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any,
                              **extra: Any) -> None:
         if any(extra.get(k) is not None for k in ("logprobs", "top_logprobs", "penalties",
-                                                   "grammar")):
-            # The graphs capture no logprobs, penalties nor grammar: the default path.
+                                                   "grammar", "bitmask")):
+            # The graphs capture no logprobs, penalties, grammar nor bitmask: the default path.
             self._flush_graph_step()
         elif self._fed_graphs is not None and self._fed_graphs.launch(masks, dst, event, stream):
             return
