@@ -143,7 +143,9 @@ int32_t uniform_out_below(int32_t e_out) {
 // second with the top's z for every id's (no candidate's is greater; a non-candidate skipped is
 // refused by offer() anyway), where a word whose top 24 bits are at most `r_out` fails it, so one
 // integer compare per 8 ids, on the words as the rounds leave them, leaves the per-lane tests to
-// a few groups.
+// a few groups. With a bitmask, a group whose word allows none of its ids is skipped whole and
+// the lanes it clears are not offered (offer() would refuse them): a grammar's row that allows a
+// few ids costs its few words, whose best score, over few ids, rarely rules a group out.
 MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
     const float *p = (const float *)race.v.row;
     const uint32_t vocab = race.v.vocab;
@@ -157,8 +159,11 @@ MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
     const PhiloxKeys keys = philox_keys(race.p.seed);
     float s_seen = mf_from_bits(0x7FC00000u);  // the best score r_out was found for (NaN: none)
     __m256i r_out = _mm256_set1_epi32(-1);
+    const uint32_t *bitmask = race.v.rule->bits;
     uint32_t i = 0;
     for (; i + 32 <= vocab; i += 32) {
+        const uint32_t allowed = bitmask ? bitmask[i >> 5] : 0xFFFFFFFFu;  // i is a word's first id
+        if (!allowed) continue;
         const __m256 s = _mm256_set1_ps(race.best_score);
         if (!(race.best_score == s_seen)) {  // the best score rose: so does the row's bound
             s_seen = race.best_score;
@@ -222,6 +227,7 @@ MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
             const __m256 keep = _mm256_andnot_ps(_mm256_castsi256_ps(out), _mm256_and_ps(close, _mm256_castsi256_ps(finite)));
             pass |= (unsigned)_mm256_movemask_ps(keep) << (8 * j);
         }
+        pass &= allowed;
         while (pass) {
             const uint32_t id = i + (uint32_t)__builtin_ctz(pass);
             pass &= pass - 1;
