@@ -25,7 +25,8 @@ so its mask, pick and next state are decided on the device in the step's own cal
 is JSON the schema validates, ending with the end-of-sequence id within ``max_new_tokens`` (the
 longest output the automaton allows, computed from it: the schema must bound its strings, numbers
 and arrays), and its greedy tokens equal a transformers ``generate`` whose logits are masked by
-the outlines-core index's own allowed tokens.
+the outlines-core index's own allowed tokens (tests/test_hf_llama_json.py checks both; the run
+itself checks that each output parses and ended with the end-of-sequence id).
 
 Run ``python examples/hf_llama.py`` for a short comparison of the async and sync routers;
 ``--speculative ngram --k 4`` and/or ``--repetition-penalty 1.3`` (with ``--depth 1`` or
