@@ -18,16 +18,28 @@ It also runs through ``DecodePipeline``: with speculative decoding (``decode_bat
 runs a row's input and its ``k`` drafts in one forward, and the n-gram drafter proposes them)
 and with a repetition penalty, and its greedy tokens again equal ``generate``'s.
 
+And it serves structured outputs: ``--json-schema FILE`` builds a byte-pair tokenizer here (trained
+on a few lines of text, nothing downloaded), the outlines-core vocabulary of its tokens, and the
+schema's ``TokenAutomaton`` over it; each request is submitted with ``grammar=`` that automaton,
+so its mask, pick and next state are decided on the device in the step's own call. Every output
+is JSON the schema validates, ending with the end-of-sequence id within ``max_new_tokens`` (the
+longest output the automaton allows, computed from it: the schema must bound its strings, numbers
+and arrays), and its greedy tokens equal a transformers ``generate`` whose logits are masked by
+the outlines-core index's own allowed tokens (tests/test_hf_llama_json.py checks both; the run
+itself checks that each output parses and ended with the end-of-sequence id).
+
 Run ``python examples/hf_llama.py`` for a short comparison of the async and sync routers;
 ``--speculative ngram --k 4`` and/or ``--repetition-penalty 1.3`` (with ``--depth 1`` or
-``2``) runs the pipeline with them instead.
+``2``) runs the pipeline with them instead; ``--json-schema examples/user.schema.json`` (with the
+same options) serves JSON outputs.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import time
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -290,6 +302,141 @@ def hf_greedy(model: Any, prompt: Sequence[int], max_new: int, ban: Any = (NO_TO
     return out[0, len(prompt):].tolist()
 
 
+# ---- structured outputs: a JSON schema's automaton over a tokenizer built here ----
+
+EOS = "</s>"  # the tokenizer's end-of-sequence token, id 0
+
+#: What the tokenizer's merges are learnt from: English and JSON, so that both are a few ids a word.
+CORPUS = [
+    'A user record as JSON: {"name": "Ada Lovelace", "age": 36, "color": "green", "admin": true}',
+    '{"name": "Alan", "age": 41, "color": "blue", "admin": false, "tags": ["a", "b"]}',
+    '{"name":"Grace","age":85,"color":"red","admin":true,"tags":["c"]}',
+    "Write the record of the next user of the system, then stop.",
+    "The quick brown fox jumps over the lazy dog; names, ages and colors of users.",
+]
+
+
+def local_tokenizer(vocab: int = 256) -> Any:
+    """A byte-pair tokenizer of at most ``vocab`` tokens, trained on ``CORPUS`` (deterministic,
+    nothing downloaded): the end-of-sequence token ``EOS`` is id 0, then the printable ASCII
+    characters, then the merges. Tokens are plain text (no pre-tokenizer, a fusing decoder), so a
+    token's text is what it adds to the output."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.decoder = decoders.Fuse()
+    printable = [chr(c) for c in range(32, 127)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS], initial_alphabet=printable,
+                                  show_progress=False)
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS)
+
+
+def outlines_vocabulary(tokenizer: Any) -> Any:
+    """The ``outlines_core.Vocabulary`` of ``tokenizer``'s tokens: each token's text to its id,
+    its end-of-sequence id apart."""
+    from outlines_core import Vocabulary
+
+    eos = tokenizer.eos_token_id
+    tokens = {text: [i] for text, i in tokenizer.get_vocab().items() if i != eos}
+    return Vocabulary(eos, tokens)
+
+
+def longest_output(automaton: Any) -> int:
+    """The most ids an output of ``automaton`` can have (its longest path from the initial state
+    to a state with no outgoing transition). Raises ValueError when it has a cycle: then nothing
+    bounds an output, and no ``max_new_tokens`` ends every request."""
+    longest: Dict[int, int] = {}  # a state's longest path to the end, once its successors' are known
+    on_path: set = set()  # the states whose successors are being explored: one reached again is a cycle
+    stack: List[Tuple[int, Optional[List[int]]]] = [(automaton.initial, None)]
+    while stack:  # depth first, without recursion (a schema's automaton has hundreds of states)
+        state, nexts = stack.pop()
+        if nexts is not None:  # its successors are done
+            longest[state] = max((1 + longest[n] for n in nexts), default=0)
+            on_path.discard(state)
+            continue
+        if state in longest:
+            continue
+        if state in on_path:
+            raise ValueError("the automaton has a cycle: bound the schema's strings (maxLength), "
+                             "numbers (enum) and arrays (maxItems)")
+        on_path.add(state)
+        nexts = sorted({automaton.next(state, t) for t in automaton.allowed(state)})
+        stack.append((state, nexts))
+        stack.extend((n, None) for n in nexts if n not in longest)
+    return longest[automaton.initial]
+
+
+def json_automaton(schema: Any, tokenizer: Any, vocab: int) -> Any:
+    """The ``TokenAutomaton`` of ``schema`` (a mapping) over ``tokenizer``'s tokens, ``vocab``
+    (the model's logits' width) ids wide."""
+    return mf.TokenAutomaton.from_json_schema(schema, outlines_vocabulary(tokenizer), vocab=vocab)
+
+
+def pipeline_json(model: Any, automaton: Any, prompts: Sequence[Sequence[int]], max_new: int, *,
+                  depth: int = 2, speculative: Optional[str] = None, k: int = 4,
+                  block_size: int = 16, num_blocks: int = 256) -> dict:
+    """Greedy tokens of each prompt through ``DecodePipeline`` with ``grammar=automaton`` (plain
+    or with the n-gram drafter, as ``pipeline_greedy``). Returns ``{"tokens": [...], "finish":
+    [...], "stats": ...}``: each request's tokens (its end-of-sequence id last when it ended so),
+    its finish reason and the pipeline's counters."""
+    from metrale_feed.sched.speculative import NGramDrafter
+
+    drafter = NGramDrafter(k) if speculative == "ngram" else None
+    feed = HfLlamaFeed(model, max_rows=len(prompts), block_size=block_size, num_blocks=num_blocks)
+    try:
+        with mf.DecodePipeline(feed, len(prompts), depth=depth, speculative=drafter) as pipe:
+            reqs = [pipe.submit(p, max_new_tokens=max_new, grammar=automaton) for p in prompts]
+            pipe.run()
+            stats = pipe.stats.as_dict()
+    finally:
+        automaton.close()
+        feed.close()
+    return {"tokens": [list(r.tokens) for r in reqs], "finish": [r.finish_reason for r in reqs],
+            "stats": stats}
+
+
+def json_text(tokenizer: Any, tokens: Sequence[int]) -> str:
+    """The output's text: its tokens decoded, the end-of-sequence id that ended it left out."""
+    ids = list(tokens)
+    if ids and ids[-1] == tokenizer.eos_token_id:
+        ids.pop()
+    text: str = tokenizer.decode(ids)
+    return text
+
+
+def _json_schema(model: Any, args: Any) -> None:
+    """Structured outputs: ``args.json_schema``'s automaton on every request."""
+    with open(args.json_schema) as f:
+        schema = json.load(f)
+    tokenizer = local_tokenizer(model.config.vocab_size)
+    automaton = json_automaton(schema, tokenizer, model.config.vocab_size)
+    max_new = longest_output(automaton)
+    prompts = [tokenizer.encode(text) for text in (
+        "A user record as JSON:", "Write the record of the next user:", "{",
+        "The quick brown fox")]
+    speculative = None if args.speculative == "none" else args.speculative
+    start = time.perf_counter()
+    result = pipeline_json(model, automaton, prompts, max_new, depth=args.depth,
+                           speculative=speculative, k=args.k)
+    seconds = time.perf_counter() - start
+    stats = result["stats"]
+    line = (f"pipeline depth {args.depth}, JSON schema {args.json_schema} ({automaton.num_states} "
+            f"states, {automaton.nbytes} device bytes, max_new_tokens {max_new}): "
+            f"{stats['steps']} steps, {sum(map(len, result['tokens'])) / seconds:7.1f} tok/s, "
+            f"{stats['host_syncs'] / max(stats['steps'], 1):.2f} host syncs a step")
+    if speculative:
+        line += f"; k={args.k}: {stats['accepted']} of {stats['drafted']} drafts accepted"
+    print(line)
+    for tokens, finish in zip(result["tokens"], result["finish"]):
+        text = json_text(tokenizer, tokens)
+        assert finish == "stop" and tokens[-1] == tokenizer.eos_token_id, (finish, text)
+        json.loads(text)
+        print(f"  {len(tokens):3d} tokens: {text}")
+    print("every output is JSON and ended with the end-of-sequence id")
+
+
 def _routers(model: Any, prompts: List[List[int]], max_new: int) -> None:
     """The async and sync routers side by side, with bans."""
     bans = [(NO_TOKEN, NO_TOKEN), (3, NO_TOKEN), (NO_TOKEN, NO_TOKEN), (10, 11)]
@@ -336,10 +483,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--depth", type=int, choices=(1, 2), default=2,
                         help="the pipeline's steps in flight (default 2)")
     parser.add_argument("--max-new", type=int, default=16, help="tokens a prompt (default 16)")
+    parser.add_argument("--json-schema", metavar="FILE", default=None,
+                        help="serve JSON outputs of this schema (a TokenAutomaton built with "
+                             "outlines-core on every request); it must bound its strings, numbers "
+                             "and arrays, e.g. examples/user.schema.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     mf.host_kernel_threads(1)
     model = small_llama()
+    if args.json_schema:
+        _json_schema(model, args)
+        return
     # The random model soon repeats itself, so the n-gram drafter finds drafts it accepts.
     prompts = [[1, 2, 3, 4], [9, 8, 7], [5, 5, 5, 5, 5], [42, 17]]
     if args.speculative == "none" and args.repetition_penalty == 1.0:

@@ -4,6 +4,7 @@ here: they depend on the machine."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -161,3 +162,36 @@ def test_speculative(record):
     assert p["depth_2_host_syncs"] == p["depth_2_steps"] > 0
     assert p["speculative_steps"] < p["plain_depth_1_steps"]  # acceptance 0.8 saves steps
     assert 0.3 < p["accepted_fraction"] < 0.9  # k = 4 at 0.8: 59 % in theory
+
+
+def test_grammar(record):
+    g = record["grammar"]
+    assert g["checked"] is True
+    if "skipped" in g:  # the grammar extra is not installed
+        assert importlib.util.find_spec("outlines_core") is None
+        return
+    s = g["step"]
+    assert (s["rows"], s["vocab"]) == (64, 152064) and s["checked"] is True
+    assert 0 < s["string_rows"] < s["rows"]  # a mix: rows inside a string and at other states
+    assert s["bitmask_bytes"] == 64 * s["words"] * 4 == 64 * 4752 * 4
+    for name in ("argmax", "argmax_grammar", "sample", "sample_grammar", "engine", "engine_cached", "mask"):
+        assert positive(s["ms"][name]), name
+    assert positive(s["ratio"]["argmax"]) and positive(s["ratio"]["sample"])
+    assert s["engine_ratio"] == pytest.approx(s["ms"]["engine"] / s["ms"]["argmax_grammar"])
+    assert g["bounded_strings"] is None  # the full run's row only
+    p = g["pipeline"]
+    assert p["checked"] is True
+    for run in (p["free"], p["grammar"]):
+        assert positive(run["tps"]) and run["host_syncs"] == run["steps"] > 0  # depth 2: one a step
+    assert p["free"]["finish"] == ["length"]
+    assert p["ratio"] == pytest.approx(p["grammar"]["tps"] / p["free"]["tps"])
+
+
+def test_grammar_section_says_what_it_needs_without_outlines_core(monkeypatch, capsys):
+    from metrale_feed.tools.bench import grammar
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(grammar.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "outlines_core" else real(name, *a))
+    assert grammar.bench_grammar(True) == {"skipped": "outlines-core is not installed", "checked": True}
+    assert "pip install 'metrale-feed[grammar]'" in capsys.readouterr().out

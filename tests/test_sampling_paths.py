@@ -130,6 +130,39 @@ def test_paths_agree_with_bitmasks_and_special_values(vector, dev, dtype):
         assert_in_survivors(logits, params, masks, bitmask, fast)
 
 
+def test_paths_agree_on_a_grammars_rows(vector, dev):
+    """Bitmask rows as a grammar's states make them (a few allowed ids in scattered words, whole
+    words allowed, most of the row allowed), on flat logits at temperature 1 and above: the
+    whole-row race, which skips the words that allow nothing. Drawn again and again (seeds and
+    positions), so the draws land across the allowed ids."""
+    rng = np.random.default_rng(43)
+    rows, vocab = 32, 20011  # the last word partly past the row
+    words = (vocab + 31) // 32
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    bitmask = np.zeros((rows, words), np.uint32)
+    for r in range(rows):
+        kind = r % 4
+        if kind == 0:  # a structural state: a few ids
+            bitmask[r] = 0
+            for t in rng.choice(vocab, int(rng.integers(1, 6)), replace=False):
+                bitmask[r, t // 32] |= np.uint32(1 << (t % 32))
+        elif kind == 1:  # a few whole words and a lone id in the last one
+            bitmask[r, rng.choice(words - 1, 3, replace=False)] = 0xFFFFFFFF
+            bitmask[r, -1] = 1 << ((vocab - 1) % 32)
+        elif kind == 2:  # a string's state: most of the row
+            bitmask[r] = rng.integers(0, 2**32, words, dtype=np.uint64).astype(np.uint32) | 0xFFFF0FFF
+        else:  # a digit's state: ids in one word
+            bitmask[r, 7] = 0x3FF
+    bitmask = bitmask.view(np.int32)
+    for temperature in (1.0, 2.5):
+        for draw in range(6):
+            params = mf.sampling_params(rows, temperature=temperature, seed=rng.integers(0, 2**63, rows),
+                                        position=draw)
+            fast, slow = both_paths(dev, logits, params, None, bitmask)
+            assert np.array_equal(fast, slow), (temperature, draw)
+            assert_in_survivors(logits, params, None, bitmask, fast)
+
+
 @pytest.mark.parametrize("top_k", [1, 2, 7, 31, 64, 500])
 def test_ties_at_the_kth_boundary_go_to_the_lower_id(vector, dev, top_k):
     """Rows of a few distinct values, so the k-th boundary falls inside a run of equal logits:

@@ -300,6 +300,72 @@ def test_records_past_the_arrays_are_read_in_bounds(backend, device):
     assert got.tolist() == oracle.advance([0, 1, 2, 3, 5], cells, 0).tolist() == [3, 5, 0, 5, 5]
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_many_rows_in_few_states_over_a_wide_vocabulary(backend, device, threads):
+    """A batch as a served one has it: many rows in a few states (more distinct states than the
+    host's copy of a recent row holds, interleaved so it forgets and rebuilds them), over a
+    vocabulary of many words; sparse states whose edges pass ``vocab`` (ids the rule never reads,
+    inside the last word and past it), with and without ``bitmask_in``, drafts included."""
+    rng = np.random.default_rng(threads)
+    vocab, k = 5001, 2  # the last word holds 9 ids
+    transitions = random_automaton(rng, 14, vocab)
+    states, edges = encode(transitions, vocab)
+    # State 14: sorted edges at vocab - 1, then ids past it (in the last word, then past it).
+    first = len(edges)
+    extra = np.array([[vocab - 1, 0], [vocab + 2, 1], [vocab + 40, 2]], np.uint32)
+    edges = np.concatenate([edges, extra])
+    states = np.concatenate([states, np.array([[first, 3, DEAD, 0]], np.uint32)])
+    oracle = Oracle(states, edges, vocab)
+    words = [int(w) for w in rng.permutation(np.tile(np.arange(15), 5))] + [N, 1, N, 1]
+    mf.host_kernel_threads(threads)
+    try:
+        got = run_mask(device, states, edges, vocab, words)
+        assert got.tobytes() == oracle.mask(words, [], 0).tobytes()
+        drafts = [int(t) for t in rng.integers(0, vocab, len(words) * k)]
+        nwords = -(-vocab // 32)
+        bitmask_in = rng.integers(0, 2**32, (len(words) * (k + 1), nwords), dtype=np.uint64).astype(np.uint32)
+        got = run_mask(device, states, edges, vocab, words, k=k, drafts=drafts)
+        assert got.tobytes() == oracle.mask(words, drafts, k).tobytes()
+        got = run_mask(device, states, edges, vocab, words, k=k, drafts=drafts, bitmask_in=bitmask_in)
+        assert got.tobytes() == oracle.mask(words, drafts, k, bitmask_in).tobytes()
+    finally:
+        mf.host_kernel_threads(0)
+
+
+def _mask_on(name, states, edges, vocab, words, helpers):
+    """mf_grammar_mask's rows on backend ``name`` (host or simt)."""
+    previous = mf.backend()
+    mf.set_backend(name)
+    try:
+        d = Device(helpers)
+        try:
+            return run_mask(d, states, edges, vocab, words)
+        finally:
+            d.close()
+    finally:
+        mf.set_backend(previous)
+
+
+def test_edges_out_of_order_give_the_kernels_bits_on_the_host(host, dev):
+    """No encoder writes a state's edges out of order, but the arrays are device data nobody
+    checks: the host's one-pass row must then give what the CUDA kernel's word-at-a-time rule
+    gives (simt runs that kernel's source), not what a sorted table would mean."""
+    if mf.backend() != "host":
+        pytest.skip("compares the host backend with simt")
+    vocab = 200
+    edges = np.array([[40, 0], [3, 0], [150, 1], [70, 0], [71, 0],    # state 0: out of order
+                      [5, 0], [5, 1], [90, 0],                          # state 1: a repeated id
+                      [10, 0], [190, 1], [60, DEAD], [61, 0]],          # state 2: dense, out of order
+                     np.uint32)
+    states = np.array([[0, 5, DEAD, 0], [5, 3, DEAD, 0], [8, 4, 0, 0]], np.uint32)
+    words = [0, 1, 2, 0, 2, 1]
+    got = _mask_on("host", states, edges, vocab, words, dev)
+    want = _mask_on("simt", states, edges, vocab, words, dev)
+    assert got.tobytes() == want.tobytes()
+    # Not vacuous: the dict reading of the arrays disagrees with the rule somewhere.
+    assert want.tobytes() != Oracle(states, edges, vocab).mask(words, [], 0).tobytes()
+
+
 # ---- the advance ----
 
 def test_plain_advance_steps_each_row_by_its_id(backend, device):

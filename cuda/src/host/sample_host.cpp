@@ -154,7 +154,10 @@ const int32_t *uniform_out_table() {
 // second with the top's z for every id's (no candidate's is greater; a non-candidate skipped is
 // refused by offer() anyway), where a word whose top 24 bits are at most `r_out` fails it, so one
 // integer compare per 8 ids, on the words as the rounds leave them, leaves the per-lane tests to
-// a few groups. RaceGroups holds what the groups share; pass() tests one group.
+// a few groups. RaceGroups holds what the groups share; pass() tests one group. With a bitmask,
+// a group whose word allows none of its ids is skipped whole and the lanes it clears are not
+// offered (offer() would refuse them): a grammar's row that allows a few ids costs its few words,
+// whose best score, over few ids, rarely rules a group out.
 struct RaceGroups {
     const Race &race;
     __m256 t, bound, low;
@@ -244,10 +247,13 @@ struct RaceGroups {
 
 MF_AVX2 void race_f32(Race &race, uint32_t top_id) {
     const float *p = (const float *)race.v.row;
+    const uint32_t *bitmask = race.v.rule->bits;
     RaceGroups groups(race);
     uint32_t i = 0;
     for (; i + 32 <= race.v.vocab; i += 32) {
-        unsigned pass = groups.pass(p, i);
+        const uint32_t allowed = bitmask ? bitmask[i >> 5] : 0xFFFFFFFFu;  // i is a word's first id
+        if (!allowed) continue;
+        unsigned pass = groups.pass(p, i) & allowed;
         while (pass) {
             const uint32_t id = i + (uint32_t)__builtin_ctz(pass);
             pass &= pass - 1;

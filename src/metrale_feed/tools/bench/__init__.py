@@ -5,7 +5,8 @@ the synchronous router), with the ratio and the target. These machines are noisy
 pairs are interleaved and each figure is a best or a median over repeats. Needs numpy. One module
 per thing measured: ``calls`` (import, per call, cimport), ``kernels`` (argmax, sampling,
 penalties), ``pipeline`` (router, pipeline, graphs), ``interop``, ``spec`` (speculative
-decoding), ``tp`` (tensor parallelism, ``--tp N``); ``report`` prints the rows.
+decoding), ``grammar`` (structured outputs), ``tp`` (tensor parallelism, ``--tp N``); ``report``
+prints the rows.
 """
 
 from __future__ import annotations
@@ -119,6 +120,10 @@ def main(args: Any) -> int:
     from .spec import bench_speculative
 
     record["speculative"] = bench_speculative(args.quick)
+    from .grammar import bench_grammar
+
+    grammar = bench_grammar(args.quick)
+    record["grammar"] = grammar
     record["seconds"] = time.perf_counter() - start
     missed = [name for name, mark in VERDICTS if mark != "met"]
     record["targets"] = {"met": len(VERDICTS) - len(missed), "missed": missed}
@@ -136,7 +141,8 @@ def main(args: Any) -> int:
           and record["router"]["sampling"]["checked"]
           and record["penalties"]["checked"]
           and record["graphs"]["checked"]
-          and record["speculative"]["checked"])
+          and record["speculative"]["checked"]
+          and grammar["checked"])
     if not ok:
         print("a correctness check failed: argmax ids or router tokens differ (sampled ones "
               "included)", file=sys.stderr)
