@@ -213,6 +213,9 @@ def test_sigint_during_a_free_with_queued_work_is_prompt():
     KeyboardInterrupt arrives within the interval, not after the queue drains."""
     result = run_python("""
         import os, signal, threading, time, metrale_feed as mf
+        # A child of a background job inherits SIGINT ignored (POSIX shells do that without job
+        # control), and Python then installs no handler: restore the default one.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         mf.configure_host(lag_us=2_500_000)
         s = mf.Stream()
         buf = mf.DeviceBuffer(64)

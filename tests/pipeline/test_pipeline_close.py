@@ -114,9 +114,12 @@ def test_ctrl_c_in_a_speculative_wait_then_close_frees_everything():
     the host backend lagging so the wait is long: KeyboardInterrupt surfaces, and the close that
     follows frees everything, for each kind of speculative pipeline."""
     code = f"""
-        import _thread, gc, itertools, time
+        import _thread, gc, itertools, signal, time
         import metrale_feed as mf
         from metrale_feed import DecodePipeline
+        # A child of a background job inherits SIGINT ignored (POSIX shells do that without job
+        # control), and Python then installs no handler: restore the default one.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from metrale_feed.testing.drafter import ReferenceDrafter
         from metrale_feed.testing.reference import ReferenceModel
 
