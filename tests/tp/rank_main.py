@@ -1083,12 +1083,13 @@ SCENARIOS = {"graph": scenario_graph, "graph-sample": scenario_graph_sample, "fi
  "dead": scenario_dead, "empty-tensor": scenario_empty_tensor, "hung-filtered": scenario_hung_filtered,
  "top": scenario_top}
 import rank_bytes  # noqa: E402
+import rank_grammar  # noqa: E402
 import rank_rounds  # noqa: E402
 import rank_threads  # noqa: E402
 import rank_top  # noqa: E402
 
 for extra in (rank_verify.SCENARIOS, rank_top.SCENARIOS, rank_rounds.SCENARIOS, rank_threads.SCENARIOS,
-              rank_bytes.SCENARIOS):
+              rank_bytes.SCENARIOS, rank_grammar.SCENARIOS):
     SCENARIOS.update({name: (lambda f=f: f(sys.modules[__name__])) for name, f in extra.items()})
 SCENARIOS[SCENARIO]()
 print("OK", sys.argv[4], flush=True)

@@ -239,6 +239,13 @@ def test_the_speculative_pipeline_spmd_applies_each_ranks_penalties_walking_the_
     ranks(world, "pipeline-spec-penalties", timeout=400)
 
 
+@pytest.mark.parametrize("world, scenario", [(1, "pipeline-grammar+exchange"), (2, "pipeline-grammar"),
+                                             (3, "pipeline-grammar")])
+def test_the_pipeline_spmd_follows_the_automata_on_every_rank(world, scenario):
+    # Constrained and free rows, plain and speculative, depth 1 and 2: the unsharded oracle's tokens.
+    ranks(world, scenario, timeout=400)
+
+
 @pytest.mark.parametrize("scenario", ["verify-refused", "verify-mismatch"])
 def test_a_sharded_verify_refuses_what_it_does_not_take_and_faults_on_mismatched_calls(scenario):
     ranks(2, scenario)
