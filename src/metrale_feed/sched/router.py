@@ -533,6 +533,12 @@ class _DeviceIo:
             As ``await_result``: a ticket of another router or one already awaited, or a failed
             wait.
         """
+        ring = self._ring_of(ticket)
+        self._wait(ring.events[ticket.slot])
+        return _core.read_pinned_u32(ring.ptrs[ticket.slot], ticket.rows)
+
+    def _ring_of(self, ticket: Ticket) -> Any:
+        """The ring whose slot ``ticket`` holds, unawaited; FeedError otherwise."""
         ring = self._ring
         if ring is None:
             raise FeedError("the router has been torn down")
@@ -540,8 +546,7 @@ class _DeviceIo:
             raise FeedError(f"{ticket!r} was not launched by this router")
         if not ring.busy[ticket.slot] or ring.gen[ticket.slot] != ticket.gen:
             raise FeedError(f"{ticket!r} was already awaited")
-        self._wait(ring.events[ticket.slot])
-        return _core.read_pinned_u32(ring.ptrs[ticket.slot], ticket.rows)
+        return ring
 
     def await_result(self, ticket: Ticket) -> List[int]:
         """The step's ids, one per row, once its event has completed.
@@ -566,13 +571,7 @@ class _DeviceIo:
             A ticket of another router, one already awaited (even when its slot now holds a
             newer step), or a failed wait.
         """
-        ring = self._ring
-        if ring is None:
-            raise FeedError("the router has been torn down")
-        if not isinstance(ticket, Ticket) or ticket.router is not self:
-            raise FeedError(f"{ticket!r} was not launched by this router")
-        if not ring.busy[ticket.slot] or ring.gen[ticket.slot] != ticket.gen:
-            raise FeedError(f"{ticket!r} was already awaited")
+        ring = self._ring_of(ticket)
         try:
             self._wait(ring.events[ticket.slot])
             ids = _core.read_pinned_u32(ring.ptrs[ticket.slot], ticket.rows)
