@@ -125,6 +125,17 @@ def host():
 
 
 @pytest.fixture
+def vector(host):
+    """The host backend's vector path on one kernel thread (skipped where the CPU has only the
+    portable one), for the tests that compare it with the portable path."""
+    if host.host_argmax_path(False) == "portable":
+        pytest.skip("no vector path on this CPU: both paths are the portable one")
+    host.host_kernel_threads(1)
+    yield
+    host.host_kernel_threads(0)
+
+
+@pytest.fixture
 def simt():
     """The simt backend, active for this test; its executor's settings reset after."""
     yield from _host_runtime("simt")

@@ -45,15 +45,6 @@ def both_paths(dev, logits, params, masks=None, bitmask=None):
     return got[False], got[True]
 
 
-@pytest.fixture
-def vector(host):
-    if mf.host_argmax_path(False) == "portable":
-        pytest.skip("no vector path on this CPU: both paths are the portable one")
-    host.host_kernel_threads(1)
-    yield
-    host.host_kernel_threads(0)
-
-
 def random_params(rng, rows, *, top_k=None, top_p=None, min_p=None, temperature=None):
     """Each row its own seed, position and filters (a filter off in some rows)."""
     pick = lambda off, on: np.where(rng.random(rows) < 0.3, off, on)  # noqa: E731

@@ -15,16 +15,6 @@ from metrale_feed.testing.oracle import reference_survivors
 from test_sampling_paths import assert_in_survivors, both_paths
 
 
-@pytest.fixture
-def vector(host):
-    """The vector path on one kernel thread (test_sampling_paths's fixture)."""
-    if mf.host_argmax_path(False) == "portable":
-        pytest.skip("no vector path on this CPU: both paths are the portable one")
-    host.host_kernel_threads(1)
-    yield
-    host.host_kernel_threads(0)
-
-
 def params_for(rng, draws, top_p, min_p=0.0, temperature=None):
     return mf.sampling_params(
         draws, temperature=rng.uniform(0.4, 2.0, draws) if temperature is None else temperature,
