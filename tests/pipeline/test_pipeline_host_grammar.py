@@ -325,10 +325,12 @@ def test_terminated_matcher_and_empty_bitmask_finish(host, no_leaks, depth):
     assert free.tokens == greedy_tokens([3, 4], 6, VOCAB)
 
 
-def test_the_matcher_is_brought_to_any_tokens_exactly():
+@pytest.mark.parametrize("ahead", [False, True])
+def test_the_matcher_is_brought_to_any_tokens_exactly(ahead):
     """``HostGrammar._sync`` (what a fill and a step's walk call): forward, back past ids thrown
     away (a rollback), to another id in place of the last one accepted, and to nothing (a reset,
-    then the ids again); each time the bitmask is a fresh matcher's after the same ids."""
+    then the ids again); each time the bitmask is a fresh matcher's after the same ids. With
+    ``ahead`` the last id is passed apart, as the id of a step in flight is."""
     grammar = compiled("json")
     probe = xgr.GrammarMatcher(grammar)
     rng = random.Random(4)
@@ -342,6 +344,10 @@ def test_the_matcher_is_brought_to_any_tokens_exactly():
         walk.append(rng.choice(opening or allowed))
         assert probe.accept_token(walk[-1])
     host = HostGrammar(xgr.GrammarMatcher(grammar), vocab=VOCAB)
+
+    def sync(ids):
+        return host._sync(ids[:-1], ids[-1]) if ahead and ids else host._sync(ids)
+
     got, want = np.zeros((1, WORDS), np.int32), np.zeros((1, WORDS), np.int32)
     other = {}  # cut -> another id the grammar allows there, for a step thrown away
     for cut in range(1, 24):
@@ -356,8 +362,8 @@ def test_the_matcher_is_brought_to_any_tokens_exactly():
     for cut in (5, 9, 8, 3, 20, 20, 0, 24, 1, -thrown, thrown + 2):
         if cut < 0:  # the last id accepted is thrown away and another takes its place
             target = walk[:-cut - 1] + [other[-cut]]
-            assert host._sync(walk[:-cut])
-            assert host._sync(target)
+            assert sync(walk[:-cut])
+            assert sync(target)
             host._fill(got, 0)
             fresh = xgr.GrammarMatcher(grammar)
             for t in target:
@@ -365,7 +371,7 @@ def test_the_matcher_is_brought_to_any_tokens_exactly():
             fresh.fill_next_token_bitmask(want)
             assert np.array_equal(got, want), cut
             continue
-        assert host._sync(walk[:cut])
+        assert sync(walk[:cut])
         host._fill(got, 0)
         fresh = xgr.GrammarMatcher(grammar)
         for t in walk[:cut]:
@@ -376,7 +382,7 @@ def test_the_matcher_is_brought_to_any_tokens_exactly():
     assert fresh.accept_token(walk[0])
     fresh.fill_next_token_bitmask(want)
     refused = next(t for t in range(VOCAB) if not (want[0, t // 32] >> (t % 32)) & 1)
-    assert not host._sync(walk[:1] + [refused])  # refused: it stands after the ids before
+    assert not sync(walk[:1] + [refused])  # refused: it stands after the ids before
     host._fill(got, 0)
     assert np.array_equal(got, want)
 

@@ -122,21 +122,23 @@ class HostGrammar:
         self._accepted.clear()
         self._request = request
 
-    def _sync(self, tokens: List[int]) -> bool:
-        """Bring the matcher to exactly ``tokens`` (the request's generated ids, committed and
-        perhaps the one of the step in flight): the ids it accepted past their common prefix are
-        rolled back (or it is reset and the prefix accepted again), the rest accepted. False
-        when the matcher refuses one (it then stands after the ones before it).
+    def _sync(self, tokens: List[int], ahead: Optional[int] = None) -> bool:
+        """Bring the matcher to exactly ``tokens`` (the request's committed ids) followed by
+        ``ahead`` (the id of the step in flight, when given): the ids it accepted past their
+        common prefix are rolled back (or it is reset and the prefix accepted again), the rest
+        accepted. False when the matcher refuses one (it then stands after the ones before it).
 
         Every id it accepted but the last is a committed id of the request (the one of a step
         in flight is accepted only while it is the last), and committed ids never change, so
-        comparing the last one tells whether what it accepted is a prefix of ``tokens``: a step
-        costs no pass over the request's ids."""
+        comparing the last one tells whether what it accepted is a prefix of the target: a step
+        costs no pass over the request's ids (``ahead`` is passed apart so that none is copied)."""
         acc = self._accepted
-        n = len(acc)
-        if n > len(tokens) or (n and acc[-1] != tokens[n - 1]):
+        n, m = len(acc), len(tokens)
+        if n > m + (ahead is not None) or (n and acc[-1] != (tokens[n - 1] if n <= m else ahead)):
+            # Rare (a thrown-away id replaced, a request joining again): the prefix found by a pass.
+            target = tokens if ahead is None else tokens + [ahead]
             keep = 0
-            for a, b in zip(acc, tokens):
+            for a, b in zip(acc, target):
                 if a != b:
                     break
                 keep += 1
@@ -148,11 +150,15 @@ class HostGrammar:
                 self._matcher.reset()
                 acc.clear()
         accept, vocab = self._matcher.accept_token, self.vocab
-        for token in tokens[len(acc):]:
+        for token in tokens[len(acc):] if len(acc) < m else ():
             # NO_TOKEN (a row left no candidate) is refused here, before xgrammar warns of it.
             if not 0 <= token < vocab or not accept(token):
                 return False
             acc.append(token)
+        if ahead is not None and len(acc) == m:
+            if not 0 <= ahead < vocab or not accept(ahead):
+                return False
+            acc.append(ahead)
         return True
 
     def _fill(self, bitmask: Any, row: int) -> None:

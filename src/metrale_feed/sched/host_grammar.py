@@ -71,11 +71,9 @@ class HostMasks:
         bits[:] = -1  # a row without a host grammar: every id (its own masks decide)
         for i, req in hosted:
             grammar = req._host
-            tokens = req.tokens
             j = -1 if index is None else index.get(req, -1)
-            if j >= 0:  # its id in the step in flight comes before this one
-                tokens = tokens + [ids[j]]  # type: ignore[index]
-            if grammar._sync(tokens):
+            # Its id in the step in flight, if any, comes before this one.
+            if grammar._sync(req.tokens, None if j < 0 else ids[j]):  # type: ignore[index]
                 grammar._fill(bits, i)
             else:  # an id it refuses: that step's walk finishes the request, this row is dropped
                 bits[i] = 0
@@ -103,7 +101,7 @@ def walk(hosted: List[Tuple[int, "Request"]], ids: List[int], dead: Optional[Set
         if (dead is not None and i in dead) or req.status is not _RUNNING:
             continue
         grammar = req._host
-        if not grammar._sync(req.tokens + [ids[i]]):
+        if not grammar._sync(req.tokens, ids[i]):
             if not copied:  # a copy: the step's own set keeps what was thrown away
                 dead, copied = set(dead or ()), True
             dead.add(i)  # type: ignore[union-attr]
