@@ -243,6 +243,51 @@ def sample_to_feed(logits: _DeviceLike, params: Buffer | _DeviceLike, cells: _De
                    logprobs_dst: Buffer | int | None = None, shard: Any | None = None,
                    penalties: PenaltyLaunch | None = None,
                    grammar: tuple[Any, ...] | None = None) -> int: ...
+PICK_OPS: tuple[str, ...]
+PICK_FIELDS: tuple[str, ...]
+
+@final
+class PickStep:
+    op: str
+    logits: Any
+    masks: Any
+    params: Any
+    cells: Any
+    dst: Any
+    event: Any
+    stream: Any
+    rows: Any
+    vocab: Any
+    dtype: Any
+    row_stride: Any
+    bitmask: Any
+    logprobs: Any
+    logprobs_dst: Any
+    penalties: Any
+    grammar: Any
+    shard: Any
+    drafts: Any
+    k: Any
+    draft_probs: Any
+    advance: Any
+    top_logprobs: Any
+    top_logprobs_dst: Any
+    top_n: int
+    raw_logits: Any
+    def __init__(self, op: str, *, logits: Any = None, masks: Any = None, params: Any = None,
+                 cells: Any = None, dst: Any = None, event: Any = None, stream: Any = 0,
+                 rows: Any = None, vocab: Any = None, dtype: Any = None, row_stride: Any = None,
+                 bitmask: Any = None, logprobs: Any = None, logprobs_dst: Any = None,
+                 penalties: Any = None, grammar: Any = None, shard: Any = None,
+                 drafts: Any = None, k: Any = None, draft_probs: Any = None, advance: Any = None,
+                 top_logprobs: Any = None, top_logprobs_dst: Any = None, top_n: int = 0,
+                 raw_logits: Any = None) -> None: ...
+    def on(self, cells: Any, vocab: Any, dtype: Any, row_stride: Any = None,
+           shard: Any = None) -> PickStep: ...
+    def replace(self, **changes: Any) -> PickStep: ...
+    def asdict(self) -> dict[str, Any]: ...
+
+def pick_to_feed(step: PickStep) -> int: ...
 def resolve_feed(sources: _WordsLike | _DeviceLike, cells: _DeviceLike, out: _DeviceLike,
                  stream: _StreamLike = 0, *, prev_rows: int | None = None,
                  rows: int | None = None) -> None: ...

@@ -211,15 +211,15 @@ cdef int fill_params(_Launch launch, mf_argmax_args *a, object params, _PickInpu
     return 0
 
 
-cdef object launch_pick(object logits, object masks, object cells, object dst, object event,
-                        object stream, object bitmask, object params, object rows, object vocab,
-                        object dtype, object row_stride, object logprobs=None,
-                        object logprobs_dst=None, object partial=None, object penalties=None,
-                        object grammar=None):
+cdef object launch_pick(PickStep step, object rows, object partial=None):
     """The one launcher under argmax_to_feed and sample_to_feed (and their partial calls, see
-    _shard.pxi): one descriptor, one C call. Every argument is checked before the launch, which
-    commits what the work needs or raises with nothing kept (_Launch.queued). ``grammar``: its
-    descriptor (_grammar.pxi), from which the C call queues the mask, the pick and the advance."""
+    _shard.pxi): one step, one descriptor, one C call. ``rows``: the step's, or what the op
+    inferred. Every field is checked before the launch, which commits what the work needs or
+    raises with nothing kept (_Launch.queued). ``step.grammar``: its descriptor (_grammar.pxi),
+    from which the C call queues the mask, the pick and the advance."""
+    cdef object logits = step.logits, masks = step.masks, cells = step.cells, dst = step.dst
+    cdef object event = step.event, bitmask = step.bitmask, params = step.params
+    cdef object penalties = step.penalties, grammar = step.grammar
     cdef mf_argmax_args a
     cdef uint64_t s, e
     cdef void *ptr
@@ -229,17 +229,18 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
     cdef _PickInputs keep = _PickInputs.__new__(_PickInputs)
     cdef _GrammarCall g = None
     mf_argmax_args_init(&a)  # every option off, struct_size set (feed.h, "descriptors")
-    stream_of(stream, &s)
+    stream_of(step.stream, &s)
     cdef _Launch launch = launch_on(s)
     try:
         if partial is None:
-            logits_of(launch, logits, &a, rows, vocab, dtype, row_stride, penalties is not None)
+            logits_of(launch, logits, &a, rows, step.vocab, step.dtype, step.row_stride,
+                      penalties is not None)
         else:  # a slice [start, stop) of rows of `vocab` ids: the logits hold the slice's columns
             fill_partial(&a, partial)
             if a.vocab == 0:  # an empty slice reads nothing
-                empty_slice_of(launch, logits, &a, rows, dtype)
+                empty_slice_of(launch, logits, &a, rows, step.dtype)
             else:
-                logits_of(launch, logits, &a, rows, a.vocab, dtype, row_stride)
+                logits_of(launch, logits, &a, rows, a.vocab, step.dtype, step.row_stride)
         if a.rows:  # the tensor's
             rows = a.rows
         if masks is not None and device_resident(masks, "masks"):
@@ -278,7 +279,7 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
             launch.device(cells, &ptr, &cells_len, "cells", True, True)
             a.cells = <uint32_t *>ptr
             a.cell_capacity = cells_capacity(cells, ptr, cells_len, a.rows)
-        held_lp = fill_logprobs(&a.logprobs, &a.logprobs_dst, logprobs, logprobs_dst, a.rows)
+        held_lp = fill_logprobs(&a.logprobs, &a.logprobs_dst, step.logprobs, step.logprobs_dst, a.rows)
         event_of(event, &a.event, True)
         if dst is None:
             a.host_dst = NULL
@@ -306,8 +307,8 @@ cdef object launch_pick(object logits, object masks, object cells, object dst, o
         # `partial`: a partial call's block, and a select stage's state, list and gathered lists,
         # which a captured graph keeps with the rest.
         launch.queued(mf_argmax_to_feed(&a, s),
-                      (logits, masks, cells, dst, event, bitmask, params, logprobs, logprobs_dst, penalties,
-                       partial, grammar, g))
+                      (logits, masks, cells, dst, event, bitmask, params, step.logprobs,
+                       step.logprobs_dst, penalties, partial, grammar, g))
     finally:
         launch.close()
     return a.rows
@@ -380,16 +381,78 @@ cdef int check_float_rows(object obj, uint32_t rows, str what, bint device) exce
     return 0
 
 
-cdef object run_on_shard(object shard, str op, dict fields):
-    """A pick over a split vocabulary: the call described once (``metrale_feed.step.PickStep``)
-    and handed to the shard, which runs it (tp/shard.py; torch is imported there only). The
-    extension knows nothing of the shard but this one method."""
+cdef object run_on_shard(object shard, PickStep step):
+    """A pick over a split vocabulary: the step handed to the shard, which runs it (tp/shard.py;
+    torch is imported there only). The extension knows nothing of the shard but this one method."""
     run = getattr(shard, "run_step", None)
     if run is None:
         raise TypeError(f"shard must be a VocabShard, not {type(shard).__name__}")
-    from metrale_feed.step import PickStep  # plain Python, loaded with the first sharded call
+    return run(step)
 
-    return run(PickStep(op, **fields))
+
+cdef object run_pick(PickStep step):
+    """An argmax or sample step: over a split vocabulary the shard's, else one launch."""
+    if step.shard is not None:  # host params, or temperature-only device params (shard.py)
+        refuse_sharded_penalties(step.penalties)
+        return run_on_shard(step.shard, step)
+    rows = step.rows
+    params = step.params
+    if (rows is None and step.masks is None and step.op == "sample"
+            and not (is_foreign(step.logits) and not isinstance(step.logits, (list, tuple)))):
+        if device_resident(params, "params"):
+            raise ValueError("rows is required with device-resident params and no masks")
+        rows = len(params)
+    return launch_pick(step, rows)
+
+
+def pick_to_feed(PickStep step not None):
+    """Launch the pick ``step`` describes: ``argmax_to_feed`` or ``sample_to_feed`` given whole.
+
+    What a model's feed method calls with the scheduler's step once it has completed it with its
+    own feed (``PickStep.on``): the fields are read as the keyword functions read their
+    arguments (the same checks, errors and launch), with no keyword parsed again.
+
+    Parameters
+    ----------
+    step : PickStep
+        ``op`` "argmax" or "sample" (``params`` then required); its ``top_logprobs``,
+        ``top_logprobs_dst`` and ``raw_logits`` unset (the model's, queued by its feed method).
+
+    Returns
+    -------
+    int
+        The rows launched.
+
+    Raises
+    ------
+    ValueError
+        A verify step (``verify_to_feed`` takes those), a step that still holds the model's
+        fields; then whatever ``argmax_to_feed`` or ``sample_to_feed`` raise for the same
+        arguments.
+    TypeError
+        A sample step without params.
+
+    Examples
+    --------
+    >>> import numpy as np, metrale_feed as mf
+    >>> logits = np.array([[0.1, 0.9, 0.5]], np.float32)
+    >>> with mf.DeviceBuffer(4) as cells, mf.PinnedBuffer(4) as ids, mf.Event() as done:
+    ...     mf.pick_to_feed(mf.PickStep("argmax", logits=logits, masks=[(1, mf.NO_TOKEN)],
+    ...                                 cells=cells, dst=ids, event=done))
+    ...     done.synchronize()
+    ...     np.frombuffer(ids, np.uint32).tolist()
+    1
+    [2]
+    """
+    if step.op == "verify":
+        raise ValueError("pick_to_feed takes an argmax or sample step; verify_to_feed takes a verify")
+    if step.op == "sample" and step.params is None:
+        raise TypeError("a sample step's params must be an array of metrale_feed.SAMPLING_PARAMS_DTYPE "
+                        "records (or device memory holding them), not NoneType")
+    if step.top_logprobs is not None or step.raw_logits is not None:
+        raise ValueError("pick_to_feed does not queue top_logprobs or raw_logits: the model's feed "
+                         "method does, then hands on step.on(...), which clears them")
+    return run_pick(step)
 
 
 def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, vocab=None,
@@ -510,14 +573,9 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
     2
     [2, 0]
     """
-    if shard is not None:  # the tensor-parallel call (shard.py; torch is imported there only)
-        refuse_sharded_penalties(penalties)
-        return run_on_shard(shard, "argmax", dict(logits=logits, masks=masks, cells=cells, dst=dst,
-                            event=event, stream=stream, rows=rows, vocab=vocab, dtype=dtype,
-                            row_stride=row_stride, bitmask=bitmask, logprobs=logprobs,
-                            logprobs_dst=logprobs_dst, grammar=grammar))
-    return launch_pick(logits, masks, cells, dst, event, stream, bitmask, None, rows, vocab, dtype,
-                       row_stride, logprobs, logprobs_dst, None, penalties, grammar)
+    return run_pick(pick_step("argmax", logits, masks, None, cells, dst, event, stream, rows,
+                              vocab, dtype, row_stride, bitmask, logprobs, logprobs_dst,
+                              penalties, grammar, shard))
 
 
 def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, bitmask=None,
@@ -560,18 +618,9 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
     >>> sample_to_feed(logits, p, cells, dst, ev, vocab=32000, dtype="f32")  # doctest: +SKIP
     2
     """
-    if shard is not None:  # host params, or temperature-only device params (shard.py)
-        refuse_sharded_penalties(penalties)
-        return run_on_shard(shard, "sample", dict(logits=logits, masks=masks, params=params,
-                            cells=cells, dst=dst, event=event, stream=stream, rows=rows,
-                            vocab=vocab, dtype=dtype, row_stride=row_stride, bitmask=bitmask,
-                            logprobs=logprobs, logprobs_dst=logprobs_dst, grammar=grammar))
-    if rows is None and masks is None and not (is_foreign(logits) and not isinstance(logits, (list, tuple))):
-        if device_resident(params, "params"):
-            raise ValueError("rows is required with device-resident params and no masks")
-        rows = len(params)
-    return launch_pick(logits, masks, cells, dst, event, stream, bitmask, params, rows, vocab, dtype,
-                       row_stride, logprobs, logprobs_dst, None, penalties, grammar)
+    return run_pick(pick_step("sample", logits, masks, params, cells, dst, event, stream, rows,
+                              vocab, dtype, row_stride, bitmask, logprobs, logprobs_dst,
+                              penalties, grammar, shard))
 
 
 cdef int refuse_sharded_penalties(object penalties) except -1:

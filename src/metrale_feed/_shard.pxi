@@ -153,8 +153,9 @@ def _argmax_partial(logits, masks, partials, event=None, stream=0, *, start, sto
     ...                 dtype="float32", call=7)  # doctest: +SKIP
     4
     """
-    return launch_pick(logits, masks, None, None, event, stream, bitmask, None, rows, vocab, dtype,
-                       row_stride, None, None, (partials, start, stop, vocab, call, logprobs))
+    return launch_pick(pick_step("argmax", logits, masks, None, None, None, event, stream, rows,
+                                 None, dtype, row_stride, bitmask, None, None, None, None, None),
+                       rows, (partials, start, stop, vocab, call, logprobs))
 
 
 def _sample_partial(logits, params, partials, event=None, stream=0, *, start, stop, vocab, dtype,
@@ -192,8 +193,9 @@ def _sample_partial(logits, params, partials, event=None, stream=0, *, start, st
     """
     if rows is None and masks is None:
         rows = len(params)
-    return launch_pick(logits, masks, None, None, event, stream, bitmask, params, rows, vocab, dtype,
-                       row_stride, None, None, (partials, start, stop, vocab, call, logprobs))
+    return launch_pick(pick_step("sample", logits, masks, params, None, None, event, stream, rows,
+                                 None, dtype, row_stride, bitmask, None, None, None, None, None),
+                       rows, (partials, start, stop, vocab, call, logprobs))
 
 
 def _select_partial(logits, params, partials, select, stage, stream=0, *, start, stop, vocab, dtype,
@@ -262,8 +264,9 @@ def _select_partial(logits, params, partials, select, stage, stream=0, *, start,
         rows = len(params)
     if (drafts is None) != (k is None):
         raise ValueError("drafts and k go together (a sampled verify's stages)")
-    return launch_pick(logits, masks, None, None, None, stream, bitmask, params, rows, vocab, dtype,
-                       row_stride, None, None,
+    return launch_pick(pick_step("sample", logits, masks, params, None, None, None, stream, rows,
+                                 None, dtype, row_stride, bitmask, None, None, None, None, None),
+                       rows,
                        (partials, start, stop, vocab, call, logprobs, select, stage, id_list, list_cap,
                         (cands, cands_cap, cands_world, cands_stride) if cands_cap else None,
                         None if drafts is None else (drafts, k)))

@@ -93,6 +93,12 @@ class FeedInfo(NamedTuple):
         row, bit ``v % 32`` of word ``v // 32`` allowing id ``v``) and pass it to the pick: else a
         request with a ``HostGrammar`` is refused at submit. Default False; ``RuntimeFeedMixin``
         says True while both are its own.
+    step : bool
+        Whether the model has ``pick_to_feed(step)``, which takes a launch as one ``PickStep``
+        (docs/design.md, "How a request's parameters reach the kernel"): the scheduler then hands
+        it the step it built instead of calling ``argmax_batch_to_feed`` or
+        ``sample_batch_to_feed`` with its fields as keywords. Default False; ``RuntimeFeedMixin``
+        says True while its feed methods are its own.
 
     Examples
     --------
@@ -116,6 +122,7 @@ class FeedInfo(NamedTuple):
     penalties: bool = False
     grammar: bool = False
     bitmask: bool = False
+    step: bool = False
 
 
 def _trait_protocol() -> Any:

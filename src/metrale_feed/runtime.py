@@ -119,16 +119,20 @@ class RuntimeFeedMixin:
         """What the scheduler reads once at construction (``metrale_feed.contract.FeedInfo``):
         the vocabulary, the row limit, the shard, the logits' dtype, sampling (True: the mixin's
         ``sample_batch_to_feed`` draws), penalties, grammar and bitmask (True while both feed
-        methods are the mixin's, which take ``penalties=``, ``grammar=`` and ``bitmask=``; a
-        subclass that overrides one says
-        so itself once its override passes the keywords on). ``PagedKvMixin`` adds the block size
-        and pool."""
+        methods and ``pick_to_feed`` are the mixin's, which take ``penalties=``, ``grammar=`` and
+        ``bitmask=``; a subclass that overrides one says so itself once its override passes the
+        keywords on), step (True while both feed methods are the mixin's, which build a step and
+        hand it to ``pick_to_feed``: the scheduler then hands it its own).
+        ``PagedKvMixin`` adds the block size and pool."""
         cls = type(self)
-        own = (cls.argmax_batch_to_feed is RuntimeFeedMixin.argmax_batch_to_feed
-               and cls.sample_batch_to_feed is RuntimeFeedMixin.sample_batch_to_feed)
+        # The trait's methods build a step and call pick_to_feed: while they are the mixin's, the
+        # scheduler may hand its step to pick_to_feed (the model's own, overridden or not).
+        steps = (cls.argmax_batch_to_feed is RuntimeFeedMixin.argmax_batch_to_feed
+                 and cls.sample_batch_to_feed is RuntimeFeedMixin.sample_batch_to_feed)
+        own = steps and cls.pick_to_feed is RuntimeFeedMixin.pick_to_feed
         return FeedInfo(vocab=self.feed_vocab, max_rows=self.feed_max_rows, shard=self.feed_shard,
                         logits_dtype=self.feed_logits_dtype, sampling=True, penalties=own,
-                        grammar=own, bitmask=own)
+                        grammar=own, bitmask=own, step=steps)
 
     def close_device_feed(self) -> None:
         """Free the feed cells (after queued work). Idempotent.
@@ -187,57 +191,57 @@ class RuntimeFeedMixin:
         except Exception as exc:
             raise _ran_in_part("its raw logprobs", exc) from exc
 
+    def pick_to_feed(self, step: "_core.PickStep") -> None:
+        """Launch the scheduler's step (a ``PickStep``, argmax or sample) on this model's feed.
+
+        The one feed method: the trait's ``argmax_batch_to_feed`` and ``sample_batch_to_feed``
+        build a step from their keywords and come here. Queues the step's top logprobs (from
+        ``raw_logits`` after the pick when given, else from the logits before it), completes the
+        step with this model's feed (``PickStep.on``: the cells, the vocabulary or the shard's
+        width, the dtype, the row stride, the shard) and hands it to ``metrale_feed.pick_to_feed``.
+        """
+        if self.feed_cells is None:
+            raise FeedError(f"{step.op}_batch_to_feed: call init_device_feed first")
+        shard = self.feed_shard
+        rows = len(step.params) if step.params is not None else _rows_of(step.masks)
+        if step.raw_logits is not None and step.logprobs is not None:
+            self.feed_prev_rows = _core.pick_to_feed(step.on(
+                self.feed_cells, self.feed_vocab if shard is None else shard.width,
+                self.feed_logits_dtype, self.feed_row_stride, shard).replace(
+                    event=None, logprobs=None, logprobs_dst=None))
+            self._raw_logprobs(step.raw_logits, rows, step.logprobs, step.logprobs_dst,
+                               step.top_logprobs, step.top_logprobs_dst, step.top_n, step.event,
+                               step.stream)
+            return
+        if step.top_logprobs is not None:
+            _top_before_penalties(step.penalties)
+            self._top_logprobs(step.logits, rows, step.top_logprobs, step.top_logprobs_dst,
+                               step.top_n, step.stream)
+        self.feed_prev_rows = _core.pick_to_feed(step.on(
+            self.feed_cells, self.feed_vocab if shard is None else shard.width,
+            self.feed_logits_dtype, self.feed_row_stride, shard))
+
     def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any,
                              *, logprobs: Any = None, logprobs_dst: Any = None,
                              top_logprobs: Any = None, top_logprobs_dst: Any = None,
                              top_n: int = 0, raw_logits: Any = None, penalties: Any = None,
                              grammar: Any = None, bitmask: Any = None) -> None:
-        if self.feed_cells is None:
-            raise FeedError("argmax_batch_to_feed: call init_device_feed first")
-        if raw_logits is not None and logprobs is not None:
-            RuntimeFeedMixin.argmax_batch_to_feed(self, logits, masks, dst, None, stream,
-                                                  penalties=penalties, grammar=grammar,
-                                                  bitmask=bitmask)
-            self._raw_logprobs(raw_logits, _rows_of(masks), logprobs, logprobs_dst, top_logprobs,
-                               top_logprobs_dst, top_n, event, stream)
-            return
-        if top_logprobs is not None:
-            _top_before_penalties(penalties)
-            self._top_logprobs(logits, _rows_of(masks), top_logprobs, top_logprobs_dst, top_n,
-                               stream)
-        # Rows come from the masks: pairs, a (rows, 2) buffer or a flat one of 2 * rows ids.
-        shard = self.feed_shard
-        self.feed_prev_rows = _core.argmax_to_feed(
-            logits, masks, self.feed_cells, dst, event, stream,
-            vocab=self.feed_vocab if shard is None else shard.width,
-            dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride, shard=shard,
-            logprobs=logprobs, logprobs_dst=logprobs_dst, penalties=penalties, grammar=grammar,
-            bitmask=bitmask)
+        self.pick_to_feed(_core.PickStep(
+            "argmax", logits=logits, masks=masks, dst=dst, event=event, stream=stream,
+            logprobs=logprobs, logprobs_dst=logprobs_dst, top_logprobs=top_logprobs,
+            top_logprobs_dst=top_logprobs_dst, top_n=top_n, raw_logits=raw_logits,
+            penalties=penalties, grammar=grammar, bitmask=bitmask))
 
     def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
                              stream: Any, *, logprobs: Any = None, logprobs_dst: Any = None,
                              top_logprobs: Any = None, top_logprobs_dst: Any = None,
                              top_n: int = 0, raw_logits: Any = None, penalties: Any = None,
                              grammar: Any = None, bitmask: Any = None) -> None:
-        if self.feed_cells is None:
-            raise FeedError("sample_batch_to_feed: call init_device_feed first")
-        if raw_logits is not None and logprobs is not None:
-            RuntimeFeedMixin.sample_batch_to_feed(self, logits, params, masks, dst, None, stream,
-                                                  penalties=penalties, grammar=grammar,
-                                                  bitmask=bitmask)
-            self._raw_logprobs(raw_logits, len(params), logprobs, logprobs_dst, top_logprobs,
-                               top_logprobs_dst, top_n, event, stream)
-            return
-        if top_logprobs is not None:
-            _top_before_penalties(penalties)
-        self._top_logprobs(logits, len(params), top_logprobs, top_logprobs_dst, top_n, stream)
-        shard = self.feed_shard
-        self.feed_prev_rows = _core.sample_to_feed(
-            logits, params, self.feed_cells, dst, event, stream, masks=masks,
-            vocab=self.feed_vocab if shard is None else shard.width,
-            dtype=self.feed_logits_dtype, row_stride=self.feed_row_stride, shard=shard,
-            logprobs=logprobs, logprobs_dst=logprobs_dst, penalties=penalties, grammar=grammar,
-            bitmask=bitmask)
+        self.pick_to_feed(_core.PickStep(
+            "sample", logits=logits, params=params, masks=masks, dst=dst, event=event,
+            stream=stream, logprobs=logprobs, logprobs_dst=logprobs_dst,
+            top_logprobs=top_logprobs, top_logprobs_dst=top_logprobs_dst, top_n=top_n,
+            raw_logits=raw_logits, penalties=penalties, grammar=grammar, bitmask=bitmask))
 
     def create_event(self) -> int:
         return _core.event_create()

@@ -16,6 +16,7 @@ from operator import index
 from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from .. import _checks, _core
+from .._core import PickStep
 from ..contract import DefersForward, DescribesFeed, FeedInfo, HostTokenDecode, feed_info_of, require
 from ..errors import FeedError
 from ..runtime import _ran_in_part, _rows_of
@@ -286,6 +287,7 @@ class _DeviceIo:
         self._vocab: Optional[int] = info.vocab if info else None
         self._host_decode = isinstance(model, HostTokenDecode)
         self._defers = isinstance(model, DefersForward)
+        self._feeds_steps = bool(info and info.step)
         self._prev_rows = 0  # the rows of the last launch: the feed rows the next one may read
         self._ring = _Ring(model, max_rows, slots)
         self._step = 0
@@ -385,35 +387,36 @@ class _DeviceIo:
                 self.budget.uncover(covered)  # type: ignore[arg-type]
             raise
         try:
-            extra: Dict[str, Any] = _NO_EXTRA  # read only: a plain step builds no keywords
-            if hook is not None or logprobs or grammar is not None or bitmask is not None:
-                extra = {}
-            if grammar is not None:
-                extra["grammar"] = grammar
+            bits = raw = fused = lp = lp_dst = top = top_dst = None
             if bitmask is not None:
                 if self._defers:  # the forward runs on the device while the host fills the mask
                     model.flush_forward(self.stream)  # type: ignore[attr-defined]
-                extra["bitmask"] = bitmask()
+                bits = bitmask()
             if hook is not None:
                 if self._defers:  # the logits must hold this step's forward before they change
                     model.flush_forward(self.stream)  # type: ignore[attr-defined]
                 if logprobs:  # the raw logits, before the penalties change them
-                    extra["raw_logits"] = hook.snapshot(logits, rows, self.stream)
+                    raw = hook.snapshot(logits, rows, self.stream)
                 if hook.fused:  # the feed method queues the apply and the update itself
-                    extra["penalties"] = hook.launch
+                    fused = hook.launch
                 else:
                     hook.apply(logits, self.stream)
-            if logprobs:  # only then: a model's feed methods may not take the keywords
-                extra["logprobs"], extra["logprobs_dst"] = ring.logprobs(slot)
+            if logprobs:
+                lp, lp_dst = ring.logprobs(slot)
                 if top_n:
-                    extra["top_logprobs"], extra["top_logprobs_dst"] = ring.top(slot)
-                    extra["top_n"] = top_n
-            if params is None:
-                model.argmax_batch_to_feed(logits, masks, ring.ptrs[slot], ring.events[slot],
-                                           self.stream, **extra)
+                    top, top_dst = ring.top(slot)
+            # The step, built once: the model's pick_to_feed takes it whole; a model without one
+            # gets the trait's call with the keywords the step sets.
+            step = PickStep("argmax" if params is None else "sample", logits=logits, masks=masks,
+                            params=params, dst=ring.ptrs[slot], event=ring.events[slot],
+                            stream=self.stream, logprobs=lp, logprobs_dst=lp_dst,
+                            top_logprobs=top, top_logprobs_dst=top_dst,
+                            top_n=top_n if top is not None else 0, raw_logits=raw,
+                            penalties=fused, grammar=grammar, bitmask=bits)
+            if self._feeds_steps:
+                model.pick_to_feed(step)  # type: ignore[attr-defined]
             else:
-                model.sample_batch_to_feed(logits, params, masks, ring.ptrs[slot],
-                                           ring.events[slot], self.stream, **extra)
+                _feed_by_keywords(model, step)
             if hook is not None and not hook.fused:
                 try:
                     hook.update(self.stream)
@@ -809,7 +812,25 @@ class SyncDeviceIo(_DeviceIo):
 
 
 _UNMASKED: Dict[int, memoryview] = {}
-_NO_EXTRA: Dict[str, Any] = {}  # never written: the feed methods' keywords of a plain step
+#: The keywords of the trait's feed methods a step may set: passed only when set, since a model's
+#: feed methods may not take them (FeedInfo says which it does).
+_STEP_KEYWORDS = ("logprobs", "logprobs_dst", "top_logprobs", "top_logprobs_dst", "raw_logits",
+                  "penalties", "grammar", "bitmask")
+
+
+def _feed_by_keywords(model: Any, step: "_core.PickStep") -> None:
+    """A step handed to a model without ``pick_to_feed``: the trait's ``argmax_batch_to_feed`` or
+    ``sample_batch_to_feed``, with the keywords the step sets."""
+    extra = {name: value for name in _STEP_KEYWORDS
+             if (value := getattr(step, name)) is not None}
+    if step.top_logprobs is not None:
+        extra["top_n"] = step.top_n
+    if step.params is None:
+        model.argmax_batch_to_feed(step.logits, step.masks, step.dst, step.event, step.stream,
+                                   **extra)
+    else:
+        model.sample_batch_to_feed(step.logits, step.params, step.masks, step.dst, step.event,
+                                   step.stream, **extra)
 
 
 def unmasked(rows: int) -> memoryview:

@@ -384,24 +384,21 @@ class ReferenceModel(PagedKvMixin, RuntimeFeedMixin, ModelDeviceFeed):
             seq.seq_len += len(ids)
 
     def feed_info(self) -> Any:
-        # Both feed methods pass every keyword on to the mixin's, penalties=, grammar= and
-        # bitmask= included.
+        # pick_to_feed (the mixin's feed methods come to it) hands every field on to the mixin's,
+        # penalties=, grammar= and bitmask= included.
         return super().feed_info()._replace(penalties=True, grammar=True, bitmask=True)
 
-    def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any,
-                             **extra: Any) -> None:
-        if any(extra.get(k) is not None for k in ("logprobs", "top_logprobs", "penalties",
-                                                   "grammar", "bitmask")):
-            # The graphs capture no logprobs, penalties, grammar nor bitmask: the default path.
+    def pick_to_feed(self, step: Any) -> None:
+        if step.params is not None or any(
+                getattr(step, k) is not None
+                for k in ("logprobs", "top_logprobs", "penalties", "grammar", "bitmask")):
+            # The graphs capture no sampling, logprobs, penalties, grammar nor bitmask: the
+            # default path.
             self._flush_graph_step()
-        elif self._fed_graphs is not None and self._fed_graphs.launch(masks, dst, event, stream):
+        elif self._fed_graphs is not None and self._fed_graphs.launch(step.masks, step.dst,
+                                                                      step.event, step.stream):
             return
-        super().argmax_batch_to_feed(logits, masks, dst, event, stream, **extra)
-
-    def sample_batch_to_feed(self, logits: Any, params: Any, masks: Any, dst: Any, event: Any,
-                             stream: Any, **extra: Any) -> None:
-        self._flush_graph_step()  # a sampled step runs as the default path does
-        super().sample_batch_to_feed(logits, params, masks, dst, event, stream, **extra)
+        super().pick_to_feed(step)
 
     def _check_rows(self, n: int, seqs: Sequence[SequenceState]) -> None:
         if self._closed:

@@ -78,11 +78,8 @@ class GrammarPicks:
             _core._grammar_mask(table, edges, states, scratch, stream, num_states=automaton.num_states,
                                 num_edges=len(automaton.edges), vocab=self.vocab, rows=rows, k=k,
                                 drafts=drafts if k else None, bitmask_in=step.bitmask)
-            fields = {name: getattr(step, name) for name in step.__slots__[1:]}
-            fields.update(grammar=None, bitmask=scratch)
-            if upload is not None:
-                fields["drafts"] = upload
-            n = self.run_step(PickStep(step.op, **fields))
+            n = self.run_step(step.replace(grammar=None, bitmask=scratch,
+                                           drafts=step.drafts if upload is None else upload))
             _core._grammar_advance(table, edges, step.cells, states, stream,
                                    num_states=automaton.num_states, num_edges=len(automaton.edges),
                                    vocab=self.vocab, rows=rows, k=k)
