@@ -1,5 +1,6 @@
 // Public entry points: the two feed kernels and the reference forward. Every argument is checked
-// here, before anything is queued, so a bad call launches nothing.
+// here, before anything is queued, so a bad call launches nothing. At the end, the sampling
+// record's layout as a table (mf_sampling_params_layout).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
