@@ -1,8 +1,10 @@
 // Public entry points: the two feed kernels and the reference forward. Every argument is checked
-// here, before anything is queued, so a bad call launches nothing.
+// here, before anything is queued, so a bad call launches nothing. At the end, the sampling
+// record's layout as a table (mf_sampling_params_layout).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "api.hpp"
@@ -1494,3 +1496,39 @@ mf_status mf_grammar_advance(const mf_grammar_advance_args *caller, mf_stream_t 
 }
 
 }  // extern "C"
+
+// ---- record layouts (feed.h's MF_SAMPLING_PARAMS_FIELDS) ----
+namespace {
+// Whether a numpy format ("<f4", "<u8", ...) describes the C type T: its kind and its size.
+template <class T>
+constexpr bool numpy_format_is(const char *f) {
+    return f[0] == '<' && f[1] == (std::is_floating_point<T>::value ? 'f' : std::is_signed<T>::value ? 'i' : 'u') &&
+           f[2] - '0' == (int)sizeof(T) && f[3] == '\0';
+}
+#define MF_FIELD_CHECK_(ctype, name, format, meaning) \
+    static_assert(numpy_format_is<ctype>(format), "mf_sampling_params." #name ": the format is not its C type's");
+MF_SAMPLING_PARAMS_FIELDS(MF_FIELD_CHECK_)
+#undef MF_FIELD_CHECK_
+#define MF_FIELD_ENTRY_(ctype, name, format, meaning) \
+    {#name, format, (uint32_t)offsetof(mf_sampling_params, name), (uint32_t)sizeof(ctype)},
+const mf_record_field kSamplingFields[] = {MF_SAMPLING_PARAMS_FIELDS(MF_FIELD_ENTRY_)};
+#undef MF_FIELD_ENTRY_
+// The kernels read a row's record at a stride of 32 bytes in every backend (and Python's
+// SAMPLING_PARAMS_DTYPE is this size): a field that grows it is a new release of the ABI.
+static_assert(sizeof(mf_sampling_params) == 32, "mf_sampling_params is 32 bytes");
+constexpr uint32_t kLayoutSizes[] = {sizeof(mf_record_layout)};
+}  // namespace
+
+extern "C" mf_status mf_sampling_params_layout(mf_record_layout *layout) {
+    return guard([&]() -> mf_status {
+        mf_record_layout out;
+        const mf_status st = read_descriptor(layout, &out, "mf_record_layout", kLayoutSizes);
+        if (st != MF_SUCCESS) return st;
+        out.record_size = (uint32_t)sizeof(mf_sampling_params);
+        out.count = (uint32_t)(sizeof kSamplingFields / sizeof kSamplingFields[0]);
+        out.field_size = (uint32_t)sizeof(mf_record_field);
+        out.fields = kSamplingFields;
+        std::memcpy(layout, &out, out.struct_size);
+        return MF_SUCCESS;
+    });
+}

@@ -116,14 +116,23 @@ cdef extern from "metrale_feed/feed.h" nogil:
     mf_status mf_copy_h2d_async(void *dev_dst, const void *host_src, size_t nbytes, mf_stream_t stream)
     mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t nbytes, mf_stream_t stream)
 
+    # Its fields are feed.h's alone (MF_SAMPLING_PARAMS_FIELDS): nothing here reads one by name;
+    # Python reads the layout from mf_sampling_params_layout().
     ctypedef struct mf_sampling_params:
-        float temperature
-        float top_p
-        float min_p
-        uint32_t top_k
-        uint64_t seed
-        uint32_t position
-        uint32_t pad_
+        pass
+    ctypedef struct mf_record_field:
+        const char *name
+        const char *format
+        uint32_t offset
+        uint32_t size
+    ctypedef struct mf_record_layout:
+        uint32_t struct_size
+        uint32_t record_size
+        uint32_t count
+        uint32_t field_size
+        const mf_record_field *fields
+    void mf_record_layout_init(mf_record_layout *layout)
+    mf_status mf_sampling_params_layout(mf_record_layout *layout)
     ctypedef struct mf_select_row:
         uint64_t floor
         uint64_t cut_need

@@ -38,18 +38,24 @@ PENALTY_PROMPT = MF_PENALTY_PROMPT  # a table entry's count flag: the id is in t
 
 
 cdef tuple _sampling_params_layout():
-    """feed.h's ``mf_sampling_params`` as numpy describes a record: names, formats, offsets and the
-    size, read from the struct itself (``sampling.SAMPLING_PARAMS_DTYPE`` is made from it)."""
-    cdef mf_sampling_params p
-    cdef char *base = <char *>&p
-    fields = (("temperature", "<f4", <char *>&p.temperature - base),
-              ("top_p", "<f4", <char *>&p.top_p - base),
-              ("min_p", "<f4", <char *>&p.min_p - base),
-              ("top_k", "<u4", <char *>&p.top_k - base),
-              ("seed", "<u8", <char *>&p.seed - base),
-              ("position", "<u4", <char *>&p.position - base),
-              ("_pad", "<u4", <char *>&p.pad_ - base))
-    return fields, sizeof(mf_sampling_params)
+    """feed.h's ``mf_sampling_params`` as numpy describes a record: ``((name, format, offset),
+    ...)`` and the size, from the C layer's own table of the struct (``mf_sampling_params_layout``;
+    ``sampling.SAMPLING_PARAMS_DTYPE`` is made from it). Padding, a C name ending in ``_``, is
+    named ``_`` and its stem (``pad_``: ``_pad``), the names no caller sets."""
+    cdef mf_record_layout layout
+    cdef const mf_record_field *f
+    cdef uint32_t i
+    mf_record_layout_init(&layout)
+    if mf_sampling_params_layout(&layout) != MF_SUCCESS:  # a defect: errors.pxi is not set up yet
+        raise RuntimeError(f"mf_sampling_params_layout: {mf_last_error().decode('utf-8', 'replace')}")
+    fields = []
+    for i in range(layout.count):
+        f = <const mf_record_field *>(<const char *>layout.fields + <size_t>i * layout.field_size)
+        name = f.name.decode("ascii")
+        if name.endswith("_"):
+            name = "_" + name[:-1]
+        fields.append((name, f.format.decode("ascii"), f.offset))
+    return tuple(fields), layout.record_size
 
 
 _SAMPLING_PARAMS_LAYOUT = _sampling_params_layout()

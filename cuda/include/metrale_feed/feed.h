@@ -277,16 +277,50 @@ typedef struct mf_select_row {
 #define MF_SELECT_NO_LIST 0xFFFFFFFFu
 
 
-/* One row's sampling parameters (32 bytes; Python's SAMPLING_PARAMS_DTYPE has this layout). */
+/* One row's sampling parameters (32 bytes), written once: this table of its fields, in order, as
+ * X(C type, name, numpy format, meaning), makes the struct below and the table that
+ * mf_sampling_params_layout() returns (Python's SAMPLING_PARAMS_DTYPE is built from that). A new
+ * per-row field is one line here: it takes the place of pad_ or grows the record. A name ending
+ * in '_' is padding, never read. The formats are little-endian, as every backend is. */
+#define MF_SAMPLING_PARAMS_FIELDS(X)                                                                \
+    X(float, temperature, "<f4", "0: the argmax rule exactly; else finite and > 0")                \
+    X(float, top_p, "<f4", "(0, 1]; 1: off")                                                       \
+    X(float, min_p, "<f4", "[0, 1); 0: off")                                                       \
+    X(uint32_t, top_k, "<u4", "0: off")                                                            \
+    X(uint64_t, seed, "<u8", "the Philox key")                                                     \
+    X(uint32_t, position, "<u4", "the Philox counter's position word (the token's index in its "   \
+                                 "sequence)")                                                      \
+    X(uint32_t, pad_, "<u4", "padding to 8 bytes")
+#define MF_FIELD_MEMBER_(ctype, name, format, meaning) ctype name;
 typedef struct mf_sampling_params {
-    float temperature; /* 0: the argmax rule exactly; else finite and > 0 */
-    float top_p;       /* (0, 1]; 1: off */
-    float min_p;       /* [0, 1); 0: off */
-    uint32_t top_k;    /* 0: off */
-    uint64_t seed;     /* the Philox key */
-    uint32_t position; /* the Philox counter's position word (the token's index in its sequence) */
-    uint32_t pad_;
+    MF_SAMPLING_PARAMS_FIELDS(MF_FIELD_MEMBER_)
 } mf_sampling_params;
+#undef MF_FIELD_MEMBER_
+
+/* One field of a record as numpy's structured dtypes describe it. */
+typedef struct mf_record_field {
+    const char *name;   /* the C name (static storage) */
+    const char *format; /* numpy's format string: "<f4", "<u4", "<u8" */
+    uint32_t offset;    /* offsetof in the record */
+    uint32_t size;      /* bytes */
+} mf_record_field;
+/* A record's layout, filled by mf_sampling_params_layout(): a descriptor that grows as the others
+ * do (struct_size first; set it up with mf_record_layout_init). fields points at the layer's own
+ * static table of count entries, in offset order, each field_size bytes apart. */
+typedef struct mf_record_layout {
+    uint32_t struct_size;  /* sizeof(mf_record_layout) where the caller was built: _init */
+    uint32_t record_size;  /* sizeof the record */
+    uint32_t count;        /* entries at fields */
+    uint32_t field_size;   /* sizeof(mf_record_field) in this layer: the table's stride */
+    const mf_record_field *fields;
+} mf_record_layout;
+static inline void mf_record_layout_init(mf_record_layout *layout) {
+    memset(layout, 0, sizeof *layout);
+    layout->struct_size = (uint32_t)sizeof *layout;
+}
+/* mf_sampling_params's layout, from MF_SAMPLING_PARAMS_FIELDS. A NULL layout, or one whose
+ * struct_size this build does not know, is MF_ERROR_INVALID_VALUE. */
+MF_EXPORT mf_status mf_sampling_params_layout(mf_record_layout *layout);
 
 /* The decisions between a split row's filter stages (mf_select_decide; select_rule.h): one row's
  * own state across the exchanges, written by the decisions alone. A row takes part in at most two
