@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import weakref
 
 import ml_dtypes
@@ -461,12 +462,17 @@ def test_foreign_dst_kept_alive_until_copy_passed(host, dev, no_leaks):
     cells = DeviceBuffer(6 * 4)
     dst = np.zeros(6, np.uint32)
     ref = weakref.ref(dst)
-    host.configure_host(lag_us=100_000)
+    gate = threading.Event()
     with Stream() as s:
+        # The stream's worker waits at the gate, so the copy stays queued however slowly this
+        # thread runs (a lag in time let a loaded machine run the copy before the check).
+        mf.launch_host_func(s, gate.wait, 60)
         mf.argmax_to_feed(d, masks, cells, dst, None, s, vocab=50, dtype="float32")
         del dst
         gc.collect()
-        assert ref() is not None, "the destination was let go while its copy was queued"
+        alive = ref() is not None
+        gate.set()
+        assert alive, "the destination was let go while its copy was queued"
         kept = ref()
         s.synchronize()  # the copy has passed: the package lets the buffer go here
         assert np.array_equal(kept, expected)

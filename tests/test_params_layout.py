@@ -65,3 +65,18 @@ def test_numpy_records_are_what_the_c_rule_reads():
     plan = np.frombuffer(_core._sampling_plan(recs), np.uint8)
     s, k, p, m = _core._PLAN_SAMPLED, _core._PLAN_TOP_K, _core._PLAN_TOP_P, _core._PLAN_MIN_P
     assert plan.tolist() == [0, s, s | k, s | p, s | m, s]
+
+
+def test_the_pxd_names_the_table_fields_in_order():
+    """The shipped ``_cfeed.pxd`` names the record's fields for Cython code that cimports it: a
+    prefix of the C table's, by name and order, so a cimporting caller never sets a field the
+    struct does not have (the C compiler would refuse it) nor misreads which comes first."""
+    import re
+    from pathlib import Path
+
+    pxd = (Path(mf.__file__).parent / "_cfeed.pxd").read_text()
+    block = re.search(r"ctypedef struct mf_sampling_params:\n((?:        .*\n)+)", pxd)
+    assert block is not None, "_cfeed.pxd no longer declares mf_sampling_params"
+    declared = [line.split()[-1] for line in block.group(1).splitlines() if line.strip()]
+    table = [name for name, _, _ in _core._SAMPLING_PARAMS_LAYOUT[0]]
+    assert declared and declared == [n for n in table if not n.startswith("_")][:len(declared)]

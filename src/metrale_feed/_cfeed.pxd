@@ -116,10 +116,18 @@ cdef extern from "metrale_feed/feed.h" nogil:
     mf_status mf_copy_h2d_async(void *dev_dst, const void *host_src, size_t nbytes, mf_stream_t stream)
     mf_status mf_copy_d2d_async(void *dev_dst, const void *dev_src, size_t nbytes, mf_stream_t stream)
 
-    # Its fields are feed.h's alone (MF_SAMPLING_PARAMS_FIELDS): nothing here reads one by name;
-    # Python reads the layout from mf_sampling_params_layout().
+    # The layout is feed.h's (MF_SAMPLING_PARAMS_FIELDS); Python reads it from
+    # mf_sampling_params_layout(). The fields are named here only for Cython code that cimports
+    # this file and fills a record by name: the package reads none, and a field feed.h adds is in
+    # the struct whether or not it is named here (tests/test_params_layout.py checks these names
+    # are the table's, in order).
     ctypedef struct mf_sampling_params:
-        pass
+        float temperature
+        float top_p
+        float min_p
+        uint32_t top_k
+        uint64_t seed
+        uint32_t position
     ctypedef struct mf_record_field:
         const char *name
         const char *format

@@ -390,22 +390,7 @@ cdef object run_on_shard(object shard, PickStep step):
     return run(step)
 
 
-cdef object run_pick(PickStep step):
-    """An argmax or sample step: over a split vocabulary the shard's, else one launch."""
-    if step.shard is not None:  # host params, or temperature-only device params (shard.py)
-        refuse_sharded_penalties(step.penalties)
-        return run_on_shard(step.shard, step)
-    rows = step.rows
-    params = step.params
-    if (rows is None and step.masks is None and step.op == "sample"
-            and not (is_foreign(step.logits) and not isinstance(step.logits, (list, tuple)))):
-        if device_resident(params, "params"):
-            raise ValueError("rows is required with device-resident params and no masks")
-        rows = len(params)
-    return launch_pick(step, rows)
-
-
-def pick_to_feed(PickStep step not None):
+cpdef object pick_to_feed(PickStep step):
     """Launch the pick ``step`` describes: ``argmax_to_feed`` or ``sample_to_feed`` given whole.
 
     What a model's feed method calls with the scheduler's step once it has completed it with its
@@ -444,6 +429,8 @@ def pick_to_feed(PickStep step not None):
     1
     [2]
     """
+    if step is None:
+        raise TypeError("pick_to_feed takes a PickStep, not None")
     if step.op == "verify":
         raise ValueError("pick_to_feed takes an argmax or sample step; verify_to_feed takes a verify")
     if step.op == "sample" and step.params is None:
@@ -452,7 +439,16 @@ def pick_to_feed(PickStep step not None):
     if step.top_logprobs is not None or step.raw_logits is not None:
         raise ValueError("pick_to_feed does not queue top_logprobs or raw_logits: the model's feed "
                          "method does, then hands on step.on(...), which clears them")
-    return run_pick(step)
+    if step.shard is not None:  # host params, or temperature-only device params (shard.py)
+        refuse_sharded_penalties(step.penalties)
+        return run_on_shard(step.shard, step)
+    rows = step.rows
+    if (rows is None and step.masks is None and step.op == "sample"
+            and not (is_foreign(step.logits) and not isinstance(step.logits, (list, tuple)))):
+        if device_resident(step.params, "params"):
+            raise ValueError("rows is required with device-resident params and no masks")
+        rows = len(step.params)
+    return launch_pick(step, rows)
 
 
 def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, vocab=None,
@@ -573,7 +569,7 @@ def argmax_to_feed(logits, masks, cells, dst, event, stream=0, *, rows=None, voc
     2
     [2, 0]
     """
-    return run_pick(pick_step("argmax", logits, masks, None, cells, dst, event, stream, rows,
+    return pick_to_feed(pick_step("argmax", logits, masks, None, cells, dst, event, stream, rows,
                               vocab, dtype, row_stride, bitmask, logprobs, logprobs_dst,
                               penalties, grammar, shard))
 
@@ -618,7 +614,7 @@ def sample_to_feed(logits, params, cells, dst, event, stream=0, *, masks=None, b
     >>> sample_to_feed(logits, p, cells, dst, ev, vocab=32000, dtype="f32")  # doctest: +SKIP
     2
     """
-    return run_pick(pick_step("sample", logits, masks, params, cells, dst, event, stream, rows,
+    return pick_to_feed(pick_step("sample", logits, masks, params, cells, dst, event, stream, rows,
                               vocab, dtype, row_stride, bitmask, logprobs, logprobs_dst,
                               penalties, grammar, shard))
 

@@ -146,3 +146,15 @@ cdef PickStep pick_step(str op, object logits, object masks, object params, obje
     s.logprobs_dst, s.penalties, s.grammar, s.shard = logprobs_dst, penalties, grammar, shard
     s.top_n = 0
     return s
+
+
+def _router_step(str op, logits, masks, params, dst, event, stream, logprobs, logprobs_dst,
+                 top_logprobs, top_logprobs_dst, top_n, raw_logits, penalties, grammar, bitmask):
+    """The router's step a launch, from positional arguments (``PickStep(...)``'s keywords cost
+    a dictionary a call: this is the per-step path)."""
+    cdef PickStep s = pick_step(op, logits, masks, params, None, dst, event, stream, None, None,
+                                None, None, bitmask, logprobs, logprobs_dst, penalties, grammar,
+                                None)
+    s.top_logprobs, s.top_logprobs_dst, s.top_n, s.raw_logits = (top_logprobs, top_logprobs_dst,
+                                                                 top_n, raw_logits)
+    return s

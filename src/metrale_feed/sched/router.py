@@ -16,7 +16,7 @@ from operator import index
 from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from .. import _checks, _core
-from .._core import PickStep
+from .._core import _router_step
 from ..contract import DefersForward, DescribesFeed, FeedInfo, HostTokenDecode, feed_info_of, require
 from ..errors import FeedError
 from ..runtime import _ran_in_part, _rows_of
@@ -407,12 +407,10 @@ class _DeviceIo:
                     top, top_dst = ring.top(slot)
             # The step, built once: the model's pick_to_feed takes it whole; a model without one
             # gets the trait's call with the keywords the step sets.
-            step = PickStep("argmax" if params is None else "sample", logits=logits, masks=masks,
-                            params=params, dst=ring.ptrs[slot], event=ring.events[slot],
-                            stream=self.stream, logprobs=lp, logprobs_dst=lp_dst,
-                            top_logprobs=top, top_logprobs_dst=top_dst,
-                            top_n=top_n if top is not None else 0, raw_logits=raw,
-                            penalties=fused, grammar=grammar, bitmask=bits)
+            step = _router_step("argmax" if params is None else "sample", logits, masks, params,
+                                ring.ptrs[slot], ring.events[slot], self.stream, lp, lp_dst, top,
+                                top_dst, top_n if top is not None else 0, raw, fused, grammar,
+                                bits)
             if self._feeds_steps:
                 model.pick_to_feed(step)  # type: ignore[attr-defined]
             else:
@@ -812,6 +810,7 @@ class SyncDeviceIo(_DeviceIo):
 
 
 _UNMASKED: Dict[int, memoryview] = {}
+_NO_EXTRA: Dict[str, Any] = {}  # never written: the feed methods' keywords of a plain step
 #: The keywords of the trait's feed methods a step may set: passed only when set, since a model's
 #: feed methods may not take them (FeedInfo says which it does).
 _STEP_KEYWORDS = ("logprobs", "logprobs_dst", "top_logprobs", "top_logprobs_dst", "raw_logits",
@@ -821,10 +820,13 @@ _STEP_KEYWORDS = ("logprobs", "logprobs_dst", "top_logprobs", "top_logprobs_dst"
 def _feed_by_keywords(model: Any, step: "_core.PickStep") -> None:
     """A step handed to a model without ``pick_to_feed``: the trait's ``argmax_batch_to_feed`` or
     ``sample_batch_to_feed``, with the keywords the step sets."""
-    extra = {name: value for name in _STEP_KEYWORDS
-             if (value := getattr(step, name)) is not None}
-    if step.top_logprobs is not None:
-        extra["top_n"] = step.top_n
+    extra = _NO_EXTRA  # read only: a plain step passes no keywords
+    if (step.logprobs is not None or step.raw_logits is not None or step.penalties is not None
+            or step.grammar is not None or step.bitmask is not None):
+        extra = {name: value for name in _STEP_KEYWORDS
+                 if (value := getattr(step, name)) is not None}
+        if step.top_logprobs is not None:
+            extra["top_n"] = step.top_n
     if step.params is None:
         model.argmax_batch_to_feed(step.logits, step.masks, step.dst, step.event, step.stream,
                                    **extra)
