@@ -62,6 +62,32 @@ MF_AVX2 inline bool sum_masses(const __m256d acc[2], uint64_t *sum) {
     return true;
 }
 
+// The ids of one pass's block: 32 groups of 32, 4 KiB of float32 (L1-resident between its loops).
+constexpr uint32_t kBlock = 1024;
+
+// The one pass's masses of ids [b, e) (whole groups of 8) into `total`, and those of logit
+// >= `hi_value` into `upper`; with kBitmask the non-candidates weigh 0 (the caller takes the
+// masked ids out otherwise).
+template <bool kBitmask>
+MF_AVX2 inline void add_block(const RowView &v, uint32_t b, uint32_t e, float zmax, float hi_value, __m256d total[2],
+                              __m256d upper[2]) {
+    const float *row = (const float *)v.row;
+    const uint32_t words = mf_bitmask_words(v.vocab);
+    const __m256 t = _mm256_set1_ps(v.inv_t), zm = _mm256_set1_ps(zmax), hi = _mm256_set1_ps(hi_value);
+    const __m256 scale = _mm256_set1_ps(549755813888.0f);
+    __m256d acc[2] = {total[0], total[1]}, up[2] = {upper[0], upper[1]};
+    for (uint32_t i = b; i < e; i += 8) {
+        const __m256 l = _mm256_loadu_ps(row + i);
+        const __m256 w = _mm256_mul_ps(exp_neg8(_mm256_sub_ps(_mm256_mul_ps(l, t), zm)), scale);
+        __m256 whole = _mm256_round_ps(w, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        if (kBitmask)
+            whole = _mm256_andnot_ps(_mm256_castsi256_ps(not_candidates8(v, _mm256_castps_si256(l), i, words)), whole);
+        add_masses(acc, whole);
+        add_masses(up, _mm256_and_ps(whole, _mm256_cmp_ps(l, hi, _CMP_GE_OQ)));
+    }
+    total[0] = acc[0], total[1] = acc[1], upper[0] = up[0], upper[1] = up[1];
+}
+
 // The signed key (mf_key_f32 minus 2**31) of 8 float32 lanes' bits, and the operand that takes
 // keys >= `key` (at most 2**32, which takes none) as signed key > it.
 MF_AVX2 inline __m256i signed_key8(__m256i b) {
@@ -194,12 +220,9 @@ MF_AVX2 bool sample_top_p_f32(const RowView &v, const mf_sample_plan &p, uint64_
     };
     const float *row = (const float *)v.row;
     const uint32_t words = mf_bitmask_words(v.vocab);
-    const __m256 t = _mm256_set1_ps(v.inv_t), zm = _mm256_set1_ps(zmax);
     // Key >= hi as a float compare, x >= the value of key hi (the key's order is IEEE order but
     // NaN's, which is no candidate); NaN for 2**32, which no key reaches.
     const float hi_value_1 = hi >> 32 ? mf_from_bits(0x7FC00000u) : key_value((uint32_t)hi);
-    const __m256 hi_value = _mm256_set1_ps(hi_value_1);
-    const __m256 scale = _mm256_set1_ps(549755813888.0f);
     // Not a candidate: a non-finite logit (its mass here is 0: exp_neg8 gives 0 for NaN and
     // for +-inf's differences), a masked id, a bitmask bit clear. Without a bitmask the masked ids
     // are left in (fewer operations a lane) and their masses taken out after the pass.
@@ -207,31 +230,28 @@ MF_AVX2 bool sample_top_p_f32(const RowView &v, const mf_sample_plan &p, uint64_
     __m256d total[2], upper[2];
     total[0] = total[1] = upper[0] = upper[1] = _mm256_setzero_pd();
     RaceGroups groups(race);
-    uint32_t i = 0;
-    for (; i + 32 <= v.vocab; i += 32) {
-        for (int j = 0; j < 4; ++j) {
-            const __m256 l = _mm256_loadu_ps(row + i + 8 * j);
-            const __m256 w = _mm256_mul_ps(exp_neg8(_mm256_sub_ps(_mm256_mul_ps(l, t), zm)), scale);
-            __m256 whole = _mm256_round_ps(w, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            if (bitmask)
-                whole = _mm256_andnot_ps(_mm256_castsi256_ps(not_candidates8(v, _mm256_castps_si256(l), i + 8 * j, words)),
-                                         whole);
-            add_masses(total, whole);
-            add_masses(upper, _mm256_and_ps(whole, _mm256_cmp_ps(l, hi_value, _CMP_GE_OQ)));
-        }
-        unsigned pass = groups.pass(row, i);
-        while (pass) {
-            const uint32_t lane = (uint32_t)__builtin_ctz(pass), at = i + lane;
-            pass &= pass - 1;
-            if (at == top_id) continue;
-            if (row[at] >= hi_value_1) race.offer(at);
-            else offer_aside(at);
+    // A block's masses, then its race: two loops over the block (from L1), each with its own
+    // registers, where one loop doing both spilled the exp's constants and the race's.
+    const uint32_t vector_end = v.vocab & ~31u;
+    for (uint32_t b = 0, e; b < vector_end; b = e) {
+        e = vector_end - b > kBlock ? b + kBlock : vector_end;
+        if (bitmask) add_block<true>(v, b, e, zmax, hi_value_1, total, upper);
+        else add_block<false>(v, b, e, zmax, hi_value_1, total, upper);
+        for (uint32_t i = b; i < e; i += 32) {
+            unsigned pass = groups.pass(row, i);
+            while (pass) {
+                const uint32_t lane = (uint32_t)__builtin_ctz(pass), at = i + lane;
+                pass &= pass - 1;
+                if (at == top_id) continue;
+                if (row[at] >= hi_value_1) race.offer(at);
+                else offer_aside(at);
+            }
         }
     }
+    uint32_t i = vector_end;
     uint64_t all = 0, high = 0;
     if (!sum_masses(total, &all) || !sum_masses(upper, &high)) return false;
     if (!v.rule->bits) {  // the masked ids, summed above when finite
-        const uint32_t vector_end = i;
         for (uint32_t m : {v.rule->m0, v.rule->m1 == v.rule->m0 ? MF_NO_TOKEN : v.rule->m1}) {
             if (m >= vector_end || !mf_finite_bits(mf_logit_bits(v.row, v.dt, m))) continue;
             const uint32_t bits = mf_logit_bits(v.row, v.dt, m);
