@@ -297,6 +297,24 @@ uint32_t race_row(const RowView &v, const mf_sample_plan &p, uint64_t top, float
     return mf_unpack_id(race.best);
 }
 
+#ifdef MF_X86
+// Temperature alone (no filter) on a float32 row: the race over the whole row with no argmax pass
+// before it. It starts with no best score, so the first groups offer every id to the scalar rule
+// until one scores; from then on RaceGroups::pass skips as race_f32 does after the top's score, a
+// little less at first (the best score so far is at most the top's). Every id is offered or
+// proved unable to win, so the winner is race_row's. False where the best score is not finite or
+// no candidate scored: then the top's z is not finite either (z is monotone in the logit; an
+// infinite z scores infinite, and no candidate's score is finite when the top's z is -inf or NaN),
+// and sample_row's paths answer as before.
+MF_AVX2 bool race_alone_f32(const RowView &v, const mf_sample_plan &p, uint32_t *id) {
+    Race race{v, p, 0.0f, 0u, 0u, mf_neg_inf()};
+    race_f32(race, MF_NO_TOKEN);
+    if (!race.best || !mf_finite_bits(mf_to_bits(race.best_score))) return false;
+    *id = mf_unpack_id(race.best);
+    return true;
+}
+#endif
+
 // A 16-bit row widened to float32 once (exactly: mf_logit_bits), so the vector helpers serve
 // every dtype; the rule reads the same values either way.
 const void *widened(const void *row, mf_dtype *dtype, uint32_t vocab, bool *vector) {
@@ -403,6 +421,9 @@ uint32_t sample_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_ro
     const RowView v{row, (int)dtype, vocab, rule, p.inv_t, base};
 #ifdef MF_X86
     if (vector && p.top_k && p.top_k <= kBoundedTopK) return sample_top_k(v, p);
+    uint32_t alone_id;
+    if (vector && !p.top_k && !p.use_top_p && !p.use_min_p && base % 4u == 0u && race_alone_f32(v, p, &alone_id))
+        return alone_id;
 #endif
     const uint64_t top = top_candidate(v);
     if (!top) return MF_NO_TOKEN;
