@@ -82,11 +82,15 @@ inline uint32_t one_minus_u_exponent(int32_t r) {
     const float u = mf_fmul(mf_fadd((float)r, 0.5f), 5.96046448e-08f);
     return mf_to_bits(mf_fsub(1.0f, u)) >> 23;
 }
-inline int32_t gap_exponent(float z, float s) {
-    float gap = mf_fsub(z, s);
-    gap = gap > -200.0f ? gap : -200.0f;
-    gap = gap < 0.0f ? gap : 0.0f;
-    return (int32_t)__builtin_ceilf(mf_fmul(gap, 1.44269504f));
+// gap_exponent is in registers: a call to ceilf in the race's loop would spill every vector
+// register live there. maxss and minss give their second operand unless the first is greater or
+// less: NaN goes to -200, and -0 to +0, as the compares `gap > -200 ? gap : -200`, then
+// `gap < 0 ? gap : 0` would.
+MF_AVX2 inline int32_t gap_exponent(float z, float s) {
+    __m128 gap = _mm_sub_ss(_mm_set_ss(z), _mm_set_ss(s));
+    gap = _mm_min_ss(_mm_max_ss(gap, _mm_set_ss(-200.0f)), _mm_setzero_ps());
+    gap = _mm_mul_ss(gap, _mm_set_ss(1.44269504f));
+    return _mm_cvttss_si32(_mm_ceil_ss(gap, gap));
 }
 
 // uniform_out_below of every e_out from 0 to 129 (gap_exponent is at most 0), made once
