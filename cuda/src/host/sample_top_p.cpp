@@ -4,13 +4,12 @@
 // threshold's digit before the race's pass. Here one pass sums the masses and runs the race, with
 // a cut key `hi` from a sample of the row, meant to lie above the threshold: the race takes its
 // best score only from ids at or above hi, and an id under it that could beat that score is
-// scored and kept aside. The pass sums every candidate's mass and those at or above hi; when
-// mass(>= hi) < target (exact integers), every id at or above hi survives, so the best among them
+// scored and kept aside. The pass sums every candidate's mass (exactly) and bounds the mass of
+// those at or above hi (add_block); when mass(>= hi) < target, every id at or above hi survives, so the best among them
 // is the rule's unless one kept aside has a greater score and survives: a second pass sums the
 // masses above those few (their survival: the mass above a word is under the target). The sample
 // only decides hi, never the answer: where the check fails the caller takes the exact paths.
 
-// The sample: 32 ids of every kSampleStride, from id 0. A row under kCutVocab ids takes the
 
 #include <cmath>
 #include <vector>
@@ -21,6 +20,7 @@
 namespace mf::host::sampler {
 namespace {
 
+// The sample: 32 ids of every kSampleStride, from id 0. A row under kCutVocab ids takes the
 // whole-row paths (the sample would be too small to place the cut near the threshold).
 constexpr uint32_t kSampleStride = 1024;
 constexpr uint32_t kCutVocab = 8192;
@@ -65,9 +65,13 @@ MF_AVX2 inline bool sum_masses(const __m256d acc[2], uint64_t *sum) {
 // The ids of one pass's block: 32 groups of 32, 4 KiB of float32 (L1-resident between its loops).
 constexpr uint32_t kBlock = 1024;
 
-// The one pass's masses of ids [b, e) (whole groups of 8) into `total`, and those of logit
-// >= `hi_value` into `upper`; with kBitmask the non-candidates weigh 0 (the caller takes the
-// masked ids out otherwise).
+// The one pass's masses of ids [b, e) (whole groups of 8) into `total`, exactly, and those of
+// logit >= `hi_value` into `upper` as float32 sums, one a lane, each added to its float64 lane at
+// the block's end (exactly); with kBitmask the non-candidates weigh 0 (the caller takes the
+// masked ids out otherwise). A float32 sum of at most kBlock / 8 nonnegative terms is within a
+// factor (1 +- 2**-16) of theirs (at most 127 roundings of relative error 2**-24 each: under
+// 127 * 2**-24 / (1 - 127 * 2**-24) < 2**-17), so `upper` is too (upper_bounds). That is all the
+// check needs, and it saves the two conversions and adds of an exact sum for every 8 ids.
 template <bool kBitmask>
 MF_AVX2 inline void add_block(const RowView &v, uint32_t b, uint32_t e, float zmax, float hi_value, __m256d total[2],
                               __m256d upper[2]) {
@@ -75,7 +79,8 @@ MF_AVX2 inline void add_block(const RowView &v, uint32_t b, uint32_t e, float zm
     const uint32_t words = mf_bitmask_words(v.vocab);
     const __m256 t = _mm256_set1_ps(v.inv_t), zm = _mm256_set1_ps(zmax), hi = _mm256_set1_ps(hi_value);
     const __m256 scale = _mm256_set1_ps(549755813888.0f);
-    __m256d acc[2] = {total[0], total[1]}, up[2] = {upper[0], upper[1]};
+    __m256d acc[2] = {total[0], total[1]};
+    __m256 up = _mm256_setzero_ps();
     for (uint32_t i = b; i < e; i += 8) {
         const __m256 l = _mm256_loadu_ps(row + i);
         const __m256 w = _mm256_mul_ps(exp_neg8(_mm256_sub_ps(_mm256_mul_ps(l, t), zm)), scale);
@@ -83,9 +88,19 @@ MF_AVX2 inline void add_block(const RowView &v, uint32_t b, uint32_t e, float zm
         if (kBitmask)
             whole = _mm256_andnot_ps(_mm256_castsi256_ps(not_candidates8(v, _mm256_castps_si256(l), i, words)), whole);
         add_masses(acc, whole);
-        add_masses(up, _mm256_and_ps(whole, _mm256_cmp_ps(l, hi, _CMP_GE_OQ)));
+        up = _mm256_add_ps(up, _mm256_and_ps(whole, _mm256_cmp_ps(l, hi, _CMP_GE_OQ)));
     }
-    total[0] = acc[0], total[1] = acc[1], upper[0] = up[0], upper[1] = up[1];
+    total[0] = acc[0], total[1] = acc[1];
+    add_masses(upper, up);  // a float32 sum is an integer (each term is, and so is its rounding)
+}
+static_assert(kBlock / 8 - 1 <= 127, "add_block's bound counts at most 127 roundings a lane");
+
+// Bounds of the exact sum whose float32 block sums add up to `sum` (add_block): within
+// sum * 2**-16 either way, plus 1 for the floating-point of the bound itself.
+inline void upper_bounds(uint64_t sum, uint64_t *lo, uint64_t *hi) {
+    const uint64_t slack = (sum >> 16) + 1;
+    *lo = sum > slack ? sum - slack : 0;
+    *hi = sum + slack;
 }
 
 // The signed key (mf_key_f32 minus 2**31) of 8 float32 lanes' bits, and the operand that takes
@@ -249,15 +264,19 @@ MF_AVX2 bool sample_top_p_f32(const RowView &v, const mf_sample_plan &p, uint64_
         }
     }
     uint32_t i = vector_end;
-    uint64_t all = 0, high = 0;
-    if (!sum_masses(total, &all) || !sum_masses(upper, &high)) return false;
+    uint64_t all = 0, upper_sum = 0, high_lo, high_hi;  // mass(>= hi) lies in [high_lo, high_hi]
+    if (!sum_masses(total, &all) || !sum_masses(upper, &upper_sum)) return false;
+    upper_bounds(upper_sum, &high_lo, &high_hi);
     if (!v.rule->bits) {  // the masked ids, summed above when finite
         for (uint32_t m : {v.rule->m0, v.rule->m1 == v.rule->m0 ? MF_NO_TOKEN : v.rule->m1}) {
             if (m >= vector_end || !mf_finite_bits(mf_logit_bits(v.row, v.dt, m))) continue;
             const uint32_t bits = mf_logit_bits(v.row, v.dt, m);
             const uint64_t mass = mf_survivor_mass(bits, v.inv_t, zmax);
             all -= mass;
-            high -= mf_key_f32(bits) >= hi ? mass : 0u;
+            if (mf_key_f32(bits) >= hi) {
+                high_lo = high_lo > mass ? high_lo - mass : 0u;
+                high_hi -= mass;  // >= mass: the exact sum, which holds it, is at most high_hi
+            }
         }
     }
     for (; i < v.vocab; ++i) {  // the tail, by the scalar rule
@@ -266,14 +285,14 @@ MF_AVX2 bool sample_top_p_f32(const RowView &v, const mf_sample_plan &p, uint64_
         if (v.candidate(i, &bits)) {
             const uint64_t mass = mf_survivor_mass(bits, v.inv_t, zmax);
             all += mass;
-            high += key >= hi ? mass : 0u;
+            if (key >= hi) high_lo += mass, high_hi += mass;
         }
         if (i == top_id) continue;
         if (key >= hi) race.offer(i);
         else offer_aside(i);
     }
     const uint64_t target = mf_top_p_target(all, p.top_p);
-    if (high >= target) return false;  // the threshold may lie at or above hi
+    if (high_hi >= target) return false;  // the threshold may lie at or above hi
     size_t n = 0;  // those kept aside that beat the best
     for (const Aside &a : aside)
         if (a.score > race.best) aside[n++] = a;
@@ -281,8 +300,10 @@ MF_AVX2 bool sample_top_p_f32(const RowView &v, const mf_sample_plan &p, uint64_
     if (n) {
         uint64_t above[kMaxAside];
         if (n > kMaxAside || !masses_above(v, zmax, hi, aside.data(), n, above)) return false;
-        for (size_t j = 0; j < n; ++j)  // it survives when the mass above its word is under the target
-            if (high + above[j] < target && aside[j].score > best) best = aside[j].score;
+        for (size_t j = 0; j < n; ++j) {  // it survives when the mass above its word is under the target
+            if (high_lo + above[j] < target && high_hi + above[j] >= target) return false;  // undecided
+            if (high_hi + above[j] < target && aside[j].score > best) best = aside[j].score;
+        }
     }
     *id = mf_unpack_id(best);
     return true;
