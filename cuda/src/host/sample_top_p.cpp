@@ -234,7 +234,6 @@ MF_AVX2 bool sample_top_p_f32(const RowView &v, const mf_sample_plan &p, uint64_
         if (packed > race.best) aside.push_back(Aside{mf_pack(mf_key_f32(bits), i), packed});
     };
     const float *row = (const float *)v.row;
-    const uint32_t words = mf_bitmask_words(v.vocab);
     // Key >= hi as a float compare, x >= the value of key hi (the key's order is IEEE order but
     // NaN's, which is no candidate); NaN for 2**32, which no key reaches.
     const float hi_value_1 = hi >> 32 ? mf_from_bits(0x7FC00000u) : key_value((uint32_t)hi);
