@@ -339,3 +339,44 @@ def test_top_p_undecided_by_the_near_list(vector, dev):
     fast, slow = both_paths(dev, np.tile(row, (draws, 1)), params)
     assert np.array_equal(fast, slow)
     assert set(fast.tolist()) == {0, 1}  # the second id survives top_p
+
+
+def test_temperature_alone_races_without_the_argmax_pass(vector, dev):
+    """Temperature alone on a float32 row races the whole row with no argmax pass first, from no
+    best score: rows whose scores are all far below zero, whose top is id 0 or the last id, with
+    masks, a bitmask, NaN and infinities, and rows whose top z overflows (+inf: the top is the
+    draw, though lower ids share its infinite z) or underflows, where that path must hand the row
+    back. The same ids as the portable path, every draw a survivor of the float64 oracle."""
+    rng = np.random.default_rng(15)
+    vocab, draws = 4099, 200
+    flat = rng.standard_normal(vocab).astype(np.float32)
+    low = flat - np.float32(1000.0)
+    first, last = flat.copy(), flat.copy()
+    first[0], last[-1] = 6.0, 6.0
+    special = flat.copy()
+    special[rng.integers(0, vocab, 40)] = np.nan
+    special[rng.integers(0, vocab, 40)] = -np.inf
+    special[rng.integers(0, vocab, 3)] = np.inf
+    huge = flat * np.float32(1e30)  # z = logit * 1e9 overflows: +inf from id ~0 on, -inf below
+    tiny = np.full(vocab, -1e30, np.float32)  # every z -inf
+    tiny[7] = -1e29
+    bitmask = np.zeros((draws, (vocab + 31) // 32), np.uint32)
+    bitmask[:, ::3] = rng.integers(0, 2**32, (draws, bitmask.shape[1]))[:, ::3].astype(np.uint32)
+    for row, temperature in ((flat, 1.0), (low, 1.0), (low, 0.05), (first, 1.0), (last, 1.0), (special, 0.7),
+                             (huge, 1e-9), (tiny, 1e-9)):
+        logits = np.tile(row, (draws, 1))
+        params = mf.sampling_params(draws, temperature=temperature, seed=rng.integers(0, 2**63, draws),
+                                    position=rng.integers(0, 2**31, draws))
+        masks = rng.integers(0, vocab, (draws, 2)).astype(np.uint32)
+        for bits in (None, bitmask):
+            fast, slow = both_paths(dev, logits, params, masks, bits)
+            assert np.array_equal(fast, slow), (temperature, bits is None)
+            if np.isfinite(row).all() and temperature >= 0.05:
+                assert_in_survivors(logits, params, masks, bits, fast)
+    # The overflowing row's draw is its top candidate, not the lowest id of infinite z.
+    params = mf.sampling_params(4, temperature=1e-9, seed=np.arange(4), position=np.arange(4))
+    none = np.full((4, 2), mf.NO_TOKEN, np.uint32)
+    top = np.argmax(huge)
+    assert (both_paths(dev, np.tile(huge, (4, 1)), params, none)[0] == top).all()
+    with np.errstate(over="ignore"):
+        assert (np.flatnonzero(huge * np.float32(1e9) == np.inf) < top).any()

@@ -1,15 +1,14 @@
 // The host sampler's AVX2 helpers against the scalar rule they stand for, bit for bit: the
 // vector Philox against philox.h, exp_neg8 against sample_rule.h's mf_exp_neg, and log_pos8 and
 // gumbel8 against its mf_log_pos and mf_gumbel. Built and run
-// by tests/test_sampling.py (x86-64 with AVX2 only). The helpers live in an anonymous namespace,
-// so this file includes their translation unit.
-#include "host/sample_host.cpp"
-
+// by tests/test_sampling.py (x86-64 with AVX2 only). The helpers are header-only.
 #include <cstdio>
+#include <initializer_list>
 
-namespace mf::host {
-uint32_t argmax_row(const void *, mf_dtype, uint32_t, const mf_row_rule *) { return 0; }  // unused
-}  // namespace mf::host
+#include "host/vec_exp.hpp"
+#include "host/vec_philox.hpp"
+#include "metrale_feed/feed.h"
+#include "metrale_feed/sample_rule.h"
 
 __attribute__((target("avx2"))) static int run() {
     using namespace mf::host;
