@@ -239,6 +239,34 @@ def test_wide_fused_verify_is_the_three_calls_on_both_host_paths(path, dev, k):
     assert_same(*runs)
 
 
+@pytest.mark.parametrize("penalty", [dict(repetition_penalty=0.7), dict(presence_penalty=-1.25)])
+def test_fused_verify_a_walked_draft_that_joins_the_table_wins(path, dev, penalty):
+    """A draft no count holds yet, walked to the next position, where its penalty lifts it over
+    an untouched id that was the best: the verify takes it there, and again at the bonus."""
+    k, vocab = 2, 2 * 4096 + 5
+    d, x = 6000, 3000
+    req = dict(prompt=[5, 4500], generated=[9], **penalty)
+    logits = np.zeros((k + 1, vocab), np.float32)
+    logits[0, d] = 20.0
+    logits[1:, x] = 9.0
+    logits[1:, d] = 8.5  # 8.5 / 0.7 and 8.5 + 1.25 pass 9.0
+    runs = [run_verify(dev, [req], [0], logits, [d, d], k, fused=f) for f in (True, False)]
+    assert_same(*runs)
+    assert runs[0]["cells"].tolist() == [[3, d, d, d]]
+
+
+def test_fused_verify_a_banned_stop_ties_a_row_of_nothing_above_minus_inf(path, dev):
+    """A row of NaN then -inf: the first -inf is the raw best; min_tokens bans a stop id among the
+    NaN, which becomes -inf too, the same key at a lower id: the verify takes the stop id."""
+    k, vocab = 1, 4096 + 50
+    logits = np.full((k + 1, vocab), -np.inf, np.float32)
+    logits[:, :10] = np.nan
+    req = dict(prompt=[20], generated=[], stop_ids=[7], min_tokens=5)
+    runs = [run_verify(dev, [req], [0], logits, [7], k, fused=f) for f in (True, False)]
+    assert_same(*runs)
+    assert runs[0]["cells"].tolist() == [[2, 7, 7]]
+
+
 def test_host_fused_verify_gives_the_simt_bits(simt, dev):
     """The host's fused pass against the .cu kernels (simt) run as the three calls, float32 (the
     host's eight-id path) and float16 (its scalar rule)."""
