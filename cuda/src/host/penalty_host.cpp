@@ -2,7 +2,8 @@
 // same stage order; the rows spread over the pool. A pick that carries its step's penalties
 // (Ops::argmax_penalised) calls apply_penalties_row for each row just before it picks the row, and
 // count_penalties once every row is picked (argmax_host.cpp, run_argmax); a verify that carries
-// them (Ops::verify_penalised), apply_verify_penalties_row for each logit row (verify_host.cpp).
+// them (Ops::verify_penalised), apply_verify_penalties_row for each logit row, or for a greedy
+// float32 one argmax_penalised_row, its penalties inside its argmax's pass (verify_host.cpp).
 #include "host/kernels.hpp"
 #include "host/queue.hpp"
 #include "metrale_feed/penalty_rule.h"
