@@ -288,6 +288,24 @@ def test_host_fused_verify_gives_the_simt_bits(simt, dev):
         assert_same(results["host", dtype], results["simt", dtype])
 
 
+@pytest.mark.parametrize("k", [2, 4])
+def test_wide_host_fused_verify_gives_the_simt_bits(simt, dev, k):
+    """Rows of several chunks: the host's greedy pass against the .cu kernels (simt) run as the
+    three calls."""
+    rows, vocab = 6, 5 * 4096 + 77
+    rng = np.random.default_rng(60 + k)  # the rows of the test above
+    slots = [3, 0, NO, 5, 1, 2]
+    reqs = spread_requests(rng, rows, vocab, k)
+    logits = wide_logits(rng, reqs, slots, k, vocab)
+    drafts = deep_drafts(rng, reqs, slots, np.nan_to_num(logits, nan=-1e30), k, "float32")
+    results = {}
+    for name in ("host", "simt"):
+        mf.set_backend(name)
+        results[name] = run_verify(dev, reqs, slots, logits, drafts, k, fused=True, logprobs=True)
+    assert_same(results["host"], results["simt"])
+    assert (results["host"]["cells"][:, 0] > 1).sum() >= 2
+
+
 def test_bad_fused_verify_calls_queue_nothing(host, dev):
     k = 2
     logits = dev.upload(np.zeros((2 * (k + 1), 8), np.float32))
