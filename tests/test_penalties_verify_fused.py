@@ -19,7 +19,7 @@ NO = mf.NO_TOKEN
 
 
 def run_verify(dev, reqs, slots, logits, drafts, k, *, fused, dtype="float32", params=None,
-               logprobs=False):
+               logprobs=False, masks=None, bitmask=None):
     """One verify with penalties, fused or as three calls, on fresh tables; returns the cells,
     the logprobs' bits, the logits after (float32 bits) and each slot's record and table."""
     rows = len(slots)
@@ -34,7 +34,8 @@ def run_verify(dev, reqs, slots, logits, drafts, k, *, fused, dtype="float32", p
             if slot != NO:
                 state.set(slot, **reqs[r])
         launch = state.prepare(slots, vocab=vocab, dtype=dtype, k=k)
-        kw = dict(k=k, rows=rows, vocab=vocab, dtype=dtype, params=params, logprobs=lp)
+        kw = dict(k=k, rows=rows, vocab=vocab, dtype=dtype, params=params, logprobs=lp, masks=masks,
+                  bitmask=bitmask)
         if fused:
             mf.verify_to_feed(buf, dbuf, cells, None, None, penalties=launch, **kw)
         else:
@@ -161,6 +162,111 @@ def compare_fused_with_three_calls(dev, sampled):
     assert (runs[0]["cells"][:, 0] > 1).sum() >= 2  # rows that accepted drafts
 
 
+def spread_requests(rng, rows, vocab, k):
+    """Requests whose ids lie all over a wide row (the host's greedy float32 rows take their
+    penalties chunk by chunk in the argmax's pass), repeats among them, walked drafts joining."""
+    pool = rng.choice(vocab, 80, replace=False)
+    reqs = []
+    for _ in range(rows):
+        req = random_request(rng, vocab)
+        req["prompt"] = rng.choice(pool, 20).tolist()
+        req["generated"] = rng.choice(pool, int(rng.integers(0, 12))).tolist()
+        req["logit_bias"] = {int(t): float(rng.normal() * 3) for t in rng.choice(vocab, 30, replace=False)}
+        req["stop_ids"] = rng.choice(vocab, 4, replace=False).tolist()
+        req["min_tokens"] = len(req["generated"]) + int(rng.integers(0, k + 2))
+        reqs.append(req)
+    return reqs
+
+
+def wide_logits(rng, reqs, slots, k, vocab):
+    """Logits where the penalties decide: rows whose touched ids are raised to the top (the raw
+    best is a touched id the apply changes), rows whose biases alone lift an id over an untouched
+    best, exact ties across chunks and inside one (first maximum: the lower id), NaN and -inf at
+    touched ids."""
+    rows = len(slots)
+    out = awkward_logits(rng, rows * (k + 1), vocab) / np.float32(4)  # ties, signed zeros, NaN
+    for r, req in enumerate(reqs):
+        lr = slice(r * (k + 1), (r + 1) * (k + 1))
+        touched = sorted(set(req["prompt"]) | set(req["generated"]) | set(req["logit_bias"])
+                         | set(req["stop_ids"]))
+        if r % 2 == 0:
+            out[lr, touched] += np.float32(8.0)
+        else:  # an untouched id at 10.0 against biased ids that reach it exactly, or pass it
+            free = [t for t in range(vocab) if t not in set(touched)]
+            lo_id, hi_id = free[len(free) // 3], free[-5]
+            out[lr, lo_id] = out[lr, hi_id] = np.float32(10.0)
+            for t, b in list(req["logit_bias"].items())[:6]:
+                if t not in req["prompt"] and t not in req["generated"] and t not in req["stop_ids"]:
+                    req["logit_bias"][t] = 2.0 if r % 4 == 1 else 3.0
+                    out[lr, t] = np.float32(8.0)  # 8 + 2 == 10: a tie; 8 + 3 passes
+        out[lr.start, touched[1]] = np.nan
+        out[lr.start + 1, touched[-1]] = -np.inf
+    return out
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_wide_fused_verify_is_the_three_calls_on_both_host_paths(path, dev, k):
+    """Rows of several chunks: the fused greedy pass against the three calls, every bit (cells,
+    logits past a rejection, logprobs, tables), with masks and a bitmask that forbid some of the
+    ids the penalties lift; and against the numpy oracle without them."""
+    rng = np.random.default_rng(60 + k)
+    rows, vocab = 6, 5 * 4096 + 77
+    slots = [3, 0, NO, 5, 1, 2]
+    reqs = spread_requests(rng, rows, vocab, k)
+    logits = wide_logits(rng, reqs, slots, k, vocab)
+    drafts = deep_drafts(rng, reqs, slots, np.nan_to_num(logits, nan=-1e30), k, "float32")
+    runs = [run_verify(dev, reqs, slots, logits, drafts, k, fused=f, logprobs=True) for f in (True, False)]
+    assert_same(*runs)
+    want = oracle(logits, reqs, slots, drafts, k)
+    assert np.array_equal(runs[0]["logits"], want, equal_nan=True)  # the oracle drops zeros' signs
+    # NaN below every number (argmax_rule.h), where numpy's argmax takes it first
+    assert runs[0]["cells"].tolist() == greedy_cells(np.nan_to_num(want, nan=-np.inf), drafts, k)
+    assert (runs[0]["cells"][:, 0] > 1).sum() >= 3  # rows that accepted drafts
+    # Masks and a bitmask over each logit row's best ids, so the next best decide.
+    words = (vocab + 31) // 32
+    bits = np.full((rows * (k + 1), words), 0xFFFFFFFF, np.uint32)
+    masks = []
+    for lr in range(rows * (k + 1)):
+        order = np.argsort(-np.nan_to_num(want[lr], nan=-np.inf), kind="stable")
+        masks.append((int(order[0]), int(order[2])))
+        bits[lr, order[1] // 32] &= ~np.uint32(1 << int(order[1] % 32))
+    bitmask = dev.upload(bits)
+    try:
+        runs = [run_verify(dev, reqs, slots, logits, drafts, k, fused=f, logprobs=True, masks=masks,
+                           bitmask=bitmask) for f in (True, False)]
+    finally:
+        bitmask.close()
+    assert_same(*runs)
+
+
+@pytest.mark.parametrize("penalty", [dict(repetition_penalty=0.7), dict(presence_penalty=-1.25)])
+def test_fused_verify_a_walked_draft_that_joins_the_table_wins(path, dev, penalty):
+    """A draft no count holds yet, walked to the next position, where its penalty lifts it over
+    an untouched id that was the best: the verify takes it there, and again at the bonus."""
+    k, vocab = 2, 2 * 4096 + 5
+    d, x = 6000, 3000
+    req = dict(prompt=[5, 4500], generated=[9], **penalty)
+    logits = np.zeros((k + 1, vocab), np.float32)
+    logits[0, d] = 20.0
+    logits[1:, x] = 9.0
+    logits[1:, d] = 8.5  # 8.5 / 0.7 and 8.5 + 1.25 pass 9.0
+    runs = [run_verify(dev, [req], [0], logits, [d, d], k, fused=f) for f in (True, False)]
+    assert_same(*runs)
+    assert runs[0]["cells"].tolist() == [[3, d, d, d]]
+
+
+def test_fused_verify_a_banned_stop_ties_a_row_of_nothing_above_minus_inf(path, dev):
+    """A row of NaN then -inf: the first -inf is the raw best; min_tokens bans a stop id among the
+    NaN, which becomes -inf too, the same key at a lower id: the verify takes the stop id."""
+    k, vocab = 1, 4096 + 50
+    logits = np.full((k + 1, vocab), -np.inf, np.float32)
+    logits[:, :10] = np.nan
+    req = dict(prompt=[20], generated=[], stop_ids=[7], min_tokens=5)
+    runs = [run_verify(dev, [req], [0], logits, [7], k, fused=f) for f in (True, False)]
+    assert_same(*runs)
+    assert runs[0]["cells"].tolist() == [[2, 7, 7]]
+
+
 def test_host_fused_verify_gives_the_simt_bits(simt, dev):
     """The host's fused pass against the .cu kernels (simt) run as the three calls, float32 (the
     host's eight-id path) and float16 (its scalar rule)."""
@@ -180,6 +286,24 @@ def test_host_fused_verify_gives_the_simt_bits(simt, dev):
                                               dtype=dtype, logprobs=True)
     for dtype in ("float32", "float16"):
         assert_same(results["host", dtype], results["simt", dtype])
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_wide_host_fused_verify_gives_the_simt_bits(simt, dev, k):
+    """Rows of several chunks: the host's greedy pass against the .cu kernels (simt) run as the
+    three calls."""
+    rows, vocab = 6, 5 * 4096 + 77
+    rng = np.random.default_rng(60 + k)  # the rows of the test above
+    slots = [3, 0, NO, 5, 1, 2]
+    reqs = spread_requests(rng, rows, vocab, k)
+    logits = wide_logits(rng, reqs, slots, k, vocab)
+    drafts = deep_drafts(rng, reqs, slots, np.nan_to_num(logits, nan=-1e30), k, "float32")
+    results = {}
+    for name in ("host", "simt"):
+        mf.set_backend(name)
+        results[name] = run_verify(dev, reqs, slots, logits, drafts, k, fused=True, logprobs=True)
+    assert_same(results["host"], results["simt"])
+    assert (results["host"]["cells"][:, 0] > 1).sum() >= 2
 
 
 def test_bad_fused_verify_calls_queue_nothing(host, dev):

@@ -106,12 +106,14 @@ __attribute__((target("avx2"))) inline void offer16(LaneBest &lb, const uint32_t
 
 // With a bitmask the scan walks whole 32-id words: one word load per 32 ids, and a word of zeros
 // skips its logits entirely (grammar masks are mostly such words).
+// floor: only keys above it count (a scan continued past ids whose best key it is: an id of
+// that key here is a later one, so it loses). Returns {floor, UINT32_MAX} when none is above.
 __attribute__((target("avx2"))) Best32 best_f32(const uint32_t *p, uint32_t lo, uint32_t hi,
-                                                const uint32_t *bits, uint32_t words) {
+                                                const uint32_t *bits, uint32_t words, int32_t floor = kOut32) {
     (void)words;
-    const __m256i out_key = _mm256_set1_epi32(kOut32);
-    LaneBest lb{out_key, out_key, _mm256_setzero_si256(), _mm256_setzero_si256()};
-    Best32 best{kOut32, UINT32_MAX};
+    const __m256i start_key = _mm256_set1_epi32(floor), no_id = _mm256_set1_epi32(-1);
+    LaneBest lb{start_key, start_key, no_id, no_id};  // a lane never raised loses every tie
+    Best32 best{floor, UINT32_MAX};
     uint32_t i = lo;
     if (!bits) {
         for (; i + 16 <= hi; i += 16) offer16(lb, p + i, i, 0xFFFFu);
@@ -263,6 +265,27 @@ uint32_t argmax_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_ro
 }
 
 bool vector_paths() { return g_row_fn.load(std::memory_order_relaxed) != argmax_row_portable; }
+
+uint64_t argmax_f32_above(const uint32_t *row, uint32_t vocab, const mf_row_rule *rule, uint32_t lo, uint32_t hi,
+                          uint64_t best) {
+#ifdef MF_X86
+    if (g_row_fn.load(std::memory_order_relaxed) == argmax_row_avx2) {
+        // The packed key as best_f32's signed one (mf_key_f32: sign +- magnitude; 0 a NaN).
+        const uint32_t key = (uint32_t)(best >> 32);
+        const int32_t floor = !best ? kOut32 : key == 0u ? kNan32 : (int32_t)(key - 0x80000000u);
+        const mf_spans spans = mf_candidate_spans(vocab, rule->m0, rule->m1);
+        Best32 b{floor, UINT32_MAX};
+        for (uint32_t s = 0; s < spans.count; ++s) {  // spans ascend: '>' keeps the lowest id
+            const uint32_t l = spans.lo[s] > lo ? spans.lo[s] : lo, h = spans.hi[s] < hi ? spans.hi[s] : hi;
+            if (l >= h) continue;
+            const Best32 span = best_f32(row, l, h, rule->bits, mf_bitmask_words(vocab), b.key);
+            if (span.key > b.key) b = span;
+        }
+        return b.key > floor ? mf_pack(mf_key_f32(row[b.id]), b.id) : best;
+    }
+#endif
+    return mf_pack_max(best, mf_reduce_row(row, MF_DTYPE_F32, lo, hi, rule));
+}
 
 const char *argmax_isa() {
     return g_row_fn.load(std::memory_order_relaxed) == argmax_row_portable ? "portable" : "avx2";

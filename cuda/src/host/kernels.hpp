@@ -58,6 +58,11 @@ void run_reference_forward(const mf_reference_args &args);
 // One row under the rule (masks and bitmask), for the dispatch: the portable path and the best.
 uint32_t argmax_row_portable(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule);
 uint32_t argmax_row(const void *row, mf_dtype dtype, uint32_t vocab, const mf_row_rule *rule);
+// A float32 argmax scan continued over ids [lo, hi) of a row of `vocab` under its rule: `best` is
+// the packed maximum of the ids below lo (argmax_rule.h; 0: none), the result that of the ids below
+// hi. Chunk after chunk, the row's argmax_row, bit for bit, at the cost of one pass.
+uint64_t argmax_f32_above(const uint32_t *row, uint32_t vocab, const mf_row_rule *rule, uint32_t lo, uint32_t hi,
+                          uint64_t best);
 const char *argmax_isa();
 bool use_portable_argmax(bool portable);  // for tests of both paths; false: no vector path here
 bool vector_paths();                      // the vector paths run now (none forced portable)
@@ -182,6 +187,23 @@ void apply_verify_penalties_row(const mf_penalty_args &args, uint32_t r, uint32_
 // verify reads this one).
 void prefetch_penalties_row(const mf_penalty_args &args, uint32_t lr, uint32_t slot);
 void count_penalties(const mf_penalty_args &args, const uint32_t *slots);
+// A greedy float32 verify row's penalties applied inside its argmax's pass (penalty_host.cpp): a
+// slot's biases, stops and table entries sorted into the chunks of the row their ids fall in, once
+// for the row's k + 1 positions.
+struct PenaltyChunks {
+    std::vector<mf_penalty_item> items;      // each chunk's biases, then each chunk's stops
+    std::vector<mf_penalty_entry> entries;   // each chunk's table entries
+    std::vector<uint32_t> bias_at, stop_at, entry_at;  // chunk c's records: [at[c], at[c + 1]), padded to eight
+    std::vector<uint32_t> next;                        // the sort's scratch
+};
+// Whether a verify's greedy rows may take that pass (float32 rows, the eight-id paths).
+bool chunked_penalties(const mf_penalty_args &args);
+void sort_penalty_chunks(const mf_penalty_args &args, uint32_t slot, PenaltyChunks &out);
+// Logit row r * (k + 1) + j's argmax under `rule`, its penalties (walking the drafts before j)
+// applied in the same pass: the logits end as apply_verify_penalties_row leaves them, the id is
+// argmax_row's over those logits.
+uint32_t argmax_penalised_row(const mf_penalty_args &args, const PenaltyChunks &chunks, uint32_t r,
+                              uint32_t j, uint32_t slot, const mf_row_rule *rule);
 
 // The top logprobs of each row, or a slice's top block (top_logprob_host.cpp), and the combine of
 // gathered top blocks: nothing host-side to copy.

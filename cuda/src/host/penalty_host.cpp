@@ -2,7 +2,8 @@
 // same stage order; the rows spread over the pool. A pick that carries its step's penalties
 // (Ops::argmax_penalised) calls apply_penalties_row for each row just before it picks the row, and
 // count_penalties once every row is picked (argmax_host.cpp, run_argmax); a verify that carries
-// them (Ops::verify_penalised), apply_verify_penalties_row for each logit row (verify_host.cpp).
+// them (Ops::verify_penalised), apply_verify_penalties_row for each logit row, or for a greedy
+// float32 one argmax_penalised_row, its penalties inside its argmax's pass (verify_host.cpp).
 #include "host/kernels.hpp"
 #include "host/queue.hpp"
 #include "metrale_feed/penalty_rule.h"
@@ -263,6 +264,166 @@ void apply_verify_penalties_row(const mf_penalty_args &args, uint32_t r, uint32_
     const uint32_t k = args.k, *drafts = args.drafts + (size_t)r * k;
     apply_row(args, r * (k + 1) + j, slot, eight_ids(), drafts, mf_penalty_walked(drafts, k, j), known);
 }
+
+// ---- a greedy float32 verify row: its penalties inside the argmax's one pass ----
+// Applied to the whole row before the verify reads it, the penalties' scattered read-modify-writes
+// miss the caches, each line once more than the verify's stream fetches it. Here the row goes a
+// chunk at a time: the argmax streams the chunk's raw logits, the chunk's penalties are applied to
+// the lines that stream just brought in (cache hits), and only the ids they touched are read
+// again. The raw scan's best id u answers for every untouched id: if u's logit came out of the
+// apply unchanged, every untouched id of the chunk is at most u's (ties: later ids, losing), so the
+// chunk's best is u's or a touched id's; if it changed, the chunk is scanned again (cached). A
+// chunk is not scanned after its writes as a rule: a vector load of a word still in the store
+// buffer waits for it to commit, and the apply leaves a few hundred there.
+// Each id gets the same stages in the same order (bias, stop, penalty, a walked draft's join) and
+// the best of the chunks is the row's (argmax_rule.h: partial maxima combine), so the logits and
+// the id are bit for bit apply_verify_penalties_row's and argmax_row's.
+namespace {
+
+constexpr uint32_t kChunkShift = 12;  // 4096 ids: 16 KiB of float32 logits, well inside L1
+
+// Records whose ids fall in the slice, sorted into the chunks of their columns (a counting sort,
+// stable), each chunk's padded to a multiple of `align` with records outside the slice (id
+// start - 1: column 2**32 - 1, which the eight-id stages mask and never touch). at[c]: where
+// chunk c's records begin; at[chunks]: the end.
+template <class Record>
+void sort_chunks(const Record *in, uint32_t n, const mf_penalty_args &a, uint32_t chunks, uint32_t align,
+                 std::vector<Record> &out, std::vector<uint32_t> &at, std::vector<uint32_t> &next) {
+    at.assign(chunks + 1, 0u);
+    for (uint32_t i = 0; i < n; ++i) {
+        const uint32_t col = in[i].id - a.start;
+        if (col < a.vocab) ++at[(col >> kChunkShift) + 1];
+    }
+    at[0] = (uint32_t)out.size();
+    for (uint32_t c = 0; c < chunks; ++c) at[c + 1] = at[c] + (at[c + 1] + align - 1) / align * align;
+    Record pad{};
+    pad.id = a.start - 1u;
+    out.resize(at[chunks], pad);
+    next.assign(at.begin(), at.end() - 1);
+    for (uint32_t i = 0; i < n; ++i) {
+        const uint32_t col = in[i].id - a.start;
+        if (col < a.vocab) out[next[col >> kChunkShift]++] = in[i];
+    }
+}
+
+uint32_t chunk_count(const mf_penalty_args &a) { return (a.vocab + (1u << kChunkShift) - 1) >> kChunkShift; }
+
+#ifdef MF_X86
+// The best of `best` and the candidates among n records' columns (a padded bucket: pads skipped).
+// Most groups of eight hold nothing at or above the best: one compare of their raw signed keys
+// (NaN high: looked at) rules them out; a group that might is offered id by id, under the rule.
+template <class Record>
+__attribute__((target("avx2"))) uint64_t offer_touched(const uint32_t *row, const Record *records, uint32_t n,
+                                                       uint32_t start, uint32_t vocab, const mf_row_rule *rule,
+                                                       uint64_t best) {
+    for (uint32_t i = 0; i < n; i += 8) {
+        __m256i ids, words;
+        split8(records + i, ids, words);
+        const Lanes8 at = lanes8(ids, start, vocab);
+        const __m256i bits = gather8(row, at);
+        if (best) {
+            // The best's signed key (argmax_host.cpp's: sign and magnitude, a NaN just above the
+            // lowest), less one: a lane at or above it might win (a tie, by a lower id).
+            const uint32_t key = (uint32_t)(best >> 32);
+            const int32_t below = key == 0u ? INT32_MIN : (int32_t)(key - 0x80000000u) - 1;
+            const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+            const __m256i raw = _mm256_sign_epi32(mag, bits);  // -0.0 and +0.0 alike
+            const __m256i maybe = _mm256_and_si256(at.in, _mm256_cmpgt_epi32(raw, _mm256_set1_epi32(below)));
+            if (_mm256_testz_si256(maybe, maybe)) continue;
+        }
+        for (uint32_t u = 0; u < 8; ++u) {
+            const uint32_t col = records[i + u].id - start;
+            if (col < vocab && col != rule->m0 && col != rule->m1 && mf_bit_allowed(rule->bits, col))
+                best = mf_pack_max(best, mf_pack(mf_key_f32(row[col]), col));
+        }
+    }
+    return best;
+}
+#endif
+
+}  // namespace
+
+bool chunked_penalties(const mf_penalty_args &args) { return args.dtype == MF_DTYPE_F32 && eight_ids(); }
+
+void sort_penalty_chunks(const mf_penalty_args &a, uint32_t slot, PenaltyChunks &out) {
+    const mf_penalty_slot s = mf_penalty_clamped(a.state[slot], a.table_cap, a.item_cap);
+    const mf_penalty_item *items = a.items + (size_t)slot * a.item_cap;
+    const uint32_t chunks = chunk_count(a);
+    out.items.clear();
+    out.entries.clear();
+    sort_chunks(items, s.biases, a, chunks, 8, out.items, out.bias_at, out.next);
+    sort_chunks(items + s.biases, s.stops, a, chunks, 8, out.items, out.stop_at, out.next);
+    sort_chunks(a.table + (size_t)slot * a.table_cap, s.entries, a, chunks, 8, out.entries, out.entry_at, out.next);
+}
+
+#ifndef MF_X86
+uint32_t argmax_penalised_row(const mf_penalty_args &a, const PenaltyChunks &, uint32_t r, uint32_t j,
+                              uint32_t slot, const mf_row_rule *rule) {  // never taken: no eight-id paths
+    apply_verify_penalties_row(a, r, j, slot);
+    return argmax_row(static_cast<const char *>(a.logits) + ((size_t)r * (a.k + 1) + j) * a.row_stride * 4,
+                      MF_DTYPE_F32, a.vocab, rule);
+}
+#else
+uint32_t argmax_penalised_row(const mf_penalty_args &a, const PenaltyChunks &pc, uint32_t r, uint32_t j,
+                              uint32_t slot, const mf_row_rule *rule) {
+    const uint32_t k = a.k, *drafts = a.drafts + (size_t)r * k, w = mf_penalty_walked(drafts, k, j);
+    const mf_penalty_slot s = mf_penalty_walk_slot(mf_penalty_clamped(a.state[slot], a.table_cap, a.item_cap), w);
+    const mf_penalty_entry *table = a.table + (size_t)slot * a.table_cap;
+    const uint32_t start = a.start, vocab = a.vocab, chunks = chunk_count(a);
+    // The walked drafts' ids the table lacks, each once (apply_row's last stage): their columns
+    // and counts, applied in their chunks.
+    uint32_t known[MF_MAX_DRAFTS], join_col[MF_MAX_DRAFTS], join_count[MF_MAX_DRAFTS], joins = 0;
+    for (uint32_t u = 0; u < w; ++u) {
+        uint32_t at = find_avx2(table, s.entries, drafts[u]);
+        while (at < s.entries && table[at].id != drafts[u]) ++at;
+        known[u] = at < s.entries || mf_penalty_draft_repeats(drafts, u);
+    }
+    for (uint32_t u = 0; u < w; ++u) {
+        const uint32_t col = drafts[u] - start;
+        if (col < vocab && mf_penalty_draft_joins(known, u, s.entries, a.table_cap)) {
+            join_col[joins] = col;
+            join_count[joins++] = mf_penalty_draft_count(drafts, w, drafts[u]);
+        }
+    }
+    uint32_t *row = static_cast<uint32_t *>(a.logits) + ((size_t)r * (k + 1) + j) * a.row_stride;
+    const bool bans = mf_penalty_bans_stops(&s);
+    const Penalty8 penalty{s, drafts, w};
+    uint64_t best = 0;  // packed (argmax_rule.h) over the chunks so far; 0: no candidate yet
+    for (uint32_t c = 0; c < chunks; ++c) {
+        const uint32_t lo = c << kChunkShift, hi = vocab - lo <= (1u << kChunkShift) ? vocab : lo + (1u << kChunkShift);
+        const uint64_t raw = argmax_f32_above(row, vocab, rule, lo, hi, best);  // the stream
+        const uint32_t u = raw != best ? mf_unpack_id(raw) : MF_NO_TOKEN, before = u != MF_NO_TOKEN ? row[u] : 0u;
+        const mf_penalty_item *biases = pc.items.data() + pc.bias_at[c], *stops = pc.items.data() + pc.stop_at[c];
+        const mf_penalty_entry *entries = pc.entries.data() + pc.entry_at[c];
+        const uint32_t nb = pc.bias_at[c + 1] - pc.bias_at[c], ns = bans ? pc.stop_at[c + 1] - pc.stop_at[c] : 0u;
+        const uint32_t ne = pc.entry_at[c + 1] - pc.entry_at[c];
+        stage8(row, biases, nb, start, vocab, Bias8{});  // 1-3 and the joins, on cached lines
+        for (uint32_t i = 0; i < ns; ++i)
+            if (stops[i].id - start < vocab) mf_penalty_store(row, MF_DTYPE_F32, stops[i].id - start, mf_neg_inf());
+        stage8(row, entries, ne, start, vocab, penalty);
+        bool joined = false;
+        for (uint32_t v = 0; v < joins; ++v)
+            if (join_col[v] >> kChunkShift == c) {
+                mf_penalize_at(row, MF_DTYPE_F32, join_col[v], &s, join_count[v]);
+                joined = true;
+            }
+        if (u != MF_NO_TOKEN && row[u] != before) {  // the raw best changed: scan the chunk again
+            best = argmax_f32_above(row, vocab, rule, lo, hi, best);
+            continue;
+        }
+        best = raw;  // the untouched ids' best; the touched ones offered next
+        best = offer_touched(row, biases, nb, start, vocab, rule, best);
+        best = offer_touched(row, stops, ns, start, vocab, rule, best);
+        best = offer_touched(row, entries, ne, start, vocab, rule, best);
+        for (uint32_t v = 0; joined && v < joins; ++v) {
+            const uint32_t col = join_col[v];
+            if (col >> kChunkShift == c && col != rule->m0 && col != rule->m1 && mf_bit_allowed(rule->bits, col))
+                best = mf_pack_max(best, mf_pack(mf_key_f32(row[col]), col));
+        }
+    }
+    return best ? mf_unpack_id(best) : MF_NO_TOKEN;
+}
+#endif
 
 // A scan of each row's table: cheap. Rows may name one slot (device slots are not checked when
 // queued), so one thread counts them, in row order.

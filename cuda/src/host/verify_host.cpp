@@ -123,18 +123,26 @@ void run_verify(const VerifyJob &job) {
         if (next < end && pen_slots[next] < pen->slot_count)
             prefetch_penalties_row(*pen, next * (k + 1) + (j < k ? j + 1 : 0), pen_slots[next]);
     };
+    // A greedy float32 row takes its penalties inside its argmax's one pass instead, a chunk at a
+    // time on the lines the pass has just read (argmax_penalised_row): no miss of their own, nothing
+    // to ask for ahead. The descriptor names the verify's own logits, as the call makes it.
+    const bool chunked = pen && chunked_penalties(*pen) && pen->logits == a.logits && pen->vocab == a.vocab &&
+                         pen->row_stride == a.row_stride && pen->start == 0u;
     parallel_rows(a.rows, [&](uint32_t begin, uint32_t end) {
         IeeeFpGuard ieee;  // the sampler's arithmetic needs subnormals on every pool thread
-        uint32_t ids[MF_MAX_DRAFTS + 1];  // no allocation on the worker
+        uint32_t ids[MF_MAX_DRAFTS + 1];  // no allocation on the worker, but the chunks' sort
+        PenaltyChunks chunks;             // the first chunked row's; reused by the others
         for (uint32_t r = begin; r < end; ++r) {
             const uint32_t *x = drafts + (size_t)r * k;
             const uint32_t d = mf_verify_drafts(x, k);
             const bool sampled = params && params[r].temperature > 0.0f && params[r].temperature <= 3.4e38f;
             const mf_sampling_params row_params = sampled ? mf_verify_row_params(&params[r], a.advance, r) : mf_sampling_params{};
             const bool penalised = pen && pen_slots[r] < pen->slot_count;  // NO_TOKEN: no penalties
+            const bool in_pass = penalised && chunked && !sampled;  // the penalties in the argmax's pass
+            if (in_pass) sort_penalty_chunks(*pen, pen_slots[r], chunks);
             uint32_t n = 0;
             for (uint32_t j = 0; j <= d; ++j) {
-                if (penalised) apply(r, j, end);
+                if (penalised && !in_pass) apply(r, j, end);
                 const size_t lr = (size_t)r * (k + 1) + j;
                 const mf_row_rule rule{masks[2 * lr], masks[2 * lr + 1], a.bitmask ? a.bitmask + lr * words : nullptr};
                 const Position at{(const char *)a.logits + lr * row_bytes, a.dtype, a.vocab, &rule};
@@ -145,7 +153,8 @@ void run_verify(const VerifyJob &job) {
                     const float *q = a.draft_probs && j < d ? a.draft_probs + ((size_t)r * k + j) * a.vocab : nullptr;
                     accepted = sampled_position(at, mf_verify_params_at(&row_params, j), draft, q, vector, &emit);
                 } else {
-                    emit = argmax_row(at.row, a.dtype, a.vocab, &rule);
+                    emit = in_pass ? argmax_penalised_row(*pen, chunks, r, j, pen_slots[r], &rule)
+                                   : argmax_row(at.row, a.dtype, a.vocab, &rule);
                     accepted = mf_verify_accepts(1, emit, draft, 0u, 0u, 0u, 0u);
                 }
                 ids[n++] = accepted ? draft : emit;
