@@ -172,9 +172,10 @@ def _verify_penalised(rows: int, k: int, vocab: int, repeats: int) -> Dict[str, 
             "penalised_ms": med["penalised"], "ratio": med["penalised"] / med["plain"],
             "three_calls_ms": med["three_calls"],
             "three_calls_ratio": med["three_calls"] / med["plain"],
-            # The floor of any apply that writes the logits, for a verify bound by memory
-            # bandwidth: each line the penalties write goes back to memory once more, even when
-            # its read is the verify's own (k + 1 logit rows a slot).
+            # What the lines the penalties write would add to a verify bound by memory bandwidth
+            # if none of their write-back overlapped the verify's reads: each goes back to memory
+            # once more (k + 1 logit rows a slot). An upper bound, not a floor: written behind
+            # the stream's reads, most of it overlaps them (docs/speculative.md, "Penalties").
             "written_lines_per_row": lines / rows,
             "floor_ratio": 1 + lines * 64 / (rows * vocab * 4),
             "checked": bool(checked and counted), "repeats": repeats}
@@ -245,9 +246,9 @@ def bench_speculative(quick: bool) -> Dict[str, Any]:
     row("  as three calls", f"{pv['three_calls_ms']:.2f} ms", f"without {pv['plain_ms']:.2f} ms",
          f"{pv['three_calls_ratio']:.2f}x", "",
          note="apply walking the drafts, verify, update with the cells")
-    row("  floor of the written lines", "", "", f"{pv['floor_ratio']:.2f}x", "",
+    row("  the written lines, unoverlapped", "", "", f"{pv['floor_ratio']:.2f}x", "",
          note=f"{pv['written_lines_per_row']:.0f} of a row's {vocab * 4 // 64} lines written, "
-              "each back to memory once more than the verify's reads")
+              "each back to memory once more, if none overlapped the verify's reads")
     p = _pipeline_tps(1000 if quick else 32000, 16, 32 if quick else 64, k, 0.8,
                       2 if quick else 3)
     section(f"speculative decoding through the pipeline, reference model ({p['rows']} rows, "
