@@ -381,12 +381,12 @@ cdef int check_float_rows(object obj, uint32_t rows, str what, bint device) exce
     return 0
 
 
-cdef object run_on_shard(object shard, PickStep step):
-    """A pick over a split vocabulary: the step handed to the shard, which runs it (tp/shard.py;
+cdef object run_on_shard(PickStep step):
+    """A pick over a split vocabulary: the step handed to its shard, which runs it (tp/shard.py;
     torch is imported there only). The extension knows nothing of the shard but this one method."""
-    run = getattr(shard, "run_step", None)
+    run = getattr(step.shard, "run_step", None)
     if run is None:
-        raise TypeError(f"shard must be a VocabShard, not {type(shard).__name__}")
+        raise TypeError(f"shard must be a VocabShard, not {type(step.shard).__name__}")
     return run(step)
 
 
@@ -441,7 +441,7 @@ cpdef object pick_to_feed(PickStep step):
                          "method does, then hands on step.on(...), which clears them")
     if step.shard is not None:  # host params, or temperature-only device params (shard.py)
         refuse_sharded_penalties(step.penalties)
-        return run_on_shard(step.shard, step)
+        return run_on_shard(step)
     rows = step.rows
     if (rows is None and step.masks is None and step.op == "sample"
             and not (is_foreign(step.logits) and not isinstance(step.logits, (list, tuple)))):

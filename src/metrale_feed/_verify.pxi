@@ -148,7 +148,7 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
     cdef _GrammarCall g = None
     if shard is not None:  # greedy rows over a split vocabulary (docs/tensor-parallel.md)
         refuse_sharded_penalties(penalties)
-        return run_on_shard(shard, PickStep("verify", logits=logits, drafts=drafts, cells=cells,
+        return run_on_shard(PickStep("verify", logits=logits, drafts=drafts, cells=cells,
                             dst=dst, event=event, stream=stream, k=k, masks=masks, bitmask=bitmask,
                             params=params, draft_probs=draft_probs, logprobs=logprobs,
                             logprobs_dst=logprobs_dst, rows=rows, vocab=vocab, dtype=dtype,

@@ -30,6 +30,12 @@ def _rows_of(masks: Any) -> int:
         return view.nbytes // 8
 
 
+def _step_rows(step: Any) -> int:
+    """The rows of a model's step: its params' records, else its masks' pairs (read only where
+    the top logprobs need them, not on every step)."""
+    return len(step.params) if step.params is not None else _rows_of(step.masks)
+
+
 def _top_before_penalties(penalties: Any) -> None:
     # The top lists would be read before the call applies the penalties, the chosen id after.
     if penalties is not None:
@@ -203,23 +209,20 @@ class RuntimeFeedMixin:
         if self.feed_cells is None:
             raise FeedError(f"{step.op}_batch_to_feed: call init_device_feed first")
         shard = self.feed_shard
-        rows = len(step.params) if step.params is not None else _rows_of(step.masks)
+        on_feed = step.on(self.feed_cells, self.feed_vocab if shard is None else shard.width,
+                          self.feed_logits_dtype, self.feed_row_stride, shard)
         if step.raw_logits is not None and step.logprobs is not None:
-            self.feed_prev_rows = _core.pick_to_feed(step.on(
-                self.feed_cells, self.feed_vocab if shard is None else shard.width,
-                self.feed_logits_dtype, self.feed_row_stride, shard).replace(
-                    event=None, logprobs=None, logprobs_dst=None))
-            self._raw_logprobs(step.raw_logits, rows, step.logprobs, step.logprobs_dst,
-                               step.top_logprobs, step.top_logprobs_dst, step.top_n, step.event,
-                               step.stream)
+            self.feed_prev_rows = _core.pick_to_feed(
+                on_feed.replace(event=None, logprobs=None, logprobs_dst=None))
+            self._raw_logprobs(step.raw_logits, _step_rows(step), step.logprobs,
+                               step.logprobs_dst, step.top_logprobs, step.top_logprobs_dst,
+                               step.top_n, step.event, step.stream)
             return
         if step.top_logprobs is not None:
             _top_before_penalties(step.penalties)
-            self._top_logprobs(step.logits, rows, step.top_logprobs, step.top_logprobs_dst,
-                               step.top_n, step.stream)
-        self.feed_prev_rows = _core.pick_to_feed(step.on(
-            self.feed_cells, self.feed_vocab if shard is None else shard.width,
-            self.feed_logits_dtype, self.feed_row_stride, shard))
+            self._top_logprobs(step.logits, _step_rows(step), step.top_logprobs,
+                               step.top_logprobs_dst, step.top_n, step.stream)
+        self.feed_prev_rows = _core.pick_to_feed(on_feed)
 
     def argmax_batch_to_feed(self, logits: Any, masks: Any, dst: Any, event: Any, stream: Any,
                              *, logprobs: Any = None, logprobs_dst: Any = None,
