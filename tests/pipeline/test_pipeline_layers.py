@@ -138,26 +138,114 @@ def _host_members():
     return declared
 
 
-def test_the_speculative_step_uses_only_what_step_host_declares():
-    """``SpeculativeStep`` (and the debug mode and the grammar's words, which take the same
-    host) read of the pipeline only the members ``StepHost`` declares."""
+# The modules that run beside the pipeline and take its host, and the names they hold it by.
+STEP_KINDS = ("speculative.py", "debug.py", "grammar.py", "penalized.py", "stats.py")
+HOST_NAMES = {"pipe", "host", "self.host", "self.step_host"}
+
+
+def test_the_step_kinds_use_only_what_step_host_declares():
+    """``SpeculativeStep``, the debug mode, the grammar's words and the penalties read of the
+    pipeline's host only the members ``StepHost`` declares, and it declares no private name."""
     declared = _host_members()
-    assert {"_admit", "_fault", "_owner", "budget", "stats"} <= declared
+    assert {"admit", "fault", "owner", "running", "budget", "stats"} <= declared
+    assert [name for name in declared if name.startswith("_")] == []
     used = []
-    for name in ("speculative.py", "debug.py", "grammar.py"):
+    for name in STEP_KINDS:
         for node in ast.walk(ast.parse((SCHED / name).read_text())):
-            if isinstance(node, ast.Attribute):
-                base = node.value
-                owner = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", None)
-                if owner == "pipe":
-                    used.append((name, node.lineno, node.attr))
-    assert used  # the reader finds them
+            if isinstance(node, ast.Attribute) and ast.unparse(node.value) in HOST_NAMES:
+                used.append((name, node.lineno, node.attr))
+    assert {"speculative.py", "debug.py", "grammar.py", "penalized.py"} <= {u[0] for u in used}
     assert [u for u in used if u[2] not in declared] == []
 
 
-def test_the_pipeline_implements_step_host(host, no_leaks):
-    with model_for(rows=2) as model, \
-            DecodePipeline(model, 2, speculative=NGramDrafter(2)) as pipe:
-        missing = [name for name in _host_members() if not hasattr(pipe, name)]
-        assert missing == []
-        assert pipe._spec.pipe is pipe
+# A request's scheduler fields (request.py: the state the scheduler's modules keep on each
+# request) and the automaton's walk, read under these names; any other ``x._name`` is refused.
+SHARED_PRIVATE = {
+    "req": {"_seq", "_base", "_grammar", "_gstate", "_top_n", "_pen", "_pslot", "_mask", "_ban"},
+    "automaton": {"_step", "_flags"},
+    "joined": {"_keep"},
+}
+SHARED_PRIVATE["r"] = SHARED_PRIVATE["self.req"] = SHARED_PRIVATE["req"]
+
+
+def _foreign_private(name, text):
+    """``x._name`` in ``text`` where ``x`` is not ``self`` or ``cls``: (refused, allowed)."""
+    refused, allowed = [], []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                and not node.attr.startswith("__"):
+            base = ast.unparse(node.value)
+            if base in ("self", "cls"):
+                continue
+            where = f"{name}:{node.lineno}: {ast.unparse(node)}"
+            (allowed if node.attr in SHARED_PRIVATE.get(base, ()) else refused).append(where)
+    return refused, allowed
+
+
+def test_the_step_kinds_read_no_private_member_of_another_object():
+    """Nothing private of the pipeline (nor of its router, stats or host) is read by the step
+    kinds: their own fields, and a request's scheduler fields, only."""
+    refused, allowed = [], []
+    for name in STEP_KINDS:
+        more, shared = _foreign_private(name, (SCHED / name).read_text())
+        refused += more
+        allowed += shared
+    assert refused == []
+    assert len(allowed) > 20  # the reader finds the reads it judges
+
+
+def test_the_private_reader_refuses_a_planted_read():
+    text = (SCHED / "speculative.py").read_text()
+    planted = text.replace("running = list(pipe.running)", "running = list(pipe._running)")
+    assert planted != text
+    assert _foreign_private("speculative.py", planted)[0] == [
+        f"speculative.py:{planted[:planted.index('pipe._running')].count(chr(10)) + 1}: "
+        f"pipe._running"]
+
+
+def test_the_step_kinds_hold_no_reference_to_the_pipeline(host, no_leaks):
+    """The speculative step, the grammar's words, the penalties, the debug buffers and the
+    stats reach the pipeline's host, never the pipeline (its operations are held weakly), so a
+    pipeline dropped without ``close()`` is in no cycle: it is closed when it goes."""
+    from metrale_feed import TokenAutomaton
+    from metrale_feed.sched.host import PipelineHost
+
+    anything = TokenAutomaton({0: {t: 0 for t in range(VOCAB)}}, initial=0, vocab=VOCAB)
+    with model_for(rows=2) as model, DecodePipeline(
+            model, 2, depth=1, debug=True, speculative=NGramDrafter(2)) as pipe:
+        free = pipe.submit([1, 2, 3], max_new_tokens=6, grammar=anything)
+        pipe.submit([4, 5], max_new_tokens=6, presence_penalty=0.5)
+        pipe.step()
+        parts = [pipe._spec, pipe._gram, pipe._pen, pipe._debug, pipe.stats]
+        assert all(part is not None for part in parts)
+        assert isinstance(pipe._spec.host, PipelineHost) and pipe._spec.host is pipe._host
+        assert [name for name in _host_members() if not hasattr(pipe._host, name)] == []
+        for part in parts:
+            assert not any(obj is pipe for obj in _reachable(part, model)), part
+        # what the host was built from does reach it: the reader sees a bound method's self
+        assert any(obj is pipe for obj in _reachable(pipe._admit, model))
+        pipe.run()
+    assert free.tokens == greedy_tokens([1, 2, 3], 6, VOCAB)
+
+
+def test_a_dropped_pipeline_is_closed_when_it_goes(host, no_leaks):
+    """No cycle runs through the pipeline: dropped without ``close()`` (garbage collection
+    off), it is closed, with its warning, at once; its host, kept, then refuses to call it."""
+    import gc
+    import weakref
+
+    with model_for(rows=2) as model:
+        pipe = DecodePipeline(model, 2, speculative=NGramDrafter(2))
+        req = pipe.submit([1, 2, 3], max_new_tokens=6)
+        pipe.step()
+        gone, kept = weakref.ref(pipe), pipe._host
+        gc.disable()
+        try:
+            with pytest.warns(ResourceWarning, match="DecodePipeline was not closed"):
+                del pipe
+            assert gone() is None
+        finally:
+            gc.enable()
+        assert req.finish_reason == "abort"
+        with pytest.raises(ReferenceError, match="was collected"):
+            kept.admit(0)

@@ -23,15 +23,15 @@ class _Debug:
     ``FeedError`` before any of its ids is committed. No wait is added: the readback completes
     with the step's own event."""
 
-    def __init__(self, pipe: "StepHost") -> None:
-        self.pipe = pipe
-        rows = pipe.max_rows
-        cells = getattr(pipe.model, "feed_cells", None)
+    def __init__(self, host: "StepHost") -> None:
+        self.step_host = host  # (self.host: the pinned readback buffers)
+        rows = host.max_rows
+        cells = getattr(host.model, "feed_cells", None)
         self.cells = cells
         self.capacity = cells.nbytes // 4 if cells is not None else 0
         self.poison = _core.DeviceBuffer(max(1, self.capacity) * 4)
-        self.poison.memset_async(0xFF, pipe.stream)  # NO_TOKEN in every word
-        slots = pipe.depth + 1
+        self.poison.memset_async(0xFF, host.stream)  # NO_TOKEN in every word
+        slots = host.depth + 1
         self.dev = [_core.DeviceBuffer(rows * 4) for _ in range(slots)]
         self.host = [_core.PinnedBuffer(rows * 4) for _ in range(slots)]
         self.next = 0
@@ -41,8 +41,8 @@ class _Debug:
             return -1
         slot = self.next
         self.next = (slot + 1) % len(self.dev)
-        prev = getattr(self.pipe.model, "feed_prev_rows", 0)
-        stream = self.pipe.stream
+        prev = getattr(self.step_host.model, "feed_prev_rows", 0)
+        stream = self.step_host.stream
         _core.resolve_feed(sources, self.cells, self.dev[slot], stream, prev_rows=prev)
         _core.copy_d2h_async(self.dev[slot], self.host[slot], stream)
         return slot
@@ -51,14 +51,14 @@ class _Debug:
         if self.cells is None or rows >= self.capacity:
             return
         _core.copy_d2d_async(self.cells.ptr + rows * 4, self.poison, (self.capacity - rows) * 4,
-                             self.pipe.stream)
+                             self.step_host.stream)
 
     def check(self, step: Any, prev_ids: List[int]) -> None:
         if step.debug_slot < 0:
             return
         rows = len(step.rows)
         got = _core.read_pinned_u32(self.host[step.debug_slot].ptr, rows)
-        vocab = self.pipe.vocab
+        vocab = self.step_host.vocab
         for row, (source, token) in enumerate(zip(step.sources, got)):
             source = FeedSource(source)
             meant = source.value if source.is_host else (

@@ -43,19 +43,19 @@ class PipelineGrammar:
     flight has advanced them before they are read.
     """
 
-    def __init__(self, pipe: "StepHost", k: int) -> None:
-        self.stream = pipe.stream
-        self.vocab = pipe.vocab
-        self.free_word = pipe.max_rows  # the NO_TOKEN word of each buffer
+    def __init__(self, host: "StepHost", k: int) -> None:
+        self.stream = host.stream
+        self.vocab = host.vocab
+        self.free_word = host.max_rows  # the NO_TOKEN word of each buffer
         self.words: List[Any] = []
         self.scratch: Any = None
         try:
             for _ in range(2):
-                buf = _core.DeviceBuffer((pipe.max_rows + 1) * 4)
+                buf = _core.DeviceBuffer((host.max_rows + 1) * 4)
                 self.words.append(buf)
                 buf.memset_async(0xFF, self.stream)  # NO_TOKEN in every word
             self.scratch = _core.DeviceBuffer(
-                pipe.max_rows * (k + 1) * ((pipe.vocab + 31) // 32) * 4)
+                host.max_rows * (k + 1) * ((host.vocab + 31) // 32) * 4)
         except BaseException:
             self.close()
             raise

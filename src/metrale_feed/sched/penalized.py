@@ -15,11 +15,14 @@ calls ``apply`` with the step's drafts (each position judged with the drafts bef
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from ..errors import FeedError
 from ..feed import NO_TOKEN
 from ..penalties import MAX_PENALTY_STOPS, PenaltyState
+
+if TYPE_CHECKING:
+    from .host import StepHost
 
 __all__ = ["PipelinePenalties"]
 
@@ -30,7 +33,8 @@ class PipelinePenalties:
 
     Parameters
     ----------
-    pipe : DecodePipeline
+    host : StepHost
+        The pipeline's (``sched/host.py``): its model, ``max_rows``, stream and ``FeedInfo``.
     capacity : int
         Distinct ids one request's table holds (``DecodePipeline(penalty_capacity=)``).
     k : int, optional
@@ -38,8 +42,8 @@ class PipelinePenalties:
         logit rows a row), whose cells the step passes to ``update``. Default 0.
     """
 
-    def __init__(self, pipe: Any, capacity: int, k: int = 0) -> None:
-        model = pipe.model
+    def __init__(self, host: "StepHost", capacity: int, k: int = 0) -> None:
+        model = host.model
         self.k = k
         self.cells = getattr(model, "feed_cells", None)
         if self.cells is None and not k:  # a verify's cells are the step's own
@@ -50,21 +54,22 @@ class PipelinePenalties:
         self.vocab = model.feed_vocab if shard is None else shard.width
         self.dtype = model.feed_logits_dtype
         self.row_stride = getattr(model, "feed_row_stride", None)
-        self.state = PenaltyState(pipe.max_rows, capacity=capacity, stream=pipe.stream)
+        self.state = PenaltyState(host.max_rows, capacity=capacity, stream=host.stream)
         self.slots: List[int] = []  # the last launch's rows' slots
         self.launch: Any = None  # their apply and update, coerced once (PenaltyState.prepare)
-        self.max_rows = pipe.max_rows * (k + 1)  # logit rows
+        self.max_rows = host.max_rows * (k + 1)  # logit rows
         self.raw: Optional[Any] = None  # the raw logits of a step with logprobs (snapshot)
         # One call a step (docs/penalties.md): the feed method takes the launch and queues the
         # apply and the update itself; over a split vocabulary the update needs the combined ids.
-        self.fused = pipe.info.shard is None and pipe.info.penalties
+        self.fused = host.info.shard is None and host.info.penalties
 
     @staticmethod
-    def check(pipe: Any, prompt: Any, max_new_tokens: int, stop_ids: Any, min_tokens: int,
-              capacity: int) -> None:
-        """What ``submit`` refuses before queuing a request with penalties."""
-        if getattr(pipe.model, "feed_cells", None) is None and pipe._spec is None:
-            raise FeedError(f"{type(pipe.model).__name__} has no device feed cells (feed_cells, "
+    def check(model: Any, speculative: bool, prompt: Any, max_new_tokens: int, stop_ids: Any,
+              min_tokens: int, capacity: int) -> None:
+        """What ``submit`` refuses before queuing a request with penalties, on a pipeline over
+        ``model`` (with a speculative step or not: a verify's cells are its own)."""
+        if getattr(model, "feed_cells", None) is None and not speculative:
+            raise FeedError(f"{type(model).__name__} has no device feed cells (feed_cells, "
                             f"as RuntimeFeedMixin models have): penalties cannot be applied on it")
         distinct = len(set(prompt)) + max_new_tokens
         if distinct > capacity:

@@ -32,6 +32,7 @@ from .penalized import PipelinePenalties
 from .request import _RUNNING, _UNMASKED_PAIR, Request, RequestOwner, RequestStatus, _SeqView
 from .router import AsyncDeviceIo, SyncDeviceIo, Ticket
 from .debug import _Debug
+from .host import PipelineHost
 from .admission import Admission
 from .finishing import Finishing
 from .lifecycle import _LoopLock, close_each
@@ -189,18 +190,25 @@ class DecodePipeline(Submission, Admission, Finishing):
         self._block_size: Optional[int] = info.block_size
         self._pool = info.pool if info.block_size else None
         self._prefill_many = model.prefill_many if isinstance(model, BatchPrefill) else None
-        self._model_syncs_at_start = getattr(model, "host_syncs", 0)
         self.io: Union[AsyncDeviceIo, SyncDeviceIo] = (
             AsyncDeviceIo(model, max_rows, stream=stream) if depth == 2
             else SyncDeviceIo(model, max_rows, stream=stream))
         self.budget: KvBudget = self.io.budget  # the one owner of the blocks in flight
-        self.stats = PipelineStats(self)
+        self.stats = PipelineStats(self.io.stats, model)
         self._waiting: Deque[Request] = deque()
         self._running: List[Request] = []
         self._inflight: Deque[_Step] = deque()
         # What the requests share of the pipeline (the launch count, the masks' flag): they
         # hold it, not the pipeline.
         self._owner = RequestOwner(vocab)
+        # What the step kinds (speculative, debug, grammar, penalties) see of the pipeline: its
+        # configuration, the objects above (never rebound) and its operations, held weakly.
+        self._host = PipelineHost(
+            model=model, info=info, depth=depth, max_rows=max_rows, shard=shard, stream=stream,
+            vocab=vocab, stats=self.stats, budget=self.budget, owner=self._owner,
+            running=self._running, waiting=self._waiting, admit=self._admit,
+            reserve_or_preempt=self._reserve_or_preempt, penalties=self._penalties,
+            grammar=self._grammar, finish=self._finish, fault=self._fault)
         self._orders = 0
         self._boundary: Dict[int, List[Request]] = {}  # launch -> rows that cross a block there
         self._ending: Dict[int, List[Request]] = {}  # launch -> rows whose last step it is
@@ -214,7 +222,7 @@ class DecodePipeline(Submission, Admission, Finishing):
         self._taking: List[Request] = []  # rows given a block for the launch being made
         self._prev_ids: List[int] = []  # debug: the last awaited step's ids
         self._closed = False
-        self._debug = _Debug(self) if self.debug and self.fed else None
+        self._debug = _Debug(self._host) if self.debug and self.fed else None
         # Sampling, as the model declares it (FeedInfo.sampling); a step with a sampled row
         # passes one params record per row (``_params``), rebuilt with the batch.
         self._can_sample = info.sampling
@@ -257,13 +265,14 @@ class DecodePipeline(Submission, Admission, Finishing):
             from .speculative import SpeculativeStep, _SpecView
 
             try:
-                self._spec = SpeculativeStep(self, speculative)
+                self._spec = SpeculativeStep(self._host, speculative)
             except BaseException:
                 self._closed = True
                 self.io.teardown()
                 if self._debug is not None:
                     self._debug.close()
                 raise
+            self.stats.add_speculative(self._spec)
             self._view = _SpecView
             self._extra_positions = self._spec.reach
 
@@ -515,7 +524,7 @@ class DecodePipeline(Submission, Admission, Finishing):
         if gram is None:
             from .grammar import PipelineGrammar
 
-            gram = self._gram = PipelineGrammar(self, 0 if self._spec is None else self._spec.k)
+            gram = self._gram = PipelineGrammar(self._host, 0 if self._spec is None else self._spec.k)
         self._gram_rows = [(i, r) for i, r in enumerate(rows) if r._grammar is not None] or None
         return gram.call(rows)
 
@@ -535,7 +544,7 @@ class DecodePipeline(Submission, Admission, Finishing):
         if pen is None:
             if not self._penalised:
                 return None
-            pen = self._pen = PipelinePenalties(self, self._penalty_capacity,
+            pen = self._pen = PipelinePenalties(self._host, self._penalty_capacity,
                                                 0 if self._spec is None else self._spec.k)
         return pen.rows(rows)
 

@@ -468,30 +468,31 @@ class SpeculativeStep:
 
     Parameters
     ----------
-    pipe : StepHost
-        The pipeline it runs in, through the members ``StepHost`` declares.
+    host : StepHost
+        The pipeline it runs in, as its ``PipelineHost`` (sched/host.py): the members
+        ``StepHost`` declares, never the pipeline itself.
     drafter : Drafter
     """
 
-    def __init__(self, pipe: "StepHost", drafter: Any) -> None:
+    def __init__(self, host: "StepHost", drafter: Any) -> None:
         k = check_drafter(drafter)
-        model: Any = pipe.model
+        model: Any = host.model
         require(model, "speculative decoding", VerifyStep, ReservesAhead)
-        if pipe.depth == 2 and not pipe.info.verify_advance:
+        if host.depth == 2 and not host.info.verify_advance:
             raise TypeError(f"speculative decoding at depth 2 needs decode_batch_verify(..., "
                             f"advance=) (positions advanced on the device); "
                             f"{type(model).__name__}'s has no advance (its feed_info() says "
                             f"verify_advance=False): use depth=1")
-        if not pipe.info.block_size or pipe.info.pool is None:
+        if not host.info.block_size or host.info.pool is None:
             raise TypeError("speculative decoding needs a model with block_size and pool (a "
                             "BlockPool): the pipeline reserves the k + 1 positions itself")
-        rows = pipe.max_rows
-        limit = _core.MAX_ROWS if pipe.shard is None else pipe.shard.max_rows
+        rows = host.max_rows
+        limit = _core.MAX_ROWS if host.shard is None else host.shard.max_rows
         if rows * (k + 1) > limit:
             raise ValueError(f"max_rows x (k + 1) = {rows * (k + 1)} logit rows is more than "
-                             f"{limit}" + ("" if pipe.shard is None else " (the shard's max_rows)"))
-        self.pipe, self.k, self.drafter = pipe, k, drafter
-        self.depth = pipe.depth
+                             f"{limit}" + ("" if host.shard is None else " (the shard's max_rows)"))
+        self.host, self.k, self.drafter = host, k, drafter
+        self.depth = host.depth
         # Positions past a row's committed KV a step may write: its k + 1, after (depth 2) the
         # up to k + 1 the step in flight advances it by.
         self.reach = k if self.depth == 1 else 2 * k + 1
@@ -521,9 +522,9 @@ class SpeculativeStep:
 
     def _reserve(self, rows: List["Request"], reach: int) -> List["Request"]:
         """Blocks for every row's positions up to ``_base + reach``, through the budget; when
-        the pool runs dry the pipeline preempts the youngest (``_reserve_or_preempt``). Returns
+        the pool runs dry the pipeline preempts the youngest (``reserve_or_preempt``). Returns
         the rows left."""
-        extend = self.pipe.budget.extend
+        extend = self.host.budget.extend
 
         def extend_each(due: List["Request"]) -> int:
             for at, req in enumerate(due):
@@ -533,7 +534,7 @@ class SpeculativeStep:
                     return at
             return -1
 
-        return self.pipe._reserve_or_preempt(rows, rows, extend_each)
+        return self.host.reserve_or_preempt(rows, rows, extend_each)
 
     def _trim(self, req: "Request", ahead: bool) -> None:
         """Give back the blocks that hold only rejected positions: past ``_base``, or past
@@ -541,7 +542,7 @@ class SpeculativeStep:
         seq = req._seq
         assert seq is not None
         written = req._base + (self.k + 1 if ahead else 0)
-        self.pipe.stats.spec_blocks_returned += self.pipe.budget.trim(seq, written)
+        self.host.stats.spec_blocks_returned += self.host.budget.trim(seq, written)
 
     def discard(self, req: "Request") -> None:
         """``req`` left the batch: its rows in the steps in flight are thrown away, and the next
@@ -553,7 +554,7 @@ class SpeculativeStep:
             at = flight.index.get(id(req))
             if at is not None and at not in flight.dead:
                 flight.dead.add(at)
-                self.pipe.stats.rows_discarded += 1
+                self.host.stats.rows_discarded += 1
 
     # ---- launching ----
 
@@ -568,17 +569,17 @@ class SpeculativeStep:
             return self._launch()
         except DeviceError as exc:
             self._drop_all()
-            self.pipe._fault(self.pipe._owner.launches, 0, exc)
+            self.host.fault(self.host.owner.launches, 0, exc)
             raise
 
     def _launch(self) -> bool:
-        pipe, k = self.pipe, self.k
-        owner = pipe._owner  # the launch count and the masks' flag
+        pipe, k = self.host, self.k  # the pipeline's host (StepHost)
+        owner = pipe.owner  # the launch count and the masks' flag
         launch = owner.launches
-        if pipe._waiting and len(pipe._running) < pipe.max_rows:
-            pipe._admit(launch)
+        if pipe.waiting and len(pipe.running) < pipe.max_rows:
+            pipe.admit(launch)
         prev = self.inflight[-1] if self.inflight else None
-        running = list(pipe._running)
+        running = list(pipe.running)
         ahead = prev is not None and any(
             prev.index.get(id(r), -1) >= 0 and prev.index[id(r)] not in prev.dead for r in running)
         rows = self._reserve(running, self.reach if ahead else k)
@@ -592,7 +593,7 @@ class SpeculativeStep:
         batch = self._batch
         if batch is None or owner.masks_dirty or batch.rows != rows:
             batch = _Batch(rows, k)
-            batch.pen = pipe._penalties(rows)  # slots for the rows that joined
+            batch.pen = pipe.penalties(rows)  # slots for the rows that joined
             self._batch = batch
             owner.masks_dirty = False
         # The buffers of the step's logprobs, made before anything of it is queued: a refused
@@ -662,7 +663,7 @@ class SpeculativeStep:
             params["position"] = [len(h) for h in histories]
         # Each row's grammar state word, gathered when the rows changed (docs/pipeline.md,
         # "Structured outputs"): a draft its state forbids is rejected like any mismatch.
-        grammar = pipe._grammar(rows)
+        grammar = pipe.grammar(rows)
         shard = pipe.shard  # greedy rows: one exchange; sampled ones: a sampled call's rounds
         lp = dict(logprobs=slot.lp, logprobs_dst=slot.lp_dst) if batch.logprobs and raw is None else {}
         vocab = pipe.vocab if shard is None else shard.width
@@ -750,15 +751,15 @@ class SpeculativeStep:
 
     def await_oldest(self) -> None:
         """Wait for the oldest step in flight (the step's one host wait) and commit it."""
-        pipe = self.pipe
+        host = self.host
         flight = self.inflight.popleft()
-        pipe.stats.steps += 1
+        host.stats.steps += 1
         try:
             self.host_syncs += 1
             flight.slot.done.synchronize()
         except BaseException as exc:
             self._drop_all()
-            pipe._fault(flight.launch, 0, exc)
+            host.fault(flight.launch, 0, exc)
             raise
         if _core.read_pinned_u32(flight.slot.guard.ptr, len(_GUARD)) != _GUARD:
             overrun = FeedError(
@@ -767,7 +768,7 @@ class SpeculativeStep:
                 f"{flight.slot.region // 4} words of out (its rows * k drafts first); the words "
                 f"after them are guards (docs/speculative.md)")
             self._drop_all()
-            pipe._fault(flight.launch, 0, overrun)
+            host.fault(flight.launch, 0, overrun)
             raise overrun
         got = _core.read_pinned_u32(flight.slot.dst.ptr, len(flight.rows) * (self.k + 2))
         lps = tops = None
@@ -789,15 +790,15 @@ class SpeculativeStep:
                 later.slot.done.synchronize()
             except Exception:
                 pass  # the same fault, reported again: nothing of it is kept either way
-            self.pipe.stats.steps += 1
-            self.pipe.stats.rows_discarded += len(later.rows) - len(later.dead)
+            self.host.stats.steps += 1
+            self.host.stats.rows_discarded += len(later.rows) - len(later.dead)
         self.inflight.clear()
 
     def _commit(self, flight: _Flight, got: Sequence[int], lps: Optional[List[float]] = None,
                 tops: Optional[Tuple[List[int], List[float]]] = None) -> None:
         from .request import RequestStatus
 
-        k, stats, pipe = self.k, self.pipe.stats, self.pipe
+        k, stats, host = self.k, self.host.stats, self.host
         later = self.inflight[0] if self.inflight else None
         error: Optional[BaseException] = None
         for i, req in enumerate(flight.rows):
@@ -851,7 +852,7 @@ class SpeculativeStep:
             # and the first such error is raised once all are (as the plain pipeline's).
             try:
                 if finish is not None:
-                    pipe._finish(req, finish)
+                    host.finish(req, finish)
                 else:
                     ahead = later is not None and later.index.get(id(req), -1) >= 0 and \
                         later.index[id(req)] not in later.dead
@@ -883,6 +884,6 @@ class SpeculativeStep:
         one reported already, or one of work whose results are thrown away."""
         self._drop_all()
         try:
-            _core.stream_synchronize(self.pipe.stream)
+            _core.stream_synchronize(self.host.stream)
         except Exception:
             pass

@@ -18,10 +18,13 @@ class PipelineStats:
     _OWN = ("steps", "rows_discarded", "preemptions", "admitted", "finished", "drafted",
             "accepted", "emitted", "spec_discarded", "spec_blocks_returned")
 
-    def __init__(self, pipe: Any) -> None:
-        # The DecodePipeline whose router (``io``), speculative step (``_spec``) and model it
-        # reads; typed loosely so this module stays below the pipeline's.
-        self._pipe = pipe
+    def __init__(self, router: Any, model: Any) -> None:
+        # The router's counters (``RouterStats``, added to these) and the model, whose host
+        # waits since the pipeline was made count as the pipeline's; never the pipeline itself.
+        self._router = router
+        self._model = model
+        self._model_syncs_at_start = getattr(model, "host_syncs", 0)
+        self._spec: Any = None  # the speculative step, whose launches and waits count here
         self.steps = 0
         self.rows_discarded = 0
         self.preemptions = 0
@@ -33,31 +36,34 @@ class PipelineStats:
         self.spec_discarded = 0
         self.spec_blocks_returned = 0
 
+    def add_speculative(self, step: Any) -> None:
+        """Count ``step``'s launches and host waits (a ``SpeculativeStep``, made after these
+        counters) beside the router's: it launches its verify steps itself, not through the
+        ring, so they are added here, never written into the router's."""
+        self._spec = step
+
     @property
     def host_syncs(self) -> int:
-        pipe = self._pipe
-        model_syncs = getattr(pipe.model, "host_syncs", 0) - pipe._model_syncs_at_start
-        spec = pipe._spec
+        model_syncs = getattr(self._model, "host_syncs", 0) - self._model_syncs_at_start
+        spec = self._spec
         spec_syncs = 0 if spec is None else spec.host_syncs + getattr(spec.drafter, "host_syncs", 0)
-        return pipe.io.stats.host_syncs + model_syncs + spec_syncs
+        return self._router.host_syncs + model_syncs + spec_syncs
 
-    # A speculative step is launched by the pipeline's delegate, not through the ring: its
-    # launches are counted there and added to the router's, never written into them.
     @property
     def launches(self) -> int:
-        spec = self._pipe._spec
-        return self._pipe.io.stats.launches + (0 if spec is None else spec.launches)
+        spec = self._spec
+        return self._router.launches + (0 if spec is None else spec.launches)
 
     @property
     def ahead_launches(self) -> int:
-        spec = self._pipe._spec
-        return self._pipe.io.stats.ahead_launches + (0 if spec is None else spec.ahead_launches)
+        spec = self._spec
+        return self._router.ahead_launches + (0 if spec is None else spec.ahead_launches)
 
     def __getattr__(self, name: str) -> int:
         if name.startswith("_"):
             raise AttributeError(name)
         try:
-            return self._pipe.io.stats[name]
+            return self._router[name]
         except KeyError:
             raise AttributeError(name) from None
 
@@ -69,7 +75,7 @@ class PipelineStats:
         return value
 
     def as_dict(self) -> Dict[str, int]:
-        out = self._pipe.io.stats.as_dict()
+        out = self._router.as_dict()
         for name in ("launches", "ahead_launches", "host_syncs"):
             out[name] = getattr(self, name)
         out.update((name, getattr(self, name)) for name in self._OWN)

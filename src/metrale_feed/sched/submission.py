@@ -163,12 +163,9 @@ class Submission:
         mask = self._check_ban(ban)
         automaton, host = (None, None) if grammar is None else self._check_grammar(grammar)
         params = self._params_of(params, keywords, max_new)
-        sampling = (params.temperature, params.top_k, params.top_p, params.min_p, params.seed)
-        pen = params._penalties if params.penalised else None
-        lp = (params.logprobs, params.top_logprobs)
         if params.penalised:
             self._refuse_no_candidate(mask, stops, params.min_tokens)
-        self._refuse_unrunnable(prompt, max_new, stops, sampling, pen, lp)
+        self._refuse_unrunnable(prompt, max_new, stops, params)
         req = Request(self._owner, prompt, max_new, stops, mask, 0, params)
         req._grammar = automaton
         if host is not None:  # one live request a HostGrammar (checked above)
@@ -256,51 +253,52 @@ class Submission:
         return params
 
     def _refuse_unrunnable(self, prompt: Tuple[int, ...], max_new: int, stops: FrozenSet[int],
-                           sampling: _checks.Sampling, pen: Optional[_checks.Penalties],
-                           lp: Tuple[bool, int]) -> None:
-        """Refuse a request whose parameters are valid (checked) but that this pipeline cannot
-        run, the most specific refusal first: what speculative decoding cannot run on any
-        model, then the vocabulary's and the shard's limits, then what this model declares it
-        lacks (its ``FeedInfo``), then what could never fit (the penalty table, the KV pool).
-        So a user is never sent after a fix that would not help."""
+                           params: SamplingParams) -> None:
+        """Refuse a request whose ``params`` are valid (checked when made) but that this
+        pipeline cannot run, the most specific refusal first: what speculative decoding cannot
+        run on any model, then the vocabulary's and the shard's limits, then what this model
+        declares it lacks (its ``FeedInfo``), then what could never fit (the penalty table, the
+        KV pool). So a user is never sent after a fix that would not help."""
         spec = self._spec
         if spec is not None:
             # Before the model's logprobs capabilities and the vocabulary: a verify step's
             # logprobs are verify_to_feed's, whatever the model's feed methods take.
-            if lp[0] and self.shard is not None:
+            if params.logprobs and self.shard is not None:
                 raise ValueError("logprobs are not returned with speculative decoding over a split "
                                  "vocabulary yet (a sampled verify's records carry masses): "
                                  "submit the request without logprobs (or to a pipeline without "
                                  "speculative=)")
-            if self.shard is not None and sampling[0] > 0:  # its verify: a sampled call's rounds
+            if self.shard is not None and params.temperature > 0:  # a sampled call's rounds
                 self.shard._refuse_unfixed_rounds("speculative verifies of sampled requests")
         rounds = getattr(self.shard, "filters", None)
-        why = rounds.refusal(sampling[1], sampling[2]) if rounds is not None and sampling[0] > 0 else None
+        why = (rounds.refusal(params.top_k, params.top_p)
+               if rounds is not None and params.temperature > 0 else None)
         if why is not None:  # else the step's first decision faults the shard, every row with it
             raise ValueError(f"{why}: this pipeline's shard cannot sample the request")
         info, name = self.info, type(self.model).__name__
-        if lp[1] > self.vocab:  # else the lists would end in (NO_TOKEN, NaN) placeholders
-            raise ValueError(f"top_logprobs={lp[1]} is more than the vocabulary of {self.vocab} "
-                             f"ids")
-        if lp[1] and not info.top_logprobs and spec is None:
+        n = params.top_logprobs
+        if n > self.vocab:  # else the lists would end in (NO_TOKEN, NaN) placeholders
+            raise ValueError(f"top_logprobs={n} is more than the vocabulary of {self.vocab} ids")
+        if n and not info.top_logprobs and spec is None:
             raise FeedError(f"{name}'s feed methods take no top_logprobs= (its feed_info() says "
                             f"top_logprobs=False): a request with top_logprobs > 0 cannot run "
                             f"on it")
-        if lp[0] and pen is not None and not info.raw_logits and spec is None:
+        if params.logprobs and params.penalised and not info.raw_logits and spec is None:
             raise FeedError(f"{name}'s feed methods take no raw_logits= (its feed_info() says "
                             f"raw_logits=False): logprobs=True with penalties, logit_bias or "
                             f"min_tokens cannot run on it (the penalties change the logits in "
                             f"place)")
-        if lp[0] and not info.logprobs and spec is None:
+        if params.logprobs and not info.logprobs and spec is None:
             raise FeedError(f"{name}'s feed methods take no logprobs= and logprobs_dst= (its "
                             f"feed_info() says logprobs=False): a request with logprobs=True "
                             f"cannot run on it")
-        if sampling[0] > 0.0 and not self._can_sample:
+        if params.temperature > 0.0 and not self._can_sample:
             raise FeedError(f"{name} declares no sampling (its feed_info() says sampling=False: "
                             "no sample_batch_to_feed): a request with temperature > 0 cannot "
                             "run on it")
-        if pen is not None:
-            PipelinePenalties.check(self, prompt, max_new, stops, pen[4], self._penalty_capacity)
+        if params.penalised:
+            PipelinePenalties.check(self.model, spec is not None, prompt, max_new, stops,
+                                    params.min_tokens, self._penalty_capacity)
         blocks = self._blocks_for(len(prompt) + max_new - 1 + self._extra_positions)
         if blocks is not None and self._pool is not None and blocks > self._pool.num_blocks:
             raise ValueError(f"the request needs {blocks} KV blocks at most (prompt "
