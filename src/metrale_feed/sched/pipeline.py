@@ -524,7 +524,8 @@ class DecodePipeline(Submission, Admission, Finishing):
         if gram is None:
             from .grammar import PipelineGrammar
 
-            gram = self._gram = PipelineGrammar(self._host, 0 if self._spec is None else self._spec.k)
+            gram = self._gram = PipelineGrammar(self._host,
+                                                0 if self._spec is None else self._spec.k)
         self._gram_rows = [(i, r) for i, r in enumerate(rows) if r._grammar is not None] or None
         return gram.call(rows)
 
