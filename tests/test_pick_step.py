@@ -117,8 +117,12 @@ def test_refused_steps_queue_nothing(host, dev, no_leaks):
         dev.write(cells, np.full(rows, 0xCDCDCDCD, np.uint32))
         np.frombuffer(dst, np.uint32)[:] = 0xABABABAB
         base = dict(logits=logits, masks=masks, cells=cells, dst=dst, event=ev)
-        with pytest.raises(ValueError, match="verify_to_feed"):
+        with pytest.raises(TypeError, match="k must be an int"):  # verify_to_feed's k, unset
             mf.pick_to_feed(PickStep("verify", **base))
+        with pytest.raises(ValueError, match="drafts hold"):  # a verify step: its drafts are checked
+            mf.pick_to_feed(PickStep("verify", drafts=[1, 2, 3], k=2, **base))
+        with pytest.raises(ValueError, match="top_logprobs"):  # refused on a verify step too
+            mf.pick_to_feed(PickStep("verify", drafts=[1] * 4, k=1, top_logprobs=cells, **base))
         with pytest.raises(TypeError, match="params"):
             mf.pick_to_feed(PickStep("sample", **base))
         with pytest.raises(ValueError, match="top_logprobs"):

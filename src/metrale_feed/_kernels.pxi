@@ -391,16 +391,19 @@ cdef object run_on_shard(PickStep step):
 
 
 cpdef object pick_to_feed(PickStep step):
-    """Launch the pick ``step`` describes: ``argmax_to_feed`` or ``sample_to_feed`` given whole.
+    """Launch the pick ``step`` describes: ``argmax_to_feed``, ``sample_to_feed`` or
+    ``verify_to_feed`` given whole.
 
     What a model's feed method calls with the scheduler's step once it has completed it with its
-    own feed (``PickStep.on``): the fields are read as the keyword functions read their
-    arguments (the same checks, errors and launch), with no keyword parsed again.
+    own feed (``PickStep.on``), and what the speculative step calls with its verify: the fields
+    are read as the keyword functions read their arguments (the same checks, errors and launch),
+    with no keyword parsed again. A step with a ``shard`` goes to it (``VocabShard.run_step``).
 
     Parameters
     ----------
     step : PickStep
-        ``op`` "argmax" or "sample" (``params`` then required); its ``top_logprobs``,
+        ``op`` "argmax", "sample" (``params`` then required) or "verify" (``drafts`` and ``k``
+        then required, as ``verify_to_feed`` takes them); its ``top_logprobs``,
         ``top_logprobs_dst`` and ``raw_logits`` unset (the model's, queued by its feed method).
 
     Returns
@@ -411,11 +414,11 @@ cpdef object pick_to_feed(PickStep step):
     Raises
     ------
     ValueError
-        A verify step (``verify_to_feed`` takes those), a step that still holds the model's
-        fields; then whatever ``argmax_to_feed`` or ``sample_to_feed`` raise for the same
-        arguments.
+        A step that still holds the model's fields; ``penalties`` with a ``shard``; then whatever
+        ``argmax_to_feed``, ``sample_to_feed`` or ``verify_to_feed`` raise for the same
+        arguments, before anything is queued.
     TypeError
-        A sample step without params.
+        A sample step without params; then as the keyword function.
 
     Examples
     --------
@@ -431,17 +434,17 @@ cpdef object pick_to_feed(PickStep step):
     """
     if step is None:
         raise TypeError("pick_to_feed takes a PickStep, not None")
-    if step.op == "verify":
-        raise ValueError("pick_to_feed takes an argmax or sample step; verify_to_feed takes a verify")
     if step.op == "sample" and step.params is None:
         raise TypeError("a sample step's params must be an array of metrale_feed.SAMPLING_PARAMS_DTYPE "
                         "records (or device memory holding them), not NoneType")
     if step.top_logprobs is not None or step.raw_logits is not None:
         raise ValueError("pick_to_feed does not queue top_logprobs or raw_logits: the model's feed "
                          "method does, then hands on step.on(...), which clears them")
-    if step.shard is not None:  # host params, or temperature-only device params (shard.py)
+    if step.shard is not None:  # host params, temperature-only device params, a verify (shard.py)
         refuse_sharded_penalties(step.penalties)
         return run_on_shard(step)
+    if step.op == "verify":
+        return launch_verify(step)
     rows = step.rows
     if (rows is None and step.masks is None and step.op == "sample"
             and not (is_foreign(step.logits) and not isinstance(step.logits, (list, tuple)))):

@@ -1,9 +1,10 @@
 # PickStep: one launch of a pick into the feed, described once and handed down (the Python
-# mirror of mf_argmax_args / mf_verify_args). The scheduler's router builds one a launch, the
-# model's feed method completes it with its own feed (PickStep.on), and pick_to_feed fills the
-# C descriptor from it; the keyword ops (argmax_to_feed, sample_to_feed, verify_to_feed) are thin
-# builders of one. An extension type, so that making one and reading its fields cost what passing
-# keywords did: the fields are C slots, set without a dictionary.
+# mirror of mf_argmax_args / mf_verify_args). The scheduler's router builds one a launch (the
+# speculative step one a verify), the model's feed method completes it with its own feed
+# (PickStep.on), and pick_to_feed fills the C descriptor from it; the keyword ops (argmax_to_feed,
+# sample_to_feed, verify_to_feed) are thin builders of one. An extension type, so that making one
+# and reading its fields cost what passing keywords did: the fields are C slots, set without a
+# dictionary.
 
 #: The launches a PickStep describes.
 PICK_OPS = ("argmax", "sample", "verify")
@@ -19,7 +20,8 @@ PICK_FIELDS = ("op", "logits", "masks", "params", "cells", "dst", "event", "stre
 cdef class PickStep:
     """One launch of a pick into the feed: what it picks from and where it writes.
 
-    Made once a launch, by the scheduler (the router's ``launch``) or by the keyword functions
+    Made once a launch, by the scheduler (the router's ``launch``; the speculative step's verify,
+    which it hands to ``metrale_feed.pick_to_feed`` itself) or by the keyword functions
     (``argmax_to_feed``, ``sample_to_feed``, ``verify_to_feed``, which build one from their
     arguments), and handed down whole: to the model's ``pick_to_feed``, which completes it with
     its own feed (``on``), to ``metrale_feed.pick_to_feed``, which fills the C descriptor from it,

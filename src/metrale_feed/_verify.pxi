@@ -136,6 +136,34 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
     1
     [2, 3, 2]
     """
+    return pick_to_feed(verify_step(logits, drafts, cells, dst, event, stream, k, masks, bitmask,
+                                    params, draft_probs, logprobs, logprobs_dst, rows, vocab,
+                                    dtype, row_stride, shard, advance, grammar, penalties))
+
+
+cdef PickStep verify_step(object logits, object drafts, object cells, object dst, object event,
+                          object stream, object k, object masks, object bitmask, object params,
+                          object draft_probs, object logprobs, object logprobs_dst, object rows,
+                          object vocab, object dtype, object row_stride, object shard,
+                          object advance, object grammar, object penalties):
+    """verify_to_feed's step, made without parsing keywords again (as pick_step for the others)."""
+    cdef PickStep s = pick_step("verify", logits, masks, params, cells, dst, event, stream, rows,
+                                vocab, dtype, row_stride, bitmask, logprobs, logprobs_dst,
+                                penalties, grammar, shard)
+    s.drafts, s.k, s.draft_probs, s.advance = drafts, k, draft_probs, advance
+    return s
+
+
+cdef object launch_verify(PickStep step):
+    """The one launcher under verify_to_feed (and pick_to_feed given a verify step): the step's
+    fields checked, in the keyword call's order, into one mf_verify_args and one C call. Every
+    field is checked before the launch, which commits what the work needs or raises with nothing
+    kept (_Launch.queued). Over a split vocabulary pick_to_feed hands the step to its shard."""
+    cdef object logits = step.logits, drafts = step.drafts, cells = step.cells, dst = step.dst
+    cdef object event = step.event, masks = step.masks, bitmask = step.bitmask
+    cdef object params = step.params, draft_probs = step.draft_probs, logprobs = step.logprobs
+    cdef object logprobs_dst = step.logprobs_dst, rows = step.rows, advance = step.advance
+    cdef object grammar = step.grammar, penalties = step.penalties
     cdef mf_verify_args a
     cdef mf_argmax_args view
     cdef uint64_t s, e
@@ -146,21 +174,14 @@ def verify_to_feed(logits, drafts, cells, dst, event, stream=0, *, k, masks=None
     cdef _HeldBuffer held_lp = None
     cdef _VerifyInputs keep = _VerifyInputs.__new__(_VerifyInputs)
     cdef _GrammarCall g = None
-    if shard is not None:  # greedy rows over a split vocabulary (docs/tensor-parallel.md)
-        refuse_sharded_penalties(penalties)
-        return run_on_shard(PickStep("verify", logits=logits, drafts=drafts, cells=cells,
-                            dst=dst, event=event, stream=stream, k=k, masks=masks, bitmask=bitmask,
-                            params=params, draft_probs=draft_probs, logprobs=logprobs,
-                            logprobs_dst=logprobs_dst, rows=rows, vocab=vocab, dtype=dtype,
-                            row_stride=row_stride, advance=advance, grammar=grammar, shard=shard))
-    k = int_of(k, "k", 1, MF_MAX_DRAFTS)
+    k = int_of(step.k, "k", 1, MF_MAX_DRAFTS)
     mf_verify_args_init(&a)  # every option off, struct_size set (feed.h, "descriptors")
     memset(&view, 0, sizeof(view))
     keep.pick = _PickInputs.__new__(_PickInputs)
-    stream_of(stream, &s)
+    stream_of(step.stream, &s)
     cdef _Launch launch = launch_on(s)
     try:
-        logits_of(launch, logits, &view, None, vocab, dtype, row_stride)
+        logits_of(launch, logits, &view, None, step.vocab, step.dtype, step.row_stride)
         if view.rows:  # a tensor: its logit rows are rows * (k + 1)
             if view.rows % (k + 1):
                 raise ValueError(f"the logits tensor has {view.rows} rows, not a multiple of k + 1 = {k + 1}")

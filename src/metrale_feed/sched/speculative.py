@@ -656,7 +656,7 @@ class SpeculativeStep:
                 pen.apply(logits, stream, slot.taken)  # the drafts: taken's first n_rows * k words
         params = batch.params
         if params is not None:
-            # Read before verify_to_feed returns, so rewriting it each launch changes no step
+            # Read before the verify's launch returns, so rewriting it each launch changes no step
             # in flight: the first emitted id's position as far as the host knows; a row in
             # the step in flight adds that step's count on the device (the advance its forward
             # reads), so its draws are keyed as at depth 1.
@@ -665,15 +665,19 @@ class SpeculativeStep:
         # "Structured outputs"): a draft its state forbids is rejected like any mismatch.
         grammar = pipe.grammar(rows)
         shard = pipe.shard  # greedy rows: one exchange; sampled ones: a sampled call's rounds
-        lp = dict(logprobs=slot.lp, logprobs_dst=slot.lp_dst) if batch.logprobs and raw is None else {}
+        lp = batch.logprobs and raw is None
         vocab = pipe.vocab if shard is None else shard.width
         top = batch.top_n
         later = top or raw is not None  # the step's event after the logprobs' copies
-        _core.verify_to_feed(logits, slot.taken, slot.cells, slot.dst, None if later else slot.done, stream,
-                             k=k, masks=batch.vmasks, params=params, rows=n_rows, **lp, vocab=vocab,
-                             dtype=pipe.info.logits_dtype, row_stride=self._row_stride,
-                             advance=slot.advance if advanced and params is not None else None,
-                             shard=shard, grammar=grammar, penalties=pen.launch if one else None)
+        # The verify, described once (a PickStep) and launched whole, as the router's steps are.
+        _core.pick_to_feed(_core.PickStep(
+            "verify", logits=logits, drafts=slot.taken, cells=slot.cells, dst=slot.dst,
+            event=None if later else slot.done, stream=stream, k=k, masks=batch.vmasks,
+            params=params, rows=n_rows, logprobs=slot.lp if lp else None,
+            logprobs_dst=slot.lp_dst if lp else None, vocab=vocab, dtype=pipe.info.logits_dtype,
+            row_stride=self._row_stride, shard=shard, grammar=grammar,
+            advance=slot.advance if advanced and params is not None else None,
+            penalties=pen.launch if one else None))
         # The verify has picked: its cells hold this step, and a count update made again would
         # count it twice. Anything refused from here on is a failed step, never a retry
         # (docs/pipeline.md, "Faults").
