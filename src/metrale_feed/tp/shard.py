@@ -352,12 +352,8 @@ class VocabShard(GrammarPicks, TopLogprobs):
         # the collectives (NCCL issues them as the call is queued); the device finds a row they
         # do not serve, on every rank alike. Without them, host params with a filter do.
         filtered = params is not None and (self.filters is not None or host_filters)
-        if self.world == 1 and not self._force_exchange:  # the unsharded call
-            kw = dict(rows=rows, vocab=self.vocab, dtype=dtype, row_stride=row_stride,
-                      bitmask=bitmask, logprobs=logprobs, logprobs_dst=logprobs_dst)
-            if op == "argmax":
-                return int(_core.argmax_to_feed(logits, masks, cells, dst, event, stream, **kw))
-            return int(_core.sample_to_feed(logits, params, cells, dst, event, stream, masks=masks, **kw))
+        if self.world == 1 and not self._force_exchange:  # the unsharded call: the same step
+            return int(_core.pick_to_feed(step.replace(shard=None, vocab=self.vocab)))
         n = self._rows_of(logits, masks, params, rows)
         _precheck_host(dst, n, "dst", "I")
         _precheck_host(logprobs_dst, n, "logprobs_dst", "f")
@@ -444,12 +440,8 @@ class VocabShard(GrammarPicks, TopLogprobs):
             width = self.width
             if vocab is not None and vocab != width:
                 raise ValueError(f"with a shard, vocab is the slice's width {width}, not {vocab}")
-            if self.world == 1 and not self._force_exchange:  # the unsharded call
-                return int(_core.verify_to_feed(
-                    logits, drafts, cells, dst, event, stream, k=k, masks=masks, bitmask=bitmask,
-                    params=params, draft_probs=draft_probs, logprobs=logprobs,
-                    logprobs_dst=logprobs_dst, rows=rows, vocab=self.vocab, dtype=dtype,
-                    row_stride=row_stride, advance=advance))
+            if self.world == 1 and not self._force_exchange:  # the unsharded call: the same step
+                return int(_core.pick_to_feed(step.replace(shard=None, vocab=self.vocab)))
             from . import verify_args
 
             v = verify_args.check(self, logits, drafts, cells, dst, k, params, draft_probs,
