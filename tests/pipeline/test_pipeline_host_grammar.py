@@ -25,7 +25,7 @@ from metrale_feed.testing.oracle import reference_argmax
 from metrale_feed.testing.reference import ReferenceModel, host_logits
 
 from conftest import VOCAB, greedy_tokens, model_for, prompts
-from helpers.child import run_python
+from helpers.child import run_python, world_of_one
 from test_pipeline_grammar import automaton, decode
 
 xgr = pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
@@ -438,17 +438,12 @@ def test_refused_with_speculation(host, no_leaks):
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SHARDED = rf"""
-import sys
-sys.path.insert(0, {os.path.dirname(HERE)!r})
-sys.path.insert(0, {HERE!r})
-import pytest, torch.distributed as dist, metrale_feed as mf
-from helpers.child import free_port
+SHARDED = world_of_one(r"""
+import pytest, metrale_feed as mf
 from conftest import VOCAB
 from metrale_feed.testing.reference import ReferenceModel
 from test_pipeline_host_grammar import compiled
 
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{free_port()}}", rank=0, world_size=1)
 shard = mf.VocabShard(None, VOCAB, max_rows=2)
 model = ReferenceModel(VOCAB, block_size=4, num_blocks=60, max_rows=2, shard=shard)
 with mf.DecodePipeline(model, 2, shard=shard) as pipe:
@@ -457,9 +452,7 @@ with mf.DecodePipeline(model, 2, shard=shard) as pipe:
     assert pipe.idle
 model.close()
 shard.close()
-dist.destroy_process_group()
-print("OK")
-"""
+""", HERE)
 
 
 def test_refused_on_a_split_vocabulary():
