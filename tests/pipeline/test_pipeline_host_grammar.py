@@ -26,6 +26,7 @@ from metrale_feed.testing.reference import ReferenceModel, host_logits
 
 from conftest import VOCAB, greedy_tokens, model_for, prompts
 from helpers.child import run_python, world_of_one
+from helpers.json_schema import SCHEMA
 from test_pipeline_grammar import automaton, decode
 
 xgr = pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
@@ -41,13 +42,6 @@ PIECES = (_BASE + _FILL)[:VOCAB - 1] + ['</s>']
 assert len(PIECES) == VOCAB and len(set(PIECES)) == VOCAB
 STOP = VOCAB - 1
 WORDS = (VOCAB + 31) // 32
-SCHEMA = {
-    "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
-                   "tag": {"enum": ["a", "b"]}},
-    "required": ["ok", "n", "tag"],
-    "additionalProperties": False,
-}
 # Lists of digits and lists, nested to any depth: no finite automaton holds it.
 NESTED = 'root ::= "[" (item ("," item)*)? "]"\nitem ::= root | [0-9]'
 
