@@ -16,7 +16,6 @@ import random
 import numpy as np
 import pytest
 
-import metrale_feed as mf
 from metrale_feed import DecodePipeline, FeedError, TokenAutomaton
 from metrale_feed.feed import NO_TOKEN
 from metrale_feed.sched.speculative import HostDrafter
@@ -25,6 +24,7 @@ from metrale_feed.testing.reference import ReferenceModel, host_logits
 
 from conftest import VOCAB, greedy_tokens, model_for, prompts
 from helpers.child import run_python, world_of_one
+from helpers.masked_sample import sample_one
 
 
 def automaton(seed, vocab=VOCAB, states=7, end=0.06):
@@ -71,20 +71,10 @@ def sampler(**sampling):
     """The host sampler over one row with the allowed ids as its bitmask, at the row's position
     ``len(history)`` (what ``sample_to_feed`` draws for the row alone)."""
     def step(history, allowed):
-        row = host_logits(history, VOCAB)
         bits = np.zeros(-(-VOCAB // 32) * 32, bool)
         bits[allowed] = True
-        words = np.packbits(bits, bitorder="little").view("<u4")
-        params = mf.sampling_params(1, position=len(history), **sampling)
-        out = np.zeros(1, np.uint32)
-        with mf.DeviceBuffer(row.nbytes) as logits, mf.DeviceBuffer(4) as cells, \
-                mf.DeviceBuffer(words.nbytes) as bitmask, mf.Event() as done:
-            mf.copy_h2d_async(logits, row.view(np.uint8))
-            mf.copy_h2d_async(bitmask, words)
-            mf.sample_to_feed(logits, params, cells, out, done, bitmask=bitmask, vocab=VOCAB,
-                              dtype="float32")
-            done.synchronize()
-        return int(out[0])
+        return sample_one(history, np.packbits(bits, bitorder="little").view("<u4"), VOCAB,
+                          **sampling)
     return step
 
 

@@ -18,7 +18,6 @@ import random
 import numpy as np
 import pytest
 
-import metrale_feed as mf
 from metrale_feed import DecodePipeline, FeedError, HostGrammar
 from metrale_feed.feed import NO_TOKEN
 from metrale_feed.testing.oracle import reference_argmax
@@ -27,6 +26,7 @@ from metrale_feed.testing.reference import ReferenceModel, host_logits
 from conftest import VOCAB, greedy_tokens, model_for, prompts
 from helpers.child import run_python, world_of_one
 from helpers.json_schema import SCHEMA
+from helpers.masked_sample import sample_one
 from test_pipeline_grammar import automaton, decode
 
 xgr = pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
@@ -60,22 +60,6 @@ def compiled(name):
     return _COMPILED[name]
 
 
-def sample_one(history, bits, **sampling):
-    """What ``sample_to_feed`` draws for the row alone: one row of the reference logits at
-    position ``len(history)`` with ``bits`` as its bitmask."""
-    row = host_logits(history, VOCAB)
-    params = mf.sampling_params(1, position=len(history), **sampling)
-    out = np.zeros(1, np.uint32)
-    with mf.DeviceBuffer(row.nbytes) as logits, mf.DeviceBuffer(4) as cells, \
-            mf.DeviceBuffer(bits.nbytes) as bitmask, mf.Event() as done:
-        mf.copy_h2d_async(logits, row.view(np.uint8))
-        mf.copy_h2d_async(bitmask, bits)
-        mf.sample_to_feed(logits, params, cells, out, done, bitmask=bitmask, vocab=VOCAB,
-                          dtype="float32")
-        done.synchronize()
-    return int(out[0])
-
-
 def matcher_loop(name, prompt, max_new, *, ban=None, stops=(), min_tokens=0, **sampling):
     """(tokens, finish reason) of one request alone, by xgrammar's own loop (``min_tokens``: the
     stop ids banned before it, greedy only)."""
@@ -89,7 +73,7 @@ def matcher_loop(name, prompt, max_new, *, ban=None, stops=(), min_tokens=0, **s
             banned[[t for t in (ban or ()) if t != NO_TOKEN]] = True
             allowed = np.unpackbits(bits.view(np.uint8), bitorder="little").astype(bool) & ~banned
             token = sample_one(history, np.packbits(allowed, bitorder="little").view("<i4"),
-                               **sampling) if allowed.any() else NO_TOKEN
+                               VOCAB, **sampling) if allowed.any() else NO_TOKEN
         else:
             masks = None if ban is None else [tuple(ban)]
             if len(out) < min_tokens:
