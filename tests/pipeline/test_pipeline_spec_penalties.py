@@ -158,7 +158,7 @@ def test_sampled_speculation_with_penalties_emits_the_target_distribution(host, 
     """2000 requests of one prompt (each its own seed) with frequency and presence penalties and a
     bias: the ids at positions 1 to 3 follow the distribution of sampling each position from the
     penalised logits of its prefix (chi-square per position and over the first two's pairs)."""
-    from helpers.chisq import chi2, chi2_critical
+    from helpers.chisq import assert_sequences_follow, prefix_distributions
     from metrale_feed.testing.oracle import reference_survivors
     from metrale_feed.testing.reference import ReferenceModel
 
@@ -174,20 +174,7 @@ def test_sampled_speculation_with_penalties_emits_the_target_distribution(host, 
         full[ids] = p
         return full
 
-    marginals, layer, joint = [], {(): 1.0}, None
-    for j in range(new):
-        marginal, deeper = np.zeros(vocab), {}
-        for prefix, weight in layer.items():
-            p = target(prefix)
-            marginal += weight * p
-            for t in np.flatnonzero(p):
-                deeper[prefix + (int(t),)] = weight * p[t]
-        marginals.append(marginal)
-        layer = deeper
-        if j == 1:
-            joint = np.zeros((vocab, vocab))
-            for (a, b), weight in layer.items():
-                joint[a, b] = weight
+    marginals, joint = prefix_distributions(target, vocab, new)
     with ReferenceModel(vocab, block_size=4, num_blocks=300, max_rows=64) as model:
         with DecodePipeline(model, 64, depth=depth,
                             speculative=ReferenceDrafter(vocab, k, 0.5)) as pipe:
@@ -196,12 +183,7 @@ def test_sampled_speculation_with_penalties_emits_the_target_distribution(host, 
             pipe.run()
             stats = pipe.stats
     tokens = np.array([r.tokens for r in reqs])
-    for j in range(new):
-        stat, df = chi2(np.bincount(tokens[:, j], minlength=vocab), marginals[j])
-        assert stat < chi2_critical(df), f"position {j + 1}: chi2 {stat:.1f} on {df} df"
-    pairs = np.bincount(tokens[:, 0] * vocab + tokens[:, 1], minlength=vocab * vocab)
-    stat, df = chi2(pairs, joint, pool=5.0)
-    assert stat < chi2_critical(df), f"pairs: chi2 {stat:.1f} on {df} df"
+    assert_sequences_follow(tokens, marginals, joint, vocab)
     assert 0 < stats.accepted < stats.drafted
 
 
