@@ -138,6 +138,17 @@ def world_of_one(body: str, *paths: str) -> str:
             + "\ndist.destroy_process_group()\nprint(\"OK\")\n")
 
 
+def run_unhung(code: str, *, timeout: float, hung: str = "hung") -> ChildResult:
+    """Run ``code`` (dedented) in a fresh interpreter that may import ``helpers`` (the tests
+    folder on its path): the calling test fails as ``hung`` at the timeout, and unless the child
+    exits with status 0 after printing ``ok``."""
+    path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH", "")) if p)
+    result = run_python(code, timeout=timeout, env={"PYTHONPATH": path}, check=False)
+    assert not result.timed_out, f"{hung}: " + result.describe()
+    assert result.returncode == 0 and "ok" in result.stdout, result.describe()
+    return result
+
+
 def run_ranks(script: str, world: int, *args: str, timeout: float = 120,
               backend: str | None = HOST_RUNTIME) -> list[ChildResult]:
     """Run ``script RANK WORLD PORT *args`` as ``world`` children at once (the ranks of one
