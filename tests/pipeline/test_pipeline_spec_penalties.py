@@ -19,6 +19,7 @@ from metrale_feed.testing.reference import host_logits
 from conftest import VOCAB, model_for, prompts
 from helpers.penalty_oracle import penalize
 from pipeline.test_pipeline_penalties import PEN, oracle
+from pipeline.test_pipeline_speculative import sampled_speculation
 
 # Per request: penalties whose effect shows within a few tokens (a bias makes an id win, the
 # penalties on the generated ids push it back), min_tokens banning stop ids, and none.
@@ -160,7 +161,6 @@ def test_sampled_speculation_with_penalties_emits_the_target_distribution(host, 
     penalised logits of its prefix (chi-square per position and over the first two's pairs)."""
     from helpers.chisq import assert_sequences_follow, prefix_distributions
     from metrale_feed.testing.oracle import reference_survivors
-    from metrale_feed.testing.reference import ReferenceModel
 
     vocab, k, temperature, n_req, new = 8, 3, 0.5, 2000, 3
     prompt = [3, 1, 4, 1, 5]
@@ -175,14 +175,8 @@ def test_sampled_speculation_with_penalties_emits_the_target_distribution(host, 
         return full
 
     marginals, joint = prefix_distributions(target, vocab, new)
-    with ReferenceModel(vocab, block_size=4, num_blocks=300, max_rows=64) as model:
-        with DecodePipeline(model, 64, depth=depth,
-                            speculative=ReferenceDrafter(vocab, k, 0.5)) as pipe:
-            reqs = [pipe.submit(prompt, max_new_tokens=new, temperature=temperature, seed=seed,
-                                **pen) for seed in range(n_req)]
-            pipe.run()
-            stats = pipe.stats
-    tokens = np.array([r.tokens for r in reqs])
+    tokens, stats = sampled_speculation(prompt, vocab, k, depth, n_req, new,
+                                        temperature=temperature, **pen)
     assert_sequences_follow(tokens, marginals, joint, vocab)
     assert 0 < stats.accepted < stats.drafted
 

@@ -654,6 +654,22 @@ def _first_ids_distributions(prompt, vocab, temperature, n, **filters):
     return prefix_distributions(target, vocab, n)
 
 
+def sampled_speculation(prompt, vocab, k, depth, requests, new, **submit):
+    """``requests`` requests of ``prompt`` (seeds 0, 1, ...; ``submit``: more arguments of
+    each) through a pipeline of 64 rows at ``depth`` with the reference drafter of ``k`` drafts
+    at acceptance 0.5: (their tokens, one request a row; the pipeline's stats)."""
+    from metrale_feed.testing.reference import ReferenceModel
+
+    with ReferenceModel(vocab, block_size=4, num_blocks=300, max_rows=64) as model:
+        with DecodePipeline(model, 64, depth=depth,
+                            speculative=ReferenceDrafter(vocab, k, 0.5)) as pipe:
+            reqs = [pipe.submit(prompt, max_new_tokens=new, seed=seed, **submit)
+                    for seed in range(requests)]
+            pipe.run()
+            stats = pipe.stats
+    return np.array([r.tokens for r in reqs]), stats
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("filters", [dict(), dict(top_k=5)], ids=["all", "top_k"])
 def test_sampled_speculation_emits_the_target_distribution(host, no_leaks, depth, filters):
@@ -662,19 +678,12 @@ def test_sampled_speculation_emits_the_target_distribution(host, no_leaks, depth
     draw or a bonus) follow sample_to_feed's distribution there (chi-square per position, and
     over the pairs of the first two ids), as without speculation."""
     from helpers.chisq import assert_sequences_follow
-    from metrale_feed.testing.reference import ReferenceModel
 
     vocab, k, temperature, requests, new = 8, 3, 0.5, 2000, 3
     prompt = [3, 1, 4, 1, 5]
     marginals, joint = _first_ids_distributions(prompt, vocab, temperature, new, **filters)
-    with ReferenceModel(vocab, block_size=4, num_blocks=300, max_rows=64) as model:
-        with DecodePipeline(model, 64, depth=depth,
-                            speculative=ReferenceDrafter(vocab, k, 0.5)) as pipe:
-            reqs = [pipe.submit(prompt, max_new_tokens=new, temperature=temperature, seed=seed,
-                                **filters) for seed in range(requests)]
-            pipe.run()
-            stats = pipe.stats
-    tokens = np.array([r.tokens for r in reqs])
+    tokens, stats = sampled_speculation(prompt, vocab, k, depth, requests, new,
+                                        temperature=temperature, **filters)
     assert tokens.shape == (requests, new)
     assert_sequences_follow(tokens, marginals, joint, vocab)
     assert 0 < stats.accepted < stats.drafted  # drafts accepted and rejected alike
