@@ -5,7 +5,6 @@ shares the package's handles (no linking of the C layer)."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import shlex
 import shutil
@@ -20,6 +19,8 @@ import timeit
 import pytest
 
 import metrale_feed as mf
+
+from helpers.modules import load_file
 
 N_CALLS = 200_000
 
@@ -105,10 +106,7 @@ def build_extension(tmp_path, name, c_source):
     result = subprocess.run(list(cc) + flags + [str(c_source), "-o", str(target)], capture_output=True,
                             text=True, cwd=tmp_path)
     assert result.returncode == 0, f"compiling {name} failed:\n{result.stdout}\n{result.stderr}"
-    spec = importlib.util.spec_from_file_location(name, target)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(name, target)
 
 
 def test_shipped_pxd_and_headers():

@@ -9,7 +9,6 @@ recompute. Skipped cleanly without torch, transformers or outlines-core."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
@@ -21,6 +20,8 @@ outlines_core = pytest.importorskip("outlines_core")
 
 import metrale_feed as mf  # noqa: E402
 
+from helpers.modules import load_file  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "hf_llama.py"
 SCHEMA = ROOT / "examples" / "user.schema.json"
@@ -29,10 +30,7 @@ PROMPTS = ["A user record as JSON:", "Write the record of the next user:", "{", 
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("hf_llama_json", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("hf_llama_json", EXAMPLE)
 
 
 def outlines_generate(model, index, prompt, max_new, eos):

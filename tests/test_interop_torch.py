@@ -6,7 +6,6 @@ without torch or transformers (the ``torch`` extra installs both)."""
 from __future__ import annotations
 
 import gc
-import importlib.util
 import pathlib
 import weakref
 
@@ -19,16 +18,15 @@ import metrale_feed as mf  # noqa: E402
 from metrale_feed import NO_TOKEN, DeviceBuffer, FeedError, PinnedBuffer, Stream  # noqa: E402
 from metrale_feed.testing.oracle import reference_argmax  # noqa: E402
 
+from helpers.modules import load_file  # noqa: E402
+
 host_only = pytest.mark.skipif(mf.backend() == "cuda", reason="CPU tensors are device memory only on the host backend")
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "hf_llama.py"
 
 
 def _example():
     pytest.importorskip("transformers")
-    spec = importlib.util.spec_from_file_location("hf_llama", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("hf_llama", EXAMPLE)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ import pytest
 import metrale_feed as mf
 from metrale_feed import _core
 
+from helpers.backends import on
+
 
 def _forward(meta, ids, tables, kv_words, vocab, advance=None, group=1, dtype="float32"):
     rows = len(ids)
@@ -65,22 +67,6 @@ def test_a_bad_advance_is_refused_before_anything_runs(host, no_leaks):
                                     advance_group=1)
 
 
-def _on(name, fn, **settings):
-    import gc
-
-    previous = mf.backend()
-    gc.collect()
-    mf.set_backend(name)
-    mf.configure_simt(**settings)
-    try:
-        return fn()
-    finally:
-        mf.configure_simt()
-        mf.stream_synchronize(0)
-        gc.collect()
-        mf.set_backend(previous)
-
-
 @pytest.mark.parametrize("settings", [dict(), dict(sm_count=3, order="random", seed=7)])
 def test_simt_gives_the_host_bits(host, no_leaks, settings):
     rng = np.random.default_rng(4)
@@ -95,6 +81,6 @@ def test_simt_gives_the_host_bits(host, no_leaks, settings):
     def run():
         return _forward(meta, ids, list(range(20)), 80, vocab, advance, k + 1, dtype="float16")
 
-    h = _on("host", run)
-    s = _on("simt", run, **settings)
+    h = on("host", run)
+    s = on("simt", run, **settings)
     assert h[0].tobytes() == s[0].tobytes() and h[1].tobytes() == s[1].tobytes()

@@ -2,7 +2,6 @@
 temperature 0 is the argmax, draws are deterministic and row-independent, their distribution is
 softmax(logit / T) renormalised over the survivors (chi-square), and never leaves them."""
 
-import math
 import os
 import subprocess
 import sys
@@ -13,25 +12,8 @@ import pytest
 import metrale_feed as mf
 from metrale_feed.testing.oracle import reference_allowed, reference_argmax, reference_survivors
 
-
-def sample(dev, logits, params, masks=None, bitmask=None, device_params=False):
-    rows, vocab = logits.shape
-    buf, cells = dev.upload(logits), mf.DeviceBuffer(rows * 4)
-    held = [buf, cells]
-    if bitmask is not None:
-        bitmask = dev.upload(bitmask)
-        held.append(bitmask)
-    if device_params:
-        params = dev.upload(params)
-        held.append(params)
-    dst = np.zeros(rows, np.uint32)
-    with mf.Event() as done:
-        mf.sample_to_feed(buf, params, cells, dst, done, masks=masks, bitmask=bitmask, rows=rows,
-                          vocab=vocab, dtype=logits.dtype.name)
-        done.synchronize()
-    for b in held:
-        b.close()
-    return dst
+from helpers.calls import both_paths, sample
+from helpers.chisq import chi2_critical
 
 
 def test_params_dtype_is_32_bytes():
@@ -70,12 +52,6 @@ def test_half_widths_draw_as_their_float32_widening(host, dev):
         logits = rng.standard_normal((8, 200)).astype(dtype)
         params = mf.sampling_params(8, temperature=1.3, top_k=50, seed=3, position=np.arange(8))
         assert np.array_equal(sample(dev, logits, params), sample(dev, logits.astype(np.float32), params))
-
-
-def chi2_critical(df):
-    """Wilson-Hilferty: the chi-square quantile at p = 1 - 3e-5 (z = 4)."""
-    z = 4.0
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 FILTERS = [dict(temperature=0.7), dict(temperature=1.0, top_k=4), dict(temperature=1.0, top_p=0.6),
@@ -229,15 +205,9 @@ def test_vector_and_portable_paths_draw_the_same(host, dev, scale, dtype):
                                 seed=rng.integers(0, 2**63, rows), position=rng.integers(0, 2**31, rows))
     masks = rng.integers(0, vocab, (rows, 2)).astype(np.uint32)
     bitmask = rng.integers(-2**31, 2**31, (rows, (vocab + 31) // 32)).astype(np.int32)
-    got = {}
-    for portable in (True, False):
-        mf.host_argmax_path(portable)
-        try:
-            got[portable] = sample(dev, logits, params, masks, bitmask)
-        finally:
-            mf.host_argmax_path(False)
-    assert np.array_equal(got[True], got[False])
-    assert (got[True] != mf.NO_TOKEN).all()
+    vector, portable = both_paths(dev, logits, params, masks, bitmask)
+    assert np.array_equal(portable, vector)
+    assert (portable != mf.NO_TOKEN).all()
 
 
 def test_the_mixin_samples_through_sample_to_feed(host, dev):

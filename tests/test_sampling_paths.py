@@ -12,37 +12,10 @@ from metrale_feed import _core
 from metrale_feed.tools.bench import peaked_logits
 from metrale_feed.testing.oracle import reference_allowed, reference_survivors
 
+from helpers.calls import both_paths, sample
+
 ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-
-
-def sample(dev, logits, params, masks=None, bitmask=None):
-    rows, vocab = logits.shape
-    buf, cells = dev.upload(logits), mf.DeviceBuffer(rows * 4)
-    held = [buf, cells]
-    if bitmask is not None:
-        bitmask = dev.upload(bitmask)
-        held.append(bitmask)
-    dst = np.zeros(rows, np.uint32)
-    with mf.Event() as done:
-        mf.sample_to_feed(buf, params, cells, dst, done, masks=masks, bitmask=bitmask, rows=rows,
-                          vocab=vocab, dtype=np.dtype(logits.dtype).name)
-        done.synchronize()
-    for b in held:
-        b.close()
-    return dst
-
-
-def both_paths(dev, logits, params, masks=None, bitmask=None):
-    """(vector ids, portable ids)."""
-    got = {}
-    for portable in (False, True):
-        mf.host_argmax_path(portable)
-        try:
-            got[portable] = sample(dev, logits, params, masks, bitmask)
-        finally:
-            mf.host_argmax_path(False)
-    return got[False], got[True]
 
 
 def random_params(rng, rows, *, top_k=None, top_p=None, min_p=None, temperature=None):

@@ -7,28 +7,19 @@ runs the same on 2 and 3 gloo ranks: rank_threads.py)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from helpers.child import run_python
+from helpers.child import run_python, world_of_one
 
 pytest.importorskip("torch.distributed")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-PRELUDE = rf"""
+PRELUDE = r"""
 import sys, threading
 import numpy as np
-import torch.distributed as dist
-sys.path.insert(0, {HERE!r})
 sys.setswitchinterval(1e-6)  # thread switches anywhere, so a race shows
-from helpers.child import free_port
 import metrale_feed as mf
 from metrale_feed.errors import FeedError
 
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{free_port()}}", rank=0,
-                        world_size=1)
 CALLS = 60
 
 def call(shard, rng):
@@ -46,7 +37,7 @@ def call(shard, rng):
 
 @pytest.mark.parametrize("through", [True, False], ids=["exchange", "unsharded"])
 def test_a_thread_that_did_not_make_the_shard_gets_feed_error_never_an_id(through):
-    code = PRELUDE + rf"""
+    code = world_of_one(PRELUDE + rf"""
 shard = mf.VocabShard(None, 300, max_rows=4)
 shard._force_exchange = {through!r}  # the path of every world (partial, exchange, combine)
 seen = {{"owner": [0, [], []], "other": [0, [], []]}}  # exact, wrong, refused
@@ -78,9 +69,7 @@ assert all("belongs to thread 'MainThread'" in why and "'second'" in why for why
 assert shard._calls == (CALLS if {through!r} else 0), shard._calls
 assert shard.stats["collectives"] == (CALLS if {through!r} else 0), shard.stats
 shard.close()
-dist.destroy_process_group()
-print("OK")
-"""
+""")
     result = run_python(code, timeout=150)
     assert "OK" in result.stdout, result.describe()
 
@@ -88,7 +77,7 @@ print("OK")
 def test_close_from_another_thread_while_the_owner_calls():
     # The lock's other use: close() waits for the call being queued, frees what the pending
     # calls hold, and the owner's next call is refused as closed; every id before it is exact.
-    code = PRELUDE + r"""
+    code = world_of_one(PRELUDE + r"""
 shard = mf.VocabShard(None, 300, max_rows=4)
 shard._force_exchange = True
 rng = np.random.default_rng(0)
@@ -113,9 +102,7 @@ if refused is None:  # the owner finished first: closed now
         refused = str(exc)
 assert refused is not None and "closed" in refused, refused
 assert exact >= 5 and not shard._pending and not shard._rings, (exact, shard._pending)
-dist.destroy_process_group()
-print("OK")
-"""
+""")
     result = run_python(code, timeout=150)
     assert "OK" in result.stdout, result.describe()
 
@@ -123,7 +110,7 @@ print("OK")
 def test_a_grammar_call_from_another_thread_queues_no_mask():
     # A pick with grammar= queues its mask before the pick: the thread check comes first, so
     # another thread's call leaves the automaton's scratch and the state words as they were.
-    code = PRELUDE + r"""
+    code = world_of_one(PRELUDE + r"""
 from metrale_feed import TokenAutomaton
 shard = mf.VocabShard(None, 300, max_rows=4)
 shard._force_exchange = True
@@ -161,7 +148,6 @@ with mf.DeviceBuffer(logits.nbytes) as dev, mf.DeviceBuffer(16) as cells, \
     assert st.tolist() == [0, 0, 0, 0]
 auto.close()
 shard.close()
-print("OK")
-"""
+""")
     done = run_python(code, timeout=120)
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr

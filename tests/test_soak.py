@@ -8,13 +8,14 @@ N is ``METRALE_FEED_SOAK_STEPS`` (default 20000, for CI); ``tools/soak.py`` is t
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 
 import metrale_feed as mf
+
+from helpers.modules import load_file
 
 STEPS = int(os.environ.get("METRALE_FEED_SOAK_STEPS", "20000"))
 # Fixed, not per step: after warm-up a correct loop allocates nothing that lives on. At 20000
@@ -25,10 +26,7 @@ RSS_BOUND = int(os.environ.get("METRALE_FEED_SOAK_RSS_BOUND", str(1 << 20)))
 
 def load_soak():
     path = Path(__file__).resolve().parent.parent / "tools" / "soak.py"
-    spec = importlib.util.spec_from_file_location("metrale_feed_soak_tool", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("metrale_feed_soak_tool", path)
 
 
 @pytest.fixture(scope="module")

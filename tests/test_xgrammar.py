@@ -15,6 +15,8 @@ from metrale_feed.kv import SequenceState
 from metrale_feed.testing.oracle import reference_argmax
 from metrale_feed.testing.reference import ReferenceModel, host_logits
 
+from helpers.json_schema import SCHEMA
+
 xgr = pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
 
 # Pieces of JSON and some that never fit it; not a multiple of 32, so the last bitmask word is
@@ -25,13 +27,6 @@ PIECES = ['{', '}', '[', ']', ',', ':', '"', '"ok"', '"n"', '"tag"', 'ok', 'n', 
 STOP = len(PIECES) - 1
 VOCAB = len(PIECES)
 WORDS = (VOCAB + 31) // 32
-SCHEMA = {
-    "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
-                   "tag": {"enum": ["a", "b"]}},
-    "required": ["ok", "n", "tag"],
-    "additionalProperties": False,
-}
 
 
 def matcher():

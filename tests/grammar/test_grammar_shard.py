@@ -8,21 +8,16 @@ import pytest
 
 import os
 
-from helpers.child import run_python
+from helpers.child import run_python, world_of_one
 
 pytest.importorskip("torch.distributed")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-CODE = rf"""
-import sys
-sys.path.insert(0, {os.path.dirname(HERE)!r})
-sys.path.insert(0, {HERE!r})
-import numpy as np, torch.distributed as dist, metrale_feed as mf
-from helpers.child import free_port
+CODE = world_of_one(r"""
+import numpy as np, metrale_feed as mf
 from test_grammar_ops import automaton, allowed_rows, masked_argmax, stepped, WORDS, VOCAB, walk_verify
 
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{free_port()}}", rank=0, world_size=1)
 shard = mf.VocabShard(None, VOCAB, max_rows=64)
 shard._force_exchange = True
 auto = automaton(); auto.to_device()
@@ -53,15 +48,13 @@ with mf.DeviceBuffer(logits.nbytes) as dev, mf.DeviceBuffer(rows * (k + 2) * 4) 
     assert back.tolist() == want_states
     try:
         mf.argmax_to_feed(dev, None, cells, None, None, rows=rows, vocab=VOCAB, dtype="float32",
-                          shard=shard, grammar=(mf.TokenAutomaton({{0: {{}}}}, initial=0, vocab=VOCAB + 1), states))
+                          shard=shard, grammar=(mf.TokenAutomaton({0: {}}, initial=0, vocab=VOCAB + 1), states))
     except ValueError as exc:
         assert "vocabulary of 71" in str(exc)
     else:
         raise AssertionError("another vocabulary's automaton was taken")
 shard.close(); auto.close()
-dist.destroy_process_group()
-print("OK")
-"""
+""", HERE)
 
 
 def test_a_sharded_pick_masks_the_whole_vocabulary_and_advances_alike():

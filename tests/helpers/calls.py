@@ -1,5 +1,7 @@
 """One feed call over whole rows (``pick``) and the partial calls of a row split with their
-combine (``split``), shared by the logprobs tests and the simt tests that compare backends."""
+combine (``split``), shared by the logprobs tests and the simt tests that compare backends; one
+sampled call (``sample``) and the same on the host sampler's two paths (``both_paths``), shared by
+the sampling tests."""
 
 import numpy as np
 
@@ -229,3 +231,38 @@ def split_filtered(dev, logits, offsets, params, call=21, states=None, skip=True
     for b in held + [cells] + calls:
         b.close()
     return ids, fault, words
+
+
+def sample(dev, logits, params, masks=None, bitmask=None, device_params=False):
+    """sample_to_feed over the whole rows of ``logits`` (uploaded; ``bitmask`` and, with
+    ``device_params``, ``params`` too), waited for: the drawn ids."""
+    rows, vocab = logits.shape
+    buf, cells = dev.upload(logits), mf.DeviceBuffer(rows * 4)
+    held = [buf, cells]
+    if bitmask is not None:
+        bitmask = dev.upload(bitmask)
+        held.append(bitmask)
+    if device_params:
+        params = dev.upload(params)
+        held.append(params)
+    dst = np.zeros(rows, np.uint32)
+    with mf.Event() as done:
+        mf.sample_to_feed(buf, params, cells, dst, done, masks=masks, bitmask=bitmask, rows=rows,
+                          vocab=vocab, dtype=np.dtype(logits.dtype).name)
+        done.synchronize()
+    for b in held:
+        b.close()
+    return dst
+
+
+def both_paths(dev, logits, params, masks=None, bitmask=None):
+    """``sample`` on the host sampler's vector path, then on its portable path (the vector path
+    back on afterwards): (vector ids, portable ids)."""
+    got = {}
+    for portable in (False, True):
+        mf.host_argmax_path(portable)
+        try:
+            got[portable] = sample(dev, logits, params, masks, bitmask)
+        finally:
+            mf.host_argmax_path(False)
+    return got[False], got[True]

@@ -108,6 +108,47 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# The tests folder: a child puts it on its path to import ``helpers`` and the top conftest.
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def world_of_one(body: str, *paths: str) -> str:
+    """The source of a child that runs ``body`` (dedented) as rank 0 of a gloo process group of
+    one, then destroys the group and prints ``OK``.
+
+    Parameters
+    ----------
+    body : str
+        Python source run once the group is up (``dist`` is ``torch.distributed``).
+    *paths : str
+        Folders put first on the child's path, before the tests folder (a test's own folder, for
+        its conftest and sibling modules).
+
+    Returns
+    -------
+    str
+        Source for ``run_python``; the caller checks ``OK`` in its stdout.
+    """
+    return (f"import sys\nsys.path[:0] = {[*paths, TESTS]!r}\n"
+            "import torch.distributed as dist\n"
+            "from helpers.child import free_port\n"
+            'dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, '
+            "world_size=1)\n"
+            + textwrap.dedent(body)
+            + "\ndist.destroy_process_group()\nprint(\"OK\")\n")
+
+
+def run_unhung(code: str, *, timeout: float, hung: str = "hung") -> ChildResult:
+    """Run ``code`` (dedented) in a fresh interpreter that may import ``helpers`` (the tests
+    folder on its path): the calling test fails as ``hung`` at the timeout, and unless the child
+    exits with status 0 after printing ``ok``."""
+    path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH", "")) if p)
+    result = run_python(code, timeout=timeout, env={"PYTHONPATH": path}, check=False)
+    assert not result.timed_out, f"{hung}: " + result.describe()
+    assert result.returncode == 0 and "ok" in result.stdout, result.describe()
+    return result
+
+
 def run_ranks(script: str, world: int, *args: str, timeout: float = 120,
               backend: str | None = HOST_RUNTIME) -> list[ChildResult]:
     """Run ``script RANK WORLD PORT *args`` as ``world`` children at once (the ranks of one

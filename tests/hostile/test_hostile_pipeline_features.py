@@ -17,7 +17,7 @@ from metrale_feed.feed import NO_TOKEN
 from metrale_feed.testing.drafter import ReferenceDrafter
 from metrale_feed.testing.reference import ReferenceModel, _widened_logits, host_next_token
 
-from helpers.child import run_python
+from helpers.child import run_unhung
 
 VOCAB = 211
 
@@ -300,6 +300,7 @@ def test_a_loop_call_from_inside_a_step_raises_rather_than_hangs(call):
         from metrale_feed import DecodePipeline, FeedError
         from metrale_feed.testing.reference import ReferenceModel, host_next_token
         from metrale_feed.testing.drafter import ReferenceDrafter
+        from helpers.leaks import assert_counts_back
 
         V = 211
         class Calling(ReferenceDrafter):
@@ -330,18 +331,10 @@ def test_a_loop_call_from_inside_a_step_raises_rather_than_hangs(call):
         pipe.close()
         assert model.pool.free_count == model.pool.num_blocks
         model.close()
-        import gc
-        import time
-        deadline = time.monotonic() + 20  # frees are deferred until the streams pass their work
-        while mf.live_objects() != before and time.monotonic() < deadline:
-            gc.collect()
-            time.sleep(0.01)
-        assert mf.live_objects() == before, mf.live_objects()
+        assert_counts_back(before)  # frees are deferred until the streams pass their work
         print("ok")
     """
-    result = run_python(code, timeout=60, check=False)
-    assert not result.timed_out, "the pipeline hung: " + result.describe()
-    assert result.returncode == 0 and "ok" in result.stdout, result.describe()
+    run_unhung(code, timeout=60, hung="the pipeline hung")
 
 
 # ---- closing with work in flight, after errors ----
@@ -353,11 +346,11 @@ def test_close_with_requests_running_and_waiting_in_a_child(depth, spec):
     penalties rows among them (without speculation): every request aborted, every block and
     buffer back, the drafter's pinned ring freed, and no hang."""
     code = f"""
-        import gc
         import metrale_feed as mf
         from metrale_feed import DecodePipeline
         from metrale_feed.testing.reference import ReferenceModel
         from metrale_feed.testing.drafter import ReferenceDrafter
+        from helpers.leaks import assert_counts_back
 
         V = 211
         before = mf.live_objects()
@@ -382,17 +375,10 @@ def test_close_with_requests_running_and_waiting_in_a_child(depth, spec):
             pass
         model.close()
         del pipe, drafter
-        import time
-        deadline = time.monotonic() + 20  # frees are deferred until the streams pass their work
-        while mf.live_objects() != before and time.monotonic() < deadline:
-            gc.collect()
-            time.sleep(0.01)
-        assert mf.live_objects() == before, mf.live_objects()
+        assert_counts_back(before)  # frees are deferred until the streams pass their work
         print("ok")
     """
-    result = run_python(code, timeout=60, check=False)
-    assert not result.timed_out, "close hung: " + result.describe()
-    assert result.returncode == 0 and "ok" in result.stdout, result.describe()
+    run_unhung(code, timeout=60, hung="close hung")
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -466,11 +452,12 @@ def test_aborts_and_submits_from_another_thread_during_speculative_steps(depth):
     no hang, every request finished, each one's tokens a prefix of (or equal to) its greedy
     trajectory, every block back, nothing leaked."""
     code = f"""
-        import gc, random, threading
+        import random, threading
         import metrale_feed as mf
         from metrale_feed import DecodePipeline
         from metrale_feed.testing.reference import ReferenceModel, host_next_token
         from metrale_feed.testing.drafter import ReferenceDrafter
+        from helpers.leaks import assert_counts_back
 
         V = 211
         def greedy(p, n):
@@ -513,17 +500,10 @@ def test_aborts_and_submits_from_another_thread_during_speculative_steps(depth):
                 assert r.finish_reason == "length" and r.tokens == want, (r.tokens, want)
         assert model.pool.free_count == model.pool.num_blocks
         pipe.close(); model.close()
-        import time
-        deadline = time.monotonic() + 20  # frees are deferred until the streams pass their work
-        while mf.live_objects() != before and time.monotonic() < deadline:
-            gc.collect()
-            time.sleep(0.01)
-        assert mf.live_objects() == before, mf.live_objects()
+        assert_counts_back(before)  # frees are deferred until the streams pass their work
         print("ok")
     """
-    result = run_python(code, timeout=90, check=False)
-    assert not result.timed_out, "hung: " + result.describe()
-    assert result.returncode == 0 and "ok" in result.stdout, result.describe()
+    run_unhung(code, timeout=90)
 
 
 # ---- penalties against the numpy oracle, where the logits go negative ----

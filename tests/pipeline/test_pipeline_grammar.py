@@ -16,7 +16,6 @@ import random
 import numpy as np
 import pytest
 
-import metrale_feed as mf
 from metrale_feed import DecodePipeline, FeedError, TokenAutomaton
 from metrale_feed.feed import NO_TOKEN
 from metrale_feed.sched.speculative import HostDrafter
@@ -24,7 +23,8 @@ from metrale_feed.testing.drafter import ReferenceDrafter
 from metrale_feed.testing.reference import ReferenceModel, host_logits
 
 from conftest import VOCAB, greedy_tokens, model_for, prompts
-from helpers.child import run_python
+from helpers.child import run_python, world_of_one
+from helpers.masked_sample import sample_one
 
 
 def automaton(seed, vocab=VOCAB, states=7, end=0.06):
@@ -71,20 +71,10 @@ def sampler(**sampling):
     """The host sampler over one row with the allowed ids as its bitmask, at the row's position
     ``len(history)`` (what ``sample_to_feed`` draws for the row alone)."""
     def step(history, allowed):
-        row = host_logits(history, VOCAB)
         bits = np.zeros(-(-VOCAB // 32) * 32, bool)
         bits[allowed] = True
-        words = np.packbits(bits, bitorder="little").view("<u4")
-        params = mf.sampling_params(1, position=len(history), **sampling)
-        out = np.zeros(1, np.uint32)
-        with mf.DeviceBuffer(row.nbytes) as logits, mf.DeviceBuffer(4) as cells, \
-                mf.DeviceBuffer(words.nbytes) as bitmask, mf.Event() as done:
-            mf.copy_h2d_async(logits, row.view(np.uint8))
-            mf.copy_h2d_async(bitmask, words)
-            mf.sample_to_feed(logits, params, cells, out, done, bitmask=bitmask, vocab=VOCAB,
-                              dtype="float32")
-            done.synchronize()
-        return int(out[0])
+        return sample_one(history, np.packbits(bits, bitorder="little").view("<u4"), VOCAB,
+                          **sampling)
     return step
 
 
@@ -575,17 +565,12 @@ def test_speculative_stop_and_grammar_finishes(host, no_leaks, depth):
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-SHARDED = rf"""
-import sys
-sys.path.insert(0, {os.path.dirname(HERE)!r})
-sys.path.insert(0, {HERE!r})
-import torch.distributed as dist, metrale_feed as mf
-from helpers.child import free_port
+SHARDED = world_of_one(r"""
+import metrale_feed as mf
 from conftest import VOCAB, prompts
 from metrale_feed.testing.reference import ReferenceModel
 from test_pipeline_grammar import GrammarDrafter, automaton, decode
 
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{free_port()}}", rank=0, world_size=1)
 shard = mf.VocabShard(None, VOCAB, max_rows=16)
 shard._force_exchange = True  # a world of one through the partial, the exchange and the combine
 automata = [automaton(20), automaton(21)]
@@ -607,9 +592,7 @@ for depth in (1, 2):
         for r, p in zip(reqs, prompts(6, seed=depth)):
             assert (r.tokens, r.finish_reason) == decode(r.grammar, p, 9), (depth, spec, r.tokens)
 shard.close()
-dist.destroy_process_group()
-print("OK")
-"""
+""", HERE)
 
 
 def test_a_sharded_pipeline_follows_the_automata():

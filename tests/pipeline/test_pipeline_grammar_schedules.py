@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from metrale_feed import DecodePipeline
 from metrale_feed.testing.reference import ReferenceModel
 from helpers.leaks import assert_counts_back
+from helpers.schedules import play_ops
 
 import metrale_feed as mf
 from conftest import VOCAB, greedy_tokens
@@ -48,22 +49,17 @@ def schedules(draw):
 
 def play(pipe, ops, drafter):
     """The schedule's submits, steps and aborts, then ``run()``: [(request, submit args)]."""
-    submitted, finished = [], []
-    for kind, arg in ops:
-        if kind == "submit":
-            prompt, max_new, grammar = arg
-            req = pipe.submit(prompt, max_new_tokens=max_new, seed=len(submitted),
-                              grammar=None if grammar is None else AUTOMATA[grammar])
-            if drafter is not None:
-                drafter.know(req)
-            submitted.append((req, arg))
-        elif kind == "step" and not pipe.idle:
-            finished += pipe.step()
-        elif kind == "abort" and submitted:
-            pipe.abort(submitted[arg % len(submitted)][0])
-    finished += pipe.run()
-    assert sorted(map(id, finished)) == sorted(id(r) for r, _ in submitted)
-    assert len(set(map(id, finished))) == len(finished)
+    submitted = []
+
+    def one(arg):
+        prompt, max_new, grammar = arg
+        req = pipe.submit(prompt, max_new_tokens=max_new, seed=len(submitted),
+                          grammar=None if grammar is None else AUTOMATA[grammar])
+        if drafter is not None:
+            drafter.know(req)
+        return req
+
+    play_ops(pipe, ops, one, submitted)
     return submitted
 
 

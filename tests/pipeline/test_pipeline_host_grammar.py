@@ -18,14 +18,15 @@ import random
 import numpy as np
 import pytest
 
-import metrale_feed as mf
 from metrale_feed import DecodePipeline, FeedError, HostGrammar
 from metrale_feed.feed import NO_TOKEN
 from metrale_feed.testing.oracle import reference_argmax
 from metrale_feed.testing.reference import ReferenceModel, host_logits
 
 from conftest import VOCAB, greedy_tokens, model_for, prompts
-from helpers.child import run_python
+from helpers.child import run_python, world_of_one
+from helpers.json_schema import SCHEMA
+from helpers.masked_sample import sample_one
 from test_pipeline_grammar import automaton, decode
 
 xgr = pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
@@ -41,13 +42,6 @@ PIECES = (_BASE + _FILL)[:VOCAB - 1] + ['</s>']
 assert len(PIECES) == VOCAB and len(set(PIECES)) == VOCAB
 STOP = VOCAB - 1
 WORDS = (VOCAB + 31) // 32
-SCHEMA = {
-    "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
-                   "tag": {"enum": ["a", "b"]}},
-    "required": ["ok", "n", "tag"],
-    "additionalProperties": False,
-}
 # Lists of digits and lists, nested to any depth: no finite automaton holds it.
 NESTED = 'root ::= "[" (item ("," item)*)? "]"\nitem ::= root | [0-9]'
 
@@ -66,22 +60,6 @@ def compiled(name):
     return _COMPILED[name]
 
 
-def sample_one(history, bits, **sampling):
-    """What ``sample_to_feed`` draws for the row alone: one row of the reference logits at
-    position ``len(history)`` with ``bits`` as its bitmask."""
-    row = host_logits(history, VOCAB)
-    params = mf.sampling_params(1, position=len(history), **sampling)
-    out = np.zeros(1, np.uint32)
-    with mf.DeviceBuffer(row.nbytes) as logits, mf.DeviceBuffer(4) as cells, \
-            mf.DeviceBuffer(bits.nbytes) as bitmask, mf.Event() as done:
-        mf.copy_h2d_async(logits, row.view(np.uint8))
-        mf.copy_h2d_async(bitmask, bits)
-        mf.sample_to_feed(logits, params, cells, out, done, bitmask=bitmask, vocab=VOCAB,
-                          dtype="float32")
-        done.synchronize()
-    return int(out[0])
-
-
 def matcher_loop(name, prompt, max_new, *, ban=None, stops=(), min_tokens=0, **sampling):
     """(tokens, finish reason) of one request alone, by xgrammar's own loop (``min_tokens``: the
     stop ids banned before it, greedy only)."""
@@ -95,7 +73,7 @@ def matcher_loop(name, prompt, max_new, *, ban=None, stops=(), min_tokens=0, **s
             banned[[t for t in (ban or ()) if t != NO_TOKEN]] = True
             allowed = np.unpackbits(bits.view(np.uint8), bitorder="little").astype(bool) & ~banned
             token = sample_one(history, np.packbits(allowed, bitorder="little").view("<i4"),
-                               **sampling) if allowed.any() else NO_TOKEN
+                               VOCAB, **sampling) if allowed.any() else NO_TOKEN
         else:
             masks = None if ban is None else [tuple(ban)]
             if len(out) < min_tokens:
@@ -438,17 +416,12 @@ def test_refused_with_speculation(host, no_leaks):
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SHARDED = rf"""
-import sys
-sys.path.insert(0, {os.path.dirname(HERE)!r})
-sys.path.insert(0, {HERE!r})
-import pytest, torch.distributed as dist, metrale_feed as mf
-from helpers.child import free_port
+SHARDED = world_of_one(r"""
+import pytest, metrale_feed as mf
 from conftest import VOCAB
 from metrale_feed.testing.reference import ReferenceModel
 from test_pipeline_host_grammar import compiled
 
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{free_port()}}", rank=0, world_size=1)
 shard = mf.VocabShard(None, VOCAB, max_rows=2)
 model = ReferenceModel(VOCAB, block_size=4, num_blocks=60, max_rows=2, shard=shard)
 with mf.DecodePipeline(model, 2, shard=shard) as pipe:
@@ -457,9 +430,7 @@ with mf.DecodePipeline(model, 2, shard=shard) as pipe:
     assert pipe.idle
 model.close()
 shard.close()
-dist.destroy_process_group()
-print("OK")
-"""
+""", HERE)
 
 
 def test_refused_on_a_split_vocabulary():

@@ -19,6 +19,7 @@ from metrale_feed.testing.reference import host_logits
 from conftest import VOCAB, model_for, prompts
 from helpers.penalty_oracle import penalize
 from pipeline.test_pipeline_penalties import PEN, oracle
+from pipeline.test_pipeline_speculative import sampled_speculation
 
 # Per request: penalties whose effect shows within a few tokens (a bias makes an id win, the
 # penalties on the generated ids push it back), min_tokens banning stop ids, and none.
@@ -158,9 +159,8 @@ def test_sampled_speculation_with_penalties_emits_the_target_distribution(host, 
     """2000 requests of one prompt (each its own seed) with frequency and presence penalties and a
     bias: the ids at positions 1 to 3 follow the distribution of sampling each position from the
     penalised logits of its prefix (chi-square per position and over the first two's pairs)."""
-    from helpers.chisq import chi2, chi2_critical
+    from helpers.chisq import assert_sequences_follow, prefix_distributions
     from metrale_feed.testing.oracle import reference_survivors
-    from metrale_feed.testing.reference import ReferenceModel
 
     vocab, k, temperature, n_req, new = 8, 3, 0.5, 2000, 3
     prompt = [3, 1, 4, 1, 5]
@@ -174,34 +174,10 @@ def test_sampled_speculation_with_penalties_emits_the_target_distribution(host, 
         full[ids] = p
         return full
 
-    marginals, layer, joint = [], {(): 1.0}, None
-    for j in range(new):
-        marginal, deeper = np.zeros(vocab), {}
-        for prefix, weight in layer.items():
-            p = target(prefix)
-            marginal += weight * p
-            for t in np.flatnonzero(p):
-                deeper[prefix + (int(t),)] = weight * p[t]
-        marginals.append(marginal)
-        layer = deeper
-        if j == 1:
-            joint = np.zeros((vocab, vocab))
-            for (a, b), weight in layer.items():
-                joint[a, b] = weight
-    with ReferenceModel(vocab, block_size=4, num_blocks=300, max_rows=64) as model:
-        with DecodePipeline(model, 64, depth=depth,
-                            speculative=ReferenceDrafter(vocab, k, 0.5)) as pipe:
-            reqs = [pipe.submit(prompt, max_new_tokens=new, temperature=temperature, seed=seed,
-                                **pen) for seed in range(n_req)]
-            pipe.run()
-            stats = pipe.stats
-    tokens = np.array([r.tokens for r in reqs])
-    for j in range(new):
-        stat, df = chi2(np.bincount(tokens[:, j], minlength=vocab), marginals[j])
-        assert stat < chi2_critical(df), f"position {j + 1}: chi2 {stat:.1f} on {df} df"
-    pairs = np.bincount(tokens[:, 0] * vocab + tokens[:, 1], minlength=vocab * vocab)
-    stat, df = chi2(pairs, joint, pool=5.0)
-    assert stat < chi2_critical(df), f"pairs: chi2 {stat:.1f} on {df} df"
+    marginals, joint = prefix_distributions(target, vocab, new)
+    tokens, stats = sampled_speculation(prompt, vocab, k, depth, n_req, new,
+                                        temperature=temperature, **pen)
+    assert_sequences_follow(tokens, marginals, joint, vocab)
     assert 0 < stats.accepted < stats.drafted
 
 

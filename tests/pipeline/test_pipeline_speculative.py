@@ -642,28 +642,32 @@ def _first_ids_distributions(prompt, vocab, temperature, n, **filters):
     from metrale_feed.testing.oracle import reference_survivors
     from metrale_feed.testing.reference import host_logits
 
-    def target(history):
-        ids, p = reference_survivors(host_logits(history, vocab), np.ones(vocab, bool),
-                                     temperature, **filters)
+    from helpers.chisq import prefix_distributions
+
+    def target(prefix):
+        ids, p = reference_survivors(host_logits(list(prompt) + list(prefix), vocab),
+                                     np.ones(vocab, bool), temperature, **filters)
         full = np.zeros(vocab)
         full[ids] = p
         return full
 
-    marginals, joint, layer = [], None, {(): 1.0}
-    for _ in range(n):
-        marginal, deeper = np.zeros(vocab), {}
-        for prefix, weight in layer.items():
-            p = target(list(prompt) + list(prefix))
-            marginal += weight * p
-            for t in np.flatnonzero(p):
-                deeper[prefix + (int(t),)] = weight * p[t]
-        marginals.append(marginal)
-        layer = deeper
-        if len(marginals) == 2:
-            joint = np.zeros((vocab, vocab))
-            for (a, b), weight in layer.items():
-                joint[a, b] = weight
-    return marginals, joint
+    return prefix_distributions(target, vocab, n)
+
+
+def sampled_speculation(prompt, vocab, k, depth, requests, new, **submit):
+    """``requests`` requests of ``prompt`` (seeds 0, 1, ...; ``submit``: more arguments of
+    each) through a pipeline of 64 rows at ``depth`` with the reference drafter of ``k`` drafts
+    at acceptance 0.5: (their tokens, one request a row; the pipeline's stats)."""
+    from metrale_feed.testing.reference import ReferenceModel
+
+    with ReferenceModel(vocab, block_size=4, num_blocks=300, max_rows=64) as model:
+        with DecodePipeline(model, 64, depth=depth,
+                            speculative=ReferenceDrafter(vocab, k, 0.5)) as pipe:
+            reqs = [pipe.submit(prompt, max_new_tokens=new, seed=seed, **submit)
+                    for seed in range(requests)]
+            pipe.run()
+            stats = pipe.stats
+    return np.array([r.tokens for r in reqs]), stats
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -673,27 +677,15 @@ def test_sampled_speculation_emits_the_target_distribution(host, no_leaks, depth
     drafter at acceptance 0.5: the ids at positions 1 to 3 (each an accepted draft, a residual
     draw or a bonus) follow sample_to_feed's distribution there (chi-square per position, and
     over the pairs of the first two ids), as without speculation."""
-    from helpers.chisq import chi2, chi2_critical
-    from metrale_feed.testing.reference import ReferenceModel
+    from helpers.chisq import assert_sequences_follow
 
     vocab, k, temperature, requests, new = 8, 3, 0.5, 2000, 3
     prompt = [3, 1, 4, 1, 5]
     marginals, joint = _first_ids_distributions(prompt, vocab, temperature, new, **filters)
-    with ReferenceModel(vocab, block_size=4, num_blocks=300, max_rows=64) as model:
-        with DecodePipeline(model, 64, depth=depth,
-                            speculative=ReferenceDrafter(vocab, k, 0.5)) as pipe:
-            reqs = [pipe.submit(prompt, max_new_tokens=new, temperature=temperature, seed=seed,
-                                **filters) for seed in range(requests)]
-            pipe.run()
-            stats = pipe.stats
-    tokens = np.array([r.tokens for r in reqs])
+    tokens, stats = sampled_speculation(prompt, vocab, k, depth, requests, new,
+                                        temperature=temperature, **filters)
     assert tokens.shape == (requests, new)
-    for j in range(new):
-        stat, df = chi2(np.bincount(tokens[:, j], minlength=vocab), marginals[j])
-        assert stat < chi2_critical(df), f"position {j + 1}: chi2 {stat:.1f} on {df} df"
-    pairs = np.bincount(tokens[:, 0] * vocab + tokens[:, 1], minlength=vocab * vocab)
-    stat, df = chi2(pairs, joint, pool=5.0)
-    assert stat < chi2_critical(df), f"pairs: chi2 {stat:.1f} on {df} df"
+    assert_sequences_follow(tokens, marginals, joint, vocab)
     assert 0 < stats.accepted < stats.drafted  # drafts accepted and rejected alike
 
 

@@ -4,8 +4,6 @@ kernels; simt runs the CUDA sources. Few SMs in the launch planning make few-row
 rows, so the split path and its last-block combine run too, in every block order and with blocks
 on several threads at once."""
 
-import gc
-
 import numpy as np
 import pytest
 
@@ -13,6 +11,7 @@ import metrale_feed as mf
 from metrale_feed import _core
 from metrale_feed.testing.oracle import reference_argmax
 
+from helpers.backends import on
 from helpers.calls import pick, split, upload_slice
 from helpers.records import SELECT_ROW
 
@@ -29,21 +28,6 @@ SETTINGS = {
     "split-random": dict(sm_count=3, order="random", seed=11),
     "split-parallel": dict(sm_count=2, threads=4, order="random", seed=5),
 }
-
-
-def on(name, fn, **settings):
-    """fn() with backend ``name`` active (simt under ``settings``), then the previous one back."""
-    previous = mf.backend()
-    gc.collect()
-    mf.set_backend(name)
-    mf.configure_simt(**settings)
-    try:
-        return fn()
-    finally:
-        mf.configure_simt()
-        mf.stream_synchronize(0)
-        gc.collect()
-        mf.set_backend(previous)
 
 
 def same_bits(a, b):
