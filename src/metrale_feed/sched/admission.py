@@ -117,7 +117,7 @@ class Admission:
         # from the launch number, and after a preemption it resumes from the committed tokens.
         req._pos0 = len(req.prompt) + len(req.tokens) - launch
         self._ending.setdefault(req._last, []).append(req)
-        self._sampled += req.temperature > 0.0
+        self._sampled += req.sampled
         self._with_lp += req.logprobs is not None
         self._constrained += req._grammar is not None
         self._hosted += req._host is not None

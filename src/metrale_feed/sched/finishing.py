@@ -126,7 +126,7 @@ class Finishing:
                 if not entries:
                     del table[key]
         req._bound = -1
-        self._sampled -= req.temperature > 0.0
+        self._sampled -= req.sampled
         self._with_lp -= req.logprobs is not None
         self._constrained -= req._grammar is not None
         self._hosted -= req._host is not None

@@ -502,7 +502,7 @@ class DecodePipeline(Submission, Admission, Finishing):
     def _sampling_params(self, rows: List[Request]) -> Any:
         """One ``SAMPLING_PARAMS_DTYPE`` record per row when any row samples (positions are set
         at each launch), else None: an all-greedy step keeps the argmax and imports no numpy."""
-        if not self._sampled or not any(r.temperature > 0.0 for r in rows):
+        if not self._sampled or not any(r.sampled for r in rows):
             self._positions = None
             return None
         import numpy as np

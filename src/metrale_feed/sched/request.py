@@ -290,7 +290,7 @@ class Request:
     @property
     def sampled(self) -> bool:
         """Whether its ids are drawn (``temperature > 0``) rather than the argmax."""
-        return self.temperature > 0.0
+        return self.params.sampled
 
     @property
     def ban(self) -> Optional[RowMask]:

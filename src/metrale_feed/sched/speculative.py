@@ -432,7 +432,7 @@ class _Batch:
             self.vmasks = [m for m in self.masks for _ in range(k + 1)]  # a pair a logit row
         self.seeds = [r.seed for r in rows]
         self.params: Any = None
-        if any(r.temperature > 0.0 for r in rows):
+        if any(r.sampled for r in rows):
             from ..sampling import step_records
 
             self.params = step_records([r.params for r in rows])

@@ -268,11 +268,11 @@ class Submission:
                                  "vocabulary yet (a sampled verify's records carry masses): "
                                  "submit the request without logprobs (or to a pipeline without "
                                  "speculative=)")
-            if self.shard is not None and params.temperature > 0:  # a sampled call's rounds
+            if self.shard is not None and params.sampled:  # a sampled call's rounds
                 self.shard._refuse_unfixed_rounds("speculative verifies of sampled requests")
         rounds = getattr(self.shard, "filters", None)
         why = (rounds.refusal(params.top_k, params.top_p)
-               if rounds is not None and params.temperature > 0 else None)
+               if rounds is not None and params.sampled else None)
         if why is not None:  # else the step's first decision faults the shard, every row with it
             raise ValueError(f"{why}: this pipeline's shard cannot sample the request")
         info, name = self.info, type(self.model).__name__
@@ -292,7 +292,7 @@ class Submission:
             raise FeedError(f"{name}'s feed methods take no logprobs= and logprobs_dst= (its "
                             f"feed_info() says logprobs=False): a request with logprobs=True "
                             f"cannot run on it")
-        if params.temperature > 0.0 and not self._can_sample:
+        if params.sampled and not self._can_sample:
             raise FeedError(f"{name} declares no sampling (its feed_info() says sampling=False: "
                             "no sample_batch_to_feed): a request with temperature > 0 cannot "
                             "run on it")
