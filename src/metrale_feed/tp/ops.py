@@ -14,6 +14,8 @@ queues in stream order like the public ops.
 ``top_partial``         a slice's top logprobs block; ``top_combine`` merges the gathered ones
 ``device_bytes_left``   bytes of a device allocation from an address to its end
 ``sampling_plan``       the kernels' reading of params records (``PLAN_*`` bits a row)
+``grammar_mask``        the bitmask rows of each row's grammar states (``mf_grammar_mask``)
+``grammar_advance``     each row's grammar state advanced by the ids its pick wrote
 ======================  =====================================================================
 
 The sizes and layouts of the blocks are the extension's constants (``_core.PARTIAL_*``,
@@ -26,7 +28,8 @@ from .. import _core
 
 __all__ = ["argmax_partial", "sample_partial", "select_partial", "select_decide",
            "combine_partials", "check_partials_fault", "verify_logit_params", "top_block_bytes",
-           "top_partial", "top_combine", "device_bytes_left", "sampling_plan", "PLAN_SAMPLED",
+           "top_partial", "top_combine", "device_bytes_left", "sampling_plan", "grammar_mask",
+           "grammar_advance", "PLAN_SAMPLED",
            "PLAN_TOP_K", "PLAN_TOP_P", "PLAN_MIN_P"]
 
 argmax_partial = _core._argmax_partial
@@ -41,6 +44,8 @@ top_partial = _core._top_partial
 top_combine = _core._top_combine
 device_bytes_left = _core._device_bytes_left
 sampling_plan = _core._sampling_plan
+grammar_mask = _core._grammar_mask
+grammar_advance = _core._grammar_advance
 PLAN_SAMPLED: int = _core._PLAN_SAMPLED
 PLAN_TOP_K: int = _core._PLAN_TOP_K
 PLAN_TOP_P: int = _core._PLAN_TOP_P

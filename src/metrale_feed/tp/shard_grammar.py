@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .. import _core
 from ..step import PickStep
+from . import ops
 from .call_args import _host_drafts, _stream_key
 
 
@@ -75,14 +76,14 @@ class GrammarPicks:
             if upload is not None:
                 _core.copy_h2d_async(upload, host, stream)
                 drafts = upload
-            _core._grammar_mask(table, edges, states, scratch, stream, num_states=automaton.num_states,
-                                num_edges=len(automaton.edges), vocab=self.vocab, rows=rows, k=k,
-                                drafts=drafts if k else None, bitmask_in=step.bitmask)
+            ops.grammar_mask(table, edges, states, scratch, stream, num_states=automaton.num_states,
+                             num_edges=len(automaton.edges), vocab=self.vocab, rows=rows, k=k,
+                             drafts=drafts if k else None, bitmask_in=step.bitmask)
             n = self.run_step(step.replace(grammar=None, bitmask=scratch,
                                            drafts=step.drafts if upload is None else upload))
-            _core._grammar_advance(table, edges, step.cells, states, stream,
-                                   num_states=automaton.num_states, num_edges=len(automaton.edges),
-                                   vocab=self.vocab, rows=rows, k=k)
+            ops.grammar_advance(table, edges, step.cells, states, stream,
+                                num_states=automaton.num_states, num_edges=len(automaton.edges),
+                                vocab=self.vocab, rows=rows, k=k)
         finally:
             if upload is not None:
                 upload.close()  # freed once the stream has passed the work that reads it
