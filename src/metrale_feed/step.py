@@ -7,8 +7,8 @@ one a launch and hands it to the model's ``pick_to_feed``, which completes it wi
 (``PickStep.on``) and calls ``metrale_feed.pick_to_feed``; the speculative step builds its verify
 (op ``"verify"``) and hands it to ``metrale_feed.pick_to_feed`` itself; ``argmax_to_feed``,
 ``sample_to_feed`` and ``verify_to_feed`` take keywords, as they always have, and build one; the
-shard of a split vocabulary (``VocabShard.run_step``) runs one. Adding an option to a launch adds a field, not a
-parameter to every function on the way down.
+shard of a split vocabulary (``VocabShard.run_step``) runs one. Adding an option to a launch
+adds a field, not a parameter to every function on the way down.
 
 The type lives in the extension (``metrale_feed._core``), so that making one costs what passing
 keywords did; this module names it where the layers above look for it.

@@ -196,11 +196,11 @@ def test_the_step_kinds_read_no_private_member_of_another_object():
 
 def test_the_private_reader_refuses_a_planted_read():
     text = (SCHED / "speculative.py").read_text()
-    planted = text.replace("running = list(pipe.running)", "running = list(pipe._running)")
+    planted = text.replace("running = list(host.running)", "running = list(host._running)")
     assert planted != text
     assert _foreign_private("speculative.py", planted)[0] == [
-        f"speculative.py:{planted[:planted.index('pipe._running')].count(chr(10)) + 1}: "
-        f"pipe._running"]
+        f"speculative.py:{planted[:planted.index('host._running')].count(chr(10)) + 1}: "
+        f"host._running"]
 
 
 def test_the_step_kinds_hold_no_reference_to_the_pipeline(host, no_leaks):

@@ -573,13 +573,13 @@ class SpeculativeStep:
             raise
 
     def _launch(self) -> bool:
-        pipe, k = self.host, self.k  # the pipeline's host (StepHost)
-        owner = pipe.owner  # the launch count and the masks' flag
+        host, k = self.host, self.k
+        owner = host.owner  # the launch count and the masks' flag
         launch = owner.launches
-        if pipe.waiting and len(pipe.running) < pipe.max_rows:
-            pipe.admit(launch)
+        if host.waiting and len(host.running) < host.max_rows:
+            host.admit(launch)
         prev = self.inflight[-1] if self.inflight else None
-        running = list(pipe.running)
+        running = list(host.running)
         ahead = prev is not None and any(
             prev.index.get(id(r), -1) >= 0 and prev.index[id(r)] not in prev.dead for r in running)
         rows = self._reserve(running, self.reach if ahead else k)
@@ -589,11 +589,11 @@ class SpeculativeStep:
         # so a launch that raises (a drafter's or the model's error) never leaves a slot of a
         # step still in flight to the next one.
         slot = self.slots[self.next_slot]
-        n_rows, stream = len(rows), pipe.stream
+        n_rows, stream = len(rows), host.stream
         batch = self._batch
         if batch is None or owner.masks_dirty or batch.rows != rows:
             batch = _Batch(rows, k)
-            batch.pen = pipe.penalties(rows)  # slots for the rows that joined
+            batch.pen = host.penalties(rows)  # slots for the rows that joined
             self._batch = batch
             owner.masks_dirty = False
         # The buffers of the step's logprobs, made before anything of it is queued: a refused
@@ -642,13 +642,13 @@ class SpeculativeStep:
         _core.copy_d2h_async(guard, slot.guard, stream)
         _core.resolve_feed(self._gather(n_rows), slot.taken, slot.fed, stream,
                            prev_rows=n_rows * (k + 1))
-        model: Any = pipe.model  # a verify-capable model (checked at construction)
+        model: Any = host.model  # a verify-capable model (checked at construction)
         extra = {"advance": slot.advance} if advanced else {}
         logits = model.decode_batch_verify(slot.fed, batch.seqs, k, stream, **extra)
         pen, raw = batch.pen, None
         # Position j judged with the drafts before it (docs/speculative.md): in the verify's own
         # call, or over a split vocabulary (each rank its slice) as the apply and the update.
-        one = pen is not None and pipe.shard is None
+        one = pen is not None and host.shard is None
         if pen is not None:
             if batch.logprobs:  # the raw logits, before the penalties change them
                 raw = pen.snapshot(logits, n_rows * (k + 1), stream)
@@ -663,10 +663,10 @@ class SpeculativeStep:
             params["position"] = [len(h) for h in histories]
         # Each row's grammar state word, gathered when the rows changed (docs/pipeline.md,
         # "Structured outputs"): a draft its state forbids is rejected like any mismatch.
-        grammar = pipe.grammar(rows)
-        shard = pipe.shard  # greedy rows: one exchange; sampled ones: a sampled call's rounds
+        grammar = host.grammar(rows)
+        shard = host.shard  # greedy rows: one exchange; sampled ones: a sampled call's rounds
         lp = batch.logprobs and raw is None
-        vocab = pipe.vocab if shard is None else shard.width
+        vocab = host.vocab if shard is None else shard.width
         top = batch.top_n
         later = top or raw is not None  # the step's event after the logprobs' copies
         # The verify, described once (a PickStep) and launched whole, as the router's steps are.
@@ -674,7 +674,7 @@ class SpeculativeStep:
             "verify", logits=logits, drafts=slot.taken, cells=slot.cells, dst=slot.dst,
             event=None if later else slot.done, stream=stream, k=k, masks=batch.vmasks,
             params=params, rows=n_rows, logprobs=slot.lp if lp else None,
-            logprobs_dst=slot.lp_dst if lp else None, vocab=vocab, dtype=pipe.info.logits_dtype,
+            logprobs_dst=slot.lp_dst if lp else None, vocab=vocab, dtype=host.info.logits_dtype,
             row_stride=self._row_stride, shard=shard, grammar=grammar,
             advance=slot.advance if advanced and params is not None else None,
             penalties=pen.launch if one else None))
@@ -693,7 +693,7 @@ class SpeculativeStep:
                                        prev_rows=n_rows * (k + 2))
                     chosen = dict(ids=slot.emitted, chosen=slot.lp)
                 _core.top_logprobs(logits if raw is None else raw, out, stream, n=top, rows=lrows,
-                                   vocab=vocab, dtype=pipe.info.logits_dtype,
+                                   vocab=vocab, dtype=host.info.logits_dtype,
                                    row_stride=self._row_stride, **chosen)
                 if raw is not None:
                     _core.copy_d2h_async(slot.lp, memoryview(slot.lp_dst)[: lrows * 4], stream)
